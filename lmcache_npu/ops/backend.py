@@ -1,0 +1,111 @@
+"""The TransferBackend interface every backend implements, and how one is chosen."""
+
+from __future__ import annotations
+
+import abc
+import importlib.util
+import logging
+from dataclasses import dataclass
+from typing import Optional, Sequence, Union
+
+import torch
+
+from .batch import ChunkBatch, SlotArray
+from .plan import Direction, TransferPlan
+
+logger = logging.getLogger(__name__)
+
+BACKEND_NAMES = ("torch", "emu", "cuda", "npu", "auto")
+
+
+class BackendUnavailable(RuntimeError):
+    """The requested backend cannot run on this machine; the message says why."""
+
+
+@dataclass(frozen=True)
+class TransferStats:
+    backend: str
+    direction: Direction
+    chunks: int
+    payload_bytes: int
+    launches: int
+    seconds: float
+    dma_ops: Optional[int] = None  # DMA calls issued by the kernel, where the backend can count them
+
+
+class TransferBackend(abc.ABC):
+    """Moves a ChunkBatch between paged planes and chunk objects, one launch per direction."""
+
+    name: str = ""
+
+    @abc.abstractmethod
+    def transfer(self, batch: ChunkBatch) -> TransferStats:
+        """Runs one validated batch; raises before touching memory if the backend cannot run it."""
+
+    def store(
+        self,
+        plan: TransferPlan,
+        slots: Sequence[Optional[SlotArray]],
+        objects: Union[torch.Tensor, Sequence[torch.Tensor]],
+    ) -> TransferStats:
+        return self.transfer(ChunkBatch.build(plan, slots, objects, Direction.STORE))
+
+    def load(
+        self,
+        plan: TransferPlan,
+        slots: Sequence[Optional[SlotArray]],
+        objects: Union[torch.Tensor, Sequence[torch.Tensor]],
+    ) -> TransferStats:
+        return self.transfer(ChunkBatch.build(plan, slots, objects, Direction.LOAD))
+
+
+def _npu_available() -> bool:
+    if importlib.util.find_spec("torch_npu") is None:
+        return False
+    import torch_npu  # noqa: F401  (registers torch.npu)
+
+    return bool(torch.npu.is_available())
+
+
+def _cuda_available() -> bool:
+    return (
+        torch.cuda.is_available()
+        and importlib.util.find_spec("lmcache_npu._cuda") is not None
+        and importlib.util.find_spec("lmcache_npu.ops.cuda_backend") is not None
+    )
+
+
+def get_backend(name: str = "auto", **options: object) -> TransferBackend:
+    """Returns a backend by name: torch, emu, npu, cuda or auto (npu > cuda > emu > torch)."""
+    if name == "auto":
+        if _npu_available():
+            name = "npu"
+        elif _cuda_available():
+            name = "cuda"
+        elif importlib.util.find_spec("lmcache_npu._emu") is not None:
+            name = "emu"
+        else:
+            name = "torch"
+        logger.info("auto-selected the %s transfer backend", name)
+    if name == "torch":
+        from .torch_backend import TorchBackend
+
+        return TorchBackend(**options)  # type: ignore[arg-type]
+    if name == "emu":
+        from .emu_backend import EmuBackend
+
+        return EmuBackend(**options)  # type: ignore[arg-type]
+    if name == "npu":
+        from .npu_backend import NpuBackend
+
+        return NpuBackend(**options)  # type: ignore[arg-type]
+    if name == "cuda":
+        if not _cuda_available():
+            raise BackendUnavailable(
+                "the cuda backend needs lmcache_npu._cuda (compiled at install time only when nvcc and a CUDA build "
+                "of torch are present), its Python face lmcache_npu.ops.cuda_backend, and a visible CUDA device"
+            )
+        from .cuda_backend import CudaBackend  # type: ignore[import-not-found]
+
+        return CudaBackend(**options)  # type: ignore[no-any-return]
+    raise ValueError(f"unknown transfer backend {name!r}; expected one of {', '.join(BACKEND_NAMES)}")

@@ -1,0 +1,168 @@
+"""ChunkBatch: one transfer call's chunks, validated and cut into runs before any launch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence, Union
+
+import numpy as np
+import torch
+
+from .plan import GROUP_DESC_DTYPE, RUN_DESC_DTYPE, SKIP_SLOT, Direction, TransferPlan
+
+SlotArray = Union[torch.Tensor, np.ndarray]
+
+
+def _as_slot_matrix(plan: TransferPlan, group: int, slots: Optional[SlotArray], num_chunks: int) -> np.ndarray:
+    rows = plan.rows_per_chunk[group]
+    if slots is None:
+        raise ValueError(f"group {group}: slots are required ({rows} rows per chunk); only skipped groups may pass None")
+    array = slots.detach().cpu().numpy() if isinstance(slots, torch.Tensor) else np.asarray(slots)
+    if array.dtype.kind not in "iu":
+        raise ValueError(f"group {group}: slots must be integers, got dtype {array.dtype}")
+    if array.shape != (num_chunks, rows):
+        raise ValueError(f"group {group}: slots have shape {tuple(array.shape)}, expected ({num_chunks}, {rows})")
+    matrix = array.astype(np.int64, copy=False)
+    limit = plan.group_num_blocks[group] * plan.group_rows_per_block[group]
+    bad = np.argwhere((matrix < SKIP_SLOT) | (matrix >= limit))
+    if bad.size:
+        c, r = (int(x) for x in bad[0])
+        raise ValueError(
+            f"group {group}, chunk {c}, row {r}: slot {int(matrix[c, r])} is outside [0, {limit}) "
+            f"({plan.group_num_blocks[group]} blocks x {plan.group_rows_per_block[group]} rows); use -1 to skip a row"
+        )
+    return matrix
+
+
+def _check_unique_targets(group: int, matrix: np.ndarray) -> None:
+    """A load writing one slot twice would leave a core-timing-dependent page."""
+    flat = matrix.reshape(-1)
+    live = np.flatnonzero(flat >= 0)
+    values = flat[live]
+    order = np.argsort(values, kind="stable")
+    dup = np.flatnonzero(values[order][1:] == values[order][:-1])
+    if dup.size:
+        first, second = live[order[dup[0]]], live[order[dup[0] + 1]]
+        rows = matrix.shape[1]
+        raise ValueError(
+            f"group {group}: slot {int(flat[first])} is the load target of chunk {first // rows} row {first % rows} "
+            f"and of chunk {second // rows} row {second % rows}"
+        )
+
+
+def _runs(matrix: np.ndarray, rows_per_block: int, with_zero_runs: bool) -> np.ndarray:
+    """Cuts each chunk's rows into maximal stretches of consecutive slots inside one block."""
+    num_chunks, rows = matrix.shape
+    flat = matrix.reshape(-1)
+    row = np.tile(np.arange(rows, dtype=np.int64), num_chunks)
+    prev, cur = flat[:-1], flat[1:]
+    same_chunk = row[1:] != 0
+    continues = same_chunk & (
+        ((cur == prev + 1) & (prev >= 0) & (cur % rows_per_block != 0)) | ((cur < 0) & (prev < 0))
+    )
+    starts = np.flatnonzero(np.concatenate(([True], ~continues)))
+    lengths = np.diff(np.append(starts, flat.size))
+    runs = np.zeros(starts.size, dtype=RUN_DESC_DTYPE)
+    runs["first_slot"] = flat[starts]
+    runs["chunk"] = starts // rows
+    runs["first_row"] = starts % rows
+    runs["num_rows"] = lengths
+    return runs if with_zero_runs else runs[runs["first_slot"] >= 0]
+
+
+def _as_objects(plan: TransferPlan, objects: Union[torch.Tensor, Sequence[torch.Tensor]]) -> tuple[torch.Tensor, ...]:
+    items = list(objects.unbind(0)) if isinstance(objects, torch.Tensor) and objects.dim() == 2 else list(objects)
+    for i, t in enumerate(items):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.uint8 or t.dim() != 1 or not t.is_contiguous():
+            raise ValueError(f"chunk {i}: a chunk object must be a contiguous 1-D uint8 tensor")
+        if t.numel() < plan.object_bytes:
+            raise ValueError(f"chunk {i}: object holds {t.numel()} B, the plan needs {plan.object_bytes} B")
+    return tuple(items)
+
+
+def _check_disjoint(objects: Sequence[torch.Tensor], nbytes: int) -> None:
+    spans = sorted((t.data_ptr(), i) for i, t in enumerate(objects))
+    for (a, i), (b, j) in zip(spans, spans[1:]):
+        if b < a + nbytes:
+            raise ValueError(f"chunks {i} and {j}: store objects overlap; each chunk needs its own {nbytes} B")
+
+
+@dataclass(frozen=True, eq=False)
+class ChunkBatch:
+    """The chunks of one transfer call, in one direction, with their run tables."""
+
+    plan: TransferPlan
+    direction: Direction
+    slots: tuple[Optional[np.ndarray], ...]
+    objects: tuple[torch.Tensor, ...]
+    runs: np.ndarray
+    group_table: np.ndarray
+    total_items: int
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self.objects)
+
+    @property
+    def payload_bytes(self) -> int:
+        """Bytes the transfer writes: every moved row (and, on store, the zeros of skipped rows)."""
+        total = 0
+        for p in self.plan.moved_planes:
+            matrix = self.slots[p.group]
+            rows = matrix.size if self.direction == Direction.STORE else int((matrix >= 0).sum())
+            total += rows * p.row_bytes
+        return total
+
+    def object_addresses(self) -> np.ndarray:
+        return np.array([t.data_ptr() for t in self.objects], dtype=np.uint64)
+
+    @classmethod
+    def build(
+        cls,
+        plan: TransferPlan,
+        slots: Sequence[Optional[SlotArray]],
+        objects: Union[torch.Tensor, Sequence[torch.Tensor]],
+        direction: Direction,
+    ) -> "ChunkBatch":
+        direction = Direction(direction)
+        object_list = _as_objects(plan, objects)
+        num_chunks = len(object_list)
+        if num_chunks < 1:
+            raise ValueError("a transfer needs at least one chunk")
+        if len(slots) != len(plan.groups):
+            raise ValueError(f"slots has {len(slots)} entries, the plan has {len(plan.groups)} groups")
+        if direction == Direction.STORE:
+            _check_disjoint(object_list, plan.object_bytes)
+        moved = set(plan.moved_group_indices())
+        matrices: list[Optional[np.ndarray]] = []
+        for g in range(len(plan.groups)):
+            if g not in moved:
+                matrices.append(None)
+                continue
+            matrix = _as_slot_matrix(plan, g, slots[g], num_chunks)
+            if direction == Direction.LOAD:
+                _check_unique_targets(g, matrix)
+            matrices.append(matrix)
+        run_parts, table = [], np.zeros(len(plan.groups), dtype=GROUP_DESC_DTYPE)
+        run_cursor = item_cursor = 0
+        for g in range(len(plan.groups)):
+            plane_begin, plane_count = plan.group_plane_range(g) if g in moved else (0, 0)
+            runs = (
+                _runs(matrices[g], plan.group_rows_per_block[g], direction == Direction.STORE)
+                if g in moved
+                else np.zeros(0, dtype=RUN_DESC_DTYPE)
+            )
+            table[g] = (plan.rows_per_chunk[g], plan.group_rows_per_block[g] or 0, plane_begin, plane_count,
+                        run_cursor, runs.size, item_cursor)
+            run_parts.append(runs)
+            run_cursor += runs.size
+            item_cursor += runs.size * plane_count
+        return cls(
+            plan=plan,
+            direction=direction,
+            slots=tuple(matrices),
+            objects=object_list,
+            runs=np.concatenate(run_parts) if run_parts else np.zeros(0, dtype=RUN_DESC_DTYPE),
+            group_table=table,
+            total_items=int(item_cursor),
+        )

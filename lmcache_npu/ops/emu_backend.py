@@ -1,0 +1,154 @@
+"""The AscendC kernel sources run on x86 under the strict emulator (lmcache_npu._emu)."""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+
+from .backend import BackendUnavailable, TransferBackend, TransferStats
+from .batch import ChunkBatch
+from .plan import CORE_STATUS_DTYPE, UB_BLOCK_BYTES, Direction, PageLayout, TransferPlan
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SocSpec:
+    """What the host launcher reads from the platform on a real device."""
+
+    name: str
+    ub_bytes: int
+    vector_cores: int
+    has_datacopy_pad: bool
+    has_bf16: bool
+
+
+SOCS = {
+    "a2": SocSpec("a2", 196608, 48, True, True),  # Ascend910B1/B2: 24 AI cores x 2 AIV
+    "a3": SocSpec("a3", 196608, 48, True, True),  # Ascend910_93xx
+    "310p": SocSpec("310p", 262144, 8, False, False),  # Ascend310P3: 8 AI cores
+}
+
+
+def check_soc_rules(plan: TransferPlan, soc: SocSpec) -> None:
+    """Rules of the target SoC that the kernel cannot express, raised before launch."""
+    for plane in plan.moved_planes:
+        where = f"plane {plane.label} (group {plane.group})"
+        if not soc.has_bf16 and plane.dtype == torch.bfloat16:
+            raise ValueError(f"{where}: {soc.name} has no bf16")
+        if plane.layout == PageLayout.ND and not soc.has_datacopy_pad and plane.row_bytes % UB_BLOCK_BYTES:
+            raise ValueError(
+                f"{where}: row_bytes {plane.row_bytes} is not a multiple of 32 B; {soc.name} has no DataCopyPad, so "
+                "ND rows must be whole 32 B units"
+            )
+
+
+def violation_rule(error: BaseException) -> Optional[str]:
+    """The emulator rule an EmuViolation names."""
+    rule = getattr(error, "rule", None)
+    if rule:
+        return str(rule)
+    match = re.search(r"\(rule: ([a-z0-9-]+)\)", str(error))
+    return match.group(1) if match else None
+
+
+class EmuBackend(TransferBackend):
+    """Runs the real kernel sources on emulated cores; every hardware rule is checked."""
+
+    name = "emu"
+
+    def __init__(
+        self,
+        soc: str = "a2",
+        cores: Optional[int] = None,
+        ub_bytes: Optional[int] = None,
+        order: str = "sequential",
+        seed: int = 0,
+    ) -> None:
+        try:
+            from lmcache_npu import _emu
+        except ImportError as exc:  # pragma: no cover - the build always produces it
+            raise BackendUnavailable(f"lmcache_npu._emu is not built ({exc}); reinstall with `make setup`") from exc
+        if soc not in SOCS:
+            raise ValueError(f"unknown SoC {soc!r}; expected one of {', '.join(SOCS)}")
+        self._emu = _emu
+        self.soc = SOCS[soc]
+        self.cores = int(cores) if cores is not None else self.soc.vector_cores
+        self.ub_bytes = int(ub_bytes) if ub_bytes is not None else self.soc.ub_bytes
+        if not 1 <= self.cores <= 65535:
+            raise ValueError(f"cores must be in [1, 65535], got {self.cores}")
+        if self.ub_bytes > self.soc.ub_bytes:
+            raise ValueError(f"ub_bytes {self.ub_bytes} exceeds the {soc} UB of {self.soc.ub_bytes} B")
+        self.tiling = _emu.ub_tiling(self.ub_bytes)
+        self.order = order
+        self.seed = seed
+        self.last_core_stats: list[dict] = []
+
+    def transfer(self, batch: ChunkBatch) -> TransferStats:
+        plan = batch.plan
+        if plan.device.type != "cpu" or any(o.device.type != "cpu" for o in batch.objects):
+            raise ValueError("the emu backend runs on host memory: planes and chunk objects must be CPU tensors")
+        check_soc_rules(plan, self.soc)
+        for plane in plan.moved_planes:
+            if plane.layout == PageLayout.FRACTAL_NZ and plane.nz_unit_bytes > self.tiling["tile_bytes"]:
+                raise ValueError(f"plane {plane.label}: NZ unit {plane.nz_unit_bytes} B exceeds the UB tile")
+        planes = plan.plane_table
+        groups = batch.group_table
+        runs = batch.runs if batch.runs.size else np.zeros(1, dtype=batch.runs.dtype)
+        objects = batch.object_addresses()
+        status = np.zeros(self.cores, dtype=CORE_STATUS_DTYPE)
+        load = batch.direction == Direction.LOAD
+        regions = [(p.base_addr, p.extent_bytes, load, f"pages:{p.label}") for p in plan.moved_planes]
+        regions += [(o.data_ptr(), plan.object_bytes, not load, f"object:{i}") for i, o in enumerate(batch.objects)]
+        tables = {"plane table": planes, "group table": groups, "run table": runs, "object table": objects}
+        regions += [(a.ctypes.data, max(a.nbytes, 1), False, name) for name, a in tables.items()]
+        regions.append((status.ctypes.data, status.nbytes, True, "core status"))
+        start = time.perf_counter()
+        self.last_core_stats = self._emu.launch(
+            target=self.soc.name,
+            block_dim=self.cores,
+            ub_bytes=self.ub_bytes,
+            order=self.order,
+            seed=self.seed,
+            planes=planes.ctypes.data,
+            groups=groups.ctypes.data,
+            runs=runs.ctypes.data,
+            objects=objects.ctypes.data,
+            status=status.ctypes.data,
+            total_items=batch.total_items,
+            num_planes=len(planes),
+            num_groups=len(groups),
+            num_runs=batch.runs.size,
+            num_chunks=batch.num_chunks,
+            direction=int(batch.direction),
+            tile_bytes=self.tiling["tile_bytes"],
+            zero_tile_bytes=self.tiling["zero_tile_bytes"],
+            regions=regions,
+        )
+        seconds = time.perf_counter() - start
+        rejected = int(status["items_rejected"].sum())
+        done = int(status["items_done"].sum())
+        if rejected or done != batch.total_items:
+            raise RuntimeError(
+                f"kernel moved {done} of {batch.total_items} work items and rejected {rejected}: the host "
+                "validation and the kernel disagree about this batch"
+            )
+        if int(status["bytes_moved"].sum()) != batch.payload_bytes:
+            raise RuntimeError(
+                f"kernel wrote {int(status['bytes_moved'].sum())} B, the batch has {batch.payload_bytes} B of payload"
+            )
+        return TransferStats(
+            backend=self.name,
+            direction=batch.direction,
+            chunks=batch.num_chunks,
+            payload_bytes=batch.payload_bytes,
+            launches=1,
+            seconds=seconds,
+            dma_ops=int(status["dma_ops"].sum()) - self.cores,  # less one status write per core
+        )
