@@ -183,6 +183,7 @@ class LocalTensor {
   }
 
   T GetValue(const uint32_t index, EMU_SITE) const {
+    EMU_BIND_SITE;
     const uint32_t at = CheckScalar(index, "LocalTensor::GetValue", site);
     emu::UbAccess(emu::kS, at, sizeof(T), 0, 0, "LocalTensor::GetValue", site);
     T v;
@@ -192,6 +193,7 @@ class LocalTensor {
 
   template <typename U>
   void SetValue(const uint32_t index, const U value, EMU_SITE) const {
+    EMU_BIND_SITE;
     const uint32_t at = CheckScalar(index, "LocalTensor::SetValue", site);
     emu::UbAccess(emu::kS, 0, 0, at, sizeof(T), "LocalTensor::SetValue", site);
     const T v = static_cast<T>(value);
@@ -256,12 +258,14 @@ class GlobalTensor {
  public:
   using PrimType = T;
   void SetGlobalBuffer(__gm__ T* buffer, uint64_t buffer_size, EMU_SITE) {
+    EMU_BIND_SITE;
     emu::CheckGm(buffer, buffer_size == 0 ? 1 : buffer_size * sizeof(T), false, "GlobalTensor::SetGlobalBuffer",
                  site);
     ptr_ = buffer;
     size_ = buffer_size;
   }
   void SetGlobalBuffer(__gm__ T* buffer, EMU_SITE) {
+    EMU_BIND_SITE;
     emu::CheckGm(buffer, 1, false, "GlobalTensor::SetGlobalBuffer", site);
     ptr_ = buffer;
     size_ = 0;
@@ -273,6 +277,7 @@ class GlobalTensor {
     return t;
   }
   T GetValue(const uint64_t offset, EMU_SITE) const {
+    EMU_BIND_SITE;
     emu::CheckGm(ptr_ + offset, sizeof(T), false, "GlobalTensor::GetValue", site);
     ++emu::g_core->stats.scalar_gm_reads;
     T v;
@@ -280,6 +285,7 @@ class GlobalTensor {
     return v;
   }
   void SetValue(const uint64_t offset, T value, EMU_SITE) {
+    EMU_BIND_SITE;
     // Scalar writes go through the 64 B DCache line: record the whole line as written.
     const uintptr_t addr = reinterpret_cast<uintptr_t>(ptr_ + offset);
     emu::CheckGm(ptr_ + offset, sizeof(T), true, "GlobalTensor::SetValue", site);
@@ -305,6 +311,7 @@ class TBuf;
 class TPipe : public emu::TPipeState {
  public:
   TPipe(EMU_SITE) {
+    EMU_BIND_SITE;
     emu::CoreCtx& c = emu::Core("TPipe::TPipe", site);
     if (c.pipe != nullptr) emu::Fail(emu::rule::kPipe, "TPipe::TPipe", site, "a second TPipe while one is alive");
     c.pipe = this;
@@ -315,6 +322,7 @@ class TPipe : public emu::TPipeState {
 
   template <class Q>
   bool InitBuffer(Q& que, uint8_t num, uint32_t len, EMU_SITE) {
+    EMU_BIND_SITE;
     const char* api = "TPipe::InitBuffer";
     emu::CoreCtx& c = emu::Core(api, site);
     len = (len + 31) / 32 * 32;
@@ -352,23 +360,26 @@ class TPipe : public emu::TPipeState {
 
   template <HardEvent evt>
   TEventID FetchEventID(EMU_SITE) {
+    EMU_BIND_SITE;
     emu::CoreCtx& c = emu::Core("TPipe::FetchEventID", site);
     const auto& reserved = c.event_reserved[static_cast<size_t>(evt)];
     const auto& set = c.events[static_cast<size_t>(evt)];
     for (size_t i = 0; i < reserved.size(); ++i) {
-      if (!reserved[i] && !set[i].first) return static_cast<TEventID>(i);
+      if (!reserved[i] && !set[i].set) return static_cast<TEventID>(i);
     }
     emu::Fail(emu::rule::kEvent, "TPipe::FetchEventID", site, "no free event id for this HardEvent");
   }
   template <HardEvent evt>
   TEventID AllocEventID(EMU_SITE) {
+    EMU_BIND_SITE;
     emu::CoreCtx& c = emu::Core("TPipe::AllocEventID", site);
-    const TEventID id = FetchEventID<evt>(site);
+    const TEventID id = FetchEventID<evt>(site.file, site.line);
     c.event_reserved[static_cast<size_t>(evt)][static_cast<size_t>(id)] = true;
     return id;
   }
   template <HardEvent evt>
   void ReleaseEventID(TEventID id, EMU_SITE) {
+    EMU_BIND_SITE;
     emu::CoreCtx& c = emu::Core("TPipe::ReleaseEventID", site);
     c.event_reserved[static_cast<size_t>(evt)][static_cast<size_t>(id)] = false;
   }
@@ -385,7 +396,7 @@ class TPipe : public emu::TPipeState {
       }
       if (b.free_pending) {
         auto& slot = c->events[static_cast<size_t>(b.free_event)][static_cast<size_t>(b.free_id)];
-        slot.first = false;
+        slot.set = false;
         b.free_pending = false;
       }
       c->event_reserved[static_cast<size_t>(b.enq_event)][static_cast<size_t>(b.enq_id)] = false;
@@ -415,6 +426,7 @@ class TQueBind {
 
   template <typename T>
   LocalTensor<T> AllocTensor(EMU_SITE) {
+    EMU_BIND_SITE;
     const char* api = "TQueBind::AllocTensor";
     emu::CoreCtx& c = emu::Core(api, site);
     if (buffers_.empty()) emu::Fail(emu::rule::kQueueBuffers, api, site, "queue has no buffers (InitBuffer missing)");
@@ -439,6 +451,7 @@ class TQueBind {
 
   template <typename T>
   bool EnQue(const LocalTensor<T>& t, EMU_SITE) {
+    EMU_BIND_SITE;
     const char* api = "TQueBind::EnQue";
     emu::QueBuffer& b = Own(t, api, site);
     if (b.state != emu::BufState::kOccupied && b.state != emu::BufState::kDequeued) {
@@ -458,6 +471,7 @@ class TQueBind {
 
   template <typename T>
   LocalTensor<T> DeQue(EMU_SITE) {
+    EMU_BIND_SITE;
     const char* api = "TQueBind::DeQue";
     emu::CoreCtx& c = emu::Core(api, site);
     if (fifo_.empty()) emu::Fail(emu::rule::kQueueState, api, site, "DeQue on an empty queue: the core would hang");
@@ -472,6 +486,7 @@ class TQueBind {
 
   template <typename T>
   void FreeTensor(LocalTensor<T>& t, EMU_SITE) {
+    EMU_BIND_SITE;
     const char* api = "TQueBind::FreeTensor";
     emu::QueBuffer& b = Own(t, api, site);
     if (b.state == emu::BufState::kEnqueued) {
@@ -511,16 +526,19 @@ class TBuf {
  public:
   template <typename T>
   LocalTensor<T> Get(EMU_SITE) const {
+    EMU_BIND_SITE;
     if (buffer_ < 0) emu::Fail(emu::rule::kUbBounds, "TBuf::Get", site, "TBuf used before InitBuffer");
     const emu::QueBuffer& b = emu::g_core->pipe->buffers[static_cast<size_t>(buffer_)];
     return LocalTensor<T>(b.offset, b.len, buffer_, b.generation, pos);
   }
   template <typename T>
   LocalTensor<T> Get(uint32_t len, EMU_SITE) const {
-    return GetWithOffset<T>(len, 0, site);
+    EMU_BIND_SITE;
+    return GetWithOffset<T>(len, 0, site.file, site.line);
   }
   template <typename T>
   LocalTensor<T> GetWithOffset(uint32_t size, uint32_t offset_bytes, EMU_SITE) const {
+    EMU_BIND_SITE;
     if (buffer_ < 0) emu::Fail(emu::rule::kUbBounds, "TBuf::GetWithOffset", site, "TBuf used before InitBuffer");
     const emu::QueBuffer& b = emu::g_core->pipe->buffers[static_cast<size_t>(buffer_)];
     if (offset_bytes % 32 != 0) {
@@ -540,7 +558,8 @@ class TBuf {
 };
 
 template <TPosition pos>
-bool TPipe::InitBuffer(TBuf<pos>& buf, uint32_t len, emu::Site site) {
+bool TPipe::InitBuffer(TBuf<pos>& buf, uint32_t len, const char* emu_file, int emu_line) {
+  EMU_BIND_SITE;
   const char* api = "TPipe::InitBuffer(TBuf)";
   emu::CoreCtx& c = emu::Core(api, site);
   len = (len + 31) / 32 * 32;
@@ -563,6 +582,7 @@ bool TPipe::InitBuffer(TBuf<pos>& buf, uint32_t len, emu::Site site) {
 
 template <HardEvent evt>
 __aicore__ inline void SetFlag(int32_t event_id, EMU_SITE) {
+    EMU_BIND_SITE;
   emu::Core("SetFlag", site);
   const auto pipes = emu::CheckedEventPipes(evt, "SetFlag", site);
   emu::SetEvent(static_cast<int>(evt), pipes.first, event_id, "SetFlag", site);
@@ -570,6 +590,7 @@ __aicore__ inline void SetFlag(int32_t event_id, EMU_SITE) {
 
 template <HardEvent evt>
 __aicore__ inline void WaitFlag(int32_t event_id, EMU_SITE) {
+    EMU_BIND_SITE;
   emu::Core("WaitFlag", site);
   const auto pipes = emu::CheckedEventPipes(evt, "WaitFlag", site);
   emu::WaitEvent(static_cast<int>(evt), pipes.second, event_id, "WaitFlag", site);
@@ -577,6 +598,7 @@ __aicore__ inline void WaitFlag(int32_t event_id, EMU_SITE) {
 
 template <pipe_t pipe>
 __aicore__ inline void PipeBarrier(EMU_SITE) {
+    EMU_BIND_SITE;
   emu::Core("PipeBarrier", site);
   static_assert(pipe != PIPE_S, "PipeBarrier<PIPE_S> is not allowed: the scalar pipe is ordered by itself");
   if constexpr (pipe == PIPE_ALL) {
@@ -660,6 +682,7 @@ inline void BlockCopy(bool to_ub, uint8_t* gm, const LocalTensor<uint8_t>& ub, c
 template <typename T>
 __aicore__ inline void DataCopy(const LocalTensor<T>& dst, const GlobalTensor<T>& src, const uint32_t count,
                                 EMU_SITE) {
+    EMU_BIND_SITE;
   const uint64_t bytes = static_cast<uint64_t>(count) * sizeof(T);
   emu::Core("DataCopy", site);
   if (bytes == 0 || bytes % 32 != 0) {
@@ -674,6 +697,7 @@ __aicore__ inline void DataCopy(const LocalTensor<T>& dst, const GlobalTensor<T>
 template <typename T>
 __aicore__ inline void DataCopy(const GlobalTensor<T>& dst, const LocalTensor<T>& src, const uint32_t count,
                                 EMU_SITE) {
+    EMU_BIND_SITE;
   const uint64_t bytes = static_cast<uint64_t>(count) * sizeof(T);
   emu::Core("DataCopy", site);
   if (bytes == 0 || bytes % 32 != 0) {
@@ -688,6 +712,7 @@ __aicore__ inline void DataCopy(const GlobalTensor<T>& dst, const LocalTensor<T>
 template <typename T>
 __aicore__ inline void DataCopy(const LocalTensor<T>& dst, const GlobalTensor<T>& src, const DataCopyParams& params,
                                 EMU_SITE) {
+    EMU_BIND_SITE;
   emu::Core("DataCopy", site);
   emu_detail::BlockCopy(true, reinterpret_cast<uint8_t*>(src.GetPhyAddr()), dst.template ReinterpretCast<uint8_t>(),
                         params, "DataCopy(GM->UB, params)", site);
@@ -696,6 +721,7 @@ __aicore__ inline void DataCopy(const LocalTensor<T>& dst, const GlobalTensor<T>
 template <typename T>
 __aicore__ inline void DataCopy(const GlobalTensor<T>& dst, const LocalTensor<T>& src, const DataCopyParams& params,
                                 EMU_SITE) {
+    EMU_BIND_SITE;
   emu::Core("DataCopy", site);
   emu_detail::BlockCopy(false, reinterpret_cast<uint8_t*>(dst.GetPhyAddr()), src.template ReinterpretCast<uint8_t>(),
                         params, "DataCopy(UB->GM, params)", site);
@@ -726,6 +752,7 @@ inline void CheckPad(const DataCopyExtParams& p, size_t elem, const char* api, c
 template <typename T>
 __aicore__ inline void DataCopyPad(const LocalTensor<T>& dst, const GlobalTensor<T>& src,
                                    const DataCopyExtParams& p, const DataCopyPadExtParams<T>& pad, EMU_SITE) {
+    EMU_BIND_SITE;
   const char* api = "DataCopyPad(GM->UB)";
   emu_detail::CheckPad(p, sizeof(T), api, site);
   if ((pad.leftPadding + pad.rightPadding) * sizeof(T) > 64 || pad.leftPadding * sizeof(T) > 32 ||
@@ -754,6 +781,7 @@ __aicore__ inline void DataCopyPad(const LocalTensor<T>& dst, const GlobalTensor
 template <typename T>
 __aicore__ inline void DataCopyPad(const GlobalTensor<T>& dst, const LocalTensor<T>& src,
                                    const DataCopyExtParams& p, EMU_SITE) {
+    EMU_BIND_SITE;
   const char* api = "DataCopyPad(UB->GM)";
   emu_detail::CheckPad(p, sizeof(T), api, site);
   if (p.blockCount == 0 || p.blockLen == 0) return;
@@ -776,6 +804,7 @@ __aicore__ inline void DataCopyPad(const GlobalTensor<T>& dst, const LocalTensor
 
 template <typename T>
 __aicore__ inline void Duplicate(const LocalTensor<T>& dst, const T& scalar, const int32_t count, EMU_SITE) {
+    EMU_BIND_SITE;
   const char* api = "Duplicate";
   emu::CoreCtx& c = emu::Core(api, site);
   dst.EmuCheckLive(api, site);
@@ -794,15 +823,16 @@ __aicore__ inline void Duplicate(const LocalTensor<T>& dst, const T& scalar, con
 namespace emu {
 
 inline void CheckKernelEnd(CoreCtx& c) {
-  const Site site{"<kernel end>", 0};
+  const Site site{"<kernel end>", 0};  // pending end errors come from the TPipe's destructor
   if (c.pipe != nullptr) c.pipe = nullptr;
   if (!c.pending_end_error.empty()) Fail(c.pending_end_rule.c_str(), "kernel end", site, c.pending_end_error);
   for (size_t e = 0; e < c.events.size(); ++e) {
     for (size_t id = 0; id < c.events[e].size(); ++id) {
-      if (c.events[e][id].first) {
-        Fail(rule::kEvent, "kernel end", site,
+      const EventSlot& slot = c.events[e][id];
+      if (slot.set) {
+        Fail(rule::kEvent, "SetFlag", slot.site,
              "HardEvent " + std::to_string(e) + " id " + std::to_string(id) +
-                 " was set and never waited: the flag leaks into the next kernel");
+                 " was set and never waited before the kernel ended: the flag leaks into the next kernel");
       }
     }
   }

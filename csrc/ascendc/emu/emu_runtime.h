@@ -87,7 +87,9 @@ struct Site {
   const char* file;
   int line;
 };
-#define EMU_SITE ::emu::Site site = ::emu::Site{__builtin_FILE(), __builtin_LINE()}
+// Source-location builtins bind to the caller only when they are the default argument itself.
+#define EMU_SITE const char* emu_file = __builtin_FILE(), int emu_line = __builtin_LINE()
+#define EMU_BIND_SITE const ::emu::Site site{emu_file, emu_line}
 
 // ----------------------------------------------------------------------------- pipes
 
@@ -128,6 +130,12 @@ struct CoreStats {
 
 class TPipeState;
 
+struct EventSlot {
+  bool set = false;
+  Clock token{};
+  Site site{"", 0};  // where SetFlag was issued
+};
+
 // Everything one simulated core owns during a launch.
 struct CoreCtx {
   int idx = 0;
@@ -138,8 +146,8 @@ struct CoreCtx {
   std::vector<UbBlockShadow> shadow;  // one per 32 B UB block
   Clock issued{};                      // last sequence number issued per pipe
   std::array<Clock, kNumPipes> known{};  // known[d][s]: seq of pipe s ordered before d's next op
-  // Event slots [HardEvent][id]: set flag carries the clock of its source pipe.
-  std::vector<std::vector<std::pair<bool, Clock>>> events;
+  // Event slots [HardEvent][id]: a set flag carries the clock of its source pipe.
+  std::vector<std::vector<EventSlot>> events;
   std::vector<std::vector<bool>> event_reserved;  // ids held by queues
   TPipeState* pipe = nullptr;
   std::string pending_end_error;  // found while the TPipe ended; raised at kernel end
@@ -302,12 +310,6 @@ inline void UbAccess(int pipe, uint32_t rd, uint32_t rd_len, uint32_t wr, uint32
   if (wr_len > 0) {
     for (uint32_t b = wr / 32; b <= (wr + wr_len - 1) / 32; ++b) {
       UbBlockShadow& s = c.shadow[b];
-      if (s.writer >= 0 && !Ordered(c, pipe, s.writer, s.writer_seq)) {
-        Fail(rule::kUnordered, api, site,
-             std::string(PipeName(pipe)) + " overwrites UB [" + std::to_string(b * 32) + ", " +
-                 std::to_string(b * 32 + 32) + ") written by " + PipeName(s.writer) + " op #" +
-                 std::to_string(s.writer_seq) + " without ordering (" + SyncHint(s.writer, pipe) + ")");
-      }
       for (int r = 0; r < kNumPipes; ++r) {
         if (r == pipe || s.reader_seq[r] == 0) continue;
         if (!Ordered(c, pipe, r, s.reader_seq[r])) {
@@ -316,6 +318,12 @@ inline void UbAccess(int pipe, uint32_t rd, uint32_t rd_len, uint32_t wr, uint32
                    std::to_string(b * 32 + 32) + ") still being read by " + PipeName(r) + " op #" +
                    std::to_string(s.reader_seq[r]) + " (" + SyncHint(r, pipe) + ")");
         }
+      }
+      if (s.writer >= 0 && !Ordered(c, pipe, s.writer, s.writer_seq)) {
+        Fail(rule::kUnordered, api, site,
+             std::string(PipeName(pipe)) + " overwrites UB [" + std::to_string(b * 32) + ", " +
+                 std::to_string(b * 32 + 32) + ") written by " + PipeName(s.writer) + " op #" +
+                 std::to_string(s.writer_seq) + " without ordering (" + SyncHint(s.writer, pipe) + ")");
       }
       s.writer = static_cast<int8_t>(pipe);
       s.writer_seq = seq;
@@ -341,13 +349,14 @@ inline void SetEvent(int event, int src, int id, const char* api, const Site& si
                                       std::to_string(c.spec->num_event_ids) + ")");
   }
   auto& slot = c.events[static_cast<size_t>(event)][static_cast<size_t>(id)];
-  if (slot.first) {
+  if (slot.set) {
     Fail(rule::kEvent, api, site,
-         "SetFlag on event id " + std::to_string(id) + " that is already set (undefined on NPU; a later barrier hangs)");
+         "SetFlag on event id " + std::to_string(id) + " that is already set at " + slot.site.file + ":" +
+             std::to_string(slot.site.line) + " (undefined on NPU; a later barrier hangs)");
   }
   Clock token = c.known[src];
   token[src] = c.issued[src];  // SetFlag runs after every earlier op of its source pipe
-  slot = {true, token};
+  slot = {true, token, site};
 }
 
 inline void WaitEvent(int event, int dst, int id, const char* api, const Site& site) {
@@ -357,11 +366,11 @@ inline void WaitEvent(int event, int dst, int id, const char* api, const Site& s
                                       std::to_string(c.spec->num_event_ids) + ")");
   }
   auto& slot = c.events[static_cast<size_t>(event)][static_cast<size_t>(id)];
-  if (!slot.first) {
+  if (!slot.set) {
     Fail(rule::kEvent, api, site, "WaitFlag on event id " + std::to_string(id) + " that nobody set: the core would hang");
   }
-  for (int p = 0; p < kNumPipes; ++p) c.known[dst][p] = std::max(c.known[dst][p], slot.second[p]);
-  slot.first = false;
+  for (int p = 0; p < kNumPipes; ++p) c.known[dst][p] = std::max(c.known[dst][p], slot.token[p]);
+  slot.set = false;
 }
 
 inline void Barrier(int pipe) {
@@ -476,7 +485,7 @@ LaunchReport Launch(const LaunchConfig& cfg, std::vector<GmRegion> regions, Body
     c.ub_bytes = ub;
     c.ub.assign(ub, 0xA5);
     c.shadow.assign(ub / 32, UbBlockShadow{});
-    c.events.assign(kNumHardEvents, std::vector<std::pair<bool, Clock>>(spec.num_event_ids, {false, Clock{}}));
+    c.events.assign(kNumHardEvents, std::vector<EventSlot>(spec.num_event_ids));
     c.event_reserved.assign(kNumHardEvents, std::vector<bool>(spec.num_event_ids, false));
     g_core = &c;
     body();

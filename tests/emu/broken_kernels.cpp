@@ -1,0 +1,340 @@
+// Tiny kernels, each breaking exactly one hardware rule, plus correct controls.
+// Compiled by tests/emu/test_rules.py against csrc/ascendc/emu; run_case() reports the
+// emulator's verdict as (rule, message) so the test can assert the rule it trips.
+#include <cstring>
+#include <map>
+#include <string>
+
+#include "emu/ascendc_emu.h"
+
+using namespace AscendC;
+
+namespace {
+
+constexpr uint32_t kBytes = 1024;
+uint8_t* g_src = nullptr;
+uint8_t* g_dst = nullptr;
+uint8_t* g_readonly = nullptr;
+
+GlobalTensor<uint8_t> Src() {
+  GlobalTensor<uint8_t> t;
+  t.SetGlobalBuffer(g_src, kBytes);
+  return t;
+}
+GlobalTensor<uint8_t> Dst() {
+  GlobalTensor<uint8_t> t;
+  t.SetGlobalBuffer(g_dst, kBytes);
+  return t;
+}
+
+using BindQueue = TQueBind<TPosition::VECIN, TPosition::VECOUT, 2>;
+
+// A correct depth-2 copy of kBytes through 256 B tiles, each core its own stripe.
+void CorrectCopy() {
+  TPipe pipe;
+  BindQueue q;
+  pipe.InitBuffer(q, 2, 256);
+  const uint32_t stripe = kBytes / static_cast<uint32_t>(GetBlockNum());
+  const uint32_t begin = stripe * static_cast<uint32_t>(GetBlockIdx());
+  bool pending = false;
+  uint32_t pending_off = 0;
+  for (uint32_t off = begin; off < begin + stripe; off += 256) {
+    LocalTensor<uint8_t> t = q.AllocTensor<uint8_t>();
+    DataCopyPad(t, Src()[off], DataCopyExtParams(1, 256, 0, 0, 0), DataCopyPadExtParams<uint8_t>(false, 0, 0, 0));
+    q.EnQue(t);
+    if (pending) {
+      LocalTensor<uint8_t> out = q.DeQue<uint8_t>();
+      DataCopyPad(Dst()[pending_off], out, DataCopyExtParams(1, 256, 0, 0, 0));
+      q.FreeTensor(out);
+    }
+    pending = true;
+    pending_off = off;
+  }
+  if (pending) {
+    LocalTensor<uint8_t> out = q.DeQue<uint8_t>();
+    DataCopyPad(Dst()[pending_off], out, DataCopyExtParams(1, 256, 0, 0, 0));
+    q.FreeTensor(out);
+  }
+}
+
+// A correct manual double buffer with TBuf and explicit flags (310P-legal: DataCopy only).
+void CorrectManualFlags() {
+  TPipe pipe;
+  TBuf<TPosition::VECCALC> buf;
+  pipe.InitBuffer(buf, 512);
+  LocalTensor<uint8_t> tiles = buf.Get<uint8_t>();
+  SetFlag<HardEvent::MTE3_MTE2>(0);
+  SetFlag<HardEvent::MTE3_MTE2>(1);
+  for (uint32_t i = 0; i < kBytes / 256 && GetBlockIdx() == 0; ++i) {
+    const int32_t id = static_cast<int32_t>(i % 2);
+    LocalTensor<uint8_t> tile = tiles[(i % 2) * 256];
+    WaitFlag<HardEvent::MTE3_MTE2>(id);
+    DataCopy(tile, Src()[i * 256], 256);
+    SetFlag<HardEvent::MTE2_MTE3>(id);
+    WaitFlag<HardEvent::MTE2_MTE3>(id);
+    DataCopy(Dst()[i * 256], tile, 256);
+    SetFlag<HardEvent::MTE3_MTE2>(id);
+  }
+  WaitFlag<HardEvent::MTE3_MTE2>(0);
+  WaitFlag<HardEvent::MTE3_MTE2>(1);
+}
+
+void DataCopyNot32() {
+  TPipe pipe;
+  TBuf<TPosition::VECCALC> buf;
+  pipe.InitBuffer(buf, 256);
+  DataCopy(buf.Get<uint8_t>(), Src(), 48);  // 48 B: the NPU would silently move 32
+}
+
+void DataCopyBlockCountZero() {
+  TPipe pipe;
+  TBuf<TPosition::VECCALC> buf;
+  pipe.InitBuffer(buf, 256);
+  DataCopy(buf.Get<uint8_t>(), Src(), DataCopyParams(0, 1, 0, 0));
+}
+
+void PadBlockCount() {
+  TPipe pipe;
+  TBuf<TPosition::VECCALC> buf;
+  pipe.InitBuffer(buf, 256);
+  DataCopyPad(buf.Get<uint8_t>(), Src(), DataCopyExtParams(4096, 1, 0, 0, 0),
+              DataCopyPadExtParams<uint8_t>(false, 0, 0, 0));
+}
+
+void PadBlockLen() {
+  TPipe pipe;
+  TBuf<TPosition::VECCALC> buf;
+  pipe.InitBuffer(buf, 256);
+  DataCopyPad(buf.Get<uint8_t>(), Src(), DataCopyExtParams(1, 2097152, 0, 0, 0),
+              DataCopyPadExtParams<uint8_t>(false, 0, 0, 0));
+}
+
+void PadOnAnySoc() {  // run on 310P: the API does not exist there
+  TPipe pipe;
+  TBuf<TPosition::VECCALC> buf;
+  pipe.InitBuffer(buf, 256);
+  DataCopyPad(buf.Get<uint8_t>(), Src(), DataCopyExtParams(1, 3, 0, 0, 0),
+              DataCopyPadExtParams<uint8_t>(false, 0, 0, 0));
+}
+
+void UbOverflow() {
+  TPipe pipe;
+  BindQueue q;
+  pipe.InitBuffer(q, 2, 100 * 1024);  // 200 KiB > 192 KiB on A2
+}
+
+void UbMisaligned() {
+  TPipe pipe;
+  TBuf<TPosition::VECCALC> buf;
+  pipe.InitBuffer(buf, 256);
+  DataCopy(buf.Get<uint8_t>()[16], Src(), 32);
+}
+
+void QueueDepth() {
+  TPipe pipe;
+  TQueBind<TPosition::VECIN, TPosition::VECOUT, 1> q;
+  pipe.InitBuffer(q, 2, 64);
+  LocalTensor<uint8_t> a = q.AllocTensor<uint8_t>();
+  LocalTensor<uint8_t> b = q.AllocTensor<uint8_t>();
+  DataCopy(a, Src(), 64);
+  DataCopy(b, Src()[64], 64);
+  q.EnQue(a);
+  q.EnQue(b);  // depth 1
+}
+
+void QueueTooManyBuffers() {
+  TPipe pipe;
+  BindQueue q;
+  pipe.InitBuffer(q, 9, 64);  // at most 8 per TPosition
+}
+
+void QueueExhausted() {
+  TPipe pipe;
+  BindQueue q;
+  pipe.InitBuffer(q, 2, 64);
+  q.AllocTensor<uint8_t>();
+  q.AllocTensor<uint8_t>();
+  q.AllocTensor<uint8_t>();  // no FreeTensor: hangs on NPU
+}
+
+void UseAfterFree() {
+  TPipe pipe;
+  BindQueue q;
+  pipe.InitBuffer(q, 2, 64);
+  LocalTensor<uint8_t> t = q.AllocTensor<uint8_t>();
+  DataCopy(t, Src(), 64);
+  q.EnQue(t);
+  LocalTensor<uint8_t> out = q.DeQue<uint8_t>();
+  q.FreeTensor(out);
+  DataCopy(Dst(), out, 64);
+}
+
+void MissingEnqueSync() {
+  TPipe pipe;
+  TBuf<TPosition::VECCALC> buf;
+  pipe.InitBuffer(buf, 256);
+  LocalTensor<uint8_t> t = buf.Get<uint8_t>();
+  DataCopy(t, Src(), 256);
+  DataCopy(Dst(), t, 256);  // MTE3 may read before MTE2 lands
+}
+
+void MissingFreeSync() {
+  TPipe pipe;
+  TBuf<TPosition::VECCALC> buf;
+  pipe.InitBuffer(buf, 256);
+  LocalTensor<uint8_t> t = buf.Get<uint8_t>();
+  DataCopy(t, Src(), 256);
+  SetFlag<HardEvent::MTE2_MTE3>(0);
+  WaitFlag<HardEvent::MTE2_MTE3>(0);
+  DataCopy(Dst(), t, 256);
+  DataCopy(t, Src()[256], 256);  // overwrites the tile MTE3 may still be reading
+}
+
+void UninitialisedRead() {
+  TPipe pipe;
+  TBuf<TPosition::VECCALC> buf;
+  pipe.InitBuffer(buf, 256);
+  DataCopy(Dst(), buf.Get<uint8_t>(), 256);
+}
+
+void GmOutOfBounds() {
+  TPipe pipe;
+  TBuf<TPosition::VECCALC> buf;
+  pipe.InitBuffer(buf, 256);
+  LocalTensor<uint8_t> t = buf.Get<uint8_t>();
+  DataCopy(t, Src(), 256);
+  SetFlag<HardEvent::MTE2_MTE3>(0);
+  WaitFlag<HardEvent::MTE2_MTE3>(0);
+  DataCopy(Dst()[kBytes - 128], t, 256);  // 128 B past the end
+}
+
+void GmGuardOverwrite() {
+  if (GetBlockIdx() == 0) g_dst[kBytes + 3] = 0x11;  // raw pointer write past the buffer
+}
+
+void GmReadOnly() {
+  TPipe pipe;
+  TBuf<TPosition::VECCALC> buf;
+  pipe.InitBuffer(buf, 256);
+  LocalTensor<uint8_t> t = buf.Get<uint8_t>();
+  DataCopy(t, Src(), 64);
+  SetFlag<HardEvent::MTE2_MTE3>(0);
+  WaitFlag<HardEvent::MTE2_MTE3>(0);
+  GlobalTensor<uint8_t> ro;
+  ro.SetGlobalBuffer(g_readonly, 64);
+  DataCopy(ro, t, 64);
+}
+
+void CrossCoreWrite() {
+  TPipe pipe;
+  TBuf<TPosition::VECCALC> buf;
+  pipe.InitBuffer(buf, 256);
+  LocalTensor<uint8_t> t = buf.Get<uint8_t>();
+  DataCopy(t, Src(), 64);
+  SetFlag<HardEvent::MTE2_MTE3>(0);
+  WaitFlag<HardEvent::MTE2_MTE3>(0);
+  DataCopy(Dst()[GetBlockIdx() * 32], t, 64);  // neighbours overlap by 32 B
+}
+
+void WaitWithoutSet() {
+  TPipe pipe;
+  WaitFlag<HardEvent::MTE2_MTE3>(0);
+}
+
+void SetTwice() {
+  TPipe pipe;
+  SetFlag<HardEvent::MTE2_MTE3>(1);
+  SetFlag<HardEvent::MTE2_MTE3>(1);
+}
+
+void SetNeverWaited() {
+  TPipe pipe;
+  SetFlag<HardEvent::S_MTE3>(2);
+}
+
+void TwoPipes() {
+  TPipe a;
+  TPipe b;
+}
+
+const std::map<std::string, void (*)()>& Cases() {
+  static const std::map<std::string, void (*)()> cases = {
+      {"correct_copy", CorrectCopy},
+      {"correct_manual_flags", CorrectManualFlags},
+      {"datacopy_not_32", DataCopyNot32},
+      {"datacopy_block_count_zero", DataCopyBlockCountZero},
+      {"pad_block_count", PadBlockCount},
+      {"pad_block_len", PadBlockLen},
+      {"pad_on_soc", PadOnAnySoc},
+      {"ub_overflow", UbOverflow},
+      {"ub_misaligned", UbMisaligned},
+      {"queue_depth", QueueDepth},
+      {"queue_too_many_buffers", QueueTooManyBuffers},
+      {"queue_exhausted", QueueExhausted},
+      {"use_after_free", UseAfterFree},
+      {"missing_enque_sync", MissingEnqueSync},
+      {"missing_free_sync", MissingFreeSync},
+      {"uninitialised_read", UninitialisedRead},
+      {"gm_out_of_bounds", GmOutOfBounds},
+      {"gm_guard_overwrite", GmGuardOverwrite},
+      {"gm_read_only", GmReadOnly},
+      {"cross_core_write", CrossCoreWrite},
+      {"wait_without_set", WaitWithoutSet},
+      {"set_twice", SetTwice},
+      {"set_never_waited", SetNeverWaited},
+      {"two_pipes", TwoPipes},
+  };
+  return cases;
+}
+
+void Copy(char* out, size_t n, const std::string& s) {
+  if (n == 0) return;
+  std::strncpy(out, s.c_str(), n - 1);
+  out[n - 1] = '\0';
+}
+
+}  // namespace
+
+// Returns 0 when the case ran clean (and dst == src for the copy controls), 1 on a
+// violation (rule and message filled in), 2 on a harness error.
+extern "C" int run_case(const char* name, const char* target, uint32_t block_dim, const char* order, char* rule,
+                        size_t rule_len, char* message, size_t message_len) {
+  const auto it = Cases().find(name);
+  if (it == Cases().end()) {
+    Copy(message, message_len, std::string("unknown case ") + name);
+    return 2;
+  }
+  g_src = emu::GmAlloc(kBytes, "src");
+  g_dst = emu::GmAlloc(kBytes, "dst");
+  uint8_t readonly[64] = {};
+  g_readonly = readonly;
+  for (uint32_t i = 0; i < kBytes; ++i) g_src[i] = static_cast<uint8_t>(i * 7 + 3);
+  emu::LaunchConfig cfg;
+  const std::string t = target;
+  cfg.target = t == "310p" ? emu::Target::I310P : (t == "a3" ? emu::Target::A3 : emu::Target::A2);
+  cfg.block_dim = block_dim;
+  const std::string o = order;
+  cfg.order = o == "reverse" ? emu::CoreOrder::kReverse
+                             : (o == "shuffled" ? emu::CoreOrder::kShuffled : emu::CoreOrder::kSequential);
+  cfg.seed = 1234;
+  cfg.kernel = name;
+  int rc = 0;
+  try {
+    std::vector<emu::GmRegion> regions = {
+        {reinterpret_cast<uintptr_t>(readonly), reinterpret_cast<uintptr_t>(readonly) + sizeof(readonly), false,
+         "readonly"}};
+    emu::Launch(cfg, regions, it->second);
+    const bool copies = std::string(name).rfind("correct_", 0) == 0;
+    if (copies && std::memcmp(g_src, g_dst, kBytes) != 0) {
+      Copy(message, message_len, "copy control produced wrong bytes");
+      rc = 2;
+    }
+  } catch (const emu::Violation& v) {
+    Copy(rule, rule_len, v.rule());
+    Copy(message, message_len, v.what());
+    rc = 1;
+  }
+  emu::GmFree(g_src);
+  emu::GmFree(g_dst);
+  return rc;
+}
