@@ -1,0 +1,200 @@
+"""Bad input is refused before launch with a message naming the thing and the rule; nothing is touched."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+import torch
+
+from lmcache_npu import _emu
+from lmcache_npu.ops import ChunkBatch, Direction, GroupSpec, PageLayout, Plane, TransferPlan, get_backend
+from lmcache_npu.ops.plan import CORE_STATUS_DTYPE, RUN_DESC_DTYPE
+
+from .oracle import Geometry, allocate, oracle_load
+
+
+def small_geometry() -> Geometry:
+    g = torch.Generator().manual_seed(3)
+    return Geometry([GroupSpec(16), GroupSpec(64, compress_ratio=4)],
+                    [allocate(4, 16, 132, 8, 0, g), allocate(4, 16, 2, 0, 0, g), allocate(3, 16, 64, 0, 1, g)], 32)
+
+
+def good_slots() -> list[np.ndarray]:
+    return [np.arange(32).reshape(1, 32), np.arange(8).reshape(1, 8)]
+
+
+@pytest.fixture(params=["torch", "emu"])
+def backend(request: pytest.FixtureRequest):
+    return get_backend(request.param)
+
+
+def assert_untouched(geometry: Geometry, objects: torch.Tensor, before_pages, before_objects) -> None:
+    assert torch.equal(objects, before_objects)
+    for rp, b in zip(geometry.raw_planes, before_pages):
+        assert torch.equal(rp.raw, b)
+
+
+@pytest.mark.parametrize(
+    "mutate,message",
+    [
+        (lambda s: s[0].__setitem__((0, 17), 64), "group 0, chunk 0, row 17: slot 64 is outside [0, 64)"),
+        (lambda s: s[1].__setitem__((0, 3), -2), "group 1, chunk 0, row 3: slot -2 is outside [0, 48)"),
+        (lambda s: s.__setitem__(1, s[1][:, :4]), "group 1: slots have shape (1, 4), expected (1, 8)"),
+        (lambda s: s.__setitem__(0, s[0].astype(np.float32)), "group 0: slots must be integers"),
+        (lambda s: s.__setitem__(1, None), "group 1: slots are required"),
+        (lambda s: s.pop(), "slots has 1 entries, the plan has 2 groups"),
+    ],
+)
+@pytest.mark.parametrize("direction", ["store", "load"])
+def test_bad_slots_raise_before_launch(backend, mutate, message: str, direction: str) -> None:
+    geometry = small_geometry()
+    plan = geometry.plan()
+    slots = good_slots()
+    mutate(slots)
+    objects = torch.full((1, plan.object_bytes), 9, dtype=torch.uint8)
+    before_pages, before_objects = [rp.raw.clone() for rp in geometry.raw_planes], objects.clone()
+    with pytest.raises(ValueError, match=re.escape(message)):
+        getattr(backend, direction)(plan, slots, objects)
+    assert_untouched(geometry, objects, before_pages, before_objects)
+
+
+def test_duplicate_load_target_is_refused(backend) -> None:
+    geometry = small_geometry()
+    plan = geometry.plan()
+    slots = [np.concatenate([np.arange(16), np.arange(16)]).reshape(1, 32), np.arange(8).reshape(1, 8)]
+    objects = torch.zeros(1, plan.object_bytes, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="group 0: slot 0 is the load target of chunk 0 row 0 and of chunk 0 row 16"):
+        backend.load(plan, slots, objects)
+    backend.store(plan, slots, objects)  # reading one page twice is fine
+
+
+def test_overlapping_store_objects_are_refused(backend) -> None:
+    plan = small_geometry().plan()
+    arena = torch.zeros(plan.object_bytes + 64, dtype=torch.uint8)
+    objects = [arena[: plan.object_bytes], arena[64: 64 + plan.object_bytes]]
+    slots = [np.arange(64).reshape(2, 32), np.arange(16).reshape(2, 8)]
+    with pytest.raises(ValueError, match="chunks 0 and 1: store objects overlap"):
+        backend.store(plan, slots, objects)
+
+
+def test_short_object_is_refused(backend) -> None:
+    plan = small_geometry().plan()
+    with pytest.raises(ValueError, match=f"chunk 0: object holds 10 B, the plan needs {plan.object_bytes} B"):
+        backend.store(plan, good_slots(), [torch.zeros(10, dtype=torch.uint8)])
+
+
+def raw_pages(num_blocks: int, rows: int, row_bytes: int, stride: int) -> torch.Tensor:
+    raw = torch.zeros(num_blocks * max(stride, rows * row_bytes) + rows * row_bytes, dtype=torch.uint8)
+    return torch.as_strided(raw, (num_blocks, rows * row_bytes), (stride, 1))
+
+
+@pytest.mark.parametrize(
+    "groups,planes,chunk_tokens,message",
+    [
+        ([GroupSpec(16)], [Plane(raw_pages(4, 16, 8, 100), 0, 16, 8)], 32, "block stride 100 B is smaller than a block's rows \\(128 B\\)"),
+        ([GroupSpec(16)], [Plane(raw_pages(4, 16, 8, 128), 1, 16, 8)], 32, "group 1 does not exist"),
+        ([GroupSpec(64, compress_ratio=4)], [Plane(raw_pages(4, 8, 8, 64), 0, 8, 8)], 32,
+         "rows_per_block 8 x compress_ratio 4 must equal group 0's tokens_per_block 64"),
+        ([GroupSpec(16, compress_ratio=128)], [], 32, "chunk_tokens 32 is not a multiple of compress_ratio 128"),
+        ([GroupSpec(16)], [Plane(raw_pages(4, 16, 8, 128), 0, 16, 8), Plane(raw_pages(5, 16, 8, 128), 0, 16, 8)], 32,
+         "has 5 blocks of 16 rows but the group's other planes have 4 blocks of 16 rows"),
+        ([GroupSpec(16)], [Plane(raw_pages(4, 16, 48, 768), 0, 16, 48, PageLayout.FRACTAL_NZ, 16)], 32,
+         "FRACTAL_NZ unit of 16 B is not a multiple of 32 B"),
+        ([GroupSpec(16)], [Plane(torch.zeros(4, 128, dtype=torch.float16), 0, 16, 8)], 32, "2-D uint8 tensor"),
+        ([GroupSpec(16)], [Plane(raw_pages(4, 16, 8, 128)[:, :64], 0, 16, 8)], 32, "pages hold 64 B per block"),
+        ([GroupSpec(16, sliding_window=0)], [], 32, "sliding_window must be >= 1"),
+    ],
+)
+def test_malformed_plans_are_refused(groups, planes, chunk_tokens: int, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        TransferPlan(groups, planes, chunk_tokens)
+
+
+def test_310p_rules_are_checked_before_launch() -> None:
+    g = torch.Generator().manual_seed(1)
+    odd = Geometry([GroupSpec(16)], [allocate(4, 16, 132, 0, 0, g)], 32)
+    with pytest.raises(ValueError, match="row_bytes 132 is not a multiple of 32 B; 310p has no DataCopyPad"):
+        get_backend("emu", soc="310p").store(odd.plan(), [np.arange(32).reshape(1, 32)],
+                                             torch.zeros(1, odd.plan().object_bytes, dtype=torch.uint8))
+    bf16 = Geometry([GroupSpec(16)], [allocate(4, 16, 64, 0, 0, g, dtype=torch.bfloat16)], 32)
+    with pytest.raises(ValueError, match="310p has no bf16"):
+        get_backend("emu", soc="310p").store(bf16.plan(), [np.arange(32).reshape(1, 32)],
+                                             torch.zeros(1, bf16.plan().object_bytes, dtype=torch.uint8))
+
+
+def test_skipped_groups_are_never_touched() -> None:
+    g = torch.Generator().manual_seed(5)
+    geometry = Geometry([GroupSpec(16), GroupSpec(8, sliding_window=8, skip=True, skip_reason="state")],
+                        [allocate(4, 16, 64, 0, 0, g), allocate(4, 8, 4096, 0, 1, g)], 32)
+    plan = geometry.plan()
+    assert [p.group for p in plan.moved_planes] == [0]
+    state_before = geometry.raw_planes[1].raw.clone()
+    objects = torch.zeros(1, plan.object_bytes, dtype=torch.uint8)
+    for name in ("torch", "emu"):
+        backend = get_backend(name)
+        backend.store(plan, [np.arange(32).reshape(1, 32), None], objects)
+        backend.load(plan, [np.arange(32).reshape(1, 32), None], objects)
+    assert torch.equal(geometry.raw_planes[1].raw, state_before)
+
+
+def launch_raw(plan: TransferPlan, batch: ChunkBatch, runs: np.ndarray, status: np.ndarray, pages_writable: bool):
+    tiling = _emu.ub_tiling(196608)
+    objects = batch.object_addresses()
+    regions = [(p.base_addr, p.extent_bytes, pages_writable, p.label) for p in plan.moved_planes]
+    regions += [(o.data_ptr(), plan.object_bytes, not pages_writable, "obj") for o in batch.objects]
+    for name, a in (("planes", plan.plane_table), ("groups", batch.group_table), ("runs", runs), ("objects", objects)):
+        regions.append((a.ctypes.data, a.nbytes, False, name))
+    regions.append((status.ctypes.data, status.nbytes, True, "status"))
+    _emu.launch(target="a2", block_dim=len(status), ub_bytes=196608, order="sequential", seed=0,
+                planes=plan.plane_table.ctypes.data, groups=batch.group_table.ctypes.data, runs=runs.ctypes.data,
+                objects=objects.ctypes.data, status=status.ctypes.data, total_items=batch.total_items,
+                num_planes=len(plan.plane_table), num_groups=len(batch.group_table), num_runs=len(runs),
+                num_chunks=batch.num_chunks, direction=int(batch.direction), tile_bytes=tiling["tile_bytes"],
+                zero_tile_bytes=tiling["zero_tile_bytes"], regions=regions)
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [("first_slot", 10_000), ("first_slot", 15), ("num_rows", 40), ("chunk", 7), ("first_row", 31), ("num_rows", 0)],
+)
+def test_kernel_rejects_malformed_runs_without_writing(field: str, value: int) -> None:
+    """Bypassing host validation: the kernel's own checks skip the item, and the emulator sees no stray write."""
+    geometry = small_geometry()
+    plan = geometry.plan()
+    objects = torch.zeros(1, plan.object_bytes, dtype=torch.uint8)
+    batch = ChunkBatch.build(plan, good_slots(), objects, Direction.LOAD)
+    runs = batch.runs.copy()
+    runs[0][field] = value
+    objects.copy_(torch.randint(0, 256, objects.shape, dtype=torch.uint8))
+    slots_without_run0 = good_slots()
+    r0 = batch.runs[0]
+    slots_without_run0[0][r0["chunk"], r0["first_row"]: r0["first_row"] + r0["num_rows"]] = -1
+    expected = oracle_load(geometry, slots_without_run0, objects.numpy())
+    status = np.zeros(4, dtype=CORE_STATUS_DTYPE)
+    launch_raw(plan, batch, runs, status, pages_writable=True)
+    assert int(status["items_rejected"].sum()) == 2  # run 0 x the two planes of group 0
+    for rp, want in zip(geometry.raw_planes, expected):
+        assert np.array_equal(rp.raw.numpy(), want)
+
+
+def test_emu_violation_is_a_runtime_error_with_a_rule() -> None:
+    geometry = small_geometry()
+    plan = geometry.plan()
+    objects = torch.zeros(1, plan.object_bytes, dtype=torch.uint8)
+    batch = ChunkBatch.build(plan, good_slots(), objects, Direction.STORE)
+    status = np.zeros(2, dtype=CORE_STATUS_DTYPE)
+    regions_without_objects = []
+    with pytest.raises(_emu.EmuViolation) as info:
+        tiling = _emu.ub_tiling(196608)
+        _emu.launch(target="a2", block_dim=2, ub_bytes=196608, order="sequential", seed=0,
+                    planes=plan.plane_table.ctypes.data, groups=batch.group_table.ctypes.data,
+                    runs=batch.runs.ctypes.data, objects=batch.object_addresses().ctypes.data,
+                    status=status.ctypes.data, total_items=batch.total_items, num_planes=len(plan.plane_table),
+                    num_groups=2, num_runs=len(batch.runs), num_chunks=1, direction=0,
+                    tile_bytes=tiling["tile_bytes"], zero_tile_bytes=tiling["zero_tile_bytes"],
+                    regions=regions_without_objects)
+    assert isinstance(info.value, RuntimeError)
+    assert info.value.rule == "gm-bounds"
+    assert RUN_DESC_DTYPE.itemsize == _emu.RUN_DESC_BYTES
