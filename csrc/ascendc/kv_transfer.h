@@ -185,13 +185,34 @@ class KvTransfer {
     }
   }
 
+  // DMAs to move a num_rows x cols NZ run in pieces of rows_per_piece x cols_per_piece units.
+  __aicore__ static inline uint64_t NzDmaCount(uint32_t num_rows, uint32_t cols, uint32_t rows_per_piece,
+                                               uint32_t cols_per_piece) {
+    const uint64_t pieces = static_cast<uint64_t>((num_rows + rows_per_piece - 1) / rows_per_piece) *
+                            ((cols + cols_per_piece - 1) / cols_per_piece);
+    return pieces * (1 + MinU32(rows_per_piece, cols_per_piece));
+  }
+
   // NZ page: unit (row t, column j) of a block sits at j * rows_per_block * unit + t * unit.
+  // A piece costs 1 + min(rows, cols) DMAs, so it spans the run's longer side in full: either
+  // whole rows (all columns) or whole columns (all rows of the run), whichever needs fewer DMAs.
   __aicore__ inline void MoveNz(uint64_t block, uint32_t first_row_in_block, uint64_t obj, uint32_t num_rows) {
     const uint32_t unit = plane_.nz_unit_bytes;
     const uint32_t cols = plane_.row_bytes / unit;
-    const uint32_t rows_per_piece =
-        plane_.row_bytes <= tile_bytes_ ? MinU32(tile_bytes_ / plane_.row_bytes, kMaxBlockCount) : 1;
-    const uint32_t cols_per_piece = plane_.row_bytes <= tile_bytes_ ? cols : MinU32(tile_bytes_ / unit, kMaxBlockCount);
+    const uint32_t tile_units = tile_bytes_ / unit;
+    uint32_t rows_per_piece = 1, cols_per_piece = MinU32(tile_units, kMaxBlockCount);
+    if (cols <= tile_units) {  // whole rows fit
+      rows_per_piece = MinU32(tile_units / cols, kMaxBlockCount);
+      cols_per_piece = cols;
+    }
+    const uint32_t run_rows = MinU32(num_rows, kMaxBlockCount);
+    if (run_rows <= tile_units) {  // whole columns of the run fit
+      const uint32_t column_cols = MinU32(tile_units / run_rows, kMaxBlockCount);
+      if (NzDmaCount(num_rows, cols, run_rows, column_cols) < NzDmaCount(num_rows, cols, rows_per_piece, cols_per_piece)) {
+        rows_per_piece = run_rows;
+        cols_per_piece = column_cols;
+      }
+    }
     for (uint32_t r0 = 0; r0 < num_rows; r0 += rows_per_piece) {
       for (uint32_t j0 = 0; j0 < cols; j0 += cols_per_piece) {
         Piece p{};

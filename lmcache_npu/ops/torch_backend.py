@@ -11,7 +11,7 @@ from .batch import ChunkBatch
 from .plan import Direction, PageLayout, Plane
 
 
-def _row_view(plane: Plane) -> torch.Tensor:
+def row_view(plane: Plane) -> torch.Tensor:
     """(num_blocks, rows_per_block, row_bytes) for ND; NZ rows are gathered across its columns."""
     p = plane.pages
     if plane.layout == PageLayout.ND:
@@ -36,7 +36,7 @@ class TorchBackend(TransferBackend):
             live = matrix >= 0
             slots = matrix.clamp(min=0).to(plane.pages.device)
             blocks, within = slots // plane.rows_per_block, slots % plane.rows_per_block
-            view = _row_view(plane)
+            view = row_view(plane)
             segment = slice(offset, offset + rows * plane.row_bytes)
             if batch.direction == Direction.STORE:
                 gathered = view[blocks, within].reshape(len(batch.objects), rows, plane.row_bytes)

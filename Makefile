@@ -1,0 +1,31 @@
+# make setup: .venv with everything the CPU suite needs (idempotent); make test: the CPU suite;
+# make demo: the main job on the embedded default.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.lmcache-npu-setup
+NATIVE_SOURCES := $(shell find csrc -type f) setup.py pyproject.toml requirements-test.txt
+
+.PHONY: setup test demo bench-all clean
+
+setup: $(STAMP)
+
+$(STAMP): $(NATIVE_SOURCES)
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -r requirements-test.txt
+	$(BIN)/python -m pip install -q --no-build-isolation -e .
+	touch $(STAMP)
+
+test: setup
+	$(BIN)/python -m pytest -q -n 2 tests
+
+demo: setup
+	$(BIN)/lmcache-npu bench --backend auto --preset deepseek-v4-flash --check
+
+bench-all: setup
+	$(BIN)/python benchmarks/all_presets.py --backend auto --json bench-all.json
+
+clean:
+	rm -rf build *.egg-info lmcache_npu/*.so $(STAMP)

@@ -1,0 +1,75 @@
+"""`lmcache-npu`: the command line (bench today; inspect, replay and doctor join it as they land)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+from .ops import BACKEND_NAMES, BackendUnavailable
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from .bench.geometry import load_geometry
+    from .bench.presets import get_preset
+    from .bench.runner import render, run_bench
+
+    console = Console(stderr=False)
+    if args.chunks < 1 or args.repeats < 1:
+        raise ValueError("--chunks and --repeats must be >= 1")
+    geometry = load_geometry(args.geometry) if args.geometry else get_preset(args.preset)
+    options: dict[str, object] = {}
+    if args.backend == "emu" or (args.backend == "auto" and args.soc):
+        options = {k: v for k, v in (("soc", args.soc), ("cores", args.cores), ("ub_bytes", args.ub_bytes)) if v}
+    report = run_bench(geometry, args.backend, chunks=args.chunks, chunk_tokens=args.chunk_tokens, check=args.check,
+                       repeats=args.repeats, seed=args.seed, progress=sys.stderr.isatty(), **options)
+    console.print(render(report))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report.to_json(), indent=2))
+    if args.check and report.check != "ok":
+        console.print(f"[red]round trip check failed: {report.check}[/red]")
+        return 1
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .bench.presets import PRESETS
+
+    parser = argparse.ArgumentParser(prog="lmcache-npu", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    sub = parser.add_subparsers(dest="command", required=True)
+    bench = sub.add_parser("bench", help="store and load N chunks of a model's KV geometry and report bandwidth")
+    bench.add_argument("--backend", choices=BACKEND_NAMES, default="auto")
+    source = bench.add_mutually_exclusive_group()
+    source.add_argument("--preset", choices=sorted(PRESETS), default="deepseek-v4-flash")
+    source.add_argument("--geometry", type=Path, help="JSON file with chunk_tokens and groups (see docs/kernels.md)")
+    bench.add_argument("--chunks", type=int, default=4)
+    bench.add_argument("--chunk-tokens", type=int, default=None, help="override the geometry's chunk_tokens")
+    bench.add_argument("--check", action="store_true", help="verify every byte; exit 1 on any mismatch")
+    bench.add_argument("--json", type=Path, help="write the report as JSON")
+    bench.add_argument("--repeats", type=int, default=1, help="runs per direction; the fastest is reported")
+    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--soc", choices=["a2", "a3", "310p"], help="emu: the SoC to emulate")
+    bench.add_argument("--cores", type=int, help="emu: vector cores to launch")
+    bench.add_argument("--ub-bytes", type=int, help="emu: UB capacity per core")
+    bench.set_defaults(func=_bench)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
+    try:
+        return int(args.func(args))
+    except (ValueError, BackendUnavailable) as exc:
+        print(f"lmcache-npu: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

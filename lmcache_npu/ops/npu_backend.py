@@ -1,0 +1,117 @@
+"""The AscendC kernel on an Ascend NPU (lmcache_npu._npu); torch_npu is imported only here, lazily.
+
+Chunk objects may live on the NPU (the kernel writes them directly) or in pinned host memory
+(the kernel gathers into a device staging buffer, then one async copy per direction moves it
+over PCIe/HCCS with the DMA engine, so no AI-core time is spent waiting on the host link).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import weakref
+from typing import Any
+
+import numpy as np
+import torch
+
+from .backend import BackendUnavailable, TransferBackend, TransferStats
+from .batch import ChunkBatch
+from .emu_backend import SOCS, SocSpec, check_soc_rules
+from .plan import CORE_STATUS_DTYPE, Direction, TransferPlan
+
+logger = logging.getLogger(__name__)
+
+
+def _soc_from_name(name: str, ub_bytes: int, vector_cores: int) -> SocSpec:
+    family = "310p" if "310p" in name.lower() else ("a3" if "910_93" in name.lower() else "a2")
+    base = SOCS[family]
+    return SocSpec(family, ub_bytes, vector_cores, base.has_datacopy_pad, base.has_bf16)
+
+
+class NpuBackend(TransferBackend):
+    name = "npu"
+
+    def __init__(self, cores: int | None = None) -> None:
+        try:
+            import torch_npu  # noqa: F401  (registers the npu device with torch)
+        except ImportError as exc:
+            raise BackendUnavailable(
+                "the npu backend needs torch_npu (and CANN); it is not importable here: " + str(exc)
+            ) from exc
+        if not torch.npu.is_available():  # type: ignore[attr-defined]
+            raise BackendUnavailable("torch_npu is installed but no Ascend NPU is visible")
+        try:
+            from lmcache_npu import _npu  # type: ignore[attr-defined]
+        except ImportError as exc:
+            raise BackendUnavailable(
+                "lmcache_npu._npu is not built: reinstall with CANN present (ASCEND_HOME_PATH set, SOC_VERSION "
+                "or npu-smi available)"
+            ) from exc
+        from lmcache_npu import _emu
+
+        self._npu: Any = _npu
+        info = _npu.platform()
+        self.soc = _soc_from_name(info["soc"], int(info["ub_bytes"]), int(info["vector_cores"]))
+        self.cores = int(cores) if cores is not None else self.soc.vector_cores
+        self.tiling = _emu.ub_tiling(self.soc.ub_bytes)  # the one tiling function (transfer_plan.h)
+        self._plane_tables: "weakref.WeakKeyDictionary[TransferPlan, torch.Tensor]" = weakref.WeakKeyDictionary()
+        logger.info("npu backend on %s: %d vector cores, %d B UB, tile %d B", info["soc"], self.cores,
+                    self.soc.ub_bytes, self.tiling["tile_bytes"])
+
+    def _plane_table(self, plan: TransferPlan) -> torch.Tensor:
+        table = self._plane_tables.get(plan)
+        if table is None:
+            table = torch.from_numpy(plan.plane_table.view(np.uint8)).to(plan.device)
+            self._plane_tables[plan] = table
+        return table
+
+    def transfer(self, batch: ChunkBatch) -> TransferStats:
+        plan = batch.plan
+        device = plan.device
+        if device.type != "npu":
+            raise ValueError(f"the npu backend moves NPU pages; the plan's planes are on {device}")
+        check_soc_rules(plan, self.soc)
+        on_device = all(o.device == device for o in batch.objects)
+        if not on_device and any(o.device.type != "cpu" for o in batch.objects):
+            raise ValueError("chunk objects must all be on the plan's NPU or all in host memory")
+        stream = torch.npu.current_stream(device)  # type: ignore[attr-defined]
+        start = time.perf_counter()
+        if on_device:
+            staging = None
+            object_addrs = batch.object_addresses()
+        else:
+            staging = torch.empty((batch.num_chunks, plan.object_bytes), dtype=torch.uint8, device=device)
+            object_addrs = np.array([staging[c].data_ptr() for c in range(batch.num_chunks)], dtype=np.uint64)
+            if batch.direction == Direction.LOAD:
+                for c, obj in enumerate(batch.objects):
+                    staging[c].copy_(obj[: plan.object_bytes], non_blocking=True)
+        # One host buffer, one H2D copy: group table, run table, object addresses.
+        parts = [batch.group_table.view(np.uint8), batch.runs.view(np.uint8), object_addrs.view(np.uint8)]
+        offsets = np.cumsum([0] + [(p.nbytes + 63) // 64 * 64 for p in parts])
+        host = torch.zeros(int(offsets[-1]) or 64, dtype=torch.uint8, pin_memory=True)
+        for part, off in zip(parts, offsets):
+            host[int(off): int(off) + part.nbytes] = torch.from_numpy(part.copy())
+        tables = host.to(device, non_blocking=True)
+        status = torch.zeros(self.cores * CORE_STATUS_DTYPE.itemsize, dtype=torch.uint8, device=device)
+        base = tables.data_ptr()
+        self._npu.launch(
+            stream=stream.npu_stream, block_dim=self.cores, planes=self._plane_table(plan).data_ptr(),
+            groups=base + int(offsets[0]), runs=base + int(offsets[1]), objects=base + int(offsets[2]),
+            status=status.data_ptr(), total_items=batch.total_items, num_planes=len(plan.plane_table),
+            num_groups=len(batch.group_table), num_runs=batch.runs.size, num_chunks=batch.num_chunks,
+            direction=int(batch.direction), tile_bytes=self.tiling["tile_bytes"],
+            zero_tile_bytes=self.tiling["zero_tile_bytes"],
+        )
+        if staging is not None and batch.direction == Direction.STORE:
+            for c, obj in enumerate(batch.objects):
+                obj[: plan.object_bytes].copy_(staging[c], non_blocking=True)
+        stream.synchronize()
+        seconds = time.perf_counter() - start
+        report = status.cpu().numpy().view(CORE_STATUS_DTYPE)
+        rejected, done = int(report["items_rejected"].sum()), int(report["items_done"].sum())
+        if rejected or done != batch.total_items:
+            raise RuntimeError(f"kernel moved {done} of {batch.total_items} work items and rejected {rejected}")
+        return TransferStats(backend=self.name, direction=batch.direction, chunks=batch.num_chunks,
+                             payload_bytes=batch.payload_bytes, launches=1, seconds=seconds,
+                             dma_ops=int(report["dma_ops"].sum()) - self.cores)

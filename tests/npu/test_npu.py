@@ -1,0 +1,36 @@
+"""The same checks on a real Ascend NPU: needs torch_npu, CANN and lmcache_npu._npu; skipped elsewhere."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+pytestmark = [
+    pytest.mark.npu,
+    pytest.mark.skipif(importlib.util.find_spec("torch_npu") is None,
+                       reason="no torch_npu: the NPU suite needs an Ascend NPU with CANN and torch_npu"),
+]
+
+
+@pytest.fixture(scope="module")
+def backend():
+    from lmcache_npu.ops import BackendUnavailable, get_backend
+
+    try:
+        return get_backend("npu")
+    except BackendUnavailable as exc:
+        pytest.skip(str(exc))
+
+
+@pytest.mark.parametrize("preset", ["llama3-8b", "deepseek-v3", "deepseek-v3.2-c8", "deepseek-v4-flash",
+                                    "gpt-oss-120b", "llama3-8b-310p"])
+@pytest.mark.parametrize("chunks", [1, 16])
+def test_presets_round_trip_on_npu(backend, preset: str, chunks: int) -> None:
+    from lmcache_npu.bench.presets import get_preset
+    from lmcache_npu.bench.runner import run_bench
+
+    if preset.endswith("310p") != (backend.soc.name == "310p"):
+        pytest.skip(f"{preset} is for {'310P' if preset.endswith('310p') else 'A2/A3'}; this is {backend.soc.name}")
+    report = run_bench(get_preset(preset), "npu", chunks=chunks, check=True, progress=False)
+    assert report.check == "ok"
