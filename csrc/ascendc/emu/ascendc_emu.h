@@ -657,7 +657,6 @@ inline void BlockCopy(bool to_ub, uint8_t* gm, const LocalTensor<uint8_t>& ub, c
   const uint64_t gm_pitch = (static_cast<uint64_t>(p.blockLen) + (to_ub ? p.srcStride : p.dstStride)) * 32;
   const uint64_t ub_pitch = (static_cast<uint64_t>(p.blockLen) + (to_ub ? p.dstStride : p.srcStride)) * 32;
   const uint64_t ub_span = ub_pitch * (p.blockCount - 1) + len;
-  const uint64_t gm_span = gm_pitch * (p.blockCount - 1) + len;
   CheckUbDma(ub.EmuOffset(), ub_span, ub, api, site);
   const int pipe = to_ub ? emu::kMte2 : emu::kMte3;
   for (uint16_t k = 0; k < p.blockCount; ++k) {
@@ -673,8 +672,24 @@ inline void BlockCopy(bool to_ub, uint8_t* gm, const LocalTensor<uint8_t>& ub, c
       std::memcpy(gm + k * gm_pitch, emu::g_core->ub.data() + u, len);
     }
   }
-  (void)gm_span;
   CountDma(pipe, len * p.blockCount);
+}
+
+}  // namespace emu_detail
+
+namespace emu_detail {
+
+// The count form: one contiguous block of count * sizeof(T) bytes, which must be whole 32 B units.
+inline void CountCopy(bool to_ub, uint8_t* gm, const LocalTensor<uint8_t>& ub, uint64_t bytes, const char* api,
+                      const emu::Site& site) {
+  emu::Core(api, site);
+  if (bytes == 0 || bytes % 32 != 0) {
+    emu::Fail(emu::rule::kDataCopyLen, api, site,
+              std::to_string(bytes) + " B is not a positive multiple of 32 (the NPU silently rounds down to " +
+                  std::to_string(bytes / 32 * 32) + " B)");
+  }
+  if (bytes / 32 > 65535) emu::Fail(emu::rule::kDataCopyParams, api, site, "more than 65535 x 32 B in one DataCopy");
+  BlockCopy(to_ub, gm, ub, DataCopyParams(1, static_cast<uint16_t>(bytes / 32), 0, 0), api, site);
 }
 
 }  // namespace emu_detail
@@ -682,31 +697,17 @@ inline void BlockCopy(bool to_ub, uint8_t* gm, const LocalTensor<uint8_t>& ub, c
 template <typename T>
 __aicore__ inline void DataCopy(const LocalTensor<T>& dst, const GlobalTensor<T>& src, const uint32_t count,
                                 EMU_SITE) {
-    EMU_BIND_SITE;
-  const uint64_t bytes = static_cast<uint64_t>(count) * sizeof(T);
-  emu::Core("DataCopy", site);
-  if (bytes == 0 || bytes % 32 != 0) {
-    emu::Fail(emu::rule::kDataCopyLen, "DataCopy(GM->UB)", site,
-              std::to_string(bytes) + " B is not a positive multiple of 32 (the NPU silently rounds down to " +
-                  std::to_string(bytes / 32 * 32) + " B)");
-  }
-  emu_detail::BlockCopy(true, reinterpret_cast<uint8_t*>(src.GetPhyAddr()), dst.template ReinterpretCast<uint8_t>(),
-                        DataCopyParams(1, static_cast<uint16_t>(bytes / 32), 0, 0), "DataCopy(GM->UB)", site);
+  EMU_BIND_SITE;
+  emu_detail::CountCopy(true, reinterpret_cast<uint8_t*>(src.GetPhyAddr()), dst.template ReinterpretCast<uint8_t>(),
+                        static_cast<uint64_t>(count) * sizeof(T), "DataCopy(GM->UB)", site);
 }
 
 template <typename T>
 __aicore__ inline void DataCopy(const GlobalTensor<T>& dst, const LocalTensor<T>& src, const uint32_t count,
                                 EMU_SITE) {
-    EMU_BIND_SITE;
-  const uint64_t bytes = static_cast<uint64_t>(count) * sizeof(T);
-  emu::Core("DataCopy", site);
-  if (bytes == 0 || bytes % 32 != 0) {
-    emu::Fail(emu::rule::kDataCopyLen, "DataCopy(UB->GM)", site,
-              std::to_string(bytes) + " B is not a positive multiple of 32 (the NPU silently rounds down to " +
-                  std::to_string(bytes / 32 * 32) + " B)");
-  }
-  emu_detail::BlockCopy(false, reinterpret_cast<uint8_t*>(dst.GetPhyAddr()), src.template ReinterpretCast<uint8_t>(),
-                        DataCopyParams(1, static_cast<uint16_t>(bytes / 32), 0, 0), "DataCopy(UB->GM)", site);
+  EMU_BIND_SITE;
+  emu_detail::CountCopy(false, reinterpret_cast<uint8_t*>(dst.GetPhyAddr()), src.template ReinterpretCast<uint8_t>(),
+                        static_cast<uint64_t>(count) * sizeof(T), "DataCopy(UB->GM)", site);
 }
 
 template <typename T>

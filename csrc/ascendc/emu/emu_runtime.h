@@ -342,12 +342,16 @@ inline void UbPoison(uint32_t offset, uint32_t len) {
   }
 }
 
-inline void SetEvent(int event, int src, int id, const char* api, const Site& site) {
-  CoreCtx& c = *g_core;
+inline void CheckEventId(const CoreCtx& c, int id, const char* api, const Site& site) {
   if (id < 0 || static_cast<uint32_t>(id) >= c.spec->num_event_ids) {
     Fail(rule::kEvent, api, site, "event id " + std::to_string(id) + " outside [0, " +
                                       std::to_string(c.spec->num_event_ids) + ")");
   }
+}
+
+inline void SetEvent(int event, int src, int id, const char* api, const Site& site) {
+  CoreCtx& c = *g_core;
+  CheckEventId(c, id, api, site);
   auto& slot = c.events[static_cast<size_t>(event)][static_cast<size_t>(id)];
   if (slot.set) {
     Fail(rule::kEvent, api, site,
@@ -361,10 +365,7 @@ inline void SetEvent(int event, int src, int id, const char* api, const Site& si
 
 inline void WaitEvent(int event, int dst, int id, const char* api, const Site& site) {
   CoreCtx& c = *g_core;
-  if (id < 0 || static_cast<uint32_t>(id) >= c.spec->num_event_ids) {
-    Fail(rule::kEvent, api, site, "event id " + std::to_string(id) + " outside [0, " +
-                                      std::to_string(c.spec->num_event_ids) + ")");
-  }
+  CheckEventId(c, id, api, site);
   auto& slot = c.events[static_cast<size_t>(event)][static_cast<size_t>(id)];
   if (!slot.set) {
     Fail(rule::kEvent, api, site, "WaitFlag on event id " + std::to_string(id) + " that nobody set: the core would hang");
