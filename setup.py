@@ -43,30 +43,51 @@ def emu_extension() -> Pybind11Extension:
     )
 
 
+def cuda_home() -> Path | None:
+    """The CUDA toolkit that holds cuda_runtime.h and libcudart (nvcc may be a wrapper script)."""
+    nvcc = shutil.which("nvcc")
+    candidates = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"),
+                  str(Path(nvcc).resolve().parent.parent) if nvcc else None, "/usr/local/cuda",
+                  *sorted(glob.glob("/usr/local/cuda-*"), reverse=True)]
+    for candidate in candidates:
+        if candidate and (Path(candidate) / "include" / "cuda_runtime.h").exists():
+            return Path(candidate)
+    return None
+
+
 def cuda_extension() -> Pybind11Extension | None:
-    sources = sorted(glob.glob("csrc/cuda/*.cu"))
-    if not sources:
-        log.info("skipping lmcache_npu._cuda: csrc/cuda has no kernel sources")
+    """Auto when nvcc and a CUDA build of torch are present; LMCACHE_NPU_CUDA=1 forces it (nvcc only), =0 skips."""
+    mode = os.environ.get("LMCACHE_NPU_CUDA", "auto")
+    if mode == "0":
+        log.info("skipping lmcache_npu._cuda: LMCACHE_NPU_CUDA=0")
         return None
+    sources = sorted(glob.glob("csrc/cuda/*.cu"))
     if shutil.which("nvcc") is None:
+        if mode == "1":
+            raise RuntimeError("LMCACHE_NPU_CUDA=1 but nvcc is not on PATH")
         log.info("skipping lmcache_npu._cuda: nvcc is not on PATH")
         return None
-    try:
-        import torch
-    except ImportError:
-        log.info("skipping lmcache_npu._cuda: torch is not importable in the build environment "
-                 "(install with --no-build-isolation)")
-        return None
-    if not torch.version.cuda:
-        log.info("skipping lmcache_npu._cuda: torch %s is not a CUDA build", torch.__version__)
-        return None
-    bindings = sorted(glob.glob("csrc/bindings/cuda_*.cpp"))
-    ext = Pybind11Extension("lmcache_npu._cuda", sources=bindings, include_dirs=["csrc"],
+    if mode != "1":
+        try:
+            import torch
+        except ImportError:
+            log.info("skipping lmcache_npu._cuda: torch is not importable in the build environment "
+                     "(install with --no-build-isolation, or force with LMCACHE_NPU_CUDA=1)")
+            return None
+        if not torch.version.cuda:
+            log.info("skipping lmcache_npu._cuda: torch %s is not a CUDA build (force with LMCACHE_NPU_CUDA=1)",
+                     torch.__version__)
+            return None
+    home = cuda_home()
+    if home is None:
+        raise RuntimeError("nvcc found but no CUDA toolkit with include/cuda_runtime.h; set CUDA_HOME")
+    ext = Pybind11Extension("lmcache_npu._cuda", sources=["csrc/bindings/cuda_module.cpp"], include_dirs=["csrc"],
                             extra_compile_args=CXX_FLAGS, cxx_std=17)
     ext.cuda_sources = sources  # type: ignore[attr-defined]
-    cuda_home = Path(shutil.which("nvcc")).resolve().parent.parent  # type: ignore[arg-type]
-    ext.library_dirs.append(str(cuda_home / "lib64"))
+    ext.library_dirs += [str(home / d) for d in ("lib64", "lib") if (home / d).exists()]
+    ext.runtime_library_dirs += [str(home / d) for d in ("lib64", "lib") if (home / d).exists()]
     ext.libraries.append("cudart")
+    log.info("building lmcache_npu._cuda with the CUDA toolkit at %s", home)
     return ext
 
 
@@ -103,8 +124,9 @@ class BuildExt(build_ext):
             objects_dir.mkdir(parents=True, exist_ok=True)
             for src in cuda_sources:
                 obj = objects_dir / (Path(src).stem + ".o")
-                cmd = ["nvcc", "-std=c++17", "-O3", "-Xcompiler", "-fPIC", "-Icsrc",
-                       "-gencode=arch=compute_80,code=sm_80", "-gencode=arch=compute_90,code=sm_90",
+                archs = os.environ.get("LMCACHE_NPU_CUDA_ARCHS", "80;90").split(";")
+                cmd = ["nvcc", "-std=c++17", "-O3", "-Xcompiler", "-fPIC", "-Icsrc", "-lineinfo",
+                       *[f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs],
                        "-c", src, "-o", str(obj)]
                 log.info("%s", " ".join(cmd))
                 subprocess.check_call(cmd, cwd=ROOT)

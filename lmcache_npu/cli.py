@@ -26,6 +26,10 @@ def _bench(args: argparse.Namespace) -> int:
     options: dict[str, object] = {}
     if args.backend == "emu" or (args.backend == "auto" and args.soc):
         options = {k: v for k, v in (("soc", args.soc), ("cores", args.cores), ("ub_bytes", args.ub_bytes)) if v}
+    if args.backend == "cuda":
+        options = {k: v for k, v in (("path", args.path), ("blocks", args.blocks), ("threads", args.threads)) if v}
+    if args.overlap:
+        return _overlap(args, geometry, options)
     report = run_bench(geometry, args.backend, chunks=args.chunks, chunk_tokens=args.chunk_tokens, check=args.check,
                        repeats=args.repeats, seed=args.seed, progress=sys.stderr.isatty(), **options)
     console.print(render(report))
@@ -34,6 +38,37 @@ def _bench(args: argparse.Namespace) -> int:
     if args.check and report.check != "ok":
         console.print(f"[red]round trip check failed: {report.check}[/red]")
         return 1
+    return 0
+
+
+def _overlap(args: argparse.Namespace, geometry, options: dict[str, object]) -> int:
+    import torch
+    from rich.console import Console
+    from rich.table import Table
+
+    from .bench.cuda_baselines import overlap
+    from .bench.geometry import materialize
+    from .ops import ChunkBatch, Direction, get_backend
+
+    if args.backend != "cuda":
+        raise ValueError("--overlap measures the cuda backend next to a matmul loop; use --backend cuda")
+    backend = get_backend("cuda", **options)
+    m = materialize(geometry, args.chunks, torch.device("cuda"), args.seed, args.chunk_tokens)
+    objects = torch.zeros((args.chunks, m.plan.object_bytes), dtype=torch.uint8, pin_memory=True)
+    table = Table(title=f"{geometry.name}: {args.chunks} chunks on a side stream during bf16 8192^3 matmuls")
+    for col in ("direction", "path", "matmul slowdown %", "transfer GB/s", "kernel ms/batch", "transfers"):
+        table.add_column(col, justify="right")
+    results = []
+    for direction in (Direction.STORE, Direction.LOAD):
+        batch = ChunkBatch.build(m.plan, m.slots, objects, direction)
+        for path in ("mapped", "staging"):
+            r = overlap(batch, backend, path)
+            results.append({"direction": direction.name.lower(), **r.__dict__, "slowdown_percent": r.slowdown_percent})
+            table.add_row(direction.name.lower(), path, f"{r.slowdown_percent:.1f}", f"{r.transfer_gb_per_s:.2f}",
+                          f"{r.kernel_ms:.3f}", str(r.transfers))
+    Console().print(table)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
     return 0
 
 
@@ -57,6 +92,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--soc", choices=["a2", "a3", "310p"], help="emu: the SoC to emulate")
     bench.add_argument("--cores", type=int, help="emu: vector cores to launch")
     bench.add_argument("--ub-bytes", type=int, help="emu: UB capacity per core")
+    bench.add_argument("--path", choices=["auto", "mapped", "staging"], help="cuda: how host objects are reached")
+    bench.add_argument("--blocks", type=int, help="cuda: thread blocks per launch")
+    bench.add_argument("--threads", type=int, help="cuda: threads per block")
+    bench.add_argument("--overlap", action="store_true",
+                       help="cuda: matmul slowdown and transfer GB/s with transfers on a side stream")
     bench.set_defaults(func=_bench)
     return parser
 

@@ -20,9 +20,13 @@ class BenchRow:
     direction: str
     chunks: int
     payload_bytes: int
-    seconds: float
+    seconds: float  # device time where the backend measures it (CUDA events), else wall time
     launches: int
     dma_ops: Optional[int]
+    path: Optional[str] = None  # cuda: mapped | staging | device
+    kernel_ms: Optional[float] = None
+    pinned_gb_per_s: Optional[float] = None  # plain pinned copy of the same bytes, same run
+    naive_gb_per_s: Optional[float] = None  # per-plane torch gather + one copy, same run
 
     @property
     def gb_per_s(self) -> float:
@@ -89,14 +93,17 @@ def run_bench(geometry: Geometry, backend_name: str, chunks: int = 4, chunk_toke
     from rich.progress import Progress
 
     stats: dict[str, list[TransferStats]] = {"store": [], "load": []}
+    kernel_ms: dict[str, float] = {"store": float("inf"), "load": float("inf")}
     with Progress(transient=True, disable=not progress) as bar:
         task = bar.add_task(f"{backend.name}: {geometry.name}", total=2 * repeats)
         for _ in range(repeats):
             stats["store"].append(backend.transfer(store_batch))
+            kernel_ms["store"] = min(kernel_ms["store"], getattr(backend, "last_kernel_ms", None) or float("inf"))
             bar.advance(task)
             for p in m.allocations:
                 p.zero_()
             stats["load"].append(backend.transfer(load_batch))
+            kernel_ms["load"] = min(kernel_ms["load"], getattr(backend, "last_kernel_ms", None) or float("inf"))
             bar.advance(task)
 
     verdict: Optional[str] = None
@@ -115,16 +122,26 @@ def run_bench(geometry: Geometry, backend_name: str, chunks: int = 4, chunk_toke
                 c = _first_difference(reference, objects)
                 verdict = f"chunk object byte {c} (chunk {c // plan.object_bytes}) differs from the torch oracle"
 
-    def best(direction: str) -> BenchRow:
-        fastest = min(stats[direction], key=lambda s: s.seconds)
-        return BenchRow(direction, fastest.chunks, fastest.payload_bytes, fastest.seconds, fastest.launches,
-                        fastest.dma_ops)
+    def seconds(s: TransferStats) -> float:
+        return s.device_seconds if s.device_seconds is not None else s.seconds
+
+    def best(direction: str, batch: ChunkBatch) -> BenchRow:
+        fastest = min(stats[direction], key=seconds)
+        extra: dict = {}
+        if backend.name == "cuda":
+            from .cuda_baselines import naive_torch_gbps, pinned_copy_gbps
+
+            extra = dict(path=backend.path_for(batch), kernel_ms=kernel_ms[direction],
+                         pinned_gb_per_s=pinned_copy_gbps(fastest.payload_bytes, batch.direction, plan.device),
+                         naive_gb_per_s=naive_torch_gbps(batch))
+        return BenchRow(direction, fastest.chunks, fastest.payload_bytes, seconds(fastest), fastest.launches,
+                        fastest.dma_ops, **extra)
 
     return BenchReport(
         preset=geometry.name, backend=backend.name, chunk_tokens=plan.chunk_tokens, chunks=chunks,
         groups=len(plan.groups), planes=len(plan.planes), moved_planes=len(plan.moved_planes),
         object_bytes=plan.object_bytes, naive_object_bytes=plan.object_bytes_naive(),
-        rows=(best("store"), best("load")), check=verdict,
+        rows=(best("store", store_batch), best("load", load_batch)), check=verdict,
     )
 
 
@@ -133,13 +150,21 @@ def render(report: BenchReport) -> "object":
 
     table = Table(title=f"{report.preset} on {report.backend}: {report.chunks} chunks x {report.chunk_tokens} tokens, "
                         f"{report.moved_planes}/{report.planes} planes in {report.groups} groups")
-    for col in ("direction", "bytes", "time (ms)", "GB/s", "launches", "DMA ops", "DMA ops/chunk"):
+    cuda = any(row.pinned_gb_per_s is not None for row in report.rows)
+    columns = ["direction", "bytes", "time (ms)", "GB/s", "launches"]
+    columns += ["path", "kernel (ms)", "x pinned copy", "x naive torch"] if cuda else ["DMA ops", "DMA ops/chunk"]
+    for col in columns:
         table.add_column(col, justify="right")
     for row in report.rows:
-        dma = "-" if row.dma_ops is None else str(row.dma_ops)
-        per_chunk = "-" if row.dma_ops is None else f"{row.dma_ops / row.chunks:.0f}"
-        table.add_row(row.direction, f"{row.payload_bytes:,}", f"{row.seconds * 1e3:.3f}", f"{row.gb_per_s:.2f}",
-                      str(row.launches), dma, per_chunk)
+        cells = [row.direction, f"{row.payload_bytes:,}", f"{row.seconds * 1e3:.3f}", f"{row.gb_per_s:.2f}",
+                 str(row.launches)]
+        if cuda:
+            cells += [str(row.path), f"{row.kernel_ms:.3f}", f"{row.gb_per_s / row.pinned_gb_per_s:.3f}",
+                      f"{row.gb_per_s / row.naive_gb_per_s:.2f}"]
+        else:
+            cells += ["-" if row.dma_ops is None else str(row.dma_ops),
+                      "-" if row.dma_ops is None else f"{row.dma_ops / row.chunks:.0f}"]
+        table.add_row(*cells)
     table.caption = (f"chunk object {report.object_bytes:,} B (a naive copier: {report.naive_object_bytes:,} B)"
                      + ("" if report.check is None else f"; check: {report.check}")
                      + ("; emu times are emulator times, not hardware" if report.backend == "emu" else ""))

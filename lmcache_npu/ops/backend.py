@@ -31,6 +31,7 @@ class TransferStats:
     launches: int
     seconds: float
     dma_ops: Optional[int] = None  # DMA calls issued by the kernel, where the backend can count them
+    device_seconds: Optional[float] = None  # GPU time from the first enqueued op to the last (CUDA events)
 
 
 class TransferBackend(abc.ABC):

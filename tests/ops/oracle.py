@@ -85,7 +85,7 @@ def oracle_store(geometry: Geometry, slots: list[Optional[np.ndarray]], objects:
     order, offsets, _ = oracle_object_layout(geometry)
     for i, off in zip(order, offsets):
         rp = geometry.raw_planes[i]
-        raw = rp.raw.numpy()
+        raw = rp.raw.cpu().numpy()
         for c in range(out.shape[0]):
             for r, slot in enumerate(slots[rp.group][c]):
                 dst = off + r * rp.row_bytes
@@ -101,7 +101,7 @@ def oracle_store(geometry: Geometry, slots: list[Optional[np.ndarray]], objects:
 
 def oracle_load(geometry: Geometry, slots: list[Optional[np.ndarray]], objects: np.ndarray) -> list[np.ndarray]:
     """Every raw plane buffer after a load; skipped rows and everything else stay as they were."""
-    result = [rp.raw.numpy().copy() for rp in geometry.raw_planes]
+    result = [rp.raw.cpu().numpy().copy() for rp in geometry.raw_planes]
     order, offsets, _ = oracle_object_layout(geometry)
     for i, off in zip(order, offsets):
         rp = geometry.raw_planes[i]

@@ -18,32 +18,34 @@ from .strategies import Case, cases
 SENTINEL = 0x5A
 
 
-def run_round_trip(backend: TransferBackend, case: Case) -> None:
+def run_round_trip(backend: TransferBackend, case: Case,
+                   place_objects: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> None:
+    """Store into sentinel-filled objects, compare every byte; load into fresh pages, compare every byte."""
     geometry, slots = case.geometry, case.slots
     plan = geometry.plan()
     _, _, object_bytes = oracle_object_layout(geometry)
     assert plan.object_bytes == object_bytes
     rng = np.random.default_rng(case.seed + 1)
-    objects = torch.full((case.num_chunks, object_bytes + 64), SENTINEL, dtype=torch.uint8)
+    objects = place_objects(torch.full((case.num_chunks, object_bytes + 64), SENTINEL, dtype=torch.uint8))
     pages_before = [rp.raw.clone() for rp in geometry.raw_planes]
-    expected_objects = oracle_store(geometry, slots, objects.numpy())
+    expected_objects = oracle_store(geometry, slots, objects.cpu().numpy())
 
     backend.store(plan, slots, objects)
 
-    assert np.array_equal(objects.numpy(), expected_objects), "store: object bytes differ from the oracle"
+    assert np.array_equal(objects.cpu().numpy(), expected_objects), "store: object bytes differ from the oracle"
     for rp, before in zip(geometry.raw_planes, pages_before):
         assert torch.equal(rp.raw, before), "store wrote to a page"
 
     for rp in geometry.raw_planes:  # fresh destination pages
         rp.raw.copy_(torch.from_numpy(rng.integers(0, 256, rp.raw.numel(), dtype=np.uint8)))
-    expected_pages = oracle_load(geometry, slots, objects.numpy())
+    expected_pages = oracle_load(geometry, slots, objects.cpu().numpy())
     objects_before = objects.clone()
 
     backend.load(plan, slots, objects)
 
     assert torch.equal(objects, objects_before), "load wrote to a chunk object"
     for i, (rp, expected) in enumerate(zip(geometry.raw_planes, expected_pages)):
-        assert np.array_equal(rp.raw.numpy(), expected), f"load: plane {i} bytes differ from the oracle"
+        assert np.array_equal(rp.raw.cpu().numpy(), expected), f"load: plane {i} bytes differ from the oracle"
 
 
 @given(case=cases(soc="a2"))

@@ -1,0 +1,161 @@
+// CUDA implementation of the transfer contract (csrc/common/transfer_plan.h), DESIGN §4.
+//
+// One launch moves every (run, plane) work item of a batch. A thread block owns one item at a
+// time (items grid-strided, chunk-major), so each item is one contiguous span (ND) that the
+// block copies with the widest vector both addresses allow (16 B when src and dst agree modulo
+// 16, narrower otherwise; odd widths stay byte-exact). Object addresses may be device memory
+// (staging) or pinned host memory through UVA (mapped, zero-copy): the same code serves both,
+// with 4 independent loads in flight per thread to cover PCIe read latency.
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "../common/transfer_plan.h"
+#include "kv_transfer_cuda.h"
+
+namespace lmcache_npu {
+namespace {
+
+template <typename V>
+__device__ __forceinline__ void CopyVectors(uint8_t* dst, const uint8_t* src, uint64_t count, unsigned lane,
+                                            unsigned lanes) {
+  const V* s = reinterpret_cast<const V*>(src);
+  V* d = reinterpret_cast<V*>(dst);
+  uint64_t i = lane;
+  for (; i + 3ull * lanes < count; i += 4ull * lanes) {
+    const V a = s[i], b = s[i + lanes], c = s[i + 2ull * lanes], e = s[i + 3ull * lanes];
+    d[i] = a;
+    d[i + lanes] = b;
+    d[i + 2ull * lanes] = c;
+    d[i + 3ull * lanes] = e;
+  }
+  for (; i < count; i += lanes) d[i] = s[i];
+}
+
+// Copies `bytes` with the widest access on which src and dst agree; head and tail go byte by byte.
+__device__ __forceinline__ void CopySpan(uint8_t* dst, const uint8_t* src, uint64_t bytes, unsigned lane,
+                                         unsigned lanes) {
+  const uintptr_t skew = reinterpret_cast<uintptr_t>(dst) ^ reinterpret_cast<uintptr_t>(src);
+  const unsigned width = (skew & 15) == 0 ? 16 : (skew & 7) == 0 ? 8 : (skew & 3) == 0 ? 4 : (skew & 1) == 0 ? 2 : 1;
+  uint64_t head = (width - (reinterpret_cast<uintptr_t>(dst) & (width - 1))) & (width - 1);
+  if (head > bytes) head = bytes;
+  for (uint64_t i = lane; i < head; i += lanes) dst[i] = src[i];
+  const uint64_t count = (bytes - head) / width;
+  uint8_t* d = dst + head;
+  const uint8_t* s = src + head;
+  switch (width) {
+    case 16: CopyVectors<uint4>(d, s, count, lane, lanes); break;
+    case 8: CopyVectors<uint2>(d, s, count, lane, lanes); break;
+    case 4: CopyVectors<uint32_t>(d, s, count, lane, lanes); break;
+    case 2: CopyVectors<uint16_t>(d, s, count, lane, lanes); break;
+    default: CopyVectors<uint8_t>(d, s, count, lane, lanes); break;
+  }
+  for (uint64_t i = head + count * width + lane; i < bytes; i += lanes) dst[i] = src[i];
+}
+
+__device__ __forceinline__ void ZeroSpan(uint8_t* dst, uint64_t bytes, unsigned lane, unsigned lanes) {
+  uint64_t head = (16 - (reinterpret_cast<uintptr_t>(dst) & 15)) & 15;
+  if (head > bytes) head = bytes;
+  for (uint64_t i = lane; i < head; i += lanes) dst[i] = 0;
+  const uint64_t count = (bytes - head) / 16;
+  uint4* d = reinterpret_cast<uint4*>(dst + head);
+  for (uint64_t i = lane; i < count; i += lanes) d[i] = make_uint4(0, 0, 0, 0);
+  for (uint64_t i = head + count * 16 + lane; i < bytes; i += lanes) dst[i] = 0;
+}
+
+// The kernel's own copy of the host's rules: an item outside them is skipped and counted.
+__device__ __forceinline__ bool Admissible(const PlaneDesc& plane, const GroupDesc& group, const RunDesc& run,
+                                           uint32_t num_chunks) {
+  if (run.chunk >= num_chunks || run.num_rows == 0) return false;
+  if (static_cast<uint64_t>(run.first_row) + run.num_rows > group.rows_per_chunk) return false;
+  if (plane.rows_per_block == 0 || plane.rows_per_block != group.rows_per_block || plane.row_bytes == 0) return false;
+  if (run.first_slot >= 0) {
+    const uint32_t slot = static_cast<uint32_t>(run.first_slot);
+    if (slot / plane.rows_per_block >= plane.num_blocks) return false;
+    if (static_cast<uint64_t>(slot % plane.rows_per_block) + run.num_rows > plane.rows_per_block) return false;
+  }
+  if (plane.layout == kPageND) return true;
+  return plane.layout == kPageFractalNZ && plane.nz_unit_bytes > 0 && plane.row_bytes % plane.nz_unit_bytes == 0;
+}
+
+__global__ void KvTransferKernel(const PlaneDesc* __restrict__ planes, const GroupDesc* __restrict__ groups,
+                                 const RunDesc* __restrict__ runs, const uint64_t* __restrict__ objects,
+                                 const uint2* __restrict__ items, uint64_t num_items, uint32_t num_planes,
+                                 uint32_t num_groups, uint32_t num_runs, uint32_t num_chunks, uint32_t direction,
+                                 LmcacheCudaStatus* status) {
+  const bool store = direction == kStore;
+  const unsigned lane = threadIdx.x, lanes = blockDim.x;
+  for (uint64_t item = blockIdx.x; item < num_items; item += gridDim.x) {
+    const uint2 work = items[item];  // (run, plane)
+    if (work.x >= num_runs || work.y >= num_planes) {
+      if (lane == 0) atomicAdd(&status->items_rejected, 1ull);
+      continue;
+    }
+    const PlaneDesc plane = planes[work.y];
+    const RunDesc run = runs[work.x];
+    if (plane.group_index >= num_groups || !Admissible(plane, groups[plane.group_index], run, num_chunks)) {
+      if (lane == 0) atomicAdd(&status->items_rejected, 1ull);
+      continue;
+    }
+    uint8_t* obj = reinterpret_cast<uint8_t*>(objects[run.chunk] + plane.object_offset_bytes +
+                                              static_cast<uint64_t>(run.first_row) * plane.row_bytes);
+    const uint64_t bytes = static_cast<uint64_t>(run.num_rows) * plane.row_bytes;
+    if (run.first_slot < 0) {
+      if (store) ZeroSpan(obj, bytes, lane, lanes);  // a load leaves skipped rows untouched
+    } else {
+      const uint32_t slot = static_cast<uint32_t>(run.first_slot);
+      uint8_t* block = reinterpret_cast<uint8_t*>(plane.base_addr +
+                                                  static_cast<uint64_t>(slot / plane.rows_per_block) *
+                                                      plane.block_stride_bytes);
+      const uint32_t first = slot % plane.rows_per_block;
+      if (plane.layout == kPageND) {
+        uint8_t* page = block + static_cast<uint64_t>(first) * plane.row_bytes;
+        store ? CopySpan(obj, page, bytes, lane, lanes) : CopySpan(page, obj, bytes, lane, lanes);
+      } else {  // FRACTAL_NZ: unit (row t, column j) at j * rows_per_block * unit + t * unit
+        const uint32_t unit = plane.nz_unit_bytes, cols = plane.row_bytes / unit;
+        const uint64_t units = static_cast<uint64_t>(run.num_rows) * cols;
+        for (uint64_t u = lane / 2; u < units; u += lanes / 2) {  // two threads per unit
+          const uint64_t r = u / cols, j = u % cols;
+          uint8_t* page = block + j * plane.rows_per_block * unit + (first + r) * unit;
+          uint8_t* row = obj + r * plane.row_bytes + j * unit;
+          for (uint32_t k = lane % 2; k < unit; k += 2) {
+            if (store) row[k] = page[k]; else page[k] = row[k];
+          }
+        }
+      }
+    }
+    if (lane == 0) {
+      atomicAdd(&status->items_done, 1ull);
+      if (store || run.first_slot >= 0) atomicAdd(&status->bytes_moved, static_cast<unsigned long long>(bytes));
+    }
+  }
+}
+
+}  // namespace
+}  // namespace lmcache_npu
+
+extern "C" int lmcache_cuda_kv_transfer(const LmcacheCudaLaunch* a) {
+  using namespace lmcache_npu;
+  if (a->threads < 32 || a->threads > 1024 || a->threads % 32 != 0) return cudaErrorInvalidConfiguration;
+  cudaStream_t stream = reinterpret_cast<cudaStream_t>(static_cast<uintptr_t>(a->stream));
+  cudaError_t err = cudaMemsetAsync(reinterpret_cast<void*>(a->status), 0, sizeof(LmcacheCudaStatus), stream);
+  if (err != cudaSuccess) return err;
+  if (a->num_items == 0) return cudaSuccess;
+  uint64_t blocks = a->blocks == 0 ? a->num_items : a->blocks;
+  if (blocks > a->num_items) blocks = a->num_items;
+  if (blocks > 65535) blocks = 65535;
+  KvTransferKernel<<<static_cast<unsigned>(blocks), a->threads, 0, stream>>>(
+      reinterpret_cast<const PlaneDesc*>(a->planes), reinterpret_cast<const GroupDesc*>(a->groups),
+      reinterpret_cast<const RunDesc*>(a->runs), reinterpret_cast<const uint64_t*>(a->objects),
+      reinterpret_cast<const uint2*>(a->items), a->num_items, a->num_planes, a->num_groups, a->num_runs,
+      a->num_chunks, a->direction, reinterpret_cast<LmcacheCudaStatus*>(a->status));
+  return cudaGetLastError();
+}
+
+extern "C" int lmcache_cuda_multiprocessors(int device, int* count) {
+  return cudaDeviceGetAttribute(count, cudaDevAttrMultiProcessorCount, device);
+}
+
+extern "C" const char* lmcache_cuda_error_string(int error) {
+  return cudaGetErrorString(static_cast<cudaError_t>(error));
+}

@@ -1,0 +1,47 @@
+// C interface of the CUDA kv-transfer kernel (csrc/cuda/kv_transfer.cu), shared with the pybind module.
+// Raw device/UVA addresses and a cudaStream_t passed as an integer: no torch or CUDA types cross it.
+#ifndef LMCACHE_NPU_KV_TRANSFER_CUDA_H_
+#define LMCACHE_NPU_KV_TRANSFER_CUDA_H_
+
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+// Counters the kernel accumulates with atomics; the host zeroes them (cudaMemsetAsync) per launch.
+typedef struct {
+  unsigned long long items_done;
+  unsigned long long items_rejected;
+  unsigned long long bytes_moved;
+  unsigned long long reserved;
+} LmcacheCudaStatus;
+
+typedef struct {
+  uint64_t stream;        // cudaStream_t
+  uint64_t planes;        // PlaneDesc[num_planes], device memory
+  uint64_t groups;        // GroupDesc[num_groups]
+  uint64_t runs;          // RunDesc[num_runs]
+  uint64_t objects;       // uint64 object address per chunk (device or mapped pinned host addresses)
+  uint64_t items;         // uint32 pairs (run, plane), chunk-major
+  uint64_t status;        // LmcacheCudaStatus, device memory
+  uint64_t num_items;
+  uint32_t num_planes;
+  uint32_t num_groups;
+  uint32_t num_runs;
+  uint32_t num_chunks;
+  uint32_t direction;     // lmcache_npu::Direction
+  uint32_t blocks;        // grid size; 0: one per item, at most 65535
+  uint32_t threads;       // block size, a multiple of 32 in [32, 1024]
+} LmcacheCudaLaunch;
+
+// Returns a cudaError_t value (0 on success). Enqueues a status reset and exactly one kernel.
+int lmcache_cuda_kv_transfer(const LmcacheCudaLaunch* launch);
+int lmcache_cuda_multiprocessors(int device, int* count);
+const char* lmcache_cuda_error_string(int error);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif  // LMCACHE_NPU_KV_TRANSFER_CUDA_H_

@@ -1,0 +1,116 @@
+"""Reference points measured in the same run as a CUDA transfer: a plain pinned copy of the same bytes,
+a naive torch transfer (per-plane gather + one copy), and the slowdown transfers cause to a matmul loop."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from ..ops import ChunkBatch, Direction
+from ..ops.torch_backend import row_view
+
+
+def _best_ms(fn: Callable[[], None], stream: torch.cuda.Stream, repeats: int) -> float:
+    fn()  # warm-up
+    best = float("inf")
+    for _ in range(repeats):
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record(stream)
+        fn()
+        end.record(stream)
+        end.synchronize()
+        best = min(best, begin.elapsed_time(end))
+    return best
+
+
+def pinned_copy_gbps(nbytes: int, direction: Direction, device: torch.device, repeats: int = 5) -> float:
+    """One cudaMemcpyAsync of `nbytes` between device memory and pinned host memory."""
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    stream = torch.cuda.current_stream(device)
+    copy = (lambda: host.copy_(dev, non_blocking=True)) if direction == Direction.STORE else (
+        lambda: dev.copy_(host, non_blocking=True))
+    return nbytes / (_best_ms(copy, stream, repeats) / 1e3) / 1e9
+
+
+def naive_torch_gbps(batch: ChunkBatch, repeats: int = 5) -> float:
+    """Per-plane torch gather into one device buffer plus one copy to pinned host (load: the reverse)."""
+    plan = batch.plan
+    device = plan.device
+    views, indices, sizes = [], [], []
+    for plane in plan.moved_planes:
+        slots = torch.from_numpy(batch.slots[plane.group]).reshape(-1).to(device)
+        slots = slots[slots >= 0]
+        views.append(row_view(plane))
+        indices.append((slots // plane.rows_per_block, slots % plane.rows_per_block))
+        sizes.append(int(slots.numel()) * plane.row_bytes)
+    total = sum(sizes)
+    buffer = torch.empty(total, dtype=torch.uint8, device=device)
+    host = torch.empty(total, dtype=torch.uint8, pin_memory=True)
+    chunks = list(buffer.split(sizes))
+
+    def store() -> None:
+        for view, (blocks, within), out in zip(views, indices, chunks):
+            out.view(blocks.numel(), -1).copy_(view[blocks, within].reshape(blocks.numel(), -1))
+        host.copy_(buffer, non_blocking=True)
+
+    def load() -> None:
+        buffer.copy_(host, non_blocking=True)
+        for view, (blocks, within), src in zip(views, indices, chunks):
+            view[blocks, within] = src.view((blocks.numel(),) + tuple(view.shape[2:]))
+
+    stream = torch.cuda.current_stream(device)
+    ms = _best_ms(store if batch.direction == Direction.STORE else load, stream, repeats)
+    return total / (ms / 1e3) / 1e9
+
+
+@dataclass(frozen=True)
+class OverlapResult:
+    path: str
+    matmul_ms_alone: float
+    matmul_ms_with_transfers: float
+    transfer_gb_per_s: float
+    transfers: int
+    kernel_ms: float
+
+    @property
+    def slowdown_percent(self) -> float:
+        return 100.0 * (self.matmul_ms_with_transfers / self.matmul_ms_alone - 1.0)
+
+
+def overlap(batch: ChunkBatch, backend, path: str, matmuls: int = 150, size: int = 8192) -> OverlapResult:
+    """bf16 matmuls on the compute stream while `batch` is transferred again and again on a side stream."""
+    device = batch.plan.device
+    a = torch.randn(size, size, dtype=torch.bfloat16, device=device)
+    b = torch.randn(size, size, dtype=torch.bfloat16, device=device)
+    compute = torch.cuda.current_stream(device)
+
+    def matmul_loop() -> tuple[torch.cuda.Event, torch.cuda.Event]:
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record(compute)
+        for _ in range(matmuls):
+            torch.matmul(a, b)
+        end.record(compute)
+        return begin, end
+
+    matmul_loop()[1].synchronize()  # warm-up
+    begin, end = matmul_loop()
+    end.synchronize()
+    alone = begin.elapsed_time(end) / matmuls
+    backend.path = path
+    side = torch.cuda.Stream(device)
+    begin, end = matmul_loop()
+    moved, seconds, kernel_ms, count = 0, 0.0, 0.0, 0
+    with torch.cuda.stream(side):
+        while not end.query():
+            stats = backend.transfer(batch)
+            moved += stats.payload_bytes
+            seconds += stats.device_seconds or stats.seconds
+            kernel_ms += backend.last_kernel_ms or 0.0
+            count += 1
+    end.synchronize()
+    with_transfers = begin.elapsed_time(end) / matmuls
+    return OverlapResult(path, alone, with_transfers, moved / seconds / 1e9 if seconds else 0.0, count,
+                         kernel_ms / max(count, 1))
