@@ -19,7 +19,9 @@ namespace lmcache_npu {
 
 // Version of the chunk-object byte layout and of the descriptor structs below.
 constexpr uint32_t kLayoutVersion = 1;
-// Every plane segment inside a chunk object starts at a multiple of this.
+// Every plane segment inside a chunk object starts at a multiple of this. The alignment gaps
+// between segments carry no data: a store may leave them as they were or write zeros there, and a
+// load never reads them.
 constexpr uint32_t kObjectAlignBytes = 64;
 // Slot value that means "no page for this row".
 constexpr int32_t kSkipSlot = -1;

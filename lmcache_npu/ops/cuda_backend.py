@@ -65,6 +65,7 @@ class CudaBackend(TransferBackend):
         self.blocks = blocks
         self._plane_tables: "weakref.WeakKeyDictionary[TransferPlan, torch.Tensor]" = weakref.WeakKeyDictionary()
         self._staging: Optional[torch.Tensor] = None
+        self._staging_plan: Optional["weakref.ref[TransferPlan]"] = None
         self.last_kernel_ms: Optional[float] = None
 
     def path_for(self, batch: ChunkBatch) -> str:
@@ -79,9 +80,14 @@ class CudaBackend(TransferBackend):
             self._plane_tables[plan] = table
         return table
 
-    def _staging_buffer(self, nbytes: int, device: torch.device) -> torch.Tensor:
-        if self._staging is None or self._staging.numel() < nbytes or self._staging.device != device:
-            self._staging = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    def _staging_buffer(self, plan: TransferPlan, nbytes: int) -> torch.Tensor:
+        """Zeroed when allocated and when the plan changes: object gaps copied to the host never carry
+        stale device memory."""
+        if self._staging is None or self._staging.numel() < nbytes or self._staging.device != plan.device:
+            self._staging = torch.zeros(nbytes, dtype=torch.uint8, device=plan.device)
+        elif self._staging_plan is None or self._staging_plan() is not plan:
+            self._staging.zero_()
+        self._staging_plan = weakref.ref(plan)
         return self._staging[:nbytes]
 
     def transfer(self, batch: ChunkBatch) -> TransferStats:
@@ -101,7 +107,7 @@ class CudaBackend(TransferBackend):
         first.record(stream)
         staging = None
         if path == "staging":
-            staging = self._staging_buffer(batch.num_chunks * plan.object_bytes, device).view(
+            staging = self._staging_buffer(plan, batch.num_chunks * plan.object_bytes).view(
                 batch.num_chunks, plan.object_bytes)
             addresses = np.array([staging[c].data_ptr() for c in range(batch.num_chunks)], dtype=np.uint64)
             if batch.direction == Direction.LOAD:

@@ -79,6 +79,18 @@ def oracle_object_layout(geometry: Geometry) -> tuple[list[int], list[int], int]
     return order, offsets, (cursor + 63) // 64 * 64
 
 
+def payload_mask(geometry: Geometry) -> np.ndarray:
+    """True for the object bytes that belong to a plane segment; alignment gaps carry no data."""
+    order, offsets, total = oracle_object_layout(geometry)
+    mask = np.zeros(total, dtype=bool)
+    for i, off in zip(order, offsets):
+        rp = geometry.raw_planes[i]
+        g = geometry.groups[rp.group]
+        tokens = geometry.chunk_tokens if g.sliding_window is None else min(geometry.chunk_tokens, g.sliding_window)
+        mask[off: off + tokens // g.compress_ratio * rp.row_bytes] = True
+    return mask
+
+
 def oracle_store(geometry: Geometry, slots: list[Optional[np.ndarray]], objects: np.ndarray) -> np.ndarray:
     """objects (chunks, object_bytes) after a store; skipped rows become zeros, gaps stay as they were."""
     out = objects.copy()

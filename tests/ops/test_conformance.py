@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from lmcache_npu.ops import TransferBackend, get_backend
 
-from .oracle import oracle_load, oracle_object_layout, oracle_store
+from .oracle import oracle_load, oracle_object_layout, oracle_store, payload_mask
 from .strategies import Case, cases
 
 SENTINEL = 0x5A
@@ -32,7 +32,11 @@ def run_round_trip(backend: TransferBackend, case: Case,
 
     backend.store(plan, slots, objects)
 
-    assert np.array_equal(objects.cpu().numpy(), expected_objects), "store: object bytes differ from the oracle"
+    got = objects.cpu().numpy()
+    payload = payload_mask(geometry)
+    assert np.array_equal(got[:, :object_bytes][:, payload], expected_objects[:, :object_bytes][:, payload]), \
+        "store: object payload bytes differ from the oracle"
+    assert (got[:, object_bytes:] == SENTINEL).all(), "store wrote past the end of a chunk object"
     for rp, before in zip(geometry.raw_planes, pages_before):
         assert torch.equal(rp.raw, before), "store wrote to a page"
 

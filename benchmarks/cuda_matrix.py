@@ -1,0 +1,71 @@
+"""The CUDA benchmark matrix of docs/performance.md in one run: presets x chunks x path, a chunk sweep
+for the plot, and the overlap benchmark. Writes one JSON file."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+from pathlib import Path
+
+import torch
+from rich.console import Console
+
+from lmcache_npu.bench.cuda_baselines import overlap
+from lmcache_npu.bench.geometry import materialize
+from lmcache_npu.bench.presets import get_preset
+from lmcache_npu.bench.runner import render, run_bench
+from lmcache_npu.ops import ChunkBatch, Direction, get_backend
+
+PRESETS = ["llama3-8b", "deepseek-v3", "deepseek-v4-flash", "gpt-oss-120b"]
+
+
+def environment() -> dict:
+    smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,pcie.link.gen.current,pcie.link.width.current",
+                          "--format=csv,noheader"], capture_output=True, text=True).stdout.strip()
+    return {"gpu": torch.cuda.get_device_name(), "nvidia_smi": smi, "torch": torch.__version__,
+            "cuda": torch.version.cuda, "python": platform.python_version()}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--json", type=Path, required=True)
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--sweep-preset", default="llama3-8b")
+    parser.add_argument("--overlap-preset", default="llama3-8b")
+    args = parser.parse_args()
+    console = Console()
+    out: dict = {"environment": environment(), "matrix": [], "sweep": [], "overlap": []}
+    console.print(out["environment"])
+    for preset in PRESETS:
+        for chunks in (1, 8):
+            for path in ("mapped", "staging"):
+                report = run_bench(get_preset(preset), "cuda", chunks=chunks, check=True, repeats=args.repeats,
+                                   progress=False, path=path)
+                console.print(render(report))
+                out["matrix"].append(report.to_json())
+    for chunks in (1, 2, 4, 8, 16, 32):
+        for path in ("mapped", "staging"):
+            report = run_bench(get_preset(args.sweep_preset), "cuda", chunks=chunks, repeats=args.repeats,
+                               progress=False, path=path)
+            out["sweep"].append(report.to_json())
+    backend = get_backend("cuda")
+    m = materialize(get_preset(args.overlap_preset), 8, torch.device("cuda"))
+    objects = torch.zeros((8, m.plan.object_bytes), dtype=torch.uint8, pin_memory=True)
+    for direction in (Direction.STORE, Direction.LOAD):
+        batch = ChunkBatch.build(m.plan, m.slots, objects, direction)
+        for path in ("mapped", "staging"):
+            for blocks in (None, 16, 32):
+                backend.blocks = blocks
+                r = overlap(batch, backend, path)
+                row = {"preset": args.overlap_preset, "direction": direction.name.lower(), "blocks": blocks,
+                       **r.__dict__, "slowdown_percent": r.slowdown_percent}
+                console.print(row)
+                out["overlap"].append(row)
+    args.json.write_text(json.dumps(out, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

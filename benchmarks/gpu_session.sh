@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# One device call: install carried wheels, build, run the cuda tests, run the benchmark matrix.
+# Usage (on the GPU machine, repository root): bash benchmarks/gpu_session.sh [tests|bench|all]
+set -uo pipefail
+what=${1:-all}
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --find-links .wheels pybind11 setuptools wheel pytest hypothesis rich 2>&1 | tail -2
+nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
+LMCACHE_NPU_CUDA=1 LMCACHE_NPU_CUDA_ARCHS=90 python3 setup.py build_ext --inplace > "$OUT/build.txt" 2>&1 \
+  || { tail -40 "$OUT/build.txt"; exit 1; }
+export PYTHONPATH=$PWD
+if [[ $what == tests || $what == all ]]; then
+  python3 -m pytest -q -p no:cacheprovider tests/cuda tests/ops tests/bench 2>&1 | tail -25 | tee "$OUT/tests.txt"
+fi
+if [[ $what == bench || $what == all ]]; then
+  python3 benchmarks/cuda_matrix.py --json "$OUT/cuda_matrix.json" > "$OUT/bench.txt" 2>&1
+  tail -60 "$OUT/bench.txt"
+fi
