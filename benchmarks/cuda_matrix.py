@@ -38,33 +38,39 @@ def main() -> int:
     console = Console()
     out: dict = {"environment": environment(), "matrix": [], "sweep": [], "overlap": []}
     console.print(out["environment"])
+    variants = {"mapped": dict(path="mapped"), "staging": dict(path="staging", pipeline=False),
+                "staging+pipeline": dict(path="staging", pipeline=True)}
     for preset in PRESETS:
         for chunks in (1, 8):
-            for path in ("mapped", "staging"):
+            for name, options in variants.items():
                 report = run_bench(get_preset(preset), "cuda", chunks=chunks, check=True, repeats=args.repeats,
-                                   progress=False, path=path)
+                                   progress=False, **options)
                 console.print(render(report))
-                out["matrix"].append(report.to_json())
+                out["matrix"].append({**report.to_json(), "variant": name})
     for chunks in (1, 2, 4, 8, 16, 32):
-        for path in ("mapped", "staging"):
+        for name, options in variants.items():
             report = run_bench(get_preset(args.sweep_preset), "cuda", chunks=chunks, repeats=args.repeats,
-                               progress=False, path=path)
-            out["sweep"].append(report.to_json())
+                               progress=False, **options)
+            out["sweep"].append({**report.to_json(), "variant": name})
     backend = get_backend("cuda")
     m = materialize(get_preset(args.overlap_preset), 8, torch.device("cuda"))
     objects = torch.zeros((8, m.plan.object_bytes), dtype=torch.uint8, pin_memory=True)
     for direction in (Direction.STORE, Direction.LOAD):
         batch = ChunkBatch.build(m.plan, m.slots, objects, direction)
-        for path in ("mapped", "staging"):
-            for blocks in (None, 16, 32):
-                backend.blocks = blocks
-                r = overlap(batch, backend, path)
-                row = {"preset": args.overlap_preset, "direction": direction.name.lower(), "blocks": blocks,
-                       **r.__dict__, "slowdown_percent": r.slowdown_percent}
+        for name, options in variants.items():
+            for priority in (0, -1):
+                backend.blocks = None
+                backend.pipeline = options.get("pipeline")
+                r = overlap(batch, backend, options["path"], priority=priority)
+                row = {"preset": args.overlap_preset, "direction": direction.name.lower(),
+                       **r.__dict__, "variant": name, "slowdown_percent": r.slowdown_percent}
                 console.print(row)
                 out["overlap"].append(row)
     args.json.write_text(json.dumps(out, indent=2))
-    return 0
+    failed = [f"{m['preset']} x{m['chunks']} {m['variant']}: {m['check']}" for m in out["matrix"] if m["check"] != "ok"]
+    for line in failed:
+        console.print(f"[red]byte check failed: {line}[/red]")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -28,6 +28,8 @@ def _bench(args: argparse.Namespace) -> int:
         options = {k: v for k, v in (("soc", args.soc), ("cores", args.cores), ("ub_bytes", args.ub_bytes)) if v}
     if args.backend == "cuda":
         options = {k: v for k, v in (("path", args.path), ("blocks", args.blocks), ("threads", args.threads)) if v}
+        if args.pipeline is not None:
+            options["pipeline"] = args.pipeline == "on"
     if args.overlap:
         return _overlap(args, geometry, options)
     report = run_bench(geometry, args.backend, chunks=args.chunks, chunk_tokens=args.chunk_tokens, check=args.check,
@@ -56,16 +58,20 @@ def _overlap(args: argparse.Namespace, geometry, options: dict[str, object]) -> 
     m = materialize(geometry, args.chunks, torch.device("cuda"), args.seed, args.chunk_tokens)
     objects = torch.zeros((args.chunks, m.plan.object_bytes), dtype=torch.uint8, pin_memory=True)
     table = Table(title=f"{geometry.name}: {args.chunks} chunks on a side stream during bf16 8192^3 matmuls")
-    for col in ("direction", "path", "matmul slowdown %", "transfer GB/s", "kernel ms/batch", "transfers"):
+    for col in ("direction", "path", "stream priority", "matmul slowdown %", "transfer GB/s", "kernel ms/batch",
+                "transfers"):
         table.add_column(col, justify="right")
     results = []
     for direction in (Direction.STORE, Direction.LOAD):
         batch = ChunkBatch.build(m.plan, m.slots, objects, direction)
         for path in ("mapped", "staging"):
-            r = overlap(batch, backend, path)
-            results.append({"direction": direction.name.lower(), **r.__dict__, "slowdown_percent": r.slowdown_percent})
-            table.add_row(direction.name.lower(), path, f"{r.slowdown_percent:.1f}", f"{r.transfer_gb_per_s:.2f}",
-                          f"{r.kernel_ms:.3f}", str(r.transfers))
+            for priority in (0, -1):
+                r = overlap(batch, backend, path, priority=priority)
+                results.append({"direction": direction.name.lower(), **r.__dict__,
+                                "slowdown_percent": r.slowdown_percent})
+                table.add_row(direction.name.lower(), path, "high" if priority else "default",
+                              f"{r.slowdown_percent:.1f}", f"{r.transfer_gb_per_s:.2f}", f"{r.kernel_ms:.3f}",
+                              str(r.transfers))
     Console().print(table)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
@@ -93,6 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--cores", type=int, help="emu: vector cores to launch")
     bench.add_argument("--ub-bytes", type=int, help="emu: UB capacity per core")
     bench.add_argument("--path", choices=["auto", "mapped", "staging"], help="cuda: how host objects are reached")
+    bench.add_argument("--pipeline", choices=["on", "off"], help="cuda staging: overlap kernel and copy engine "
+                       "by slices inside the one launch (default: on for store, off for load)")
     bench.add_argument("--blocks", type=int, help="cuda: thread blocks per launch")
     bench.add_argument("--threads", type=int, help="cuda: threads per block")
     bench.add_argument("--overlap", action="store_true",

@@ -6,6 +6,7 @@
 // 16, narrower otherwise; odd widths stay byte-exact). Object addresses may be device memory
 // (staging) or pinned host memory through UVA (mapped, zero-copy): the same code serves both,
 // with 4 independent loads in flight per thread to cover PCIe read latency.
+#include <cuda.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -78,56 +79,99 @@ __device__ __forceinline__ bool Admissible(const PlaneDesc& plane, const GroupDe
   return plane.layout == kPageFractalNZ && plane.nz_unit_bytes > 0 && plane.row_bytes % plane.nz_unit_bytes == 0;
 }
 
-__global__ void KvTransferKernel(const PlaneDesc* __restrict__ planes, const GroupDesc* __restrict__ groups,
-                                 const RunDesc* __restrict__ runs, const uint64_t* __restrict__ objects,
-                                 const uint2* __restrict__ items, uint64_t num_items, uint32_t num_planes,
-                                 uint32_t num_groups, uint32_t num_runs, uint32_t num_chunks, uint32_t direction,
-                                 LmcacheCudaStatus* status) {
-  const bool store = direction == kStore;
-  const unsigned lane = threadIdx.x, lanes = blockDim.x;
-  for (uint64_t item = blockIdx.x; item < num_items; item += gridDim.x) {
-    const uint2 work = items[item];  // (run, plane)
-    if (work.x >= num_runs || work.y >= num_planes) {
-      if (lane == 0) atomicAdd(&status->items_rejected, 1ull);
-      continue;
-    }
-    const PlaneDesc plane = planes[work.y];
-    const RunDesc run = runs[work.x];
-    if (plane.group_index >= num_groups || !Admissible(plane, groups[plane.group_index], run, num_chunks)) {
-      if (lane == 0) atomicAdd(&status->items_rejected, 1ull);
-      continue;
-    }
-    uint8_t* obj = reinterpret_cast<uint8_t*>(objects[run.chunk] + plane.object_offset_bytes +
-                                              static_cast<uint64_t>(run.first_row) * plane.row_bytes);
-    const uint64_t bytes = static_cast<uint64_t>(run.num_rows) * plane.row_bytes;
-    if (run.first_slot < 0) {
-      if (store) ZeroSpan(obj, bytes, lane, lanes);  // a load leaves skipped rows untouched
-    } else {
-      const uint32_t slot = static_cast<uint32_t>(run.first_slot);
-      uint8_t* block = reinterpret_cast<uint8_t*>(plane.base_addr +
-                                                  static_cast<uint64_t>(slot / plane.rows_per_block) *
-                                                      plane.block_stride_bytes);
-      const uint32_t first = slot % plane.rows_per_block;
-      if (plane.layout == kPageND) {
-        uint8_t* page = block + static_cast<uint64_t>(first) * plane.row_bytes;
-        store ? CopySpan(obj, page, bytes, lane, lanes) : CopySpan(page, obj, bytes, lane, lanes);
-      } else {  // FRACTAL_NZ: unit (row t, column j) at j * rows_per_block * unit + t * unit
-        const uint32_t unit = plane.nz_unit_bytes, cols = plane.row_bytes / unit;
-        const uint64_t units = static_cast<uint64_t>(run.num_rows) * cols;
-        for (uint64_t u = lane / 2; u < units; u += lanes / 2) {  // two threads per unit
-          const uint64_t r = u / cols, j = u % cols;
-          uint8_t* page = block + j * plane.rows_per_block * unit + (first + r) * unit;
-          uint8_t* row = obj + r * plane.row_bytes + j * unit;
-          for (uint32_t k = lane % 2; k < unit; k += 2) {
-            if (store) row[k] = page[k]; else page[k] = row[k];
-          }
+__device__ __forceinline__ void MoveItem(const PlaneDesc* __restrict__ planes, const GroupDesc* __restrict__ groups,
+                                         const RunDesc* __restrict__ runs, const uint64_t* __restrict__ objects,
+                                         const uint4& work, uint32_t num_planes, uint32_t num_groups,
+                                         uint32_t num_runs, uint32_t num_chunks, bool store, unsigned lane,
+                                         unsigned lanes, LmcacheCudaStatus* status) {
+  if (work.x >= num_runs || work.y >= num_planes) {
+    if (lane == 0) atomicAdd(&status->items_rejected, 1ull);
+    return;
+  }
+  const PlaneDesc plane = planes[work.y];
+  const RunDesc run = runs[work.x];
+  if (plane.group_index >= num_groups || !Admissible(plane, groups[plane.group_index], run, num_chunks)) {
+    if (lane == 0) atomicAdd(&status->items_rejected, 1ull);
+    return;
+  }
+  uint8_t* obj = reinterpret_cast<uint8_t*>(objects[run.chunk] + plane.object_offset_bytes +
+                                            static_cast<uint64_t>(run.first_row) * plane.row_bytes);
+  const uint64_t bytes = static_cast<uint64_t>(run.num_rows) * plane.row_bytes;
+  if (run.first_slot < 0) {
+    if (store) ZeroSpan(obj, bytes, lane, lanes);  // a load leaves skipped rows untouched
+  } else {
+    const uint32_t slot = static_cast<uint32_t>(run.first_slot);
+    uint8_t* block = reinterpret_cast<uint8_t*>(plane.base_addr +
+                                                static_cast<uint64_t>(slot / plane.rows_per_block) *
+                                                    plane.block_stride_bytes);
+    const uint32_t first = slot % plane.rows_per_block;
+    if (plane.layout == kPageND) {
+      uint8_t* page = block + static_cast<uint64_t>(first) * plane.row_bytes;
+      store ? CopySpan(obj, page, bytes, lane, lanes) : CopySpan(page, obj, bytes, lane, lanes);
+    } else {  // FRACTAL_NZ: unit (row t, column j) at j * rows_per_block * unit + t * unit
+      const uint32_t unit = plane.nz_unit_bytes, cols = plane.row_bytes / unit;
+      const uint64_t units = static_cast<uint64_t>(run.num_rows) * cols;
+      for (uint64_t u = lane / 2; u < units; u += lanes / 2) {  // two threads per unit
+        const uint64_t r = u / cols, j = u % cols;
+        uint8_t* page = block + j * plane.rows_per_block * unit + (first + r) * unit;
+        uint8_t* row = obj + r * plane.row_bytes + j * unit;
+        for (uint32_t k = lane % 2; k < unit; k += 2) {
+          if (store) row[k] = page[k]; else page[k] = row[k];
         }
       }
     }
-    if (lane == 0) {
-      atomicAdd(&status->items_done, 1ull);
-      if (store || run.first_slot >= 0) atomicAdd(&status->bytes_moved, static_cast<unsigned long long>(bytes));
+  }
+  if (lane == 0) {
+    atomicAdd(&status->items_done, 1ull);
+    if (store || run.first_slot >= 0) atomicAdd(&status->bytes_moved, static_cast<unsigned long long>(bytes));
+  }
+}
+
+struct Slices {
+  const uint32_t* items;  // work items per slice
+  uint32_t* counters;
+  uint32_t* flags;
+  uint32_t count;
+  uint32_t epoch;
+  uint32_t pipeline;
+};
+
+// Load: the copy engine raises a slice's flag once its bytes sit in staging.
+__device__ __forceinline__ void AcquireSlice(const Slices& slices, uint32_t slice) {
+  if (threadIdx.x == 0) {
+    volatile uint32_t* flag = slices.flags + slice;
+    while (static_cast<int32_t>(*flag - slices.epoch) < 0) __nanosleep(200);
+    __threadfence();
+  }
+  __syncthreads();
+}
+
+// Store: the last block to finish an item of a slice raises its flag for the copy engine.
+__device__ __forceinline__ void ReleaseSlice(const Slices& slices, uint32_t slice) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    if (atomicAdd(slices.counters + slice, 1u) + 1 == slices.items[slice]) {
+      __threadfence_system();
+      atomicExch(slices.flags + slice, slices.epoch);
     }
+  }
+}
+
+__global__ void KvTransferKernel(const PlaneDesc* __restrict__ planes, const GroupDesc* __restrict__ groups,
+                                 const RunDesc* __restrict__ runs, const uint64_t* __restrict__ objects,
+                                 const uint4* __restrict__ items, uint64_t num_items, uint32_t num_planes,
+                                 uint32_t num_groups, uint32_t num_runs, uint32_t num_chunks, uint32_t direction,
+                                 Slices slices, LmcacheCudaStatus* status) {
+  const bool store = direction == kStore;
+  const unsigned lane = threadIdx.x, lanes = blockDim.x;
+  for (uint64_t item = blockIdx.x; item < num_items; item += gridDim.x) {
+    const uint4 work = items[item];  // (run, plane, slice)
+    const bool sliced = slices.pipeline != kLmcacheNoPipeline && work.z < slices.count;
+    if (sliced && slices.pipeline == kLmcacheAcquireSlices) AcquireSlice(slices, work.z);
+    MoveItem(planes, groups, runs, objects, work, num_planes, num_groups, num_runs, num_chunks, store, lane, lanes,
+             status);
+    if (sliced && slices.pipeline == kLmcacheReleaseSlices) ReleaseSlice(slices, work.z);
   }
 }
 
@@ -144,16 +188,54 @@ extern "C" int lmcache_cuda_kv_transfer(const LmcacheCudaLaunch* a) {
   uint64_t blocks = a->blocks == 0 ? a->num_items : a->blocks;
   if (blocks > a->num_items) blocks = a->num_items;
   if (blocks > 65535) blocks = 65535;
+  const Slices slices{reinterpret_cast<const uint32_t*>(a->slice_items), reinterpret_cast<uint32_t*>(a->slice_counters),
+                      reinterpret_cast<uint32_t*>(a->slice_flags), a->num_slices, a->epoch, a->pipeline};
   KvTransferKernel<<<static_cast<unsigned>(blocks), a->threads, 0, stream>>>(
       reinterpret_cast<const PlaneDesc*>(a->planes), reinterpret_cast<const GroupDesc*>(a->groups),
       reinterpret_cast<const RunDesc*>(a->runs), reinterpret_cast<const uint64_t*>(a->objects),
-      reinterpret_cast<const uint2*>(a->items), a->num_items, a->num_planes, a->num_groups, a->num_runs,
-      a->num_chunks, a->direction, reinterpret_cast<LmcacheCudaStatus*>(a->status));
+      reinterpret_cast<const uint4*>(a->items), a->num_items, a->num_planes, a->num_groups, a->num_runs,
+      a->num_chunks, a->direction, slices, reinterpret_cast<LmcacheCudaStatus*>(a->status));
   return cudaGetLastError();
 }
 
 extern "C" int lmcache_cuda_multiprocessors(int device, int* count) {
   return cudaDeviceGetAttribute(count, cudaDevAttrMultiProcessorCount, device);
+}
+
+namespace {
+
+using StreamValueFn = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
+
+// Driver entry points fetched through the runtime, so the module does not link libcuda.
+StreamValueFn DriverFunction(const char* name) {
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+  if (cudaGetDriverEntryPointByVersion(name, &fn, 12000, cudaEnableDefault, &found) != cudaSuccess ||
+      found != cudaDriverEntryPointSuccess) {
+    return nullptr;
+  }
+  return reinterpret_cast<StreamValueFn>(fn);
+}
+
+enum class StreamOp { kWait, kWrite };
+
+int StreamValue(StreamOp op, uint64_t stream, uint64_t address, uint32_t value, unsigned int flags) {
+  static const StreamValueFn wait = DriverFunction("cuStreamWaitValue32");
+  static const StreamValueFn write = DriverFunction("cuStreamWriteValue32");
+  const StreamValueFn fn = op == StreamOp::kWait ? wait : write;
+  if (fn == nullptr) return -1;
+  return static_cast<int>(fn(reinterpret_cast<CUstream>(static_cast<uintptr_t>(stream)),
+                             static_cast<CUdeviceptr>(address), value, flags));
+}
+
+}  // namespace
+
+extern "C" int lmcache_cuda_stream_wait_value32(uint64_t stream, uint64_t address, uint32_t value) {
+  return StreamValue(StreamOp::kWait, stream, address, value, CU_STREAM_WAIT_VALUE_GEQ);
+}
+
+extern "C" int lmcache_cuda_stream_write_value32(uint64_t stream, uint64_t address, uint32_t value) {
+  return StreamValue(StreamOp::kWrite, stream, address, value, CU_STREAM_WRITE_VALUE_DEFAULT);
 }
 
 extern "C" const char* lmcache_cuda_error_string(int error) {

@@ -69,6 +69,7 @@ def naive_torch_gbps(batch: ChunkBatch, repeats: int = 5) -> float:
 @dataclass(frozen=True)
 class OverlapResult:
     path: str
+    priority: int
     matmul_ms_alone: float
     matmul_ms_with_transfers: float
     transfer_gb_per_s: float
@@ -80,8 +81,10 @@ class OverlapResult:
         return 100.0 * (self.matmul_ms_with_transfers / self.matmul_ms_alone - 1.0)
 
 
-def overlap(batch: ChunkBatch, backend, path: str, matmuls: int = 150, size: int = 8192) -> OverlapResult:
-    """bf16 matmuls on the compute stream while `batch` is transferred again and again on a side stream."""
+def overlap(batch: ChunkBatch, backend, path: str, matmuls: int = 150, size: int = 8192,
+            priority: int = 0) -> OverlapResult:
+    """bf16 matmuls on the compute stream while `batch` is transferred again and again on a side stream
+    (`priority` < 0: a high-priority stream, whose blocks the scheduler places first as SMs free up)."""
     device = batch.plan.device
     a = torch.randn(size, size, dtype=torch.bfloat16, device=device)
     b = torch.randn(size, size, dtype=torch.bfloat16, device=device)
@@ -100,7 +103,7 @@ def overlap(batch: ChunkBatch, backend, path: str, matmuls: int = 150, size: int
     end.synchronize()
     alone = begin.elapsed_time(end) / matmuls
     backend.path = path
-    side = torch.cuda.Stream(device)
+    side = torch.cuda.Stream(device, priority=priority)
     begin, end = matmul_loop()
     moved, seconds, kernel_ms, count = 0, 0.0, 0.0, 0
     with torch.cuda.stream(side):
@@ -112,5 +115,5 @@ def overlap(batch: ChunkBatch, backend, path: str, matmuls: int = 150, size: int
             count += 1
     end.synchronize()
     with_transfers = begin.elapsed_time(end) / matmuls
-    return OverlapResult(path, alone, with_transfers, moved / seconds / 1e9 if seconds else 0.0, count,
+    return OverlapResult(path, priority, alone, with_transfers, moved / seconds / 1e9 if seconds else 0.0, count,
                          kernel_ms / max(count, 1))

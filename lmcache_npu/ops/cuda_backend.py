@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import time
 import weakref
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import numpy as np
@@ -25,31 +26,85 @@ from .plan import Direction, TransferPlan
 logger = logging.getLogger(__name__)
 
 PATHS = ("auto", "mapped", "staging")
-# Chosen from the H100/H200 measurements in docs/performance.md.
-AUTO_PATH = {Direction.STORE: "mapped", Direction.LOAD: "mapped"}
+# Chosen from the H200 measurements in docs/performance.md: staging (pipelined) is as fast as mapped or
+# faster in both directions and leaves the SMs to the model while the copy engine crosses PCIe.
+AUTO_PATH = {Direction.STORE: "staging", Direction.LOAD: "staging"}
+# A pipelined load keeps its (few) blocks resident while they wait for slices: faster, but it costs the
+# model a few percent; a pipelined store finishes its kernel early. See docs/performance.md.
+AUTO_PIPELINE = {Direction.STORE: True, Direction.LOAD: False}
+FIRST_SLICE_BYTES = 2 << 20  # the copy engine starts after this much is gathered...
+MAX_SLICE_BYTES = 64 << 20  # ...and slices double up to this, so fixed per-copy costs stay small
+MAX_SLICES = 256
+PIPELINED_BLOCKS = 32  # enough to outrun PCIe many times over while leaving most SMs to the model
+
+NO_PIPELINE, RELEASE_SLICES, ACQUIRE_SLICES = 0, 1, 2
 
 
-def chunk_major_items(batch: ChunkBatch) -> np.ndarray:
-    """(run, plane) pairs of every work item, ordered by chunk so chunk 0 completes first."""
-    parts, keys = [], []
+@dataclass(frozen=True)
+class WorkOrder:
+    """Work items in staging-byte order, cut into byte-balanced slices for the copy engine."""
+
+    items: np.ndarray  # (n, 4) uint32: run, plane, slice, 0
+    slice_items: np.ndarray  # uint32 per slice
+    pieces: list[list[tuple[int, int, int]]]  # per slice: (chunk, offset in object, length)
+
+
+def slice_bounds(total: int, first: int = FIRST_SLICE_BYTES, largest: int = MAX_SLICE_BYTES) -> np.ndarray:
+    """End offsets of geometric slices: first, 2 x first, ... capped at `largest`, at most MAX_SLICES."""
+    bounds, position, size = [], 0, first
+    while position < total and len(bounds) < MAX_SLICES - 1:
+        position += size
+        bounds.append(min(position, total))
+        size = min(size * 2, largest)
+    if not bounds or bounds[-1] < total:
+        bounds.append(total)
+    return np.array(bounds, dtype=np.int64)
+
+
+def work_order(batch: ChunkBatch, first_slice_bytes: int = FIRST_SLICE_BYTES) -> WorkOrder:
+    plan = batch.plan
+    runs = batch.runs
+    plane_offsets = np.array(plan.object_offsets, dtype=np.int64)
+    plane_rows = np.array([p.row_bytes for p in plan.moved_planes], dtype=np.int64)
+    run_ids, plane_ids = [], []
     for group in batch.group_table:
-        runs = np.arange(group["run_begin"], group["run_begin"] + group["run_count"], dtype=np.uint32)
-        planes = np.arange(group["plane_begin"], group["plane_begin"] + group["plane_count"], dtype=np.uint32)
-        if runs.size == 0 or planes.size == 0:
-            continue
-        run_grid, plane_grid = np.meshgrid(runs, planes, indexing="ij")
-        parts.append(np.stack([run_grid.reshape(-1), plane_grid.reshape(-1)], axis=1))
-        keys.append(np.repeat(batch.runs["chunk"][runs], planes.size))
-    if not parts:
-        return np.zeros((0, 2), dtype=np.uint32)
-    items, chunk = np.concatenate(parts), np.concatenate(keys)
-    return np.ascontiguousarray(items[np.argsort(chunk, kind="stable")])
+        r = np.arange(group["run_begin"], group["run_begin"] + group["run_count"], dtype=np.int64)
+        p = np.arange(group["plane_begin"], group["plane_begin"] + group["plane_count"], dtype=np.int64)
+        if r.size and p.size:
+            rr, pp = np.meshgrid(r, p, indexing="ij")
+            run_ids.append(rr.reshape(-1))
+            plane_ids.append(pp.reshape(-1))
+    if not run_ids:
+        return WorkOrder(np.zeros((0, 4), dtype=np.uint32), np.zeros(0, dtype=np.uint32), [])
+    run_id, plane_id = np.concatenate(run_ids), np.concatenate(plane_ids)
+    chunk = runs["chunk"][run_id].astype(np.int64)
+    offset = plane_offsets[plane_id] + runs["first_row"][run_id].astype(np.int64) * plane_rows[plane_id]
+    length = runs["num_rows"][run_id].astype(np.int64) * plane_rows[plane_id]
+    start = chunk * plan.object_bytes + offset
+    order = np.argsort(start, kind="stable")
+    run_id, plane_id, start, length = run_id[order], plane_id[order], start[order], length[order]
+    total = batch.num_chunks * plan.object_bytes
+    bounds = slice_bounds(total, first_slice_bytes, max(first_slice_bytes, MAX_SLICE_BYTES))
+    _, slice_id = np.unique(np.searchsorted(bounds, start, side="right"), return_inverse=True)
+    slice_items = np.bincount(slice_id).astype(np.uint32)
+    pieces: list[list[tuple[int, int, int]]] = []
+    ends = np.cumsum(slice_items)
+    for k in range(slice_items.size):
+        first, last = int(ends[k] - slice_items[k]), int(ends[k] - 1)
+        lo, hi = int(start[first]), int(start[last] + length[last])
+        pieces.append([(c, max(lo, c * plan.object_bytes) - c * plan.object_bytes,
+                        min(hi, (c + 1) * plan.object_bytes) - max(lo, c * plan.object_bytes))
+                       for c in range(lo // plan.object_bytes, (hi - 1) // plan.object_bytes + 1)])
+    items = np.zeros((len(order), 4), dtype=np.uint32)
+    items[:, 0], items[:, 1], items[:, 2] = run_id, plane_id, slice_id
+    return WorkOrder(items, slice_items, pieces)
 
 
 class CudaBackend(TransferBackend):
     name = "cuda"
 
-    def __init__(self, path: str = "auto", blocks: Optional[int] = None, threads: int = 512) -> None:
+    def __init__(self, path: str = "auto", blocks: Optional[int] = None, threads: int = 512,
+                 pipeline: Optional[bool] = None) -> None:
         if path not in PATHS:
             raise ValueError(f"path must be one of {PATHS}, got {path!r}")
         if not torch.cuda.is_available():
@@ -66,6 +121,20 @@ class CudaBackend(TransferBackend):
         self._plane_tables: "weakref.WeakKeyDictionary[TransferPlan, torch.Tensor]" = weakref.WeakKeyDictionary()
         self._staging: Optional[torch.Tensor] = None
         self._staging_plan: Optional["weakref.ref[TransferPlan]"] = None
+        self._flags: Optional[torch.Tensor] = None
+        self._copy_stream: Optional[torch.cuda.Stream] = None
+        self._epoch = 0
+        self.last_pipelined = False
+        # Stream memory operations let one launch overlap the kernel with the copy engine.
+        probe = torch.zeros(1, dtype=torch.int32, device="cuda")
+        probe_stream = torch.cuda.current_stream().cuda_stream
+        supported = bool(_cuda.stream_write_value32(probe_stream, probe.data_ptr(), 1)) and bool(
+            _cuda.stream_wait_value32(probe_stream, probe.data_ptr(), 1))
+        torch.cuda.current_stream().synchronize()
+        self._memops = supported
+        self.pipeline = pipeline  # None: AUTO_PIPELINE per direction
+        if not supported:
+            logger.warning("cuStreamWaitValue32 is unavailable: the staging path runs kernel and copy back to back")
         self.last_kernel_ms: Optional[float] = None
 
     def path_for(self, batch: ChunkBatch) -> str:
@@ -101,46 +170,66 @@ class CudaBackend(TransferBackend):
                 raise ValueError(f"chunk {i}: the mapped path needs pinned host objects (pin_memory=True)")
             if path == "staging" and obj.device.type != "cpu":
                 raise ValueError(f"chunk {i}: the staging path moves host objects; this one is on {obj.device}")
-        stream = torch.cuda.current_stream(device)
-        start = time.perf_counter()
-        first, last = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        first.record(stream)
-        staging = None
-        if path == "staging":
-            staging = self._staging_buffer(plan, batch.num_chunks * plan.object_bytes).view(
-                batch.num_chunks, plan.object_bytes)
-            addresses = np.array([staging[c].data_ptr() for c in range(batch.num_chunks)], dtype=np.uint64)
-            if batch.direction == Direction.LOAD:
-                self._copy_objects(batch, staging, to_device=True)
+        staging_path = path == "staging"
+        wanted = AUTO_PIPELINE[batch.direction] if self.pipeline is None else self.pipeline
+        pipelined = staging_path and self._memops and wanted
+        order = work_order(batch)
+        slices = order.slice_items.size
+        if staging_path:
+            staging = self._staging_buffer(plan, batch.num_chunks * plan.object_bytes)
+            addresses = staging.data_ptr() + np.arange(batch.num_chunks, dtype=np.uint64) * np.uint64(plan.object_bytes)
         else:
             addresses = batch.object_addresses()
-        items = chunk_major_items(batch)
+        # Host-side tables first, so the measured GPU window holds only GPU work.
         parts = [batch.group_table.view(np.uint8), batch.runs.view(np.uint8), addresses.view(np.uint8),
-                 items.view(np.uint8).reshape(-1)]
+                 order.items.view(np.uint8).reshape(-1), order.slice_items.view(np.uint8),
+                 np.zeros(slices * 4, dtype=np.uint8), np.zeros(self._cuda.STATUS_BYTES, dtype=np.uint8)]
         offsets = np.cumsum([0] + [(p.nbytes + 63) // 64 * 64 for p in parts])
-        host = torch.empty(max(int(offsets[-1]), 64) + self._cuda.STATUS_BYTES, dtype=torch.uint8, pin_memory=True)
+        host = torch.empty(int(offsets[-1]), dtype=torch.uint8, pin_memory=True)
+        host_bytes = host.numpy()
         for part, off in zip(parts, offsets):
-            host[int(off): int(off) + part.nbytes] = torch.from_numpy(np.ascontiguousarray(part))
+            host_bytes[int(off): int(off) + part.nbytes] = part
+        stream = torch.cuda.current_stream(device)
+        flags = self._slice_flags(device)
+        self._epoch = (self._epoch + 1) & 0xFFFFFFFF or 1
+        first, last = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start = time.perf_counter()
+        first.record(stream)
         tables = host.to(device, non_blocking=True)
         base = tables.data_ptr()
-        status_offset = tables.numel() - self._cuda.STATUS_BYTES
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        ready = torch.cuda.Event()
+        ready.record(stream)  # tables on the device; staging free of the previous transfer
+        if staging_path and batch.direction == Direction.LOAD:
+            if pipelined:
+                self._copy_slices(batch, order, stream, ready, flags, to_device=True)
+            else:
+                self._copy_pieces(batch, order.pieces, to_device=True)
         begin.record(stream)
-        blocks = self.blocks or (self.multiprocessors if path == "mapped" else 4 * self.multiprocessors)
+        pipeline = NO_PIPELINE if not pipelined else (
+            RELEASE_SLICES if batch.direction == Direction.STORE else ACQUIRE_SLICES)
+        blocks = self.blocks or (PIPELINED_BLOCKS if pipelined else (
+            self.multiprocessors if path == "mapped" else 4 * self.multiprocessors))
         self._cuda.launch(
             stream=stream.cuda_stream, planes=self._plane_table(plan).data_ptr(), groups=base + int(offsets[0]),
             runs=base + int(offsets[1]), objects=base + int(offsets[2]), items=base + int(offsets[3]),
-            status=base + status_offset, num_items=len(items), num_planes=len(plan.plane_table),
+            slice_items=base + int(offsets[4]), slice_counters=base + int(offsets[5]), slice_flags=flags.data_ptr(),
+            status=base + int(offsets[6]), num_items=len(order.items), num_planes=len(plan.plane_table),
             num_groups=len(batch.group_table), num_runs=batch.runs.size, num_chunks=batch.num_chunks,
-            direction=int(batch.direction), blocks=blocks, threads=self.threads,
+            direction=int(batch.direction), blocks=blocks, threads=self.threads, num_slices=slices,
+            epoch=self._epoch, pipeline=pipeline,
         )
         end.record(stream)
-        if staging is not None and batch.direction == Direction.STORE:
-            self._copy_objects(batch, staging, to_device=False)
+        if staging_path and batch.direction == Direction.STORE:
+            if pipelined:
+                self._copy_slices(batch, order, stream, ready, flags, to_device=False)
+            else:
+                self._copy_pieces(batch, order.pieces, to_device=False)
         last.record(stream)
-        status = tables[status_offset:].cpu().numpy().view(np.uint64)  # synchronises the stream
-        self.last_kernel_ms = begin.elapsed_time(end)
+        status = tables[int(offsets[6]): int(offsets[6]) + 24].cpu().numpy().view(np.uint64)  # synchronises
         seconds = time.perf_counter() - start
+        self.last_kernel_ms = begin.elapsed_time(end)
+        self.last_pipelined = pipelined
         done, rejected, moved = int(status[0]), int(status[1]), int(status[2])
         if rejected or done != batch.total_items:
             raise RuntimeError(f"kernel moved {done} of {batch.total_items} work items and rejected {rejected}")
@@ -150,18 +239,53 @@ class CudaBackend(TransferBackend):
                              payload_bytes=batch.payload_bytes, launches=1, seconds=seconds,
                              device_seconds=first.elapsed_time(last) / 1e3)
 
-    @staticmethod
-    def _copy_objects(batch: ChunkBatch, staging: torch.Tensor, to_device: bool) -> None:
-        """One cudaMemcpyAsync per run of chunks whose objects are adjacent in host memory."""
-        nbytes = staging.shape[1]
+    def _slice_flags(self, device: torch.device) -> torch.Tensor:
+        if self._flags is None or self._flags.device != device:
+            self._flags = torch.zeros(MAX_SLICES, dtype=torch.int32, device=device)
+            self._epoch = 0
+        return self._flags
+
+    def _copy_slices(self, batch: ChunkBatch, order: WorkOrder, stream: torch.cuda.Stream, ready: torch.cuda.Event,
+                     flags: torch.Tensor, to_device: bool) -> None:
+        """Copy engine on a side stream, one slice at a time, meeting the kernel through slice flags.
+
+        The side stream waits only for `ready` (recorded before the launch), never for the kernel itself:
+        on a store it starts copying slice 0 while the kernel still gathers the rest."""
+        if self._copy_stream is None or self._copy_stream.device != stream.device:
+            self._copy_stream = torch.cuda.Stream(stream.device)
+        copy = self._copy_stream
+        copy.wait_event(ready)
+        flag_base = flags.data_ptr()
+        with torch.cuda.stream(copy):
+            for k, pieces in enumerate(order.pieces):
+                if not to_device and not self._cuda.stream_wait_value32(copy.cuda_stream, flag_base + 4 * k,
+                                                                         self._epoch):
+                    raise RuntimeError("cuStreamWaitValue32 became unavailable mid-transfer")
+                self._copy_pieces(batch, [pieces], to_device)
+                if to_device and not self._cuda.stream_write_value32(copy.cuda_stream, flag_base + 4 * k,
+                                                                     self._epoch):
+                    raise RuntimeError("cuStreamWriteValue32 became unavailable mid-transfer")
+        if not to_device:
+            stream.wait_stream(copy)  # the caller's stream sees the host objects complete
+
+    def _copy_pieces(self, batch: ChunkBatch, slices: list[list[tuple[int, int, int]]], to_device: bool) -> None:
+        """One cudaMemcpyAsync per stretch that is contiguous in both staging and host memory."""
+        assert self._staging is not None
+        object_bytes = batch.plan.object_bytes
         objects = batch.objects
-        c = 0
-        while c < len(objects):
-            end = c + 1
-            while (end < len(objects) and objects[end].data_ptr() == objects[c].data_ptr() + (end - c) * nbytes
-                   and objects[end].untyped_storage().data_ptr() == objects[c].untyped_storage().data_ptr()):
-                end += 1
-            host = torch.as_strided(objects[c], ((end - c) * nbytes,), (1,))
-            device = staging[c:end].reshape(-1)
-            (device.copy_(host, non_blocking=True) if to_device else host.copy_(device, non_blocking=True))
-            c = end
+        for pieces in slices:
+            merged: list[list[int]] = []  # [chunk, offset, length]
+            for chunk, offset, length in pieces:
+                if merged:
+                    c0, o0, n0 = merged[-1]
+                    adjacent_host = objects[chunk].data_ptr() + offset == objects[c0].data_ptr() + o0 + n0
+                    same_storage = (objects[chunk].untyped_storage().data_ptr()
+                                    == objects[c0].untyped_storage().data_ptr())
+                    if chunk * object_bytes + offset == c0 * object_bytes + o0 + n0 and adjacent_host and same_storage:
+                        merged[-1][2] += length
+                        continue
+                merged.append([chunk, offset, length])
+            for chunk, offset, length in merged:
+                host = torch.as_strided(objects[chunk], (length,), (1,), objects[chunk].storage_offset() + offset)
+                device = self._staging[chunk * object_bytes + offset: chunk * object_bytes + offset + length]
+                (device.copy_(host, non_blocking=True) if to_device else host.copy_(device, non_blocking=True))

@@ -36,11 +36,12 @@ def to_cuda(case: Case) -> Case:
     return case
 
 
-@settings(max_examples=200)
+@settings(max_examples=250)
 @given(case=cases(soc="a2"), path=st.sampled_from(sorted(PLACEMENT)), blocks=st.sampled_from([None, 1, 3, 1000]),
-       threads=st.sampled_from([32, 256, 1024]))
-def test_cuda_matches_oracle(case: Case, path: str, blocks, threads: int) -> None:
-    backend = get_backend("cuda", path="mapped" if path == "device" else path, blocks=blocks, threads=threads)
+       threads=st.sampled_from([32, 256, 1024]), pipeline=st.booleans())
+def test_cuda_matches_oracle(case: Case, path: str, blocks, threads: int, pipeline: bool) -> None:
+    backend = get_backend("cuda", path="mapped" if path == "device" else path, blocks=blocks, threads=threads,
+                          pipeline=pipeline)
     run_round_trip(backend, to_cuda(case), PLACEMENT[path])
 
 
