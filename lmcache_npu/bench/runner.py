@@ -94,6 +94,9 @@ def run_bench(geometry: Geometry, backend_name: str, chunks: int = 4, chunk_toke
 
     stats: dict[str, list[TransferStats]] = {"store": [], "load": []}
     kernel_ms: dict[str, float] = {"store": float("inf"), "load": float("inf")}
+    if backend.name in ("cuda", "npu"):  # untimed warm-up: first-touch allocations, streams, lazy init
+        backend.transfer(store_batch)
+        backend.transfer(load_batch)
     with Progress(transient=True, disable=not progress) as bar:
         task = bar.add_task(f"{backend.name}: {geometry.name}", total=2 * repeats)
         for _ in range(repeats):

@@ -29,9 +29,10 @@ PATHS = ("auto", "mapped", "staging")
 # Chosen from the H200 measurements in docs/performance.md: staging (pipelined) is as fast as mapped or
 # faster in both directions and leaves the SMs to the model while the copy engine crosses PCIe.
 AUTO_PATH = {Direction.STORE: "staging", Direction.LOAD: "staging"}
-# A pipelined load keeps its (few) blocks resident while they wait for slices: faster, but it costs the
-# model a few percent; a pipelined store finishes its kernel early. See docs/performance.md.
-AUTO_PIPELINE = {Direction.STORE: True, Direction.LOAD: False}
+# Pipelining pays once a store moves about 4 llama-8B chunks (128 MiB); below that the per-slice costs
+# dominate. A pipelined load keeps its blocks resident while they wait for slices: 1-2% faster, but it
+# cost the matmul loop 7-15%, so loads pipeline only on request. See docs/performance.md.
+AUTO_PIPELINE_MIN_BYTES = {Direction.STORE: 128 << 20, Direction.LOAD: None}
 FIRST_SLICE_BYTES = 2 << 20  # the copy engine starts after this much is gathered...
 MAX_SLICE_BYTES = 64 << 20  # ...and slices double up to this, so fixed per-copy costs stay small
 MAX_SLICES = 256
@@ -132,7 +133,7 @@ class CudaBackend(TransferBackend):
             _cuda.stream_wait_value32(probe_stream, probe.data_ptr(), 1))
         torch.cuda.current_stream().synchronize()
         self._memops = supported
-        self.pipeline = pipeline  # None: AUTO_PIPELINE per direction
+        self.pipeline = pipeline  # None: AUTO_PIPELINE_MIN_BYTES per direction
         if not supported:
             logger.warning("cuStreamWaitValue32 is unavailable: the staging path runs kernel and copy back to back")
         self.last_kernel_ms: Optional[float] = None
@@ -171,7 +172,8 @@ class CudaBackend(TransferBackend):
             if path == "staging" and obj.device.type != "cpu":
                 raise ValueError(f"chunk {i}: the staging path moves host objects; this one is on {obj.device}")
         staging_path = path == "staging"
-        wanted = AUTO_PIPELINE[batch.direction] if self.pipeline is None else self.pipeline
+        threshold = AUTO_PIPELINE_MIN_BYTES[batch.direction]
+        wanted = (threshold is not None and batch.payload_bytes >= threshold) if self.pipeline is None else self.pipeline
         pipelined = staging_path and self._memops and wanted
         order = work_order(batch)
         slices = order.slice_items.size
