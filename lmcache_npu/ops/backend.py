@@ -5,9 +5,11 @@ from __future__ import annotations
 import abc
 import importlib.util
 import logging
+import weakref
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
+import numpy as np
 import torch
 
 from .batch import ChunkBatch, SlotArray
@@ -58,6 +60,41 @@ class TransferBackend(abc.ABC):
         objects: Union[torch.Tensor, Sequence[torch.Tensor]],
     ) -> TransferStats:
         return self.transfer(ChunkBatch.build(plan, slots, objects, Direction.LOAD))
+
+
+def verify_kernel_report(batch: ChunkBatch, done: int, rejected: int, bytes_moved: int) -> None:
+    """Every kernel reports what it did; anything but the whole batch is an error, never a silent loss."""
+    if rejected or done != batch.total_items:
+        raise RuntimeError(
+            f"kernel moved {done} of {batch.total_items} work items and rejected {rejected}: the host "
+            "validation and the kernel disagree about this batch"
+        )
+    if bytes_moved != batch.payload_bytes:
+        raise RuntimeError(f"kernel wrote {bytes_moved} B, the batch has {batch.payload_bytes} B of payload")
+
+
+class PlaneTables:
+    """The plan's plane table, uploaded once per plan to the device its planes live on."""
+
+    def __init__(self) -> None:
+        self._tables: "weakref.WeakKeyDictionary[TransferPlan, torch.Tensor]" = weakref.WeakKeyDictionary()
+
+    def get(self, plan: TransferPlan) -> torch.Tensor:
+        table = self._tables.get(plan)
+        if table is None:
+            table = torch.from_numpy(plan.plane_table.view(np.uint8)).to(plan.device)
+            self._tables[plan] = table
+        return table
+
+
+def pack_pinned(parts: Sequence[np.ndarray]) -> tuple[torch.Tensor, list[int]]:
+    """Per-call tables in one pinned host buffer (64 B aligned parts), so one async copy uploads them all."""
+    offsets = np.cumsum([0] + [(p.nbytes + 63) // 64 * 64 for p in parts]).tolist()
+    host = torch.zeros(max(int(offsets[-1]), 64), dtype=torch.uint8, pin_memory=True)
+    view = host.numpy()
+    for part, offset in zip(parts, offsets):
+        view[offset: offset + part.nbytes] = np.ascontiguousarray(part).view(np.uint8).reshape(-1)
+    return host, [int(o) for o in offsets[:-1]]
 
 
 def _npu_available() -> bool:

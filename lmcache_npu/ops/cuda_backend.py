@@ -19,7 +19,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from .backend import BackendUnavailable, TransferBackend, TransferStats
+from .backend import BackendUnavailable, PlaneTables, TransferBackend, TransferStats, pack_pinned, verify_kernel_report
 from .batch import ChunkBatch
 from .plan import Direction, TransferPlan
 
@@ -119,7 +119,7 @@ class CudaBackend(TransferBackend):
         self.threads = threads
         self.multiprocessors = _cuda.multiprocessors(torch.cuda.current_device())
         self.blocks = blocks
-        self._plane_tables: "weakref.WeakKeyDictionary[TransferPlan, torch.Tensor]" = weakref.WeakKeyDictionary()
+        self._plane_tables = PlaneTables()
         self._staging: Optional[torch.Tensor] = None
         self._staging_plan: Optional["weakref.ref[TransferPlan]"] = None
         self._flags: Optional[torch.Tensor] = None
@@ -142,13 +142,6 @@ class CudaBackend(TransferBackend):
         if all(o.device.type == "cuda" for o in batch.objects):
             return "device"
         return AUTO_PATH[batch.direction] if self.path == "auto" else self.path
-
-    def _plane_table(self, plan: TransferPlan) -> torch.Tensor:
-        table = self._plane_tables.get(plan)
-        if table is None:
-            table = torch.from_numpy(plan.plane_table.view(np.uint8)).to(plan.device)
-            self._plane_tables[plan] = table
-        return table
 
     def _staging_buffer(self, plan: TransferPlan, nbytes: int) -> torch.Tensor:
         """Zeroed when allocated and when the plan changes: object gaps copied to the host never carry
@@ -183,14 +176,9 @@ class CudaBackend(TransferBackend):
         else:
             addresses = batch.object_addresses()
         # Host-side tables first, so the measured GPU window holds only GPU work.
-        parts = [batch.group_table.view(np.uint8), batch.runs.view(np.uint8), addresses.view(np.uint8),
-                 order.items.view(np.uint8).reshape(-1), order.slice_items.view(np.uint8),
-                 np.zeros(slices * 4, dtype=np.uint8), np.zeros(self._cuda.STATUS_BYTES, dtype=np.uint8)]
-        offsets = np.cumsum([0] + [(p.nbytes + 63) // 64 * 64 for p in parts])
-        host = torch.empty(int(offsets[-1]), dtype=torch.uint8, pin_memory=True)
-        host_bytes = host.numpy()
-        for part, off in zip(parts, offsets):
-            host_bytes[int(off): int(off) + part.nbytes] = part
+        host, offsets = pack_pinned([batch.group_table, batch.runs, addresses, order.items, order.slice_items,
+                                     np.zeros(slices, dtype=np.uint32),  # per-slice counters
+                                     np.zeros(self._cuda.STATUS_BYTES, dtype=np.uint8)])
         stream = torch.cuda.current_stream(device)
         flags = self._slice_flags(device)
         self._epoch = (self._epoch + 1) & 0xFFFFFFFF or 1
@@ -213,10 +201,10 @@ class CudaBackend(TransferBackend):
         blocks = self.blocks or (PIPELINED_BLOCKS if pipelined else (
             self.multiprocessors if path == "mapped" else 4 * self.multiprocessors))
         self._cuda.launch(
-            stream=stream.cuda_stream, planes=self._plane_table(plan).data_ptr(), groups=base + int(offsets[0]),
-            runs=base + int(offsets[1]), objects=base + int(offsets[2]), items=base + int(offsets[3]),
-            slice_items=base + int(offsets[4]), slice_counters=base + int(offsets[5]), slice_flags=flags.data_ptr(),
-            status=base + int(offsets[6]), num_items=len(order.items), num_planes=len(plan.plane_table),
+            stream=stream.cuda_stream, planes=self._plane_tables.get(plan).data_ptr(), groups=base + offsets[0],
+            runs=base + offsets[1], objects=base + offsets[2], items=base + offsets[3],
+            slice_items=base + offsets[4], slice_counters=base + offsets[5], slice_flags=flags.data_ptr(),
+            status=base + offsets[6], num_items=len(order.items), num_planes=len(plan.plane_table),
             num_groups=len(batch.group_table), num_runs=batch.runs.size, num_chunks=batch.num_chunks,
             direction=int(batch.direction), blocks=blocks, threads=self.threads, num_slices=slices,
             epoch=self._epoch, pipeline=pipeline,
@@ -228,15 +216,11 @@ class CudaBackend(TransferBackend):
             else:
                 self._copy_pieces(batch, order.pieces, to_device=False)
         last.record(stream)
-        status = tables[int(offsets[6]): int(offsets[6]) + 24].cpu().numpy().view(np.uint64)  # synchronises
+        status = tables[offsets[6]: offsets[6] + 24].cpu().numpy().view(np.uint64)  # synchronises
         seconds = time.perf_counter() - start
         self.last_kernel_ms = begin.elapsed_time(end)
         self.last_pipelined = pipelined
-        done, rejected, moved = int(status[0]), int(status[1]), int(status[2])
-        if rejected or done != batch.total_items:
-            raise RuntimeError(f"kernel moved {done} of {batch.total_items} work items and rejected {rejected}")
-        if moved != batch.payload_bytes:
-            raise RuntimeError(f"kernel wrote {moved} B, the batch has {batch.payload_bytes} B of payload")
+        verify_kernel_report(batch, int(status[0]), int(status[1]), int(status[2]))
         return TransferStats(backend=self.name, direction=batch.direction, chunks=batch.num_chunks,
                              payload_bytes=batch.payload_bytes, launches=1, seconds=seconds,
                              device_seconds=first.elapsed_time(last) / 1e3)

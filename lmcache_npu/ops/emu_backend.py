@@ -11,7 +11,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from .backend import BackendUnavailable, TransferBackend, TransferStats
+from .backend import BackendUnavailable, TransferBackend, TransferStats, verify_kernel_report
 from .batch import ChunkBatch
 from .plan import CORE_STATUS_DTYPE, UB_BLOCK_BYTES, Direction, PageLayout, TransferPlan
 
@@ -132,17 +132,8 @@ class EmuBackend(TransferBackend):
             regions=regions,
         )
         seconds = time.perf_counter() - start
-        rejected = int(status["items_rejected"].sum())
-        done = int(status["items_done"].sum())
-        if rejected or done != batch.total_items:
-            raise RuntimeError(
-                f"kernel moved {done} of {batch.total_items} work items and rejected {rejected}: the host "
-                "validation and the kernel disagree about this batch"
-            )
-        if int(status["bytes_moved"].sum()) != batch.payload_bytes:
-            raise RuntimeError(
-                f"kernel wrote {int(status['bytes_moved'].sum())} B, the batch has {batch.payload_bytes} B of payload"
-            )
+        verify_kernel_report(batch, int(status["items_done"].sum()), int(status["items_rejected"].sum()),
+                             int(status["bytes_moved"].sum()))
         return TransferStats(
             backend=self.name,
             direction=batch.direction,

@@ -9,16 +9,15 @@ from __future__ import annotations
 
 import logging
 import time
-import weakref
 from typing import Any
 
 import numpy as np
 import torch
 
-from .backend import BackendUnavailable, TransferBackend, TransferStats
+from .backend import BackendUnavailable, PlaneTables, TransferBackend, TransferStats, pack_pinned, verify_kernel_report
 from .batch import ChunkBatch
 from .emu_backend import SOCS, SocSpec, check_soc_rules
-from .plan import CORE_STATUS_DTYPE, Direction, TransferPlan
+from .plan import CORE_STATUS_DTYPE, Direction
 
 logger = logging.getLogger(__name__)
 
@@ -55,16 +54,9 @@ class NpuBackend(TransferBackend):
         self.soc = _soc_from_name(info["soc"], int(info["ub_bytes"]), int(info["vector_cores"]))
         self.cores = int(cores) if cores is not None else self.soc.vector_cores
         self.tiling = _emu.ub_tiling(self.soc.ub_bytes)  # the one tiling function (transfer_plan.h)
-        self._plane_tables: "weakref.WeakKeyDictionary[TransferPlan, torch.Tensor]" = weakref.WeakKeyDictionary()
+        self._plane_tables = PlaneTables()
         logger.info("npu backend on %s: %d vector cores, %d B UB, tile %d B", info["soc"], self.cores,
                     self.soc.ub_bytes, self.tiling["tile_bytes"])
-
-    def _plane_table(self, plan: TransferPlan) -> torch.Tensor:
-        table = self._plane_tables.get(plan)
-        if table is None:
-            table = torch.from_numpy(plan.plane_table.view(np.uint8)).to(plan.device)
-            self._plane_tables[plan] = table
-        return table
 
     def transfer(self, batch: ChunkBatch) -> TransferStats:
         plan = batch.plan
@@ -86,18 +78,13 @@ class NpuBackend(TransferBackend):
             if batch.direction == Direction.LOAD:
                 for c, obj in enumerate(batch.objects):
                     staging[c].copy_(obj[: plan.object_bytes], non_blocking=True)
-        # One host buffer, one H2D copy: group table, run table, object addresses.
-        parts = [batch.group_table.view(np.uint8), batch.runs.view(np.uint8), object_addrs.view(np.uint8)]
-        offsets = np.cumsum([0] + [(p.nbytes + 63) // 64 * 64 for p in parts])
-        host = torch.zeros(int(offsets[-1]) or 64, dtype=torch.uint8, pin_memory=True)
-        for part, off in zip(parts, offsets):
-            host[int(off): int(off) + part.nbytes] = torch.from_numpy(part.copy())
+        host, offsets = pack_pinned([batch.group_table, batch.runs, object_addrs])  # one H2D copy
         tables = host.to(device, non_blocking=True)
         status = torch.zeros(self.cores * CORE_STATUS_DTYPE.itemsize, dtype=torch.uint8, device=device)
         base = tables.data_ptr()
         self._npu.launch(
-            stream=stream.npu_stream, block_dim=self.cores, planes=self._plane_table(plan).data_ptr(),
-            groups=base + int(offsets[0]), runs=base + int(offsets[1]), objects=base + int(offsets[2]),
+            stream=stream.npu_stream, block_dim=self.cores, planes=self._plane_tables.get(plan).data_ptr(),
+            groups=base + offsets[0], runs=base + offsets[1], objects=base + offsets[2],
             status=status.data_ptr(), total_items=batch.total_items, num_planes=len(plan.plane_table),
             num_groups=len(batch.group_table), num_runs=batch.runs.size, num_chunks=batch.num_chunks,
             direction=int(batch.direction), tile_bytes=self.tiling["tile_bytes"],
@@ -109,9 +96,8 @@ class NpuBackend(TransferBackend):
         stream.synchronize()
         seconds = time.perf_counter() - start
         report = status.cpu().numpy().view(CORE_STATUS_DTYPE)
-        rejected, done = int(report["items_rejected"].sum()), int(report["items_done"].sum())
-        if rejected or done != batch.total_items:
-            raise RuntimeError(f"kernel moved {done} of {batch.total_items} work items and rejected {rejected}")
+        verify_kernel_report(batch, int(report["items_done"].sum()), int(report["items_rejected"].sum()),
+                             int(report["bytes_moved"].sum()))
         return TransferStats(backend=self.name, direction=batch.direction, chunks=batch.num_chunks,
                              payload_bytes=batch.payload_bytes, launches=1, seconds=seconds,
                              dma_ops=int(report["dma_ops"].sum()) - self.cores)
