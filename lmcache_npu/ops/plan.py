@@ -7,7 +7,7 @@ structs. A plan is built once (at ``register_kv_caches``) and reused for every t
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cached_property
 from typing import Optional, Sequence
 

@@ -74,7 +74,7 @@ def cases(draw: st.DrawFn, soc: str = "a2", max_chunks: int = 16) -> Case:
                     row_bytes = 32 * draw(st.integers(1, 40))
             else:
                 dtype, size = draw(st.sampled_from(DTYPES))
-                row_bytes = draw(st.one_of(st.sampled_from(ODD_ROW_BYTES), st.integers(1, 300).map(lambda n: n * size)))
+                row_bytes = draw(st.one_of(st.sampled_from(ODD_ROW_BYTES), st.integers(1, 300).map(lambda n, size=size: n * size)))
             pad = draw(st.sampled_from([0, 0, 13, 32, 512]))
             raw_planes.append(allocate(num_blocks, rows_per_block, row_bytes, pad, g, generator, nz_unit, dtype))
         holes = draw(st.sampled_from([0.0, 0.0, 0.05, 0.5, 1.0]))
