@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.lmcache-npu-setup
 NATIVE_SOURCES := $(shell find csrc -type f) setup.py pyproject.toml requirements-test.txt
 
-.PHONY: setup test demo bench-all clean
+.PHONY: setup test demo bench-all gpu-wheels clean
 
 setup: $(STAMP)
 
@@ -26,6 +26,11 @@ demo: setup
 
 bench-all: setup
 	$(BIN)/python benchmarks/all_presets.py --backend auto --json bench-all.json
+
+# Wheels for a lent GPU machine that reaches no registry (carried as .wheels/, see docs/performance.md).
+gpu-wheels: setup
+	$(BIN)/python -m pip download -q --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
+		--platform any -d .wheels pybind11 setuptools wheel pytest hypothesis rich
 
 clean:
 	rm -rf build *.egg-info lmcache_npu/*.so $(STAMP)
