@@ -1,0 +1,138 @@
+"""Every register_kv_caches payload form becomes byte components that address exactly the right bytes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from lmcache_npu.layout import collect_components, layer_components
+from lmcache_npu.ops import GroupSpec, PageLayout, Plane, TransferPlan, get_backend
+
+NB, BS = 6, 16
+
+
+def randn(*shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    g = torch.Generator().manual_seed(sum(shape))
+    if dtype.is_floating_point:
+        return torch.randn(*shape, generator=g).to(dtype)
+    return torch.randint(-100, 100, shape, generator=g).to(dtype)
+
+
+def row_bytes_of(component, block: int, row: int) -> bytes:
+    rb = component.row_bytes
+    return component.pages[block, row * rb:(row + 1) * rb].numpy().tobytes()
+
+
+def as_bytes(t: torch.Tensor) -> bytes:
+    return t.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def test_cuda_flash_interleaved_kv() -> None:
+    cache = randn(NB, 2, BS, 4, 32)
+    k, v = layer_components("l0", cache, BS)
+    assert (k.rows_per_block, k.row_bytes, k.block_stride_bytes) == (BS, 4 * 32 * 2, 2 * BS * 4 * 32 * 2)
+    assert row_bytes_of(k, 3, 5) == as_bytes(cache[3, 0, 5]) and row_bytes_of(v, 3, 5) == as_bytes(cache[3, 1, 5])
+
+
+def test_cuda_kv_first_layout_and_mla() -> None:
+    cache = randn(2, NB, BS, 2, 64)
+    k, v = layer_components("l0", cache, BS)
+    assert row_bytes_of(v, 4, 15) == as_bytes(cache[1, 4, 15])
+    mla = randn(NB, BS, 576, dtype=torch.uint8)  # fp8 stored as bytes
+    (c,) = layer_components("mla", mla, BS)
+    assert c.row_bytes == 576 and row_bytes_of(c, 5, 1) == as_bytes(mla[5, 1])
+
+
+def test_ascend_split_kv_mla_and_dsa_c8_with_shared_page() -> None:
+    k, v = randn(NB, BS, 8, 128), randn(NB, BS, 8, 128)
+    comps = layer_components("dense", (k, v), BS)
+    assert [c.index for c in comps] == [0, 1] and row_bytes_of(comps[1], 2, 3) == as_bytes(v[2, 3])
+    # DSA-C8: int8 indexer K then fp16 scale inside one padded page of a shared int8 allocation
+    page = BS * (128 + 2) + 64
+    raw = randn(NB * page, dtype=torch.int8)
+    indexer = torch.as_strided(raw, (NB, BS, 1, 128), (page, 128, 128, 1))
+    scale = torch.as_strided(raw.view(torch.float16), (NB, BS, 1, 1), (page // 2, 1, 1, 1), BS * 128 // 2)
+    nope, rope = randn(NB, BS, 1, 512), randn(NB, BS, 1, 64)
+    comps = layer_components("dsa", (nope, rope, indexer, scale), BS)
+    assert [c.row_bytes for c in comps] == [1024, 128, 128, 2]
+    assert comps[2].block_stride_bytes == page and comps[3].block_stride_bytes == page
+    assert row_bytes_of(comps[3], 4, 7) == as_bytes(scale[4, 7])
+    assert row_bytes_of(comps[2], 5, 15) == as_bytes(indexer[5, 15])
+
+
+def test_deepseek_v4_views_are_deduplicated_by_memory() -> None:
+    page = 2 * BS * 1024  # padded page of the shared raw tensor
+    raw = randn(NB * page, dtype=torch.int8)
+    swa = torch.as_strided(raw.view(torch.bfloat16), (NB, BS, 1, 512), (page // 2, 512, 512, 1))
+    other = torch.as_strided(raw.view(torch.bfloat16), (NB, BS, 1, 512), (page // 2, 512, 512, 1), BS * 512)
+    comps = collect_components({"layers.0.swa": [swa], "layers.1.swa": [swa], "layers.2.swa": [other]},
+                               {"layers.0.swa": BS, "layers.1.swa": BS, "layers.2.swa": BS})
+    assert len(comps) == 2
+    assert comps[0].layers == ["layers.0.swa", "layers.1.swa"] and comps[1].layers == ["layers.2.swa"]
+    assert comps[0].block_stride_bytes == page
+    assert row_bytes_of(comps[1], 3, 2) == as_bytes(other[3, 2])
+
+
+def test_mamba_states_are_one_row_per_block() -> None:
+    conv, ssm = randn(NB, 3, 1024), randn(NB, 16, 64, 32, dtype=torch.float32)
+    comps = layer_components("gdn", [conv, ssm], 1)
+    assert [(c.rows_per_block, c.row_bytes) for c in comps] == [(1, 3 * 1024 * 2), (1, 16 * 64 * 32 * 4)]
+    assert row_bytes_of(comps[1], 4, 0) == as_bytes(ssm[4])
+
+
+def test_kernel_block_split_is_merged_into_logical_blocks() -> None:
+    cache = randn(NB * 2, BS // 2, 4, 32)  # kernel blocks of 8 rows, two per logical block of 16
+    (c,) = layer_components("l0", (cache,), BS)
+    assert (c.num_blocks, c.rows_per_block) == (NB, BS)
+    assert row_bytes_of(c, 2, 11) == as_bytes(cache[5, 3])  # logical block 2, row 11 = kernel block 5, row 3
+
+
+def test_310p_fractal_nz() -> None:
+    heads_dim = 4 * 64
+    k = randn(NB, heads_dim // 16, BS, 16, dtype=torch.float16)
+    (c,) = layer_components("k", (k,), BS, fractal_nz=True)
+    assert (c.layout, c.nz_unit_bytes, c.row_bytes) == (PageLayout.FRACTAL_NZ, 32, heads_dim * 2)
+    # row 9 of block 3 is column-major across the NZ units
+    expected = b"".join(as_bytes(k[3, j, 9]) for j in range(heads_dim // 16))
+    plan = TransferPlan([GroupSpec(BS)], [Plane(c.pages, 0, BS, c.row_bytes, c.layout, c.nz_unit_bytes,
+                                                torch.float16)], chunk_tokens=BS)
+    objects = torch.zeros(1, plan.object_bytes, dtype=torch.uint8)
+    get_backend("emu", soc="310p").store(plan, [np.arange(3 * BS, 4 * BS).reshape(1, BS)], objects)
+    assert objects[0, 9 * c.row_bytes:10 * c.row_bytes].numpy().tobytes() == expected
+
+
+@pytest.mark.parametrize(
+    "value,rows,message",
+    [
+        (randn(NB, 4, BS, 32).transpose(1, 2), BS, "rows inside a block must be contiguous"),
+        (randn(NB, 12, 4, 32), BS, "12 rows per block does not match the group's 16"),
+        ("not a tensor", BS, "expected a Tensor or a tuple/list of Tensors"),
+    ],
+)
+def test_bad_payloads_name_the_layer_and_rule(value, rows: int, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        layer_components("layers.7.attn", value, rows)
+
+
+def test_layers_without_a_spec_are_refused() -> None:
+    with pytest.raises(ValueError, match=r"layers \['extra'\] have KV tensors but no KV-cache spec"):
+        collect_components({"extra": randn(NB, BS, 64)}, {})
+
+
+def test_components_round_trip_through_the_kernel() -> None:
+    """Split K/V + MLA + DSA shared page, stored by the emulated A2 kernel: object rows equal tensor rows."""
+    page = BS * (128 + 2)
+    raw = randn(NB * page, dtype=torch.int8)
+    indexer = torch.as_strided(raw, (NB, BS, 1, 128), (page, 128, 128, 1))
+    scale = torch.as_strided(raw.view(torch.float16), (NB, BS, 1, 1), (page // 2, 1, 1, 1), BS * 128 // 2)
+    comps = layer_components("dsa", (randn(NB, BS, 1, 512), randn(NB, BS, 1, 64), indexer, scale), BS)
+    plan = TransferPlan([GroupSpec(BS)], [Plane(c.pages, 0, c.rows_per_block, c.row_bytes, dtype=c.dtype)
+                                          for c in comps], chunk_tokens=BS)
+    slots = np.arange(2 * BS, 3 * BS).reshape(1, BS)
+    objects = torch.zeros(1, plan.object_bytes, dtype=torch.uint8)
+    get_backend("emu").store(plan, [slots], objects)
+    for c, offset in zip(plan.moved_planes, plan.object_offsets):
+        segment = objects[0, offset: offset + BS * c.row_bytes].numpy().tobytes()
+        assert segment == c.pages[2].numpy().tobytes()
+    assert objects[0, plan.object_offsets[3]: plan.object_offsets[3] + 2].numpy().tobytes() == as_bytes(scale[2, 0])
