@@ -106,11 +106,7 @@ def _npu_available() -> bool:
 
 
 def _cuda_available() -> bool:
-    return (
-        torch.cuda.is_available()
-        and importlib.util.find_spec("lmcache_npu._cuda") is not None
-        and importlib.util.find_spec("lmcache_npu.ops.cuda_backend") is not None
-    )
+    return torch.cuda.is_available() and importlib.util.find_spec("lmcache_npu._cuda") is not None
 
 
 def get_backend(name: str = "auto", **options: object) -> TransferBackend:
@@ -140,10 +136,10 @@ def get_backend(name: str = "auto", **options: object) -> TransferBackend:
     if name == "cuda":
         if not _cuda_available():
             raise BackendUnavailable(
-                "the cuda backend needs lmcache_npu._cuda (compiled at install time only when nvcc and a CUDA build "
-                "of torch are present), its Python face lmcache_npu.ops.cuda_backend, and a visible CUDA device"
+                "the cuda backend needs lmcache_npu._cuda (built at install time when nvcc and a CUDA build of "
+                "torch are present, or with LMCACHE_NPU_CUDA=1) and a visible CUDA device"
             )
-        from .cuda_backend import CudaBackend  # type: ignore[import-not-found]
+        from .cuda_backend import CudaBackend
 
-        return CudaBackend(**options)  # type: ignore[no-any-return]
+        return CudaBackend(**options)  # type: ignore[arg-type]
     raise ValueError(f"unknown transfer backend {name!r}; expected one of {', '.join(BACKEND_NAMES)}")
