@@ -125,7 +125,6 @@ class CudaBackend(TransferBackend):
         self._flags: Optional[torch.Tensor] = None
         self._copy_stream: Optional[torch.cuda.Stream] = None
         self._epoch = 0
-        self.last_pipelined = False
         # Stream memory operations let one launch overlap the kernel with the copy engine.
         probe = torch.zeros(1, dtype=torch.int32, device="cuda")
         probe_stream = torch.cuda.current_stream().cuda_stream
@@ -219,7 +218,6 @@ class CudaBackend(TransferBackend):
         status = tables[offsets[6]: offsets[6] + 24].cpu().numpy().view(np.uint64)  # synchronises
         seconds = time.perf_counter() - start
         self.last_kernel_ms = begin.elapsed_time(end)
-        self.last_pipelined = pipelined
         verify_kernel_report(batch, int(status[0]), int(status[1]), int(status[2]))
         return TransferStats(backend=self.name, direction=batch.direction, chunks=batch.num_chunks,
                              payload_bytes=batch.payload_bytes, launches=1, seconds=seconds,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import re
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -49,15 +48,6 @@ def check_soc_rules(plan: TransferPlan, soc: SocSpec) -> None:
             )
 
 
-def violation_rule(error: BaseException) -> Optional[str]:
-    """The emulator rule an EmuViolation names."""
-    rule = getattr(error, "rule", None)
-    if rule:
-        return str(rule)
-    match = re.search(r"\(rule: ([a-z0-9-]+)\)", str(error))
-    return match.group(1) if match else None
-
-
 class EmuBackend(TransferBackend):
     """Runs the real kernel sources on emulated cores; every hardware rule is checked."""
 
@@ -88,7 +78,6 @@ class EmuBackend(TransferBackend):
         self.tiling = _emu.ub_tiling(self.ub_bytes)
         self.order = order
         self.seed = seed
-        self.last_core_stats: list[dict] = []
 
     def transfer(self, batch: ChunkBatch) -> TransferStats:
         plan = batch.plan
@@ -110,7 +99,7 @@ class EmuBackend(TransferBackend):
         regions += [(a.ctypes.data, max(a.nbytes, 1), False, name) for name, a in tables.items()]
         regions.append((status.ctypes.data, status.nbytes, True, "core status"))
         start = time.perf_counter()
-        self.last_core_stats = self._emu.launch(
+        self._emu.launch(
             target=self.soc.name,
             block_dim=self.cores,
             ub_bytes=self.ub_bytes,
