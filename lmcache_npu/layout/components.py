@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence, Union
+from typing import Hashable, Mapping, Optional, Sequence, Union
 
 import torch
 
@@ -145,17 +145,22 @@ def layer_components(layer: str, value: KVValue, rows_per_block: int, fractal_nz
 
 
 def collect_components(kv_caches: Mapping[str, KVValue], rows_per_block: Mapping[str, int],
-                       fractal_nz: bool = False) -> list[Component]:
-    """Components of every layer, deduplicated: views of the same bytes become one component naming all layers."""
+                       fractal_nz: bool = False, scope: Optional[Mapping[str, Hashable]] = None) -> list[Component]:
+    """Components of every layer, deduplicated: views of the same bytes become one component naming all layers.
+
+    `scope` (layer -> key, e.g. the plan group) limits deduplication to layers of one scope: vLLM lets layers of
+    different groups share one allocation with disjoint block ids, and each group must keep its own plane.
+    """
     missing = sorted(set(kv_caches) - set(rows_per_block))
     if missing:
         raise ValueError(f"layers {missing} have KV tensors but no KV-cache spec in any group")
-    unique: dict[tuple[int, int, int, int], Component] = {}
+    unique: dict[tuple[Hashable, tuple[int, int, int, int]], Component] = {}
     for layer, value in kv_caches.items():
         for c in layer_components(layer, value, rows_per_block[layer], fractal_nz):
-            seen = unique.get(c.key)
+            key = (None if scope is None else scope[layer], c.key)
+            seen = unique.get(key)
             if seen is None:
-                unique[c.key] = c
+                unique[key] = c
             elif (seen.rows_per_block, seen.row_bytes) != (c.rows_per_block, c.row_bytes):
                 raise ValueError(
                     f"layer {layer}, tensor {c.index}: the same memory as layers {seen.layers} but with "

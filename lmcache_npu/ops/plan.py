@@ -144,6 +144,8 @@ def _validate_group(index: int, group: GroupSpec, chunk_tokens: int) -> None:
         _fail(where, f"compress_ratio must be >= 1, got {group.compress_ratio}")
     if group.sliding_window is not None and group.sliding_window < 1:
         _fail(where, f"sliding_window must be >= 1 token or None, got {group.sliding_window}")
+    if group.skip:
+        return  # a skipped group moves nothing, so its granularity does not constrain the chunk
     if chunk_tokens % group.compress_ratio:
         _fail(where, f"chunk_tokens {chunk_tokens} is not a multiple of compress_ratio {group.compress_ratio}")
     tail = chunk_tokens if group.sliding_window is None else min(chunk_tokens, group.sliding_window)

@@ -1,0 +1,352 @@
+"""From vLLM's KVCacheConfig and the register_kv_caches dict to a TransferPlan that explains itself (DESIGN §6).
+
+A scheduler group (one block table) may hold layers of several geometries (DeepSeek-V4 on CUDA puts c4 and
+c128 MLA in one UniformTypeKVCacheSpecs group): those become several plan groups that share the scheduler
+group's block table. Plan groups keep scheduler order, then first appearance inside a scheduler group.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional, Sequence
+
+import torch
+
+from ..ops import GroupSpec, PageLayout, Plane, TransferPlan
+from .components import Component, KVValue, collect_components
+from .specs import NEVER_REUSED, LayerSpec, SpecKind, is_compressor_state_layer, layer_specs_of_group
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_SKIP_SPEC_KINDS: tuple[str, ...] = (SpecKind.COMPRESSOR_STATE.value,)
+
+
+@dataclass(frozen=True)
+class LayoutPolicy:
+    """What discovery may decide for the user: chunk size, hash granularity, which spec kinds to skip."""
+
+    chunk_tokens: int = 256
+    skip_spec_kinds: tuple[str, ...] = DEFAULT_SKIP_SPEC_KINDS
+    hash_block_size: Optional[int] = None  # None: the GCD of the group block sizes, as vLLM derives it
+    fractal_nz: bool = False  # 310P: K/V pages are FRACTAL_NZ
+
+    def __post_init__(self) -> None:
+        valid = sorted(k.value for k in SpecKind)
+        unknown = sorted(set(self.skip_spec_kinds) - set(valid))
+        if unknown:
+            raise ValueError(f"skip_spec_kinds: unknown spec kinds {unknown}; valid kinds are {valid}")
+        if self.chunk_tokens < 1:
+            raise ValueError(f"chunk_tokens must be >= 1, got {self.chunk_tokens}")
+        if self.hash_block_size is not None and self.hash_block_size < 1:
+            raise ValueError(f"hash_block_size must be >= 1, got {self.hash_block_size}")
+
+
+@dataclass(frozen=True)
+class PlaneInfo:
+    """One plane as a person reads it."""
+
+    name: str
+    layers: tuple[str, ...]
+    dtype: str
+    row_bytes: int
+    block_stride_bytes: int
+    layout: str
+
+
+@dataclass(frozen=True)
+class LayoutGroup:
+    """One plan group: layers of one scheduler group with one geometry."""
+
+    index: int
+    scheduler_group: int
+    spec: str
+    kind: SpecKind
+    layers: tuple[str, ...]
+    block_size: int
+    tokens_per_block: int
+    rows_per_block: int
+    compress_ratio: int
+    sliding_window: Optional[int]
+    stored_tokens: int  # the tail of each chunk whose rows are stored (chunk_tokens unless windowed)
+    rows_per_chunk: int
+    skipped: bool
+    skip_reason: str
+    recurrent: bool
+    note: str
+    planes: tuple[PlaneInfo, ...]
+    exact_restore: bool = True
+
+    def to_json(self) -> dict[str, Any]:
+        counts: dict[tuple[str, str, int], int] = {}
+        for p in self.planes:
+            key = (p.name.rsplit(":", 1)[-1], p.dtype, p.row_bytes)
+            counts[key] = counts.get(key, 0) + 1
+        return {
+            "index": self.index,
+            "scheduler_group": self.scheduler_group,
+            "spec": self.spec,
+            "kind": self.kind.value,
+            "layers": len(self.layers),
+            "tokens_per_block": self.tokens_per_block,
+            "compress_ratio": self.compress_ratio,
+            "sliding_window": self.sliding_window,
+            "skipped": self.skipped,
+            "skip_reason": self.skip_reason,
+            "recurrent": self.recurrent,
+            "exact_restore": self.exact_restore,
+            "rows_per_chunk": 0 if self.skipped else self.rows_per_chunk,
+            "note": self.note,
+            "planes": [{"role": role, "count": n, "dtype": dtype, "row_bytes": row_bytes,
+                        "rows_per_chunk": 0 if self.skipped else self.rows_per_chunk}
+                       for (role, dtype, row_bytes), n in counts.items()],
+        }
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """The plan plus everything a person (or the connector) needs to know about how it was derived."""
+
+    plan: TransferPlan
+    groups: tuple[LayoutGroup, ...]
+    hash_block_size: int
+    aliases: Mapping[str, str] = field(default_factory=dict)  # layer -> the layer whose KV it reads
+    caveats: tuple[str, ...] = ()
+
+    @property
+    def bytes_per_chunk(self) -> int:
+        return self.plan.object_bytes
+
+    @property
+    def naive_bytes_per_chunk(self) -> int:
+        return self.plan.object_bytes_naive()
+
+    def scheduler_group_of(self, plan_group: int) -> int:
+        return self.groups[plan_group].scheduler_group
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "chunk_tokens": self.plan.chunk_tokens,
+            "hash_block_size": self.hash_block_size,
+            "groups": [g.to_json() for g in self.groups],
+            "bytes_per_chunk": self.bytes_per_chunk,
+            "naive_bytes_per_chunk": self.naive_bytes_per_chunk,
+            "caveats": list(self.caveats),
+        }
+
+
+_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int8: "int8",
+                torch.uint8: "uint8"}
+
+
+def dtype_name(dtype: Optional[torch.dtype]) -> str:
+    if dtype is None:
+        return "-"
+    return _DTYPE_NAMES.get(dtype, str(dtype).replace("torch.", ""))
+
+
+def _component_role(kind: SpecKind, components: Sequence[Component], index: int) -> str:
+    """A readable name for a payload position (cosmetic: the plan never depends on it)."""
+    count = len(components)
+    if kind == SpecKind.MAMBA:
+        return f"state{index}"
+    if count == 1:
+        return "cache"
+    if kind in (SpecKind.FULL_ATTENTION, SpecKind.SLIDING_WINDOW, SpecKind.CHUNKED_LOCAL) and count == 2:
+        return ("k", "v")[index]
+    if count == 2 and not components[0].dtype.is_floating_point and components[1].dtype.is_floating_point:
+        return ("k", "scale")[index]  # DeepSeek-V4 indexer: int8 keys and their scales in one page
+    if 2 <= count <= 4:
+        return ("nope", "rope", "indexer_k", "indexer_scale")[index]
+    return f"t{index}"
+
+
+def _owner_ratio(state_layer: str, specs: Mapping[str, LayerSpec]) -> int:
+    """The compress ratio of the attention/indexer cache the compressor state feeds (longest shared name prefix)."""
+    parts = state_layer.split(".")
+    best, best_len = None, -1
+    for name, s in specs.items():
+        if s.kind != SpecKind.MLA or s.compress_ratio < 2:
+            continue
+        other = name.split(".")
+        shared = 0
+        while shared < min(len(parts), len(other)) and parts[shared] == other[shared]:
+            shared += 1
+        if shared > best_len:
+            best, best_len = s, shared
+    if best is None or best_len < 1:
+        raise ValueError(f"layer {state_layer}: a compressor state cache with no compressed MLA layer beside it")
+    return best.compress_ratio
+
+
+@dataclass
+class _Draft:
+    scheduler_group: int
+    specs: list[LayerSpec]
+    skipped: bool = False
+    skip_reason: str = ""
+    stored_window: Optional[int] = None
+    note: str = ""
+    exact_restore: bool = True  # False: a skipped group the next step reads across the chunk boundary
+
+
+def _geometry_key(s: LayerSpec) -> tuple:
+    return (s.spec_class, s.kind, s.tokens_per_block, s.rows_per_block, s.compress_ratio, s.sliding_window,
+            s.rows_are_tokens, s.prefix_cacheable, s.mamba_cache_mode)
+
+
+def _decide(draft: _Draft, policy: LayoutPolicy, all_specs: Mapping[str, LayerSpec]) -> None:
+    """Skip flag, stored window and note of one plan group."""
+    s = draft.specs[0]
+    names = [x.layer for x in draft.specs]
+    draft.stored_window = s.sliding_window
+    if not s.prefix_cacheable:
+        draft.skipped, draft.skip_reason = True, "vLLM marks this spec not prefix-cacheable"
+        return
+    if s.kind in NEVER_REUSED:
+        draft.skipped, draft.skip_reason = True, NEVER_REUSED[s.kind]
+        return
+    if s.kind == SpecKind.COMPRESSOR_STATE:
+        mismatched = [n for n in names if not is_compressor_state_layer(n)]
+        if mismatched:
+            raise ValueError(
+                f"layers {mismatched[:3]}: an fp32 sliding-window MLA spec (a compressor state) on layers that are "
+                "not compressor state caches; refusing to guess whether prefix reuse needs them"
+            )
+        ratio = _owner_ratio(names[0], all_specs)
+        window = s.sliding_window or ratio
+        if window % ratio or window // ratio not in (1, 2):
+            raise ValueError(f"layer {names[0]}: compressor state window {window} is not 1 or 2 windows of ratio {ratio}")
+        carried = window - ratio  # the overlapping window: tokens before a boundary the next compression reads
+        exact = ("restoring without it is exact: the next compression reads no token before a "
+                 f"{ratio}-aligned chunk boundary") if carried == 0 else (
+                 f"the next ratio-{ratio} compression after a chunk boundary reads the kv/score state of the "
+                 f"{carried} tokens before it")
+        draft.note = f"compressor state, ratio {ratio}, window {window}"
+        if carried == 0:
+            draft.skipped, draft.skip_reason = True, f"compressor state (ratio {ratio}, window {window}): {exact}"
+        elif s.kind.value in policy.skip_spec_kinds:
+            draft.skipped, draft.exact_restore = True, False
+            draft.skip_reason = (f"compressor state (ratio {ratio}, window {window}) skipped by skip_spec_kinds; "
+                                 f"restore is approximate: {exact}")
+        else:
+            draft.stored_window = carried
+            draft.note += f": only the {carried} boundary rows the next compression reads are stored"
+        return
+    if s.kind.value in policy.skip_spec_kinds:
+        draft.skipped, draft.skip_reason = True, f"spec kind {s.kind.value} is listed in skip_spec_kinds"
+        return
+    if s.kind == SpecKind.MAMBA:
+        if s.mamba_cache_mode not in ("align", "all"):
+            raise ValueError(
+                f"layers {names[:3]}: mamba_cache_mode {s.mamba_cache_mode!r} keeps one running state per request, "
+                "so no state exists at chunk boundaries; serve with --mamba-cache-mode align (or list 'mamba' in "
+                "skip_spec_kinds to offload attention only, which makes every hit recompute)"
+            )
+        draft.stored_window = s.tokens_per_block  # one state: the one after the chunk's last token
+        draft.note = f"recurrent state, one {s.tokens_per_block}-token checkpoint per block: the chunk-end state"
+
+
+def discover_layout(kv_cache_config: Any, kv_caches: Mapping[str, KVValue],
+                    policy: Optional[LayoutPolicy] = None) -> KVLayout:
+    """Validates what vLLM handed the connector and plans every non-skipped group's chunk rows."""
+    policy = policy or LayoutPolicy()
+    scheduler_groups = list(kv_cache_config.kv_cache_groups)
+    layer_specs: dict[str, LayerSpec] = {}
+    drafts: list[_Draft] = []
+    for gi, group in enumerate(scheduler_groups):
+        by_key: dict[tuple, _Draft] = {}
+        for s in layer_specs_of_group(gi, group):
+            if s.layer in layer_specs:
+                raise ValueError(f"layer {s.layer} appears in more than one KV-cache group")
+            layer_specs[s.layer] = s
+            draft = by_key.get(_geometry_key(s))
+            if draft is None:
+                draft = by_key[_geometry_key(s)] = _Draft(gi, [])
+                drafts.append(draft)
+            draft.specs.append(s)
+    for d in drafts:
+        _decide(d, policy, layer_specs)
+
+    missing = [n for n in layer_specs if n not in kv_caches]
+    if missing:
+        raise ValueError(f"layers {missing[:5]} are in the KV-cache config but register_kv_caches gave no tensor")
+    aliases = _kv_sharing_aliases(kv_caches, layer_specs)
+    plan_index = {s.layer: i for i, d in enumerate(drafts) for s in d.specs}
+    components = collect_components({n: v for n, v in kv_caches.items() if n not in aliases},
+                                    {n: s.rows_per_block for n, s in layer_specs.items()},
+                                    policy.fractal_nz, scope=plan_index)
+
+    num_blocks = int(kv_cache_config.num_blocks)
+    hash_block = policy.hash_block_size or math.gcd(*[int(g.kv_cache_spec.block_size) for g in scheduler_groups])
+    if policy.chunk_tokens % hash_block:
+        raise ValueError(f"chunk_tokens {policy.chunk_tokens} is not a multiple of the hash block size {hash_block}: "
+                         "a chunk is keyed by the block hash at its last token")
+    group_specs, planes, infos = [], [], [[] for _ in drafts]
+    for c in components:
+        gi = plan_index[c.layers[0]]
+        if c.num_blocks != num_blocks:
+            raise ValueError(f"layer {c.layers[0]}, tensor {c.index}: {c.num_blocks} blocks, but the KV-cache config "
+                             f"has num_blocks {num_blocks}")
+        kind = drafts[gi].specs[0].kind
+        same_layer = [x for x in components if x.layers[0] == c.layers[0] and plan_index[x.layers[0]] == gi]
+        role = _component_role(kind, same_layer, same_layer.index(c))
+        name = f"{c.layers[0]}:{role}"
+        planes.append(Plane(c.pages, gi, c.rows_per_block, c.row_bytes, c.layout, c.nz_unit_bytes, c.dtype, name))
+        infos[gi].append(PlaneInfo(name, tuple(c.layers), dtype_name(c.dtype), c.row_bytes, c.block_stride_bytes,
+                                   "fractal_nz" if c.layout == PageLayout.FRACTAL_NZ else "nd"))
+    groups = []
+    for gi, d in enumerate(drafts):
+        s = d.specs[0]
+        where = f"group {gi} ({s.spec_class}, scheduler group {d.scheduler_group}, layers {[x.layer for x in d.specs][:3]})"
+        recurrent = s.kind == SpecKind.MAMBA
+        granularity = s.compress_ratio if s.rows_are_tokens else s.tokens_per_block
+        if not d.skipped and policy.chunk_tokens % granularity:
+            unit = ("one state per block" if recurrent else "rows pack with their scales, whole blocks only"
+                    if not s.rows_are_tokens else "one compressed row per ratio tokens")
+            raise ValueError(f"{where}: chunk_tokens {policy.chunk_tokens} is not a multiple of the group's token "
+                             f"granularity {granularity} ({unit})")
+        stored = policy.chunk_tokens if d.stored_window is None else min(policy.chunk_tokens, d.stored_window)
+        if not d.skipped and stored % granularity:
+            raise ValueError(f"{where}: the stored tail of {stored} tokens is not a multiple of the group's token "
+                             f"granularity {granularity}")
+        spec = GroupSpec(s.tokens_per_block, s.compress_ratio,
+                         d.stored_window, d.skipped, d.skip_reason, f"{s.kind.value}#{gi}")
+        group_specs.append(spec)
+        groups.append(LayoutGroup(
+            index=gi, scheduler_group=d.scheduler_group, spec=s.spec_class, kind=s.kind,
+            layers=tuple(x.layer for x in d.specs), block_size=s.block_size, tokens_per_block=s.tokens_per_block,
+            rows_per_block=s.rows_per_block, compress_ratio=s.compress_ratio, sliding_window=s.sliding_window,
+            stored_tokens=stored, rows_per_chunk=stored // s.compress_ratio,
+            skipped=d.skipped, skip_reason=d.skip_reason, recurrent=recurrent, note=d.note,
+            planes=tuple(infos[gi]), exact_restore=d.exact_restore))
+    plan = TransferPlan(group_specs, planes, policy.chunk_tokens)
+    caveats = tuple(f"group {g.index}: {g.skip_reason}" for g in groups if not g.exact_restore)
+    for caveat in caveats:
+        logger.warning("%s (keep it: drop 'compressor_state' from skip_spec_kinds)", caveat)
+    return KVLayout(plan, tuple(groups), hash_block, aliases, caveats)
+
+
+def _same_memory(a: KVValue, b: KVValue) -> bool:
+    ta = [a] if isinstance(a, torch.Tensor) else list(a)
+    tb = [b] if isinstance(b, torch.Tensor) else list(b)
+    return len(ta) == len(tb) and all(
+        x.data_ptr() == y.data_ptr() and x.shape == y.shape and x.stride() == y.stride() and x.dtype == y.dtype
+        for x, y in zip(ta, tb))
+
+
+def _kv_sharing_aliases(kv_caches: Mapping[str, KVValue], specs: Mapping[str, LayerSpec]) -> dict[str, str]:
+    """Layers registered without a spec must reuse another layer's KV (vLLM cross-layer KV sharing)."""
+    aliases = {}
+    for name, value in kv_caches.items():
+        if name in specs:
+            continue
+        if not isinstance(value, (torch.Tensor, tuple, list)):
+            raise ValueError(f"layer {name}: expected a Tensor or a tuple/list of Tensors, got {type(value).__name__}")
+        target = next((t for t in specs if _same_memory(value, kv_caches[t])), None)
+        if target is None:
+            raise ValueError(f"layer {name} has KV tensors but no KV-cache spec in any group, and does not share "
+                             "another layer's KV cache")
+        aliases[name] = target
+    return aliases

@@ -1,0 +1,85 @@
+"""Presets: real models as vLLM (CUDA) and vllm-ascend (Ascend) hand them to a connector, through layout discovery.
+
+Each preset builds the KVCacheConfig from vLLM 0.23 spec classes (vllm-ascend's own classes where vllm-ascend
+is importable, faithful stand-ins otherwise) and allocates small tensors exactly as the model runner shapes
+them, then runs `discover_layout` on them: the plan a real `register_kv_caches` would produce, in miniature.
+Building a preset needs vLLM installed; `discover_layout` itself does not.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import torch
+
+from ..discovery import DEFAULT_SKIP_SPEC_KINDS, KVLayout, LayoutPolicy, discover_layout
+from .catalog import MODELS, Model
+
+DEVICE_FAMILIES = ("ascend", "cuda")
+DEFAULT_CHUNK_TOKENS = 256
+
+
+@dataclass
+class PresetKV:
+    """What vLLM hands a connector for one preset: the config, the registered tensors, their raw buffers."""
+
+    model: Model
+    device_family: str
+    kv_cache_config: Any
+    kv_caches: dict[str, Any]
+    allocations: list[torch.Tensor]
+
+    @property
+    def default_chunk_tokens(self) -> int:
+        """256, or the recurrent state interval when a mamba group needs a coarser chunk."""
+        chunk = DEFAULT_CHUNK_TOKENS
+        for group in self.kv_cache_config.kv_cache_groups:
+            if type(group.kv_cache_spec).__name__ == "MambaSpec":
+                block = int(group.kv_cache_spec.block_size)
+                chunk = block * math.ceil(chunk / block) if chunk % block else chunk
+        return chunk
+
+
+def preset_names() -> list[str]:
+    return list(MODELS)
+
+
+def get_model(name: str, device_family: str) -> Model:
+    if name not in MODELS:
+        raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(MODELS)}")
+    if device_family not in DEVICE_FAMILIES:
+        raise ValueError(f"unknown device family {device_family!r}; choose one of {', '.join(DEVICE_FAMILIES)}")
+    model = MODELS[name]
+    if device_family not in model.families:
+        raise ValueError(f"preset {name} exists only for {', '.join(model.families)}")
+    return model
+
+
+def build_preset(name: str, device_family: str = "ascend", num_blocks: int = 8, seed: int = 0) -> PresetKV:
+    """Allocates the preset's KV caches (random bytes) with `num_blocks` blocks per group."""
+    model = get_model(name, device_family)
+    if num_blocks < 2:
+        raise ValueError(f"num_blocks must be >= 2 (block 0 is vLLM's null block), got {num_blocks}")
+    generator = torch.Generator().manual_seed(seed)
+    if device_family == "cuda":
+        from .cuda import cuda_kv_cache_config, cuda_kv_caches, cuda_specs
+
+        config = cuda_kv_cache_config(cuda_specs(model), num_blocks)
+        caches, raws = cuda_kv_caches(config, generator)
+    else:
+        from .ascend import ascend_kv_cache_config, ascend_kv_caches
+
+        config = ascend_kv_cache_config(model, num_blocks)
+        caches, raws = ascend_kv_caches(model, config, generator)
+    return PresetKV(model, device_family, config, caches, raws)
+
+
+def preset_layout(name: str, device_family: str = "ascend", chunk_tokens: Optional[int] = None, num_blocks: int = 8,
+                  skip_spec_kinds: Sequence[str] = DEFAULT_SKIP_SPEC_KINDS, seed: int = 0) -> tuple[KVLayout, PresetKV]:
+    """The layout discovery makes of a preset, and the preset itself."""
+    preset = build_preset(name, device_family, num_blocks, seed)
+    policy = LayoutPolicy(chunk_tokens=chunk_tokens or preset.default_chunk_tokens,
+                          skip_spec_kinds=tuple(skip_spec_kinds), fractal_nz=preset.model.fractal_nz)
+    return discover_layout(preset.kv_cache_config, preset.kv_caches, policy), preset

@@ -1,0 +1,117 @@
+"""The models the presets describe: per-layer attention facts from their published configs, device-neutral."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+
+
+@dataclass(frozen=True)
+class Attention:
+    """Standard (GQA) attention; a sliding window makes it a sliding-window layer."""
+
+    kv_heads: int
+    head_dim: int
+    sliding_window: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class MLA:
+    """DeepSeek MLA latent (nope) + rope; `indexer` adds the DeepSeek-V3.2 DSA lightning-indexer cache."""
+
+    kv_lora_rank: int = 512
+    rope_dim: int = 64
+    indexer: bool = False
+    index_head_dim: int = 128
+
+
+@dataclass(frozen=True)
+class GatedDeltaNet:
+    """Qwen3-Next linear attention: a conv state and a recurrent (temporal) state per request."""
+
+    num_k_heads: int
+    num_v_heads: int
+    head_k_dim: int
+    head_v_dim: int
+    conv_kernel: int
+
+
+Layer = Union[Attention, MLA, GatedDeltaNet]
+
+
+@dataclass(frozen=True)
+class DeepseekV4:
+    """DeepSeek-V4: per layer an SWA cache; c4 layers add compressed MLA + indexer, c128 layers compressed MLA."""
+
+    compress_ratios: tuple[int, ...]  # 0: SWA only
+    window: int = 128
+    head_dim: int = 512
+    index_head_dim: int = 128
+
+
+@dataclass(frozen=True)
+class Model:
+    name: str
+    layers: Union[tuple[tuple[str, Layer], ...], DeepseekV4]
+    notes: str
+    dtype: torch.dtype = torch.bfloat16
+    families: tuple[str, ...] = ("ascend", "cuda")
+    fractal_nz: bool = False  # 310P K/V pages
+
+
+def _stack(prefix: str, layers: list[Layer]) -> tuple[tuple[str, Layer], ...]:
+    return tuple((prefix.format(i=i), layer) for i, layer in enumerate(layers))
+
+
+def _dense(name: str, num_layers: int, kv_heads: int, head_dim: int, notes: str, **kw) -> Model:
+    return Model(name, _stack("model.layers.{i}.self_attn.attn", [Attention(kv_heads, head_dim)] * num_layers),
+                 notes, **kw)
+
+
+def _gemma3_27b() -> Model:
+    # 62 layers, every 6th global (sliding_window_pattern 6), 16 KV heads x 128, window 1024.
+    layers: list[Layer] = [Attention(16, 128, None if (i + 1) % 6 == 0 else 1024) for i in range(62)]
+    return Model("gemma3-27b", _stack("model.layers.{i}.self_attn.attn", layers),
+                 "62 layers: 52 sliding-window (1024) + 10 global, 16 KV heads x 128, bf16")
+
+
+def _gpt_oss_120b() -> Model:
+    layers: list[Layer] = [Attention(8, 64, 128 if i % 2 == 0 else None) for i in range(36)]
+    return Model("gpt-oss-120b", _stack("model.layers.{i}.attn.attn", layers),
+                 "36 layers alternating sliding-window 128 / full, 8 KV heads x 64, bf16")
+
+
+def _qwen3_next_80b() -> Model:
+    names: list[tuple[str, Layer]] = []
+    for i in range(48):  # full_attention_interval 4: layers 3, 7, ... are gated full attention
+        if i % 4 == 3:
+            names.append((f"model.layers.{i}.self_attn.attn", Attention(2, 256)))
+        else:
+            names.append((f"model.layers.{i}.linear_attn", GatedDeltaNet(16, 32, 128, 128, 4)))
+    return Model("qwen3-next-80b", tuple(names),
+                 "48 layers: 36 Gated DeltaNet (conv + recurrent state) + 12 full attention (2 KV heads x 256)")
+
+
+def _deepseek_v4_flash() -> Model:
+    # HF config: 43 layers, compress_ratios [0, 0, 4, 128, 4, 128, ...]; the MTP layer is not served here.
+    ratios = (0, 0) + tuple(4 if i % 2 == 0 else 128 for i in range(41))
+    return Model("deepseek-v4-flash", DeepseekV4(ratios),
+                 "43 layers: SWA cache (window 128) on every layer, 21 c4 (MLA + indexer) and 20 c128 MLA layers")
+
+
+MODELS: dict[str, Model] = {m.name: m for m in (
+    _dense("llama3-8b", 32, 8, 128, "32 layers, 8 KV heads x 128, bf16"),
+    _dense("qwen3-32b", 64, 8, 128, "64 layers, 8 KV heads x 128, bf16"),
+    Model("deepseek-v3", _stack("model.layers.{i}.self_attn.attn", [MLA()] * 61),
+          "61 MLA layers: latent 512 + rope 64, bf16"),
+    Model("deepseek-v3.2-c8", _stack("model.layers.{i}.self_attn.attn", [MLA(indexer=True)] * 61),
+          "61 MLA layers with the DSA lightning indexer (int8 keys + fp16 scale on Ascend LI-C8, fp8 on CUDA)"),
+    _deepseek_v4_flash(),
+    _gemma3_27b(),
+    _gpt_oss_120b(),
+    _qwen3_next_80b(),
+    _dense("llama3-8b-310p", 32, 8, 128, "Atlas 300I Duo (310P): FRACTAL_NZ K/V [nb, H*hd/16, bs, 16], fp16",
+           dtype=torch.float16, families=("ascend",), fractal_nz=True),
+)}

@@ -1,0 +1,49 @@
+"""Chunk rows to page slots: where each stored row of a chunk lives, given a request's block table.
+
+For chunk c of a plan group, stored row r is the token `t = c * chunk_tokens + (chunk_tokens - stored_tokens)
++ r * compress_ratio` (the tail of the chunk), found in logical block `t // tokens_per_block` at row
+`(t % tokens_per_block) // compress_ratio`. A recurrent group stores one row, the state after the chunk's
+last token, which this formula lands on because its stored tail is one whole block.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence, Union
+
+import numpy as np
+
+from ..ops import SKIP_SLOT
+from .discovery import KVLayout, LayoutGroup
+
+
+def chunk_slots(group: LayoutGroup, chunk_tokens: int, block_ids: Union[Sequence[int], np.ndarray],
+                chunks: Union[Sequence[int], np.ndarray], null_block: Optional[int] = 0) -> np.ndarray:
+    """(len(chunks), rows_per_chunk) slots of `chunks` (chunk indices in the request) for one plan group.
+
+    `block_ids` is the scheduler group's block table for the request; a row in a missing block or in the
+    null block (vLLM frees sliding-window blocks to block 0) gets -1, which a store writes as zeros and a
+    load leaves alone.
+    """
+    table = np.asarray(block_ids, dtype=np.int64)
+    index = np.asarray(chunks, dtype=np.int64).reshape(-1, 1)
+    rows = np.arange(group.rows_per_chunk, dtype=np.int64).reshape(1, -1)
+    tokens = index * chunk_tokens + (chunk_tokens - group.stored_tokens) + rows * group.compress_ratio
+    logical = tokens // group.tokens_per_block
+    within = (tokens % group.tokens_per_block) // group.compress_ratio
+    present = logical < table.size
+    physical = np.where(present, table[np.minimum(logical, max(table.size - 1, 0))] if table.size else -1, -1)
+    if null_block is not None:
+        present &= physical != null_block
+    return np.where(present & (physical >= 0), physical * group.rows_per_block + within, SKIP_SLOT)
+
+
+def layout_slots(layout: KVLayout, block_tables: Sequence[Union[Sequence[int], np.ndarray]],
+                 chunks: Union[Sequence[int], np.ndarray], null_block: Optional[int] = 0) -> list[Optional[np.ndarray]]:
+    """Slots of every plan group (None for skipped groups) from one block table per scheduler group."""
+    out: list[Optional[np.ndarray]] = []
+    for g in layout.groups:
+        if g.skipped:
+            out.append(None)
+        else:
+            out.append(chunk_slots(g, layout.plan.chunk_tokens, block_tables[g.scheduler_group], chunks, null_block))
+    return out
