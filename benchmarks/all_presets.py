@@ -10,8 +10,9 @@ from rich.console import Console
 from rich.progress import track
 from rich.table import Table
 
-from lmcache_npu.bench.presets import PRESETS, get_preset
-from lmcache_npu.bench.runner import run_bench
+from lmcache_npu.bench.presets import PRESETS
+from lmcache_npu.bench.runner import default_family, run_bench
+from lmcache_npu.layout.presets.catalog import MODELS
 
 
 def main() -> int:
@@ -20,12 +21,15 @@ def main() -> int:
     parser.add_argument("--chunks", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--device-family", choices=["ascend", "cuda"], default=None,
+                        help="preset tensor shapes (default: cuda for the cuda backend, ascend otherwise)")
     args = parser.parse_args()
     reports = []
-    for name in track(list(PRESETS), description="presets"):
+    family = args.device_family or default_family(args.backend)
+    for name in track([p for p in PRESETS if family in MODELS[p].families], description="presets"):
         options = {"soc": "310p"} if name.endswith("310p") and args.backend in ("emu", "auto") else {}
-        reports.append(run_bench(get_preset(name), args.backend, chunks=args.chunks, check=True,
-                                 repeats=args.repeats, progress=False, **options))
+        reports.append(run_bench(name, args.backend, chunks=args.chunks, check=True, repeats=args.repeats,
+                                 progress=False, device_family=family, **options))
     table = Table(title=f"all presets, {args.chunks} chunks each")
     for col in ("preset", "backend", "groups", "planes moved", "object B", "naive B", "DMA ops/chunk",
                 "store GB/s", "load GB/s", "check"):

@@ -13,9 +13,7 @@ import torch
 from rich.console import Console
 
 from lmcache_npu.bench.cuda_baselines import overlap
-from lmcache_npu.bench.geometry import materialize
-from lmcache_npu.bench.presets import get_preset
-from lmcache_npu.bench.runner import render, run_bench
+from lmcache_npu.bench.runner import materialize_source, render, run_bench
 from lmcache_npu.ops import ChunkBatch, Direction, get_backend
 
 PRESETS = ["llama3-8b", "deepseek-v3", "deepseek-v4-flash", "gpt-oss-120b"]
@@ -34,6 +32,8 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--sweep-preset", default="llama3-8b")
     parser.add_argument("--overlap-preset", default="llama3-8b")
+    parser.add_argument("--device-family", default="ascend", choices=["ascend", "cuda"],
+                        help="preset tensor shapes (docs/performance.md was measured with the ascend shapes)")
     args = parser.parse_args()
     console = Console()
     out: dict = {"environment": environment(), "matrix": [], "sweep": [], "overlap": []}
@@ -43,17 +43,17 @@ def main() -> int:
     for preset in PRESETS:
         for chunks in (1, 8):
             for name, options in variants.items():
-                report = run_bench(get_preset(preset), "cuda", chunks=chunks, check=True, repeats=args.repeats,
-                                   progress=False, **options)
+                report = run_bench(preset, "cuda", chunks=chunks, check=True, repeats=args.repeats,
+                                   progress=False, device_family=args.device_family, **options)
                 console.print(render(report))
                 out["matrix"].append({**report.to_json(), "variant": name})
     for chunks in (1, 2, 4, 8, 16, 32):
         for name, options in variants.items():
-            report = run_bench(get_preset(args.sweep_preset), "cuda", chunks=chunks, repeats=args.repeats,
-                               progress=False, **options)
+            report = run_bench(args.sweep_preset, "cuda", chunks=chunks, repeats=args.repeats,
+                               progress=False, device_family=args.device_family, **options)
             out["sweep"].append({**report.to_json(), "variant": name})
     backend = get_backend("cuda")
-    m = materialize(get_preset(args.overlap_preset), 8, torch.device("cuda"))
+    m, _ = materialize_source(args.overlap_preset, 8, torch.device("cuda"), device_family=args.device_family)
     objects = torch.zeros((8, m.plan.object_bytes), dtype=torch.uint8, pin_memory=True)
     for direction in (Direction.STORE, Direction.LOAD):
         batch = ChunkBatch.build(m.plan, m.slots, objects, direction)

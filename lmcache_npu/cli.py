@@ -1,4 +1,4 @@
-"""`lmcache-npu`: the command line (bench today; inspect, replay and doctor join it as they land)."""
+"""`lmcache-npu`: the command line (bench, inspect; replay and doctor join it as they land)."""
 
 from __future__ import annotations
 
@@ -16,13 +16,13 @@ def _bench(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from .bench.geometry import load_geometry
-    from .bench.presets import get_preset
     from .bench.runner import render, run_bench
 
     console = Console(stderr=False)
     if args.chunks < 1 or args.repeats < 1:
         raise ValueError("--chunks and --repeats must be >= 1")
-    geometry = load_geometry(args.geometry) if args.geometry else get_preset(args.preset)
+    _quiet_vllm()
+    source = load_geometry(args.geometry) if args.geometry else args.preset
     options: dict[str, object] = {}
     if args.backend == "emu" or (args.backend == "auto" and args.soc):
         options = {k: v for k, v in (("soc", args.soc), ("cores", args.cores), ("ub_bytes", args.ub_bytes)) if v}
@@ -31,9 +31,10 @@ def _bench(args: argparse.Namespace) -> int:
         if args.pipeline is not None:
             options["pipeline"] = args.pipeline == "on"
     if args.overlap:
-        return _overlap(args, geometry, options)
-    report = run_bench(geometry, args.backend, chunks=args.chunks, chunk_tokens=args.chunk_tokens, check=args.check,
-                       repeats=args.repeats, seed=args.seed, progress=sys.stderr.isatty(), **options)
+        return _overlap(args, source, options)
+    report = run_bench(source, args.backend, chunks=args.chunks, chunk_tokens=args.chunk_tokens, check=args.check,
+                       repeats=args.repeats, seed=args.seed, progress=sys.stderr.isatty(),
+                       device_family=args.device_family, **options)
     console.print(render(report))
     if args.json:
         Path(args.json).write_text(json.dumps(report.to_json(), indent=2))
@@ -43,21 +44,22 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _overlap(args: argparse.Namespace, geometry, options: dict[str, object]) -> int:
+def _overlap(args: argparse.Namespace, source, options: dict[str, object]) -> int:
     import torch
     from rich.console import Console
     from rich.table import Table
 
     from .bench.cuda_baselines import overlap
-    from .bench.geometry import materialize
+    from .bench.runner import materialize_source
     from .ops import ChunkBatch, Direction, get_backend
 
     if args.backend != "cuda":
         raise ValueError("--overlap measures the cuda backend next to a matmul loop; use --backend cuda")
     backend = get_backend("cuda", **options)
-    m = materialize(geometry, args.chunks, torch.device("cuda"), args.seed, args.chunk_tokens)
+    m, name = materialize_source(source, args.chunks, torch.device("cuda"), args.seed, args.chunk_tokens,
+                                 args.device_family or "cuda")
     objects = torch.zeros((args.chunks, m.plan.object_bytes), dtype=torch.uint8, pin_memory=True)
-    table = Table(title=f"{geometry.name}: {args.chunks} chunks on a side stream during bf16 8192^3 matmuls")
+    table = Table(title=f"{name}: {args.chunks} chunks on a side stream during bf16 8192^3 matmuls")
     for col in ("direction", "path", "stream priority", "matmul slowdown %", "transfer GB/s", "kernel ms/batch",
                 "transfers"):
         table.add_column(col, justify="right")
@@ -78,8 +80,36 @@ def _overlap(args: argparse.Namespace, geometry, options: dict[str, object]) -> 
     return 0
 
 
+def _quiet_vllm() -> None:
+    """vLLM logs INFO lines to stdout when the presets import it; keep our tables and --json clean."""
+    import os
+
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    _quiet_vllm()
+    from rich.console import Console
+
+    from .layout.presets import preset_layout
+    from .layout.report import render_layout
+
+    skip = tuple(args.skip_spec_kinds.split(",")) if args.skip_spec_kinds is not None else None
+    options = {} if skip is None else {"skip_spec_kinds": tuple(k for k in skip if k)}
+    layout, preset = preset_layout(args.preset, args.device_family, args.chunk_tokens, **options)
+    if args.json:
+        data = {"preset": args.preset, "device_family": args.device_family, **layout.to_json()}
+        print(json.dumps(data, indent=2))
+        return 0
+    console = Console(width=None if sys.stdout.isatty() else 200)
+    title = f"{args.preset} on {args.device_family}: {len(preset.kv_cache_config.kv_cache_groups)} scheduler groups"
+    for item in render_layout(layout, f"{title}, {preset.model.notes}"):
+        console.print(item)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
-    from .bench.presets import PRESETS
+    from .layout.presets import DEVICE_FAMILIES, preset_names
 
     parser = argparse.ArgumentParser(prog="lmcache-npu", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -87,8 +117,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="store and load N chunks of a model's KV geometry and report bandwidth")
     bench.add_argument("--backend", choices=BACKEND_NAMES, default="auto")
     source = bench.add_mutually_exclusive_group()
-    source.add_argument("--preset", choices=sorted(PRESETS), default="deepseek-v4-flash")
+    source.add_argument("--preset", choices=preset_names(), default="deepseek-v4-flash",
+                        help="a model built through layout discovery (see `lmcache-npu inspect`)")
     source.add_argument("--geometry", type=Path, help="JSON file with chunk_tokens and groups (see docs/kernels.md)")
+    bench.add_argument("--device-family", choices=DEVICE_FAMILIES, default=None,
+                       help="shape the preset like vllm-ascend or like vLLM on CUDA (default: cuda for the cuda "
+                            "backend, ascend otherwise)")
     bench.add_argument("--chunks", type=int, default=4)
     bench.add_argument("--chunk-tokens", type=int, default=None, help="override the geometry's chunk_tokens")
     bench.add_argument("--check", action="store_true", help="verify every byte; exit 1 on any mismatch")
@@ -106,6 +140,16 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--overlap", action="store_true",
                        help="cuda: matmul slowdown and transfer GB/s with transfers on a side stream")
     bench.set_defaults(func=_bench)
+
+    inspect = sub.add_parser("inspect", help="show how a model's KV-cache groups become a transfer plan")
+    inspect.add_argument("--preset", choices=preset_names(), required=True)
+    inspect.add_argument("--device-family", choices=DEVICE_FAMILIES, default="ascend")
+    inspect.add_argument("--chunk-tokens", type=int, default=None,
+                         help="tokens per chunk (default 256, or the mamba state interval for recurrent models)")
+    inspect.add_argument("--skip-spec-kinds", default=None,
+                         help="comma-separated spec kinds to skip (default: compressor_state; empty keeps all)")
+    inspect.add_argument("--json", action="store_true", help="print the layout as JSON")
+    inspect.set_defaults(func=_inspect)
     return parser
 
 

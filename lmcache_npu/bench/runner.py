@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import asdict, dataclass
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
@@ -77,12 +77,29 @@ def _first_difference(a: torch.Tensor, b: torch.Tensor) -> int:
     return int(torch.nonzero(a.reshape(-1) != b.reshape(-1))[0])
 
 
-def run_bench(geometry: Geometry, backend_name: str, chunks: int = 4, chunk_tokens: Optional[int] = None,
+def materialize_source(source: Union[Geometry, str], chunks: int, device: torch.device, seed: int = 0,
+                       chunk_tokens: Optional[int] = None, device_family: str = "ascend") -> tuple[Materialized, str]:
+    """A --geometry file or a preset name, allocated for `chunks` chunks; returns it and its display name."""
+    if isinstance(source, Geometry):
+        return materialize(source, chunks, device, seed, chunk_tokens), source.name
+    from .presets import materialize_preset
+
+    m, _, _ = materialize_preset(source, chunks, device, seed, chunk_tokens, device_family)
+    return m, f"{source} ({device_family})"
+
+
+def default_family(backend_name: str) -> str:
+    """Presets are shaped like the device the backend serves: vLLM's CUDA tensors for cuda, Ascend's otherwise."""
+    return "cuda" if backend_name == "cuda" else "ascend"
+
+
+def run_bench(source: Union[Geometry, str], backend_name: str, chunks: int = 4, chunk_tokens: Optional[int] = None,
               check: bool = False, repeats: int = 1, seed: int = 0, progress: bool = True,
-              **backend_options: object) -> BenchReport:
+              device_family: Optional[str] = None, **backend_options: object) -> BenchReport:
     """Stores `chunks` chunks, scrubs the pages, loads them back; `check` verifies every byte."""
     backend = get_backend(backend_name, **backend_options)
-    m = materialize(geometry, chunks, _device_for(backend), seed, chunk_tokens)
+    m, name = materialize_source(source, chunks, _device_for(backend), seed, chunk_tokens,
+                                 device_family or default_family(backend.name))
     plan = m.plan
     pin = backend.name in ("npu", "cuda")
     objects = torch.zeros((chunks, plan.object_bytes), dtype=torch.uint8, pin_memory=pin)
@@ -98,7 +115,7 @@ def run_bench(geometry: Geometry, backend_name: str, chunks: int = 4, chunk_toke
         backend.transfer(store_batch)
         backend.transfer(load_batch)
     with Progress(transient=True, disable=not progress) as bar:
-        task = bar.add_task(f"{backend.name}: {geometry.name}", total=2 * repeats)
+        task = bar.add_task(f"{backend.name}: {name}", total=2 * repeats)
         for _ in range(repeats):
             stats["store"].append(backend.transfer(store_batch))
             kernel_ms["store"] = min(kernel_ms["store"], getattr(backend, "last_kernel_ms", None) or float("inf"))
@@ -141,7 +158,7 @@ def run_bench(geometry: Geometry, backend_name: str, chunks: int = 4, chunk_toke
                         fastest.dma_ops, **extra)
 
     return BenchReport(
-        preset=geometry.name, backend=backend.name, chunk_tokens=plan.chunk_tokens, chunks=chunks,
+        preset=name, backend=backend.name, chunk_tokens=plan.chunk_tokens, chunks=chunks,
         groups=len(plan.groups), planes=len(plan.planes), moved_planes=len(plan.moved_planes),
         object_bytes=plan.object_bytes, naive_object_bytes=plan.object_bytes_naive(),
         rows=(best("store", store_batch), best("load", load_batch)), check=verdict,

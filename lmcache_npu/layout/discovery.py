@@ -49,6 +49,7 @@ class PlaneInfo:
 
     name: str
     layers: tuple[str, ...]
+    payload_index: int  # position in the layer's registered value (K=0/V=1 of a flash tensor, tuple index)
     dtype: str
     row_bytes: int
     block_stride_bytes: int
@@ -152,7 +153,7 @@ def _component_role(kind: SpecKind, components: Sequence[Component], index: int)
     if kind == SpecKind.MAMBA:
         return f"state{index}"
     if count == 1:
-        return "cache"
+        return components[0].layers[0].rsplit(".", 1)[-1]  # attn, swa_cache, k_cache, state_cache
     if kind in (SpecKind.FULL_ATTENTION, SpecKind.SLIDING_WINDOW, SpecKind.CHUNKED_LOCAL) and count == 2:
         return ("k", "v")[index]
     if count == 2 and not components[0].dtype.is_floating_point and components[1].dtype.is_floating_point:
@@ -286,16 +287,17 @@ def discover_layout(kv_cache_config: Any, kv_caches: Mapping[str, KVValue],
     group_specs, planes, infos = [], [], [[] for _ in drafts]
     for c in components:
         gi = plan_index[c.layers[0]]
-        if c.num_blocks != num_blocks:
-            raise ValueError(f"layer {c.layers[0]}, tensor {c.index}: {c.num_blocks} blocks, but the KV-cache config "
-                             f"has num_blocks {num_blocks}")
+        if c.num_blocks < num_blocks:
+            raise ValueError(f"layer {c.layers[0]}, tensor {c.index}: {c.num_blocks} blocks, fewer than the KV-cache "
+                             f"config's num_blocks {num_blocks}: the scheduler may hand out blocks past its end")
+        pages = c.pages[:num_blocks]  # a runner may allocate more blocks than the scheduler ever uses
         kind = drafts[gi].specs[0].kind
         same_layer = [x for x in components if x.layers[0] == c.layers[0] and plan_index[x.layers[0]] == gi]
         role = _component_role(kind, same_layer, same_layer.index(c))
         name = f"{c.layers[0]}:{role}"
-        planes.append(Plane(c.pages, gi, c.rows_per_block, c.row_bytes, c.layout, c.nz_unit_bytes, c.dtype, name))
-        infos[gi].append(PlaneInfo(name, tuple(c.layers), dtype_name(c.dtype), c.row_bytes, c.block_stride_bytes,
-                                   "fractal_nz" if c.layout == PageLayout.FRACTAL_NZ else "nd"))
+        planes.append(Plane(pages, gi, c.rows_per_block, c.row_bytes, c.layout, c.nz_unit_bytes, c.dtype, name))
+        infos[gi].append(PlaneInfo(name, tuple(c.layers), c.index, dtype_name(c.dtype), c.row_bytes,
+                                   c.block_stride_bytes, "fractal_nz" if c.layout == PageLayout.FRACTAL_NZ else "nd"))
     groups = []
     for gi, d in enumerate(drafts):
         s = d.specs[0]

@@ -74,9 +74,8 @@ def test_transfer_on_side_stream_sees_only_what_the_event_orders() -> None:
 
 
 def test_exactly_one_launch_per_direction() -> None:
-    from lmcache_npu.bench.presets import get_preset
     from lmcache_npu.bench.runner import run_bench
 
-    report = run_bench(get_preset("deepseek-v4-flash"), "cuda", chunks=2, check=True, progress=False)
+    report = run_bench("deepseek-v4-flash", "cuda", chunks=2, check=True, progress=False)
     assert report.check == "ok"
     assert [r.launches for r in report.rows] == [1, 1]

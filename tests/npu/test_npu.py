@@ -27,10 +27,9 @@ def backend():
                                     "gpt-oss-120b", "llama3-8b-310p"])
 @pytest.mark.parametrize("chunks", [1, 16])
 def test_presets_round_trip_on_npu(backend, preset: str, chunks: int) -> None:
-    from lmcache_npu.bench.presets import get_preset
     from lmcache_npu.bench.runner import run_bench
 
     if preset.endswith("310p") != (backend.soc.name == "310p"):
         pytest.skip(f"{preset} is for {'310P' if preset.endswith('310p') else 'A2/A3'}; this is {backend.soc.name}")
-    report = run_bench(get_preset(preset), "npu", chunks=chunks, check=True, progress=False)
+    report = run_bench(preset, "npu", chunks=chunks, check=True, progress=False)
     assert report.check == "ok"

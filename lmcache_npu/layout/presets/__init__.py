@@ -57,8 +57,9 @@ def get_model(name: str, device_family: str) -> Model:
     return model
 
 
-def build_preset(name: str, device_family: str = "ascend", num_blocks: int = 8, seed: int = 0) -> PresetKV:
-    """Allocates the preset's KV caches (random bytes) with `num_blocks` blocks per group."""
+def build_preset(name: str, device_family: str = "ascend", num_blocks: int = 8, seed: int = 0,
+                 device: torch.device = torch.device("cpu")) -> PresetKV:
+    """Allocates the preset's KV caches (random bytes) with `num_blocks` blocks per group on `device`."""
     model = get_model(name, device_family)
     if num_blocks < 2:
         raise ValueError(f"num_blocks must be >= 2 (block 0 is vLLM's null block), got {num_blocks}")
@@ -67,19 +68,20 @@ def build_preset(name: str, device_family: str = "ascend", num_blocks: int = 8, 
         from .cuda import cuda_kv_cache_config, cuda_kv_caches, cuda_specs
 
         config = cuda_kv_cache_config(cuda_specs(model), num_blocks)
-        caches, raws = cuda_kv_caches(config, generator)
+        caches, raws = cuda_kv_caches(config, generator, device)
     else:
         from .ascend import ascend_kv_cache_config, ascend_kv_caches
 
         config = ascend_kv_cache_config(model, num_blocks)
-        caches, raws = ascend_kv_caches(model, config, generator)
+        caches, raws = ascend_kv_caches(model, config, generator, device)
     return PresetKV(model, device_family, config, caches, raws)
 
 
 def preset_layout(name: str, device_family: str = "ascend", chunk_tokens: Optional[int] = None, num_blocks: int = 8,
-                  skip_spec_kinds: Sequence[str] = DEFAULT_SKIP_SPEC_KINDS, seed: int = 0) -> tuple[KVLayout, PresetKV]:
+                  skip_spec_kinds: Sequence[str] = DEFAULT_SKIP_SPEC_KINDS, seed: int = 0,
+                  device: torch.device = torch.device("cpu")) -> tuple[KVLayout, PresetKV]:
     """The layout discovery makes of a preset, and the preset itself."""
-    preset = build_preset(name, device_family, num_blocks, seed)
+    preset = build_preset(name, device_family, num_blocks, seed, device)
     policy = LayoutPolicy(chunk_tokens=chunk_tokens or preset.default_chunk_tokens,
                           skip_spec_kinds=tuple(skip_spec_kinds), fractal_nz=preset.model.fractal_nz)
     return discover_layout(preset.kv_cache_config, preset.kv_caches, policy), preset

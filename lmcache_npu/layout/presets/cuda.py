@@ -134,7 +134,8 @@ def _layer_specs(kv_cache_config: Any) -> dict[str, Any]:
     return out
 
 
-def cuda_kv_caches(kv_cache_config: Any, generator: torch.Generator) -> tuple[dict[str, Any], list[torch.Tensor]]:
+def cuda_kv_caches(kv_cache_config: Any, generator: torch.Generator,
+                   device: torch.device = torch.device("cpu")) -> tuple[dict[str, Any], list[torch.Tensor]]:
     """One raw int8 buffer per KVCacheTensor, viewed per layer as vLLM's GPU model runner views it."""
     from vllm.v1.kv_cache_interface import AttentionSpec, MambaSpec, MLAAttentionSpec, SlidingWindowMLASpec
 
@@ -142,7 +143,7 @@ def cuda_kv_caches(kv_cache_config: Any, generator: torch.Generator) -> tuple[di
     caches: dict[str, Any] = {}
     raws: list[torch.Tensor] = []
     for tensor in kv_cache_config.kv_cache_tensors:
-        raw = torch.randint(-128, 128, (tensor.size,), dtype=torch.int8, generator=generator)
+        raw = torch.randint(-128, 128, (tensor.size,), dtype=torch.int8, generator=generator).to(device)
         raws.append(raw)
         for name in tensor.shared_by:
             spec = specs[name]
