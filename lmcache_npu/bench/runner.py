@@ -133,7 +133,8 @@ def run_bench(source: Union[Geometry, str], backend_name: str, chunks: int = 4, 
         restored = _live_rows(m)
         for (i, before), (_, after) in zip(originals, restored):
             if not torch.equal(before, after):
-                verdict = f"plane {plan.moved_planes[i].label}: restored byte {_first_difference(before, after)} differs"
+                where = _first_difference(before, after)
+                verdict = f"plane {plan.moved_planes[i].label}: restored byte {where} differs"
                 break
         if verdict == "ok" and backend.name != "torch":
             # The pages now hold the restored rows; the torch oracle stores them again for comparison.

@@ -218,7 +218,8 @@ def _decide(draft: _Draft, policy: LayoutPolicy, all_specs: Mapping[str, LayerSp
         ratio = _owner_ratio(names[0], all_specs)
         window = s.sliding_window or ratio
         if window % ratio or window // ratio not in (1, 2):
-            raise ValueError(f"layer {names[0]}: compressor state window {window} is not 1 or 2 windows of ratio {ratio}")
+            raise ValueError(f"layer {names[0]}: compressor state window {window} is not 1 or 2 windows of "
+                             f"ratio {ratio}")
         carried = window - ratio  # the overlapping window: tokens before a boundary the next compression reads
         exact = ("restoring without it is exact: the next compression reads no token before a "
                  f"{ratio}-aligned chunk boundary") if carried == 0 else (
@@ -301,7 +302,8 @@ def discover_layout(kv_cache_config: Any, kv_caches: Mapping[str, KVValue],
     groups = []
     for gi, d in enumerate(drafts):
         s = d.specs[0]
-        where = f"group {gi} ({s.spec_class}, scheduler group {d.scheduler_group}, layers {[x.layer for x in d.specs][:3]})"
+        first_layers = [x.layer for x in d.specs][:3]
+        where = f"group {gi} ({s.spec_class}, scheduler group {d.scheduler_group}, layers {first_layers})"
         recurrent = s.kind == SpecKind.MAMBA
         granularity = s.compress_ratio if s.rows_are_tokens else s.tokens_per_block
         if not d.skipped and policy.chunk_tokens % granularity:

@@ -9,7 +9,6 @@ import pytest
 import torch
 
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-pytest.importorskip("vllm", reason="presets are built from vLLM's own spec classes and grouping")
 
 from lmcache_npu.bench.presets import block_tables, blocks_for  # noqa: E402
 from lmcache_npu.layout.presets import preset_layout  # noqa: E402
