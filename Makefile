@@ -1,10 +1,12 @@
-# make setup: .venv with everything the CPU suite needs (idempotent); make test: the CPU suite;
+# make setup: .venv with everything the CPU suite needs, vLLM 0.23 without its CUDA stack included (idempotent);
+# make test: the CPU suite;
 # make demo: the main job on the embedded default.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.lmcache-npu-setup
-NATIVE_SOURCES := $(shell find csrc -type f) setup.py pyproject.toml requirements-test.txt
+NATIVE_SOURCES := $(shell find csrc -type f) setup.py pyproject.toml requirements-test.txt requirements-vllm.txt
+VLLM_VERSION := 0.23.0
 
 .PHONY: setup test demo bench-all gpu-wheels clean
 
@@ -15,6 +17,8 @@ $(STAMP): $(NATIVE_SOURCES)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip install -q -r requirements-test.txt
+	$(BIN)/python -m pip install -q --no-deps vllm==$(VLLM_VERSION)
+	$(BIN)/python -m pip install -q -r requirements-vllm.txt
 	$(BIN)/python -m pip install -q --no-build-isolation -e .
 	touch $(STAMP)
 

@@ -282,9 +282,6 @@ def discover_layout(kv_cache_config: Any, kv_caches: Mapping[str, KVValue],
 
     num_blocks = int(kv_cache_config.num_blocks)
     hash_block = policy.hash_block_size or math.gcd(*[int(g.kv_cache_spec.block_size) for g in scheduler_groups])
-    if policy.chunk_tokens % hash_block:
-        raise ValueError(f"chunk_tokens {policy.chunk_tokens} is not a multiple of the hash block size {hash_block}: "
-                         "a chunk is keyed by the block hash at its last token")
     group_specs, planes, infos = [], [], [[] for _ in drafts]
     for c in components:
         gi = plan_index[c.layers[0]]
@@ -325,6 +322,9 @@ def discover_layout(kv_cache_config: Any, kv_caches: Mapping[str, KVValue],
             stored_tokens=stored, rows_per_chunk=stored // s.compress_ratio,
             skipped=d.skipped, skip_reason=d.skip_reason, recurrent=recurrent, note=d.note,
             planes=tuple(infos[gi]), exact_restore=d.exact_restore))
+    if policy.chunk_tokens % hash_block:
+        raise ValueError(f"chunk_tokens {policy.chunk_tokens} is not a multiple of the hash block size {hash_block}: "
+                         "a chunk is keyed by the block hash at its last token")
     plan = TransferPlan(group_specs, planes, policy.chunk_tokens)
     caveats = tuple(f"group {g.index}: {g.skip_reason}" for g in groups if not g.exact_restore)
     for caveat in caveats:

@@ -23,8 +23,9 @@ def backend():
         pytest.skip(str(exc))
 
 
-@pytest.mark.parametrize("preset", ["llama3-8b", "deepseek-v3", "deepseek-v3.2-c8", "deepseek-v4-flash",
-                                    "gpt-oss-120b", "llama3-8b-310p"])
+@pytest.mark.parametrize("preset", ["llama3-8b", "qwen3-32b", "deepseek-v3", "deepseek-v3.2-c8",
+                                    "deepseek-v4-flash", "gemma3-27b", "gpt-oss-120b", "qwen3-next-80b",
+                                    "llama3-8b-310p"])
 @pytest.mark.parametrize("chunks", [1, 16])
 def test_presets_round_trip_on_npu(backend, preset: str, chunks: int) -> None:
     from lmcache_npu.bench.runner import run_bench
