@@ -147,7 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--chunk-tokens", type=int, default=None,
                          help="tokens per chunk (default 256, or the mamba state interval for recurrent models)")
     inspect.add_argument("--skip-spec-kinds", default=None,
-                         help="comma-separated spec kinds to skip (default: compressor_state; empty keeps all)")
+                         help="comma-separated spec kinds to skip, e.g. compressor_state (default: none; state "
+                              "windows are never stored whole, only the boundary rows an exact restore reads)")
     inspect.add_argument("--json", action="store_true", help="print the layout as JSON")
     inspect.set_defaults(func=_inspect)
     return parser

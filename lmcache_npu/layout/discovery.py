@@ -20,7 +20,8 @@ from .specs import NEVER_REUSED, LayerSpec, SpecKind, is_compressor_state_layer,
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_SKIP_SPEC_KINDS: tuple[str, ...] = (SpecKind.COMPRESSOR_STATE.value,)
+# Nothing by default: state windows are never stored whole, but the boundary rows an exact restore reads are.
+DEFAULT_SKIP_SPEC_KINDS: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,18 @@ class LayoutGroup:
     note: str
     planes: tuple[PlaneInfo, ...]
     exact_restore: bool = True
+    chunk_tokens: int = 0
+
+    @property
+    def stored(self) -> str:
+        """What a chunk keeps of this group: all, tail, boundary, chunk-end state, or skipped."""
+        if self.skipped:
+            return "skipped"
+        if self.kind == SpecKind.COMPRESSOR_STATE:
+            return "boundary"
+        if self.recurrent:
+            return "chunk-end state"
+        return "tail" if self.stored_tokens < self.chunk_tokens else "all"
 
     def to_json(self) -> dict[str, Any]:
         counts: dict[tuple[str, str, int], int] = {}
@@ -96,6 +109,7 @@ class LayoutGroup:
             "skipped": self.skipped,
             "skip_reason": self.skip_reason,
             "recurrent": self.recurrent,
+            "stored": self.stored,
             "exact_restore": self.exact_restore,
             "rows_per_chunk": 0 if self.skipped else self.rows_per_chunk,
             "note": self.note,
@@ -221,20 +235,20 @@ def _decide(draft: _Draft, policy: LayoutPolicy, all_specs: Mapping[str, LayerSp
             raise ValueError(f"layer {names[0]}: compressor state window {window} is not 1 or 2 windows of "
                              f"ratio {ratio}")
         carried = window - ratio  # the overlapping window: tokens before a boundary the next compression reads
-        exact = ("restoring without it is exact: the next compression reads no token before a "
-                 f"{ratio}-aligned chunk boundary") if carried == 0 else (
-                 f"the next ratio-{ratio} compression after a chunk boundary reads the kv/score state of the "
+        reads = (f"the next ratio-{ratio} compression after a chunk boundary reads the kv/score state of the "
                  f"{carried} tokens before it")
-        draft.note = f"compressor state, ratio {ratio}, window {window}"
         if carried == 0:
-            draft.skipped, draft.skip_reason = True, f"compressor state (ratio {ratio}, window {window}): {exact}"
+            draft.skipped, draft.skip_reason = True, (
+                f"compressor state (ratio {ratio}, window {window}): restoring without it is exact, the next "
+                f"compression reads no token before a {ratio}-aligned chunk boundary")
         elif s.kind.value in policy.skip_spec_kinds:
             draft.skipped, draft.exact_restore = True, False
-            draft.skip_reason = (f"compressor state (ratio {ratio}, window {window}) skipped by skip_spec_kinds; "
-                                 f"restore is approximate: {exact}")
+            draft.skip_reason = (f"compressor state (ratio {ratio}, window {window}) listed in skip_spec_kinds; "
+                                 f"restore is approximate: {reads}")
         else:
             draft.stored_window = carried
-            draft.note += f": only the {carried} boundary rows the next compression reads are stored"
+            draft.note = (f"compressor state (ratio {ratio}, window {window}): the window is not stored, only its "
+                          f"last {carried} rows, because {reads}")
         return
     if s.kind.value in policy.skip_spec_kinds:
         draft.skipped, draft.skip_reason = True, f"spec kind {s.kind.value} is listed in skip_spec_kinds"
@@ -321,14 +335,14 @@ def discover_layout(kv_cache_config: Any, kv_caches: Mapping[str, KVValue],
             rows_per_block=s.rows_per_block, compress_ratio=s.compress_ratio, sliding_window=s.sliding_window,
             stored_tokens=stored, rows_per_chunk=stored // s.compress_ratio,
             skipped=d.skipped, skip_reason=d.skip_reason, recurrent=recurrent, note=d.note,
-            planes=tuple(infos[gi]), exact_restore=d.exact_restore))
+            planes=tuple(infos[gi]), exact_restore=d.exact_restore, chunk_tokens=policy.chunk_tokens))
     if policy.chunk_tokens % hash_block:
         raise ValueError(f"chunk_tokens {policy.chunk_tokens} is not a multiple of the hash block size {hash_block}: "
                          "a chunk is keyed by the block hash at its last token")
     plan = TransferPlan(group_specs, planes, policy.chunk_tokens)
     caveats = tuple(f"group {g.index}: {g.skip_reason}" for g in groups if not g.exact_restore)
     for caveat in caveats:
-        logger.warning("%s (keep it: drop 'compressor_state' from skip_spec_kinds)", caveat)
+        logger.warning("%s (exact restores: drop 'compressor_state' from skip_spec_kinds)", caveat)
     return KVLayout(plan, tuple(groups), hash_block, aliases, caveats)
 
 

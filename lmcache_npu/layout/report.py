@@ -31,7 +31,7 @@ def render_layout(layout: KVLayout, title: str) -> list[Any]:
                       str(g.tokens_per_block), str(g.compress_ratio),
                       "-" if g.sliding_window is None else str(g.sliding_window),
                       "-" if g.skipped else str(g.rows_per_chunk), _planes_cell(g),
-                      ("skipped" if g.skipped else "yes") + mark)
+                      g.stored + mark)
     stored, naive = layout.bytes_per_chunk, layout.naive_bytes_per_chunk
     summary = (f"bytes per {layout.plan.chunk_tokens}-token chunk: {stored:,} stored vs {naive:,} for a naive copier "
                f"(every group's full chunk, state groups included): {naive / stored:.2f}x"

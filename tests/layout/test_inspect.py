@@ -16,14 +16,15 @@ def test_deepseek_v4_flash_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["inspect", "--preset", "deepseek-v4-flash", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert set(data) >= {"groups", "bytes_per_chunk", "naive_bytes_per_chunk"}
-    assert (data["bytes_per_chunk"], data["naive_bytes_per_chunk"]) == (7_228_032, 88_885_888)
+    assert (data["bytes_per_chunk"], data["naive_bytes_per_chunk"]) == (8_088_192, 88_885_888)
     keys = {"index", "spec", "tokens_per_block", "compress_ratio", "sliding_window", "skipped", "skip_reason",
             "rows_per_chunk", "planes"}
     assert all(keys <= set(g) for g in data["groups"])
     state = [g for g in data["groups"] if g["kind"] == "compressor_state"]
-    assert len(state) == 2 and all(g["skipped"] and g["skip_reason"] for g in state)
-    windowed = [g for g in data["groups"] if g["sliding_window"] and not g["skipped"]]
-    assert windowed and all(g["rows_per_chunk"] == 128 for g in windowed)  # the 128-token tail of 256
+    assert [(g["stored"], g["rows_per_chunk"]) for g in state] == [("boundary", 4), ("skipped", 0)]
+    assert "restoring without it is exact" in state[1]["skip_reason"]
+    windowed = [g for g in data["groups"] if g["kind"] == "sliding_window_mla"]
+    assert [(g["stored"], g["rows_per_chunk"]) for g in windowed] == [("tail", 128)] * 2  # 128-token tail of 256
 
 
 def test_table_names_groups_reasons_and_ratio(capsys: pytest.CaptureFixture[str]) -> None:
@@ -41,10 +42,11 @@ def test_chunk_tokens_override_and_its_error(capsys: pytest.CaptureFixture[str])
     assert "chunk_tokens 256 is not a multiple of the group's token granularity 1024 (one state per block)" in err
 
 
-def test_keeping_state_and_bad_kinds(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["inspect", "--preset", "deepseek-v4-flash", "--skip-spec-kinds", "", "--json"]) == 0
-    groups = json.loads(capsys.readouterr().out)["groups"]
-    assert [g["rows_per_chunk"] for g in groups if g["kind"] == "compressor_state"] == [4, 0]
+def test_skipping_state_and_bad_kinds(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["inspect", "--preset", "deepseek-v4-flash", "--skip-spec-kinds", "compressor_state", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert [g["skipped"] for g in data["groups"] if g["kind"] == "compressor_state"] == [True, True]
+    assert len(data["caveats"]) == 1 and "approximate" in data["caveats"][0]
     assert main(["inspect", "--preset", "deepseek-v4-flash", "--skip-spec-kinds", "swa"]) == 2
     assert "skip_spec_kinds: unknown spec kinds ['swa']" in capsys.readouterr().err
 

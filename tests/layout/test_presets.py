@@ -30,9 +30,12 @@ STORED = {
     # LI-C8: nope, rope, int8 indexer keys 128 B, fp16 scale 2 B (256 x 2 = 512 B, already 64 B aligned)
     ("deepseek-v3.2-c8", "ascend"): 61 * 256 * (1024 + 128 + 128 + 2),
     ("deepseek-v3.2-c8", "cuda"): 61 * 256 * (656 + 132),  # FlashMLA-sparse fp8 row + fp8 indexer key/scale
-    # c4: 64 rows x (MLA 1024 + indexer 128 + scale 2 -> 128 aligned); c128: 2 rows x 1024; SWA: 128-row tail
-    ("deepseek-v4-flash", "ascend"): 21 * (64 * 1024 + 64 * 128 + 128) + 20 * 2 * 1024 + 43 * 128 * 1024,
-    ("deepseek-v4-flash", "cuda"): 21 * (64 * 1024 + 64 * 132) + 20 * 2 * 1024 + 43 * 128 * 1024,
+    # c4: 64 rows x (MLA 1024 + indexer 128 + scale 2 -> 128 aligned); c128: 2 rows x 1024; SWA: 128-row tail;
+    # c4 compressor states (attention 2x2x512 fp32, indexer 2x2x128 fp32): the 4 boundary rows only
+    ("deepseek-v4-flash", "ascend"): 21 * (64 * 1024 + 64 * 128 + 128) + 20 * 2 * 1024 + 43 * 128 * 1024
+    + 21 * 4 * (8192 + 2048),
+    ("deepseek-v4-flash", "cuda"): 21 * (64 * 1024 + 64 * 132) + 20 * 2 * 1024 + 43 * 128 * 1024
+    + 21 * 4 * (8192 + 2048),
     ("gemma3-27b", "ascend"): 62 * 2 * 256 * 4096,  # window 1024 > chunk: whole chunks
     ("gemma3-27b", "cuda"): 62 * 2 * 256 * 4096,
     ("gpt-oss-120b", "ascend"): 18 * 2 * 128 * 1024 + 18 * 2 * 256 * 1024,  # SW 128 tail + full
@@ -70,18 +73,18 @@ def test_deepseek_v4_flash_ascend_groups() -> None:
     assert len(preset.kv_cache_config.kv_cache_groups) == 6
     data = layout.to_json()
     summary = [(g["scheduler_group"], g["kind"], g["layers"], g["tokens_per_block"], g["compress_ratio"],
-                g["sliding_window"], g["skipped"], g["rows_per_chunk"]) for g in data["groups"]]
+                g["sliding_window"], g["stored"], g["rows_per_chunk"]) for g in data["groups"]]
     assert summary == [
-        (0, "mla", 42, 512, 4, None, False, 64),  # 21 MLA + 21 indexer layers, 128 rows x 4 tokens per block
-        (1, "mla", 20, 16384, 128, None, False, 2),
-        (2, "sliding_window_mla", 22, 128, 1, 128, False, 128),  # only the 128-token tail of each chunk
-        (3, "sliding_window_mla", 21, 128, 1, 128, False, 128),
-        (4, "compressor_state", 42, 8, 1, 8, True, 0),
-        (5, "compressor_state", 20, 32, 1, 128, True, 0),
+        (0, "mla", 42, 512, 4, None, "all", 64),  # 21 MLA + 21 indexer layers, 128 rows x 4 tokens per block
+        (1, "mla", 20, 16384, 128, None, "all", 2),
+        (2, "sliding_window_mla", 22, 128, 1, 128, "tail", 128),  # only the 128-token tail of each chunk
+        (3, "sliding_window_mla", 21, 128, 1, 128, "tail", 128),
+        (4, "compressor_state", 42, 8, 1, 8, "boundary", 4),  # window 8 not stored, its last 4 rows are
+        (5, "compressor_state", 20, 32, 1, 128, "skipped", 0),
     ]
-    reasons = [g["skip_reason"] for g in data["groups"][4:]]
-    assert "approximate" in reasons[0] and "4 tokens before it" in reasons[0]
-    assert "exact" in reasons[1] and "128-aligned" in reasons[1]
+    assert "reads the kv/score state of the 4 tokens before it" in data["groups"][4]["note"]
+    assert "exact" in data["groups"][5]["skip_reason"] and "128-aligned" in data["groups"][5]["skip_reason"]
+    assert data["caveats"] == []
     assert data["groups"][0]["planes"] == [
         {"role": "k", "count": 21, "dtype": "int8", "row_bytes": 128, "rows_per_chunk": 64},
         {"role": "scale", "count": 21, "dtype": "fp16", "row_bytes": 2, "rows_per_chunk": 64},
@@ -89,13 +92,13 @@ def test_deepseek_v4_flash_ascend_groups() -> None:
     ]
 
 
-def test_deepseek_v4_keeping_compressor_state_stores_only_the_boundary_rows() -> None:
-    layout, _ = preset_layout("deepseek-v4-flash", "ascend", num_blocks=2, skip_spec_kinds=())
+def test_deepseek_v4_skipping_compressor_state_is_smaller_and_says_it_is_approximate() -> None:
+    layout, _ = preset_layout("deepseek-v4-flash", "ascend", num_blocks=2, skip_spec_kinds=("compressor_state",))
     c4_state, c128_state = layout.groups[4], layout.groups[5]
-    assert (c4_state.skipped, c4_state.rows_per_chunk, c4_state.exact_restore) == (False, 4, True)
-    assert c128_state.skipped and "exact" in c128_state.skip_reason
-    assert layout.bytes_per_chunk == STORED["deepseek-v4-flash", "ascend"] + 21 * 4 * (8192 + 2048)
-    assert layout.caveats == ()
+    assert (c4_state.skipped, c4_state.exact_restore) == (True, False)
+    assert "restore is approximate" in c4_state.skip_reason and c128_state.exact_restore
+    assert layout.bytes_per_chunk == STORED["deepseek-v4-flash", "ascend"] - 21 * 4 * (8192 + 2048)
+    assert layout.caveats == (f"group 4: {c4_state.skip_reason}",)
 
 
 def _snapshot(raws: list[torch.Tensor]) -> list[torch.Tensor]:
