@@ -299,10 +299,12 @@ def discover_layout(kv_cache_config: Any, kv_caches: Mapping[str, KVValue],
     group_specs, planes, infos = [], [], [[] for _ in drafts]
     for c in components:
         gi = plan_index[c.layers[0]]
-        if c.num_blocks < num_blocks:
-            raise ValueError(f"layer {c.layers[0]}, tensor {c.index}: {c.num_blocks} blocks, fewer than the KV-cache "
-                             f"config's num_blocks {num_blocks}: the scheduler may hand out blocks past its end")
-        pages = c.pages[:num_blocks]  # a runner may allocate more blocks than the scheduler ever uses
+        if c.num_blocks != num_blocks:
+            # fewer: the scheduler may hand out blocks past the end; more: block b may not be logical block b
+            # (vllm-ascend's DCP-replicated indexer is [num_blocks x replicas, ...])
+            raise ValueError(f"layer {c.layers[0]}, tensor {c.index}: {c.num_blocks} blocks, but the KV-cache config "
+                             f"has num_blocks {num_blocks}; every paged tensor needs exactly one block per block id")
+        pages = c.pages
         kind = drafts[gi].specs[0].kind
         same_layer = [x for x in components if x.layers[0] == c.layers[0] and plan_index[x.layers[0]] == gi]
         role = _component_role(kind, same_layer, same_layer.index(c))

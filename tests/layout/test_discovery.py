@@ -57,11 +57,6 @@ def test_kv_sharing_layer_without_a_spec_is_an_alias() -> None:
     assert layout.aliases == {"b": "a"} and len(layout.plan.planes) == 2
 
 
-def test_runner_blocks_beyond_the_config_are_never_planned() -> None:
-    layout = discover_layout(config((["a"], full()), num_blocks=4), {"a": kv(nb=6)}, LayoutPolicy(chunk_tokens=32))
-    assert all(p.num_blocks == 4 for p in layout.plan.planes)
-
-
 def test_ascend_compressed_group_splits_and_scheduler_mapping() -> None:
     """Upstream DeepSeek-V4: one scheduler group with c4 and c128 MLA becomes two plan groups."""
     c4 = kvi.MLAAttentionSpec(block_size=256, num_kv_heads=1, head_size=64, dtype=BF16, compress_ratio=4)
@@ -81,7 +76,9 @@ def test_ascend_compressed_group_splits_and_scheduler_mapping() -> None:
         (lambda: (config((["a"], full())), {"a": kv(), "stray": torch.randn(NB, 16, 4)}), LayoutPolicy(),
          r"layer stray has KV tensors but no KV-cache spec in any group, and does not share"),
         (lambda: (config((["a"], full()), num_blocks=8), {"a": kv()}), LayoutPolicy(),
-         r"layer a, tensor 0: 6 blocks, fewer than the KV-cache config's num_blocks 8"),
+         r"layer a, tensor 0: 6 blocks, but the KV-cache config has num_blocks 8"),
+        (lambda: (config((["a"], full()), num_blocks=4), {"a": kv()}), LayoutPolicy(),
+         r"layer a, tensor 0: 6 blocks, but the KV-cache config has num_blocks 4; every paged tensor needs exactly"),
         (lambda: (config((["a"], full())), {"a": tuple(torch.as_strided(t, t.shape, (8 * 16, 16, 8, 1))
                                                         for t in kv())}), LayoutPolicy(),
          r"layer a, tensor 0: block stride 256 B is smaller than a block's rows \(512 B\)"),
@@ -100,7 +97,7 @@ def test_ascend_compressed_group_splits_and_scheduler_mapping() -> None:
          r"group 0 \(MambaSpec.*chunk_tokens 64 is not a multiple of the group's token granularity 96 \(one state "
          r"per block\)"),
     ],
-    ids=["missing-tensor", "tensor-without-spec", "num-blocks", "block-stride", "hash-block", "state-on-kv-layer",
+    ids=["missing-tensor", "tensor-without-spec", "fewer-blocks", "more-blocks", "block-stride", "hash-block", "state-on-kv-layer",
          "mamba-none", "mamba-granularity"],
 )
 def test_named_errors(build, policy: LayoutPolicy, message: str) -> None:
