@@ -137,9 +137,6 @@ class KVLayout:
     def naive_bytes_per_chunk(self) -> int:
         return self.plan.object_bytes_naive()
 
-    def scheduler_group_of(self, plan_group: int) -> int:
-        return self.groups[plan_group].scheduler_group
-
     def to_json(self) -> dict[str, Any]:
         return {
             "chunk_tokens": self.plan.chunk_tokens,
@@ -264,14 +261,11 @@ def _decide(draft: _Draft, policy: LayoutPolicy, all_specs: Mapping[str, LayerSp
         draft.note = f"recurrent state, one {s.tokens_per_block}-token checkpoint per block: the chunk-end state"
 
 
-def discover_layout(kv_cache_config: Any, kv_caches: Mapping[str, KVValue],
-                    policy: Optional[LayoutPolicy] = None) -> KVLayout:
-    """Validates what vLLM handed the connector and plans every non-skipped group's chunk rows."""
-    policy = policy or LayoutPolicy()
-    scheduler_groups = list(kv_cache_config.kv_cache_groups)
+def _draft_groups(kv_cache_config: Any) -> tuple[list[_Draft], dict[str, LayerSpec]]:
+    """Plan groups in scheduler order: one per distinct geometry inside each scheduler group."""
     layer_specs: dict[str, LayerSpec] = {}
     drafts: list[_Draft] = []
-    for gi, group in enumerate(scheduler_groups):
+    for gi, group in enumerate(kv_cache_config.kv_cache_groups):
         by_key: dict[tuple, _Draft] = {}
         for s in layer_specs_of_group(gi, group):
             if s.layer in layer_specs:
@@ -282,9 +276,66 @@ def discover_layout(kv_cache_config: Any, kv_caches: Mapping[str, KVValue],
                 draft = by_key[_geometry_key(s)] = _Draft(gi, [])
                 drafts.append(draft)
             draft.specs.append(s)
+    return drafts, layer_specs
+
+
+def _planes(components: Sequence[Component], drafts: Sequence[_Draft], plan_index: Mapping[str, int],
+            num_blocks: int) -> tuple[list[Plane], list[list[PlaneInfo]]]:
+    """One plane per component, named `layer:role`, in component order (payload order inside a layer)."""
+    by_layer: dict[str, list[Component]] = {}
+    for c in components:
+        by_layer.setdefault(c.layers[0], []).append(c)
+    planes: list[Plane] = []
+    infos: list[list[PlaneInfo]] = [[] for _ in drafts]
+    for c in components:
+        gi = plan_index[c.layers[0]]
+        if c.num_blocks != num_blocks:
+            # fewer: the scheduler may hand out blocks past the end; more: block b may not be logical block b
+            # (vllm-ascend's DCP-replicated indexer is [num_blocks x replicas, ...])
+            raise ValueError(f"layer {c.layers[0]}, tensor {c.index}: {c.num_blocks} blocks, but the KV-cache config "
+                             f"has num_blocks {num_blocks}; every paged tensor needs exactly one block per block id")
+        siblings = by_layer[c.layers[0]]
+        name = f"{c.layers[0]}:{_component_role(drafts[gi].specs[0].kind, siblings, siblings.index(c))}"
+        planes.append(Plane(c.pages, gi, c.rows_per_block, c.row_bytes, c.layout, c.nz_unit_bytes, c.dtype, name))
+        infos[gi].append(PlaneInfo(name, tuple(c.layers), c.index, dtype_name(c.dtype), c.row_bytes,
+                                   c.block_stride_bytes, "fractal_nz" if c.layout == PageLayout.FRACTAL_NZ else "nd"))
+    return planes, infos
+
+
+def _finish_group(gi: int, d: _Draft, chunk_tokens: int, infos: Sequence[PlaneInfo]) -> LayoutGroup:
+    """Checks the chunk against the group's granularity and fixes what each chunk stores of it."""
+    s = d.specs[0]
+    where = (f"group {gi} ({s.spec_class}, scheduler group {d.scheduler_group}, "
+             f"layers {[x.layer for x in d.specs][:3]})")
+    recurrent = s.kind == SpecKind.MAMBA
+    granularity = s.compress_ratio if s.rows_are_tokens else s.tokens_per_block
+    stored = chunk_tokens if d.stored_window is None else min(chunk_tokens, d.stored_window)
+    if not d.skipped and chunk_tokens % granularity:
+        unit = ("one state per block" if recurrent else "one compressed row per ratio tokens" if s.rows_are_tokens
+                else "rows pack with their scales, whole blocks only")
+        raise ValueError(f"{where}: chunk_tokens {chunk_tokens} is not a multiple of the group's token "
+                         f"granularity {granularity} ({unit})")
+    if not d.skipped and stored % granularity:
+        raise ValueError(f"{where}: the stored tail of {stored} tokens is not a multiple of the group's token "
+                         f"granularity {granularity}")
+    return LayoutGroup(
+        index=gi, scheduler_group=d.scheduler_group, spec=s.spec_class, kind=s.kind,
+        layers=tuple(x.layer for x in d.specs), block_size=s.block_size, tokens_per_block=s.tokens_per_block,
+        rows_per_block=s.rows_per_block, compress_ratio=s.compress_ratio, sliding_window=s.sliding_window,
+        stored_tokens=stored, rows_per_chunk=stored // s.compress_ratio, skipped=d.skipped,
+        skip_reason=d.skip_reason, recurrent=recurrent, note=d.note, planes=tuple(infos),
+        exact_restore=d.exact_restore, chunk_tokens=chunk_tokens)
+
+
+def discover_layout(kv_cache_config: Any, kv_caches: Mapping[str, KVValue],
+                    policy: Optional[LayoutPolicy] = None) -> KVLayout:
+    """Validates what vLLM handed the connector and plans every non-skipped group's chunk rows."""
+    policy = policy or LayoutPolicy()
+    if not kv_cache_config.kv_cache_groups:
+        raise ValueError("the KV-cache config has no groups: an attention-free model has no KV cache to offload")
+    drafts, layer_specs = _draft_groups(kv_cache_config)
     for d in drafts:
         _decide(d, policy, layer_specs)
-
     missing = [n for n in layer_specs if n not in kv_caches]
     if missing:
         raise ValueError(f"layers {missing[:5]} are in the KV-cache config but register_kv_caches gave no tensor")
@@ -293,59 +344,20 @@ def discover_layout(kv_cache_config: Any, kv_caches: Mapping[str, KVValue],
     components = collect_components({n: v for n, v in kv_caches.items() if n not in aliases},
                                     {n: s.rows_per_block for n, s in layer_specs.items()},
                                     policy.fractal_nz, scope=plan_index)
-
-    num_blocks = int(kv_cache_config.num_blocks)
-    hash_block = policy.hash_block_size or math.gcd(*[int(g.kv_cache_spec.block_size) for g in scheduler_groups])
-    group_specs, planes, infos = [], [], [[] for _ in drafts]
-    for c in components:
-        gi = plan_index[c.layers[0]]
-        if c.num_blocks != num_blocks:
-            # fewer: the scheduler may hand out blocks past the end; more: block b may not be logical block b
-            # (vllm-ascend's DCP-replicated indexer is [num_blocks x replicas, ...])
-            raise ValueError(f"layer {c.layers[0]}, tensor {c.index}: {c.num_blocks} blocks, but the KV-cache config "
-                             f"has num_blocks {num_blocks}; every paged tensor needs exactly one block per block id")
-        pages = c.pages
-        kind = drafts[gi].specs[0].kind
-        same_layer = [x for x in components if x.layers[0] == c.layers[0] and plan_index[x.layers[0]] == gi]
-        role = _component_role(kind, same_layer, same_layer.index(c))
-        name = f"{c.layers[0]}:{role}"
-        planes.append(Plane(pages, gi, c.rows_per_block, c.row_bytes, c.layout, c.nz_unit_bytes, c.dtype, name))
-        infos[gi].append(PlaneInfo(name, tuple(c.layers), c.index, dtype_name(c.dtype), c.row_bytes,
-                                   c.block_stride_bytes, "fractal_nz" if c.layout == PageLayout.FRACTAL_NZ else "nd"))
-    groups = []
-    for gi, d in enumerate(drafts):
-        s = d.specs[0]
-        first_layers = [x.layer for x in d.specs][:3]
-        where = f"group {gi} ({s.spec_class}, scheduler group {d.scheduler_group}, layers {first_layers})"
-        recurrent = s.kind == SpecKind.MAMBA
-        granularity = s.compress_ratio if s.rows_are_tokens else s.tokens_per_block
-        if not d.skipped and policy.chunk_tokens % granularity:
-            unit = ("one state per block" if recurrent else "rows pack with their scales, whole blocks only"
-                    if not s.rows_are_tokens else "one compressed row per ratio tokens")
-            raise ValueError(f"{where}: chunk_tokens {policy.chunk_tokens} is not a multiple of the group's token "
-                             f"granularity {granularity} ({unit})")
-        stored = policy.chunk_tokens if d.stored_window is None else min(policy.chunk_tokens, d.stored_window)
-        if not d.skipped and stored % granularity:
-            raise ValueError(f"{where}: the stored tail of {stored} tokens is not a multiple of the group's token "
-                             f"granularity {granularity}")
-        spec = GroupSpec(s.tokens_per_block, s.compress_ratio,
-                         d.stored_window, d.skipped, d.skip_reason, f"{s.kind.value}#{gi}")
-        group_specs.append(spec)
-        groups.append(LayoutGroup(
-            index=gi, scheduler_group=d.scheduler_group, spec=s.spec_class, kind=s.kind,
-            layers=tuple(x.layer for x in d.specs), block_size=s.block_size, tokens_per_block=s.tokens_per_block,
-            rows_per_block=s.rows_per_block, compress_ratio=s.compress_ratio, sliding_window=s.sliding_window,
-            stored_tokens=stored, rows_per_chunk=stored // s.compress_ratio,
-            skipped=d.skipped, skip_reason=d.skip_reason, recurrent=recurrent, note=d.note,
-            planes=tuple(infos[gi]), exact_restore=d.exact_restore, chunk_tokens=policy.chunk_tokens))
+    planes, infos = _planes(components, drafts, plan_index, int(kv_cache_config.num_blocks))
+    groups = tuple(_finish_group(gi, d, policy.chunk_tokens, infos[gi]) for gi, d in enumerate(drafts))
+    block_sizes = [int(g.kv_cache_spec.block_size) for g in kv_cache_config.kv_cache_groups]
+    hash_block = policy.hash_block_size or math.gcd(*block_sizes)
     if policy.chunk_tokens % hash_block:
         raise ValueError(f"chunk_tokens {policy.chunk_tokens} is not a multiple of the hash block size {hash_block}: "
                          "a chunk is keyed by the block hash at its last token")
+    group_specs = [GroupSpec(g.tokens_per_block, g.compress_ratio, d.stored_window, g.skipped, g.skip_reason,
+                             f"{g.kind.value}#{g.index}") for g, d in zip(groups, drafts)]
     plan = TransferPlan(group_specs, planes, policy.chunk_tokens)
     caveats = tuple(f"group {g.index}: {g.skip_reason}" for g in groups if not g.exact_restore)
     for caveat in caveats:
         logger.warning("%s (exact restores: drop 'compressor_state' from skip_spec_kinds)", caveat)
-    return KVLayout(plan, tuple(groups), hash_block, aliases, caveats)
+    return KVLayout(plan, groups, hash_block, aliases, caveats)
 
 
 def _same_memory(a: KVValue, b: KVValue) -> bool:

@@ -71,6 +71,7 @@ def test_ascend_compressed_group_splits_and_scheduler_mapping() -> None:
 @pytest.mark.parametrize(
     "build,policy,message",
     [
+        (lambda: (config(), {}), LayoutPolicy(), r"the KV-cache config has no groups: an attention-free model"),
         (lambda: (config((["a"], full())), {}), LayoutPolicy(),
          r"layers \['a'\] are in the KV-cache config but register_kv_caches gave no tensor"),
         (lambda: (config((["a"], full())), {"a": kv(), "stray": torch.randn(NB, 16, 4)}), LayoutPolicy(),
@@ -97,8 +98,8 @@ def test_ascend_compressed_group_splits_and_scheduler_mapping() -> None:
          r"group 0 \(MambaSpec.*chunk_tokens 64 is not a multiple of the group's token granularity 96 \(one state "
          r"per block\)"),
     ],
-    ids=["missing-tensor", "tensor-without-spec", "fewer-blocks", "more-blocks", "block-stride", "hash-block", "state-on-kv-layer",
-         "mamba-none", "mamba-granularity"],
+    ids=["no-groups", "missing-tensor", "tensor-without-spec", "fewer-blocks", "more-blocks", "block-stride", "hash-block",
+         "state-on-kv-layer", "mamba-none", "mamba-granularity"],
 )
 def test_named_errors(build, policy: LayoutPolicy, message: str) -> None:
     cfg, caches = build()

@@ -91,14 +91,9 @@ def ascend_spec_classes() -> tuple[type, type]:
 
 def _hybrid_block_and_pages(model: Model) -> tuple[int, int, tuple[Any, ...], tuple[torch.dtype, ...]]:
     """(block size, page bytes, mamba shapes, dtypes) as vllm-ascend's patched hybrid config derives them."""
-    from vllm.model_executor.layers.mamba.mamba_utils import MambaStateDtypeCalculator, MambaStateShapeCalculator
+    from .cuda import gdn_states
 
-    layers = dict(model.layers)  # type: ignore[arg-type]
-    attn = next(x for x in layers.values() if isinstance(x, Attention))
-    gdn = next(x for x in layers.values() if isinstance(x, GatedDeltaNet))
-    shapes = MambaStateShapeCalculator.gated_delta_net_state_shape(1, gdn.num_k_heads, gdn.num_v_heads,
-                                                                  gdn.head_k_dim, gdn.head_v_dim, gdn.conv_kernel)
-    dtypes = MambaStateDtypeCalculator.gated_delta_net_state_dtype(model.dtype, "auto", "auto")
+    attn, shapes, dtypes = gdn_states(model)
     sizes = [math.prod(s) * d.itemsize for s, d in zip(shapes, dtypes)]
     ssm_page, conv_page = max(sizes), min(sizes)
     k_per_token = attn.kv_heads * attn.head_dim * model.dtype.itemsize

@@ -29,8 +29,8 @@ def _vllm_config(num_blocks: int) -> Any:
     )
 
 
-def _hybrid_block_size(model: Model) -> tuple[int, int]:
-    """(attention block size, padded mamba page) as vLLM's Platform._align_hybrid_block_size picks them."""
+def gdn_states(model: Model) -> tuple[Attention, tuple[Any, ...], tuple[torch.dtype, ...]]:
+    """A hybrid model's attention layer and its Gated DeltaNet state shapes and dtypes, from vLLM's calculators."""
     from vllm.model_executor.layers.mamba.mamba_utils import MambaStateDtypeCalculator, MambaStateShapeCalculator
 
     layers = dict(model.layers)  # type: ignore[arg-type]
@@ -39,10 +39,17 @@ def _hybrid_block_size(model: Model) -> tuple[int, int]:
     shapes = MambaStateShapeCalculator.gated_delta_net_state_shape(1, gdn.num_k_heads, gdn.num_v_heads,
                                                                   gdn.head_k_dim, gdn.head_v_dim, gdn.conv_kernel)
     dtypes = MambaStateDtypeCalculator.gated_delta_net_state_dtype(model.dtype, "auto", "auto")
+    return attn, shapes, dtypes
+
+
+def _hybrid_block_and_page(model: Model) -> tuple[int, int, tuple[Any, ...], tuple[torch.dtype, ...]]:
+    """(attention block size, padded mamba page, shapes, dtypes) as vLLM's Platform._align_hybrid_block_size
+    picks them: the smallest 16-token multiple whose attention page holds the mamba state."""
+    attn, shapes, dtypes = gdn_states(model)
     mamba_page = sum(math.prod(s) * d.itemsize for s, d in zip(shapes, dtypes))
     per_token = 2 * attn.kv_heads * attn.head_dim * model.dtype.itemsize
     block = CUDA_BLOCK * math.ceil(mamba_page / (CUDA_BLOCK * per_token))
-    return block, block * per_token
+    return block, block * per_token, shapes, dtypes
 
 
 def cuda_specs(model: Model) -> dict[str, Any]:
@@ -59,7 +66,7 @@ def cuda_specs(model: Model) -> dict[str, Any]:
         return _dsv4_specs(model.layers, MLAAttentionSpec, SlidingWindowMLASpec)
     dtype = model.dtype
     has_mamba = any(isinstance(x, GatedDeltaNet) for _, x in model.layers)
-    block, mamba_page = _hybrid_block_size(model) if has_mamba else (CUDA_BLOCK, 0)
+    block, mamba_page, shapes, dtypes = _hybrid_block_and_page(model) if has_mamba else (CUDA_BLOCK, 0, (), ())
     specs: dict[str, Any] = {}
     for name, layer in model.layers:
         if isinstance(layer, Attention) and layer.sliding_window:
@@ -78,14 +85,6 @@ def cuda_specs(model: Model) -> dict[str, Any]:
             specs[name] = MLAAttentionSpec(block_size=CUDA_BLOCK * 4, num_kv_heads=1,
                                            head_size=layer.kv_lora_rank + layer.rope_dim, dtype=dtype)
         elif isinstance(layer, GatedDeltaNet):
-            from vllm.model_executor.layers.mamba.mamba_utils import (
-                MambaStateDtypeCalculator,
-                MambaStateShapeCalculator,
-            )
-
-            shapes = MambaStateShapeCalculator.gated_delta_net_state_shape(
-                1, layer.num_k_heads, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim, layer.conv_kernel)
-            dtypes = MambaStateDtypeCalculator.gated_delta_net_state_dtype(dtype, "auto", "auto")
             specs[name] = MambaSpec(block_size=block, shapes=shapes, dtypes=dtypes, page_size_padded=mamba_page,
                                     mamba_type=MambaAttentionBackendEnum.GDN_ATTN, mamba_cache_mode="align")
     return specs
