@@ -1,0 +1,81 @@
+"""Chunk keys (DESIGN §7): vLLM's prefix-chained block hash at a chunk's last token, scoped by model and layout.
+
+A chunk is named by the block hash vLLM computed for the hash block that ends where the chunk ends, so LoRA,
+multimodal inputs and cache salt (all inside vLLM's hash) are already part of it. The namespace adds what vLLM's
+hash does not see: which model produced the bytes and how they are laid out (plan geometry and format
+version). Each parallel rank stores its own shard under its own storage name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional, Sequence
+
+from ..ops import LAYOUT_VERSION, TransferPlan
+
+# vLLM's prefix-caching hash algorithms; all hash the same input to the same bytes in any process once
+# NONE_HASH (the chain's seed) is fixed, which vLLM does only when PYTHONHASHSEED is set.
+STABLE_HASH_ALGORITHMS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
+
+
+def check_stable_hashing(algorithm: str, environ: Optional[Mapping[str, str]] = None) -> None:
+    """Refuses a block-hash setup that would name the same prefix differently in another process or restart."""
+    env = os.environ if environ is None else environ
+    if algorithm not in STABLE_HASH_ALGORITHMS:
+        raise ValueError(f"prefix_caching_hash_algo {algorithm!r} is not stable across processes; a shared or "
+                         f"persistent KV cache needs one of {', '.join(STABLE_HASH_ALGORITHMS)}")
+    if env.get("PYTHONHASHSEED") in (None, "", "random"):
+        raise ValueError("PYTHONHASHSEED is not set: vLLM then seeds every block-hash chain with os.urandom, so no "
+                         "other process or restart can find a stored chunk; set PYTHONHASHSEED to the same fixed "
+                         "value (e.g. 0) for every vLLM instance that shares this cache")
+
+
+def layout_fingerprint(plan: TransferPlan) -> bytes:
+    """16 bytes over the plan's geometry and the format version: the same model laid out the same way matches
+    across processes and device families; addresses and block counts do not enter it."""
+    h = hashlib.sha256(f"lmcache-npu layout v{LAYOUT_VERSION} chunk {plan.chunk_tokens}".encode())
+    for g in plan.groups:
+        h.update(repr((g.tokens_per_block, g.compress_ratio, g.sliding_window, g.skip)).encode())
+    for p, offset in zip(plan.moved_planes, plan.object_offsets):
+        h.update(repr((p.group, p.rows_per_block, p.row_bytes, int(p.layout), p.nz_unit_bytes, str(p.dtype),
+                       offset)).encode())
+    h.update(str(plan.object_bytes).encode())
+    return h.digest()[:16]
+
+
+def model_fingerprint(**facts: Any) -> bytes:
+    """16 bytes over what makes KV bytes of one model differ from another's (name, revision, dtypes, quantisation,
+    parallel sizes): pass them as keywords; order does not matter."""
+    text = ";".join(f"{k}={facts[k]!r}" for k in sorted(facts))
+    return hashlib.sha256(text.encode()).digest()[:16]
+
+
+@dataclass(frozen=True, order=True)
+class ChunkKey:
+    """One chunk of one model and layout; the index works with these, tiers with `storage_name(rank)`."""
+
+    namespace: str  # 32 hex chars: model and layout fingerprints together
+    chunk_hash: bytes  # vLLM's block hash at the chunk's last token
+
+    def storage_name(self, rank: int) -> str:
+        """The name a rank's shard has on disk and in Mooncake: flat, filesystem and URL safe."""
+        return f"{self.namespace}-{self.chunk_hash.hex()}-r{rank}"
+
+
+def namespace_of(model: bytes, layout: bytes) -> str:
+    return hashlib.sha256(model + layout).hexdigest()[:32]
+
+
+def chunk_keys(block_hashes: Sequence[bytes], hash_block_size: int, chunk_tokens: int, namespace: str,
+               num_tokens: Optional[int] = None) -> list[ChunkKey]:
+    """Keys of the request's full chunks, in order: chunk c is named by the hash of block `(c + 1) * k - 1`,
+    k = chunk_tokens / hash_block_size. `num_tokens` limits them to chunks the request already holds."""
+    if chunk_tokens % hash_block_size:
+        raise ValueError(f"chunk_tokens {chunk_tokens} is not a multiple of the hash block size {hash_block_size}")
+    per_chunk = chunk_tokens // hash_block_size
+    full = len(block_hashes) // per_chunk
+    if num_tokens is not None:
+        full = min(full, num_tokens // chunk_tokens)
+    return [ChunkKey(namespace, bytes(block_hashes[(c + 1) * per_chunk - 1])) for c in range(full)]

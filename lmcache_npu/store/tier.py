@@ -1,0 +1,44 @@
+"""What a worker-side storage tier reports: results that name why an operation did not happen, and counters.
+
+Tiers never raise in the serving path: a failure is a `TierResult(ok=False, reason=...)` and a counter, and the
+scheduler-side index turns it into a miss.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TierResult:
+    ok: bool
+    reason: str = ""  # empty when ok; otherwise e.g. "miss", "corrupt: checksum", "disk full", "timeout"
+
+    @classmethod
+    def fail(cls, reason: str) -> "TierResult":
+        return cls(False, reason)
+
+
+OK = TierResult(True)
+
+
+class TierCounters:
+    """Thread-safe named counters (writes, misses, corrupt files removed, timeouts, ...)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts: Counter[str] = Counter()
+
+    def add(self, name: str, amount: int = 1) -> None:
+        with self._lock:
+            self._counts[name] += amount
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._counts)
+
+    def __getitem__(self, name: str) -> int:
+        with self._lock:
+            return self._counts[name]
