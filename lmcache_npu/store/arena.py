@@ -1,0 +1,167 @@
+"""The host arena (DESIGN §7, tier L1): one host allocation split into fixed-size chunk slots.
+
+Every worker process keeps an identical arena (same slot count and slot size), so a slot number chosen by the
+scheduler-side index means the same place on every rank. The arena holds bytes only; which slot holds which chunk,
+and in which state, is the index's business. Memory is page-locked when an accelerator is present (the transfer
+kernels DMA straight into it) and can be placed on one NUMA node (the node next to the accelerator's PCIe root).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import platform
+from typing import Optional
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+SLOT_ALIGN_BYTES = 4096  # page-aligned slots: DMA engines and O_DIRECT-style readers like whole pages
+
+_MPOL_DEFAULT = 0
+_MPOL_BIND = 2
+_SET_MEMPOLICY_SYSCALL = {"x86_64": 238, "aarch64": 237}
+
+
+def align_up(value: int, alignment: int) -> int:
+    return (value + alignment - 1) // alignment * alignment
+
+
+def accelerator_present() -> bool:
+    """True when a CUDA GPU or an Ascend NPU can page-lock host memory for this process."""
+    if torch.cuda.is_available():
+        return True
+    import importlib.util
+
+    if importlib.util.find_spec("torch_npu") is None:
+        return False
+    import torch_npu  # noqa: F401  (registers torch.npu)
+
+    return bool(torch.npu.is_available())
+
+
+def numa_nodes() -> list[int]:
+    """NUMA nodes with memory on this host (empty where the kernel does not expose them)."""
+    try:
+        names = os.listdir("/sys/devices/system/node")
+    except OSError:
+        return []
+    return sorted(int(n[4:]) for n in names if n.startswith("node") and n[4:].isdigit())
+
+
+class _BoundToNode:
+    """Binds the calling thread's future page allocations to one NUMA node, then restores the default policy.
+
+    The arena's pages are faulted in (zeroed or page-locked) inside this scope, so they land on the node."""
+
+    def __init__(self, node: int) -> None:
+        nodes = numa_nodes()
+        if node not in nodes:
+            raise ValueError(f"numa_node {node} is not a NUMA node of this host (nodes: {nodes or 'none exposed'})")
+        syscall = _SET_MEMPOLICY_SYSCALL.get(platform.machine())
+        if syscall is None:
+            raise ValueError(f"numa_node is not supported on {platform.machine()}")
+        self._syscall = syscall
+        self._node = node
+        self._libc = ctypes.CDLL(None, use_errno=True)
+
+    def _set(self, mode: int, mask: Optional[ctypes.Array]) -> None:
+        max_node = 0 if mask is None else len(mask) * 64 + 1
+        if self._libc.syscall(self._syscall, mode, mask, ctypes.c_ulong(max_node)) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"set_mempolicy for NUMA node {self._node}: {os.strerror(err)}")
+
+    def __enter__(self) -> "_BoundToNode":
+        mask = (ctypes.c_ulong * (self._node // 64 + 1))()
+        mask[self._node // 64] = 1 << (self._node % 64)
+        self._set(_MPOL_BIND, mask)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._set(_MPOL_DEFAULT, None)
+
+
+class HostArena:
+    """`num_slots` slots of `object_bytes` each (a plan's chunk object), every slot starting on a page boundary."""
+
+    def __init__(self, num_slots: int, object_bytes: int, *, pinned: Optional[bool] = None,
+                 numa_node: Optional[int] = None) -> None:
+        if num_slots < 1:
+            raise ValueError(f"the host arena needs at least one slot (num_slots={num_slots}); raise cpu_bytes")
+        if object_bytes < 1:
+            raise ValueError(f"object_bytes must be positive, got {object_bytes}")
+        self.num_slots = num_slots
+        self.object_bytes = object_bytes
+        self.slot_bytes = align_up(object_bytes, SLOT_ALIGN_BYTES)
+        self.pinned = accelerator_present() if pinned is None else pinned
+        self.numa_node = numa_node
+        total = num_slots * self.slot_bytes
+        try:
+            if numa_node is None:
+                self._buffer = self._allocate(total)
+            else:
+                with _BoundToNode(numa_node):
+                    self._buffer = self._allocate(total)
+        except RuntimeError as exc:  # torch reports allocation failures (including pinning) as RuntimeError
+            raise MemoryError(f"could not allocate a {total / 2**30:.2f} GiB host arena "
+                              f"({'pinned' if self.pinned else 'pageable'}): {exc}") from exc
+        self._slots = self._buffer.view(num_slots, self.slot_bytes)
+        self._numpy = self._buffer.numpy()
+        logger.info("host arena: %d slots x %d B (%.2f GiB, %s%s)", num_slots, self.slot_bytes, total / 2**30,
+                    "pinned" if self.pinned else "pageable", "" if numa_node is None else f", NUMA node {numa_node}")
+
+    def _allocate(self, total: int) -> torch.Tensor:
+        # zeros, not empty: touching every page now puts it on the bound node and keeps stale heap bytes out of stores;
+        # one spare page lets the slots start on a page boundary whatever alignment the allocator gives
+        raw = torch.zeros(total + SLOT_ALIGN_BYTES, dtype=torch.uint8, pin_memory=self.pinned)
+        skip = -raw.data_ptr() % SLOT_ALIGN_BYTES
+        return raw[skip:skip + total]
+
+    @classmethod
+    def for_capacity(cls, cpu_bytes: int, object_bytes: int, **options: object) -> "HostArena":
+        """As many slots as fit in `cpu_bytes`."""
+        return cls(slots_for_capacity(cpu_bytes, object_bytes), object_bytes, **options)  # type: ignore[arg-type]
+
+    @property
+    def total_bytes(self) -> int:
+        return self.num_slots * self.slot_bytes
+
+    @property
+    def base_address(self) -> int:
+        return self._buffer.data_ptr()
+
+    def _check(self, slot: int) -> None:
+        if not 0 <= slot < self.num_slots:
+            raise IndexError(f"arena slot {slot} is out of range (the arena has {self.num_slots} slots)")
+
+    def slot(self, slot: int) -> torch.Tensor:
+        """The chunk object in `slot`: a uint8 tensor of `object_bytes` (what the transfer kernels read and write)."""
+        self._check(slot)
+        return self._slots[slot, : self.object_bytes]
+
+    def slot_view(self, slot: int) -> memoryview:
+        """The same bytes as a writable memoryview (what the disk and Mooncake tiers read and write)."""
+        self._check(slot)
+        start = slot * self.slot_bytes
+        return memoryview(self._numpy[start:start + self.object_bytes])
+
+    def slot_array(self, slot: int) -> np.ndarray:
+        self._check(slot)
+        start = slot * self.slot_bytes
+        return self._numpy[start:start + self.object_bytes]
+
+    def slot_address(self, slot: int) -> int:
+        self._check(slot)
+        return self.base_address + slot * self.slot_bytes
+
+
+def slots_for_capacity(cpu_bytes: int, object_bytes: int) -> int:
+    """How many arena slots `cpu_bytes` buys for chunk objects of `object_bytes` (the index and every worker agree)."""
+    slot_bytes = align_up(object_bytes, SLOT_ALIGN_BYTES)
+    if cpu_bytes < slot_bytes:
+        raise ValueError(f"cpu_bytes {cpu_bytes} is smaller than one chunk slot ({slot_bytes} B for a "
+                         f"{object_bytes} B chunk object); raise cpu_bytes or lower chunk_tokens")
+    return cpu_bytes // slot_bytes

@@ -1,0 +1,93 @@
+"""What the scheduler-side index tells every worker to do, and what workers report back.
+
+Plain, picklable dataclasses: they travel in vLLM's connector metadata (scheduler → workers) and worker metadata
+(workers → scheduler). Every rank runs the same command list in order against its own identical arena; each
+rank answers every command with one `Completion`. A command is done when all ranks answered.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import Union
+
+from .keys import ChunkKey
+
+
+class Source(str, Enum):
+    """A tier behind the arena."""
+
+    DISK = "disk"
+    REMOTE = "remote"
+
+
+@dataclass(frozen=True)
+class Store:
+    """Device → arena: write the chunk `key` (the request's chunk number `chunk_index`) into `slot`."""
+
+    cmd_id: int
+    key: ChunkKey
+    slot: int
+    request_id: str
+    chunk_index: int
+
+
+@dataclass(frozen=True)
+class Load:
+    """Arena → device: read the chunk `key` from `slot` into the request's chunk number `chunk_index`."""
+
+    cmd_id: int
+    key: ChunkKey
+    slot: int
+    request_id: str
+    chunk_index: int
+
+
+@dataclass(frozen=True)
+class Spill:
+    """Arena → disk, write-behind: the slot may be reused by the very next command (the disk tier copies first)."""
+
+    cmd_id: int
+    key: ChunkKey
+    slot: int
+
+
+@dataclass(frozen=True)
+class Promote:
+    """Disk or remote → arena `slot`, in the background; the chunk is loadable once every rank has completed."""
+
+    cmd_id: int
+    key: ChunkKey
+    slot: int
+    source: Source
+
+
+@dataclass(frozen=True)
+class Put:
+    """Arena `slot` → remote store; the slot stays pinned until every rank has completed."""
+
+    cmd_id: int
+    key: ChunkKey
+    slot: int
+
+
+@dataclass(frozen=True)
+class Drop:
+    """Delete the chunk's copy in `tier` (disk LRU, or a copy found corrupt on some rank)."""
+
+    cmd_id: int
+    key: ChunkKey
+    tier: Source
+
+
+Command = Union[Store, Load, Spill, Promote, Put, Drop]
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One rank's answer to one command; `reason` says why when not ok (e.g. "miss", "corrupt: checksum")."""
+
+    cmd_id: int
+    rank: int
+    ok: bool
+    reason: str = ""

@@ -1,0 +1,205 @@
+"""The worker side of the store: runs the index's commands against this rank's arena and tiers.
+
+Commands run in the order given. Spills copy the slot into the disk tier's write-behind queue before the next
+command, so a slot evicted and reused in the same step is safe. Promotions and puts run on background threads
+(the slot is writing or pinned in the index until every rank completes). Stores and loads move bytes between the
+device and the arena: they go to a `DeviceMover` (the connector's transfer backend; a fake in tests). Every
+command gets exactly one `Completion`, collected by `poll()`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Optional, Protocol, Sequence, Union
+
+import torch
+
+from .arena import HostArena
+from .commands import Command, Completion, Drop, Load, Promote, Put, Source, Spill, Store
+from .tier import TierResult
+
+logger = logging.getLogger(__name__)
+
+Report = Callable[[int, TierResult], None]
+
+
+class DeviceMover(Protocol):
+    """Moves chunk objects between the device's paged KV cache and arena slots (one batch per call)."""
+
+    def run(self, commands: Sequence[Union[Store, Load]], objects: Sequence[torch.Tensor], report: Report) -> None:
+        """Store: device → objects[i]; Load: objects[i] → device. Calls `report(cmd_id, result)` once per command,
+        now or later (an asynchronous copy reports when its event completes)."""
+        ...
+
+
+class StoreExecutor:
+    """One per worker process (rank). `disk` is a `DiskTier`, `remote` a `MooncakeTier`; either may be None."""
+
+    def __init__(self, rank: int, arena: HostArena, mover: Optional[DeviceMover] = None, disk: object = None,
+                 remote: object = None, io_threads: int = 4) -> None:
+        self.rank = rank
+        self.arena = arena
+        self.mover = mover
+        self.disk = disk
+        self.remote = remote
+        self._io = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix=f"lmcache-store-r{rank}")
+        self._lock = threading.Lock()
+        self._done: deque[Completion] = deque()
+        self._outstanding = 0
+        self._idle = threading.Condition(self._lock)
+        self._closed = False
+        if remote is not None and not remote.register(arena.base_address, arena.total_bytes):
+            logger.warning("rank %d: the remote store could not register the arena; puts and gets will copy", rank)
+
+    def submit(self, commands: Sequence[Command]) -> None:
+        """Runs (or starts) every command in order; consecutive device moves and remote moves go as one batch."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the store executor is closed")
+            self._outstanding += len(commands)
+        position = 0
+        while position < len(commands):
+            command = commands[position]
+            kind = _batch_kind(command)
+            end = position + 1
+            while kind and end < len(commands) and _batch_kind(commands[end]) == kind:
+                end += 1
+            batch = commands[position:end]
+            if kind in ("store", "load"):
+                self._run_device(batch)  # type: ignore[arg-type]
+            elif kind in ("remote_get", "remote_put"):
+                self._io.submit(self._run_remote, kind, batch)
+            else:
+                self._run_one(command)
+            position = end
+
+    def poll(self) -> list[Completion]:
+        """Completions since the last call (to be sent to the scheduler's index)."""
+        with self._lock:
+            done = list(self._done)
+            self._done.clear()
+        return done
+
+    def drain(self, timeout: Optional[float] = None) -> list[Completion]:
+        """Waits until every submitted command completed, then polls. Raises TimeoutError naming what is left."""
+        with self._idle:
+            if not self._idle.wait_for(lambda: self._outstanding == 0, timeout):
+                raise TimeoutError(f"rank {self.rank}: {self._outstanding} store commands still running "
+                                   f"after {timeout} s")
+        return self.poll()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+        self._io.shutdown(wait=True)
+
+    # ---- running commands ---------------------------------------------------------------------------------------
+
+    def _report(self, cmd_id: int, result: TierResult) -> None:
+        with self._idle:
+            self._done.append(Completion(cmd_id, self.rank, result.ok, result.reason))
+            self._outstanding -= 1
+            self._idle.notify_all()
+
+    def _run_one(self, command: Command) -> None:
+        if isinstance(command, Spill):
+            self._spill(command)
+        elif isinstance(command, Drop):
+            self._drop(command)
+        elif isinstance(command, Promote):  # from disk; remote promotions are batched
+            self._io.submit(self._guarded, command.cmd_id, self._promote_from_disk, command)
+        else:
+            self._report(command.cmd_id, TierResult.fail(f"unknown command {type(command).__name__}"))
+
+    def _guarded(self, cmd_id: int, work: Callable[..., TierResult], *args: object) -> None:
+        """Background work always answers, even when a tier raises (a bug there must not hang the index)."""
+        try:
+            result = work(*args)
+        except Exception as exc:  # the serving path turns any tier fault into a failed command
+            logger.exception("rank %d: store command %d raised", self.rank, cmd_id)
+            result = TierResult.fail(f"error: {exc}")
+        self._report(cmd_id, result)
+
+    def _spill(self, command: Spill) -> None:
+        if self.disk is None:
+            self._report(command.cmd_id, TierResult.fail("no disk tier"))
+            return
+        name = command.key.storage_name(self.rank)
+        queued = self.disk.write_async(name, self.arena.slot_view(command.slot),
+                                       lambda result: self._report(command.cmd_id, result))
+        if not queued.ok:
+            self._report(command.cmd_id, queued)
+
+    def _drop(self, command: Drop) -> None:
+        name = command.key.storage_name(self.rank)
+        if command.tier is Source.DISK:
+            if self.disk is not None:
+                self.disk.delete(name)
+            self._report(command.cmd_id, TierResult(True))
+        elif self.remote is None:
+            self._report(command.cmd_id, TierResult(True))
+        else:
+            self._io.submit(self._guarded, command.cmd_id, self._drop_remote, name)
+
+    def _drop_remote(self, name: str) -> TierResult:
+        self.remote.delete([name])
+        return TierResult(True)
+
+    def _promote_from_disk(self, command: Promote) -> TierResult:
+        if self.disk is None:
+            return TierResult.fail("no disk tier")
+        return self.disk.read_into(command.key.storage_name(self.rank), self.arena.slot_view(command.slot))
+
+    def _run_remote(self, kind: str, batch: Sequence[Union[Promote, Put]]) -> None:
+        try:
+            if self.remote is None:
+                results = [TierResult.fail("no remote tier")] * len(batch)
+            else:
+                names = [c.key.storage_name(self.rank) for c in batch]
+                views = [self.arena.slot_view(c.slot) for c in batch]
+                call = self.remote.get_into if kind == "remote_get" else self.remote.put
+                results = list(call(names, views))
+                if len(results) != len(batch):
+                    raise RuntimeError(f"remote tier answered {len(results)} results for {len(batch)} chunks")
+        except Exception as exc:  # the serving path turns any tier fault into failed commands
+            logger.exception("rank %d: remote batch of %d raised", self.rank, len(batch))
+            results = [TierResult.fail(f"error: {exc}")] * len(batch)
+        for command, result in zip(batch, results):
+            self._report(command.cmd_id, result)
+
+    def _run_device(self, batch: Sequence[Union[Store, Load]]) -> None:
+        if self.mover is None:
+            for command in batch:
+                self._report(command.cmd_id, TierResult.fail("no device mover"))
+            return
+        objects = [self.arena.slot(c.slot) for c in batch]
+        unanswered = {c.cmd_id for c in batch}
+
+        def report_once(cmd_id: int, result: TierResult) -> None:
+            with self._lock:
+                if cmd_id not in unanswered:
+                    return
+                unanswered.discard(cmd_id)
+            self._report(cmd_id, result)
+
+        try:
+            self.mover.run(batch, objects, report_once)
+        except Exception as exc:  # a refused transfer fails its commands; the index frees their slots
+            logger.exception("rank %d: device %s of %d chunks raised", self.rank, _batch_kind(batch[0]), len(batch))
+            for command in batch:
+                report_once(command.cmd_id, TierResult.fail(f"device: {exc}"))
+
+
+def _batch_kind(command: Command) -> str:
+    if isinstance(command, Store):
+        return "store"
+    if isinstance(command, Load):
+        return "load"
+    if isinstance(command, Promote) and command.source is Source.REMOTE:
+        return "remote_get"
+    if isinstance(command, Put):
+        return "remote_put"
+    return ""

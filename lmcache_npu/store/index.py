@@ -1,0 +1,413 @@
+"""The scheduler-side index (DESIGN §7): which chunk is where, and the commands that move it.
+
+Only this object changes slot states. It answers lookups from its own tables (no RPC to workers), allocates arena
+slots for stores, keeps an LRU over ready slots with pins for in-flight work, spills what it evicts to disk when a
+disk tier exists, promotes disk/remote chunks into the arena before a load, and emits every byte move as a command
+(`commands.py`) for all ranks. A command's effect becomes visible here only once every rank has completed it.
+
+Slot life: free → writing (a store or a promotion in flight) → ready (in the LRU) → reading (pinned by in-flight
+loads or puts) → ready. A slot that is writing, pinned or reserved by a request between its lookup and its load
+is never evicted or reused.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Callable, Iterable, Optional, Sequence
+
+from .commands import Command, Completion, Drop, Load, Promote, Put, Source, Spill, Store
+from .keys import ChunkKey
+from .tier import TierCounters
+
+logger = logging.getLogger(__name__)
+
+RemoteExists = Callable[[Sequence[ChunkKey]], Sequence[bool]]
+
+
+class SlotState(str, Enum):
+    FREE = "free"
+    WRITING = "writing"
+    READY = "ready"
+
+
+class DiskState(str, Enum):
+    NONE = "none"
+    WRITING = "writing"
+    PRESENT = "present"
+
+
+@dataclass
+class _Entry:
+    key: ChunkKey
+    slot: Optional[int] = None
+    slot_state: SlotState = SlotState.FREE
+    readers: int = 0  # in-flight loads and puts reading the slot
+    reservations: set[str] = field(default_factory=set)  # requests between lookup and load
+    disk: DiskState = DiskState.NONE
+    disk_readers: int = 0  # in-flight promotions reading the file
+    disk_cmd: int = 0  # the spill that is writing the current disk copy
+    remote_put: bool = False  # a put of this chunk is in flight or done
+
+    @property
+    def pinned(self) -> bool:
+        return self.readers > 0 or bool(self.reservations)
+
+    @property
+    def has_copy(self) -> bool:
+        return self.slot is not None or self.disk is not DiskState.NONE
+
+
+@dataclass
+class _Pending:
+    command: Command
+    waiting: set[int]
+    failures: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class LookupResult:
+    """`hit_chunks`: the longest prefix present in some tier (being promoted or stored counts); `ready_chunks`:
+    the prefix loadable from the arena now. `pending` means the caller should ask again after promotions land."""
+
+    hit_chunks: int
+    ready_chunks: int
+
+    @property
+    def pending(self) -> bool:
+        return self.ready_chunks < self.hit_chunks
+
+
+class ChunkIndex:
+    """One per scheduler; capacities are in chunks (`slots_for_capacity` and `disk_chunks_for_capacity` convert
+    the configured bytes). `remote_exists` answers batch existence in the remote store (None: no remote tier)."""
+
+    def __init__(self, num_slots: int, num_ranks: int = 1, disk_chunks: int = 0,
+                 remote_exists: Optional[RemoteExists] = None, put_to_remote: bool = True) -> None:
+        if num_slots < 1 or num_ranks < 1 or disk_chunks < 0:
+            raise ValueError(f"index needs num_slots >= 1, num_ranks >= 1, disk_chunks >= 0 "
+                             f"(got {num_slots}, {num_ranks}, {disk_chunks})")
+        self.num_slots = num_slots
+        self.num_ranks = num_ranks
+        self.disk_chunks = disk_chunks
+        self._remote_exists = remote_exists
+        self._put_to_remote = put_to_remote and remote_exists is not None
+        self._entries: dict[ChunkKey, _Entry] = {}
+        self._slot_owner: list[Optional[ChunkKey]] = [None] * num_slots
+        self._free_slots: list[int] = list(range(num_slots - 1, -1, -1))
+        self._arena_lru: OrderedDict[ChunkKey, None] = OrderedDict()  # ready slots, oldest first
+        self._disk_lru: OrderedDict[ChunkKey, None] = OrderedDict()  # disk copies (writing or present), oldest first
+        self._reserved: dict[str, set[ChunkKey]] = {}
+        self._pending: dict[int, _Pending] = {}
+        self._outbox: list[Command] = []
+        self._next_cmd_id = 1
+        self.counters = TierCounters()
+
+    # ---- what the connector calls -------------------------------------------------------------------------------
+
+    def adopt_disk(self, keys: Iterable[ChunkKey]) -> int:
+        """Restart: chunks whose files every rank has on disk, oldest first. Returns how many were adopted
+        (beyond `disk_chunks` the oldest are dropped)."""
+        adopted = 0
+        for key in keys:
+            if self.disk_chunks == 0:
+                break
+            entry = self._entries.setdefault(key, _Entry(key))
+            if entry.disk is DiskState.NONE:
+                self._make_disk_room()
+                entry.disk = DiskState.PRESENT
+                self._disk_lru[key] = None
+                adopted += 1
+        return adopted
+
+    def lookup(self, request_id: str, keys: Sequence[ChunkKey]) -> LookupResult:
+        """The longest prefix of `keys` held by some tier. Chunks found on disk or remote are promoted into the
+        arena (commands in the outbox); every hit chunk is reserved for `request_id` until `begin_load` or
+        `release`. Calling it again for the same request is cheap and issues nothing twice."""
+        hit = ready = 0
+        reserved = self._reserved.setdefault(request_id, set())
+        remote_from: Optional[int] = None
+        for position, key in enumerate(keys):
+            entry = self._entries.get(key)
+            if entry is None or not entry.has_copy:
+                remote_from = position
+                break
+            if entry.slot is None and not self._promote(entry, Source.DISK):
+                break
+            self._reserve(entry, request_id, reserved)
+            hit += 1
+            if entry.slot_state is SlotState.READY and ready == position:
+                ready += 1
+        if remote_from is not None and self._remote_exists is not None:
+            for key in self._remote_prefix(keys[remote_from:]):
+                entry = self._entries.setdefault(key, _Entry(key))
+                if not self._promote(entry, Source.REMOTE):
+                    self._forget_if_empty(entry)
+                    break
+                self._reserve(entry, request_id, reserved)
+                hit += 1
+        self.counters.add("lookup_chunks", len(keys))
+        self.counters.add("lookup_hit_chunks", hit)
+        return LookupResult(hit, ready)
+
+    def begin_load(self, request_id: str, chunks: Sequence[tuple[int, ChunkKey]]) -> list[Load]:
+        """Loads for the request's chunks (chunk number, key); each must be ready (a lookup said so)."""
+        loads = []
+        reserved = self._reserved.get(request_id, set())
+        for chunk_index, key in chunks:
+            entry = self._entries.get(key)
+            if entry is None or entry.slot_state is not SlotState.READY:
+                state = "absent" if entry is None else entry.slot_state.value
+                raise ValueError(f"request {request_id!r} chunk {chunk_index}: key {key.chunk_hash.hex()} is {state} "
+                                 f"in the arena; begin_load needs a ready chunk (lookup reports ready_chunks)")
+            entry.readers += 1
+            if key in reserved:
+                reserved.discard(key)
+                entry.reservations.discard(request_id)
+            self._arena_lru.move_to_end(key)
+            loads.append(self._emit(Load(self._new_id(), key, entry.slot, request_id, chunk_index)))  # type: ignore
+        self.counters.add("loads", len(loads))
+        return loads
+
+    def release(self, request_id: str) -> None:
+        """The request will not load what its lookups reserved (finished, aborted or loaded)."""
+        for key in self._reserved.pop(request_id, set()):
+            entry = self._entries.get(key)
+            if entry is not None:
+                entry.reservations.discard(request_id)
+                self._forget_if_empty(entry)
+
+    def allocate_store(self, request_id: str, chunks: Sequence[tuple[int, ChunkKey]]) -> list[Store]:
+        """Stores for the request's computed chunks not already held in the arena or on disk. When every slot is
+        pinned, the remaining chunks are not stored (counter `store_no_slot`)."""
+        stores = []
+        for chunk_index, key in chunks:
+            entry = self._entries.get(key)
+            if entry is not None and entry.has_copy:
+                if entry.slot_state is SlotState.READY:
+                    self._arena_lru.move_to_end(key)
+                continue
+            slot = self._take_slot()
+            if slot is None:
+                self.counters.add("store_no_slot", len(chunks) - len(stores))
+                break
+            entry = self._entries.setdefault(key, _Entry(key))
+            self._occupy(entry, slot)
+            stores.append(self._emit(Store(self._new_id(), key, slot, request_id, chunk_index)))
+        self.counters.add("stores", len(stores))
+        return stores  # type: ignore[return-value]
+
+    def take_commands(self) -> list[Command]:
+        """Every command issued since the last call, in the order workers must run them."""
+        commands, self._outbox = self._outbox, []
+        return commands
+
+    def on_completions(self, completions: Iterable[Completion]) -> None:
+        """Workers' answers; a command takes effect once all ranks answered (one failure fails it)."""
+        for done in completions:
+            pending = self._pending.get(done.cmd_id)
+            if pending is None or done.rank not in pending.waiting:
+                self.counters.add("unexpected_completions")
+                logger.warning("ignoring completion of unknown command %d from rank %d", done.cmd_id, done.rank)
+                continue
+            pending.waiting.discard(done.rank)
+            if not done.ok:
+                pending.failures.append(f"rank {done.rank}: {done.reason}")
+            if not pending.waiting:
+                del self._pending[done.cmd_id]
+                self._finish(pending.command, pending.failures)
+
+    # ---- introspection ------------------------------------------------------------------------------------------
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._pending)
+
+    def location(self, key: ChunkKey) -> tuple[Optional[int], SlotState, DiskState]:
+        entry = self._entries.get(key)
+        if entry is None:
+            return None, SlotState.FREE, DiskState.NONE
+        return entry.slot, entry.slot_state, entry.disk
+
+    def check_invariants(self) -> None:
+        """Raises AssertionError when the tables disagree (tests call this after every step)."""
+        owners = {}
+        for key, entry in self._entries.items():
+            assert entry.has_copy or entry.reservations or entry.readers, f"{key} has no copy and is kept"
+            if entry.slot is not None:
+                assert entry.slot not in owners, f"slot {entry.slot} has two owners"
+                owners[entry.slot] = key
+                assert self._slot_owner[entry.slot] == key
+                assert (key in self._arena_lru) == (entry.slot_state is SlotState.READY)
+            else:
+                assert entry.slot_state is SlotState.FREE and key not in self._arena_lru
+            assert (key in self._disk_lru) == (entry.disk is not DiskState.NONE)
+            assert entry.readers >= 0 and entry.disk_readers >= 0
+        assert len(owners) + len(self._free_slots) == self.num_slots
+        assert set(self._free_slots).isdisjoint(owners)
+        assert len(self._disk_lru) <= self.disk_chunks
+
+    # ---- internals ----------------------------------------------------------------------------------------------
+
+    def _new_id(self) -> int:
+        cmd_id = self._next_cmd_id
+        self._next_cmd_id += 1
+        return cmd_id
+
+    def _emit(self, command: Command) -> Command:
+        self._outbox.append(command)
+        self._pending[command.cmd_id] = _Pending(command, set(range(self.num_ranks)))
+        return command
+
+    def _reserve(self, entry: _Entry, request_id: str, reserved: set[ChunkKey]) -> None:
+        entry.reservations.add(request_id)
+        reserved.add(entry.key)
+
+    def _remote_prefix(self, keys: Sequence[ChunkKey]) -> list[ChunkKey]:
+        try:
+            present = self._remote_exists(keys) if keys else []  # type: ignore[misc]
+        except Exception as exc:  # the remote tier must never break a lookup
+            self.counters.add("remote_lookup_errors")
+            logger.warning("remote existence check failed, treating as misses: %s", exc)
+            return []
+        prefix = []
+        for key, there in zip(keys, present):
+            if not there:
+                break
+            prefix.append(key)
+        return prefix
+
+    def _occupy(self, entry: _Entry, slot: int) -> None:
+        entry.slot = slot
+        entry.slot_state = SlotState.WRITING
+        self._slot_owner[slot] = entry.key
+
+    def _take_slot(self) -> Optional[int]:
+        """A free slot, or the least recently used unpinned ready one (spilled to disk first when possible)."""
+        if self._free_slots:
+            return self._free_slots.pop()
+        for key in self._arena_lru:
+            entry = self._entries[key]
+            if not entry.pinned:
+                return self._evict(entry)
+        return None
+
+    def _evict(self, entry: _Entry) -> int:
+        slot = entry.slot
+        assert slot is not None
+        del self._arena_lru[entry.key]
+        if self.disk_chunks and entry.disk is DiskState.NONE:
+            if self._make_disk_room():
+                entry.disk = DiskState.WRITING
+                self._disk_lru[entry.key] = None
+                entry.disk_cmd = self._emit(Spill(self._new_id(), entry.key, slot)).cmd_id  # before the slot's reuse
+                self.counters.add("spills")
+            else:
+                self.counters.add("evicted_lost")
+        elif entry.disk is DiskState.NONE:
+            self.counters.add("evicted_lost")
+        entry.slot = None
+        entry.slot_state = SlotState.FREE
+        self._slot_owner[slot] = None
+        self.counters.add("evictions")
+        self._forget_if_empty(entry)
+        return slot
+
+    def _make_disk_room(self) -> bool:
+        """Drops the least recently used disk copies until one more fits; False when every copy is being read."""
+        while len(self._disk_lru) >= self.disk_chunks:
+            victim = next((k for k in self._disk_lru if self._entries[k].disk_readers == 0), None)
+            if victim is None:
+                return False
+            entry = self._entries[victim]
+            self._drop_disk(entry)
+            self.counters.add("disk_evictions")
+            self._forget_if_empty(entry)
+        return True
+
+    def _drop_disk(self, entry: _Entry) -> None:
+        entry.disk = DiskState.NONE
+        self._disk_lru.pop(entry.key, None)
+        self._emit(Drop(self._new_id(), entry.key, Source.DISK))
+
+    def _promote(self, entry: _Entry, source: Source) -> bool:
+        """Starts moving a disk or remote copy into a slot; False when no slot can be had."""
+        if source is Source.DISK and entry.disk is not DiskState.PRESENT:
+            return False  # a spill still being written is not readable by every rank yet
+        if source is Source.DISK:
+            entry.disk_readers += 1  # before _take_slot: making disk room for its spill must not drop this file
+        slot = self._take_slot()
+        if slot is None:
+            if source is Source.DISK:
+                entry.disk_readers -= 1
+            self.counters.add("promote_no_slot")
+            return False
+        self._occupy(entry, slot)
+        if source is Source.DISK:
+            self._disk_lru.move_to_end(entry.key)
+        self._emit(Promote(self._new_id(), entry.key, slot, source))
+        self.counters.add(f"promotions_{source.value}")
+        return True
+
+    def _release_slot(self, entry: _Entry) -> None:
+        slot = entry.slot
+        assert slot is not None
+        self._arena_lru.pop(entry.key, None)
+        entry.slot = None
+        entry.slot_state = SlotState.FREE
+        self._slot_owner[slot] = None
+        self._free_slots.append(slot)
+
+    def _forget_if_empty(self, entry: _Entry) -> None:
+        if not entry.has_copy and not entry.pinned and self._entries.get(entry.key) is entry:
+            del self._entries[entry.key]
+
+    def _finish(self, command: Command, failures: list[str]) -> None:
+        entry = self._entries.get(command.key)
+        ok = not failures
+        if not ok:
+            self.counters.add(f"{type(command).__name__.lower()}_failed")
+            logger.warning("%s of chunk %s failed: %s", type(command).__name__, command.key.chunk_hash.hex()[:16],
+                           "; ".join(failures))
+        if entry is None:
+            return
+        if isinstance(command, Store):
+            self._finish_write(entry, command.slot, ok)
+            if ok and self._put_to_remote and not entry.remote_put:
+                entry.remote_put = True
+                entry.readers += 1
+                self._emit(Put(self._new_id(), entry.key, command.slot))
+        elif isinstance(command, Promote):
+            if command.source is Source.DISK:
+                entry.disk_readers -= 1
+                if not ok and entry.disk is DiskState.PRESENT:
+                    self._drop_disk(entry)  # some rank found its file bad: the others' copies are useless alone
+            self._finish_write(entry, command.slot, ok)
+        elif isinstance(command, (Load, Put)):
+            entry.readers -= 1
+            if isinstance(command, Put) and not ok:
+                entry.remote_put = False
+                self._emit(Drop(self._new_id(), entry.key, Source.REMOTE))
+        elif isinstance(command, Spill):
+            if entry.disk is DiskState.WRITING and entry.disk_cmd == command.cmd_id:
+                if ok:
+                    entry.disk = DiskState.PRESENT
+                else:
+                    self._drop_disk(entry)
+        self._forget_if_empty(entry)
+
+    def _finish_write(self, entry: _Entry, slot: int, ok: bool) -> None:
+        if entry.slot != slot or entry.slot_state is not SlotState.WRITING:
+            return
+        if ok:
+            entry.slot_state = SlotState.READY
+            self._arena_lru[entry.key] = None
+        else:
+            self._release_slot(entry)
+
+
+def disk_chunks_for_capacity(disk_bytes: int, object_bytes: int, header_bytes: int = 64) -> int:
+    """How many chunk files `disk_bytes` (per rank) holds."""
+    return max(0, disk_bytes // (object_bytes + header_bytes))
