@@ -63,6 +63,17 @@ class ChunkKey:
         """The name a rank's shard has on disk and in Mooncake: flat, filesystem and URL safe."""
         return f"{self.namespace}-{self.chunk_hash.hex()}-r{rank}"
 
+    @classmethod
+    def from_storage_name(cls, name: str) -> tuple["ChunkKey", int]:
+        """The key and rank a storage name was made from (a restart rebuilds the index from file names)."""
+        parts = name.split("-")
+        if len(parts) != 3 or len(parts[0]) != 32 or not parts[2].startswith("r") or not parts[2][1:].isdigit():
+            raise ValueError(f"{name!r} is not a chunk storage name (namespace-hash-r<rank>)")
+        try:
+            return cls(parts[0], bytes.fromhex(parts[1])), int(parts[2][1:])
+        except ValueError as exc:
+            raise ValueError(f"{name!r} is not a chunk storage name: {exc}") from None
+
 
 def namespace_of(model: bytes, layout: bytes) -> str:
     return hashlib.sha256(model + layout).hexdigest()[:32]

@@ -1,0 +1,500 @@
+"""The local-disk tier stores exactly the bytes it was given, survives restarts, and refuses damaged files."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import shutil
+import struct
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from lmcache_npu.store import disk as disk_module
+from lmcache_npu.store.disk import DISK_FORMAT_VERSION, HEADER_BYTES, DiskTier, scan_disk_directory
+from lmcache_npu.store.tier import OK, TierResult
+
+FP = bytes(range(16))
+OTHER_FP = bytes(range(16, 32))
+
+
+def name_of(i: int) -> str:
+    return f"{'ab' * 16}-{i:016x}-r0"
+
+
+def file_of(root: Path, name: str) -> Path:
+    return root / hashlib.sha256(name.encode()).hexdigest()[:2] / f"{name}.kv"
+
+
+def payload(size: int, seed: int) -> bytes:
+    return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8).tobytes()
+
+
+def read(tier: DiskTier, name: str, size: int) -> tuple[TierResult, bytes]:
+    out = np.zeros(size, dtype=np.uint8)
+    result = tier.read_into(name, out)
+    return result, out.tobytes()
+
+
+class Results:
+    """Collects `done` results and lets a test wait for them."""
+
+    def __init__(self) -> None:
+        self.items: list[TierResult] = []
+        self.event = threading.Event()
+
+    def __call__(self, result: TierResult) -> None:
+        self.items.append(result)
+        self.event.set()
+
+
+@pytest.fixture
+def tier(tmp_path: Path) -> Iterator[DiskTier]:
+    t = DiskTier(tmp_path / "cache", FP)
+    yield t
+    t.close()
+
+
+@pytest.fixture
+def fsync_gate(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[threading.Event, threading.Event]]:
+    """Blocks every fsync until `release` is set; `entered` says a writer is inside one."""
+    release, entered = threading.Event(), threading.Event()
+    real_fsync = os.fsync
+
+    def gated(fd: int) -> None:
+        entered.set()
+        release.wait(10)
+        real_fsync(fd)
+
+    monkeypatch.setattr(disk_module.os, "fsync", gated)
+    yield release, entered
+    release.set()
+
+
+def test_round_trip_many_chunks_of_every_buffer_kind(tier: DiskTier) -> None:
+    rng = np.random.default_rng(1)
+    sizes = [0, 1, 63, 64, 65] + [int(s) for s in rng.integers(1, 300 << 10, 55)]
+    expected = {name_of(i): payload(size, seed=i) for i, size in enumerate(sizes)}
+    kinds: list[Callable[[bytes], object]] = [
+        bytes, bytearray, memoryview, lambda b: np.frombuffer(b, dtype=np.uint8).copy().reshape(-1, 1),
+        lambda b: memoryview(torch.frombuffer(bytearray(b), dtype=torch.uint8).numpy()) if b else memoryview(b),
+    ]
+    for i, (name, data) in enumerate(expected.items()):
+        assert tier.write_async(name, kinds[i % len(kinds)](data)) == OK
+    assert tier.flush(10)
+    for name, data in expected.items():
+        assert file_of(Path(tier._root), name).stat().st_size == HEADER_BYTES + len(data)
+        assert read(tier, name, len(data)) == (OK, data)
+    assert tier.used_bytes == sum(HEADER_BYTES + len(d) for d in expected.values())
+    counts = tier.counters.snapshot()
+    assert counts["writes"] == counts["reads"] == len(expected)
+    assert counts["write_bytes"] == counts["read_bytes"] == sum(map(len, expected.values()))
+
+
+def test_header_layout_on_disk(tier: DiskTier) -> None:
+    data = payload(1000, seed=5)
+    tier.write_async(name_of(1), data)
+    tier.flush()
+    raw = file_of(Path(tier._root), name_of(1)).read_bytes()
+    magic, version, header, fp, length, checksum, digest, reserved = struct.unpack("<8sII16sQQ12s4s", raw[:64])
+    assert (magic, version, header, fp, length) == (b"LMCNPUKV", DISK_FORMAT_VERSION, 64, FP, 1000)
+    assert checksum == disk_module.xxhash.xxh3_64_intdigest(data) and reserved == bytes(4)
+    assert digest == hashlib.sha256(name_of(1).encode()).digest()[:12] and raw[64:] == data
+
+
+def test_caller_may_reuse_its_buffer_at_once(tier: DiskTier, fsync_gate: tuple[threading.Event, ...]) -> None:
+    source = bytearray(payload(5000, seed=2))
+    original = bytes(source)
+    assert tier.write_async(name_of(1), source) == OK
+    source[:] = bytes(len(source))  # the arena slot is reused right after a spill
+    assert read(tier, name_of(1), 5000) == (OK, original)  # from the pending copy
+    fsync_gate[0].set()
+    tier.flush(10)
+    assert read(tier, name_of(1), 5000) == (OK, original)  # from the file
+
+
+def test_restart_finds_entries_oldest_first_and_reads_them(tmp_path: Path) -> None:
+    root = tmp_path / "cache"
+    tier = DiskTier(root, FP)
+    expected = {name_of(i): payload(100 + 37 * i, seed=i) for i in range(8)}
+    for name, data in expected.items():
+        tier.write_async(name, data)
+    tier.close()
+    order = [name_of(i) for i in (5, 2, 7, 0, 1, 6, 3, 4)]
+    for age, name in enumerate(reversed(order)):  # set mtimes explicitly: filesystem timestamps are coarse
+        os.utime(file_of(root, name), (1_000_000 - age, 1_000_000 - age))
+    entries = scan_disk_directory(root, FP)
+    assert [e.name for e in entries] == order
+    assert {e.name: e.payload_bytes for e in entries} == {n: len(d) for n, d in expected.items()}
+    restarted = DiskTier(root, FP)
+    assert restarted.used_bytes == sum(HEADER_BYTES + len(d) for d in expected.values())
+    for name, data in expected.items():
+        assert restarted.exists(name) and read(restarted, name, len(data)) == (OK, data)
+    assert restarted.delete(name_of(3)) and restarted.used_bytes == sum(
+        HEADER_BYTES + len(d) for n, d in expected.items() if n != name_of(3))
+    restarted.close()
+
+
+def flip_payload_byte(path: Path) -> None:
+    raw = bytearray(path.read_bytes())
+    raw[HEADER_BYTES + 17] ^= 0x40
+    path.write_bytes(raw)
+
+
+def truncate(path: Path) -> None:
+    os.truncate(path, path.stat().st_size - 1)
+
+
+def append_byte(path: Path) -> None:
+    with open(path, "ab") as f:
+        f.write(b"\0")
+
+
+def patch_header(offset: int, value: bytes) -> Callable[[Path], None]:
+    def corrupt(path: Path) -> None:
+        raw = bytearray(path.read_bytes())
+        raw[offset:offset + len(value)] = value
+        path.write_bytes(raw)
+    return corrupt
+
+
+def tiny(path: Path) -> None:
+    path.write_bytes(b"LMCNPUKV")
+
+
+CORRUPTIONS = {
+    "checksum": flip_payload_byte,
+    "short": truncate,
+    "size": append_byte,
+    "magic": patch_header(0, b"XXXXXXXX"),
+    "version": patch_header(8, struct.pack("<I", 2)),
+    "header size": patch_header(12, struct.pack("<I", 128)),
+    "short ": tiny,  # shorter than a header
+}
+
+
+@pytest.mark.parametrize("reason", list(CORRUPTIONS))
+def test_read_of_damaged_file_is_corrupt_and_removes_it(tier: DiskTier, reason: str) -> None:
+    good = payload(4000, seed=9)
+    tier.write_async(name_of(1), good)
+    tier.write_async(name_of(2), good)
+    tier.flush()
+    path = file_of(Path(tier._root), name_of(1))
+    CORRUPTIONS[reason](path)
+    assert read(tier, name_of(1), 4000)[0] == TierResult.fail(f"corrupt: {reason.strip()}")
+    assert not path.exists() and tier.counters["corrupt"] == 1
+    assert tier.used_bytes == HEADER_BYTES + 4000
+    assert read(tier, name_of(1), 4000)[0] == TierResult.fail("miss") and tier.counters["misses"] == 1
+    assert read(tier, name_of(2), 4000) == (OK, good)
+
+
+@pytest.mark.parametrize("reason", list(CORRUPTIONS))
+def test_scan_removes_damaged_files_except_checksum_which_reads_catch(tmp_path: Path, reason: str) -> None:
+    root = tmp_path / "cache"
+    tier = DiskTier(root, FP)
+    tier.write_async(name_of(1), payload(4000, seed=9))
+    tier.close()
+    CORRUPTIONS[reason](file_of(root, name_of(1)))
+    restarted = DiskTier(root, FP)
+    if reason == "checksum":  # not verified at startup, only on read
+        assert restarted.used_bytes == HEADER_BYTES + 4000
+        assert read(restarted, name_of(1), 4000)[0] == TierResult.fail("corrupt: checksum")
+    else:
+        assert restarted.counters["corrupt"] == 1 and restarted.used_bytes == 0
+    assert not file_of(root, name_of(1)).exists()
+    restarted.close()
+
+
+def test_file_copied_to_another_name_fails_the_name_check(tier: DiskTier) -> None:
+    data = payload(3000, seed=4)
+    tier.write_async(name_of(1), data)
+    tier.flush()
+    root = Path(tier._root)
+    target = file_of(root, name_of(2))
+    target.parent.mkdir(mode=0o700, exist_ok=True)
+    shutil.copyfile(file_of(root, name_of(1)), target)
+    assert read(tier, name_of(2), 3000)[0] == TierResult.fail("corrupt: name")
+    assert not target.exists() and tier.counters["corrupt"] == 1
+    assert read(tier, name_of(1), 3000) == (OK, data)
+    shutil.copyfile(file_of(root, name_of(1)), target)
+    restarted = DiskTier(root, FP)  # the scan catches it too
+    assert [e.name for e in scan_disk_directory(root, FP)] == [name_of(1)] and not target.exists()
+    restarted.close()
+
+
+def test_file_in_the_wrong_fan_out_directory_is_removed_at_scan(tier: DiskTier) -> None:
+    tier.write_async(name_of(1), b"x" * 100)
+    tier.flush()
+    root = Path(tier._root)
+    source = file_of(root, name_of(1))
+    wrong = root / ("00" if source.parent.name != "00" else "01") / source.name
+    wrong.parent.mkdir(exist_ok=True)
+    os.rename(source, wrong)
+    assert scan_disk_directory(root, FP) == [] and not wrong.exists()
+
+
+def test_other_layout_files_are_skipped_and_never_removed(tmp_path: Path) -> None:
+    root = tmp_path / "cache"
+    owner = DiskTier(root, FP)
+    data = payload(2000, seed=3)
+    owner.write_async(name_of(1), data)
+    owner.flush()
+    other = DiskTier(root, OTHER_FP)
+    assert other.used_bytes == 0 and other.counters["foreign"] == 1 and other.counters["corrupt"] == 0
+    assert read(other, name_of(1), 2000)[0] == TierResult.fail("corrupt: fingerprint")
+    assert other.counters["foreign"] == 2 and other.counters["corrupt"] == 0
+    assert file_of(root, name_of(1)).exists()
+    assert read(owner, name_of(1), 2000) == (OK, data)
+    assert [e.name for e in scan_disk_directory(root, FP)] == [name_of(1)]
+    other.close()
+    owner.close()
+
+
+def test_wrong_length_buffer_is_corrupt_length(tier: DiskTier) -> None:
+    tier.write_async(name_of(1), payload(1000, seed=1))
+    tier.flush()
+    assert read(tier, name_of(1), 999)[0] == TierResult.fail("corrupt: length")
+    assert not file_of(Path(tier._root), name_of(1)).exists() and tier.used_bytes == 0
+
+
+def test_pending_write_is_served_from_memory(tier: DiskTier, fsync_gate: tuple[threading.Event, ...]) -> None:
+    release, entered = fsync_gate
+    data = payload(70_000, seed=6)
+    done = Results()
+    assert tier.write_async(name_of(1), data, done) == OK
+    assert entered.wait(5)  # the writer is inside fsync: the file is not renamed yet
+    assert not file_of(Path(tier._root), name_of(1)).exists()
+    assert tier.exists(name_of(1)) and tier.pending_bytes == HEADER_BYTES + 70_000
+    assert read(tier, name_of(1), 70_000) == (OK, data) and tier.counters["pending_reads"] == 1
+    assert not tier.flush(timeout=0.05) and done.items == []
+    release.set()
+    assert tier.flush(10) and done.items == [OK] and tier.pending_bytes == 0
+    assert read(tier, name_of(1), 70_000) == (OK, data) and tier.counters["pending_reads"] == 1
+
+
+def test_queue_full_refusal(tmp_path: Path, fsync_gate: tuple[threading.Event, ...]) -> None:
+    tier = DiskTier(tmp_path, FP, max_pending_bytes=3 * (HEADER_BYTES + 1000))
+    done = Results()
+    for i in range(3):
+        assert tier.write_async(name_of(i), payload(1000, seed=i), done) == OK
+    assert tier.write_async(name_of(3), payload(1000, seed=3), done) == TierResult.fail("queue full")
+    assert tier.counters["queue_full"] == 1 and not tier.exists(name_of(3))
+    fsync_gate[0].set()
+    assert tier.flush(10) and done.items == [OK, OK, OK]  # the refusal never called done
+    assert tier.write_async(name_of(3), payload(1000, seed=3)) == OK
+    tier.close()
+
+
+def test_capacity_refusal_counts_pending_and_frees_on_delete(tmp_path: Path) -> None:
+    tier = DiskTier(tmp_path, FP, capacity_bytes=2 * (HEADER_BYTES + 1000))
+    assert tier.write_async(name_of(0), payload(1000, seed=0)) == OK
+    assert tier.write_async(name_of(1), payload(1000, seed=1)) == OK  # may still be pending: counted as well
+    assert tier.write_async(name_of(2), b"x") == TierResult.fail("capacity")
+    assert tier.counters["capacity_refused"] == 1
+    tier.flush()
+    assert tier.used_bytes == 2 * (HEADER_BYTES + 1000)
+    assert tier.delete(name_of(0)) and tier.used_bytes == HEADER_BYTES + 1000
+    assert tier.write_async(name_of(2), payload(1000, seed=2)) == OK
+    tier.close()
+    restarted = DiskTier(tmp_path, FP, capacity_bytes=10)  # files found at start count against capacity
+    assert restarted.write_async(name_of(3), b"x") == TierResult.fail("capacity")
+    restarted.close()
+
+
+@pytest.mark.parametrize("code, reason, counter", [(errno.ENOSPC, "disk full", "disk_full"),
+                                                   (errno.EIO, "io: Input/output error", "io_errors")])
+def test_write_errors_are_reported_and_the_service_continues(tier: DiskTier, monkeypatch: pytest.MonkeyPatch,
+                                                             code: int, reason: str, counter: str) -> None:
+    def failing_write(fd: int, data: object) -> int:
+        raise OSError(code, os.strerror(code))
+
+    monkeypatch.setattr(disk_module.os, "write", failing_write)
+    done = Results()
+    assert tier.write_async(name_of(1), payload(5000, seed=1), done) == OK
+    assert tier.flush(10) and done.items == [TierResult.fail(reason)] and tier.counters[counter] == 1
+    assert not tier.exists(name_of(1)) and tier.used_bytes == 0 and tier.pending_bytes == 0
+    assert list(Path(tier._root).rglob("*.tmp")) == []
+    monkeypatch.undo()
+    data = payload(5000, seed=2)
+    assert tier.write_async(name_of(1), data, done) == OK
+    assert tier.flush(10) and done.items[-1] == OK and read(tier, name_of(1), 5000) == (OK, data)
+
+
+def test_delete_cancels_a_queued_write(tier: DiskTier, fsync_gate: tuple[threading.Event, ...]) -> None:
+    first, second = Results(), Results()
+    tier.write_async(name_of(1), payload(1000, seed=1), first)  # occupies the writer inside fsync
+    assert fsync_gate[1].wait(5)
+    tier.write_async(name_of(2), payload(1000, seed=2), second)  # still queued
+    assert tier.delete(name_of(2)) and not tier.exists(name_of(2)) and tier.pending_bytes == HEADER_BYTES + 1000
+    fsync_gate[0].set()
+    assert tier.flush(10)
+    assert first.items == [OK] and second.items == [TierResult.fail("cancelled")]
+    assert not file_of(Path(tier._root), name_of(2)).exists() and read(tier, name_of(2), 1000)[0].reason == "miss"
+
+
+def test_delete_during_the_write_itself_leaves_nothing(tier: DiskTier, fsync_gate: tuple[threading.Event, ...]) -> None:
+    done = Results()
+    tier.write_async(name_of(1), payload(1000, seed=1), done)
+    assert fsync_gate[1].wait(5)  # the temp file is written, the rename not yet done
+    assert tier.delete(name_of(1)) and tier.counters["deleted"] == 1
+    fsync_gate[0].set()
+    assert tier.flush(10) and done.items == [TierResult.fail("cancelled")]
+    assert not tier.exists(name_of(1)) and list(Path(tier._root).rglob("*.*")) == [] and tier.used_bytes == 0
+    assert not tier.delete(name_of(1)) and tier.counters["deleted"] == 1
+
+
+def test_delete_after_landing_removes_the_file(tier: DiskTier) -> None:
+    tier.write_async(name_of(1), b"abc")
+    tier.flush()
+    assert tier.delete(name_of(1)) and not file_of(Path(tier._root), name_of(1)).exists() and tier.used_bytes == 0
+
+
+def test_newer_write_supersedes_a_pending_one(tmp_path: Path, fsync_gate: tuple[threading.Event, ...]) -> None:
+    tier = DiskTier(tmp_path, FP, writer_threads=2)
+    old, new = Results(), Results()
+    tier.write_async(name_of(1), payload(800, seed=1), old)
+    tier.write_async(name_of(1), payload(900, seed=2), new)
+    assert read(tier, name_of(1), 900) == (OK, payload(900, seed=2))
+    fsync_gate[0].set()
+    assert tier.flush(10)
+    assert old.items == [TierResult.fail("superseded")] and new.items == [OK]
+    assert read(tier, name_of(1), 900) == (OK, payload(900, seed=2)) and tier.used_bytes == HEADER_BYTES + 900
+    tier.close()
+
+
+def test_file_and_directory_modes(tmp_path: Path) -> None:
+    root = tmp_path / "new" / "cache"
+    tier = DiskTier(root, FP)
+    tier.write_async(name_of(1), b"x" * 10)
+    tier.close()
+    path = file_of(root, name_of(1))
+    assert (root.stat().st_mode & 0o777, path.parent.stat().st_mode & 0o777) == (0o700, 0o700)
+    assert path.stat().st_mode & 0o777 == 0o600
+
+
+def test_crash_leftover_temp_files_are_removed_on_start(tmp_path: Path) -> None:
+    root = tmp_path / "cache"
+    tier = DiskTier(root, FP)
+    tier.write_async(name_of(1), b"kept")
+    tier.close()
+    fan = file_of(root, name_of(1)).parent
+    crashed_same_pid = fan / f"{name_of(2)}.{os.getpid()}-00000000.0.tmp"  # an earlier process with our pid
+    old = fan / f"{name_of(3)}.{os.getppid()}-12345678.0.tmp"  # its writer pid is alive, but it is far too old
+    live = fan / f"{name_of(4)}.{os.getpid()}-{disk_module._INCARNATION}.0.tmp"  # another tier of this process
+    for path in (crashed_same_pid, old, live):
+        path.write_bytes(b"partial")
+    os.utime(old, (time.time() - 3600, time.time() - 3600))
+    restarted = DiskTier(root, FP)
+    assert not crashed_same_pid.exists() and not old.exists() and live.exists()
+    assert restarted.counters["temp_removed"] == 2 and [e.name for e in scan_disk_directory(root, FP)] == [name_of(1)]
+    restarted.close()
+
+
+def test_close_is_idempotent_and_refuses_later_writes(tmp_path: Path) -> None:
+    tier = DiskTier(tmp_path, FP, writer_threads=3)
+    done = Results()
+    for i in range(20):
+        tier.write_async(name_of(i), payload(100, seed=i), done)
+    tier.close()
+    assert len(done.items) == 20 and all(r.ok for r in done.items)  # close flushed them
+    assert tier.write_async(name_of(99), b"x", done) == TierResult.fail("closed") and len(done.items) == 20
+    tier.close()
+    assert read(tier, name_of(7), 100) == (OK, payload(100, seed=7))
+
+
+def test_a_raising_done_callback_does_not_stop_the_writer(tier: DiskTier) -> None:
+    def explode(result: TierResult) -> None:
+        raise RuntimeError("callback bug")
+
+    tier.write_async(name_of(1), b"one", explode)
+    tier.write_async(name_of(2), b"two")
+    assert tier.flush(10) and read(tier, name_of(2), 3) == (OK, b"two")
+
+
+def test_caller_bugs_raise_value_error(tier: DiskTier) -> None:
+    for bad in ("", "../etc", "a/b", "x.tmp", "a" * 201):
+        with pytest.raises(ValueError):
+            tier.write_async(bad, b"x")
+    with pytest.raises(ValueError):
+        tier.read_into(name_of(1), b"read-only")
+    with pytest.raises(ValueError):
+        tier.write_async(name_of(1), np.zeros((4, 4), dtype=np.uint8)[:, ::2])
+    with pytest.raises(ValueError):
+        DiskTier(tier._root, b"short")
+
+
+def test_reads_racing_writes_never_see_partial_files(tmp_path: Path) -> None:
+    tier = DiskTier(tmp_path, FP, writer_threads=2)
+    data = {name_of(i): payload(20_000 + i, seed=i) for i in range(40)}
+    bad: list[str] = []
+    stop = threading.Event()
+
+    def reader() -> None:
+        while not stop.is_set():
+            for name, expected in data.items():
+                result, got = read(tier, name, len(expected))
+                if result.ok and got != expected or not result.ok and result.reason != "miss":
+                    bad.append(f"{name}: {result}")
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    for name, expected in data.items():
+        tier.write_async(name, expected)
+    tier.flush(10)
+    stop.set()
+    thread.join()
+    assert bad == [] and tier.counters["corrupt"] == 0
+    assert all(read(tier, n, len(d)) == (OK, d) for n, d in data.items())
+    tier.close()
+
+
+NAMES = [name_of(i) for i in range(4)]
+OPERATIONS = st.one_of(
+    st.tuples(st.just("write"), st.sampled_from(NAMES), st.binary(max_size=3000)),
+    st.tuples(st.just("read"), st.sampled_from(NAMES)),
+    st.tuples(st.just("delete"), st.sampled_from(NAMES)),
+    st.tuples(st.just("flush")),
+    st.tuples(st.just("restart")),
+)
+
+
+@given(ops=st.lists(OPERATIONS, max_size=25), writer_threads=st.sampled_from([1, 2]))
+def test_random_operations_match_a_dict_model(ops: list[tuple], writer_threads: int) -> None:
+    with tempfile.TemporaryDirectory() as root:
+        tier = DiskTier(root, FP, writer_threads=writer_threads)
+        model: dict[str, bytes] = {}
+        try:
+            for op in ops:
+                if op[0] == "write":
+                    assert tier.write_async(op[1], op[2]) == OK
+                    model[op[1]] = op[2]
+                elif op[0] == "read":
+                    expected = model.get(op[1])
+                    result, got = read(tier, op[1], 0 if expected is None else len(expected))
+                    assert (result, got) == ((OK, expected) if expected is not None else (TierResult.fail("miss"), b""))
+                elif op[0] == "delete":
+                    assert tier.delete(op[1]) == (op[1] in model)
+                    model.pop(op[1], None)
+                elif op[0] == "flush":
+                    assert tier.flush(10)
+                    assert tier.used_bytes == sum(HEADER_BYTES + len(v) for v in model.values())
+                else:
+                    tier.close()
+                    tier = DiskTier(root, FP, writer_threads=writer_threads)
+                    assert tier.used_bytes == sum(HEADER_BYTES + len(v) for v in model.values())
+                assert all(tier.exists(n) == (n in model) for n in NAMES)
+            tier.flush(10)
+            assert sorted(e.name for e in scan_disk_directory(root, FP)) == sorted(model)
+            assert all(read(tier, n, len(v)) == (OK, v) for n, v in model.items())
+            assert tier.counters["corrupt"] == 0 and not list(Path(root).rglob("*.tmp"))
+        finally:
+            tier.close()
