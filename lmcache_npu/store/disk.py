@@ -25,7 +25,8 @@ Readers only ever open final names, and rename is atomic, so a reader sees a who
 
 Restart: ``scan_disk_directory`` validates every header and the file length, removes invalid files and crash
 leftovers (temp files whose writer process is gone or that are older than ten minutes), skips without touching
-files of another layout fingerprint (another model may share the directory), and returns the rest oldest first.
+files of another layout fingerprint or format version (another model or build may share the
+directory), and returns the rest oldest first.
 Checksums are verified on every read, not at startup.
 """
 
@@ -72,7 +73,7 @@ _DIR_SYNC_BATCH = 32
 # Tells this process's temp files from those of a crashed process that had the same pid (common in containers).
 _INCARNATION = secrets.token_hex(4)
 # A header from another layout: valid for its owner, so never removed by this tier.
-_FOREIGN = "fingerprint"
+_FOREIGN = ("fingerprint", "version")  # another layout's or another build's file: valid for its owner, never removed
 
 _REFUSAL_COUNTERS = {"closed": "closed_refused", "queue full": "queue_full", "capacity": "capacity_refused"}
 
@@ -140,12 +141,12 @@ class _Header:
         if self.magic != MAGIC:
             return "magic"
         if self.version != DISK_FORMAT_VERSION:
-            return "version"
+            return "version"  # a newer (or older) build sharing the directory owns it
         if self.header_bytes != HEADER_BYTES:
             return "header size"
         # Before the name and length checks, so another layout's files are never judged (or removed) by us.
         if self.fingerprint != fingerprint:
-            return _FOREIGN
+            return "fingerprint"
         if self.name_digest != _name_digest(name)[:NAME_DIGEST_BYTES]:
             return "name"
         if file_bytes < HEADER_BYTES + self.payload_bytes:
@@ -219,7 +220,7 @@ def _scan_file(path: str, name: str, fan: str, fingerprint: bytes, found: TierCo
     problem = "short" if header is None else header.problem(stat.st_size, name, fingerprint)
     if problem is None and fan != _fan_of(name):
         problem = "misplaced"  # unreachable under this name, so it would only hold space
-    if problem == _FOREIGN:
+    if problem in _FOREIGN:
         found.add("foreign")
         return None
     if problem is not None:
@@ -319,6 +320,14 @@ class DiskTier:
                          for i in range(writer_threads)]
         for thread in self._threads:
             thread.start()
+
+    @property
+    def root(self) -> str:
+        return self._root
+
+    def file_path(self, name: str) -> str:
+        """Where the chunk `name` lives (or would live) on disk."""
+        return self._path(name)
 
     @property
     def used_bytes(self) -> int:
@@ -559,9 +568,9 @@ class DiskTier:
         return OK
 
     def _reject(self, name: str, path: str, stat: os.stat_result, problem: str) -> TierResult:
-        if problem == _FOREIGN:
+        if problem in _FOREIGN:
             self.counters.add("foreign")
-            logger.warning("disk tier: %s belongs to another layout; left in place", path)
+            logger.warning("disk tier: %s belongs to another layout or format version; left in place", path)
             return TierResult.fail(f"corrupt: {problem}")
         self.counters.add("corrupt")
         logger.warning("disk tier: removing corrupt cache file %s (%s)", path, problem)

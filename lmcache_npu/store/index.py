@@ -138,8 +138,9 @@ class ChunkIndex:
                 break
             self._reserve(entry, request_id, reserved)
             hit += 1
-            if entry.slot_state is SlotState.READY and ready == position:
-                ready += 1
+            if entry.slot_state is SlotState.READY:
+                self._arena_lru.move_to_end(key)
+                ready += ready == position
         if remote_from is not None and self._remote_exists is not None:
             for key in self._remote_prefix(keys[remote_from:]):
                 entry = self._entries.setdefault(key, _Entry(key))

@@ -176,7 +176,6 @@ CORRUPTIONS = {
     "short": truncate,
     "size": append_byte,
     "magic": patch_header(0, b"XXXXXXXX"),
-    "version": patch_header(8, struct.pack("<I", 2)),
     "header size": patch_header(12, struct.pack("<I", 128)),
     "short ": tiny,  # shorter than a header
 }
@@ -240,6 +239,19 @@ def test_file_in_the_wrong_fan_out_directory_is_removed_at_scan(tier: DiskTier) 
     wrong.parent.mkdir(exist_ok=True)
     os.rename(source, wrong)
     assert scan_disk_directory(root, FP) == [] and not wrong.exists()
+
+
+def test_other_format_versions_are_skipped_and_never_removed(tmp_path: Path) -> None:
+    root = tmp_path / "cache"
+    tier = DiskTier(root, FP)
+    tier.write_async(name_of(1), payload(4000, seed=9))
+    tier.close()
+    patch_header(8, struct.pack("<I", DISK_FORMAT_VERSION + 1))(file_of(root, name_of(1)))
+    restarted = DiskTier(root, FP)
+    assert restarted.used_bytes == 0 and restarted.counters["foreign"] == 1 and restarted.counters["corrupt"] == 0
+    assert read(restarted, name_of(1), 4000)[0] == TierResult.fail("corrupt: version")
+    assert file_of(root, name_of(1)).exists()
+    restarted.close()
 
 
 def test_other_layout_files_are_skipped_and_never_removed(tmp_path: Path) -> None:

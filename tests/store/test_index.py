@@ -1,0 +1,297 @@
+"""The scheduler-side index and the worker executors, in one process: hits, LRU, pins, spills, promotions,
+remote puts, failures. Every load checks the bytes each rank gets back against the pattern it stored."""
+
+from pathlib import Path
+
+import pytest
+
+from lmcache_npu.store.commands import Completion, Drop, Load, Promote, Put, Source, Spill, Store
+from lmcache_npu.store.disk import DiskTier
+from lmcache_npu.store.index import ChunkIndex, DiskState, SlotState, disk_chunks_for_capacity
+from lmcache_npu.store.keys import ChunkKey
+
+from .fakes import Cluster, MemoryRemote, make_key
+
+OBJECT_BYTES = 5000  # not a page multiple: slots are padded, objects are not
+
+
+@pytest.fixture
+def disks(tmp_path):
+    tiers = [DiskTier(tmp_path / "kv", b"L" * 16) for _ in range(2)]
+    yield tiers
+    for tier in tiers:
+        tier.close()
+
+
+def test_store_then_lookup_and_load_return_the_same_bytes():
+    cluster = Cluster(num_slots=8, object_bytes=OBJECT_BYTES)
+    keys = [make_key(i) for i in range(5)]
+    assert len(cluster.store("a", keys)) == 5
+    result = cluster.index.lookup("b", keys + [make_key(99)])
+    assert (result.hit_chunks, result.ready_chunks, result.pending) == (5, 5, False)
+    cluster.index.release("b")
+    assert cluster.load("b", keys) == 5
+    assert not cluster.mismatches and len(cluster.devices[1].loaded) == 5
+    assert cluster.store("c", keys) == []  # already held: nothing stored twice
+    cluster.close()
+
+
+def test_lookup_is_a_prefix_and_a_gap_ends_it():
+    cluster = Cluster(num_slots=8, object_bytes=OBJECT_BYTES)
+    keys = [make_key(i) for i in range(4)]
+    cluster.store("a", [keys[0], keys[1], keys[3]])
+    assert cluster.index.lookup("b", keys).hit_chunks == 2
+    cluster.close()
+
+
+def test_chunk_is_visible_only_after_every_rank_completed_its_store():
+    index = ChunkIndex(num_slots=4, num_ranks=3)
+    key = make_key(1)
+    (store,) = index.allocate_store("a", [(0, key)])
+    assert index.take_commands() == [store]
+    assert index.lookup("b", [key]) == (index.lookup("b", [key]))
+    assert index.lookup("b", [key]).pending  # being written counts as a hit that is not ready yet
+    index.on_completions([Completion(store.cmd_id, 0, True), Completion(store.cmd_id, 2, True)])
+    assert index.location(key)[1] is SlotState.WRITING
+    index.on_completions([Completion(store.cmd_id, 1, True)])
+    assert index.location(key)[1] is SlotState.READY
+    index.check_invariants()
+
+
+def test_one_failing_rank_fails_the_store_and_frees_the_slot():
+    index = ChunkIndex(num_slots=1, num_ranks=2)
+    key = make_key(1)
+    (store,) = index.allocate_store("a", [(0, key)])
+    index.on_completions([Completion(store.cmd_id, 0, True), Completion(store.cmd_id, 1, False, "device")])
+    assert index.location(key) == (None, SlotState.FREE, DiskState.NONE)
+    assert index.lookup("b", [key]).hit_chunks == 0
+    assert index.counters["store_failed"] == 1
+    index.check_invariants()
+
+
+def test_unknown_and_duplicate_completions_are_ignored_and_counted():
+    index = ChunkIndex(num_slots=2, num_ranks=1)
+    (store,) = index.allocate_store("a", [(0, make_key(1))])
+    index.on_completions([Completion(store.cmd_id, 0, True), Completion(store.cmd_id, 0, True),
+                          Completion(12345, 0, True)])
+    assert index.counters["unexpected_completions"] == 2
+    index.check_invariants()
+
+
+def test_lru_evicts_the_least_recently_used_unpinned_chunk():
+    cluster = Cluster(num_slots=3, object_bytes=OBJECT_BYTES, num_ranks=1)
+    a, b, c, d = (make_key(i) for i in range(4))
+    cluster.store("r", [a, b, c])
+    cluster.index.lookup("touch", [a])  # a is now reserved and recently used
+    cluster.index.release("touch")
+    cluster.store("r", [d])  # evicts b, the oldest untouched
+    assert cluster.index.location(b)[0] is None
+    assert all(cluster.index.location(k)[1] is SlotState.READY for k in (a, c, d))
+    assert cluster.index.counters["evicted_lost"] == 1  # no disk tier: it vanishes, and the count says so
+    cluster.close()
+
+
+def test_pinned_and_reserved_slots_are_never_evicted():
+    index = ChunkIndex(num_slots=2, num_ranks=1)
+    a, b, c = (make_key(i) for i in range(3))
+    stores = index.allocate_store("r", [(0, a), (1, b)])
+    index.on_completions([Completion(s.cmd_id, 0, True) for s in stores])
+    (load,) = index.begin_load("x", [(0, a)])  # a: a load is reading it
+    index.lookup("y", [b])  # b: reserved between lookup and load
+    index.take_commands()
+    assert index.allocate_store("r", [(2, c)]) == []
+    assert index.counters["store_no_slot"] == 1
+    index.on_completions([Completion(load.cmd_id, 0, True)])
+    (store_c,) = index.allocate_store("r", [(2, c)])
+    assert store_c.slot == stores[0].slot  # a was unpinned by its load's completion and is now the victim
+    index.release("y")
+    index.check_invariants()
+
+
+def test_writing_slots_are_never_reused():
+    index = ChunkIndex(num_slots=1, num_ranks=1)
+    index.allocate_store("r", [(0, make_key(0))])
+    assert index.allocate_store("r", [(1, make_key(1))]) == []
+
+
+def test_begin_load_of_a_chunk_that_is_not_ready_names_it():
+    index = ChunkIndex(num_slots=2, num_ranks=1)
+    key = make_key(7)
+    with pytest.raises(ValueError, match=f"request 'q' chunk 3: key {key.chunk_hash.hex()} is absent"):
+        index.begin_load("q", [(3, key)])
+    index.allocate_store("r", [(0, key)])
+    with pytest.raises(ValueError, match="is writing in the arena"):
+        index.begin_load("q", [(0, key)])
+
+
+def test_eviction_spills_to_disk_before_the_slot_is_reused_and_promotion_brings_it_back(disks):
+    cluster = Cluster(num_slots=2, object_bytes=OBJECT_BYTES, disks=disks, disk_chunks=10)
+    keys = [make_key(i) for i in range(6)]
+    for start in (0, 2, 4):  # 2 slots, 6 chunks: the first four are spilled as later ones arrive
+        cluster.store("a", keys[start:start + 2])
+    kinds = [type(c) for c in cluster.issued]
+    assert kinds.count(Spill) == 4
+    for spill in (c for c in cluster.issued if isinstance(c, Spill)):
+        reuse = next(i for i, c in enumerate(cluster.issued) if isinstance(c, Store) and c.slot == spill.slot
+                     and i > cluster.issued.index(spill))
+        assert cluster.issued.index(spill) < reuse
+    assert [cluster.index.location(k)[2] for k in keys[:4]] == [DiskState.PRESENT] * 4
+    for disk in disks:
+        assert disk.flush(10)
+    # the first two chunks come back from disk through promotions, bytes checked on both ranks
+    result = cluster.index.lookup("b", keys[:2])
+    assert (result.hit_chunks, result.ready_chunks) == (2, 0)
+    promotes = [c for c in cluster.index._outbox if isinstance(c, Promote)]
+    assert [p.source for p in promotes] == [Source.DISK, Source.DISK]
+    cluster.index.release("b")
+    cluster.settle()
+    assert cluster.load("b", keys[:2]) == 2
+    assert not cluster.mismatches
+    cluster.close()
+
+
+def test_disk_capacity_drops_the_oldest_copies(disks):
+    cluster = Cluster(num_slots=1, object_bytes=OBJECT_BYTES, disks=disks, disk_chunks=2)
+    keys = [make_key(i) for i in range(5)]
+    for key in keys:
+        cluster.store("a", [key])
+    drops = [c for c in cluster.issued if isinstance(c, Drop)]
+    assert [d.key for d in drops] == keys[:2] and all(d.tier is Source.DISK for d in drops)
+    for disk in disks:
+        disk.flush(10)
+        assert not disk.exists(keys[0].storage_name(0 if disk is disks[0] else 1))
+    assert cluster.index.lookup("b", keys).hit_chunks == 0
+    cluster.index.release("b")
+    assert [cluster.index.location(k)[2] for k in keys] == [DiskState.NONE] * 2 + [DiskState.PRESENT] * 2 + [
+        DiskState.NONE]
+    assert cluster.index.location(keys[4])[1] is SlotState.READY
+    cluster.close()
+
+
+def test_a_corrupt_file_on_one_rank_is_a_miss_never_a_load(disks):
+    cluster = Cluster(num_slots=1, object_bytes=OBJECT_BYTES, disks=disks, disk_chunks=4)
+    a, b = make_key(1), make_key(2)
+    cluster.store("s", [a])
+    cluster.store("s", [b])  # a spilled
+    disks[1].flush(10)
+    path = Path(disks[1].file_path(a.storage_name(1)))
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+    assert cluster.load("r", [a]) == 0
+    assert cluster.index.counters["promote_failed"] == 1
+    assert cluster.index.location(a) == (None, SlotState.FREE, DiskState.NONE)
+    assert disks[1].counters["corrupt"] == 1
+    assert not disks[0].exists(a.storage_name(0))  # the healthy rank's copy is dropped too: useless alone
+    assert not cluster.mismatches
+    cluster.close()
+
+
+def test_restart_adopts_what_every_rank_has_on_disk(tmp_path):
+    path = tmp_path / "kv"
+    first = [DiskTier(path, b"L" * 16) for _ in range(2)]
+    cluster = Cluster(num_slots=1, object_bytes=OBJECT_BYTES, disks=first, disk_chunks=8)
+    keys = [make_key(i) for i in range(4)]
+    for key in keys:
+        cluster.store("a", [key])
+    cluster.close()
+    for tier in first:
+        tier.close()
+    # a new scheduler and new workers: the index is rebuilt from the file names every rank has
+    second = [DiskTier(path, b"L" * 16) for _ in range(2)]
+    from lmcache_npu.store.disk import scan_disk_directory
+
+    ranks_holding: dict[ChunkKey, set[int]] = {}
+    for entry in scan_disk_directory(path, b"L" * 16):
+        key, rank = ChunkKey.from_storage_name(entry.name)
+        ranks_holding.setdefault(key, set()).add(rank)
+    restarted = Cluster(num_slots=4, object_bytes=OBJECT_BYTES, disks=second, disk_chunks=8)
+    assert restarted.index.adopt_disk([k for k, r in ranks_holding.items() if r == {0, 1}]) == 3
+    assert restarted.load("r", keys[:3]) == 3
+    assert not restarted.mismatches
+    restarted.close()
+    for tier in second:
+        tier.close()
+
+
+def test_stored_chunks_are_put_to_the_remote_store_and_another_instance_finds_them():
+    shared: dict[str, bytes] = {}
+    first = Cluster(num_slots=4, object_bytes=OBJECT_BYTES, remote=MemoryRemote(shared))
+    keys = [make_key(i) for i in range(3)]
+    first.store("a", keys)
+    assert sum(isinstance(c, Put) for c in first.issued) == 3
+    assert len(shared) == 3 * 2  # one object per chunk and rank
+    second = Cluster(num_slots=4, object_bytes=OBJECT_BYTES, remote=MemoryRemote(shared))
+    result = second.index.lookup("b", keys)
+    assert (result.hit_chunks, result.ready_chunks) == (3, 0)
+    second.index.release("b")
+    assert second.load("b", keys) == 3
+    assert all(p.source is Source.REMOTE for p in second.issued if isinstance(p, Promote))
+    assert not second.mismatches
+    first.close()
+    second.close()
+
+
+def test_a_remote_store_that_is_down_turns_into_misses():
+    remote = MemoryRemote()
+    cluster = Cluster(num_slots=2, object_bytes=OBJECT_BYTES, remote=remote)
+    keys = [make_key(i) for i in range(2)]
+    remote.down = True
+    cluster.store("a", keys)
+    assert cluster.index.counters["put_failed"] == 2
+    assert cluster.load("b", keys) == 2  # the arena copies are untouched
+    other = Cluster(num_slots=2, object_bytes=OBJECT_BYTES, remote=remote)
+    assert other.index.lookup("c", keys).hit_chunks == 0
+    cluster.close()
+    other.close()
+
+
+def test_a_remote_chunk_gone_between_lookup_and_promotion_is_a_miss():
+    shared: dict[str, bytes] = {}
+    Cluster(num_slots=2, object_bytes=OBJECT_BYTES, remote=MemoryRemote(shared)).store("a", [make_key(1)])
+    reader = Cluster(num_slots=2, object_bytes=OBJECT_BYTES, remote=MemoryRemote(shared))
+    assert reader.index.lookup("b", [make_key(1)]).hit_chunks == 1
+    shared.pop(make_key(1).storage_name(1))
+    reader.settle()
+    assert reader.index.counters["promote_failed"] == 1
+    reader.index.release("b")
+    assert reader.load("b", [make_key(1)]) == 0
+    assert not reader.mismatches
+    reader.close()
+
+
+def test_executor_reports_every_command_even_without_tiers():
+    cluster = Cluster(num_slots=2, object_bytes=OBJECT_BYTES, num_ranks=1)
+    key = make_key(3)
+    executor = cluster.executors[0]
+    executor.submit([Spill(1, key, 0), Promote(2, key, 1, Source.DISK), Promote(3, key, 1, Source.REMOTE),
+                     Put(4, key, 0), Drop(5, key, Source.DISK), Drop(6, key, Source.REMOTE)])
+    done = {c.cmd_id: c for c in executor.drain(10)}
+    assert sorted(done) == [1, 2, 3, 4, 5, 6]
+    assert done[1].reason == "no disk tier" and done[3].reason == "no remote tier" and done[5].ok
+    executor.mover = None
+    executor.submit([Load(7, key, 0, "r", 0)])
+    assert executor.drain(10)[0].reason == "no device mover"
+    cluster.close()
+
+
+def test_a_device_mover_that_raises_fails_its_commands_instead_of_hanging():
+    class Broken:
+        def run(self, commands, objects, report):
+            report(commands[0].cmd_id, TierResultOk)
+            raise ValueError("slot table out of range")
+
+    from lmcache_npu.store.tier import OK as TierResultOk
+
+    cluster = Cluster(num_slots=2, object_bytes=OBJECT_BYTES, num_ranks=1)
+    executor = cluster.executors[0]
+    executor.mover = Broken()
+    executor.submit([Store(1, make_key(1), 0, "r", 0), Store(2, make_key(2), 1, "r", 1)])
+    done = sorted(executor.drain(10), key=lambda c: c.cmd_id)
+    assert [(c.ok, c.reason) for c in done] == [(True, ""), (False, "device: slot table out of range")]
+    cluster.close()
+
+
+def test_capacity_conversions():
+    assert disk_chunks_for_capacity(10 * (4096 + 64), 4096) == 10
+    assert disk_chunks_for_capacity(0, 4096) == 0
