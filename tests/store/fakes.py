@@ -112,6 +112,7 @@ class Cluster:
                 return [all(flat[i * num_ranks:(i + 1) * num_ranks]) for i in range(len(keys))]
         self.index = ChunkIndex(num_slots, num_ranks, disk_chunks=disk_chunks, remote_exists=remote_exists)
         self.issued: list[Command] = []
+        self.stored: set[ChunkKey] = set()  # chunks whose store completed on every rank
 
     def step(self, timeout: float = 30.0) -> list[Completion]:
         commands = self.index.take_commands()
@@ -121,6 +122,14 @@ class Cluster:
         done = [c for executor in self.executors for c in executor.drain(timeout)]
         self.index.on_completions(done)
         self.index.check_invariants()
+        issued = {c.cmd_id: c for c in commands}
+        oks: dict[int, list[bool]] = {}
+        for completion in done:
+            oks.setdefault(completion.cmd_id, []).append(completion.ok)
+        for cmd_id, answers in oks.items():
+            command = issued.get(cmd_id)
+            if isinstance(command, Store) and len(answers) == len(self.executors) and all(answers):
+                self.stored.add(command.key)
         return done
 
     def settle(self, max_steps: int = 10) -> None:

@@ -1,0 +1,123 @@
+"""Random interleavings of store / lookup / load / release / worker steps / disk corruption / remote outages,
+driving one index and two real executors (real arena, real disk tier, in-memory remote) against a simple model:
+what was stored. Evictions, spills, disk drops and promotions happen because the arena and disk are small.
+
+Checked after every rule: the index's own invariants; every load's bytes on every rank (a wrong byte is a
+mismatch); a lookup's ready prefix holds only chunks whose store completed; and, in the lossless machine (disk
+large enough for every chunk), a chunk once stored is found again whenever nothing pins the arena."""
+
+import shutil
+import tempfile
+
+import hypothesis.strategies as st
+from hypothesis import settings
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from lmcache_npu.store.disk import DiskTier
+from lmcache_npu.store.index import SlotState
+
+from .fakes import Cluster, MemoryRemote, make_key
+
+KEYS = [make_key(i) for i in range(10)]
+REQUESTS = ["r0", "r1", "r2"]
+OBJECT_BYTES = 3000
+
+
+class IndexMachine(RuleBasedStateMachine):
+    lossless = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.root = tempfile.mkdtemp(prefix="lmcache-npu-index-")
+        self.disks = [DiskTier(self.root, b"F" * 16) for _ in range(2)]
+        self.remote = None if self.lossless else MemoryRemote()
+        disk_chunks = len(KEYS) if self.lossless else 3
+        self.cluster = Cluster(num_slots=3, object_bytes=OBJECT_BYTES, disks=self.disks, disk_chunks=disk_chunks,
+                               remote=self.remote)
+        self.index = self.cluster.index
+        self.stored = self.cluster.stored  # chunks whose store completed on every rank
+        self.corrupted: set = set()  # chunks whose disk file we damaged: they may be lost, never loaded wrong
+        self.lookups: dict[str, list] = {}
+
+    def teardown(self) -> None:
+        self.cluster.close()
+        for disk in self.disks:
+            disk.close()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    @rule(request=st.sampled_from(REQUESTS), picks=st.lists(st.sampled_from(KEYS), min_size=1, max_size=4,
+                                                            unique=True))
+    def store(self, request, picks):
+        self.index.allocate_store(request, list(enumerate(picks)))
+
+    @rule()
+    def step(self):
+        self.cluster.step()
+
+    @rule(request=st.sampled_from(REQUESTS), length=st.integers(1, 5), start=st.integers(0, 5))
+    def lookup(self, request, length, start):
+        keys = KEYS[start:start + length]
+        result = self.index.lookup(request, keys)
+        assert result.ready_chunks <= result.hit_chunks <= len(keys)
+        for key in keys[:result.ready_chunks]:
+            assert key in self.stored, "a ready chunk that was never stored"
+        self.lookups[request] = keys[:result.ready_chunks]
+
+    @precondition(lambda self: any(self.lookups.values()))
+    @rule(request=st.sampled_from(REQUESTS))
+    def load(self, request):
+        keys = [k for k in self.lookups.pop(request, []) if self.index.location(k)[1] is SlotState.READY]
+        self.index.begin_load(request, list(enumerate(keys)))
+
+    @rule(request=st.sampled_from(REQUESTS))
+    def release(self, request):
+        self.index.release(request)
+        self.lookups.pop(request, None)
+
+    @rule(key=st.sampled_from(KEYS), rank=st.integers(0, 1))
+    def corrupt_disk_file(self, key, rank):
+        disk = self.disks[rank]
+        disk.flush(10)
+        path = disk.file_path(key.storage_name(rank))
+        try:
+            with open(path, "r+b") as f:
+                f.seek(-1, 2)
+                last = f.read(1)
+                f.seek(-1, 2)
+                f.write(bytes([last[0] ^ 0x5A]))
+        except FileNotFoundError:
+            return
+        self.corrupted.add(key)
+
+    @precondition(lambda self: self.remote is not None)
+    @rule(down=st.booleans())
+    def remote_outage(self, down):
+        self.remote.down = down
+
+    @invariant()
+    def bytes_are_never_wrong(self):
+        assert not self.cluster.mismatches
+
+    @precondition(lambda self: self.lossless)
+    @invariant()
+    def nothing_stored_vanishes(self):
+        if self.index.in_flight or self.index._outbox or any(self.index._reserved.values()):
+            return
+        if any(e.readers for e in self.index._entries.values()):
+            return
+        for key in sorted(self.stored - self.corrupted):
+            self.cluster.settle()  # a probe's promotion may evict (and spill) the previous probe's chunk
+            result = self.index.lookup("probe", [key])
+            self.index.release("probe")
+            assert result.hit_chunks == 1, f"stored chunk {key.chunk_hash.hex()[:12]} vanished"
+        self.cluster.settle()
+
+
+class LossyIndexMachine(IndexMachine):
+    lossless = False
+
+
+TestIndexLossless = IndexMachine.TestCase
+TestIndexLossless.settings = settings(max_examples=60, stateful_step_count=40)
+TestIndexLossy = LossyIndexMachine.TestCase
+TestIndexLossy.settings = settings(max_examples=60, stateful_step_count=40)
