@@ -92,9 +92,15 @@ class StoreExecutor:
         return self.poll()
 
     def close(self) -> None:
+        """Waits for background work, then closes the tiers (flushing the disk tier's write-behind queue)."""
         with self._lock:
+            if self._closed:
+                return
             self._closed = True
         self._io.shutdown(wait=True)
+        for tier in (self.disk, self.remote):
+            if tier is not None and hasattr(tier, "close"):
+                tier.close()
 
     # ---- running commands ---------------------------------------------------------------------------------------
 

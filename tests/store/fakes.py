@@ -164,3 +164,19 @@ class Cluster:
     def close(self) -> None:
         for executor in self.executors:
             executor.close()
+
+
+def serve_rank(rank: int, config: dict, object_bytes: int, layout_fingerprint: bytes, inbox, outbox) -> None:
+    """A worker process: builds its arena and tiers from the config, runs each command list it receives and
+    answers with (completions, mismatched keys); None stops it."""
+    from lmcache_npu.store.config import StoreConfig
+    from lmcache_npu.store.factory import build_executor
+
+    device = PatternDevice(rank)
+    executor = build_executor(StoreConfig.from_dict(config), rank, object_bytes, layout_fingerprint, device)
+    try:
+        while (commands := inbox.get()) is not None:
+            executor.submit(commands)
+            outbox.put((executor.drain(60), list(device.mismatches), len(device.loaded)))
+    finally:
+        executor.close()

@@ -1,0 +1,105 @@
+"""The store's configuration keys (the `kv_connector_extra_config` subset the store reads; DESIGN §9).
+
+Sizes are bytes, given as integers or strings with a unit ("64GiB", "512MB", "1.5TiB"). Unknown keys are an error
+that lists the valid ones; every value is checked here, before anything is allocated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12,
+          "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_bytes(key: str, value: Any) -> int:
+    """A size in bytes from an int or a string such as "64GiB"; the error names the key and the rule."""
+    if isinstance(value, bool):
+        raise ValueError(f"{key}: expected a size in bytes (e.g. 68719476736 or \"64GiB\"), got {value!r}")
+    if isinstance(value, int):
+        size = value
+    elif isinstance(value, str) and (match := _SIZE.match(value)) and match.group(2).lower() in _UNITS:
+        size = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    else:
+        raise ValueError(f"{key}: expected a size in bytes (e.g. 68719476736 or \"64GiB\"; units "
+                         f"B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), got {value!r}")
+    if size < 0:
+        raise ValueError(f"{key}: a size cannot be negative, got {value!r}")
+    return size
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    """Where chunks live. Capacities are per rank: every rank has its own arena and its own disk files."""
+
+    cpu_bytes: int = 8 << 30  # host arena (L1) per rank
+    numa_node: Optional[int] = None  # bind the arena to this NUMA node (the accelerator's); None: first touch
+    pinned: Optional[bool] = None  # page-lock the arena; None: when an accelerator is present
+    disk_path: Optional[str] = None  # L2: directory for chunk files (local NVMe); None: no disk tier
+    disk_bytes: int = 0  # L2 capacity per rank; required with disk_path
+    disk_max_pending_bytes: int = 256 << 20  # write-behind queue; a spill beyond it is dropped and counted
+    disk_writer_threads: int = 2
+    mooncake: Optional[Mapping[str, Any]] = None  # L3: MooncakeConfig keys (master, metadata, ...); None: off
+    put_to_remote: bool = True  # write every stored chunk through to Mooncake (how other instances find it)
+    io_threads: int = 4  # per worker: promotions, puts and remote drops run on these
+
+    _SIZES = ("cpu_bytes", "disk_bytes", "disk_max_pending_bytes")
+
+    def __post_init__(self) -> None:
+        if self.cpu_bytes <= 0:
+            raise ValueError(f"cpu_bytes must be positive (the host arena is the first tier), got {self.cpu_bytes}")
+        if self.numa_node is not None and (isinstance(self.numa_node, bool) or not isinstance(self.numa_node, int)
+                                           or self.numa_node < 0):
+            raise ValueError(f"numa_node must be a NUMA node number (>= 0) or null, got {self.numa_node!r}")
+        if self.pinned is not None and not isinstance(self.pinned, bool):
+            raise ValueError(f"pinned must be true, false or null (auto), got {self.pinned!r}")
+        if self.disk_path is not None and (not isinstance(self.disk_path, str) or not self.disk_path):
+            raise ValueError(f"disk_path must be a directory path, got {self.disk_path!r}")
+        if self.disk_path is not None and self.disk_bytes <= 0:
+            raise ValueError(f"disk_bytes must be set (> 0) when disk_path is ({self.disk_path!r}): it caps the "
+                             f"chunk files each rank keeps there")
+        if self.disk_path is None and self.disk_bytes:
+            raise ValueError("disk_bytes is set but disk_path is not: name the directory for chunk files")
+        for key in ("disk_writer_threads", "io_threads"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 64:
+                raise ValueError(f"{key} must be an integer from 1 to 64, got {value!r}")
+        if self.disk_max_pending_bytes <= 0:
+            raise ValueError(f"disk_max_pending_bytes must be positive, got {self.disk_max_pending_bytes}")
+        if not isinstance(self.put_to_remote, bool):
+            raise ValueError(f"put_to_remote must be true or false, got {self.put_to_remote!r}")
+        if self.mooncake is not None:
+            from .mooncake import MooncakeConfig
+
+            MooncakeConfig.from_dict(self.mooncake)  # its errors name the mooncake key
+
+    @classmethod
+    def keys(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> "StoreConfig":
+        """From the store's keys of `kv_connector_extra_config`; an unknown key is refused with the valid ones."""
+        unknown = sorted(set(values) - set(cls.keys()))
+        if unknown:
+            raise ValueError(f"unknown store config key(s) {', '.join(map(repr, unknown))}; valid keys: "
+                             f"{', '.join(cls.keys())}")
+        parsed = dict(values)
+        for key in cls._SIZES:
+            if key in parsed:
+                parsed[key] = parse_bytes(key, parsed[key])
+        if parsed.get("mooncake") is not None and not isinstance(parsed["mooncake"], Mapping):
+            raise ValueError(f"mooncake must be an object of Mooncake settings, got {parsed['mooncake']!r}")
+        return cls(**parsed)
+
+    def mooncake_config(self) -> Optional[Any]:
+        """The parsed Mooncake settings, or None when the remote tier is off."""
+        if self.mooncake is None:
+            return None
+        from .mooncake import MooncakeConfig
+
+        return MooncakeConfig.from_dict(self.mooncake)

@@ -1,0 +1,91 @@
+"""Builds the two halves of the store from a `StoreConfig`: the scheduler's index and each rank's executor.
+
+Both halves derive their sizes from the same config and chunk object size, so slot numbers chosen by the index
+mean the same slot in every rank's arena.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional, Sequence
+
+from .arena import HostArena, slots_for_capacity
+from .config import StoreConfig
+from .disk import HEADER_BYTES, DiskTier, scan_disk_directory
+from .executor import DeviceMover, StoreExecutor
+from .index import ChunkIndex, disk_chunks_for_capacity
+from .keys import ChunkKey
+
+logger = logging.getLogger(__name__)
+
+
+def disk_keys_on_every_rank(path: str, layout_fingerprint: bytes, namespace: str, num_ranks: int) -> list[ChunkKey]:
+    """Chunks of `namespace` whose file every rank has under `path`, least recently written first: what a
+    restarted scheduler adopts (a chunk some rank lacks cannot be loaded and is left to the LRU to replace)."""
+    newest: dict[ChunkKey, float] = {}
+    ranks: dict[ChunkKey, set[int]] = {}
+    for entry in scan_disk_directory(path, layout_fingerprint):
+        try:
+            key, rank = ChunkKey.from_storage_name(entry.name)
+        except ValueError:
+            continue
+        if key.namespace != namespace or rank >= num_ranks:
+            continue
+        ranks.setdefault(key, set()).add(rank)
+        newest[key] = max(newest.get(key, 0.0), entry.mtime)
+    complete = [key for key, held in ranks.items() if len(held) == num_ranks]
+    return sorted(complete, key=lambda k: newest[k])
+
+
+def remote_exists_for(client: Any, num_ranks: int):
+    """A batch existence check for the index: a chunk is in the remote store when every rank's shard is."""
+
+    def exists(keys: Sequence[ChunkKey]) -> list[bool]:
+        names = [key.storage_name(rank) for key in keys for rank in range(num_ranks)]
+        present = client.exists(names)
+        return [all(present[i * num_ranks:(i + 1) * num_ranks]) for i in range(len(keys))]
+
+    return exists
+
+
+def build_index(config: StoreConfig, object_bytes: int, num_ranks: int, namespace: str, layout_fingerprint: bytes,
+                remote_client: Optional[Any] = None) -> ChunkIndex:
+    """The scheduler's index; with a disk tier it adopts what a previous run left on disk. `remote_client` (a
+    `MooncakeTier` the scheduler owns, only for existence checks) is built from the config when not given."""
+    disk_chunks = 0
+    if config.disk_path is not None:
+        disk_chunks = disk_chunks_for_capacity(config.disk_bytes, object_bytes, HEADER_BYTES)
+        if disk_chunks == 0:
+            raise ValueError(f"disk_bytes {config.disk_bytes} holds no chunk file of {object_bytes + HEADER_BYTES} B")
+    remote_exists = None
+    if config.mooncake is not None:
+        if remote_client is None:
+            from .mooncake import MooncakeTier
+
+            remote_client = MooncakeTier(config.mooncake_config())
+        remote_exists = remote_exists_for(remote_client, num_ranks)
+    index = ChunkIndex(slots_for_capacity(config.cpu_bytes, object_bytes), num_ranks, disk_chunks=disk_chunks,
+                       remote_exists=remote_exists, put_to_remote=config.put_to_remote)
+    if config.disk_path is not None:
+        adopted = index.adopt_disk(disk_keys_on_every_rank(config.disk_path, layout_fingerprint, namespace,
+                                                           num_ranks))
+        logger.info("store index: %d slots, %d disk chunks (%d found on disk)%s", index.num_slots, disk_chunks,
+                    adopted, ", Mooncake" if remote_exists else "")
+    return index
+
+
+def build_executor(config: StoreConfig, rank: int, object_bytes: int, layout_fingerprint: bytes,
+                   mover: Optional[DeviceMover]) -> StoreExecutor:
+    """One rank's arena, tiers and executor; closing the executor closes the tiers."""
+    arena = HostArena(slots_for_capacity(config.cpu_bytes, object_bytes), object_bytes, pinned=config.pinned,
+                      numa_node=config.numa_node)
+    disk = None
+    if config.disk_path is not None:
+        disk = DiskTier(config.disk_path, layout_fingerprint, capacity_bytes=config.disk_bytes,
+                        max_pending_bytes=config.disk_max_pending_bytes, writer_threads=config.disk_writer_threads)
+    remote = None
+    if config.mooncake is not None:
+        from .mooncake import MooncakeTier
+
+        remote = MooncakeTier(config.mooncake_config())
+    return StoreExecutor(rank, arena, mover, disk=disk, remote=remote, io_threads=config.io_threads)

@@ -1,0 +1,53 @@
+"""The host arena: page-aligned slots, one allocation, views that share its bytes, bounds and NUMA checks."""
+
+import pytest
+import torch
+
+from lmcache_npu.store.arena import SLOT_ALIGN_BYTES, HostArena, numa_nodes, slots_for_capacity
+
+
+def test_slots_are_page_aligned_views_of_one_allocation():
+    arena = HostArena(5, 10_000, pinned=False)
+    assert arena.slot_bytes == 12_288 and arena.total_bytes == 5 * 12_288
+    assert arena.base_address % SLOT_ALIGN_BYTES == 0
+    for slot in range(5):
+        assert arena.slot_address(slot) == arena.base_address + slot * arena.slot_bytes
+        assert arena.slot(slot).data_ptr() == arena.slot_address(slot)
+        assert arena.slot(slot).numel() == len(arena.slot_view(slot)) == 10_000
+    arena.slot_view(3)[:4] = b"\x01\x02\x03\x04"
+    assert arena.slot(3)[:4].tolist() == [1, 2, 3, 4]
+    arena.slot(2).fill_(7)
+    assert bytes(arena.slot_view(2)[-2:]) == b"\x07\x07" and not arena.slot(3)[4:].any() and not arena.slot(1).any()
+
+
+def test_out_of_range_slots_are_refused():
+    arena = HostArena(2, 64, pinned=False)
+    for bad in (-1, 2):
+        with pytest.raises(IndexError, match=f"arena slot {bad} is out of range \\(the arena has 2 slots\\)"):
+            arena.slot(bad)
+        with pytest.raises(IndexError):
+            arena.slot_view(bad)
+
+
+def test_capacity_in_bytes_becomes_slots():
+    assert slots_for_capacity(10 * 8192, 5000) == 10
+    assert HostArena.for_capacity(3 * 4096 + 100, 4096, pinned=False).num_slots == 3
+    with pytest.raises(ValueError, match="cpu_bytes 100 is smaller than one chunk slot"):
+        slots_for_capacity(100, 5000)
+    with pytest.raises(ValueError, match="at least one slot"):
+        HostArena(0, 10)
+
+
+@pytest.mark.skipif(not numa_nodes(), reason="this kernel exposes no NUMA nodes")
+def test_numa_binding_allocates_on_a_real_node_and_refuses_a_missing_one():
+    node = numa_nodes()[0]
+    arena = HostArena(2, 4096, pinned=False, numa_node=node)
+    assert arena.numa_node == node and not arena.slot(1).any()
+    with pytest.raises(ValueError, match=f"numa_node {max(numa_nodes()) + 1} is not a NUMA node of this host"):
+        HostArena(2, 4096, pinned=False, numa_node=max(numa_nodes()) + 1)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the failure without an accelerator")
+def test_pinning_without_an_accelerator_is_a_clear_memory_error():
+    with pytest.raises(MemoryError, match="could not allocate a .* GiB host arena \\(pinned\\)"):
+        HostArena(1, 4096, pinned=True)

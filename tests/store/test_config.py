@@ -1,0 +1,48 @@
+"""Store configuration: sizes with units, every rule checked with the key named, unknown keys listed."""
+
+import pytest
+
+from lmcache_npu.store.config import StoreConfig, parse_bytes
+
+
+@pytest.mark.parametrize("text,size", [(4096, 4096), ("64GiB", 64 << 30), ("512MB", 512 * 10**6), ("1.5KiB", 1536),
+                                       (" 2 tib ", 2 << 40), ("100", 100), ("7b", 7)])
+def test_sizes_take_units(text, size):
+    assert parse_bytes("cpu_bytes", text) == size
+
+
+@pytest.mark.parametrize("bad", ["lots", "64 GiBs", "-1GiB", True, 1.5, None, [1]])
+def test_bad_sizes_name_the_key(bad):
+    with pytest.raises(ValueError, match="cpu_bytes: "):
+        parse_bytes("cpu_bytes", bad)
+
+
+def test_defaults_and_a_full_config():
+    assert StoreConfig().cpu_bytes == 8 << 30 and StoreConfig().disk_path is None
+    config = StoreConfig.from_dict({"cpu_bytes": "64GiB", "numa_node": 1, "pinned": True, "disk_path": "/mnt/kv",
+                                    "disk_bytes": "2TiB", "disk_max_pending_bytes": "1GiB", "disk_writer_threads": 4,
+                                    "put_to_remote": False, "io_threads": 8})
+    assert (config.cpu_bytes, config.disk_bytes, config.disk_max_pending_bytes) == (64 << 30, 2 << 40, 1 << 30)
+
+
+def test_unknown_keys_are_listed_with_the_valid_ones():
+    with pytest.raises(ValueError, match=r"unknown store config key\(s\) 'cpu_byte', 'disk'; valid keys: cpu_bytes, "):
+        StoreConfig.from_dict({"cpu_byte": 1, "disk": "/x"})
+
+
+@pytest.mark.parametrize("values,message", [
+    ({"cpu_bytes": 0}, "cpu_bytes must be positive"),
+    ({"numa_node": -1}, "numa_node must be a NUMA node number"),
+    ({"numa_node": "0"}, "numa_node must be a NUMA node number"),
+    ({"pinned": "yes"}, "pinned must be true, false or null"),
+    ({"disk_path": "/mnt/kv"}, r"disk_bytes must be set \(> 0\) when disk_path is \('/mnt/kv'\)"),
+    ({"disk_bytes": "1GiB"}, "disk_bytes is set but disk_path is not"),
+    ({"disk_path": ""}, "disk_path must be a directory path"),
+    ({"io_threads": 0}, "io_threads must be an integer from 1 to 64"),
+    ({"disk_writer_threads": 100}, "disk_writer_threads must be an integer from 1 to 64"),
+    ({"put_to_remote": 1}, "put_to_remote must be true or false"),
+    ({"mooncake": "10.0.0.5:50051"}, "mooncake must be an object of Mooncake settings"),
+])
+def test_each_rule_names_its_key(values, message):
+    with pytest.raises(ValueError, match=message):
+        StoreConfig.from_dict(values)
