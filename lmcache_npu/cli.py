@@ -1,4 +1,4 @@
-"""`lmcache-npu`: the command line (bench, inspect; replay and doctor join it as they land)."""
+"""`lmcache-npu`: the command line (bench, inspect, store-bench; replay and doctor join it as they land)."""
 
 from __future__ import annotations
 
@@ -108,6 +108,33 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _store_bench(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from .bench.store_bench import render_store_bench, run_store_bench
+    from .store.config import parse_bytes
+
+    tiers = [t.strip() for t in args.tiers.split(",") if t.strip()]
+    mooncake = None
+    if args.mooncake_master or args.mooncake_metadata:
+        if not (args.mooncake_master and args.mooncake_metadata):
+            raise ValueError("--mooncake-master and --mooncake-metadata go together (or neither: a local "
+                             "mooncake_master is started on 127.0.0.1)")
+        mooncake = {"master": args.mooncake_master, "metadata": args.mooncake_metadata,
+                    "global_segment_bytes": parse_bytes("--mooncake-segment-bytes", args.mooncake_segment_bytes)}
+    results = run_store_bench(tiers, parse_bytes("--chunk-bytes", args.chunk_bytes), args.chunks,
+                              disk_path=args.disk_path, mooncake=mooncake, progress=sys.stderr.isatty(),
+                              seed=args.seed)
+    Console(width=None if sys.stdout.isatty() else 200).print(render_store_bench(results))
+    if args.json:
+        Path(args.json).write_text(json.dumps([r.to_json() for r in results], indent=2))
+    bad = [r.tier for r in results if r.check != "ok" or r.failed]
+    if bad:
+        print(f"lmcache-npu: store-bench: {', '.join(bad)} lost or changed chunks", file=sys.stderr)
+        return 1
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .layout.presets import DEVICE_FAMILIES, preset_names
 
@@ -151,6 +178,20 @@ def build_parser() -> argparse.ArgumentParser:
                               "windows are never stored whole, only the boundary rows an exact restore reads)")
     inspect.add_argument("--json", action="store_true", help="print the layout as JSON")
     inspect.set_defaults(func=_inspect)
+
+    store = sub.add_parser("store-bench", help="put/get throughput of the store tiers (host arena, disk, Mooncake)")
+    store.add_argument("--tiers", default="cpu,disk", help="comma-separated: cpu, disk, mooncake (default cpu,disk)")
+    store.add_argument("--chunk-bytes", default="4MiB", help="bytes per chunk object (e.g. 8MiB; default 4MiB)")
+    store.add_argument("--chunks", type=int, default=256, help="chunks per tier (default 256)")
+    store.add_argument("--disk-path", default=None, help="directory for the disk tier (default: a temp directory)")
+    store.add_argument("--mooncake-master", default=None,
+                       help="host:port of a running mooncake_master (default: start one on 127.0.0.1)")
+    store.add_argument("--mooncake-metadata", default=None, help="its metadata server, e.g. http://host:8080/metadata")
+    store.add_argument("--mooncake-segment-bytes", default="2GiB",
+                       help="memory this client contributes to a running cluster (default 2GiB)")
+    store.add_argument("--json", type=Path, help="write the results as JSON")
+    store.add_argument("--seed", type=int, default=0)
+    store.set_defaults(func=_store_bench)
     return parser
 
 

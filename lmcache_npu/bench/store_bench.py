@@ -1,0 +1,286 @@
+"""`lmcache-npu store-bench`: put/get throughput of each store tier through the worker executor.
+
+Every tier is measured the way the connector drives it: commands submitted to a `StoreExecutor` over a real
+arena, timed until every completion is in. cpu: Store/Load between host "device" buffers and arena slots (the
+index's bookkeeping included); disk: Spill (write-behind, fsync, rename) and Promote from disk (read + checksum;
+the page cache is dropped first so reads come from the device); mooncake: Put and Promote from the remote store
+(zero-copy from the registered arena). Every chunk read back is compared with what was written.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Iterator, Optional, Sequence
+
+import numpy as np
+import torch
+import xxhash
+
+from ..store.arena import HostArena
+from ..store.commands import Command, Completion, Promote, Put, Source, Spill, Store
+from ..store.executor import Report, StoreExecutor
+from ..store.index import ChunkIndex
+from ..store.keys import ChunkKey
+from ..store.tier import OK
+
+logger = logging.getLogger(__name__)
+
+TIERS = ("cpu", "disk", "mooncake")
+BATCH_CHUNKS = 32  # commands per submit: about one prefill step's worth of chunks
+
+
+@dataclass
+class TierBench:
+    tier: str
+    chunks: int
+    chunk_bytes: int
+    put_s: float
+    get_s: float
+    failed: int  # commands that did not complete ok
+    check: str  # "ok" or what differed
+    notes: str = ""
+
+    def _gbps(self, seconds: float) -> float:
+        return self.chunks * self.chunk_bytes / seconds / 1e9 if seconds > 0 else 0.0
+
+    @property
+    def put_gbps(self) -> float:
+        return self._gbps(self.put_s)
+
+    @property
+    def get_gbps(self) -> float:
+        return self._gbps(self.get_s)
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data.update(put_gbps=round(self.put_gbps, 3), get_gbps=round(self.get_gbps, 3),
+                    put_ops=round(self.chunks / self.put_s, 1) if self.put_s else 0.0,
+                    get_ops=round(self.chunks / self.get_s, 1) if self.get_s else 0.0)
+        return data
+
+
+class HostCopyMover:
+    """Stands in for the device: chunk i of a request lives in `sources[i]`; loads land in `sinks[i]`."""
+
+    def __init__(self, sources: Sequence[torch.Tensor], sinks: Sequence[torch.Tensor]) -> None:
+        self.sources = sources
+        self.sinks = sinks
+
+    def run(self, commands: Sequence[Any], objects: Sequence[torch.Tensor], report: Report) -> None:
+        for command, obj in zip(commands, objects):
+            if isinstance(command, Store):
+                obj.copy_(self.sources[command.chunk_index])
+            else:
+                self.sinks[command.chunk_index].copy_(obj)
+            report(command.cmd_id, OK)
+
+
+class _Progress:
+    """Counts chunks done per phase on a rich progress bar (or nowhere when quiet)."""
+
+    def __init__(self, enabled: bool) -> None:
+        self._bar = None
+        if enabled:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self._bar = Progress(TextColumn("{task.description:<14}"), BarColumn(), MofNCompleteColumn(),
+                                 TimeElapsedColumn(), transient=True)
+
+    @contextlib.contextmanager
+    def phase(self, name: str, total: int) -> Iterator[Callable[[int], None]]:
+        if self._bar is None:
+            yield lambda n: None
+            return
+        task = self._bar.add_task(name, total=total)
+        yield lambda n: self._bar.advance(task, n)
+        self._bar.remove_task(task)
+
+    def __enter__(self) -> "_Progress":
+        if self._bar is not None:
+            self._bar.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+
+
+def _keys(count: int, salt: str) -> list[ChunkKey]:
+    namespace = xxhash.xxh3_128_hexdigest(f"store-bench {salt} {time.time_ns()}".encode())
+    return [ChunkKey(namespace, i.to_bytes(32, "little")) for i in range(count)]
+
+
+def _run(executor: StoreExecutor, commands: Sequence[Command],
+         advance: Callable[[int], None]) -> tuple[float, list[Completion]]:
+    """Seconds until every command completed (submitted in batches), and the completions."""
+    done: list[Completion] = []
+    start = time.perf_counter()
+    for first in range(0, len(commands), BATCH_CHUNKS):
+        batch = commands[first:first + BATCH_CHUNKS]
+        executor.submit(batch)
+        done += executor.drain(600)
+        advance(len(batch))
+    return time.perf_counter() - start, done
+
+
+def _failed(*completions: Sequence[Completion]) -> int:
+    return sum(not c.ok for done in completions for c in done)
+
+
+def _compare(expected: Sequence[int], actual: Sequence[int]) -> str:
+    wrong = [i for i, (a, b) in enumerate(zip(expected, actual)) if a != b]
+    return "ok" if not wrong else f"{len(wrong)} chunks differ (first: chunk {wrong[0]})"
+
+
+def _fill(arena: HostArena, chunks: int, seed: int) -> list[int]:
+    """Random bytes in every slot; returns each slot's checksum."""
+    rng = np.random.default_rng(seed)
+    sums = []
+    for slot in range(chunks):
+        arena.slot_array(slot)[:] = rng.integers(0, 256, arena.object_bytes, dtype=np.uint8)
+        sums.append(xxhash.xxh3_64_intdigest(arena.slot_view(slot)))
+    return sums
+
+
+def _slot_sums(arena: HostArena, chunks: int) -> list[int]:
+    return [xxhash.xxh3_64_intdigest(arena.slot_view(slot)) for slot in range(chunks)]
+
+
+def bench_cpu(chunk_bytes: int, chunks: int, progress: _Progress, seed: int = 0) -> TierBench:
+    """Store/Load through the index and the executor: host buffers ↔ arena slots."""
+    rng = torch.Generator().manual_seed(seed)
+    sources = [torch.randint(0, 256, (chunk_bytes,), dtype=torch.uint8, generator=rng) for _ in range(chunks)]
+    sinks = [torch.zeros(chunk_bytes, dtype=torch.uint8) for _ in range(chunks)]  # touched: no page faults timed
+    arena = HostArena(chunks, chunk_bytes)
+    executor = StoreExecutor(0, arena, HostCopyMover(sources, sinks))
+    index = ChunkIndex(chunks, 1)
+    keys = _keys(chunks, "cpu")
+    with progress.phase("cpu put", chunks) as advance:
+        index.allocate_store("bench", list(enumerate(keys)))
+        put_s, put_done = _run(executor, index.take_commands(), advance)
+        index.on_completions(put_done)
+    with progress.phase("cpu get", chunks) as advance:
+        ready = index.lookup("bench", keys).ready_chunks
+        index.begin_load("bench", list(enumerate(keys[:ready])))
+        get_s, get_done = _run(executor, index.take_commands(), advance)
+        index.on_completions(get_done)
+    loaded_ok = ready == chunks and all(torch.equal(a, b) for a, b in zip(sources, sinks))
+    check = "ok" if loaded_ok else f"{ready} of {chunks} chunks ready, or loaded bytes differ"
+    executor.close()
+    return TierBench("cpu", chunks, chunk_bytes, put_s, get_s, _failed(put_done, get_done), check,
+                     f"{'pinned' if arena.pinned else 'pageable'} arena")
+
+
+def _drop_page_cache(paths: Sequence[str]) -> bool:
+    if not hasattr(os, "posix_fadvise"):
+        return False
+    for path in paths:
+        with contextlib.suppress(OSError):
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+    return True
+
+
+def bench_disk(chunk_bytes: int, chunks: int, progress: _Progress, disk_path: Optional[str] = None,
+               seed: int = 0) -> TierBench:
+    """Spill (arena → file, write-behind, fsync, rename) and Promote (file → arena, checksum verified)."""
+    from ..store.disk import HEADER_BYTES, DiskTier
+
+    with contextlib.ExitStack() as stack:
+        root = disk_path or stack.enter_context(tempfile.TemporaryDirectory(prefix="lmcache-npu-store-bench-"))
+        arena = HostArena(chunks, chunk_bytes)
+        written = _fill(arena, chunks, seed)
+        fingerprint = b"store-bench-v1\0\0"
+        disk = DiskTier(root, fingerprint, max_pending_bytes=chunks * (chunk_bytes + HEADER_BYTES))
+        executor = StoreExecutor(0, arena, disk=disk)
+        keys = _keys(chunks, "disk")
+        with progress.phase("disk put", chunks) as advance:
+            put_s, put_done = _run(executor, [Spill(i + 1, k, i) for i, k in enumerate(keys)], advance)
+        cold = _drop_page_cache([disk.file_path(k.storage_name(0)) for k in keys])
+        for slot in range(chunks):
+            arena.slot(slot).zero_()
+        with progress.phase("disk get", chunks) as advance:
+            promotes = [Promote(chunks + i + 1, k, i, Source.DISK) for i, k in enumerate(keys)]
+            get_s, get_done = _run(executor, promotes, advance)
+        check = _compare(written, _slot_sums(arena, chunks))
+        for key in keys:
+            disk.delete(key.storage_name(0))
+        executor.close()
+    notes = f"{root if disk_path else 'temp dir'}; reads {'after dropping the page cache' if cold else 'may be cached'}"
+    return TierBench("disk", chunks, chunk_bytes, put_s, get_s, _failed(put_done, get_done), check, notes)
+
+
+def bench_mooncake(chunk_bytes: int, chunks: int, progress: _Progress, mooncake: Optional[dict] = None,
+                   seed: int = 0) -> TierBench:
+    """Put (registered arena → Mooncake) and Promote from remote (Mooncake → arena)."""
+    from ..store.mooncake import MooncakeConfig, MooncakeTier
+    from ..store.mooncake_local import LocalMooncakeMaster
+
+    with contextlib.ExitStack() as stack:
+        segment = chunks * chunk_bytes + (64 << 20)
+        if mooncake is None:
+            master = stack.enter_context(LocalMooncakeMaster())
+            config = master.config(global_segment_bytes=segment)
+            where = f"local mooncake_master {config.master_address}"
+        else:
+            config = MooncakeConfig.from_dict(mooncake)
+            where = f"mooncake_master {config.master_address}"
+        tier = MooncakeTier(config)
+        arena = HostArena(chunks, chunk_bytes)
+        written = _fill(arena, chunks, seed)
+        executor = StoreExecutor(0, arena, remote=tier)
+        keys = _keys(chunks, "mooncake")
+        with progress.phase("mooncake put", chunks) as advance:
+            put_s, put_done = _run(executor, [Put(i + 1, k, i) for i, k in enumerate(keys)], advance)
+        for slot in range(chunks):
+            arena.slot(slot).zero_()
+        with progress.phase("mooncake get", chunks) as advance:
+            promotes = [Promote(chunks + i + 1, k, i, Source.REMOTE) for i, k in enumerate(keys)]
+            get_s, get_done = _run(executor, promotes, advance)
+        check = _compare(written, _slot_sums(arena, chunks))
+        zero_copy = tier.counters["zero_copy_ops"] > 0
+        tier.delete([k.storage_name(0) for k in keys])
+        executor.close()
+    notes = f"{where}, {config.protocol}, {'zero-copy' if zero_copy else 'copy'}"
+    return TierBench("mooncake", chunks, chunk_bytes, put_s, get_s, _failed(put_done, get_done), check, notes)
+
+
+def run_store_bench(tiers: Sequence[str], chunk_bytes: int, chunks: int, disk_path: Optional[str] = None,
+                    mooncake: Optional[dict] = None, progress: bool = False, seed: int = 0) -> list[TierBench]:
+    unknown = [t for t in tiers if t not in TIERS]
+    if unknown:
+        raise ValueError(f"unknown tier(s) {', '.join(unknown)}; choose from {', '.join(TIERS)}")
+    if chunk_bytes < 1 or chunks < 1:
+        raise ValueError(f"--chunk-bytes and --chunks must be >= 1 (got {chunk_bytes}, {chunks})")
+    results = []
+    with _Progress(progress) as bar:
+        for tier in tiers:
+            if tier == "cpu":
+                results.append(bench_cpu(chunk_bytes, chunks, bar, seed))
+            elif tier == "disk":
+                results.append(bench_disk(chunk_bytes, chunks, bar, disk_path, seed))
+            else:
+                results.append(bench_mooncake(chunk_bytes, chunks, bar, mooncake, seed))
+    return results
+
+
+def render_store_bench(results: Sequence[TierBench]) -> Any:
+    from rich.table import Table
+
+    first = results[0]
+    table = Table(title=f"store-bench: {first.chunks} chunks x {first.chunk_bytes / 2**20:.2f} MiB per tier")
+    for column in ("tier", "put GB/s", "put ops/s", "get GB/s", "get ops/s", "failed", "check", "notes"):
+        table.add_column(column, justify="right" if "/s" in column or column == "failed" else "left")
+    for r in results:
+        data = r.to_json()
+        table.add_row(r.tier, f"{r.put_gbps:.2f}", f"{data['put_ops']:.0f}", f"{r.get_gbps:.2f}",
+                      f"{data['get_ops']:.0f}", str(r.failed), r.check, r.notes)
+    return table
