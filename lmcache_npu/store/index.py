@@ -128,27 +128,27 @@ class ChunkIndex:
         `release`. Calling it again for the same request is cheap and issues nothing twice."""
         hit = ready = 0
         reserved = self._reserved.setdefault(request_id, set())
-        remote_from: Optional[int] = None
+        remote_from, remote_present = 0, None  # asked once, for the keys from the first local miss on
         for position, key in enumerate(keys):
             entry = self._entries.get(key)
-            if entry is None or not entry.has_copy:
-                remote_from = position
-                break
-            if entry.slot is None and not self._promote(entry, Source.DISK):
-                break
-            self._reserve(entry, request_id, reserved)
-            hit += 1
-            if entry.slot_state is SlotState.READY:
-                self._arena_lru.move_to_end(key)
-                ready += ready == position
-        if remote_from is not None and self._remote_exists is not None:
-            for key in self._remote_prefix(keys[remote_from:]):
+            if entry is not None and entry.slot is not None:
+                if entry.slot_state is SlotState.READY:
+                    self._arena_lru.move_to_end(key)
+                    ready += ready == position
+            elif entry is not None and entry.disk is DiskState.PRESENT:
+                if not self._promote(entry, Source.DISK):
+                    break
+            else:
+                if remote_present is None:
+                    remote_from, remote_present = position, self._remote_present(keys[position:])
+                if not remote_present[position - remote_from]:
+                    break
                 entry = self._entries.setdefault(key, _Entry(key))
                 if not self._promote(entry, Source.REMOTE):
                     self._forget_if_empty(entry)
                     break
-                self._reserve(entry, request_id, reserved)
-                hit += 1
+            self._reserve(entry, request_id, reserved)
+            hit += 1
         self.counters.add("lookup_chunks", len(keys))
         self.counters.add("lookup_hit_chunks", hit)
         return LookupResult(hit, ready)
@@ -266,19 +266,16 @@ class ChunkIndex:
         entry.reservations.add(request_id)
         reserved.add(entry.key)
 
-    def _remote_prefix(self, keys: Sequence[ChunkKey]) -> list[ChunkKey]:
+    def _remote_present(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        if self._remote_exists is None:
+            return [False] * len(keys)
         try:
-            present = self._remote_exists(keys) if keys else []  # type: ignore[misc]
+            present = list(self._remote_exists(keys))
         except Exception as exc:  # the remote tier must never break a lookup
             self.counters.add("remote_lookup_errors")
             logger.warning("remote existence check failed, treating as misses: %s", exc)
-            return []
-        prefix = []
-        for key, there in zip(keys, present):
-            if not there:
-                break
-            prefix.append(key)
-        return prefix
+            return [False] * len(keys)
+        return present + [False] * (len(keys) - len(present))
 
     def _occupy(self, entry: _Entry, slot: int) -> None:
         entry.slot = slot

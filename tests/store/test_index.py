@@ -295,3 +295,18 @@ def test_a_device_mover_that_raises_fails_its_commands_instead_of_hanging():
 def test_capacity_conversions():
     assert disk_chunks_for_capacity(10 * (4096 + 64), 4096) == 10
     assert disk_chunks_for_capacity(0, 4096) == 0
+
+
+def test_a_prefix_mixing_remote_and_local_chunks_keeps_every_slot_accounted_for():
+    shared: dict[str, bytes] = {}
+    keys = [make_key(i) for i in range(4)]
+    Cluster(num_slots=4, object_bytes=OBJECT_BYTES, remote=MemoryRemote(shared)).store("a", keys)
+    local = Cluster(num_slots=6, object_bytes=OBJECT_BYTES, remote=MemoryRemote(shared))
+    local.store("b", [keys[1], keys[3]])  # held here; 0 and 2 only in the remote store
+    result = local.index.lookup("c", keys)
+    assert (result.hit_chunks, result.ready_chunks) == (4, 0)
+    assert [p.key for p in local.index._outbox if isinstance(p, Promote)] == [keys[0], keys[2]]
+    local.index.check_invariants()
+    local.index.release("c")
+    assert local.load("c", keys) == 4 and not local.mismatches
+    local.close()
