@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import shutil
 import sys
 import tempfile
 import time
@@ -123,6 +124,7 @@ def run(chunks: int, remote_kind: str, seed: int = 0, object_bytes: int = 4096) 
             remote.close()
     if remote_kind == "mooncake":
         master.__exit__(None, None, None)
+    shutil.rmtree(root, ignore_errors=True)
     return totals
 
 
