@@ -1,0 +1,358 @@
+"""Mooncake tier (DESIGN §7, L3): chunk shards in a Mooncake distributed store, shared by every instance.
+
+Worker side: `put` / `get_into` between arena slots and the store, zero-copy (`batch_put_from` /
+`batch_get_into` on registered arena addresses) where the installed client has those calls and the arena is
+registered, a copy through `put` / `get` otherwise. Scheduler side: `exists` answers the index's batch existence
+checks (the scheduler's client contributes no memory to the pool).
+
+Nothing here raises in the serving path. Every client call runs on the tier's own threads with a deadline
+(`timeout_s`); a timeout, an RPC failure or an unreachable master opens a circuit breaker: for `retry_after_s` the
+tier answers misses without calling the client, then one probe decides whether it is back. Facts about the client
+(checked against mooncake-transfer-engine-non-cuda 0.3.13): a missing key reads as -704, a too small buffer as
+-600, an unreachable master as -900 (some calls only after ~4.5 s); a put of an existing key returns 0;
+`health_check()` crashes the process once the master is gone, so it is never called.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import re
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+import numpy as np
+
+from .config import parse_bytes
+from .tier import OK, TierCounters, TierResult
+
+logger = logging.getLogger(__name__)
+
+PROTOCOLS = ("tcp", "rdma", "ascend")
+_MISSING = -704
+_BUFFER_TOO_SMALL = -600
+_HOST_PORT = re.compile(r"^[A-Za-z0-9_.\-\[\]:]+:(\d{1,5})$")
+_PROBE_KEY = "lmcache-npu-probe"
+
+
+@dataclass(frozen=True)
+class MooncakeConfig:
+    """The `mooncake` object of the store config."""
+
+    master: str  # "host:port" of mooncake_master's RPC service
+    metadata: str  # metadata server: "http://host:8080/metadata", "etcd://host:2379" or "P2PHANDSHAKE"
+    local_hostname: str = ""  # this client's address as others reach it; "": MC_TCP_BIND_ADDRESS or the route's
+    protocol: str = "tcp"  # tcp, rdma, or ascend (the -npu build's transport)
+    device_name: str = ""  # RDMA/ascend device list; "" lets the transfer engine choose
+    global_segment_bytes: int = 1 << 30  # memory this client contributes to the cluster pool
+    local_buffer_bytes: int = 64 << 20  # the client's own staging buffer (copy path)
+    timeout_s: float = 5.0  # one batch call; past it: misses and counter "timeouts"
+    retry_after_s: float = 5.0  # after a failure, answer misses without calling the client this long
+
+    def __post_init__(self) -> None:
+        for key in ("master", "metadata", "local_hostname", "protocol", "device_name"):
+            if not isinstance(getattr(self, key), str):
+                raise ValueError(f"mooncake.{key} must be a string, got {getattr(self, key)!r}")
+        match = _HOST_PORT.match(self.master)
+        if not match or not 0 < int(match.group(1)) < 65536:
+            raise ValueError(f"mooncake.master must be host:port of mooncake_master's RPC service, got "
+                             f"{self.master!r}")
+        if not self.metadata:
+            raise ValueError("mooncake.metadata must name the metadata server (e.g. http://host:8080/metadata, "
+                             "etcd://host:2379 or P2PHANDSHAKE)")
+        if self.protocol not in PROTOCOLS:
+            raise ValueError(f"mooncake.protocol must be one of {', '.join(PROTOCOLS)}, got {self.protocol!r}")
+        for key in ("global_segment_bytes", "local_buffer_bytes"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"mooncake.{key} must be a size in bytes >= 0, got {value!r}")
+        for key in ("timeout_s", "retry_after_s"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 3600:
+                raise ValueError(f"mooncake.{key} must be seconds in (0, 3600], got {value!r}")
+
+    @classmethod
+    def keys(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> "MooncakeConfig":
+        unknown = sorted(set(values) - set(cls.keys()))
+        if unknown:
+            raise ValueError(f"unknown mooncake config key(s) {', '.join(map(repr, unknown))}; valid keys: "
+                             f"{', '.join(cls.keys())}")
+        missing = [k for k in ("master", "metadata") if k not in values]
+        if missing:
+            raise ValueError(f"mooncake config needs {' and '.join(missing)} (e.g. \"master\": \"10.0.0.5:50051\", "
+                             f"\"metadata\": \"http://10.0.0.5:8080/metadata\")")
+        parsed = dict(values)
+        for key in ("global_segment_bytes", "local_buffer_bytes"):
+            if key in parsed:
+                parsed[key] = parse_bytes(f"mooncake.{key}", parsed[key])
+        return cls(**parsed)
+
+    def resolved_hostname(self) -> str:
+        """The address other nodes reach this client at."""
+        if self.local_hostname:
+            return self.local_hostname
+        if os.environ.get("MC_TCP_BIND_ADDRESS"):
+            return os.environ["MC_TCP_BIND_ADDRESS"]
+        host = self.master.rsplit(":", 1)[0].strip("[]")
+        try:  # the source address of the route to the master (a UDP connect sends nothing)
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+                probe.connect((host, int(self.master.rsplit(":", 1)[1])))
+                return probe.getsockname()[0]
+        except OSError:
+            return socket.gethostbyname(socket.gethostname())
+
+
+def _default_store_factory() -> Any:
+    try:
+        from mooncake.store import MooncakeDistributedStore
+    except ImportError as exc:
+        raise RuntimeError("the Mooncake tier needs the Mooncake client: pip install mooncake-transfer-engine-non-cuda"
+                           " (CPU/TCP), mooncake-transfer-engine (CUDA) or mooncake-transfer-engine-npu (Ascend); "
+                           f"import failed: {exc}") from exc
+    return MooncakeDistributedStore()
+
+
+def _address_of(buffer: memoryview) -> int:
+    return int(np.frombuffer(buffer, dtype=np.uint8).ctypes.data)
+
+
+class MooncakeTier:
+    """One Mooncake client. Worker side: `register` the arena, then `put` / `get_into`; scheduler side: `exists`."""
+
+    def __init__(self, config: MooncakeConfig, store_factory: Optional[Callable[[], Any]] = None,
+                 io_threads: int = 4) -> None:
+        self.config = config
+        self.counters = TierCounters()
+        self._factory = store_factory or _default_store_factory
+        self._pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="lmcache-mooncake")
+        self._lock = threading.Lock()
+        self._store: Any = None
+        self._down_until = 0.0
+        self._probing = False
+        self._closed = False
+        self._registered: list[tuple[int, int]] = []
+        self._connect()  # a missing client package raises here, at startup; a dead master only opens the circuit
+
+    # ---- connection and circuit breaker -------------------------------------------------------------------------
+
+    def _connect(self) -> bool:
+        """setup() with a deadline; False leaves the tier unhealthy until the next retry."""
+        def setup() -> Any:
+            store = self._factory()
+            code = store.setup(self.config.resolved_hostname(), self.config.metadata,
+                               self.config.global_segment_bytes, self.config.local_buffer_bytes,
+                               self.config.protocol, self.config.device_name, self.config.master)
+            if code != 0:
+                raise ConnectionError(f"setup returned {code}")
+            return store
+
+        try:
+            store = self._pool.submit(setup).result(self.config.timeout_s * 2)
+        except RuntimeError as exc:
+            if "pip install" in str(exc):
+                raise
+            return self._open_circuit(f"cannot join the Mooncake cluster at {self.config.master}: {exc}")
+        except FutureTimeout:
+            self.counters.add("timeouts")
+            return self._open_circuit(f"joining the Mooncake cluster at {self.config.master} timed out")
+        except Exception as exc:  # any client failure at setup: unhealthy, retried later
+            return self._open_circuit(f"cannot join the Mooncake cluster at {self.config.master}: {exc}")
+        with self._lock:
+            self._store = store
+        for address, size in self._registered:
+            self._register_now(address, size)
+        logger.info("Mooncake tier: joined %s (%s, segment %d B)", self.config.master, self.config.protocol,
+                    self.config.global_segment_bytes)
+        return True
+
+    def _open_circuit(self, why: str) -> bool:
+        with self._lock:
+            already = self._down_until > time.monotonic()
+            self._down_until = time.monotonic() + self.config.retry_after_s
+        if not already:
+            logger.error("Mooncake tier unavailable for %.0f s: %s", self.config.retry_after_s, why)
+        self.counters.add("unavailable")
+        return False
+
+    def _available(self) -> bool:
+        """False while the circuit is open; past the retry time exactly one caller probes (or reconnects)."""
+        with self._lock:
+            if self._closed:
+                return False
+            if time.monotonic() < self._down_until or self._probing:
+                self.counters.add("unhealthy_skips")
+                return False
+            if self._down_until == 0.0:
+                return True
+            self._probing = True
+        try:
+            if self._store is None:
+                healthy = self._connect()
+            else:
+                healthy = self._call("probe", lambda s: s.batch_is_exist([_PROBE_KEY]), probing=True) is not None
+            if healthy:
+                with self._lock:
+                    self._down_until = 0.0
+                logger.warning("Mooncake tier at %s is reachable again", self.config.master)
+            return healthy
+        finally:
+            with self._lock:
+                self._probing = False
+
+    def _call(self, what: str, work: Callable[[Any], Any], probing: bool = False) -> Any:
+        """Runs `work(store)` with the deadline; None (after opening the circuit) on timeout, error or RPC
+        failure. An RPC failure shows as a result list of codes <= -900."""
+        if not probing and not self._available():
+            return None
+        store = self._store
+        if store is None:
+            return None
+        try:
+            result = self._pool.submit(work, store).result(self.config.timeout_s)
+        except FutureTimeout:
+            self.counters.add("timeouts")
+            self._open_circuit(f"{what} took longer than {self.config.timeout_s} s")
+            return None
+        except Exception as exc:  # the client raised: a miss and a counter, never an exception for the caller
+            self.counters.add("errors")
+            self._open_circuit(f"{what} raised {exc!r}")
+            return None
+        if isinstance(result, list) and any(isinstance(c, int) and c <= -900 for c in result):
+            self.counters.add("errors")
+            self._open_circuit(f"{what}: the master did not answer (codes {sorted(set(result))[:4]})")
+            return None
+        return result
+
+    def healthy(self) -> bool:
+        with self._lock:
+            return not self._closed and self._store is not None and self._down_until == 0.0
+
+    # ---- registration ---------------------------------------------------------------------------------------------
+
+    def register(self, address: int, size: int) -> bool:
+        """Registers host memory (the arena) so puts and gets from it are zero-copy; False: copies will be used."""
+        self._registered.append((address, size))
+        return self._store is not None and self._register_now(address, size)
+
+    def _register_now(self, address: int, size: int) -> bool:
+        if not hasattr(self._store, "register_buffer") or not hasattr(self._store, "batch_put_from"):
+            return False
+        try:
+            code = self._pool.submit(self._store.register_buffer, address, size).result(self.config.timeout_s)
+        except Exception as exc:  # registration is an optimisation: fall back to copies
+            logger.warning("Mooncake tier: registering %d B at 0x%x failed (%s); using copies", size, address, exc)
+            return False
+        if code != 0:
+            logger.warning("Mooncake tier: register_buffer returned %s; using copies", code)
+        return code == 0
+
+    def _zero_copy(self, buffers: Sequence[memoryview]) -> Optional[list[int]]:
+        """The buffers' addresses when every one lies inside registered memory."""
+        if not self._registered or not hasattr(self._store, "batch_get_into"):
+            return None
+        addresses = [_address_of(b) for b in buffers]
+        for address, buffer in zip(addresses, buffers):
+            if not any(start <= address and address + buffer.nbytes <= start + size
+                       for start, size in self._registered):
+                return None
+        return addresses
+
+    # ---- the tier ---------------------------------------------------------------------------------------------------
+
+    def put(self, names: Sequence[str], buffers: Sequence[memoryview]) -> list[TierResult]:
+        if not names:
+            return []
+        addresses = self._zero_copy(buffers) if self._store is not None else None
+        if addresses is not None:
+            sizes = [b.nbytes for b in buffers]
+            codes = self._call("put", lambda s: list(s.batch_put_from(list(names), addresses, sizes)))
+            self.counters.add("zero_copy_ops", len(names))
+        else:
+            payloads = [bytes(b) for b in buffers]
+            codes = self._call("put", lambda s: [s.put(n, p) for n, p in zip(names, payloads)])
+            self.counters.add("copy_ops", len(names))
+        if codes is None:
+            return [TierResult.fail("unavailable")] * len(names)
+        results = [OK if code == 0 else TierResult.fail(f"put error {code}") for code in codes]
+        done = sum(r.ok for r in results)
+        self.counters.add("puts", done)
+        self.counters.add("put_bytes", sum(b.nbytes for b, r in zip(buffers, results) if r.ok))
+        self.counters.add("put_failures", len(results) - done)
+        return results
+
+    def get_into(self, names: Sequence[str], buffers: Sequence[memoryview]) -> list[TierResult]:
+        if not names:
+            return []
+        addresses = self._zero_copy(buffers) if self._store is not None else None
+        if addresses is not None:
+            sizes = [b.nbytes for b in buffers]
+            codes = self._call("get", lambda s: list(s.batch_get_into(list(names), addresses, sizes)))
+            self.counters.add("zero_copy_ops", len(names))
+        else:
+            codes = self._call("get", lambda s: [self._copy_get(s, n, b) for n, b in zip(names, buffers)])
+            self.counters.add("copy_ops", len(names))
+        if codes is None:
+            return [TierResult.fail("unavailable")] * len(names)
+        results = []
+        for code, buffer in zip(codes, buffers):
+            if code == buffer.nbytes:
+                results.append(OK)
+            elif code == _MISSING:
+                results.append(TierResult.fail("miss"))
+            elif code >= 0 or code == _BUFFER_TOO_SMALL:
+                results.append(TierResult.fail("corrupt: length"))
+            else:
+                results.append(TierResult.fail(f"get error {code}"))
+        done = sum(r.ok for r in results)
+        self.counters.add("gets", done)
+        self.counters.add("get_bytes", sum(b.nbytes for b, r in zip(buffers, results) if r.ok))
+        self.counters.add("misses", sum(r.reason == "miss" for r in results))
+        return results
+
+    @staticmethod
+    def _copy_get(store: Any, name: str, buffer: memoryview) -> int:
+        data = store.get(name)
+        if not data:
+            return _MISSING
+        if len(data) != buffer.nbytes:
+            return len(data)
+        buffer[:] = data
+        return len(data)
+
+    def exists(self, names: Sequence[str]) -> list[bool]:
+        if not names:
+            return []
+        codes = self._call("exists", lambda s: list(s.batch_is_exist(list(names))))
+        if codes is None:
+            return [False] * len(names)
+        self.counters.add("exists_errors", sum(c < 0 for c in codes))
+        return [c == 1 for c in codes]
+
+    def delete(self, names: Sequence[str]) -> None:
+        """Best effort: an object being read holds a lease and stays until it expires (Mooncake evicts it later)."""
+        if names:
+            self._call("delete", lambda s: list(s.batch_remove(list(names))) if hasattr(s, "batch_remove")
+                       else [s.remove(n) for n in names])
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            store, self._store = self._store, None
+        if store is not None:
+            try:
+                self._pool.submit(store.close).result(self.config.timeout_s)
+            except Exception as exc:  # closing a client of a dead master may hang or fail; nothing to keep
+                logger.warning("Mooncake tier: close did not finish cleanly: %r", exc)
+        self._pool.shutdown(wait=False, cancel_futures=True)

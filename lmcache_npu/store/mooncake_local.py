@@ -1,0 +1,152 @@
+"""A local `mooncake_master` for tests and `lmcache-npu store-bench`, and a loopback-only network namespace.
+
+The master binary ships in the Mooncake wheel (next to the Python interpreter's scripts or inside the `mooncake`
+package). Everything here binds 127.0.0.1; tests additionally run inside `unshare -n` so nothing can leave the
+machine.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Mapping, Optional, Sequence
+
+from .mooncake import MooncakeConfig
+
+LOOPBACK = "127.0.0.1"
+
+
+def find_master_binary() -> str:
+    """Path of `mooncake_master`: beside this interpreter, inside the mooncake package, or on PATH."""
+    candidates = [Path(sys.executable).parent / "mooncake_master"]
+    try:
+        import importlib.util
+
+        spec = importlib.util.find_spec("mooncake")
+        if spec is not None and spec.submodule_search_locations:
+            candidates += [Path(p) / "mooncake_master" for p in spec.submodule_search_locations]
+    except ImportError:
+        pass
+    for candidate in candidates:
+        if candidate.is_file() and os.access(candidate, os.X_OK):
+            return str(candidate)
+    found = shutil.which("mooncake_master")
+    if found:
+        return found
+    raise FileNotFoundError("mooncake_master not found: pip install mooncake-transfer-engine-non-cuda "
+                            "(and apt-get install libibverbs1 librdmacm1)")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((LOOPBACK, 0))
+        return s.getsockname()[1]
+
+
+def _port_open(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.2)
+        return s.connect_ex((LOOPBACK, port)) == 0
+
+
+class LocalMooncakeMaster:
+    """`with LocalMooncakeMaster() as master: tier = MooncakeTier(master.config())`: a master with its built-in
+    HTTP metadata server on 127.0.0.1, stopped (and reaped) on exit."""
+
+    def __init__(self, rpc_port: Optional[int] = None, http_port: Optional[int] = None,
+                 extra_args: Sequence[str] = (), start_timeout_s: float = 20.0) -> None:
+        self.rpc_port = rpc_port or free_port()
+        self.http_port = http_port or free_port()
+        self.extra_args = list(extra_args)
+        self.start_timeout_s = start_timeout_s
+        self.process: Optional[subprocess.Popen] = None
+        self._log = tempfile.NamedTemporaryFile(prefix="mooncake-master-", suffix=".log", delete=False)
+
+    def __enter__(self) -> "LocalMooncakeMaster":
+        os.environ.setdefault("MC_TCP_BIND_ADDRESS", LOOPBACK)  # our clients listen on loopback too
+        argv = [find_master_binary(), "--enable_http_metadata_server=true",
+                f"--http_metadata_server_port={self.http_port}", f"--rpc_port={self.rpc_port}",
+                f"--rpc_address={LOOPBACK}", *self.extra_args]
+        self.process = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT,
+                                        env=dict(os.environ, MC_TCP_BIND_ADDRESS=LOOPBACK))
+        deadline = time.monotonic() + self.start_timeout_s
+        while not (_port_open(self.rpc_port) and _port_open(self.http_port)):
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                log = self.log_tail()
+                self.stop()
+                raise RuntimeError(f"mooncake_master did not come up on {LOOPBACK}:{self.rpc_port}: {log}")
+            time.sleep(0.05)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    @property
+    def master(self) -> str:
+        return f"{LOOPBACK}:{self.rpc_port}"
+
+    @property
+    def metadata(self) -> str:
+        return f"http://{LOOPBACK}:{self.http_port}/metadata"
+
+    def config(self, **overrides: Any) -> MooncakeConfig:
+        values: dict[str, Any] = {"master": self.master, "metadata": self.metadata, "local_hostname": LOOPBACK,
+                                  "global_segment_bytes": 64 << 20, "local_buffer_bytes": 16 << 20,
+                                  "timeout_s": 5.0, "retry_after_s": 1.0}
+        values.update(overrides)
+        return MooncakeConfig(**values)
+
+    def kill(self) -> None:
+        """SIGKILL, as a crashed master (fault tests)."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGKILL)
+            self.process.wait(10)
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(10)
+        self._log.close()
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(Path(self._log.name).read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+def netns_available() -> tuple[bool, str]:
+    """Whether this process may run commands in a fresh loopback-only network namespace, and why not."""
+    unshare = shutil.which("unshare")
+    ip = shutil.which("ip") or ("/usr/sbin/ip" if os.path.exists("/usr/sbin/ip") else None)
+    if unshare is None or ip is None:
+        return False, "unshare(1) or ip(8) is not installed (util-linux, iproute2)"
+    try:
+        probe = subprocess.run([unshare, "-n", ip, "link", "set", "lo", "up"], capture_output=True, text=True,
+                               timeout=20)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return False, f"unshare -n failed: {exc}"
+    if probe.returncode != 0:
+        return False, f"cannot create a network namespace here (unshare -n: {probe.stderr.strip() or probe.returncode})"
+    return True, ""
+
+
+def run_in_loopback_netns(argv: Sequence[str], env: Optional[Mapping[str, str]] = None,
+                          timeout: float = 300.0) -> subprocess.CompletedProcess:
+    """Runs `argv` inside a new network namespace with only `lo` up and MC_TCP_BIND_ADDRESS=127.0.0.1."""
+    ip = shutil.which("ip") or "/usr/sbin/ip"
+    script = f'{ip} link set lo up && exec "$@"'
+    child_env = dict(os.environ if env is None else env, MC_TCP_BIND_ADDRESS=LOOPBACK)
+    return subprocess.run(["unshare", "-n", "sh", "-c", script, "sh", *argv], env=child_env, capture_output=True,
+                          text=True, timeout=timeout)
