@@ -14,10 +14,10 @@ setup: $(STAMP)
 
 $(STAMP): $(NATIVE_SOURCES)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	@# mooncake_master and its client link libibverbs/librdmacm even for TCP; without them the Mooncake tests skip
-	dpkg -s libibverbs1 librdmacm1 >/dev/null 2>&1 || { command -v apt-get >/dev/null && \
-		(apt-get install -y -q libibverbs1 librdmacm1 || (apt-get update -q && apt-get install -y -q libibverbs1 librdmacm1)) \
-		>/dev/null 2>&1; } || echo "note: could not install libibverbs1 librdmacm1; Mooncake tests will skip"
+	@# mooncake_master and its client link libibverbs/librdmacm even for TCP; tests run it in a netns (ip from iproute2)
+	dpkg -s libibverbs1 librdmacm1 iproute2 >/dev/null 2>&1 || { command -v apt-get >/dev/null && \
+		(apt-get install -y -q libibverbs1 librdmacm1 iproute2 || (apt-get update -q && apt-get install -y -q libibverbs1 librdmacm1 iproute2)) \
+		>/dev/null 2>&1; } || echo "note: could not install libibverbs1 librdmacm1 iproute2; Mooncake tests will skip"
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip install -q -r requirements-test.txt

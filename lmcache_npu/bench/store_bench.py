@@ -229,10 +229,10 @@ def bench_mooncake(chunk_bytes: int, chunks: int, progress: _Progress, mooncake:
         if mooncake is None:
             master = stack.enter_context(LocalMooncakeMaster())
             config = master.config(global_segment_bytes=segment)
-            where = f"local mooncake_master {config.master_address}"
+            where = f"local mooncake_master {config.master}"
         else:
             config = MooncakeConfig.from_dict(mooncake)
-            where = f"mooncake_master {config.master_address}"
+            where = f"mooncake_master {config.master}"
         tier = MooncakeTier(config)
         arena = HostArena(chunks, chunk_bytes)
         written = _fill(arena, chunks, seed)
