@@ -132,6 +132,16 @@ def _failed(*completions: Sequence[Completion]) -> int:
     return sum(not c.ok for done in completions for c in done)
 
 
+def _reasons(*completions: Sequence[Completion]) -> str:
+    """The failure reasons and how often, for the notes column."""
+    counts: dict[str, int] = {}
+    for done in completions:
+        for c in done:
+            if not c.ok:
+                counts[c.reason] = counts.get(c.reason, 0) + 1
+    return "; ".join(f"{n}x {reason}" for reason, n in sorted(counts.items(), key=lambda kv: -kv[1])[:3])
+
+
 def _compare(expected: Sequence[int], actual: Sequence[int]) -> str:
     wrong = [i for i, (a, b) in enumerate(zip(expected, actual)) if a != b]
     return "ok" if not wrong else f"{len(wrong)} chunks differ (first: chunk {wrong[0]})"
@@ -215,6 +225,7 @@ def bench_disk(chunk_bytes: int, chunks: int, progress: _Progress, disk_path: Op
             disk.delete(key.storage_name(0))
         executor.close()
     notes = f"{root if disk_path else 'temp dir'}; reads {'after dropping the page cache' if cold else 'may be cached'}"
+    notes += f"; failures: {_reasons(put_done, get_done)}" if _failed(put_done, get_done) else ""
     return TierBench("disk", chunks, chunk_bytes, put_s, get_s, _failed(put_done, get_done), check, notes)
 
 
@@ -225,7 +236,7 @@ def bench_mooncake(chunk_bytes: int, chunks: int, progress: _Progress, mooncake:
     from ..store.mooncake_local import LocalMooncakeMaster
 
     with contextlib.ExitStack() as stack:
-        segment = chunks * chunk_bytes + (64 << 20)
+        segment = 2 * chunks * chunk_bytes + (256 << 20)  # Mooncake evicts near a full pool: leave headroom
         if mooncake is None:
             master = stack.enter_context(LocalMooncakeMaster())
             config = master.config(global_segment_bytes=segment)
@@ -250,6 +261,7 @@ def bench_mooncake(chunk_bytes: int, chunks: int, progress: _Progress, mooncake:
         tier.delete([k.storage_name(0) for k in keys])
         executor.close()
     notes = f"{where}, {config.protocol}, {'zero-copy' if zero_copy else 'copy'}"
+    notes += f"; failures: {_reasons(put_done, get_done)}" if _failed(put_done, get_done) else ""
     return TierBench("mooncake", chunks, chunk_bytes, put_s, get_s, _failed(put_done, get_done), check, notes)
 
 
