@@ -293,7 +293,10 @@ class DiskTier:
     `done` callback: it runs on a writer thread."""
 
     def __init__(self, path: str | os.PathLike[str], layout_fingerprint: bytes, capacity_bytes: Optional[int] = None,
-                 max_pending_bytes: int = 256 << 20, writer_threads: int = 1) -> None:
+                 max_pending_bytes: int = 256 << 20, writer_threads: int = 1,
+                 owns: Optional[Callable[[str], bool]] = None) -> None:
+        """`owns(name)` says which valid files found at start are this tier's (count against its capacity): ranks
+        and models may share one directory, each tier counting only its own names. None: every file."""
         _check_fingerprint(layout_fingerprint)
         if writer_threads < 1:
             raise ValueError("writer_threads must be at least 1")
@@ -314,7 +317,8 @@ class DiskTier:
         self._disk_full = False  # so a full disk logs one warning, not one per write
         self._temp_seq = itertools.count()
         entries = scan_disk_directory(self._root, self._fingerprint, self.counters)
-        self._on_disk: dict[str, int] = {e.name: HEADER_BYTES + e.payload_bytes for e in entries}
+        self._on_disk: dict[str, int] = {e.name: HEADER_BYTES + e.payload_bytes for e in entries
+                                         if owns is None or owns(e.name)}
         self._used = sum(self._on_disk.values())
         self._threads = [threading.Thread(target=self._run_writer, name=f"lmcache-npu-disk-writer-{i}", daemon=True)
                          for i in range(writer_threads)]

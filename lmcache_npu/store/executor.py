@@ -27,7 +27,8 @@ Report = Callable[[int, TierResult], None]
 
 
 class DeviceMover(Protocol):
-    """Moves chunk objects between the device's paged KV cache and arena slots (one batch per call)."""
+    """Moves chunk objects between the device's paged KV cache and arena slots (one batch per call). It may raise
+    only before any copy started (then the batch fails and its slots are freed); afterwards it must report."""
 
     def run(self, commands: Sequence[Union[Store, Load]], objects: Sequence[torch.Tensor], report: Report) -> None:
         """Store: device → objects[i]; Load: objects[i] → device. Calls `report(cmd_id, result)` once per command,
@@ -51,6 +52,7 @@ class StoreExecutor:
         self._outstanding = 0
         self._idle = threading.Condition(self._lock)
         self._closed = False
+        self._submitting = 0
         if remote is not None and not remote.register(arena.base_address, arena.total_bytes):
             logger.warning("rank %d: the remote store could not register the arena; puts and gets will copy", rank)
 
@@ -60,6 +62,27 @@ class StoreExecutor:
             if self._closed:
                 raise RuntimeError("the store executor is closed")
             self._outstanding += len(commands)
+            self._submitting += 1
+        try:
+            self._submit(commands)
+        finally:
+            with self._idle:
+                self._submitting -= 1
+                self._idle.notify_all()
+
+    def _submit(self, commands: Sequence[Command]) -> None:
+        valid = []
+        for command in commands:
+            slot = getattr(command, "slot", 0)
+            if 0 <= slot < self.arena.num_slots:
+                valid.append(command)
+            else:  # index and worker disagree on the arena (cpu_bytes or chunk size): refuse, never touch memory
+                logger.error("rank %d: command %d names arena slot %d of %d", self.rank, command.cmd_id, slot,
+                             self.arena.num_slots)
+                self._report(command.cmd_id, TierResult.fail(
+                    f"error: arena slot {slot} out of range (the arena has {self.arena.num_slots}; index and "
+                    f"workers disagree on cpu_bytes?)"))
+        commands = valid
         position = 0
         while position < len(commands):
             command = commands[position]
@@ -68,12 +91,17 @@ class StoreExecutor:
             while kind and end < len(commands) and _batch_kind(commands[end]) == kind:
                 end += 1
             batch = commands[position:end]
-            if kind in ("store", "load"):
-                self._run_device(batch)  # type: ignore[arg-type]
-            elif kind in ("remote_get", "remote_put"):
-                self._io.submit(self._run_remote, kind, batch)
-            else:
-                self._run_one(command)
+            try:
+                if kind in ("store", "load"):
+                    self._run_device(batch)  # type: ignore[arg-type]
+                elif kind in ("remote_get", "remote_put"):
+                    self._io.submit(self._run_remote, kind, batch)
+                else:
+                    self._run_one(command)
+            except Exception as exc:  # nothing of this batch ran or answered: fail it, keep going with the rest
+                logger.exception("rank %d: store commands %s refused", self.rank, [c.cmd_id for c in batch])
+                for failed in batch:
+                    self._report(failed.cmd_id, TierResult.fail(f"error: {exc}"))
             position = end
 
     def poll(self) -> list[Completion]:
@@ -97,6 +125,7 @@ class StoreExecutor:
             if self._closed:
                 return
             self._closed = True
+            self._idle.wait_for(lambda: self._submitting == 0)  # a submit in progress finishes first
         self._io.shutdown(wait=True)
         for tier in (self.disk, self.remote):
             if tier is not None and hasattr(tier, "close"):

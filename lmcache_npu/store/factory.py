@@ -6,6 +6,7 @@ mean the same slot in every rank's arena.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any, Optional, Sequence
 
@@ -19,9 +20,10 @@ from .keys import ChunkKey
 logger = logging.getLogger(__name__)
 
 
-def disk_keys_on_every_rank(path: str, layout_fingerprint: bytes, namespace: str, num_ranks: int) -> list[ChunkKey]:
-    """Chunks of `namespace` whose file every rank has under `path`, least recently written first: what a
-    restarted scheduler adopts (a chunk some rank lacks cannot be loaded and is left to the LRU to replace)."""
+def disk_keys_on_every_rank(path: str, layout_fingerprint: bytes, namespace: str,
+                            num_ranks: int) -> tuple[list[ChunkKey], list[ChunkKey]]:
+    """Chunks of `namespace` under `path`: those whose file every rank has, least recently written first (what a
+    restarted scheduler adopts), and those only some ranks have (a crash mid-spill: useless, to be dropped)."""
     newest: dict[ChunkKey, float] = {}
     ranks: dict[ChunkKey, set[int]] = {}
     for entry in scan_disk_directory(path, layout_fingerprint):
@@ -34,7 +36,8 @@ def disk_keys_on_every_rank(path: str, layout_fingerprint: bytes, namespace: str
         ranks.setdefault(key, set()).add(rank)
         newest[key] = max(newest.get(key, 0.0), entry.mtime)
     complete = [key for key, held in ranks.items() if len(held) == num_ranks]
-    return sorted(complete, key=lambda k: newest[k])
+    partial = [key for key, held in ranks.items() if len(held) < num_ranks]
+    return sorted(complete, key=lambda k: newest[k]), partial
 
 
 def remote_exists_for(client: Any, num_ranks: int):
@@ -60,29 +63,44 @@ def build_index(config: StoreConfig, object_bytes: int, num_ranks: int, namespac
     remote_exists = None
     if config.mooncake is not None:
         if remote_client is None:
-            from .mooncake import MooncakeTier
-
-            remote_client = MooncakeTier(config.mooncake_config())
+            remote_client = scheduler_mooncake_client(config)
         remote_exists = remote_exists_for(remote_client, num_ranks)
     index = ChunkIndex(slots_for_capacity(config.cpu_bytes, object_bytes), num_ranks, disk_chunks=disk_chunks,
                        remote_exists=remote_exists, put_to_remote=config.put_to_remote)
     if config.disk_path is not None:
-        adopted = index.adopt_disk(disk_keys_on_every_rank(config.disk_path, layout_fingerprint, namespace,
-                                                           num_ranks))
-        logger.info("store index: %d slots, %d disk chunks (%d found on disk)%s", index.num_slots, disk_chunks,
-                    adopted, ", Mooncake" if remote_exists else "")
+        complete, partial = disk_keys_on_every_rank(config.disk_path, layout_fingerprint, namespace, num_ranks)
+        adopted = index.adopt_disk(complete)
+        index.drop_disk_copies(partial)
+        logger.info("store index: %d slots, %d disk chunks (%d found on disk, %d partial ones dropped)%s",
+                    index.num_slots, disk_chunks, adopted, len(partial), ", Mooncake" if remote_exists else "")
     return index
 
 
+def scheduler_mooncake_client(config: StoreConfig) -> Any:
+    """The scheduler's Mooncake client, for existence checks only: it contributes no memory to the pool (its
+    restart must not lose workers' chunks) and waits at most a second (a lookup must not stall on a sick master)."""
+    from .mooncake import MooncakeTier
+
+    mooncake = config.mooncake_config()
+    return MooncakeTier(dataclasses.replace(mooncake, global_segment_bytes=0, timeout_s=min(mooncake.timeout_s, 1.0)))
+
+
 def build_executor(config: StoreConfig, rank: int, object_bytes: int, layout_fingerprint: bytes,
-                   mover: Optional[DeviceMover]) -> StoreExecutor:
-    """One rank's arena, tiers and executor; closing the executor closes the tiers."""
+                   mover: Optional[DeviceMover], namespace: Optional[str] = None) -> StoreExecutor:
+    """One rank's arena, tiers and executor; closing the executor closes the tiers. The disk tier counts only
+    this rank's files of `namespace` (every file of this rank when None) against `disk_bytes`."""
     arena = HostArena(slots_for_capacity(config.cpu_bytes, object_bytes), object_bytes, pinned=config.pinned,
                       numa_node=config.numa_node)
     disk = None
     if config.disk_path is not None:
+        suffix = f"-r{rank}"
+
+        def owns(name: str) -> bool:
+            return name.endswith(suffix) and (namespace is None or name.startswith(namespace + "-"))
+
         disk = DiskTier(config.disk_path, layout_fingerprint, capacity_bytes=config.disk_bytes,
-                        max_pending_bytes=config.disk_max_pending_bytes, writer_threads=config.disk_writer_threads)
+                        max_pending_bytes=config.disk_max_pending_bytes, writer_threads=config.disk_writer_threads,
+                        owns=owns)
     remote = None
     if config.mooncake is not None:
         from .mooncake import MooncakeTier

@@ -122,12 +122,24 @@ class ChunkIndex:
                 adopted += 1
         return adopted
 
+    def drop_disk_copies(self, keys: Iterable[ChunkKey]) -> None:
+        """Restart: chunks only some ranks have on disk cannot be loaded; every rank deletes its file of them."""
+        for key in keys:
+            entry = self._entries.get(key)
+            if entry is None or entry.disk is DiskState.NONE:
+                self._emit(Drop(self._new_id(), key, Source.DISK))
+
     def lookup(self, request_id: str, keys: Sequence[ChunkKey]) -> LookupResult:
         """The longest prefix of `keys` held by some tier. Chunks found on disk or remote are promoted into the
         arena (commands in the outbox); every hit chunk is reserved for `request_id` until `begin_load` or
         `release`. Calling it again for the same request is cheap and issues nothing twice."""
         hit = ready = 0
         reserved = self._reserved.setdefault(request_id, set())
+        held_before = set(reserved)
+        for key in keys:  # pin what the arena already holds first: promotions below must not evict our own hits
+            entry = self._entries.get(key)
+            if entry is not None and entry.slot is not None:
+                self._reserve(entry, request_id, reserved)
         remote_from, remote_present = 0, None  # asked once, for the keys from the first local miss on
         for position, key in enumerate(keys):
             entry = self._entries.get(key)
@@ -136,6 +148,7 @@ class ChunkIndex:
                     self._arena_lru.move_to_end(key)
                     ready += ready == position
             elif entry is not None and entry.disk is DiskState.PRESENT:
+                self._reserve(entry, request_id, reserved)
                 if not self._promote(entry, Source.DISK):
                     break
             else:
@@ -144,25 +157,33 @@ class ChunkIndex:
                 if not remote_present[position - remote_from]:
                     break
                 entry = self._entries.setdefault(key, _Entry(key))
+                self._reserve(entry, request_id, reserved)  # kept while its own promotion may evict and drop
                 if not self._promote(entry, Source.REMOTE):
-                    self._forget_if_empty(entry)
                     break
-            self._reserve(entry, request_id, reserved)
             hit += 1
+        for key in keys[hit:]:  # what lies past the hit prefix is not this request's to hold
+            entry = self._entries.get(key)
+            if key in reserved and key not in held_before and entry is not None:
+                reserved.discard(key)
+                entry.reservations.discard(request_id)
+                self._forget_if_empty(entry)
         self.counters.add("lookup_chunks", len(keys))
         self.counters.add("lookup_hit_chunks", hit)
         return LookupResult(hit, ready)
 
     def begin_load(self, request_id: str, chunks: Sequence[tuple[int, ChunkKey]]) -> list[Load]:
-        """Loads for the request's chunks (chunk number, key); each must be ready (a lookup said so)."""
-        loads = []
-        reserved = self._reserved.get(request_id, set())
+        """Loads for the request's chunks (chunk number, key); each must be ready (a lookup said so). Checked for
+        all chunks before any load is issued: on error nothing is."""
         for chunk_index, key in chunks:
             entry = self._entries.get(key)
             if entry is None or entry.slot_state is not SlotState.READY:
                 state = "absent" if entry is None else entry.slot_state.value
                 raise ValueError(f"request {request_id!r} chunk {chunk_index}: key {key.chunk_hash.hex()} is {state} "
                                  f"in the arena; begin_load needs a ready chunk (lookup reports ready_chunks)")
+        loads = []
+        reserved = self._reserved.get(request_id, set())
+        for chunk_index, key in chunks:
+            entry = self._entries[key]
             entry.readers += 1
             if key in reserved:
                 reserved.discard(key)
@@ -386,8 +407,7 @@ class ChunkIndex:
         elif isinstance(command, (Load, Put)):
             entry.readers -= 1
             if isinstance(command, Put) and not ok:
-                entry.remote_put = False
-                self._emit(Drop(self._new_id(), entry.key, Source.REMOTE))
+                entry.remote_put = False  # no delete: another instance may hold a good copy under the same name
         elif isinstance(command, Spill):
             if entry.disk is DiskState.WRITING and entry.disk_cmd == command.cmd_id:
                 if ok:

@@ -122,6 +122,15 @@ def _default_store_factory() -> Any:
     return MooncakeDistributedStore()
 
 
+def _close_late_client(future: Any) -> None:
+    if future.cancelled() or future.exception() is not None:
+        return
+    try:
+        future.result().close()
+    except Exception as exc:  # best effort: the cluster also expires a silent client's lease
+        logger.warning("Mooncake tier: closing a late client failed: %r", exc)
+
+
 def _address_of(buffer: memoryview) -> int:
     return int(np.frombuffer(buffer, dtype=np.uint8).ctypes.data)
 
@@ -135,12 +144,15 @@ class MooncakeTier:
         self.counters = TierCounters()
         self._factory = store_factory or _default_store_factory
         self._pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="lmcache-mooncake")
+        # setup and probes get their own thread: they must not queue behind calls stuck on a dead master
+        self._control = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmcache-mooncake-control")
         self._lock = threading.Lock()
         self._store: Any = None
         self._down_until = 0.0
         self._probing = False
         self._closed = False
-        self._registered: list[tuple[int, int]] = []
+        self._wanted: list[tuple[int, int]] = []  # memory the caller asked to register
+        self._registered: list[tuple[int, int]] = []  # what the current client registered successfully
         self._connect()  # a missing client package raises here, at startup; a dead master only opens the circuit
 
     # ---- connection and circuit breaker -------------------------------------------------------------------------
@@ -156,20 +168,23 @@ class MooncakeTier:
                 raise ConnectionError(f"setup returned {code}")
             return store
 
+        future = self._control.submit(setup)
         try:
-            store = self._pool.submit(setup).result(self.config.timeout_s * 2)
+            store = future.result(self.config.timeout_s * 2)
         except RuntimeError as exc:
             if "pip install" in str(exc):
                 raise
             return self._open_circuit(f"cannot join the Mooncake cluster at {self.config.master}: {exc}")
         except FutureTimeout:
             self.counters.add("timeouts")
+            future.add_done_callback(_close_late_client)  # a setup that finishes after we gave up must not linger
             return self._open_circuit(f"joining the Mooncake cluster at {self.config.master} timed out")
         except Exception as exc:  # any client failure at setup: unhealthy, retried later
             return self._open_circuit(f"cannot join the Mooncake cluster at {self.config.master}: {exc}")
         with self._lock:
             self._store = store
-        for address, size in self._registered:
+            self._registered = []
+        for address, size in self._wanted:
             self._register_now(address, size)
         logger.info("Mooncake tier: joined %s (%s, segment %d B)", self.config.master, self.config.protocol,
                     self.config.global_segment_bytes)
@@ -199,7 +214,8 @@ class MooncakeTier:
             if self._store is None:
                 healthy = self._connect()
             else:
-                healthy = self._call("probe", lambda s: s.batch_is_exist([_PROBE_KEY]), probing=True) is not None
+                healthy = self._call("probe", lambda s: s.batch_is_exist([_PROBE_KEY]), probing=True,
+                                     pool=self._control) is not None
             if healthy:
                 with self._lock:
                     self._down_until = 0.0
@@ -209,19 +225,33 @@ class MooncakeTier:
             with self._lock:
                 self._probing = False
 
-    def _call(self, what: str, work: Callable[[Any], Any], probing: bool = False) -> Any:
+    def _call(self, what: str, work: Callable[[Any], Any], probing: bool = False, touches_memory: bool = False,
+              pool: Optional[ThreadPoolExecutor] = None) -> Any:
         """Runs `work(store)` with the deadline; None (after opening the circuit) on timeout, error or RPC
-        failure. An RPC failure shows as a result list of codes <= -900."""
+        failure. An RPC failure shows as a result list of codes <= -900.
+
+        A call that reads or writes caller memory (`touches_memory`: puts and gets on arena slots) is never
+        abandoned while it runs: past the deadline the circuit opens (others stop waiting on the client), but this
+        caller waits for the call to end, so the slot is not handed back while the client may still touch it."""
         if not probing and not self._available():
             return None
         store = self._store
         if store is None:
             return None
+        future = (pool or self._pool).submit(work, store)
         try:
-            result = self._pool.submit(work, store).result(self.config.timeout_s)
+            result = future.result(self.config.timeout_s)
         except FutureTimeout:
             self.counters.add("timeouts")
             self._open_circuit(f"{what} took longer than {self.config.timeout_s} s")
+            if future.cancel() or not touches_memory:
+                return None
+            logger.warning("Mooncake tier: waiting for a late %s before its slots are released", what)
+            try:
+                future.result()
+            except Exception:  # its outcome no longer matters: the command fails either way
+                pass
+            self.counters.add("late_calls")
             return None
         except Exception as exc:  # the client raised: a miss and a counter, never an exception for the caller
             self.counters.add("errors")
@@ -241,7 +271,7 @@ class MooncakeTier:
 
     def register(self, address: int, size: int) -> bool:
         """Registers host memory (the arena) so puts and gets from it are zero-copy; False: copies will be used."""
-        self._registered.append((address, size))
+        self._wanted.append((address, size))
         return self._store is not None and self._register_now(address, size)
 
     def _register_now(self, address: int, size: int) -> bool:
@@ -254,7 +284,10 @@ class MooncakeTier:
             return False
         if code != 0:
             logger.warning("Mooncake tier: register_buffer returned %s; using copies", code)
-        return code == 0
+            return False
+        with self._lock:
+            self._registered.append((address, size))
+        return True
 
     def _zero_copy(self, buffers: Sequence[memoryview]) -> Optional[list[int]]:
         """The buffers' addresses when every one lies inside registered memory."""
@@ -275,11 +308,12 @@ class MooncakeTier:
         addresses = self._zero_copy(buffers) if self._store is not None else None
         if addresses is not None:
             sizes = [b.nbytes for b in buffers]
-            codes = self._call("put", lambda s: list(s.batch_put_from(list(names), addresses, sizes)))
+            codes = self._call("put", lambda s: list(s.batch_put_from(list(names), addresses, sizes)),
+                               touches_memory=True)
             self.counters.add("zero_copy_ops", len(names))
         else:
             payloads = [bytes(b) for b in buffers]
-            codes = self._call("put", lambda s: [s.put(n, p) for n, p in zip(names, payloads)])
+            codes = self._call("put", lambda s: [s.put(n, p) for n, p in zip(names, payloads)])  # owns its copies
             self.counters.add("copy_ops", len(names))
         if codes is None:
             return [TierResult.fail("unavailable")] * len(names)
@@ -296,10 +330,12 @@ class MooncakeTier:
         addresses = self._zero_copy(buffers) if self._store is not None else None
         if addresses is not None:
             sizes = [b.nbytes for b in buffers]
-            codes = self._call("get", lambda s: list(s.batch_get_into(list(names), addresses, sizes)))
+            codes = self._call("get", lambda s: list(s.batch_get_into(list(names), addresses, sizes)),
+                               touches_memory=True)
             self.counters.add("zero_copy_ops", len(names))
         else:
-            codes = self._call("get", lambda s: [self._copy_get(s, n, b) for n, b in zip(names, buffers)])
+            codes = self._call("get", lambda s: [self._copy_get(s, n, b) for n, b in zip(names, buffers)],
+                               touches_memory=True)
             self.counters.add("copy_ops", len(names))
         if codes is None:
             return [TierResult.fail("unavailable")] * len(names)
@@ -352,7 +388,8 @@ class MooncakeTier:
             store, self._store = self._store, None
         if store is not None:
             try:
-                self._pool.submit(store.close).result(self.config.timeout_s)
+                self._control.submit(store.close).result(self.config.timeout_s)
             except Exception as exc:  # closing a client of a dead master may hang or fail; nothing to keep
                 logger.warning("Mooncake tier: close did not finish cleanly: %r", exc)
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._control.shutdown(wait=False, cancel_futures=True)

@@ -166,14 +166,15 @@ class Cluster:
             executor.close()
 
 
-def serve_rank(rank: int, config: dict, object_bytes: int, layout_fingerprint: bytes, inbox, outbox) -> None:
+def serve_rank(rank: int, config: dict, object_bytes: int, layout_fingerprint: bytes, namespace: str, inbox,
+               outbox) -> None:
     """A worker process: builds its arena and tiers from the config, runs each command list it receives and
     answers with (completions, mismatched keys); None stops it."""
     from lmcache_npu.store.config import StoreConfig
     from lmcache_npu.store.factory import build_executor
 
     device = PatternDevice(rank)
-    executor = build_executor(StoreConfig.from_dict(config), rank, object_bytes, layout_fingerprint, device)
+    executor = build_executor(StoreConfig.from_dict(config), rank, object_bytes, layout_fingerprint, device, namespace)
     try:
         while (commands := inbox.get()) is not None:
             executor.submit(commands)

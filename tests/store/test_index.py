@@ -10,7 +10,7 @@ from lmcache_npu.store.disk import DiskTier
 from lmcache_npu.store.index import ChunkIndex, DiskState, SlotState, disk_chunks_for_capacity
 from lmcache_npu.store.keys import ChunkKey
 
-from .fakes import Cluster, MemoryRemote, make_key
+from .fakes import Cluster, MemoryRemote, PatternDevice, make_key
 
 OBJECT_BYTES = 5000  # not a page multiple: slots are padded, objects are not
 
@@ -310,3 +310,120 @@ def test_a_prefix_mixing_remote_and_local_chunks_keeps_every_slot_accounted_for(
     local.index.release("c")
     assert local.load("c", keys) == 4 and not local.mismatches
     local.close()
+
+
+def _complete_all(index: ChunkIndex, remote: set) -> list:
+    commands = index.take_commands()
+    remote.update(c.key for c in commands if isinstance(c, Put))
+    index.on_completions([Completion(c.cmd_id, 0, True) for c in commands])
+    return commands
+
+
+def test_a_remote_promotion_whose_eviction_drops_its_own_disk_copy_keeps_the_slot_owned():
+    present: set = set()
+    index = ChunkIndex(num_slots=1, num_ranks=1, disk_chunks=1, remote_exists=lambda ks: [k in present for k in ks])
+    a, b = make_key(1), make_key(2)
+    index.allocate_store("r1", [(0, a)])
+    _complete_all(index, present)
+    _complete_all(index, present)  # store A, then put A
+    index.allocate_store("r2", [(0, b)])  # evicts A: its spill stays in flight
+    spill, store_b = index.take_commands()
+    index.on_completions([Completion(store_b.cmd_id, 0, True)])
+    _complete_all(index, present)  # put B
+    # A: disk copy still writing, so the lookup takes it from remote; its eviction of B drops A's disk copy
+    assert index.lookup("r3", [a]).hit_chunks == 1
+    index.check_invariants()
+    _complete_all(index, present)
+    index.on_completions([Completion(spill.cmd_id, 0, True)])
+    assert index.location(a)[1] is SlotState.READY
+    index.release("r3")
+    index.check_invariants()
+    assert len(index.allocate_store("r4", [(0, make_key(9))])) == 1  # the slot is usable again
+
+
+def test_a_lookup_never_evicts_its_own_later_hits(disks):
+    cluster = Cluster(num_slots=2, object_bytes=OBJECT_BYTES, disks=disks, disk_chunks=8)
+    a, b, c = make_key(1), make_key(2), make_key(3)
+    for key in (a, b, c):
+        cluster.store("r", [key])  # arena: B, C; A spilled
+    result = cluster.index.lookup("q", [a, b])
+    assert (result.hit_chunks, result.ready_chunks) == (2, 0)
+    assert cluster.index.location(b)[1] is SlotState.READY and cluster.index.location(c)[0] is None
+    cluster.index.release("q")
+    assert cluster.load("q", [a, b]) == 2 and not cluster.mismatches
+    cluster.close()
+
+
+def test_lookup_does_not_keep_reservations_past_its_hit_prefix():
+    index = ChunkIndex(num_slots=3, num_ranks=1)
+    keys = [make_key(i) for i in range(3)]
+    stores = index.allocate_store("s", [(0, keys[0]), (2, keys[2])])
+    index.on_completions([Completion(s.cmd_id, 0, True) for s in stores])
+    assert index.lookup("q", keys).hit_chunks == 1
+    assert index._reserved["q"] == {keys[0]}  # keys[2] lies past the gap: not held for this request
+    index.check_invariants()
+
+
+def test_begin_load_issues_nothing_when_any_chunk_is_not_ready():
+    index = ChunkIndex(num_slots=2, num_ranks=1)
+    ready, writing = make_key(1), make_key(2)
+    (store,) = index.allocate_store("s", [(0, ready)])
+    index.on_completions([Completion(store.cmd_id, 0, True)])
+    index.allocate_store("s", [(1, writing)])
+    index.take_commands()
+    with pytest.raises(ValueError, match="is writing in the arena"):
+        index.begin_load("q", [(0, ready), (1, writing)])
+    assert index.take_commands() == [] and index.in_flight == 1  # only the store still in flight
+
+
+def test_restart_counts_each_ranks_own_files_and_drops_partial_chunks(tmp_path):
+    from lmcache_npu.store.config import StoreConfig
+    from lmcache_npu.store.factory import build_executor, build_index
+
+    namespace = "ab" * 16
+    config = StoreConfig.from_dict({"cpu_bytes": 2 * 8192, "pinned": False, "disk_path": str(tmp_path / "kv"),
+                                    "disk_bytes": 4 * (OBJECT_BYTES + 64)})
+    index = build_index(config, OBJECT_BYTES, 2, namespace, b"L" * 16)
+    workers = [build_executor(config, rank, OBJECT_BYTES, b"L" * 16, PatternDevice(rank), namespace)
+               for rank in range(2)]
+    keys = [make_key(i, namespace) for i in range(6)]
+
+    def settle(target=index):
+        for _ in range(5):
+            commands = target.take_commands()
+            for w in workers:
+                w.submit(commands)
+            target.on_completions([c for w in workers for c in w.drain(30)])
+
+    for key in keys:  # 2 slots, disk for 4: the disk fills up
+        index.allocate_store("w", [(0, key)])
+        settle()
+    assert [w.disk.used_bytes // (OBJECT_BYTES + 64) for w in workers] == [4, 4]
+    for w in workers:
+        w.close()
+    # a crash mid-spill left one chunk on rank 0 only
+    stray = make_key(99, namespace)
+    stray_tier = DiskTier(tmp_path / "kv", b"L" * 16)
+    stray_tier.write_async(stray.storage_name(0), bytes(OBJECT_BYTES))
+    stray_tier.close()
+    restarted = build_index(config, OBJECT_BYTES, 2, namespace, b"L" * 16)
+    workers = [build_executor(config, rank, OBJECT_BYTES, b"L" * 16, PatternDevice(rank), namespace)
+               for rank in range(2)]
+    assert [w.disk.used_bytes // (OBJECT_BYTES + 64) for w in workers] == [5, 4]  # own files only, stray included
+    settle(restarted)  # the stray is dropped by the first step's commands
+    assert [w.disk.used_bytes // (OBJECT_BYTES + 64) for w in workers] == [4, 4]
+    for i in range(6, 10):  # the disk keeps working after a restart with a full disk
+        restarted.allocate_store("w", [(0, make_key(i, namespace))])
+        settle(restarted)
+    assert restarted.counters["spill_failed"] == 0
+    for w in workers:
+        w.close()
+
+
+def test_a_command_naming_a_slot_outside_the_arena_fails_alone():
+    cluster = Cluster(num_slots=2, object_bytes=OBJECT_BYTES, num_ranks=1)
+    executor = cluster.executors[0]
+    executor.submit([Store(1, make_key(1), 7, "r", 0), Store(2, make_key(2), 1, "r", 1)])
+    done = {c.cmd_id: c for c in executor.drain(10)}
+    assert "arena slot 7 out of range (the arena has 2" in done[1].reason and done[2].ok
+    cluster.close()

@@ -133,6 +133,13 @@ class FakeStore:
         self._maybe_hang()
         return [1 if n in self.objects else 0 for n in names]
 
+    def put(self, name, data):
+        self.objects[name] = bytes(data)
+        return 0
+
+    def get(self, name):
+        return self.objects.get(name, b"")
+
     def batch_remove(self, names):
         return [0 if self.objects.pop(n, None) is not None else -704 for n in names]
 
@@ -155,12 +162,12 @@ def test_hanging_calls_time_out_open_the_circuit_and_recover():
     assert all(r.ok for r in tier.put(["a", "b"], views[:2]))
     store.hang.set()
     start = time.monotonic()
-    assert [r.reason for r in tier.get_into(["a"], views[2:3])] == ["unavailable"]
+    assert tier.exists(["a"]) == [False]  # a call that touches no caller memory is abandoned at the deadline
     assert 0.25 < time.monotonic() - start < 1.5
     assert not tier.healthy() and tier.counters["timeouts"] == 1
     calls = store.calls
     start = time.monotonic()
-    assert tier.exists(["a", "b"]) == [False, False]  # circuit open: answered without calling the client
+    assert [r.reason for r in tier.get_into(["a"], views[2:3])] == ["unavailable"]  # circuit open: no client call
     assert time.monotonic() - start < 0.05 and store.calls == calls and tier.counters["unhealthy_skips"] == 1
     store.hang.clear()
     store.release.set()
@@ -169,6 +176,25 @@ def test_hanging_calls_time_out_open_the_circuit_and_recover():
     assert tier.healthy()
     assert all(r.ok for r in tier.get_into(["a", "b"], views[2:]))
     assert bytes(views[2]) == b"\x09" * 1024
+    tier.close()
+
+
+def test_a_late_get_into_a_slot_is_waited_for_never_abandoned():
+    store = FakeStore({"a": b"\x05" * 1024})
+    tier = _tier(store)
+    slot = np.zeros(1024, dtype=np.uint8)
+    assert tier.register(slot.ctypes.data, slot.nbytes)
+    store.hang.set()
+    answers = []
+    caller = threading.Thread(target=lambda: answers.append(tier.get_into(["a"], [memoryview(slot)])))
+    caller.start()
+    time.sleep(0.6)  # past the deadline: the circuit is open, yet the caller still waits for the client
+    assert caller.is_alive() and not tier.healthy() and tier.counters["timeouts"] == 1
+    assert tier.exists(["a"]) == [False]  # everyone else is answered at once meanwhile
+    store.release.set()
+    caller.join(5)
+    assert [r.reason for r in answers[0]] == ["unavailable"] and tier.counters["late_calls"] == 1
+    assert slot[0] == 5  # the late write landed while the slot was still this command's, not after
     tier.close()
 
 
@@ -228,3 +254,15 @@ def test_a_missing_client_package_is_a_clear_startup_error(monkeypatch):
     monkeypatch.setattr(builtins, "__import__", no_mooncake)
     with pytest.raises(RuntimeError, match="pip install mooncake-transfer-engine-non-cuda"):
         MooncakeTier(MooncakeConfig.from_dict({**MASTER, "local_hostname": "127.0.0.1"}))
+
+
+def test_a_refused_registration_means_copies_not_zero_copy_calls():
+    store = FakeStore({})
+    store.register_buffer = lambda address, size: -1
+    tier = _tier(store)
+    arena = np.full(2048, 3, dtype=np.uint8)
+    assert not tier.register(arena.ctypes.data, arena.nbytes)
+    assert tier.put(["a"], [memoryview(arena[:1024])])[0].ok
+    assert tier.get_into(["a"], [memoryview(arena[1024:])])[0].ok
+    assert tier.counters["copy_ops"] == 2 and tier.counters["zero_copy_ops"] == 0
+    tier.close()

@@ -21,8 +21,9 @@ class Workers:
         ctx = mp.get_context("spawn")
         self.inboxes = [ctx.Queue() for _ in range(RANKS)]
         self.outbox = ctx.Queue()
-        self.procs = [ctx.Process(target=serve_rank, args=(r, config, OBJECT_BYTES, FINGERPRINT, self.inboxes[r],
-                                                             self.outbox), daemon=True) for r in range(RANKS)]
+        self.procs = [ctx.Process(target=serve_rank, daemon=True, args=(r, config, OBJECT_BYTES, FINGERPRINT, NAMESPACE,
+                                                                        self.inboxes[r], self.outbox))
+                      for r in range(RANKS)]
         for proc in self.procs:
             proc.start()
         self.mismatches: set = set()
