@@ -161,6 +161,29 @@ def _slot_sums(arena: HostArena, chunks: int) -> list[int]:
     return [xxhash.xxh3_64_intdigest(arena.slot_view(slot)) for slot in range(chunks)]
 
 
+def _put_then_get(tier: str, executor: StoreExecutor, arena: HostArena, keys: Sequence[ChunkKey],
+                  put: Callable[[int, ChunkKey], Command], get: Callable[[int, ChunkKey], Command],
+                  progress: _Progress, written: Sequence[int],
+                  between: Callable[[], None] = lambda: None) -> tuple[float, float, list, list, str]:
+    """Puts every filled slot through the tier, scrubs the slots, gets them back and compares checksums."""
+    with progress.phase(f"{tier} put", len(keys)) as advance:
+        put_s, put_done = _run(executor, [put(i, k) for i, k in enumerate(keys)], advance)
+    between()
+    for slot in range(len(keys)):
+        arena.slot(slot).zero_()
+    with progress.phase(f"{tier} get", len(keys)) as advance:
+        get_s, get_done = _run(executor, [get(i, k) for i, k in enumerate(keys)], advance)
+    return put_s, get_s, put_done, get_done, _compare(written, _slot_sums(arena, len(keys)))
+
+
+def _tier_bench(tier: str, chunks: int, chunk_bytes: int, timings: tuple[float, float, list, list, str],
+                notes: str) -> TierBench:
+    put_s, get_s, put_done, get_done, check = timings
+    failed = _failed(put_done, get_done)
+    notes += f"; failures: {_reasons(put_done, get_done)}" if failed else ""
+    return TierBench(tier, chunks, chunk_bytes, put_s, get_s, failed, check, notes)
+
+
 def bench_cpu(chunk_bytes: int, chunks: int, progress: _Progress, seed: int = 0) -> TierBench:
     """Store/Load through the index and the executor: host buffers ↔ arena slots."""
     rng = torch.Generator().manual_seed(seed)
@@ -212,21 +235,16 @@ def bench_disk(chunk_bytes: int, chunks: int, progress: _Progress, disk_path: Op
         disk = DiskTier(root, fingerprint, max_pending_bytes=chunks * (chunk_bytes + HEADER_BYTES))
         executor = StoreExecutor(0, arena, disk=disk)
         keys = _keys(chunks, "disk")
-        with progress.phase("disk put", chunks) as advance:
-            put_s, put_done = _run(executor, [Spill(i + 1, k, i) for i, k in enumerate(keys)], advance)
-        cold = _drop_page_cache([disk.file_path(k.storage_name(0)) for k in keys])
-        for slot in range(chunks):
-            arena.slot(slot).zero_()
-        with progress.phase("disk get", chunks) as advance:
-            promotes = [Promote(chunks + i + 1, k, i, Source.DISK) for i, k in enumerate(keys)]
-            get_s, get_done = _run(executor, promotes, advance)
-        check = _compare(written, _slot_sums(arena, chunks))
+        dropped: list[bool] = []
+        timings = _put_then_get(
+            "disk", executor, arena, keys, lambda i, k: Spill(i + 1, k, i),
+            lambda i, k: Promote(chunks + i + 1, k, i, Source.DISK), progress, written,
+            between=lambda: dropped.append(_drop_page_cache([disk.file_path(k.storage_name(0)) for k in keys])))
         for key in keys:
             disk.delete(key.storage_name(0))
         executor.close()
-    notes = f"{root if disk_path else 'temp dir'}; reads {'after dropping the page cache' if cold else 'may be cached'}"
-    notes += f"; failures: {_reasons(put_done, get_done)}" if _failed(put_done, get_done) else ""
-    return TierBench("disk", chunks, chunk_bytes, put_s, get_s, _failed(put_done, get_done), check, notes)
+    reads = "after dropping the page cache" if dropped and dropped[0] else "may be cached"
+    return _tier_bench("disk", chunks, chunk_bytes, timings, f"{root if disk_path else 'temp dir'}; reads {reads}")
 
 
 def bench_mooncake(chunk_bytes: int, chunks: int, progress: _Progress, mooncake: Optional[dict] = None,
@@ -249,20 +267,13 @@ def bench_mooncake(chunk_bytes: int, chunks: int, progress: _Progress, mooncake:
         written = _fill(arena, chunks, seed)
         executor = StoreExecutor(0, arena, remote=tier)
         keys = _keys(chunks, "mooncake")
-        with progress.phase("mooncake put", chunks) as advance:
-            put_s, put_done = _run(executor, [Put(i + 1, k, i) for i, k in enumerate(keys)], advance)
-        for slot in range(chunks):
-            arena.slot(slot).zero_()
-        with progress.phase("mooncake get", chunks) as advance:
-            promotes = [Promote(chunks + i + 1, k, i, Source.REMOTE) for i, k in enumerate(keys)]
-            get_s, get_done = _run(executor, promotes, advance)
-        check = _compare(written, _slot_sums(arena, chunks))
+        timings = _put_then_get("mooncake", executor, arena, keys, lambda i, k: Put(i + 1, k, i),
+                                lambda i, k: Promote(chunks + i + 1, k, i, Source.REMOTE), progress, written)
         zero_copy = tier.counters["zero_copy_ops"] > 0
         tier.delete([k.storage_name(0) for k in keys])
         executor.close()
-    notes = f"{where}, {config.protocol}, {'zero-copy' if zero_copy else 'copy'}"
-    notes += f"; failures: {_reasons(put_done, get_done)}" if _failed(put_done, get_done) else ""
-    return TierBench("mooncake", chunks, chunk_bytes, put_s, get_s, _failed(put_done, get_done), check, notes)
+    return _tier_bench("mooncake", chunks, chunk_bytes, timings,
+                       f"{where}, {config.protocol}, {'zero-copy' if zero_copy else 'copy'}")
 
 
 def run_store_bench(tiers: Sequence[str], chunk_bytes: int, chunks: int, disk_path: Optional[str] = None,

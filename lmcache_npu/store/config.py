@@ -32,6 +32,21 @@ def parse_bytes(key: str, value: Any) -> int:
     return size
 
 
+def parse_section(section: str, schema: type, values: Mapping[str, Any], sizes: tuple[str, ...] = ()) -> dict:
+    """`values` checked against the fields of dataclass `schema`: an unknown key is refused with the valid ones;
+    the `sizes` keys are parsed to bytes. Returns the keyword arguments for `schema`."""
+    valid = tuple(f.name for f in dataclasses.fields(schema))
+    unknown = sorted(set(values) - set(valid))
+    if unknown:
+        raise ValueError(f"unknown {section} config key(s) {', '.join(map(repr, unknown))}; valid keys: "
+                         f"{', '.join(valid)}")
+    parsed = dict(values)
+    for key in sizes:
+        if key in parsed:
+            parsed[key] = parse_bytes(key if section == "store" else f"{section}.{key}", parsed[key])
+    return parsed
+
+
 @dataclass(frozen=True)
 class StoreConfig:
     """Where chunks live. Capacities are per rank: every rank has its own arena and its own disk files."""
@@ -84,14 +99,7 @@ class StoreConfig:
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> "StoreConfig":
         """From the store's keys of `kv_connector_extra_config`; an unknown key is refused with the valid ones."""
-        unknown = sorted(set(values) - set(cls.keys()))
-        if unknown:
-            raise ValueError(f"unknown store config key(s) {', '.join(map(repr, unknown))}; valid keys: "
-                             f"{', '.join(cls.keys())}")
-        parsed = dict(values)
-        for key in cls._SIZES:
-            if key in parsed:
-                parsed[key] = parse_bytes(key, parsed[key])
+        parsed = parse_section("store", cls, values, cls._SIZES)
         if parsed.get("mooncake") is not None and not isinstance(parsed["mooncake"], Mapping):
             raise ValueError(f"mooncake must be an object of Mooncake settings, got {parsed['mooncake']!r}")
         return cls(**parsed)

@@ -15,7 +15,6 @@ tier answers misses without calling the client, then one probe decides whether i
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import re
@@ -29,7 +28,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 import numpy as np
 
-from .config import parse_bytes
+from .config import parse_section
 from .tier import OK, TierCounters, TierResult
 
 logger = logging.getLogger(__name__)
@@ -78,23 +77,12 @@ class MooncakeConfig:
                 raise ValueError(f"mooncake.{key} must be seconds in (0, 3600], got {value!r}")
 
     @classmethod
-    def keys(cls) -> tuple[str, ...]:
-        return tuple(f.name for f in dataclasses.fields(cls))
-
-    @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> "MooncakeConfig":
-        unknown = sorted(set(values) - set(cls.keys()))
-        if unknown:
-            raise ValueError(f"unknown mooncake config key(s) {', '.join(map(repr, unknown))}; valid keys: "
-                             f"{', '.join(cls.keys())}")
+        parsed = parse_section("mooncake", cls, values, ("global_segment_bytes", "local_buffer_bytes"))
         missing = [k for k in ("master", "metadata") if k not in values]
         if missing:
             raise ValueError(f"mooncake config needs {' and '.join(missing)} (e.g. \"master\": \"10.0.0.5:50051\", "
                              f"\"metadata\": \"http://10.0.0.5:8080/metadata\")")
-        parsed = dict(values)
-        for key in ("global_segment_bytes", "local_buffer_bytes"):
-            if key in parsed:
-                parsed[key] = parse_bytes(f"mooncake.{key}", parsed[key])
         return cls(**parsed)
 
     def resolved_hostname(self) -> str:
