@@ -31,9 +31,9 @@ class IndexMachine(RuleBasedStateMachine):
         self.root = tempfile.mkdtemp(prefix="lmcache-npu-index-")
         self.disks = [DiskTier(self.root, b"F" * 16) for _ in range(2)]
         self.remote = None if self.lossless else MemoryRemote()
-        disk_chunks = len(KEYS) if self.lossless else 3
-        self.cluster = Cluster(num_slots=3, object_bytes=OBJECT_BYTES, disks=self.disks, disk_chunks=disk_chunks,
-                               remote=self.remote)
+        disk_chunks = len(KEYS) if self.lossless else 1
+        self.cluster = Cluster(num_slots=3 if self.lossless else 4, object_bytes=OBJECT_BYTES, disks=self.disks,
+                               disk_chunks=disk_chunks, remote=self.remote)
         self.index = self.cluster.index
         self.stored = self.cluster.stored  # chunks whose store completed on every rank
         self.corrupted: set = set()  # chunks whose disk file we damaged: they may be lost, never loaded wrong
@@ -54,9 +54,13 @@ class IndexMachine(RuleBasedStateMachine):
     def step(self):
         self.cluster.step()
 
-    @rule(request=st.sampled_from(REQUESTS), length=st.integers(1, 5), start=st.integers(0, 5))
-    def lookup(self, request, length, start):
-        keys = KEYS[start:start + length]
+    @rule()
+    def settle(self):
+        self.cluster.settle()
+
+    @rule(request=st.sampled_from(REQUESTS), keys=st.lists(st.sampled_from(KEYS), min_size=1, max_size=5,
+                                                           unique=True))
+    def lookup(self, request, keys):
         result = self.index.lookup(request, keys)
         assert result.ready_chunks <= result.hit_chunks <= len(keys)
         for key in keys[:result.ready_chunks]:
@@ -120,4 +124,4 @@ class LossyIndexMachine(IndexMachine):
 TestIndexLossless = IndexMachine.TestCase
 TestIndexLossless.settings = settings(max_examples=60, stateful_step_count=40)
 TestIndexLossy = LossyIndexMachine.TestCase
-TestIndexLossy.settings = settings(max_examples=60, stateful_step_count=40)
+TestIndexLossy.settings = settings(max_examples=200, stateful_step_count=50)
