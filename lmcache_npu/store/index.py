@@ -31,6 +31,7 @@ class SlotState(str, Enum):
     FREE = "free"
     WRITING = "writing"
     READY = "ready"
+    READING = "reading"  # ready and pinned by in-flight loads or puts (reported by `location`, never stored)
 
 
 class DiskState(str, Enum):
@@ -251,7 +252,8 @@ class ChunkIndex:
         entry = self._entries.get(key)
         if entry is None:
             return None, SlotState.FREE, DiskState.NONE
-        return entry.slot, entry.slot_state, entry.disk
+        state = SlotState.READING if entry.slot_state is SlotState.READY and entry.readers else entry.slot_state
+        return entry.slot, state, entry.disk
 
     def check_invariants(self) -> None:
         """Raises AssertionError when the tables disagree (tests call this after every step)."""

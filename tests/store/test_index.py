@@ -97,6 +97,7 @@ def test_pinned_and_reserved_slots_are_never_evicted():
     stores = index.allocate_store("r", [(0, a), (1, b)])
     index.on_completions([Completion(s.cmd_id, 0, True) for s in stores])
     (load,) = index.begin_load("x", [(0, a)])  # a: a load is reading it
+    assert index.location(a)[1] is SlotState.READING
     index.lookup("y", [b])  # b: reserved between lookup and load
     index.take_commands()
     assert index.allocate_store("r", [(2, c)]) == []

@@ -70,7 +70,8 @@ class IndexMachine(RuleBasedStateMachine):
     @precondition(lambda self: any(self.lookups.values()))
     @rule(request=st.sampled_from(REQUESTS))
     def load(self, request):
-        keys = [k for k in self.lookups.pop(request, []) if self.index.location(k)[1] is SlotState.READY]
+        loadable = (SlotState.READY, SlotState.READING)
+        keys = [k for k in self.lookups.pop(request, []) if self.index.location(k)[1] in loadable]
         self.index.begin_load(request, list(enumerate(keys)))
 
     @rule(request=st.sampled_from(REQUESTS))
