@@ -78,6 +78,10 @@ PYBIND11_MODULE(_cuda, m) {
   m.def("stream_write_value32", &WriteValue, "enqueue: *address = value; False if unsupported", py::arg("stream"),
         py::arg("address"), py::arg("value"));
   m.def("multiprocessors", &Multiprocessors, py::arg("device"));
+  m.def(
+      "host_mapped", [](uint64_t address, uint64_t size) { return lmcache_cuda_host_mapped(address, size) == 1; },
+      "True when the host range is page-locked and mapped at the same address (cudaHostAlloc or cudaHostRegister)",
+      py::arg("address"), py::arg("size"));
   m.attr("STATUS_BYTES") = sizeof(LmcacheCudaStatus);
   m.attr("LAYOUT_VERSION") = lmcache_npu::kLayoutVersion;
 }

@@ -204,6 +204,25 @@ extern "C" int lmcache_cuda_multiprocessors(int device, int* count) {
 
 namespace {
 
+bool MappedHostByte(uint64_t address) {
+  cudaPointerAttributes attributes{};
+  if (cudaPointerGetAttributes(&attributes, reinterpret_cast<const void*>(address)) != cudaSuccess) {
+    cudaGetLastError();  // an unknown pointer is an answer, not a sticky error
+    return false;
+  }
+  return attributes.type == cudaMemoryTypeHost &&
+         reinterpret_cast<uint64_t>(attributes.devicePointer) == address;
+}
+
+}  // namespace
+
+extern "C" int lmcache_cuda_host_mapped(uint64_t address, uint64_t size) {
+  if (size == 0) return 0;
+  return MappedHostByte(address) && MappedHostByte(address + size - 1) ? 1 : 0;
+}
+
+namespace {
+
 using StreamValueFn = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
 
 // Driver entry points fetched through the runtime, so the module does not link libcuda.

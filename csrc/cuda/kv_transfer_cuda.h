@@ -51,6 +51,9 @@ enum LmcachePipeline {
 // Returns a cudaError_t value (0 on success). Enqueues a status reset and exactly one kernel.
 int lmcache_cuda_kv_transfer(const LmcacheCudaLaunch* launch);
 int lmcache_cuda_multiprocessors(int device, int* count);
+// 1 when [address, address + size) is page-locked host memory kernels may address with the same pointer
+// (cudaHostAlloc'ed or cudaHostRegister'ed, mapped under unified addressing), else 0.
+int lmcache_cuda_host_mapped(uint64_t address, uint64_t size);
 // Stream memory operations (driver API, fetched through the runtime): 0 on success, -1 if unavailable.
 int lmcache_cuda_stream_wait_value32(uint64_t stream, uint64_t address, uint32_t value);
 int lmcache_cuda_stream_write_value32(uint64_t stream, uint64_t address, uint32_t value);

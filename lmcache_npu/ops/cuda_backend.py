@@ -152,6 +152,11 @@ class CudaBackend(TransferBackend):
         self._staging_plan = weakref.ref(plan)
         return self._staging[:nbytes]
 
+    def _host_mapped(self, obj: torch.Tensor) -> bool:
+        """Page-locked and addressable by kernels: torch's pinned memory, or a cudaHostRegister'ed arena (torch's
+        is_pinned() does not see registrations it did not make)."""
+        return obj.is_pinned() or bool(self._cuda.host_mapped(obj.data_ptr(), obj.numel() * obj.element_size()))
+
     def transfer(self, batch: ChunkBatch) -> TransferStats:
         plan = batch.plan
         device = plan.device
@@ -159,8 +164,9 @@ class CudaBackend(TransferBackend):
             raise ValueError(f"the cuda backend moves CUDA pages; the plan's planes are on {device}")
         path = self.path_for(batch)
         for i, obj in enumerate(batch.objects):
-            if path == "mapped" and not (obj.device.type == "cpu" and obj.is_pinned()):
-                raise ValueError(f"chunk {i}: the mapped path needs pinned host objects (pin_memory=True)")
+            if path == "mapped" and not (obj.device.type == "cpu" and self._host_mapped(obj)):
+                raise ValueError(f"chunk {i}: the mapped path needs pinned host objects (pin_memory=True or "
+                                 f"cudaHostRegister, e.g. the store's host arena)")
             if path == "staging" and obj.device.type != "cpu":
                 raise ValueError(f"chunk {i}: the staging path moves host objects; this one is on {obj.device}")
         staging_path = path == "staging"

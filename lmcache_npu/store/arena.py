@@ -12,6 +12,7 @@ import ctypes
 import logging
 import os
 import platform
+import weakref
 from typing import Optional
 
 import numpy as np
@@ -116,9 +117,21 @@ class HostArena:
     def _allocate(self, total: int) -> torch.Tensor:
         # zeros, not empty: touching every page now puts it on the bound node and keeps stale heap bytes out of stores;
         # one spare page lets the slots start on a page boundary whatever alignment the allocator gives
-        raw = torch.zeros(total + SLOT_ALIGN_BYTES, dtype=torch.uint8, pin_memory=self.pinned)
+        if self.pinned and not torch.cuda.is_available():
+            # torch_npu: its pinned host allocator (power-of-two rounding like CUDA's caching host allocator)
+            rounded = 1 << (total + SLOT_ALIGN_BYTES - 1).bit_length()
+            if rounded > total * 1.05:
+                logger.warning("host arena: the pinned allocator rounds %.2f GiB up to %.2f GiB; a cpu_bytes just "
+                               "under a power of two wastes less", total / 2**30, rounded / 2**30)
+            raw = torch.zeros(total + SLOT_ALIGN_BYTES, dtype=torch.uint8, pin_memory=True)
+        else:
+            raw = torch.zeros(total + SLOT_ALIGN_BYTES, dtype=torch.uint8)
         skip = -raw.data_ptr() % SLOT_ALIGN_BYTES
-        return raw[skip:skip + total]
+        buffer = raw[skip:skip + total]
+        if self.pinned and torch.cuda.is_available():
+            # CUDA: page-lock exactly these bytes (pin_memory=True would round the allocation up to a power of two)
+            _register_with_cuda(self, buffer, raw)
+        return buffer
 
     @classmethod
     def for_capacity(cls, cpu_bytes: int, object_bytes: int, **options: object) -> "HostArena":
@@ -156,6 +169,24 @@ class HostArena:
     def slot_address(self, slot: int) -> int:
         self._check(slot)
         return self.base_address + slot * self.slot_bytes
+
+
+_CUDA_HOST_REGISTER_PORTABLE_MAPPED = 0x01 | 0x02  # every context sees it, and kernels may address it directly
+
+
+def _register_with_cuda(owner: object, buffer: torch.Tensor, raw: torch.Tensor) -> None:
+    """cudaHostRegister the buffer; unregistered when `owner` goes away, before `raw`'s memory is freed."""
+    cudart = torch.cuda.cudart()
+    error = cudart.cudaHostRegister(buffer.data_ptr(), buffer.numel(), _CUDA_HOST_REGISTER_PORTABLE_MAPPED)
+    if int(error) != 0:
+        raise MemoryError(f"cudaHostRegister of a {buffer.numel() / 2**30:.2f} GiB host arena failed (CUDA error "
+                          f"{int(error)}); lower cpu_bytes or raise the locked-memory limit (ulimit -l)")
+    weakref.finalize(owner, _unregister_with_cuda, buffer.data_ptr(), raw)
+
+
+def _unregister_with_cuda(address: int, raw: torch.Tensor) -> None:
+    torch.cuda.cudart().cudaHostUnregister(address)
+    del raw  # the memory goes only after it is unregistered
 
 
 def slots_for_capacity(cpu_bytes: int, object_bytes: int) -> int:
