@@ -205,8 +205,8 @@ def bench_cpu(chunk_bytes: int, chunks: int, progress: _Progress, seed: int = 0)
     loaded_ok = ready == chunks and all(torch.equal(a, b) for a, b in zip(sources, sinks))
     check = "ok" if loaded_ok else f"{ready} of {chunks} chunks ready, or loaded bytes differ"
     executor.close()
-    return TierBench("cpu", chunks, chunk_bytes, put_s, get_s, _failed(put_done, get_done), check,
-                     f"{'pinned' if arena.pinned else 'pageable'} arena")
+    return _tier_bench("cpu", chunks, chunk_bytes, (put_s, get_s, put_done, get_done, check),
+                       f"{'pinned' if arena.pinned else 'pageable'} arena")
 
 
 def _drop_page_cache(paths: Sequence[str]) -> bool:

@@ -97,7 +97,7 @@ def pack_pinned(parts: Sequence[np.ndarray]) -> tuple[torch.Tensor, list[int]]:
     return host, [int(o) for o in offsets[:-1]]
 
 
-def _npu_available() -> bool:
+def npu_available() -> bool:
     if importlib.util.find_spec("torch_npu") is None:
         return False
     import torch_npu  # noqa: F401  (registers torch.npu)
@@ -112,7 +112,7 @@ def _cuda_available() -> bool:
 def get_backend(name: str = "auto", **options: object) -> TransferBackend:
     """Returns a backend by name: torch, emu, npu, cuda or auto (npu > cuda > emu > torch)."""
     if name == "auto":
-        if _npu_available():
+        if npu_available():
             name = "npu"
         elif _cuda_available():
             name = "cuda"

@@ -18,6 +18,9 @@ from typing import Optional
 import numpy as np
 import torch
 
+from ..ops.backend import npu_available
+from ..ops.plan import align_up
+
 logger = logging.getLogger(__name__)
 
 SLOT_ALIGN_BYTES = 4096  # page-aligned slots: DMA engines and O_DIRECT-style readers like whole pages
@@ -27,21 +30,9 @@ _MPOL_BIND = 2
 _SET_MEMPOLICY_SYSCALL = {"x86_64": 238, "aarch64": 237}
 
 
-def align_up(value: int, alignment: int) -> int:
-    return (value + alignment - 1) // alignment * alignment
-
-
 def accelerator_present() -> bool:
     """True when a CUDA GPU or an Ascend NPU can page-lock host memory for this process."""
-    if torch.cuda.is_available():
-        return True
-    import importlib.util
-
-    if importlib.util.find_spec("torch_npu") is None:
-        return False
-    import torch_npu  # noqa: F401  (registers torch.npu)
-
-    return bool(torch.npu.is_available())
+    return torch.cuda.is_available() or npu_available()
 
 
 def numa_nodes() -> list[int]:
@@ -157,9 +148,7 @@ class HostArena:
 
     def slot_view(self, slot: int) -> memoryview:
         """The same bytes as a writable memoryview (what the disk and Mooncake tiers read and write)."""
-        self._check(slot)
-        start = slot * self.slot_bytes
-        return memoryview(self._numpy[start:start + self.object_bytes])
+        return memoryview(self.slot_array(slot))
 
     def slot_array(self, slot: int) -> np.ndarray:
         self._check(slot)

@@ -233,11 +233,13 @@ def _scan_file(path: str, name: str, fan: str, fingerprint: bytes, found: TierCo
 
 
 def scan_disk_directory(path: str | os.PathLike[str], layout_fingerprint: bytes,
-                        counters: Optional[TierCounters] = None) -> list[DiskEntry]:
+                        counters: Optional[TierCounters] = None,
+                        owns: Optional[Callable[[str], bool]] = None) -> list[DiskEntry]:
     """What a restart finds under `path`, oldest first; removes invalid files and crash leftovers on the way.
 
-    `counters`, when given, receives "corrupt" (invalid files removed), "foreign" (another layout's files skipped),
-    "temp_removed" and "io_errors"."""
+    `owns(name)`, when given, limits the scan to those names: files of other ranks or models sharing the directory
+    are neither opened nor judged (their owners scan them). `counters`, when given, receives "corrupt" (invalid files
+    removed), "foreign" (another layout's files skipped), "temp_removed" and "io_errors"."""
     _check_fingerprint(layout_fingerprint)
     root = os.fspath(path)
     os.makedirs(root, mode=0o700, exist_ok=True)
@@ -260,7 +262,7 @@ def scan_disk_directory(path: str | os.PathLike[str], layout_fingerprint: bytes,
                     logger.warning("disk tier: cannot remove leftover %s (%s)", item.path, error)
                 continue
             name = item.name[:-len(_FILE_SUFFIX)]
-            if item.name.endswith(_FILE_SUFFIX) and _NAME_PATTERN.fullmatch(name):
+            if item.name.endswith(_FILE_SUFFIX) and _NAME_PATTERN.fullmatch(name) and (owns is None or owns(name)):
                 entry = _scan_file(item.path, name, fan_dir.name, layout_fingerprint, found)
                 if entry is not None:
                     entries.append(entry)
@@ -316,9 +318,8 @@ class DiskTier:
         self._stopping = False
         self._disk_full = False  # so a full disk logs one warning, not one per write
         self._temp_seq = itertools.count()
-        entries = scan_disk_directory(self._root, self._fingerprint, self.counters)
-        self._on_disk: dict[str, int] = {e.name: HEADER_BYTES + e.payload_bytes for e in entries
-                                         if owns is None or owns(e.name)}
+        entries = scan_disk_directory(self._root, self._fingerprint, self.counters, owns)
+        self._on_disk: dict[str, int] = {e.name: HEADER_BYTES + e.payload_bytes for e in entries}
         self._used = sum(self._on_disk.values())
         self._threads = [threading.Thread(target=self._run_writer, name=f"lmcache-npu-disk-writer-{i}", daemon=True)
                          for i in range(writer_threads)]

@@ -19,7 +19,7 @@ import torch
 
 from .arena import HostArena
 from .commands import Command, Completion, Drop, Load, Promote, Put, Source, Spill, Store
-from .tier import TierResult
+from .tier import OK, TierResult
 
 logger = logging.getLogger(__name__)
 
@@ -173,15 +173,15 @@ class StoreExecutor:
         if command.tier is Source.DISK:
             if self.disk is not None:
                 self.disk.delete(name)
-            self._report(command.cmd_id, TierResult(True))
+            self._report(command.cmd_id, OK)
         elif self.remote is None:
-            self._report(command.cmd_id, TierResult(True))
+            self._report(command.cmd_id, OK)
         else:
             self._io.submit(self._guarded, command.cmd_id, self._drop_remote, name)
 
     def _drop_remote(self, name: str) -> TierResult:
         self.remote.delete([name])
-        return TierResult(True)
+        return OK
 
     def _promote_from_disk(self, command: Promote) -> TierResult:
         if self.disk is None:

@@ -26,12 +26,12 @@ def disk_keys_on_every_rank(path: str, layout_fingerprint: bytes, namespace: str
     restarted scheduler adopts), and those only some ranks have (a crash mid-spill: useless, to be dropped)."""
     newest: dict[ChunkKey, float] = {}
     ranks: dict[ChunkKey, set[int]] = {}
-    for entry in scan_disk_directory(path, layout_fingerprint):
+    for entry in scan_disk_directory(path, layout_fingerprint, owns=lambda name: name.startswith(namespace + "-")):
         try:
             key, rank = ChunkKey.from_storage_name(entry.name)
         except ValueError:
             continue
-        if key.namespace != namespace or rank >= num_ranks:
+        if rank >= num_ranks:
             continue
         ranks.setdefault(key, set()).add(rank)
         newest[key] = max(newest.get(key, 0.0), entry.mtime)
@@ -89,8 +89,7 @@ def build_executor(config: StoreConfig, rank: int, object_bytes: int, layout_fin
                    mover: Optional[DeviceMover], namespace: Optional[str] = None) -> StoreExecutor:
     """One rank's arena, tiers and executor; closing the executor closes the tiers. The disk tier counts only
     this rank's files of `namespace` (every file of this rank when None) against `disk_bytes`."""
-    arena = HostArena(slots_for_capacity(config.cpu_bytes, object_bytes), object_bytes, pinned=config.pinned,
-                      numa_node=config.numa_node)
+    arena = HostArena.for_capacity(config.cpu_bytes, object_bytes, pinned=config.pinned, numa_node=config.numa_node)
     disk = None
     if config.disk_path is not None:
         suffix = f"-r{rank}"

@@ -19,6 +19,7 @@ from enum import Enum
 from typing import Callable, Iterable, Optional, Sequence
 
 from .commands import Command, Completion, Drop, Load, Promote, Put, Source, Spill, Store
+from .disk import HEADER_BYTES
 from .keys import ChunkKey
 from .tier import TierCounters
 
@@ -318,7 +319,7 @@ class ChunkIndex:
     def _evict(self, entry: _Entry) -> int:
         slot = entry.slot
         assert slot is not None
-        del self._arena_lru[entry.key]
+        self._detach_slot(entry)
         if self.disk_chunks and entry.disk is DiskState.NONE:
             if self._make_disk_room():
                 entry.disk = DiskState.WRITING
@@ -329,9 +330,6 @@ class ChunkIndex:
                 self.counters.add("evicted_lost")
         elif entry.disk is DiskState.NONE:
             self.counters.add("evicted_lost")
-        entry.slot = None
-        entry.slot_state = SlotState.FREE
-        self._slot_owner[slot] = None
         self.counters.add("evictions")
         self._forget_if_empty(entry)
         return slot
@@ -372,14 +370,18 @@ class ChunkIndex:
         self.counters.add(f"promotions_{source.value}")
         return True
 
-    def _release_slot(self, entry: _Entry) -> None:
-        slot = entry.slot
-        assert slot is not None
+    def _detach_slot(self, entry: _Entry) -> None:
+        """The entry no longer holds its slot; the caller reuses the slot or frees it."""
+        assert entry.slot is not None
         self._arena_lru.pop(entry.key, None)
+        self._slot_owner[entry.slot] = None
         entry.slot = None
         entry.slot_state = SlotState.FREE
-        self._slot_owner[slot] = None
-        self._free_slots.append(slot)
+
+    def _release_slot(self, entry: _Entry) -> None:
+        slot = entry.slot
+        self._detach_slot(entry)
+        self._free_slots.append(slot)  # type: ignore[arg-type]
 
     def _forget_if_empty(self, entry: _Entry) -> None:
         if not entry.has_copy and not entry.pinned and self._entries.get(entry.key) is entry:
@@ -428,6 +430,6 @@ class ChunkIndex:
             self._release_slot(entry)
 
 
-def disk_chunks_for_capacity(disk_bytes: int, object_bytes: int, header_bytes: int = 64) -> int:
+def disk_chunks_for_capacity(disk_bytes: int, object_bytes: int, header_bytes: int = HEADER_BYTES) -> int:
     """How many chunk files `disk_bytes` (per rank) holds."""
     return max(0, disk_bytes // (object_bytes + header_bytes))

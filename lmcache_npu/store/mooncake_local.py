@@ -126,10 +126,15 @@ class LocalMooncakeMaster:
             return ""
 
 
+def _ip_binary() -> Optional[str]:
+    """iproute2's ip(8): on PATH, or in /usr/sbin, which a non-root PATH often lacks."""
+    return shutil.which("ip") or ("/usr/sbin/ip" if os.path.exists("/usr/sbin/ip") else None)
+
+
 def netns_available() -> tuple[bool, str]:
     """Whether this process may run commands in a fresh loopback-only network namespace, and why not."""
     unshare = shutil.which("unshare")
-    ip = shutil.which("ip") or ("/usr/sbin/ip" if os.path.exists("/usr/sbin/ip") else None)
+    ip = _ip_binary()
     if unshare is None or ip is None:
         return False, "unshare(1) or ip(8) is not installed (util-linux, iproute2)"
     try:
@@ -145,7 +150,7 @@ def netns_available() -> tuple[bool, str]:
 def run_in_loopback_netns(argv: Sequence[str], env: Optional[Mapping[str, str]] = None,
                           timeout: float = 300.0) -> subprocess.CompletedProcess:
     """Runs `argv` inside a new network namespace with only `lo` up and MC_TCP_BIND_ADDRESS=127.0.0.1."""
-    ip = shutil.which("ip") or "/usr/sbin/ip"
+    ip = _ip_binary() or "ip"
     script = f'{ip} link set lo up && exec "$@"'
     child_env = dict(os.environ if env is None else env, MC_TCP_BIND_ADDRESS=LOOPBACK)
     return subprocess.run(["unshare", "-n", "sh", "-c", script, "sh", *argv], env=child_env, capture_output=True,

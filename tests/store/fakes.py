@@ -13,6 +13,7 @@ import torch
 from lmcache_npu.store.arena import HostArena
 from lmcache_npu.store.commands import Command, Completion, Load, Store
 from lmcache_npu.store.executor import Report, StoreExecutor
+from lmcache_npu.store.factory import remote_exists_for
 from lmcache_npu.store.index import ChunkIndex
 from lmcache_npu.store.keys import ChunkKey
 from lmcache_npu.store.tier import OK, TierCounters, TierResult
@@ -104,12 +105,7 @@ class Cluster:
                           disk=None if disks is None else disks[rank], remote=remote, io_threads=2)
             for rank in range(num_ranks)
         ]
-        remote_exists = None
-        if remote is not None:
-            def remote_exists(keys: Sequence[ChunkKey]) -> list[bool]:
-                names = [[k.storage_name(r) for r in range(num_ranks)] for k in keys]
-                flat = remote.exists([n for per_key in names for n in per_key])
-                return [all(flat[i * num_ranks:(i + 1) * num_ranks]) for i in range(len(keys))]
+        remote_exists = None if remote is None else remote_exists_for(remote, num_ranks)
         self.index = ChunkIndex(num_slots, num_ranks, disk_chunks=disk_chunks, remote_exists=remote_exists)
         self.issued: list[Command] = []
         self.stored: set[ChunkKey] = set()  # chunks whose store completed on every rank
