@@ -2,6 +2,17 @@ import os
 
 from hypothesis import HealthCheck, settings
 
+# vLLM on this machine's CPU keeps the hybrid KV-cache manager on only with its CPU platform; it must be chosen
+# before any test module imports vLLM (tests/integration/vllm_cpu.py does the same when run on its own).
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+try:
+    import vllm.platforms as _platforms
+    from vllm.platforms.cpu import CpuPlatform
+
+    _platforms._current_platform = CpuPlatform()
+except ImportError:  # the suites that need vLLM skip or fail on their own
+    pass
+
 settings.register_profile(
     "ci",
     max_examples=int(os.environ.get("LMCACHE_NPU_HYPOTHESIS_EXAMPLES", "150")),

@@ -20,6 +20,7 @@ from .specs import NEVER_REUSED, LayerSpec, SpecKind, is_compressor_state_layer,
 
 logger = logging.getLogger(__name__)
 
+DEFAULT_CHUNK_TOKENS = 256
 # Nothing by default: state windows are never stored whole, but the boundary rows an exact restore reads are.
 DEFAULT_SKIP_SPEC_KINDS: tuple[str, ...] = ()
 
@@ -80,6 +81,17 @@ class LayoutGroup:
     planes: tuple[PlaneInfo, ...]
     exact_restore: bool = True
     chunk_tokens: int = 0
+
+    @property
+    def keeps_blocks(self) -> bool:
+        """vLLM keeps this group's blocks until the request ends (full attention, MLA); the other kinds free blocks
+        that fall out of their window, or overwrite a recurrent state block, as the request advances."""
+        return self.kind in (SpecKind.FULL_ATTENTION, SpecKind.MLA)
+
+    @property
+    def windowed(self) -> bool:
+        """Blocks are freed once they fall out of `sliding_window` tokens behind the next token."""
+        return self.kind in (SpecKind.SLIDING_WINDOW, SpecKind.SLIDING_WINDOW_MLA, SpecKind.COMPRESSOR_STATE)
 
     @property
     def stored(self) -> str:
@@ -302,13 +314,18 @@ def _planes(components: Sequence[Component], drafts: Sequence[_Draft], plan_inde
     return planes, infos
 
 
+def _granularity(s: LayerSpec) -> int:
+    """Tokens per stored row (a mamba state covers its block); packed fp8 rows move as whole blocks."""
+    return s.compress_ratio if s.rows_are_tokens else s.tokens_per_block
+
+
 def _finish_group(gi: int, d: _Draft, chunk_tokens: int, infos: Sequence[PlaneInfo]) -> LayoutGroup:
     """Checks the chunk against the group's granularity and fixes what each chunk stores of it."""
     s = d.specs[0]
     where = (f"group {gi} ({s.spec_class}, scheduler group {d.scheduler_group}, "
              f"layers {[x.layer for x in d.specs][:3]})")
     recurrent = s.kind == SpecKind.MAMBA
-    granularity = s.compress_ratio if s.rows_are_tokens else s.tokens_per_block
+    granularity = _granularity(s)
     stored = chunk_tokens if d.stored_window is None else min(chunk_tokens, d.stored_window)
     if not d.skipped and chunk_tokens % granularity:
         unit = ("one state per block" if recurrent else "one compressed row per ratio tokens" if s.rows_are_tokens
@@ -327,15 +344,42 @@ def _finish_group(gi: int, d: _Draft, chunk_tokens: int, infos: Sequence[PlaneIn
         exact_restore=d.exact_restore, chunk_tokens=chunk_tokens)
 
 
-def discover_layout(kv_cache_config: Any, kv_caches: Mapping[str, KVValue],
-                    policy: Optional[LayoutPolicy] = None) -> KVLayout:
-    """Validates what vLLM handed the connector and plans every non-skipped group's chunk rows."""
-    policy = policy or LayoutPolicy()
+def _decided_drafts(kv_cache_config: Any, policy: LayoutPolicy) -> tuple[list[_Draft], dict[str, LayerSpec]]:
     if not kv_cache_config.kv_cache_groups:
         raise ValueError("the KV-cache config has no groups: an attention-free model has no KV cache to offload")
     drafts, layer_specs = _draft_groups(kv_cache_config)
     for d in drafts:
         _decide(d, policy, layer_specs)
+    return drafts, layer_specs
+
+
+def token_granularity(kv_cache_config: Any, policy: Optional[LayoutPolicy] = None) -> int:
+    """The smallest chunk every stored group can take, from the specs alone: the LCM of each group's token
+    granularity (one compressed row, one packed block, one recurrent state) and of its stored window's."""
+    drafts, _ = _decided_drafts(kv_cache_config, policy or LayoutPolicy())
+    unit = 1
+    for d in drafts:
+        if d.skipped:
+            continue
+        granularity = _granularity(d.specs[0])
+        unit = math.lcm(unit, granularity)
+        if d.stored_window is not None and d.stored_window % granularity:
+            raise ValueError(f"layers {[x.layer for x in d.specs][:3]}: the stored window of {d.stored_window} "
+                             f"tokens is not a multiple of the group's token granularity {granularity}")
+    return unit
+
+
+def default_chunk_tokens(granularity: int, hash_block_size: int = 1, target: int = DEFAULT_CHUNK_TOKENS) -> int:
+    """The smallest multiple of the group granularity and vLLM's hash block that holds `target` tokens."""
+    unit = math.lcm(granularity, hash_block_size)
+    return unit * max(1, -(-target // unit))
+
+
+def discover_layout(kv_cache_config: Any, kv_caches: Mapping[str, KVValue],
+                    policy: Optional[LayoutPolicy] = None) -> KVLayout:
+    """Validates what vLLM handed the connector and plans every non-skipped group's chunk rows."""
+    policy = policy or LayoutPolicy()
+    drafts, layer_specs = _decided_drafts(kv_cache_config, policy)
     missing = [n for n in layer_specs if n not in kv_caches]
     if missing:
         raise ValueError(f"layers {missing[:5]} are in the KV-cache config but register_kv_caches gave no tensor")

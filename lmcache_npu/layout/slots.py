@@ -4,6 +4,9 @@ For chunk c of a plan group, stored row r is the token `t = c * chunk_tokens + (
 + r * compress_ratio` (the tail of the chunk), found in logical block `t // tokens_per_block` at row
 `(t % tokens_per_block) // compress_ratio`. A recurrent group stores one row, the state after the chunk's
 last token, which this formula lands on because its stored tail is one whole block.
+
+A block table may be a window of the request's table: `first_block` names the logical block of its first id, so
+a transfer needs only the ids its chunks touch (`stored_block_span`).
 """
 
 from __future__ import annotations
@@ -15,30 +18,46 @@ import numpy as np
 from ..ops import SKIP_SLOT
 from .discovery import KVLayout, LayoutGroup
 
+BlockIds = Union[Sequence[int], np.ndarray]
 
-def chunk_slots(group: LayoutGroup, chunk_tokens: int, block_ids: Union[Sequence[int], np.ndarray],
-                chunks: Union[Sequence[int], np.ndarray], null_block: Optional[int] = 0) -> np.ndarray:
-    """(len(chunks), rows_per_chunk) slots of `chunks` (chunk indices in the request) for one plan group.
 
-    `block_ids` is the scheduler group's block table for the request; a row in a missing block or in the
-    null block (vLLM frees sliding-window blocks to block 0) gets -1, which a store writes as zeros and a
-    load leaves alone.
-    """
-    table = np.asarray(block_ids, dtype=np.int64)
+def row_tokens(group: LayoutGroup, chunk_tokens: int, chunks: BlockIds) -> np.ndarray:
+    """(len(chunks), rows_per_chunk): the first token each stored row covers."""
     index = np.asarray(chunks, dtype=np.int64).reshape(-1, 1)
     rows = np.arange(group.rows_per_chunk, dtype=np.int64).reshape(1, -1)
-    tokens = index * chunk_tokens + (chunk_tokens - group.stored_tokens) + rows * group.compress_ratio
-    logical = tokens // group.tokens_per_block
+    return index * chunk_tokens + (chunk_tokens - group.stored_tokens) + rows * group.compress_ratio
+
+
+def stored_block_span(group: LayoutGroup, chunk_tokens: int, first_chunk: int, end_chunk: int) -> tuple[int, int]:
+    """(first, end) logical blocks that hold the stored rows of chunks [first_chunk, end_chunk) (end exclusive)."""
+    if group.skipped or end_chunk <= first_chunk:
+        return 0, 0
+    first_token = first_chunk * chunk_tokens + (chunk_tokens - group.stored_tokens)
+    last_token = end_chunk * chunk_tokens - group.compress_ratio  # first token of the last stored row
+    return first_token // group.tokens_per_block, last_token // group.tokens_per_block + 1
+
+
+def chunk_slots(group: LayoutGroup, chunk_tokens: int, block_ids: BlockIds, chunks: BlockIds,
+                null_block: Optional[int] = 0, first_block: int = 0) -> np.ndarray:
+    """(len(chunks), rows_per_chunk) slots of `chunks` (chunk indices in the request) for one plan group.
+
+    `block_ids` is the scheduler group's block table for the request, or a window of it starting at logical block
+    `first_block`; a row in a block outside it or in the null block (vLLM frees sliding-window blocks to block 0)
+    gets -1, which a store writes as zeros and a load leaves alone.
+    """
+    table = np.asarray(block_ids, dtype=np.int64)
+    tokens = row_tokens(group, chunk_tokens, chunks)
+    logical = tokens // group.tokens_per_block - first_block
     within = (tokens % group.tokens_per_block) // group.compress_ratio
-    present = logical < table.size
-    physical = np.where(present, table[np.minimum(logical, max(table.size - 1, 0))] if table.size else -1, -1)
+    present = (logical >= 0) & (logical < table.size)
+    physical = np.where(present, table[np.clip(logical, 0, max(table.size - 1, 0))] if table.size else -1, -1)
     if null_block is not None:
         present &= physical != null_block
     return np.where(present & (physical >= 0), physical * group.rows_per_block + within, SKIP_SLOT)
 
 
-def layout_slots(layout: KVLayout, block_tables: Sequence[Union[Sequence[int], np.ndarray]],
-                 chunks: Union[Sequence[int], np.ndarray], null_block: Optional[int] = 0) -> list[Optional[np.ndarray]]:
+def layout_slots(layout: KVLayout, block_tables: Sequence[BlockIds], chunks: BlockIds,
+                 null_block: Optional[int] = 0) -> list[Optional[np.ndarray]]:
     """Slots of every plan group (None for skipped groups) from one block table per scheduler group."""
     out: list[Optional[np.ndarray]] = []
     for g in layout.groups:

@@ -7,7 +7,7 @@ import importlib.util
 import logging
 import weakref
 from dataclasses import dataclass
-from typing import Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -42,8 +42,13 @@ class TransferBackend(abc.ABC):
     name: str = ""
 
     @abc.abstractmethod
-    def transfer(self, batch: ChunkBatch) -> TransferStats:
-        """Runs one validated batch; raises before touching memory if the backend cannot run it."""
+    def transfer(self, batch: ChunkBatch, after_kernel: Optional[Callable[[], None]] = None) -> TransferStats:
+        """Runs one validated batch; raises before touching memory if the backend cannot run it.
+
+        `after_kernel` is called once the kernel is done with the pages: device backends call it right after the
+        launch on the current stream (an event recorded there completes when every page row has been read or
+        written, before the host copy of the staging buffer ends), host backends once the copy has finished. The
+        connector uses it to let the model overwrite pages as early as possible."""
 
     def store(
         self,
@@ -109,37 +114,47 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available() and importlib.util.find_spec("lmcache_npu._cuda") is not None
 
 
-def get_backend(name: str = "auto", **options: object) -> TransferBackend:
-    """Returns a backend by name: torch, emu, npu, cuda or auto (npu > cuda > emu > torch)."""
-    if name == "auto":
-        if npu_available():
-            name = "npu"
-        elif _cuda_available():
-            name = "cuda"
-        elif importlib.util.find_spec("lmcache_npu._emu") is not None:
-            name = "emu"
-        else:
-            name = "torch"
-        logger.info("auto-selected the %s transfer backend", name)
+def backend_class(name: str) -> type[TransferBackend]:
+    """The class behind a backend name (not "auto"); importing it loads no native module."""
     if name == "torch":
         from .torch_backend import TorchBackend
 
-        return TorchBackend(**options)  # type: ignore[arg-type]
+        return TorchBackend
     if name == "emu":
         from .emu_backend import EmuBackend
 
-        return EmuBackend(**options)  # type: ignore[arg-type]
+        return EmuBackend
     if name == "npu":
         from .npu_backend import NpuBackend
 
-        return NpuBackend(**options)  # type: ignore[arg-type]
+        return NpuBackend
     if name == "cuda":
-        if not _cuda_available():
-            raise BackendUnavailable(
-                "the cuda backend needs lmcache_npu._cuda (built at install time when nvcc and a CUDA build of "
-                "torch are present, or with LMCACHE_NPU_CUDA=1) and a visible CUDA device"
-            )
         from .cuda_backend import CudaBackend
 
-        return CudaBackend(**options)  # type: ignore[arg-type]
+        return CudaBackend
     raise ValueError(f"unknown transfer backend {name!r}; expected one of {', '.join(BACKEND_NAMES)}")
+
+
+def auto_backend_name() -> str:
+    """The backend this machine runs best: npu > cuda > emu > torch."""
+    if npu_available():
+        return "npu"
+    if _cuda_available():
+        return "cuda"
+    if importlib.util.find_spec("lmcache_npu._emu") is not None:
+        return "emu"
+    return "torch"
+
+
+def get_backend(name: str = "auto", **options: object) -> TransferBackend:
+    """Returns a backend by name: torch, emu, npu, cuda or auto (npu > cuda > emu > torch)."""
+    if name == "auto":
+        name = auto_backend_name()
+        logger.info("auto-selected the %s transfer backend", name)
+    cls = backend_class(name)
+    if name == "cuda" and not _cuda_available():
+        raise BackendUnavailable(
+            "the cuda backend needs lmcache_npu._cuda (built at install time when nvcc and a CUDA build of "
+            "torch are present, or with LMCACHE_NPU_CUDA=1) and a visible CUDA device"
+        )
+    return cls(**options)  # type: ignore[arg-type]

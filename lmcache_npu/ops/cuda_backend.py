@@ -14,7 +14,7 @@ import logging
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -157,7 +157,7 @@ class CudaBackend(TransferBackend):
         is_pinned() does not see registrations it did not make)."""
         return obj.is_pinned() or bool(self._cuda.host_mapped(obj.data_ptr(), obj.numel() * obj.element_size()))
 
-    def transfer(self, batch: ChunkBatch) -> TransferStats:
+    def transfer(self, batch: ChunkBatch, after_kernel: Optional[Callable[[], None]] = None) -> TransferStats:
         plan = batch.plan
         device = plan.device
         if device.type != "cuda":
@@ -215,6 +215,8 @@ class CudaBackend(TransferBackend):
             epoch=self._epoch, pipeline=pipeline,
         )
         end.record(stream)
+        if after_kernel is not None:
+            after_kernel()  # in stream order after the kernel: the pages are free once it completes
         if staging_path and batch.direction == Direction.STORE:
             if pipelined:
                 self._copy_slices(batch, order, stream, ready, flags, to_device=False)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -79,7 +79,7 @@ class EmuBackend(TransferBackend):
         self.order = order
         self.seed = seed
 
-    def transfer(self, batch: ChunkBatch) -> TransferStats:
+    def transfer(self, batch: ChunkBatch, after_kernel: Optional[Callable[[], None]] = None) -> TransferStats:
         plan = batch.plan
         if plan.device.type != "cpu" or any(o.device.type != "cpu" for o in batch.objects):
             raise ValueError("the emu backend runs on host memory: planes and chunk objects must be CPU tensors")
@@ -121,6 +121,8 @@ class EmuBackend(TransferBackend):
             regions=regions,
         )
         seconds = time.perf_counter() - start
+        if after_kernel is not None:
+            after_kernel()
         verify_kernel_report(batch, int(status["items_done"].sum()), int(status["items_rejected"].sum()),
                              int(status["bytes_moved"].sum()))
         return TransferStats(

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -58,7 +58,7 @@ class NpuBackend(TransferBackend):
         logger.info("npu backend on %s: %d vector cores, %d B UB, tile %d B", info["soc"], self.cores,
                     self.soc.ub_bytes, self.tiling["tile_bytes"])
 
-    def transfer(self, batch: ChunkBatch) -> TransferStats:
+    def transfer(self, batch: ChunkBatch, after_kernel: Optional[Callable[[], None]] = None) -> TransferStats:
         plan = batch.plan
         device = plan.device
         if device.type != "npu":
@@ -90,6 +90,8 @@ class NpuBackend(TransferBackend):
             direction=int(batch.direction), tile_bytes=self.tiling["tile_bytes"],
             zero_tile_bytes=self.tiling["zero_tile_bytes"],
         )
+        if after_kernel is not None:
+            after_kernel()  # in stream order after the kernel: the pages are free once it completes
         if staging is not None and batch.direction == Direction.STORE:
             for c, obj in enumerate(batch.objects):
                 obj[: plan.object_bytes].copy_(staging[c], non_blocking=True)

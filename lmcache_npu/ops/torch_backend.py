@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from typing import Callable, Optional
 
 import torch
 
@@ -27,7 +28,7 @@ def row_view(plane: Plane) -> torch.Tensor:
 class TorchBackend(TransferBackend):
     name = "torch"
 
-    def transfer(self, batch: ChunkBatch) -> TransferStats:
+    def transfer(self, batch: ChunkBatch, after_kernel: Optional[Callable[[], None]] = None) -> TransferStats:
         plan = batch.plan
         start = time.perf_counter()
         for plane, offset in zip(plan.moved_planes, plan.object_offsets):
@@ -51,7 +52,9 @@ class TorchBackend(TransferBackend):
                     src = obj[segment].view(rows, plane.row_bytes).to(plane.pages.device)[keep]
                     view[blocks[c][keep], within[c][keep]] = src.reshape((src.shape[0],) + tuple(view.shape[2:]))
         if plan.device.type == "cuda":
-            torch.cuda.synchronize(plan.device)
+            torch.cuda.current_stream(plan.device).synchronize()
+        if after_kernel is not None:
+            after_kernel()
         return TransferStats(
             backend=self.name,
             direction=batch.direction,

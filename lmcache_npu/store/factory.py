@@ -52,9 +52,10 @@ def remote_exists_for(client: Any, num_ranks: int):
 
 
 def build_index(config: StoreConfig, object_bytes: int, num_ranks: int, namespace: str, layout_fingerprint: bytes,
-                remote_client: Optional[Any] = None) -> ChunkIndex:
+                remote_client: Optional[Any] = None, num_slots: Optional[int] = None) -> ChunkIndex:
     """The scheduler's index; with a disk tier it adopts what a previous run left on disk. `remote_client` (a
-    `MooncakeTier` the scheduler owns, only for existence checks) is built from the config when not given."""
+    `MooncakeTier` the scheduler owns, only for existence checks) is built from the config when not given.
+    `num_slots` caps the arena slots the index hands out (the smallest arena any rank reported)."""
     disk_chunks = 0
     if config.disk_path is not None:
         disk_chunks = disk_chunks_for_capacity(config.disk_bytes, object_bytes, HEADER_BYTES)
@@ -65,7 +66,8 @@ def build_index(config: StoreConfig, object_bytes: int, num_ranks: int, namespac
         if remote_client is None:
             remote_client = scheduler_mooncake_client(config)
         remote_exists = remote_exists_for(remote_client, num_ranks)
-    index = ChunkIndex(slots_for_capacity(config.cpu_bytes, object_bytes), num_ranks, disk_chunks=disk_chunks,
+    slots = slots_for_capacity(config.cpu_bytes, object_bytes)
+    index = ChunkIndex(slots if num_slots is None else min(slots, num_slots), num_ranks, disk_chunks=disk_chunks,
                        remote_exists=remote_exists, put_to_remote=config.put_to_remote)
     if config.disk_path is not None:
         complete, partial = disk_keys_on_every_rank(config.disk_path, layout_fingerprint, namespace, num_ranks)

@@ -72,10 +72,12 @@ class _Pending:
 @dataclass(frozen=True)
 class LookupResult:
     """`hit_chunks`: the longest prefix present in some tier (being promoted or stored counts); `ready_chunks`:
-    the prefix loadable from the arena now. `pending` means the caller should ask again after promotions land."""
+    the prefix loadable from the arena now. `pending` means the caller should ask again after promotions land.
+    `sources` names, per hit chunk, the tier it was found in: "cpu" (the arena), "disk" or "remote"."""
 
     hit_chunks: int
     ready_chunks: int
+    sources: tuple[str, ...] = ()
 
     @property
     def pending(self) -> bool:
@@ -143,16 +145,19 @@ class ChunkIndex:
             if entry is not None and entry.slot is not None:
                 self._reserve(entry, request_id, reserved)
         remote_from, remote_present = 0, None  # asked once, for the keys from the first local miss on
+        sources: list[str] = []
         for position, key in enumerate(keys):
             entry = self._entries.get(key)
             if entry is not None and entry.slot is not None:
                 if entry.slot_state is SlotState.READY:
                     self._arena_lru.move_to_end(key)
                     ready += ready == position
+                sources.append("cpu")
             elif entry is not None and entry.disk is DiskState.PRESENT:
                 self._reserve(entry, request_id, reserved)
                 if not self._promote(entry, Source.DISK):
                     break
+                sources.append("disk")
             else:
                 if remote_present is None:
                     remote_from, remote_present = position, self._remote_present(keys[position:])
@@ -162,6 +167,7 @@ class ChunkIndex:
                 self._reserve(entry, request_id, reserved)  # kept while its own promotion may evict and drop
                 if not self._promote(entry, Source.REMOTE):
                     break
+                sources.append("remote")
             hit += 1
         for key in keys[hit:]:  # what lies past the hit prefix is not this request's to hold
             entry = self._entries.get(key)
@@ -171,7 +177,19 @@ class ChunkIndex:
                 self._forget_if_empty(entry)
         self.counters.add("lookup_chunks", len(keys))
         self.counters.add("lookup_hit_chunks", hit)
-        return LookupResult(hit, ready)
+        return LookupResult(hit, ready, tuple(sources[:hit]))
+
+    def presence(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        """Whether some tier holds each key (the arena, a complete disk copy, or the remote store), as `lookup`
+        would find it, without reserving or promoting anything; one remote existence batch for the keys not held
+        locally."""
+        held = []
+        for key in keys:
+            entry = self._entries.get(key)
+            held.append(entry is not None and (entry.slot is not None or entry.disk is DiskState.PRESENT))
+        missing = [key for key, here in zip(keys, held) if not here]
+        remote = iter(self._remote_present(missing) if missing else [])
+        return [here or next(remote) for here in held]
 
     def begin_load(self, request_id: str, chunks: Sequence[tuple[int, ChunkKey]]) -> list[Load]:
         """Loads for the request's chunks (chunk number, key); each must be ready (a lookup said so). Checked for
@@ -248,6 +266,10 @@ class ChunkIndex:
     @property
     def in_flight(self) -> int:
         return len(self._pending)
+
+    def is_pending(self, cmd_id: int) -> bool:
+        """The command still waits for some rank's completion."""
+        return cmd_id in self._pending
 
     def location(self, key: ChunkKey) -> tuple[Optional[int], SlotState, DiskState]:
         entry = self._entries.get(key)

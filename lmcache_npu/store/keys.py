@@ -18,6 +18,9 @@ from ..ops import LAYOUT_VERSION, TransferPlan
 # vLLM's prefix-caching hash algorithms; all hash the same input to the same bytes in any process once
 # NONE_HASH (the chain's seed) is fixed, which vLLM does only when PYTHONHASHSEED is set.
 STABLE_HASH_ALGORITHMS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
+# Appended to a chunk hash for the copy without end-state rows; a namespace fixes the hash algorithm (the model
+# fingerprint names it), hence the hash length, so a marked hash never equals another chunk's hash.
+_WITHOUT_END_STATE = b"\x00no-end-state"
 
 
 def check_stable_hashing(algorithm: str, environ: Optional[Mapping[str, str]] = None) -> None:
@@ -58,6 +61,12 @@ class ChunkKey:
 
     namespace: str  # 32 hex chars: model and layout fingerprints together
     chunk_hash: bytes  # vLLM's block hash at the chunk's last token
+
+    def without_end_state(self) -> "ChunkKey":
+        """The same chunk stored without its end-state rows (a recurrent state vLLM did not keep at this chunk's
+        end): usable inside a longer hit, never as its last chunk. A distinct key, so a complete copy and this one
+        live side by side in every tier."""
+        return ChunkKey(self.namespace, self.chunk_hash + _WITHOUT_END_STATE)
 
     def storage_name(self, rank: int) -> str:
         """The name a rank's shard has on disk and in Mooncake: flat, filesystem and URL safe."""

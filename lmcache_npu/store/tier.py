@@ -31,14 +31,20 @@ class TierCounters:
         self._lock = threading.Lock()
         self._counts: Counter[str] = Counter()
 
-    def add(self, name: str, amount: int = 1) -> None:
+    def add(self, name: str, amount: float = 1) -> None:
         with self._lock:
             self._counts[name] += amount
 
-    def snapshot(self) -> dict[str, int]:
+    def snapshot(self) -> dict[str, float]:
         with self._lock:
             return dict(self._counts)
 
-    def __getitem__(self, name: str) -> int:
+    def drain(self) -> dict[str, float]:
+        """The counts since the last drain, and a fresh start."""
+        with self._lock:
+            counts, self._counts = dict(self._counts), Counter()
+            return counts
+
+    def __getitem__(self, name: str) -> float:
         with self._lock:
             return self._counts[name]

@@ -8,17 +8,23 @@ Building a preset needs vLLM installed; `discover_layout` itself does not.
 
 from __future__ import annotations
 
-import math
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 import torch
 
-from ..discovery import DEFAULT_SKIP_SPEC_KINDS, KVLayout, LayoutPolicy, discover_layout
-from .catalog import MODELS, Model
+from ..discovery import (
+    DEFAULT_SKIP_SPEC_KINDS,
+    KVLayout,
+    LayoutPolicy,
+    default_chunk_tokens,
+    discover_layout,
+    token_granularity,
+)
+from .catalog import MODELS, DeepseekV4, Model
 
 DEVICE_FAMILIES = ("ascend", "cuda")
-DEFAULT_CHUNK_TOKENS = 256
 
 
 @dataclass
@@ -34,19 +40,16 @@ class PresetKV:
     @property
     def default_chunk_tokens(self) -> int:
         """256, or the recurrent state interval when a mamba group needs a coarser chunk."""
-        chunk = DEFAULT_CHUNK_TOKENS
-        for group in self.kv_cache_config.kv_cache_groups:
-            if type(group.kv_cache_spec).__name__ == "MambaSpec":
-                block = int(group.kv_cache_spec.block_size)
-                chunk = block * math.ceil(chunk / block) if chunk % block else chunk
-        return chunk
+        return default_chunk_tokens(token_granularity(self.kv_cache_config))
 
 
 def preset_names() -> list[str]:
     return list(MODELS)
 
 
-def get_model(name: str, device_family: str) -> Model:
+def get_model(name: str, device_family: str, max_layers: Optional[int] = None) -> Model:
+    """A preset's model; `max_layers` keeps its first layers only (tests scale models down, keeping the mix of layer
+    kinds the first layers have)."""
     if name not in MODELS:
         raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(MODELS)}")
     if device_family not in DEVICE_FAMILIES:
@@ -54,13 +57,20 @@ def get_model(name: str, device_family: str) -> Model:
     model = MODELS[name]
     if device_family not in model.families:
         raise ValueError(f"preset {name} exists only for {', '.join(model.families)}")
+    if max_layers is not None:
+        if max_layers < 1:
+            raise ValueError(f"max_layers must be >= 1, got {max_layers}")
+        layers = model.layers
+        kept = (dataclasses.replace(layers, compress_ratios=layers.compress_ratios[:max_layers])
+                if isinstance(layers, DeepseekV4) else layers[:max_layers])
+        model = dataclasses.replace(model, layers=kept)
     return model
 
 
 def build_preset(name: str, device_family: str = "ascend", num_blocks: int = 8, seed: int = 0,
-                 device: torch.device = torch.device("cpu")) -> PresetKV:
+                 device: torch.device = torch.device("cpu"), max_layers: Optional[int] = None) -> PresetKV:
     """Allocates the preset's KV caches (random bytes) with `num_blocks` blocks per group on `device`."""
-    model = get_model(name, device_family)
+    model = get_model(name, device_family, max_layers)
     if num_blocks < 2:
         raise ValueError(f"num_blocks must be >= 2 (block 0 is vLLM's null block), got {num_blocks}")
     generator = torch.Generator().manual_seed(seed)

@@ -1,0 +1,209 @@
+"""The plugin's one configuration schema (DESIGN §9): connector keys plus the store's keys, from three sources.
+
+Sources, each later one overriding keys of the earlier ones:
+1. ``kv_connector_extra_config`` (the JSON of ``--kv-transfer-config``);
+2. a YAML file, named by the ``config_file`` key or the ``LMCACHE_NPU_CONFIG`` environment variable;
+3. ``LMCACHE_NPU_<KEY>`` environment variables (``LMCACHE_NPU_CPU_BYTES=64GiB``; objects and lists as JSON).
+
+An unknown key in any source is an error that lists the valid keys; every value is checked here, with its key
+named, before the connector allocates or registers anything.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional
+
+from .ops.backend import BACKEND_NAMES, backend_class
+from .store.config import StoreConfig
+
+logger = logging.getLogger(__name__)
+
+ENV_PREFIX = "LMCACHE_NPU_"
+CONFIG_FILE_ENV = "LMCACHE_NPU_CONFIG"
+# LMCACHE_NPU_* variables that are not configuration keys: the config file, build switches, test knobs.
+NON_KEY_ENV = frozenset({"CONFIG", "CUDA", "CUDA_ARCHS", "HYPOTHESIS_EXAMPLES", "HYPOTHESIS_RANDOM"})
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def check_backend_options(backend: str, options: Mapping[str, Any]) -> None:
+    """Option names the backend's constructor takes; an unknown one is refused with the valid ones."""
+    if backend == "auto":
+        if options:
+            raise ValueError("backend_options need a named backend (torch, emu, cuda or npu): with backend 'auto' the "
+                             "options would apply to whichever backend the device picks")
+        return
+    valid = [p for p in inspect.signature(backend_class(backend).__init__).parameters if p != "self"]
+    unknown = sorted(set(options) - set(valid))
+    if unknown:
+        raise ValueError(f"backend_options: {', '.join(map(repr, unknown))} not accepted by the {backend} backend; "
+                         f"valid options: {', '.join(valid) or 'none'}")
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    """Everything ``LMCacheNPUConnector`` reads. Store keys (``cpu_bytes``, ``disk_path``, ``mooncake``, ...) sit at
+    the same level in every source and land in ``store``."""
+
+    chunk_tokens: Optional[int] = None  # tokens per chunk (keying, storing, loading); None: 256, or the smallest
+    # multiple of vLLM's hash block and every stored group's granularity above it (a mamba state interval)
+    backend: str = "auto"  # transfer backend; auto: npu on Ascend, cuda on NVIDIA, emu for CPU tensors
+    backend_options: Mapping[str, Any] = field(default_factory=dict)  # constructor options of a named backend
+    store_decode_chunks: bool = True  # also store chunks completed during decode (multi-turn chat reuses them)
+    skip_spec_kinds: tuple[str, ...] = ()  # KV-cache spec kinds never offloaded (see `lmcache-npu inspect`)
+    model_name: Optional[str] = None  # names stored chunks; default: vLLM's served model name, else the model path
+    load_retries: int = 1  # a failed device load is retried this often before it is reported
+    store: StoreConfig = field(default_factory=StoreConfig)
+
+    def __post_init__(self) -> None:
+        if self.chunk_tokens is not None and (isinstance(self.chunk_tokens, bool)
+                                              or not isinstance(self.chunk_tokens, int) or self.chunk_tokens < 1):
+            raise ValueError(f"chunk_tokens must be a positive integer or null (automatic), got {self.chunk_tokens!r}")
+        if self.backend not in BACKEND_NAMES:
+            raise ValueError(f"backend must be one of {', '.join(BACKEND_NAMES)}, got {self.backend!r}")
+        if not isinstance(self.backend_options, Mapping):
+            raise ValueError(f"backend_options must be an object, got {self.backend_options!r}")
+        check_backend_options(self.backend, self.backend_options)
+        if not isinstance(self.store_decode_chunks, bool):
+            raise ValueError(f"store_decode_chunks must be true or false, got {self.store_decode_chunks!r}")
+        if not isinstance(self.skip_spec_kinds, tuple) or not all(isinstance(k, str) for k in self.skip_spec_kinds):
+            raise ValueError(f"skip_spec_kinds must be a list of spec kind names, got {self.skip_spec_kinds!r}")
+        from .layout.discovery import LayoutPolicy
+
+        LayoutPolicy(skip_spec_kinds=self.skip_spec_kinds)  # names an unknown kind
+        if self.model_name is not None and (not isinstance(self.model_name, str) or not self.model_name.strip()):
+            raise ValueError(f"model_name must be a non-empty string or null, got {self.model_name!r}")
+        if isinstance(self.load_retries, bool) or not isinstance(self.load_retries, int) or not 0 <= self.load_retries <= 10:
+            raise ValueError(f"load_retries must be an integer from 0 to 10, got {self.load_retries!r}")
+
+    @classmethod
+    def connector_keys(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls) if f.name != "store")
+
+    @classmethod
+    def keys(cls) -> tuple[str, ...]:
+        """Every key a source may set, in the order `docs/configuration.md` lists them."""
+        return cls.connector_keys() + StoreConfig.keys() + ("config_file",)
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> "ConnectorConfig":
+        """From one merged mapping (no config_file key); an unknown key is refused with the valid ones."""
+        valid = cls.connector_keys() + StoreConfig.keys()
+        unknown = sorted(set(values) - set(valid))
+        if unknown:
+            raise ValueError(f"unknown lmcache_npu config key(s) {', '.join(map(repr, unknown))}; valid keys: "
+                             f"{', '.join(valid)}")
+        connector = {k: v for k, v in values.items() if k in cls.connector_keys()}
+        if "skip_spec_kinds" in connector:
+            kinds = connector["skip_spec_kinds"]
+            if isinstance(kinds, str) or not isinstance(kinds, (list, tuple)):
+                raise ValueError(f"skip_spec_kinds must be a list of spec kind names, got {kinds!r}")
+            connector["skip_spec_kinds"] = tuple(kinds)
+        if connector.get("backend_options") is None:
+            connector.pop("backend_options", None)
+        store = StoreConfig.from_dict({k: v for k, v in values.items() if k in StoreConfig.keys()})
+        return cls(store=store, **connector)
+
+
+def _field_types() -> dict[str, Any]:
+    """The default value of every key, which tells how an environment string is parsed."""
+    defaults = {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+                for f in dataclasses.fields(ConnectorConfig) if f.name != "store"}
+    defaults.update({f.name: f.default for f in dataclasses.fields(StoreConfig)})
+    return defaults
+
+
+_STRING_OR_NULL = {"model_name", "disk_path"}  # optional strings: "" and "null" both mean unset
+_INT_OR_NULL = {"numa_node", "chunk_tokens"}
+_BOOL_OR_NULL = {"pinned"}
+_SIZES = set(StoreConfig._SIZES)
+
+
+def _parse_env_value(key: str, name: str, text: str) -> Any:
+    """An environment string as the type its key takes; errors name the variable."""
+    default = _field_types()[key]
+    stripped = text.strip()
+    if stripped.lower() in ("null", "none") and (key in _STRING_OR_NULL | _INT_OR_NULL | _BOOL_OR_NULL
+                                                 or key == "mooncake"):
+        return None
+    if key in _SIZES:
+        return stripped
+    if key in _STRING_OR_NULL:
+        return stripped or None
+    if isinstance(default, bool) or key in _BOOL_OR_NULL:
+        if stripped.lower() in _TRUE:
+            return True
+        if stripped.lower() in _FALSE:
+            return False
+        raise ValueError(f"{name}: expected true or false, got {text!r}")
+    if isinstance(default, int) or key in _INT_OR_NULL:
+        try:
+            return int(stripped)
+        except ValueError:
+            raise ValueError(f"{name}: expected an integer, got {text!r}") from None
+    if key in ("mooncake", "backend_options", "skip_spec_kinds"):
+        try:
+            return json.loads(stripped)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{name}: expected JSON ({exc.msg}), got {text!r}") from None
+    return stripped
+
+
+def _env_values(environ: Mapping[str, str]) -> dict[str, tuple[Any, str]]:
+    valid = ConnectorConfig.connector_keys() + StoreConfig.keys()
+    out: dict[str, tuple[Any, str]] = {}
+    for name, text in environ.items():
+        if not name.startswith(ENV_PREFIX) or name[len(ENV_PREFIX):] in NON_KEY_ENV:
+            continue
+        key = name[len(ENV_PREFIX):].lower()
+        if key not in valid:
+            raise ValueError(f"environment variable {name} is not a lmcache_npu config key; valid variables: "
+                             f"{', '.join(ENV_PREFIX + k.upper() for k in valid)} (and {CONFIG_FILE_ENV})")
+        out[key] = (_parse_env_value(key, name, text), f"env {name}")
+    return out
+
+
+def _yaml_values(path: str) -> dict[str, Any]:
+    try:
+        import yaml
+    except ImportError as exc:  # pragma: no cover - pyyaml is a dependency
+        raise ValueError(f"config_file {path!r}: reading YAML needs pyyaml ({exc})") from exc
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except OSError as exc:
+        raise ValueError(f"config_file {path!r}: {exc.strerror or exc}") from None
+    except yaml.YAMLError as exc:
+        raise ValueError(f"config_file {path!r}: not valid YAML ({exc})") from None
+    if data is None:
+        return {}
+    if not isinstance(data, Mapping):
+        raise ValueError(f"config_file {path!r}: the top level must be a mapping of config keys, got "
+                         f"{type(data).__name__}")
+    if "config_file" in data:
+        raise ValueError(f"config_file {path!r}: a config file cannot name another config_file")
+    return dict(data)
+
+
+def load_config(extra_config: Optional[Mapping[str, Any]] = None,
+                environ: Optional[Mapping[str, str]] = None) -> ConnectorConfig:
+    """The merged, checked configuration (extra_config < YAML file < environment); logs where each set key came
+    from."""
+    env = os.environ if environ is None else environ
+    merged: dict[str, tuple[Any, str]] = {k: (v, "kv_connector_extra_config") for k, v in (extra_config or {}).items()}
+    file_entry = merged.pop("config_file", None)
+    path = env.get(CONFIG_FILE_ENV) or (file_entry[0] if file_entry else None)
+    if path is not None:
+        if not isinstance(path, str) or not path:
+            raise ValueError(f"config_file must be a path to a YAML file, got {path!r}")
+        merged.update({k: (v, f"file {path}") for k, v in _yaml_values(path).items()})
+    merged.update(_env_values(env))
+    config = ConnectorConfig.from_dict({k: v for k, (v, _) in merged.items()})
+    for key in sorted(merged):
+        logger.info("lmcache_npu config: %s = %r (%s)", key, merged[key][0], merged[key][1])
+    return config

@@ -1,0 +1,1 @@
+"""Integrations of the plugin with serving engines."""

@@ -1,0 +1,203 @@
+"""Everything that depends on the installed vLLM's version, in one place (DESIGN §8).
+
+The connector targets the vLLM 0.23 API (what vllm-ascend 0.23 pins), which holds until 0.28. vLLM 0.29 breaks the
+KV-cache interface (`tokens_per_state`, `KVCacheTensor(layers, ...)`, `[B,H,N,C]` views; layout discovery reads
+both spec eras) and 0.30 adds `get_transfer_results` with request-level load failures. A new era is an addition
+here: every other module asks this one.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional
+
+import vllm
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: F401  (re-exported for the connector)
+    KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+    SupportsHMA,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (  # noqa: F401
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
+
+logger = logging.getLogger(__name__)
+
+
+def _version(text: str) -> tuple[int, int, int]:
+    """(major, minor, patch) from versions like 0.23.0, 0.32.0+cpu or 0.24.0.dev12+g1234."""
+    match = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", text)
+    if not match:
+        raise ValueError(f"cannot read the vLLM version {text!r}")
+    return int(match.group(1)), int(match.group(2)), int(match.group(3) or 0)
+
+
+VLLM_VERSION = _version(vllm.__version__)
+MIN_VERSION = (0, 23, 0)
+# 0.30+: the runner asks get_transfer_results, which may name requests whose load failed (failed_recving).
+HAS_TRANSFER_RESULTS = hasattr(KVConnectorBase_V1, "get_transfer_results")
+
+if VLLM_VERSION < MIN_VERSION:
+    raise ImportError(f"lmcache_npu needs vLLM >= {'.'.join(map(str, MIN_VERSION))} (the KV-connector API with "
+                      f"SupportsHMA and per-group block ids); found {vllm.__version__}")
+
+
+# ---- engine geometry --------------------------------------------------------------------------------------------
+
+def block_sizes(kv_cache_config: Any, vllm_config: Any) -> tuple[int, int]:
+    """(scheduler block size, hash block size) as the engine resolves them; `Request.block_hashes` are computed
+    per hash block. Looked up through the module so a platform's patch of the resolver (vllm-ascend) applies."""
+    from vllm.v1.core import kv_cache_utils
+
+    return kv_cache_utils.resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
+
+
+@dataclass(frozen=True)
+class ParallelPlace:
+    """This process's rank among the workers of one engine (they share one scheduler), and how many there are."""
+
+    rank: int
+    world: int
+
+
+def parallel_place(vllm_config: Any) -> ParallelPlace:
+    """Tensor-parallel rank and size; the parallel modes whose ranks hold different token or layer subsets are refused
+    with the setting named."""
+    pc = vllm_config.parallel_config
+    for name, value in (("pipeline_parallel_size", pc.pipeline_parallel_size),
+                        ("decode_context_parallel_size", getattr(pc, "decode_context_parallel_size", 1)),
+                        ("prefill_context_parallel_size", getattr(pc, "prefill_context_parallel_size", 1))):
+        if value != 1:
+            raise ValueError(f"{name}={value}: lmcache_npu stores whole chunks per tensor-parallel rank; pipeline and "
+                             "context parallelism give ranks different layers or tokens and are not supported yet")
+    world = int(pc.tensor_parallel_size)
+    rank = int(getattr(pc, "rank", 0)) % world
+    try:
+        from vllm.distributed import parallel_state
+
+        if parallel_state.model_parallel_is_initialized():
+            rank = parallel_state.get_tensor_model_parallel_rank()
+    except (ImportError, AssertionError, AttributeError):  # a scheduler process has no parallel state
+        pass
+    return ParallelPlace(rank, world)
+
+
+def data_parallel_rank(vllm_config: Any) -> Optional[int]:
+    """The data-parallel rank when several engines run side by side (each owns a scheduler and its own files)."""
+    pc = vllm_config.parallel_config
+    return int(pc.data_parallel_rank) if int(getattr(pc, "data_parallel_size", 1)) > 1 else None
+
+
+def hash_algorithm(vllm_config: Any) -> str:
+    return str(vllm_config.cache_config.prefix_caching_hash_algo)
+
+
+def model_facts(vllm_config: Any, model_name: Optional[str]) -> dict[str, Any]:
+    """What makes one model's KV bytes differ from another's (DESIGN §7), from the engine config."""
+    mc, cc, pc = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
+    served = getattr(mc, "served_model_name", None)
+    if isinstance(served, (list, tuple)):
+        served = served[0] if served else None
+    return {
+        "model": model_name or served or mc.model,
+        "revision": getattr(mc, "revision", None),
+        "dtype": str(mc.dtype),
+        "kv_cache_dtype": str(cc.cache_dtype),
+        "quantization": getattr(mc, "quantization", None),
+        "tensor_parallel_size": int(pc.tensor_parallel_size),
+        "hash_algorithm": hash_algorithm(vllm_config),
+    }
+
+
+def load_failure_policy(vllm_config: Any) -> str:
+    """vLLM's `kv_load_failure_policy`: "recompute" or "fail" (the default)."""
+    return str(getattr(vllm_config.kv_transfer_config, "kv_load_failure_policy", "fail"))
+
+
+def kv_role(vllm_config: Any) -> tuple[bool, bool]:
+    """(stores, loads): kv_producer only stores, kv_consumer only loads, kv_both does both."""
+    config = vllm_config.kv_transfer_config
+    return bool(config.is_kv_producer), bool(config.is_kv_consumer)
+
+
+def failure_channel(num_groups: int) -> str:
+    """How a failed load reaches the scheduler so vLLM recomputes it:
+    * "failed_recving": vLLM >= 0.30 takes request ids (`get_transfer_results`), any number of groups;
+    * "invalid_blocks": block ids (`get_block_ids_with_load_errors`), which vLLM 0.23-0.29 maps through one group's
+      block table only;
+    * "none": vLLM 0.23-0.29 with several KV-cache groups has no way to be told (its invalid-block handler unpacks
+      a single group and crashes), so a load that keeps failing stops the engine instead of serving wrong KV.
+    """
+    if HAS_TRANSFER_RESULTS:
+        return "failed_recving"
+    return "invalid_blocks" if num_groups == 1 else "none"
+
+
+# ---- scheduler objects ------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    """One request in a scheduler output: its block ids (all of them for new and resumed requests, the newly
+    allocated ones otherwise) and the tokens computed before this step."""
+
+    request_id: str
+    block_ids: Optional[tuple[list[int], ...]]
+    replace: bool  # block_ids are the whole table (new or resumed request), not an append
+    num_computed_tokens: int
+
+
+def scheduled_requests(scheduler_output: Any) -> Iterator[ScheduledRequest]:
+    for new in scheduler_output.scheduled_new_reqs:
+        yield ScheduledRequest(new.req_id, tuple(new.block_ids), True, int(new.num_computed_tokens))
+    cached = scheduler_output.scheduled_cached_reqs
+    resumed = getattr(cached, "resumed_req_ids", set())
+    for i, req_id in enumerate(cached.req_ids):
+        new_ids = cached.new_block_ids[i]
+        yield ScheduledRequest(req_id, None if new_ids is None else tuple(new_ids), req_id in resumed,
+                               int(cached.num_computed_tokens[i]))
+
+
+def preempted_request_ids(scheduler_output: Any) -> set[str]:
+    return set(getattr(scheduler_output, "preempted_req_ids", None) or ())
+
+
+def block_ids_of(blocks: Any) -> tuple[list[int], ...]:
+    """Per-group block ids of a `KVCacheBlocks` (null blocks included, as id 0)."""
+    return tuple(list(ids) for ids in blocks.get_block_ids())
+
+
+def waiting_for_remote_kv(request: Any) -> bool:
+    from vllm.v1.request import RequestStatus
+
+    return request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+
+
+def skips_prefix_cache(request: Any) -> bool:
+    """The request asked not to read any prefix cache (vLLM's `skip_reading_prefix_cache`)."""
+    return bool(getattr(request, "skip_reading_prefix_cache", False))
+
+
+def worker_metadata(connector_output: Any) -> Any:
+    return getattr(connector_output, "kv_connector_worker_meta", None)
+
+
+def transfer_results(finished_sending: set[str], finished_recving: set[str], failed_recving: set[str]) -> Any:
+    """vLLM >= 0.30's `KVConnectorTransferResults`."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+
+    return KVConnectorTransferResults(finished_sending=finished_sending, finished_recving=finished_recving,
+                                      failed_recving=failed_recving)
+
+
+def first_live_window_token(num_computed_tokens: int, sliding_window: int, block_size: int) -> int:
+    """The first token whose block a sliding-window group still holds once vLLM has pruned the request at
+    `num_computed_tokens` (0.23: `get_num_skipped_tokens` = n - window + 1, freed in whole blocks). vllm-ascend's
+    async patch prunes less, never more, so a row at or past this token is still in a live block."""
+    skipped = max(0, num_computed_tokens - sliding_window + 1)
+    return skipped // block_size * block_size

@@ -1,0 +1,140 @@
+"""`LMCacheNPUConnector`: the class vLLM loads from `--kv-transfer-config`, a thin shell over the scheduler half
+and the worker half (DESIGN §8). Importing it loads neither torch_npu nor a native module nor CUDA: it is
+imported in the API server and the scheduler process too.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+import torch
+
+from ...config import load_config
+from . import adapter
+from .adapter import KVConnectorBase_V1, KVConnectorRole, SupportsHMA
+from .metadata import LMCacheNPUConnectorMetadata, WorkerGeometry
+from .scheduler import SchedulerHalf
+from .stats import LMCacheNPUPromMetrics, LMCacheNPUStats
+from .worker import WorkerHalf, engine_store_config
+
+logger = logging.getLogger(__name__)
+
+
+class LMCacheNPUConnector(KVConnectorBase_V1, SupportsHMA):
+    """KV-cache offload to host DRAM, local disk and Mooncake, for every KV-cache group of hybrid models."""
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        config = engine_store_config(load_config(self._kv_transfer_config.kv_connector_extra_config), vllm_config)
+        self._scheduler: Optional[SchedulerHalf] = None
+        self._worker: Optional[WorkerHalf] = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = SchedulerHalf(config, vllm_config, kv_cache_config)
+        else:
+            self._worker = WorkerHalf(config, vllm_config, kv_cache_config)
+
+    @property
+    def scheduler_half(self) -> SchedulerHalf:
+        assert self._scheduler is not None, "a scheduler-side call on the worker connector"
+        return self._scheduler
+
+    @property
+    def worker_half(self) -> WorkerHalf:
+        assert self._worker is not None, "a worker-side call on the scheduler connector"
+        return self._worker
+
+    def _metadata(self) -> LMCacheNPUConnectorMetadata:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, LMCacheNPUConnectorMetadata), f"unexpected connector metadata {type(meta).__name__}"
+        return meta
+
+    # ---- worker side ------------------------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.worker_half.register_kv_caches(kv_caches)
+
+    def get_handshake_metadata(self) -> Optional[WorkerGeometry]:
+        return self.worker_half.geometry
+
+    def handle_preemptions(self, kv_connector_metadata: Any) -> None:
+        self.worker_half.handle_preemptions(kv_connector_metadata)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        self.worker_half.start_load_kv(self._metadata())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Loads are asynchronous: a request's pages are read only after vLLM saw its finished_recving."""
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        """Stores run once per step for all layers (`wait_for_save`), as one kernel launch."""
+
+    def wait_for_save(self) -> None:
+        self.worker_half.wait_for_save()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[Optional[set[str]], Optional[set[str]]]:
+        sending, recving, _ = self.worker_half.get_finished()
+        return sending or None, recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        """vLLM >= 0.30: the same, with the requests whose load failed (they recompute)."""
+        sending, recving, failed = self.worker_half.get_finished()
+        return adapter.transfer_results(sending, recving, failed)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker_half.take_load_error_blocks()
+
+    def build_connector_worker_meta(self) -> Any:
+        return self.worker_half.build_worker_meta()
+
+    def get_kv_connector_stats(self) -> Optional[LMCacheNPUStats]:
+        if self._worker is not None:
+            return self._worker.stats()
+        return LMCacheNPUStats.of(self.scheduler_half.counters.drain())
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+        if self._scheduler is not None:
+            self._scheduler.shutdown()
+
+    # ---- scheduler side ---------------------------------------------------------------------------------------
+
+    def set_xfer_handshake_metadata_pp_aware(self, metadata: dict[tuple[int, ...], Any]) -> None:
+        self.scheduler_half.set_worker_geometry([m for m in metadata.values() if isinstance(m, WorkerGeometry)])
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
+        self.scheduler_half.set_worker_geometry([m for m in metadata.values() if isinstance(m, WorkerGeometry)])
+
+    def on_new_request(self, request: Any) -> None:
+        self.scheduler_half.on_new_request(request)
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[Optional[int], bool]:
+        return self.scheduler_half.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        self.scheduler_half.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> LMCacheNPUConnectorMetadata:
+        return self.scheduler_half.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        self.scheduler_half.update_connector_output(connector_output)
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, Optional[dict[str, Any]]]:
+        return self.scheduler_half.request_finished(request, [block_ids])
+
+    def request_finished_all_groups(self, request: Any,
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, Optional[dict[str, Any]]]:
+        return self.scheduler_half.request_finished(request, block_ids)
+
+    # ---- class-level hooks ------------------------------------------------------------------------------------
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: Optional[dict[str, Any]] = None) -> LMCacheNPUStats:
+        return LMCacheNPUStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: Any, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> LMCacheNPUPromMetrics:
+        return LMCacheNPUPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

@@ -1,0 +1,191 @@
+"""The worker's `DeviceMover`: device pages <-> arena slots through the transfer backend, off the model's path.
+
+`run` (called by the store executor on the model's thread) only records where the model's stream is and queues
+the batch; a transfer thread turns the commands into slot arrays (`layout/slots.py`) and runs the batch as one
+kernel launch on its own stream (NPU/CUDA) or to completion (CPU), then reports every command. Before the next
+step lets the model write pages, `release_pages` makes the model's stream wait until every queued store has read
+its pages (an event after the store's kernel; on the host, the store's end), so blocks vLLM frees in between
+(sliding-window blocks out of the window, preempted or finished requests) are never read after their reuse.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence, Union
+
+import numpy as np
+import torch
+
+from ...layout.discovery import KVLayout
+from ...layout.slots import chunk_slots, row_tokens
+from ...ops import SKIP_SLOT, ChunkBatch, Direction, TransferBackend
+from ...store.commands import Load, Store
+from ...store.executor import Report
+from ...store.tier import OK, TierCounters, TierResult
+from .metadata import LoadPlan, StorePlan
+from .streams import StreamKit
+
+logger = logging.getLogger(__name__)
+
+Plan = Union[LoadPlan, StorePlan]
+
+
+@dataclass(eq=False)
+class _Job:
+    direction: Direction
+    commands: list[Union[Store, Load]]
+    objects: list[torch.Tensor]
+    report: Report
+    ready: Optional[Any]  # the model stream's position the transfer waits for
+    kernel_done: threading.Event = field(default_factory=threading.Event)  # set once pages_event exists (or None)
+    pages_event: Optional[Any] = None  # completes when the kernel is done with the pages
+
+
+class KVMover:
+    """One per worker; every transfer of the worker runs on its thread, in the order `run` was called."""
+
+    def __init__(self, layout: KVLayout, backend: TransferBackend, kit: StreamKit, rank: int, load_retries: int,
+                 counters: TierCounters) -> None:
+        self.layout = layout
+        self.backend = backend
+        self.kit = kit
+        self.rank = rank
+        self.load_retries = load_retries
+        self.counters = counters
+        self._plans: dict[int, Plan] = {}
+        self._plans_lock = threading.Lock()
+        self._unreleased: list[_Job] = []  # store jobs whose pages the model must not overwrite yet
+        self._jobs: "queue.Queue[Optional[_Job]]" = queue.Queue()
+        self._thread = threading.Thread(target=self._loop, name=f"lmcache-npu-transfer-r{rank}", daemon=True)
+        self._thread.start()
+
+    # ---- the model's thread -----------------------------------------------------------------------------------
+
+    def expect(self, plans: Sequence[Plan]) -> None:
+        """The requests behind the next Load/Store commands: their block windows and which rows to leave alone."""
+        with self._plans_lock:
+            for plan in plans:
+                for cmd_id in plan.cmd_ids:
+                    self._plans[cmd_id] = plan
+
+    def run(self, commands: Sequence[Union[Store, Load]], objects: Sequence[torch.Tensor], report: Report) -> None:
+        """DeviceMover: queue one batch (all Stores or all Loads) behind everything the model has enqueued so far."""
+        direction = Direction.STORE if isinstance(commands[0], Store) else Direction.LOAD
+        job = _Job(direction, list(commands), list(objects), report, self.kit.record())
+        if direction == Direction.STORE:
+            self._unreleased.append(job)
+        self._jobs.put(job)
+
+    def release_pages(self) -> None:
+        """Before the model may overwrite pages: every queued store's kernel is done with them (the model's stream
+        waits for it on NPU/CUDA; the host waits on CPU, where a store's end is its kernel's end)."""
+        jobs, self._unreleased = self._unreleased, []
+        for job in jobs:
+            job.kernel_done.wait()
+            self.kit.wait(job.pages_event)
+
+    def close(self) -> None:
+        self._jobs.put(None)
+        self._thread.join()
+
+    # ---- the transfer thread ----------------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        self.kit.bind_thread()
+        with self.kit.side_stream():
+            while (job := self._jobs.get()) is not None:
+                try:
+                    self._execute(job)
+                except Exception as exc:  # a bug here must fail the batch, never stop the thread or hang the index
+                    logger.exception("rank %d: transfer thread error", self.rank)
+                    self._report_all(job, job.commands, TierResult.fail(f"device: {exc}"))
+                finally:
+                    job.kernel_done.set()  # a batch that never launched touched no page
+
+    def _after_kernel(self, job: _Job) -> None:
+        job.pages_event = self.kit.record()
+        job.kernel_done.set()
+
+    def _execute(self, job: _Job) -> None:
+        with self._plans_lock:
+            plans = [self._plans.pop(c.cmd_id, None) for c in job.commands]
+        commands, objects, slots = self._slots(job, plans)
+        if not commands:
+            return
+        self.kit.wait(job.ready)
+        loads = job.direction == Direction.LOAD
+        try:
+            batch = ChunkBatch.build(self.layout.plan, slots, objects, job.direction)
+        except ValueError as exc:  # validation refused it before any kernel ran: nothing was touched
+            logger.error("rank %d: %s of %d chunks refused: %s", self.rank, job.direction.name.lower(),
+                         len(commands), exc)
+            self._report_all(job, commands, TierResult.fail(f"device: {exc}"))
+            return
+        attempts = 1 + (self.load_retries if loads else 0)
+        for attempt in range(attempts):
+            try:
+                stats = self.backend.transfer(batch, after_kernel=lambda: self._after_kernel(job))
+                break
+            except Exception as exc:  # a device fault: retried for loads (every row is rewritten), else reported
+                self.counters.add("transfer_failures")
+                logger.exception("rank %d: %s of %d chunks failed (attempt %d of %d)", self.rank,
+                                 job.direction.name.lower(), len(commands), attempt + 1, attempts)
+                if attempt + 1 == attempts:
+                    self._report_all(job, commands, TierResult.fail(f"device: {exc}"))
+                    return
+                self.counters.add("load_retries")
+        kind = "loaded" if loads else "stored"
+        self.counters.add(f"{kind}_chunks", len(commands))
+        self.counters.add(f"{kind}_bytes", stats.payload_bytes)
+        self.counters.add(f"{'load' if loads else 'store'}_seconds", stats.device_seconds or stats.seconds)
+        self._report_all(job, commands, OK)
+
+    def _report_all(self, job: _Job, commands: Sequence[Union[Store, Load]], result: TierResult) -> None:
+        for command in commands:
+            job.report(command.cmd_id, result)
+
+    def _slots(self, job: _Job, plans: Sequence[Optional[Plan]]) -> tuple[list, list, list[Optional[np.ndarray]]]:
+        """Slot matrices of the batch (one per plan group, chunks in command order) and the commands they cover;
+        a command without its plan, or a store that would write zeros for rows the model needs, is refused."""
+        layout, chunk = self.layout, self.layout.plan.chunk_tokens
+        rows: list[list[np.ndarray]] = [[] for _ in layout.groups]
+        keep_commands, keep_objects = [], []
+        for command, obj, plan in zip(job.commands, job.objects, plans):
+            if plan is None:
+                job.report(command.cmd_id, TierResult.fail("device: no block window for this command"))
+                continue
+            per_group = self._command_slots(command, plan, chunk)
+            if per_group is None:
+                job.report(command.cmd_id, TierResult.fail("device: the chunk's rows are not all in live blocks"))
+                continue
+            for g, matrix in enumerate(per_group):
+                rows[g].append(matrix)
+            keep_commands.append(command)
+            keep_objects.append(obj)
+        slots = [None if g.skipped or not keep_commands else np.concatenate(rows[g.index]) for g in layout.groups]
+        return keep_commands, keep_objects, slots
+
+    def _command_slots(self, command: Union[Store, Load], plan: Plan, chunk: int) -> Optional[list[np.ndarray]]:
+        """(1, rows_per_chunk) slots per plan group for one chunk, with the rows this transfer leaves alone at -1."""
+        index = np.array([command.chunk_index])
+        out = []
+        for g in self.layout.groups:
+            if g.skipped:
+                out.append(np.zeros((1, 0), dtype=np.int64))
+                continue
+            sg = g.scheduler_group
+            matrix = chunk_slots(g, chunk, plan.window.block_ids[sg], index, first_block=plan.window.first_block[sg])
+            if isinstance(plan, LoadPlan):
+                matrix[row_tokens(g, chunk, index) < plan.first_token] = SKIP_SLOT  # vLLM's own cached rows
+                if g.recurrent and (command.chunk_index + 1) * chunk != plan.end_token:
+                    matrix[:] = SKIP_SLOT  # only the hit's last state is read back
+            elif g.recurrent and command.cmd_id in plan.without_end_state:
+                matrix[:] = SKIP_SLOT
+            elif (matrix < 0).any():
+                return None
+            out.append(matrix)
+        return out

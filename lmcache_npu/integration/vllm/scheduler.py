@@ -1,0 +1,391 @@
+"""The connector's scheduler half: which chunks a request can load, which chunks a step stores, and the store
+index's commands for every rank (DESIGN §7-§8).
+
+It owns the `ChunkIndex`; workers only move bytes. Per request it keeps a mirror of the block table (from the
+scheduler output), the next chunk to consider for storing, and the commands still in flight. A chunk is keyed by
+vLLM's block hash at its last token; a chunk whose recurrent (end-state) rows vLLM did not keep is stored under
+a second key that can sit inside a hit but never end one.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+from ...config import ConnectorConfig
+from ...layout.discovery import LayoutGroup
+from ...layout.slots import chunk_slots, row_tokens, stored_block_span
+from ...store.commands import Load, Store
+from ...store.factory import build_index, scheduler_mooncake_client
+from ...store.index import ChunkIndex, LookupResult
+from ...store.keys import ChunkKey, check_stable_hashing, model_fingerprint, namespace_of
+from . import adapter
+from .metadata import (
+    BlockWindow,
+    LMCacheNPUConnectorMetadata,
+    LMCacheNPUWorkerMetadata,
+    LoadPlan,
+    StorePlan,
+    WorkerGeometry,
+)
+from .stats import SchedulerCounters
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Lookup:
+    """The last hit answered for a request, kept until `update_state_after_alloc` turns it into loads."""
+
+    first_chunk: int
+    keys: list[ChunkKey]  # the chosen key of each hit chunk (complete or without end state)
+    num_computed_tokens: int
+    sources: tuple[str, ...]
+
+
+@dataclass
+class _Request:
+    request: Any  # vLLM's Request: block hashes, token counts, status
+    blocks: list[list[int]] = field(default_factory=list)  # mirror of the block table, per scheduler group
+    next_chunk: int = 0  # chunks before it are stored, held, or passed over
+    stores: set[int] = field(default_factory=set)  # store cmd ids not yet completed by every rank
+    loads: set[int] = field(default_factory=set)
+    lookup: Optional[_Lookup] = None
+    finished: bool = False
+    no_hits: bool = False  # a load of this request failed: it recomputes, and never loads again
+
+
+class SchedulerHalf:
+    def __init__(self, config: ConnectorConfig, vllm_config: Any, kv_cache_config: Any) -> None:
+        self.config = config
+        self.stores_enabled, self.loads_enabled = adapter.kv_role(vllm_config)
+        self.place = adapter.parallel_place(vllm_config)
+        self.scheduler_block_size, self.hash_block_size = adapter.block_sizes(kv_cache_config, vllm_config)
+        if config.chunk_tokens is not None and config.chunk_tokens % self.hash_block_size:
+            raise ValueError(f"chunk_tokens {config.chunk_tokens} is not a multiple of vLLM's hash block size "
+                             f"{self.hash_block_size}: a chunk is keyed by the block hash at its last token")
+        self.num_scheduler_groups = len(kv_cache_config.kv_cache_groups)
+        self.model_fingerprint = model_fingerprint(**adapter.model_facts(vllm_config, config.model_name))
+        self.failure_channel = adapter.failure_channel(self.num_scheduler_groups)
+        if config.store.disk_path is not None or config.store.mooncake is not None:
+            # chunks outliving this process must be named the same by the next one (and by other instances)
+            check_stable_hashing(adapter.hash_algorithm(vllm_config))
+        # from the workers' handshake: the plan's chunk size and groups
+        self.chunk_tokens = 0
+        self.hashes_per_chunk = 0
+        self.groups: tuple[LayoutGroup, ...] = ()
+        self.moved: list[LayoutGroup] = []
+        self.has_end_state = False
+        self.index: Optional[ChunkIndex] = None
+        self._remote: Optional[Any] = None  # the Mooncake client for existence checks, closed at shutdown
+        self.namespace = ""
+        self.requests: dict[str, _Request] = {}
+        self.counters = SchedulerCounters()
+        self._owner: dict[int, _Request] = {}  # in-flight store/load cmd id -> its request
+        self._loads: list[LoadPlan] = []
+        self._delayed_free: list[str] = []
+        self._warned_idle = False
+
+    # ---- start-up ---------------------------------------------------------------------------------------------
+
+    def set_worker_geometry(self, geometries: Sequence[WorkerGeometry]) -> None:
+        """Every rank's plan (vLLM's handshake): the ranks must agree, then the index is built with as many slots as
+        every rank's arena holds."""
+        ranks = sorted(g.rank for g in geometries)
+        if ranks != list(range(self.place.world)):
+            raise ValueError(f"lmcache_npu expected handshakes from ranks 0..{self.place.world - 1}, got {ranks}")
+        if not all(g.enabled for g in geometries):
+            reasons = {g.reason for g in geometries if not g.enabled}
+            logger.warning("lmcache_npu is idle: %s", "; ".join(sorted(reasons)))
+            return
+        first = min(geometries, key=lambda g: g.rank)
+        for g in geometries:
+            if (g.namespace, g.layout_fingerprint, g.chunk_tokens, g.object_bytes, g.groups) != (
+                    first.namespace, first.layout_fingerprint, first.chunk_tokens, first.object_bytes, first.groups):
+                raise ValueError(f"rank {g.rank} lays chunks out differently from rank {first.rank} "
+                                 f"({g.object_bytes} B vs {first.object_bytes} B per {g.chunk_tokens}-token chunk): "
+                                 "every rank of one engine must hold the same shard geometry")
+        if first.namespace != namespace_of(self.model_fingerprint, first.layout_fingerprint):
+            raise ValueError("the workers' chunk namespace differs from the scheduler's: they see a different model "
+                             "configuration")
+        if first.chunk_tokens % self.hash_block_size:
+            raise ValueError(f"the workers chose chunks of {first.chunk_tokens} tokens, not a multiple of the "
+                             f"scheduler's hash block size {self.hash_block_size}")
+        self.chunk_tokens = first.chunk_tokens
+        self.hashes_per_chunk = first.chunk_tokens // self.hash_block_size
+        self.groups = first.groups
+        self.moved = [g for g in self.groups if not g.skipped]
+        self.has_end_state = any(g.recurrent for g in self.moved)
+        num_slots = min(g.num_slots for g in geometries)
+        store = self.config.store
+        if store.mooncake is not None and self._remote is None:
+            self._remote = scheduler_mooncake_client(store)
+        self.index = build_index(store, first.object_bytes, self.place.world, first.namespace,
+                                 first.layout_fingerprint, remote_client=self._remote, num_slots=num_slots)
+        self.namespace = first.namespace
+        logger.info("lmcache_npu scheduler: %d ranks, %d arena slots of %d B, chunks of %d tokens, %s backend on %s",
+                    self.place.world, num_slots, first.object_bytes, self.chunk_tokens, first.backend, first.device)
+
+    @property
+    def ready(self) -> bool:
+        if self.index is None and not self._warned_idle:
+            self._warned_idle = True
+            logger.warning("lmcache_npu has no worker handshake yet: no lookups or stores until the workers report "
+                           "their plans")
+        return self.index is not None
+
+    # ---- requests ---------------------------------------------------------------------------------------------
+
+    def _state(self, request: Any) -> _Request:
+        state = self.requests.get(request.request_id)
+        if state is None or state.finished:
+            state = self.requests[request.request_id] = _Request(request)
+        return state
+
+    def on_new_request(self, request: Any) -> None:
+        self._state(request)
+
+    def _keys(self, request: Any, first: int, end: int) -> list[ChunkKey]:
+        """Keys of chunks [first, end) whose last hash block vLLM has hashed already."""
+        hashes = request.block_hashes
+        end = min(end, len(hashes) // self.hashes_per_chunk)
+        return [ChunkKey(self.namespace, bytes(hashes[(c + 1) * self.hashes_per_chunk - 1])) for c in range(first, end)]
+
+    def _lookup(self, request_id: str, keys: list[ChunkKey]) -> tuple[LookupResult, list[ChunkKey]]:
+        """The index's answer for the longest hit, and the key chosen per hit chunk. With end-state groups a hit may
+        pass through chunks stored without their end state but must end on a complete one."""
+        assert self.index is not None
+        if not self.has_end_state:
+            return self.index.lookup(request_id, keys), keys
+        partial = [k.without_end_state() for k in keys]
+        present = self.index.presence(keys + partial)
+        chosen: list[ChunkKey] = []
+        complete_end = 0
+        for c, key in enumerate(keys):
+            if present[c]:
+                chosen.append(key)
+                complete_end = c + 1
+            elif present[len(keys) + c]:
+                chosen.append(partial[c])
+            else:
+                break
+        chosen = chosen[:complete_end]
+        result = self.index.lookup(request_id, chosen)
+        end = max((c + 1 for c in range(result.hit_chunks) if chosen[c] is keys[c]), default=0)
+        return LookupResult(end, min(result.ready_chunks, end), result.sources[:end]), chosen[:end]
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[Optional[int], bool]:
+        state = self._state(request)
+        state.lookup = None
+        if not (self.loads_enabled and self.ready) or state.no_hits or adapter.skips_prefix_cache(request):
+            return 0, False
+        assert self.index is not None
+        chunk = self.chunk_tokens
+        first = num_computed_tokens // chunk
+        last = (request.num_tokens - 1) // chunk  # vLLM computes at least the last token itself
+        keys = self._keys(request, first, last)
+        if not keys:
+            self.index.release(request.request_id)
+            return 0, False
+        result, chosen = self._lookup(request.request_id, keys)
+        self.counters.add("lookups")
+        self.counters.add("lookup_tokens", request.num_tokens - num_computed_tokens)
+        if result.pending:
+            self.counters.add("lookups_pending")
+            return None, False  # promotions into the arena are in flight: ask again next step
+        hit_tokens = (first + result.ready_chunks) * chunk - num_computed_tokens
+        if result.ready_chunks == 0 or hit_tokens <= 0:
+            self.index.release(request.request_id)
+            return 0, False
+        state.lookup = _Lookup(first, chosen[:result.ready_chunks], num_computed_tokens,
+                               result.sources[:result.ready_chunks])
+        return hit_tokens, True
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        state = self._state(request)
+        state.blocks = [list(ids) for ids in adapter.block_ids_of(blocks)]
+        lookup, state.lookup = state.lookup, None
+        if self.index is None:
+            return
+        if num_external_tokens <= 0 or lookup is None:
+            self.index.release(request.request_id)
+            return
+        chunk = self.chunk_tokens
+        first_token = lookup.num_computed_tokens
+        end_token = first_token + num_external_tokens
+        count = min(len(lookup.keys), end_token // chunk - lookup.first_chunk)
+        chunks = [(lookup.first_chunk + i, lookup.keys[i]) for i in range(count)]
+        refused = ""
+        try:
+            loads = self.index.begin_load(request.request_id, chunks)
+        except ValueError as exc:  # a reserved chunk is not ready: a bug, reported as a failed load, never loaded
+            loads, refused = [], str(exc)
+            logger.error("lmcache_npu: request %s: %s", request.request_id, exc)
+        self.index.release(request.request_id)
+        cmd_ids = tuple(c.cmd_id for c in loads)
+        self._own(state, loads, state.loads)
+        self.counters.add("hit_tokens", num_external_tokens)
+        for source in lookup.sources[:count]:
+            self.counters.add(f"hit_chunks_{source}")
+        self._loads.append(LoadPlan(
+            request_id=request.request_id, cmd_ids=cmd_ids, first_chunk=lookup.first_chunk,
+            window=self._window(state, lookup.first_chunk, lookup.first_chunk + count),
+            first_token=first_token, end_token=end_token,
+            error_block_ids=self._error_blocks(state, first_token, end_token), refused=refused))
+
+    def _error_blocks(self, state: _Request, first_token: int, end_token: int) -> tuple[int, ...]:
+        """The blocks an invalid-block report names (one group: vLLM maps them through that table)."""
+        if self.failure_channel != "invalid_blocks":
+            return ()
+        block = self.scheduler_block_size
+        ids = state.blocks[0][first_token // block:(end_token + block - 1) // block]
+        return tuple(i for i in ids if i != 0)
+
+    def _window(self, state: _Request, first_chunk: int, end_chunk: int) -> BlockWindow:
+        """The part of the request's block table that chunks [first_chunk, end_chunk) touch, per scheduler group."""
+        firsts, ids = [], []
+        for sg in range(self.num_scheduler_groups):
+            spans = [stored_block_span(g, self.chunk_tokens, first_chunk, end_chunk)
+                     for g in self.moved if g.scheduler_group == sg]
+            spans = [s for s in spans if s[1] > s[0]]
+            if not spans:
+                firsts.append(0)
+                ids.append(())
+                continue
+            lo, hi = min(s[0] for s in spans), max(s[1] for s in spans)
+            firsts.append(lo)
+            ids.append(tuple(state.blocks[sg][lo:hi]) if sg < len(state.blocks) else ())
+        return BlockWindow(tuple(firsts), tuple(ids))
+
+    # ---- per step ---------------------------------------------------------------------------------------------
+
+    def build_connector_meta(self, scheduler_output: Any) -> LMCacheNPUConnectorMetadata:
+        stores: list[StorePlan] = []
+        for scheduled in adapter.scheduled_requests(scheduler_output):
+            state = self.requests.get(scheduled.request_id)
+            if state is None:
+                continue  # scheduled before this connector saw it: nothing of it is tracked
+            if scheduled.block_ids is not None:
+                if scheduled.replace or not state.blocks:
+                    state.blocks = [list(ids) for ids in scheduled.block_ids]
+                else:
+                    for table, new in zip(state.blocks, scheduled.block_ids):
+                        table.extend(new)
+            if self.stores_enabled and self.index is not None:
+                spec = len(scheduler_output.scheduled_spec_decode_tokens.get(scheduled.request_id, ()))
+                computed_after = (scheduled.num_computed_tokens
+                                  + scheduler_output.num_scheduled_tokens[scheduled.request_id] - spec)
+                plan = self._plan_stores(state, scheduled.num_computed_tokens, computed_after)
+                if plan is not None:
+                    stores.append(plan)
+        meta = LMCacheNPUConnectorMetadata(
+            commands=self.index.take_commands() if self.index is not None else [],
+            loads=self._loads, stores=stores, delayed_free=self._delayed_free,
+            preempted=sorted(adapter.preempted_request_ids(scheduler_output)))
+        self._loads, self._delayed_free = [], []
+        return meta
+
+    def _plan_stores(self, state: _Request, computed_before: int, computed_after: int) -> Optional[StorePlan]:
+        """Stores for the chunks this step completes (and earlier ones still safe to read), one command each."""
+        assert self.index is not None
+        request = state.request
+        chunk = self.chunk_tokens
+        end_chunk = computed_after // chunk
+        if not self.config.store_decode_chunks:
+            end_chunk = min(end_chunk, request.num_prompt_tokens // chunk)
+        first = state.next_chunk
+        keys = self._keys(request, first, end_chunk)  # stops before chunks whose hash vLLM has not computed yet
+        if not keys:
+            return None
+        chunks = np.arange(first, first + len(keys))
+        storable = np.ones(len(keys), dtype=bool)
+        complete = np.ones(len(keys), dtype=bool)
+        for g in self.moved:
+            table = state.blocks[g.scheduler_group] if g.scheduler_group < len(state.blocks) else []
+            rows_ok = (chunk_slots(g, chunk, table, chunks) >= 0).all(axis=1)
+            if g.keeps_blocks:
+                storable &= rows_ok
+            elif g.windowed:  # rows already out of the window may sit in blocks vLLM freed and reused
+                live = adapter.first_live_window_token(computed_before, g.sliding_window, g.tokens_per_block)
+                storable &= rows_ok & (row_tokens(g, chunk, chunks)[:, 0] >= live)
+            else:  # recurrent state and chunked-local blocks are rewritten by the next step
+                this_step = (chunks + 1) * chunk > computed_before
+                if g.recurrent:
+                    complete &= rows_ok & this_step
+                else:
+                    storable &= rows_ok & this_step
+        state.next_chunk = first + len(keys)
+        picked = [(int(c), key if whole else key.without_end_state())
+                  for c, key, ok, whole in zip(chunks, keys, storable, complete) if ok]
+        without_end_state = {key for (_, key), whole in zip(picked, complete[storable]) if not whole}
+        self.counters.add("store_chunks_unsafe", int((~storable).sum()))
+        if not picked:
+            return None
+        commands = self.index.allocate_store(request.request_id, picked)
+        if not commands:
+            return None
+        self._own(state, commands, state.stores)
+        partial = tuple(c.cmd_id for c in commands if c.key in without_end_state)
+        self.counters.add("store_chunks", len(commands))
+        indices = tuple(c.chunk_index for c in commands)
+        return StorePlan(request.request_id, tuple(c.cmd_id for c in commands), indices,
+                         self._window(state, min(indices), max(indices) + 1), partial)
+
+    def request_finished(self, request: Any, block_ids: Sequence[Sequence[int]]) -> tuple[bool, Optional[dict]]:
+        """Delays the free while stores of the request still read its pages (reported later as finished_sending).
+        A request still waiting for its loads is freed by vLLM itself once the load reports finished_recving."""
+        state = self.requests.get(request.request_id)
+        if self.index is not None:
+            self.index.release(request.request_id)
+        if state is None:
+            return False, None
+        state.finished = True
+        state.lookup = None
+        delay = bool(state.stores) and not adapter.waiting_for_remote_kv(request)
+        if delay:
+            self._delayed_free.append(request.request_id)
+            self.counters.add("delayed_frees")
+        self._forget_if_settled(state)
+        return delay, None
+
+    def _own(self, state: _Request, commands: Sequence[Load | Store], pending: set[int]) -> None:
+        for command in commands:
+            pending.add(command.cmd_id)
+            self._owner[command.cmd_id] = state
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        """Every rank's completions reach the index; a request's command counts as done once all ranks answered."""
+        meta = adapter.worker_metadata(connector_output)
+        if not isinstance(meta, LMCacheNPUWorkerMetadata) or not meta.completions or self.index is None:
+            return
+        self.index.on_completions(meta.completions)
+        touched: dict[int, _Request] = {}
+        for completion in meta.completions:
+            state = self._owner.get(completion.cmd_id)
+            if state is None:
+                continue
+            touched[id(state)] = state
+            if not completion.ok and completion.cmd_id in state.loads:
+                state.no_hits = True
+                self.counters.add("load_failures")
+            elif not completion.ok:
+                self.counters.add("store_failures")
+        for state in touched.values():
+            for pending in (state.stores, state.loads):
+                for cmd_id in [c for c in pending if not self.index.is_pending(c)]:
+                    pending.discard(cmd_id)
+                    self._owner.pop(cmd_id, None)
+            self._forget_if_settled(state)
+
+    def _forget_if_settled(self, state: _Request) -> None:
+        request_id = state.request.request_id
+        if state.finished and not state.stores and not state.loads and self.requests.get(request_id) is state:
+            del self.requests[request_id]
+
+    def shutdown(self) -> None:
+        if self._remote is not None:
+            self._remote.close()
+            self._remote = None

@@ -1,0 +1,79 @@
+"""Stream and event operations of one device family, so the worker code is the same on NPU, CUDA and CPU.
+
+On NPU and CUDA the transfers run on a side stream; an event recorded on the model's stream orders them after the
+model's writes, and an event recorded after a kernel lets the model's stream wait for it, never the host for the
+device. Host memory (the CPU attention backend) has no streams: the transfer thread runs each copy to its end,
+so its events are `None` and waiting is done on the host.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, Optional
+
+import torch
+
+
+class StreamKit:
+    """Host memory: no streams, no events."""
+
+    device_type = "cpu"
+    asynchronous = False  # True: a transfer's completion must be waited for through events
+
+    def bind_thread(self) -> None:
+        """Called once on the transfer thread before its first transfer."""
+
+    def record(self) -> Optional[Any]:
+        """An event at the current stream's present position (None on the host)."""
+        return None
+
+    def wait(self, event: Optional[Any]) -> None:
+        """The current stream waits for `event` before its later work (the host never blocks here)."""
+
+    @contextlib.contextmanager
+    def side_stream(self) -> Iterator[None]:
+        """The transfer thread's own stream becomes current inside."""
+        yield
+
+    @staticmethod
+    def for_device(device: torch.device) -> "StreamKit":
+        if device.type == "cpu":
+            return StreamKit()
+        if device.type == "cuda":
+            return DeviceStreamKit(device, torch.cuda)
+        if device.type == "npu":
+            import torch_npu  # noqa: F401  (registers torch.npu; imported only when NPU tensors exist)
+
+            return DeviceStreamKit(device, torch.npu)  # type: ignore[attr-defined]
+        raise ValueError(f"KV caches on {device} are not supported: expected npu, cuda or cpu tensors")
+
+
+class DeviceStreamKit(StreamKit):
+    """torch.cuda or torch.npu, which share the stream and event API."""
+
+    asynchronous = True
+
+    def __init__(self, device: torch.device, module: Any) -> None:
+        self.device = device
+        self.device_type = device.type
+        self._module = module
+        self._stream: Optional[Any] = None
+
+    def bind_thread(self) -> None:
+        self._module.set_device(self.device)
+        self._stream = self._module.Stream(self.device)
+
+    def record(self) -> Any:
+        event = self._module.Event()
+        event.record(self._module.current_stream(self.device))
+        return event
+
+    def wait(self, event: Optional[Any]) -> None:
+        if event is not None:
+            self._module.current_stream(self.device).wait_event(event)
+
+    @contextlib.contextmanager
+    def side_stream(self) -> Iterator[None]:
+        assert self._stream is not None, "bind_thread() first"
+        with self._module.stream(self._stream):
+            yield

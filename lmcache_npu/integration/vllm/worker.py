@@ -1,0 +1,252 @@
+"""The connector's worker half: registered KV caches -> layout -> plan -> transfer backend -> store executor, and
+each step's commands run without blocking the model (DESIGN §8).
+
+Per step: `handle_preemptions` holds the model's stream until earlier stores have read their pages;
+`start_load_kv` runs the tier commands in order and queues every load of the step as one transfer;
+`wait_for_save` queues every store of the step as one transfer, ordered after the forward by an event;
+`get_finished` collects completions, reports loads done (`finished_recving`), stores of finished requests done
+(`finished_sending`) and failed loads, and the completions go back to the scheduler's index.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional
+
+from ...config import ConnectorConfig
+from ...layout.discovery import KVLayout, LayoutPolicy, default_chunk_tokens, discover_layout, token_granularity
+from ...ops import BackendUnavailable, TransferBackend, get_backend
+from ...store.commands import Command, Load, Store
+from ...store.executor import StoreExecutor
+from ...store.factory import build_executor
+from ...store.keys import layout_fingerprint, model_fingerprint, namespace_of
+from ...store.tier import TierCounters
+from . import adapter
+from .metadata import (
+    LMCacheNPUConnectorMetadata,
+    LMCacheNPUWorkerMetadata,
+    LoadPlan,
+    WorkerGeometry,
+    plan_group_geometry,
+)
+from .mover import KVMover
+from .stats import LMCacheNPUStats
+from .streams import StreamKit
+
+logger = logging.getLogger(__name__)
+
+AUTO_BACKEND = {"npu": "npu", "cuda": "cuda", "cpu": "emu"}  # the AscendC kernel source moves host pages on CPU
+
+
+class LoadFailedError(RuntimeError):
+    """A load failed and this vLLM cannot be told to recompute it; the engine stops rather than serve wrong KV."""
+
+
+@dataclass
+class _Recv:
+    plan: LoadPlan
+    pending: set[int]
+    failure: str = ""
+
+
+@dataclass
+class _Sends:
+    pending: set[int] = field(default_factory=set)
+    delayed: bool = False  # the scheduler kept the request's blocks: report finished_sending once pending is empty
+
+
+def _fractal_nz(kv_caches: Mapping[str, Any]) -> bool:
+    """310P caches are in the private FRACTAL_NZ format (ACL format 29), which only torch_npu can tell."""
+    first = next(iter(kv_caches.values()), None)
+    tensor = first if not isinstance(first, (tuple, list)) else (first[0] if first else None)
+    if tensor is None or getattr(tensor, "device", None) is None or tensor.device.type != "npu":
+        return False
+    import torch_npu
+
+    return int(torch_npu.get_npu_format(tensor)) == 29
+
+
+class WorkerHalf:
+    def __init__(self, config: ConnectorConfig, vllm_config: Any, kv_cache_config: Any) -> None:
+        self.config = config
+        self.kv_cache_config = kv_cache_config
+        self.place = adapter.parallel_place(vllm_config)
+        _, self.hash_block_size = adapter.block_sizes(kv_cache_config, vllm_config)
+        self.model_fingerprint = model_fingerprint(**adapter.model_facts(vllm_config, config.model_name))
+        self.failure_channel = adapter.failure_channel(len(kv_cache_config.kv_cache_groups))
+        self.counters = TierCounters()
+        self.layout: Optional[KVLayout] = None
+        self.backend: Optional[TransferBackend] = None
+        self.mover: Optional[KVMover] = None
+        self.executor: Optional[StoreExecutor] = None
+        self.geometry: Optional[WorkerGeometry] = None
+        self._stores: list[Command] = []
+        self._recv: dict[str, _Recv] = {}
+        self._sends: dict[str, _Sends] = {}
+        self._owner: dict[int, str] = {}  # in-flight load/store cmd id -> request id
+        self._outbox: list = []
+        self._load_error_blocks: set[int] = set()
+
+    # ---- start-up ---------------------------------------------------------------------------------------------
+
+    def chunk_tokens(self) -> int:
+        """The configured chunk size, or the automatic one: 256 tokens, rounded up to a multiple of vLLM's hash block
+        and of every stored group's granularity."""
+        if self.config.chunk_tokens is not None:
+            return self.config.chunk_tokens
+        granularity = token_granularity(self.kv_cache_config, LayoutPolicy(skip_spec_kinds=self.config.skip_spec_kinds))
+        return default_chunk_tokens(granularity, self.hash_block_size)
+
+    def register_kv_caches(self, kv_caches: Mapping[str, Any]) -> None:
+        policy = LayoutPolicy(chunk_tokens=self.chunk_tokens(), skip_spec_kinds=self.config.skip_spec_kinds,
+                              hash_block_size=self.hash_block_size, fractal_nz=_fractal_nz(kv_caches))
+        layout = discover_layout(self.kv_cache_config, kv_caches, policy)
+        self.layout = layout
+        plan = layout.plan
+        if plan.object_bytes == 0:
+            reason = "every KV-cache group is skipped (see `lmcache-npu inspect`), so no chunk has bytes to store"
+            logger.warning("lmcache_npu rank %d: %s", self.place.rank, reason)
+            self.geometry = WorkerGeometry(self.place.rank, self.place.world, enabled=False, reason=reason)
+            return
+        self.backend = self._backend(plan.device)
+        fingerprint = layout_fingerprint(plan)
+        namespace = namespace_of(self.model_fingerprint, fingerprint)
+        self.mover = KVMover(layout, self.backend, StreamKit.for_device(plan.device), self.place.rank,
+                             self.config.load_retries, self.counters)
+        self.executor = build_executor(self.config.store, self.place.rank, plan.object_bytes, fingerprint, self.mover,
+                                       namespace)
+        self.geometry = WorkerGeometry(
+            self.place.rank, self.place.world, enabled=True, namespace=namespace, layout_fingerprint=fingerprint,
+            chunk_tokens=plan.chunk_tokens, object_bytes=plan.object_bytes, num_slots=self.executor.arena.num_slots,
+            groups=plan_group_geometry(layout.groups), backend=self.backend.name, device=str(plan.device))
+        logger.info("lmcache_npu rank %d: %d planes in %d groups, %d B per %d-token chunk, %s backend, %d arena slots",
+                    self.place.rank, len(plan.moved_planes), len(layout.groups), plan.object_bytes, plan.chunk_tokens,
+                    self.backend.name, self.executor.arena.num_slots)
+
+    def _backend(self, device: Any) -> TransferBackend:
+        name = self.config.backend if self.config.backend != "auto" else AUTO_BACKEND.get(device.type)
+        if name is None:
+            raise ValueError(f"KV caches on {device}: no transfer backend moves {device.type} memory")
+        if name in ("emu",) and device.type != "cpu" or name in ("cuda", "npu") and device.type != name:
+            raise ValueError(f"backend {name!r} cannot move KV caches on {device}; use backend 'auto'")
+        try:
+            return get_backend(name, **dict(self.config.backend_options))
+        except BackendUnavailable as exc:
+            raise BackendUnavailable(f"lmcache_npu rank {self.place.rank}: {exc}") from exc
+
+    # ---- per step ---------------------------------------------------------------------------------------------
+
+    def handle_preemptions(self, meta: LMCacheNPUConnectorMetadata) -> None:
+        """Runs before the step writes any page: earlier stores must be done reading theirs (vLLM may have handed
+        their blocks to other requests)."""
+        if self.mover is not None:
+            self.mover.release_pages()
+
+    def start_load_kv(self, meta: LMCacheNPUConnectorMetadata) -> None:
+        if self.executor is None or self.mover is None:
+            return
+        self.mover.release_pages()  # a runner that skips handle_preemptions still orders loads after old stores
+        if self._stores:  # a previous step bound stores but never reached wait_for_save
+            self.executor.submit(self._stores)
+            self._stores = []
+        self.mover.expect([*meta.loads, *meta.stores])
+        for plan in meta.loads:
+            self._recv[plan.request_id] = _Recv(plan, set(plan.cmd_ids), f"refused: {plan.refused}" if plan.refused
+                                                else "")
+            self._owner.update((c, plan.request_id) for c in plan.cmd_ids)
+        for plan in meta.stores:
+            self._sends.setdefault(plan.request_id, _Sends()).pending.update(plan.cmd_ids)
+            self._owner.update((c, plan.request_id) for c in plan.cmd_ids)
+        for request_id in meta.delayed_free:
+            self._sends.setdefault(request_id, _Sends()).delayed = True
+        others = [c for c in meta.commands if not isinstance(c, (Load, Store))]
+        loads = [c for c in meta.commands if isinstance(c, Load)]
+        self._stores = [c for c in meta.commands if isinstance(c, Store)]
+        if others:
+            self.executor.submit(others)  # spills, promotions, puts, drops: in the index's order
+        if loads:
+            self.executor.submit(loads)  # one transfer for every load of the step
+
+    def wait_for_save(self) -> None:
+        """Queues every store of the step as one transfer behind the forward; returns at once."""
+        if self._stores and self.executor is not None:
+            self.executor.submit(self._stores)
+        self._stores = []
+
+    def get_finished(self) -> tuple[set[str], set[str], set[str]]:
+        """(finished_sending, finished_recving, failed_recving) since the last call."""
+        if self.executor is None:
+            return set(), set(), set()
+        completions = self.executor.poll()
+        self._outbox.extend(completions)
+        for done in completions:
+            request_id = self._owner.pop(done.cmd_id, None)
+            if request_id is None:
+                continue
+            recv = self._recv.get(request_id)
+            if recv is not None and done.cmd_id in recv.pending:
+                recv.pending.discard(done.cmd_id)
+                if not done.ok and not recv.failure:
+                    recv.failure = done.reason
+            sends = self._sends.get(request_id)
+            if sends is not None:
+                sends.pending.discard(done.cmd_id)
+        recving, failed = set(), set()
+        for request_id, recv in list(self._recv.items()):
+            if recv.pending:
+                continue
+            del self._recv[request_id]
+            recving.add(request_id)
+            if recv.failure:
+                failed.add(request_id)
+                self._load_failed(recv)
+        sending = {r for r, s in self._sends.items() if s.delayed and not s.pending}
+        for request_id in sending:
+            del self._sends[request_id]
+        for request_id in [r for r, s in self._sends.items() if not s.pending and not s.delayed]:
+            del self._sends[request_id]
+        return sending, recving, failed
+
+    def _load_failed(self, recv: _Recv) -> None:
+        plan = recv.plan
+        where = (f"lmcache_npu rank {self.place.rank}: loading request {plan.request_id} (tokens {plan.first_token}.."
+                 f"{plan.end_token}) failed: {recv.failure}")
+        if self.failure_channel == "none":
+            raise LoadFailedError(
+                f"{where}. vLLM {'.'.join(map(str, adapter.VLLM_VERSION))} cannot recompute a failed load of a model "
+                f"with {len(self.kv_cache_config.kv_cache_groups)} KV-cache groups (its invalid-block handler maps "
+                "one group only; vLLM >= 0.30 takes request-level failures), so the engine stops instead of serving "
+                "KV that may be wrong")
+        logger.warning("%s; vLLM recomputes these tokens", where)
+        if self.failure_channel == "invalid_blocks":
+            self._load_error_blocks.update(plan.error_block_ids)
+
+    def take_load_error_blocks(self) -> set[int]:
+        blocks, self._load_error_blocks = self._load_error_blocks, set()
+        return blocks
+
+    def build_worker_meta(self) -> Optional[LMCacheNPUWorkerMetadata]:
+        if not self._outbox:
+            return None
+        meta, self._outbox = LMCacheNPUWorkerMetadata(self._outbox), []
+        return meta
+
+    def stats(self) -> LMCacheNPUStats:
+        return LMCacheNPUStats.of(self.counters.drain())
+
+    def shutdown(self) -> None:
+        if self.mover is not None:
+            self.mover.close()
+        if self.executor is not None:
+            self.executor.close()
+
+
+def engine_store_config(config: ConnectorConfig, vllm_config: Any) -> ConnectorConfig:
+    """Data-parallel engines on one host each manage their own chunk files: `disk_path/dp<rank>`."""
+    dp_rank = adapter.data_parallel_rank(vllm_config)
+    if dp_rank is None or config.store.disk_path is None:
+        return config
+    store = dataclasses.replace(config.store, disk_path=f"{config.store.disk_path.rstrip('/')}/dp{dp_rank}")
+    return dataclasses.replace(config, store=store)

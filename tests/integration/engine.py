@@ -1,0 +1,309 @@
+"""A vLLM 0.23 engine without a model: the real `Scheduler` (CPU platform, HMA on) loads `LMCacheNPUConnector`
+through `kv_connector_module_path` and drives its scheduler half; worker connectors in this process (one per
+tensor-parallel rank) get a preset's registered tensors and a simulated model (`sim.py`), and their outputs are
+merged by vLLM's own `KVOutputAggregator`, as the engine core does.
+
+After every step the pages every scheduled request's next forward reads are checked against the simulated model's
+bytes (`Engine.check`), so a load that delivers wrong rows, or a recompute that misses some, fails the test.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+from . import vllm_cpu  # noqa: F401  (forces the CPU platform before vLLM is used)
+
+from vllm.config import (  # noqa: E402
+    CacheConfig,
+    DeviceConfig,
+    KVTransferConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    VllmConfig,
+)
+from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
+from vllm.sampling_params import SamplingParams  # noqa: E402
+from vllm.utils.hashing import sha256  # noqa: E402
+from vllm.v1.core.kv_cache_utils import (  # noqa: E402
+    generate_scheduler_kv_cache_config,
+    get_request_block_hasher,
+    init_none_hash,
+    resolve_kv_cache_block_sizes,
+)
+from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
+from vllm.v1.request import Request, RequestStatus  # noqa: E402
+from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
+
+from lmcache_npu.integration.vllm import LMCacheNPUConnector  # noqa: E402
+from lmcache_npu.layout.presets import PresetKV, build_preset  # noqa: E402
+
+from .sim import SimModel, prefix_hashes  # noqa: E402
+from .vllm_cpu import tiny_model_dir  # noqa: E402
+
+VOCAB = 32000
+
+
+def register_compressed_managers(kv_cache_config: Any) -> None:
+    """vllm-ascend registers a manager for its compressed MLA spec, whose block holds block_size stored rows, i.e.
+    block_size x compress_ratio tokens; this test double does the same for the presets' stand-in class."""
+    from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager, register_all_kvcache_specs
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+    from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
+
+    register_all_kvcache_specs(None)  # the built-in specs first: the registry fills itself only while empty
+
+    class CompressedAttentionManager(FullAttentionManager):
+        def __init__(self, kv_cache_spec: Any, **kwargs: Any) -> None:
+            super().__init__(kv_cache_spec, **kwargs)
+            self.block_size = kv_cache_spec.block_size * kv_cache_spec.compress_ratio
+
+    for group in kv_cache_config.kv_cache_groups:
+        specs = getattr(group.kv_cache_spec, "kv_cache_specs", {"": group.kv_cache_spec}).values()
+        for spec in specs:
+            if type(spec).__name__ == "AscendMLAAttentionSpec":
+                KVCacheSpecRegistry.register(type(spec), CompressedAttentionManager,
+                                             uniform_type_base_spec=FullAttentionSpec)
+
+
+@dataclass
+class EngineSpec:
+    preset: str = "llama3-8b"
+    family: str = "ascend"
+    max_layers: Optional[int] = 2
+    num_blocks: int = 96
+    world: int = 1
+    backend: str = "emu"
+    extra_config: dict = field(default_factory=dict)
+    max_num_batched_tokens: int = 1024
+    max_num_seqs: int = 8
+    max_model_len: int = 16384
+    failure_policy: str = "recompute"
+    kv_role: str = "kv_both"
+    check_every_step: bool = True
+    async_scheduling: bool = False  # vLLM 0.23's default: step N+1 is scheduled before step N's output is applied
+
+
+class Runner:
+    """One rank's view of the requests, built only from scheduler outputs as vLLM's model runner builds it."""
+
+    def __init__(self) -> None:
+        self.tables: dict[str, list[list[int]]] = {}
+
+    def update(self, so: Any) -> None:
+        for req_id in so.finished_req_ids:
+            self.tables.pop(req_id, None)
+        for new in so.scheduled_new_reqs:
+            self.tables[new.req_id] = [list(ids) for ids in new.block_ids]
+        cached = so.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            new_ids = cached.new_block_ids[i]
+            if new_ids is None:
+                continue
+            if req_id in cached.resumed_req_ids:
+                self.tables[req_id] = [list(ids) for ids in new_ids]
+            else:
+                for table, ids in zip(self.tables[req_id], new_ids):
+                    table.extend(ids)
+
+
+class Engine:
+    def __init__(self, spec: EngineSpec, worker_factory: Optional[Callable[..., Any]] = None) -> None:
+        self.spec = spec
+        self.presets: list[PresetKV] = [build_preset(spec.preset, spec.family, num_blocks=spec.num_blocks, seed=rank,
+                                                     max_layers=spec.max_layers) for rank in range(spec.world)]
+        kv_cache_config = self.presets[0].kv_cache_config
+        register_compressed_managers(kv_cache_config)
+        block_size = int(np.lcm.reduce([g.kv_cache_spec.block_size for g in kv_cache_config.kv_cache_groups]))
+        self.configs = [self._vllm_config(spec, block_size, kv_cache_config, rank) for rank in range(spec.world)]
+        vc = self.configs[0]
+        scheduler_config = generate_scheduler_kv_cache_config([kv_cache_config])
+        self.block_size, self.hash_block_size = resolve_kv_cache_block_sizes(scheduler_config, vc)
+        init_none_hash(sha256)
+        self.hasher = get_request_block_hasher(self.hash_block_size, sha256)
+        scheduler_cls = vc.scheduler_config.get_scheduler_cls()
+        self.scheduler: Scheduler = scheduler_cls(
+            vllm_config=vc, kv_cache_config=scheduler_config, structured_output_manager=StructuredOutputManager(vc),
+            block_size=self.block_size, hash_block_size=self.hash_block_size, log_stats=True)
+        assert isinstance(self.scheduler.connector, LMCacheNPUConnector)
+        self.connector = self.scheduler.connector
+        make = worker_factory or LMCacheNPUConnector
+        self.workers = [make(self.configs[r], KVConnectorRole.WORKER, self.presets[r].kv_cache_config)
+                        for r in range(spec.world)]
+        for worker, preset in zip(self.workers, self.presets):
+            worker.register_kv_caches(preset.kv_caches)
+        handshake = {(0, r): w.get_handshake_metadata() for r, w in enumerate(self.workers)}
+        self.connector.set_xfer_handshake_metadata_pp_aware(handshake)
+        self.sims = [SimModel(r, w.worker_half.layout) for r, w in enumerate(self.workers)]
+        self.runners = [Runner() for _ in self.workers]
+        self.aggregator = KVOutputAggregator(spec.world)
+        self.hashes: dict[str, np.ndarray] = {}
+        self.pending: dict[str, list[int]] = {}  # tokens the runner sampled that the scheduler has not applied yet
+        self.in_flight: list[tuple[Any, Any]] = []  # (scheduler output, model output) not yet applied
+        self.requests: dict[str, Request] = {}  # every request ever added (vLLM drops finished ones)
+        self.loaded_tokens: dict[str, int] = {}  # request -> tokens vLLM took from the connector
+        self.steps = 0
+        self.problems: list[str] = []
+        self._ids = itertools.count()
+
+    @staticmethod
+    def _vllm_config(spec: EngineSpec, block_size: int, kv_cache_config: Any, rank: int) -> VllmConfig:
+        kt = KVTransferConfig(kv_connector="LMCacheNPUConnector", kv_connector_module_path="lmcache_npu.integration.vllm",
+                              kv_role=spec.kv_role, kv_load_failure_policy=spec.failure_policy,
+                              kv_connector_extra_config={"backend": spec.backend, "cpu_bytes": "64MiB",
+                                                         **spec.extra_config})
+        mamba = any(type(g.kv_cache_spec).__name__ == "MambaSpec" for g in kv_cache_config.kv_cache_groups)
+        cache = CacheConfig(block_size=block_size, enable_prefix_caching=mamba,
+                            mamba_cache_mode="align" if mamba else "none")
+        vc = VllmConfig(
+            model_config=ModelConfig(model=tiny_model_dir(), skip_tokenizer_init=True, dtype="float32",
+                                     max_model_len=spec.max_model_len),
+            cache_config=cache,
+            scheduler_config=SchedulerConfig(max_num_seqs=spec.max_num_seqs,
+                                             max_num_batched_tokens=spec.max_num_batched_tokens,
+                                             max_model_len=spec.max_model_len, is_encoder_decoder=False,
+                                             enable_chunked_prefill=True, async_scheduling=spec.async_scheduling),
+            device_config=DeviceConfig("cpu"),
+            parallel_config=ParallelConfig(tensor_parallel_size=spec.world),
+            kv_transfer_config=kt)
+        vc.cache_config.num_gpu_blocks = kv_cache_config.num_blocks
+        if rank:
+            vc = copy.copy(vc)
+            vc.parallel_config = copy.copy(vc.parallel_config)
+        vc.parallel_config.rank = rank
+        return vc
+
+    # ---- requests -------------------------------------------------------------------------------------------
+
+    def add(self, tokens: list[int], max_tokens: int = 4, request_id: Optional[str] = None) -> str:
+        request_id = request_id or f"r{next(self._ids)}"
+        request = Request(request_id, list(tokens), SamplingParams(max_tokens=max_tokens, temperature=0.0), None,
+                          block_hasher=self.hasher)
+        self.scheduler.add_request(request)
+        self.requests[request_id] = request
+        return request_id
+
+    def output_tokens(self, request_id: str) -> list[int]:
+        return list(self.requests[request_id].output_token_ids)
+
+    def abort(self, request_id: str) -> None:
+        self.scheduler.finish_requests(request_id, RequestStatus.FINISHED_ABORTED)
+
+    def tokens(self, request: Request) -> list[int]:
+        """The request's tokens as the runner knows them: the scheduler's plus samples still on their way to it."""
+        return list(request.all_token_ids) + self.pending.get(request.request_id, [])
+
+    def _hashes(self, request: Request) -> np.ndarray:
+        tokens = self.tokens(request)
+        known = self.hashes.get(request.request_id)
+        if known is not None and len(known) > len(tokens):
+            known = known[:len(tokens)]
+        if known is None or len(known) < len(tokens):
+            known = self.hashes[request.request_id] = prefix_hashes(tokens, known)
+        return known
+
+    def _sample(self, request: Request, end: int) -> int:
+        """The token a deterministic model emits after `end` tokens of this request."""
+        return 3 + int(self._hashes(request)[end - 1] % np.uint64(VOCAB - 3))
+
+    # ---- steps ----------------------------------------------------------------------------------------------
+
+    def check(self, requests: list[tuple[Request, int]], what: str) -> None:
+        for rank, (sim, runner) in enumerate(zip(self.sims, self.runners)):
+            for request, n in requests:
+                tables = runner.tables[request.request_id]
+                self.problems += sim.check(self._hashes(request), tables, n, f"{what} {request.request_id}")
+        if self.problems:
+            raise AssertionError("\n".join(self.problems[:10]))
+
+    def step(self) -> Any:
+        """One engine step: schedule and execute; the scheduler sees the output now (sync) or after the next
+        schedule (async, like vLLM's batch queue of two)."""
+        so = self.scheduler.schedule()
+        output = self._execute(so)
+        self.in_flight.append((so, output))
+        while self.in_flight and (not self.spec.async_scheduling or len(self.in_flight) > 1
+                                  or not so.total_num_scheduled_tokens):
+            self._apply(*self.in_flight.pop(0))
+        self.steps += 1
+        if not so.total_num_scheduled_tokens:
+            time.sleep(0.002)  # loads run on the transfer thread; let it work instead of spinning
+        return so
+
+    def _execute(self, so: Any) -> Any:
+        meta = so.kv_connector_metadata
+        scheduled = [(self.scheduler.requests[r], n) for r, n in so.num_scheduled_tokens.items()]
+        starts = {new.req_id: new.num_computed_tokens for new in so.scheduled_new_reqs}
+        cached = so.scheduled_cached_reqs
+        starts.update({r: cached.num_computed_tokens[i] for i, r in enumerate(cached.req_ids)})
+        samples: dict[str, list[int]] = {}
+        for request, count in scheduled:
+            end = starts[request.request_id] + count
+            tokens = self.tokens(request)
+            samples[request.request_id] = [self._sample(request, end)] if end >= len(tokens) else []
+        outputs = []
+        for worker, sim, runner in zip(self.workers, self.sims, self.runners):
+            worker.handle_preemptions(meta)
+            worker.bind_connector_metadata(meta)
+            worker.start_load_kv(None)
+            runner.update(so)
+            if so.total_num_scheduled_tokens:
+                if self.spec.check_every_step:
+                    self.check([(req, starts[req.request_id]) for req, _ in scheduled], f"step {self.steps} before")
+                for request, count in scheduled:
+                    start = starts[request.request_id]
+                    sim.forward(self._hashes(request), runner.tables[request.request_id], start, start + count)
+                worker.wait_for_save()
+            sending, recving = worker.get_finished(so.finished_req_ids)
+            kvo = KVConnectorOutput(finished_sending=sending, finished_recving=recving,
+                                    kv_connector_stats=worker.get_kv_connector_stats(),
+                                    kv_connector_worker_meta=worker.build_connector_worker_meta(),
+                                    invalid_block_ids=worker.get_block_ids_with_load_errors())
+            worker.clear_connector_metadata()
+            if so.total_num_scheduled_tokens:
+                req_ids = [request.request_id for request, _ in scheduled]
+                outputs.append(ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                                                 sampled_token_ids=[samples[r] for r in req_ids],
+                                                 kv_connector_output=kvo))
+            else:
+                outputs.append(ModelRunnerOutput.with_kv_conn_output_only(kvo))
+        for req_id, new in samples.items():
+            self.pending.setdefault(req_id, []).extend(new)
+        return self.aggregator.aggregate(outputs)
+
+    def _apply(self, so: Any, output: Any) -> None:
+        kvo = output.kv_connector_output
+        for req_id in (kvo.finished_recving or ()) if kvo else ():
+            request = self.scheduler.requests.get(req_id)
+            if request is not None:
+                self.loaded_tokens[req_id] = request.num_computed_tokens
+        self.scheduler.update_from_output(so, output)
+        for index, req_id in enumerate(getattr(output, "req_ids", []) or []):
+            applied = len(output.sampled_token_ids[index])
+            self.pending[req_id] = self.pending.get(req_id, [])[applied:]
+
+    def run(self, max_steps: int = 2000) -> None:
+        """Steps until every request finished and every delayed free and transfer settled."""
+        for _ in range(max_steps):
+            if not self.scheduler.has_requests() and not self.busy() and not self.in_flight:
+                return
+            self.step()
+        raise AssertionError(f"engine did not settle in {max_steps} steps: {self.scheduler.get_request_counts()} "
+                             f"requests, {self.connector.scheduler_half.index.in_flight} commands in flight")
+
+    def busy(self) -> bool:
+        half = self.connector.scheduler_half
+        return bool(half.requests) or (half.index is not None and half.index.in_flight > 0)
+
+    def close(self) -> None:
+        for worker in self.workers:
+            worker.shutdown()
+        self.connector.shutdown()
