@@ -38,7 +38,8 @@ def check_backend_options(backend: str, options: Mapping[str, Any]) -> None:
             raise ValueError("backend_options need a named backend (torch, emu, cuda or npu): with backend 'auto' the "
                              "options would apply to whichever backend the device picks")
         return
-    valid = [p for p in inspect.signature(backend_class(backend).__init__).parameters if p != "self"]
+    parameters = inspect.signature(backend_class(backend).__init__).parameters.values()
+    valid = [p.name for p in parameters if p.name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
     unknown = sorted(set(options) - set(valid))
     if unknown:
         raise ValueError(f"backend_options: {', '.join(map(repr, unknown))} not accepted by the {backend} backend; "

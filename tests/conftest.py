@@ -1,6 +1,11 @@
 import os
 
+import torch
 from hypothesis import HealthCheck, settings
+
+# xdist runs one process per core; torch's OpenMP workers spinning in two processes (and in the connector's
+# transfer thread beside the test's own) slow some tests by 50x on a 2-core machine
+torch.set_num_threads(1)
 
 # vLLM on this machine's CPU keeps the hybrid KV-cache manager on only with its CPU platform; it must be chosen
 # before any test module imports vLLM (tests/integration/vllm_cpu.py does the same when run on its own).

@@ -179,17 +179,17 @@ class ChunkIndex:
         self.counters.add("lookup_hit_chunks", hit)
         return LookupResult(hit, ready, tuple(sources[:hit]))
 
-    def presence(self, keys: Sequence[ChunkKey]) -> list[bool]:
-        """Whether some tier holds each key (the arena, a complete disk copy, or the remote store), as `lookup`
-        would find it, without reserving or promoting anything; one remote existence batch for the keys not held
-        locally."""
+    def presence(self, keys: Sequence[ChunkKey], remote: bool = True) -> list[bool]:
+        """Whether some tier holds each key (the arena, a complete disk copy, or with `remote` the remote store), as
+        `lookup` would find it, without reserving or promoting anything; one remote existence batch for the keys not
+        held locally."""
         held = []
         for key in keys:
             entry = self._entries.get(key)
             held.append(entry is not None and (entry.slot is not None or entry.disk is DiskState.PRESENT))
         missing = [key for key, here in zip(keys, held) if not here]
-        remote = iter(self._remote_present(missing) if missing else [])
-        return [here or next(remote) for here in held]
+        found = iter(self._remote_present(missing) if missing and remote else [False] * len(missing))
+        return [here or next(found) for here in held]
 
     def begin_load(self, request_id: str, chunks: Sequence[tuple[int, ChunkKey]]) -> list[Load]:
         """Loads for the request's chunks (chunk number, key); each must be ready (a lookup said so). Checked for

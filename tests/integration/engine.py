@@ -9,11 +9,13 @@ bytes (`Engine.check`), so a load that delivers wrong rows, or a recompute that 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
+from unittest import mock
 
 import numpy as np
 
@@ -138,8 +140,13 @@ class Engine:
         make = worker_factory or LMCacheNPUConnector
         self.workers = [make(self.configs[r], KVConnectorRole.WORKER, self.presets[r].kv_cache_config)
                         for r in range(spec.world)]
-        for worker, preset in zip(self.workers, self.presets):
-            worker.register_kv_caches(preset.kv_caches)
+        with contextlib.ExitStack() as stack:
+            if self.presets[0].model.fractal_nz:  # 310P: torch_npu tells FRACTAL_NZ caches apart; CPU tensors cannot
+                from lmcache_npu.integration.vllm import worker as worker_module
+
+                stack.enter_context(mock.patch.object(worker_module, "_fractal_nz", lambda caches: True))
+            for worker, preset in zip(self.workers, self.presets):
+                worker.register_kv_caches(preset.kv_caches)
         handshake = {(0, r): w.get_handshake_metadata() for r, w in enumerate(self.workers)}
         self.connector.set_xfer_handshake_metadata_pp_aware(handshake)
         self.sims = [SimModel(r, w.worker_half.layout) for r, w in enumerate(self.workers)]
@@ -194,6 +201,11 @@ class Engine:
     def output_tokens(self, request_id: str) -> list[int]:
         return list(self.requests[request_id].output_token_ids)
 
+    def evict_device_cache(self) -> None:
+        """vLLM forgets its own prefix cache (as when HBM pressure evicts it): later hits can come only from the
+        connector."""
+        assert self.scheduler.reset_prefix_cache(), "vLLM refused to reset its prefix cache"
+
     def abort(self, request_id: str) -> None:
         self.scheduler.finish_requests(request_id, RequestStatus.FINISHED_ABORTED)
 
@@ -216,8 +228,10 @@ class Engine:
 
     # ---- steps ----------------------------------------------------------------------------------------------
 
-    def check(self, requests: list[tuple[Request, int]], what: str) -> None:
-        for rank, (sim, runner) in enumerate(zip(self.sims, self.runners)):
+    def check(self, requests: list[tuple[Request, int]], what: str, ranks: Optional[list[int]] = None) -> None:
+        """Every row each request's next forward (at token n) reads, on every rank, against the model's bytes."""
+        for rank in ranks if ranks is not None else range(len(self.sims)):
+            sim, runner = self.sims[rank], self.runners[rank]
             for request, n in requests:
                 tables = runner.tables[request.request_id]
                 self.problems += sim.check(self._hashes(request), tables, n, f"{what} {request.request_id}")
@@ -250,14 +264,15 @@ class Engine:
             tokens = self.tokens(request)
             samples[request.request_id] = [self._sample(request, end)] if end >= len(tokens) else []
         outputs = []
-        for worker, sim, runner in zip(self.workers, self.sims, self.runners):
+        for rank, (worker, sim, runner) in enumerate(zip(self.workers, self.sims, self.runners)):
             worker.handle_preemptions(meta)
             worker.bind_connector_metadata(meta)
             worker.start_load_kv(None)
             runner.update(so)
             if so.total_num_scheduled_tokens:
                 if self.spec.check_every_step:
-                    self.check([(req, starts[req.request_id]) for req, _ in scheduled], f"step {self.steps} before")
+                    self.check([(req, starts[req.request_id]) for req, _ in scheduled], f"step {self.steps} before",
+                               [rank])
                 for request, count in scheduled:
                     start = starts[request.request_id]
                     sim.forward(self._hashes(request), runner.tables[request.request_id], start, start + count)

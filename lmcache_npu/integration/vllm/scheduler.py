@@ -318,6 +318,9 @@ class SchedulerHalf:
                 else:
                     storable &= rows_ok & this_step
         state.next_chunk = first + len(keys)
+        if not complete.all():  # a copy without end state is useless where the complete one is held
+            held = self.index.presence([k for k, whole in zip(keys, complete) if not whole], remote=False)
+            storable[~complete] &= ~np.array(held, dtype=bool)
         picked = [(int(c), key if whole else key.without_end_state())
                   for c, key, ok, whole in zip(chunks, keys, storable, complete) if ok]
         without_end_state = {key for (_, key), whole in zip(picked, complete[storable]) if not whole}

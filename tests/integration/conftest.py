@@ -1,0 +1,79 @@
+"""Engines for the connector tests, closed after each test, and the leak check every scenario ends with."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+import pytest
+
+from .engine import Engine, EngineSpec
+
+# (preset, family) -> engine settings that keep each model's mix of KV-cache kinds at test size
+PRESET_ENGINES: dict[tuple[str, str], dict] = {}
+for _family in ("ascend", "cuda"):
+    PRESET_ENGINES.update({
+        ("llama3-8b", _family): {"max_layers": 2},
+        ("qwen3-32b", _family): {"max_layers": 2},
+        ("deepseek-v3", _family): {"max_layers": 2},
+        ("deepseek-v3.2-c8", _family): {"max_layers": 2},
+        ("deepseek-v4-flash", _family): {"max_layers": 6, "num_blocks": 600},  # SWA-only, c4, c128 layers
+        ("gemma3-27b", _family): {"max_layers": 6, "num_blocks": 400},  # 5 sliding-window + 1 global
+        ("gpt-oss-120b", _family): {"max_layers": 2},  # sliding window 128 + full
+        ("qwen3-next-80b", _family): {"max_layers": 4, "num_blocks": 64},  # 3 Gated DeltaNet + 1 full
+    })
+PRESET_ENGINES[("llama3-8b-310p", "ascend")] = {"max_layers": 2, "extra_config": {"backend_options": {"soc": "310p"}}}
+
+
+def prompt(length: int, seed: int) -> list[int]:
+    return np.random.default_rng(seed).integers(5, 30000, length).tolist()
+
+
+def assert_quiescent(engine: Engine) -> None:
+    """Nothing leaked: vLLM's scheduler is empty with every block free, the connector tracks no request, the index
+    has no command in flight, no reservation or pin, and every arena slot is free or ready; workers wait for
+    nothing."""
+    scheduler = engine.scheduler
+    assert not scheduler.requests and not scheduler.running and not scheduler.waiting
+    pool = scheduler.kv_cache_manager.block_pool
+    assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1, "vLLM blocks still held"
+    half = engine.connector.scheduler_half
+    assert not half.requests, f"scheduler half still tracks {list(half.requests)}"
+    assert not half._owner and not half._loads and not half._delayed_free
+    index = half.index
+    assert index is not None
+    index.check_invariants()
+    assert index.in_flight == 0 and not index._outbox
+    assert not any(index._reserved.values()), "reservations left"
+    assert all(e.readers == 0 and not e.reservations for e in index._entries.values()), "pinned chunks left"
+    from lmcache_npu.store.index import SlotState
+
+    states = [index.location(k)[1] for k in list(index._entries)]
+    assert SlotState.WRITING not in states and SlotState.READING not in states
+    assert len(index._free_slots) + sum(s is SlotState.READY for s in states) == index.num_slots
+    for worker in engine.workers:
+        wh = worker.worker_half
+        assert not wh._recv and not wh._sends and not wh._owner and not wh._stores, "worker still tracks transfers"
+        assert wh.executor._outstanding == 0
+
+
+@pytest.fixture
+def make_engine() -> Callable[..., Engine]:
+    engines: list[Engine] = []
+
+    def make(**settings) -> Engine:
+        engine = Engine(EngineSpec(**settings))
+        engines.append(engine)
+        return engine
+
+    yield make
+    for engine in engines:
+        engine.close()
+
+
+def preset_engine(make: Callable[..., Engine], preset: str, family: str, **overrides) -> Engine:
+    settings = {"preset": preset, "family": family, **PRESET_ENGINES[(preset, family)]}
+    extra = {**settings.pop("extra_config", {}), **overrides.pop("extra_config", {})}
+    if overrides.get("backend", "emu") != "emu":
+        extra.pop("backend_options", None)  # SoC options are the emulator's
+    return make(**{**settings, **overrides}, extra_config=extra)
