@@ -10,6 +10,7 @@ torch.set_num_threads(1)
 # vLLM on this machine's CPU keeps the hybrid KV-cache manager on only with its CPU platform; it must be chosen
 # before any test module imports vLLM (tests/integration/vllm_cpu.py does the same when run on its own).
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+os.environ.setdefault("PYTHONHASHSEED", "0")  # block hashes that a disk or Mooncake tier may keep (vLLM reads it)
 try:
     import vllm.platforms as _platforms
     from vllm.platforms.cpu import CpuPlatform

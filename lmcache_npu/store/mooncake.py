@@ -100,6 +100,16 @@ class MooncakeConfig:
             return socket.gethostbyname(socket.gethostname())
 
 
+def _master_accepts(master: str, timeout: float) -> bool:
+    """A TCP connection to the master's RPC port succeeds within `timeout`."""
+    host, port = master.rsplit(":", 1)
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
 def _default_store_factory() -> Any:
     try:
         from mooncake.store import MooncakeDistributedStore
@@ -148,6 +158,10 @@ class MooncakeTier:
     def _connect(self) -> bool:
         """setup() with a deadline; False leaves the tier unhealthy until the next retry."""
         def setup() -> Any:
+            # the client's own setup retries for ~90 s against a dead master, holding the GIL: the whole process
+            # would stall; a master that refuses a TCP connection is down, and the circuit opens at once instead
+            if not _master_accepts(self.config.master, min(1.0, self.config.timeout_s)):
+                raise ConnectionError("the master does not accept connections")
             store = self._factory()
             code = store.setup(self.config.resolved_hostname(), self.config.metadata,
                                self.config.global_segment_bytes, self.config.local_buffer_bytes,

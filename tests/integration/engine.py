@@ -46,6 +46,7 @@ from vllm.v1.request import Request, RequestStatus  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
 from lmcache_npu.integration.vllm import LMCacheNPUConnector  # noqa: E402
+from lmcache_npu.integration.vllm.stats import LMCacheNPUStats  # noqa: E402
 from lmcache_npu.layout.presets import PresetKV, build_preset  # noqa: E402
 
 from .sim import SimModel, prefix_hashes  # noqa: E402
@@ -157,6 +158,7 @@ class Engine:
         self.in_flight: list[tuple[Any, Any]] = []  # (scheduler output, model output) not yet applied
         self.requests: dict[str, Request] = {}  # every request ever added (vLLM drops finished ones)
         self.loaded_tokens: dict[str, int] = {}  # request -> tokens vLLM took from the connector
+        self.stats = LMCacheNPUStats()  # every step's connector stats, as the engine reports them
         self.steps = 0
         self.problems: list[str] = []
         self._ids = itertools.count()
@@ -300,7 +302,10 @@ class Engine:
             request = self.scheduler.requests.get(req_id)
             if request is not None:
                 self.loaded_tokens[req_id] = request.num_computed_tokens
-        self.scheduler.update_from_output(so, output)
+        for engine_output in self.scheduler.update_from_output(so, output).values():
+            stats = engine_output.scheduler_stats
+            if stats is not None and stats.kv_connector_stats:  # what vLLM's stat loggers receive
+                self.stats.aggregate(LMCacheNPUStats(data=dict(stats.kv_connector_stats)))
         for index, req_id in enumerate(getattr(output, "req_ids", []) or []):
             applied = len(output.sampled_token_ids[index])
             self.pending[req_id] = self.pending.get(req_id, [])[applied:]

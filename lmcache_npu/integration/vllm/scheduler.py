@@ -43,7 +43,6 @@ class _Lookup:
     first_chunk: int
     keys: list[ChunkKey]  # the chosen key of each hit chunk (complete or without end state)
     num_computed_tokens: int
-    sources: tuple[str, ...]
 
 
 @dataclass
@@ -54,6 +53,7 @@ class _Request:
     stores: set[int] = field(default_factory=set)  # store cmd ids not yet completed by every rank
     loads: set[int] = field(default_factory=set)
     lookup: Optional[_Lookup] = None
+    found_in: dict[int, str] = field(default_factory=dict)  # chunk -> the tier its first lookup found it in
     finished: bool = False
     no_hits: bool = False  # a load of this request failed: it recomputes, and never loads again
 
@@ -191,6 +191,8 @@ class SchedulerHalf:
             self.index.release(request.request_id)
             return 0, False
         result, chosen = self._lookup(request.request_id, keys)
+        for offset, source in enumerate(result.sources):  # a promoted chunk reads "cpu" by the time it loads
+            state.found_in.setdefault(first + offset, source)
         self.counters.add("lookups")
         self.counters.add("lookup_tokens", request.num_tokens - num_computed_tokens)
         if result.pending:
@@ -200,8 +202,7 @@ class SchedulerHalf:
         if result.ready_chunks == 0 or hit_tokens <= 0:
             self.index.release(request.request_id)
             return 0, False
-        state.lookup = _Lookup(first, chosen[:result.ready_chunks], num_computed_tokens,
-                               result.sources[:result.ready_chunks])
+        state.lookup = _Lookup(first, chosen[:result.ready_chunks], num_computed_tokens)
         return hit_tokens, True
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
@@ -228,8 +229,8 @@ class SchedulerHalf:
         cmd_ids = tuple(c.cmd_id for c in loads)
         self._own(state, loads, state.loads)
         self.counters.add("hit_tokens", num_external_tokens)
-        for source in lookup.sources[:count]:
-            self.counters.add(f"hit_chunks_{source}")
+        for chunk_index, _ in chunks:
+            self.counters.add(f"hit_chunks_{state.found_in.get(chunk_index, 'cpu')}")
         self._loads.append(LoadPlan(
             request_id=request.request_id, cmd_ids=cmd_ids, first_chunk=lookup.first_chunk,
             window=self._window(state, lookup.first_chunk, lookup.first_chunk + count),
