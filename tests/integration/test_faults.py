@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from lmcache_npu.integration.vllm.worker import LoadFailedError
+from lmcache_npu.ops import Direction
 
 from .conftest import assert_quiescent, preset_engine, prompt
 from .wrappers import Failing, wrap
@@ -99,7 +100,7 @@ def test_a_load_that_fails_once_is_retried(make_engine):
     text = prompt(2 * 256 + 10, seed=28)
     engine.add(text, max_tokens=2, request_id="a")
     engine.run()
-    (failing,) = wrap(engine, lambda b: Failing(b, times=1), ranks=[1])
+    (failing,) = wrap(engine, lambda b: Failing(b, times=1), Direction.LOAD, ranks=[1])
     engine.add(text + [8, 9], max_tokens=2, request_id="b")
     engine.run()
     assert failing.failures == 1 and engine.loaded_tokens["b"] == 512
@@ -111,7 +112,7 @@ def test_a_rank_whose_loads_always_fail_makes_vllm_recompute(make_engine):
     text = prompt(2 * 256 + 10, seed=29)
     engine.add(text, max_tokens=3, request_id="a")
     engine.run()
-    (failing,) = wrap(engine, lambda b: Failing(b), ranks=[1])
+    (failing,) = wrap(engine, lambda b: Failing(b), Direction.LOAD, ranks=[1])
     engine.add(text + [8, 9], max_tokens=3, request_id="b")
     engine.add(text + [8, 9, 10], max_tokens=3, request_id="c")  # asks again after b failed: b alone is refused
     engine.run()
@@ -130,7 +131,7 @@ def test_vllm_0_23_cannot_recompute_a_failed_load_of_several_groups_so_the_engin
     text = prompt(2 * 256 + 10, seed=30)
     engine.add(text, max_tokens=2, request_id="a")
     engine.run()
-    wrap(engine, lambda b: Failing(b), ranks=[0])
+    wrap(engine, lambda b: Failing(b), Direction.LOAD, ranks=[0])
     engine.add(text + [8], max_tokens=2, request_id="b")
     with pytest.raises(LoadFailedError, match=r"loading request b .* failed: device: injected device fault.*"
                                               r"cannot recompute a failed load of a model with 2 KV-cache groups"):

@@ -114,7 +114,7 @@ def test_a_full_prompt_hit_leaves_the_last_token_to_vllm(make_engine, preset, fa
 def test_a_request_finishing_before_its_save_lands_keeps_its_blocks(make_engine, preset, family):
     engine = preset_engine(make_engine, preset, family)
     chunk = _chunk(engine)
-    (slow,) = wrap(engine, lambda b: Slow(b, Direction.STORE))
+    (slow,) = wrap(engine, lambda b: Slow(b, Direction.STORE), Direction.STORE)
     text = prompt(2 * chunk + 30, seed=15)
     engine.add(text, max_tokens=1, request_id="quick")
     wait_until(lambda: "quick" not in engine.scheduler.running and slow.waiting.is_set(), engine.step)
@@ -157,7 +157,7 @@ def test_aborts_while_loading_and_while_storing(make_engine, preset, family):
     text = prompt(2 * chunk + 20, seed=18)
     engine.add(text, max_tokens=2, request_id="seed")
     engine.run()
-    slow_load, = wrap(engine, lambda b: Slow(b, Direction.LOAD))
+    (slow_load,) = wrap(engine, lambda b: Slow(b, Direction.LOAD), Direction.LOAD)
     engine.add(text + [9, 9, 9], max_tokens=4, request_id="loading")
     wait_until(slow_load.waiting.is_set, engine.step)
     engine.abort("loading")  # its load still writes the blocks: vLLM must not reuse them yet
@@ -166,7 +166,7 @@ def test_aborts_while_loading_and_while_storing(make_engine, preset, family):
     assert "loading" in engine.scheduler.requests
     slow_load.release.set()
     engine.run()
-    slow_store, = wrap(engine, lambda b: Slow(b.inner, Direction.STORE))
+    (slow_store,) = wrap(engine, lambda b: Slow(b, Direction.STORE), Direction.STORE)
     engine.add(prompt(3 * chunk, seed=19), max_tokens=50, request_id="storing")
     wait_until(slow_store.waiting.is_set, engine.step)
     engine.abort("storing")

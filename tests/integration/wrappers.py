@@ -64,14 +64,16 @@ class Failing(Wrapped):
         return super().transfer(batch, after_kernel)
 
 
-def wrap(engine, make: Callable[[TransferBackend], Wrapped], ranks: Optional[list[int]] = None) -> list[Wrapped]:
-    """Puts a wrapper around the transfer backend of the given ranks (all by default)."""
+def wrap(engine, make: Callable[[TransferBackend], Wrapped], direction: Direction,
+         ranks: Optional[list[int]] = None) -> list[Wrapped]:
+    """Puts a wrapper around the `direction` lane's transfer backend of the given ranks (all by default)."""
     out = []
     for rank, worker in enumerate(engine.workers):
         if ranks is None or rank in ranks:
             mover = worker.worker_half.mover
-            mover.backend = make(mover.backend)
-            out.append(mover.backend)
+            wrapped = make(mover.backends[direction])
+            mover.set_backend(direction, wrapped)
+            out.append(wrapped)
     return out
 
 

@@ -1,11 +1,14 @@
 """The worker's `DeviceMover`: device pages <-> arena slots through the transfer backend, off the model's path.
 
 `run` (called by the store executor on the model's thread) only records where the model's stream is and queues
-the batch; a transfer thread turns the commands into slot arrays (`layout/slots.py`) and runs the batch as one
-kernel launch on its own stream (NPU/CUDA) or to completion (CPU), then reports every command. Before the next
-step lets the model write pages, `release_pages` makes the model's stream wait until every queued store has read
-its pages (an event after the store's kernel; on the host, the store's end), so blocks vLLM frees in between
-(sliding-window blocks out of the window, preempted or finished requests) are never read after their reuse.
+the batch. Loads and stores each have a lane: a thread with its own backend instance (staging buffers are not
+shared) and, on NPU/CUDA, its own stream. A lane turns the commands into slot arrays (`layout/slots.py`) and runs
+the batch as one kernel launch, then reports every command. Before the next step lets the model write pages,
+`release_pages` makes the model's stream wait until every queued store has read its pages (an event after the
+store's kernel; on the host, the store's end), so blocks vLLM frees in between (sliding-window blocks out of the
+window, preempted or finished requests) are never read after their reuse. A load waits for the model's stream as it
+was when the load was queued, which by then waits for earlier stores: a load never overwrites a page a store still
+reads, and the two lanes never wait for each other otherwise.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -45,23 +48,42 @@ class _Job:
     pages_event: Optional[Any] = None  # completes when the kernel is done with the pages
 
 
-class KVMover:
-    """One per worker; every transfer of the worker runs on its thread, in the order `run` was called."""
+class _Lane:
+    """One direction's thread, queue, backend and stream kit."""
 
-    def __init__(self, layout: KVLayout, backend: TransferBackend, kit: StreamKit, rank: int, load_retries: int,
-                 counters: TierCounters) -> None:
-        self.layout = layout
+    def __init__(self, name: str, backend: TransferBackend, kit: StreamKit) -> None:
         self.backend = backend
         self.kit = kit
+        self.jobs: "queue.Queue[Optional[_Job]]" = queue.Queue()
+        self.thread = threading.Thread(target=lambda: None, name=name, daemon=True)
+
+
+class KVMover:
+    """One per worker; each direction's transfers run on its lane, in the order `run` was called."""
+
+    def __init__(self, layout: KVLayout, make_backend: Callable[[], TransferBackend], make_kit: Callable[[], StreamKit],
+                 rank: int, load_retries: int, counters: TierCounters) -> None:
+        self.layout = layout
         self.rank = rank
         self.load_retries = load_retries
         self.counters = counters
+        self.kit = make_kit()  # the model thread's view: events on the model's stream
         self._plans: dict[int, Plan] = {}
         self._plans_lock = threading.Lock()
         self._unreleased: list[_Job] = []  # store jobs whose pages the model must not overwrite yet
-        self._jobs: "queue.Queue[Optional[_Job]]" = queue.Queue()
-        self._thread = threading.Thread(target=self._loop, name=f"lmcache-npu-transfer-r{rank}", daemon=True)
-        self._thread.start()
+        self._lanes = {direction: _Lane(f"lmcache-npu-{direction.name.lower()}-r{rank}", make_backend(), make_kit())
+                       for direction in (Direction.LOAD, Direction.STORE)}
+        for lane in self._lanes.values():
+            lane.thread = threading.Thread(target=self._loop, args=(lane,), name=lane.thread.name, daemon=True)
+            lane.thread.start()
+
+    @property
+    def backends(self) -> dict[Direction, TransferBackend]:
+        return {direction: lane.backend for direction, lane in self._lanes.items()}
+
+    def set_backend(self, direction: Direction, backend: TransferBackend) -> None:
+        """Replaces one lane's backend (tests put wrappers around it)."""
+        self._lanes[direction].backend = backend
 
     # ---- the model's thread -----------------------------------------------------------------------------------
 
@@ -78,7 +100,7 @@ class KVMover:
         job = _Job(direction, list(commands), list(objects), report, self.kit.record())
         if direction == Direction.STORE:
             self._unreleased.append(job)
-        self._jobs.put(job)
+        self._lanes[direction].jobs.put(job)
 
     def release_pages(self) -> None:
         """Before the model may overwrite pages: every queued store's kernel is done with them (the model's stream
@@ -89,34 +111,37 @@ class KVMover:
             self.kit.wait(job.pages_event)
 
     def close(self) -> None:
-        self._jobs.put(None)
-        self._thread.join()
+        for lane in self._lanes.values():
+            lane.jobs.put(None)
+        for lane in self._lanes.values():
+            lane.thread.join()
 
     # ---- the transfer thread ----------------------------------------------------------------------------------
 
-    def _loop(self) -> None:
-        self.kit.bind_thread()
-        with self.kit.side_stream():
-            while (job := self._jobs.get()) is not None:
+    def _loop(self, lane: _Lane) -> None:
+        lane.kit.bind_thread()
+        with lane.kit.side_stream():
+            while (job := lane.jobs.get()) is not None:
                 try:
-                    self._execute(job)
+                    self._execute(lane, job)
                 except Exception as exc:  # a bug here must fail the batch, never stop the thread or hang the index
                     logger.exception("rank %d: transfer thread error", self.rank)
                     self._report_all(job, job.commands, TierResult.fail(f"device: {exc}"))
                 finally:
                     job.kernel_done.set()  # a batch that never launched touched no page
 
-    def _after_kernel(self, job: _Job) -> None:
-        job.pages_event = self.kit.record()
+    @staticmethod
+    def _after_kernel(lane: _Lane, job: _Job) -> None:
+        job.pages_event = lane.kit.record()
         job.kernel_done.set()
 
-    def _execute(self, job: _Job) -> None:
+    def _execute(self, lane: _Lane, job: _Job) -> None:
         with self._plans_lock:
             plans = [self._plans.pop(c.cmd_id, None) for c in job.commands]
         commands, objects, slots = self._slots(job, plans)
         if not commands:
             return
-        self.kit.wait(job.ready)
+        lane.kit.wait(job.ready)
         loads = job.direction == Direction.LOAD
         try:
             batch = ChunkBatch.build(self.layout.plan, slots, objects, job.direction)
@@ -128,7 +153,7 @@ class KVMover:
         attempts = 1 + (self.load_retries if loads else 0)
         for attempt in range(attempts):
             try:
-                stats = self.backend.transfer(batch, after_kernel=lambda: self._after_kernel(job))
+                stats = lane.backend.transfer(batch, after_kernel=lambda: self._after_kernel(lane, job))
                 break
             except Exception as exc:  # a device fault: retried for loads (every row is rewritten), else reported
                 self.counters.add("transfer_failures")

@@ -110,11 +110,11 @@ class WorkerHalf:
             logger.warning("lmcache_npu rank %d: %s", self.place.rank, reason)
             self.geometry = WorkerGeometry(self.place.rank, self.place.world, enabled=False, reason=reason)
             return
-        self.backend = self._backend(plan.device)
+        self.backend = self._backend(plan.device)  # fails here, at start-up, if the device has none
         fingerprint = layout_fingerprint(plan)
         namespace = namespace_of(self.model_fingerprint, fingerprint)
-        self.mover = KVMover(layout, self.backend, StreamKit.for_device(plan.device), self.place.rank,
-                             self.config.load_retries, self.counters)
+        self.mover = KVMover(layout, lambda: self._backend(plan.device), lambda: StreamKit.for_device(plan.device),
+                             self.place.rank, self.config.load_retries, self.counters)
         self.executor = build_executor(self.config.store, self.place.rank, plan.object_bytes, fingerprint, self.mover,
                                        namespace)
         self.geometry = WorkerGeometry(
