@@ -1,4 +1,5 @@
-"""`lmcache-npu`: the command line (bench, inspect, store-bench; replay and doctor join it as they land)."""
+"""`lmcache-npu`: the command line (bench, inspect, store-bench, bench-scheduler; replay and doctor join it as they
+land)."""
 
 from __future__ import annotations
 
@@ -135,6 +136,21 @@ def _store_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_scheduler(args: argparse.Namespace) -> int:
+    _quiet_vllm()
+    from rich.console import Console
+
+    from .bench.scheduler_bench import render_scheduler_bench, run_scheduler_bench
+
+    if args.repeats < 1:
+        raise ValueError("--repeats must be >= 1")
+    results = run_scheduler_bench(args.repeats)
+    Console(width=None if sys.stdout.isatty() else 200).print(render_scheduler_bench(results))
+    if args.json:
+        Path(args.json).write_text(json.dumps([r.to_json() for r in results], indent=2))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .layout.presets import DEVICE_FAMILIES, preset_names
 
@@ -192,6 +208,12 @@ def build_parser() -> argparse.ArgumentParser:
     store.add_argument("--json", type=Path, help="write the results as JSON")
     store.add_argument("--seed", type=int, default=0)
     store.set_defaults(func=_store_bench)
+
+    sched = sub.add_parser("bench-scheduler", help="host time the connector adds to vLLM's scheduler: lookups of a "
+                           "128K-token prompt, connector metadata for 64 running requests")
+    sched.add_argument("--repeats", type=int, default=200, help="calls per lookup measurement (default 200)")
+    sched.add_argument("--json", type=Path, help="write the results as JSON")
+    sched.set_defaults(func=_bench_scheduler)
     return parser
 
 

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Mapping, NamedTuple, Optional, Sequence
 
 from ..ops import LAYOUT_VERSION, TransferPlan
 
@@ -55,9 +54,9 @@ def model_fingerprint(**facts: Any) -> bytes:
     return hashlib.sha256(text.encode()).digest()[:16]
 
 
-@dataclass(frozen=True, order=True)
-class ChunkKey:
-    """One chunk of one model and layout; the index works with these, tiers with `storage_name(rank)`."""
+class ChunkKey(NamedTuple):
+    """One chunk of one model and layout; the index works with these, tiers with `storage_name(rank)`. A named tuple:
+    a 128K-token prompt looks up 512 of them per scheduling step, and tuples are made and hashed fast."""
 
     namespace: str  # 32 hex chars: model and layout fingerprints together
     chunk_hash: bytes  # vLLM's block hash at the chunk's last token
@@ -89,13 +88,14 @@ def namespace_of(model: bytes, layout: bytes) -> str:
 
 
 def chunk_keys(block_hashes: Sequence[bytes], hash_block_size: int, chunk_tokens: int, namespace: str,
-               num_tokens: Optional[int] = None) -> list[ChunkKey]:
-    """Keys of the request's full chunks, in order: chunk c is named by the hash of block `(c + 1) * k - 1`,
-    k = chunk_tokens / hash_block_size. `num_tokens` limits them to chunks the request already holds."""
+               num_tokens: Optional[int] = None, first_chunk: int = 0) -> list[ChunkKey]:
+    """Keys of the request's full chunks from `first_chunk` on, in order: chunk c is named by the hash of block
+    `(c + 1) * k - 1`, k = chunk_tokens / hash_block_size. `num_tokens` limits them to chunks the request already
+    holds."""
     if chunk_tokens % hash_block_size:
         raise ValueError(f"chunk_tokens {chunk_tokens} is not a multiple of the hash block size {hash_block_size}")
     per_chunk = chunk_tokens // hash_block_size
     full = len(block_hashes) // per_chunk
     if num_tokens is not None:
         full = min(full, num_tokens // chunk_tokens)
-    return [ChunkKey(namespace, bytes(block_hashes[(c + 1) * per_chunk - 1])) for c in range(full)]
+    return [ChunkKey(namespace, bytes(block_hashes[(c + 1) * per_chunk - 1])) for c in range(first_chunk, full)]

@@ -85,7 +85,7 @@ class SimModel:
 
     def _read(self, rows: _PlaneRows, blocks: np.ndarray, within: np.ndarray) -> np.ndarray:
         picked = rows.view[torch.from_numpy(blocks), torch.from_numpy(within)]
-        return picked.reshape(len(blocks), -1).numpy()
+        return picked.reshape(len(blocks), rows.plane.row_bytes).numpy()
 
     @staticmethod
     def _locate(g: LayoutGroup, table: Sequence[int], row_index: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

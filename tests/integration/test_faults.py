@@ -37,7 +37,7 @@ def test_a_corrupt_disk_file_is_a_miss_and_vllm_computes_the_rest(make_engine, t
     engine.run()
     engine.add(prompt(3 * 256 + 40, seed=22), max_tokens=2, request_id="b")  # pushes a's chunks out to disk
     engine.run()
-    keys = half._keys(engine.requests["a"], 0, 3)
+    keys = half.chunk_keys(engine.requests["a"])
     disk = engine.workers[0].worker_half.executor.disk
     disk.flush(30)
     path = disk.file_path(keys[1].storage_name(0))

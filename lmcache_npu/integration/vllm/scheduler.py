@@ -21,7 +21,7 @@ from ...layout.slots import chunk_slots, row_tokens, stored_block_span
 from ...store.commands import Load, Store
 from ...store.factory import build_index, scheduler_mooncake_client
 from ...store.index import ChunkIndex, LookupResult
-from ...store.keys import ChunkKey, check_stable_hashing, model_fingerprint, namespace_of
+from ...store.keys import ChunkKey, check_stable_hashing, chunk_keys, model_fingerprint, namespace_of
 from . import adapter
 from .metadata import (
     BlockWindow,
@@ -54,6 +54,7 @@ class _Request:
     loads: set[int] = field(default_factory=set)
     lookup: Optional[_Lookup] = None
     found_in: dict[int, str] = field(default_factory=dict)  # chunk -> the tier its first lookup found it in
+    keys: list[ChunkKey] = field(default_factory=list)  # of chunks 0.. whose hashes exist
     finished: bool = False
     no_hits: bool = False  # a load of this request failed: it recomputes, and never loads again
 
@@ -148,11 +149,16 @@ class SchedulerHalf:
     def on_new_request(self, request: Any) -> None:
         self._state(request)
 
-    def _keys(self, request: Any, first: int, end: int) -> list[ChunkKey]:
-        """Keys of chunks [first, end) whose last hash block vLLM has hashed already."""
-        hashes = request.block_hashes
-        end = min(end, len(hashes) // self.hashes_per_chunk)
-        return [ChunkKey(self.namespace, bytes(hashes[(c + 1) * self.hashes_per_chunk - 1])) for c in range(first, end)]
+    def chunk_keys(self, request: Any) -> list[ChunkKey]:
+        """Keys of every chunk of the request whose last hash block vLLM has hashed."""
+        return chunk_keys(request.block_hashes, self.hash_block_size, self.chunk_tokens, self.namespace)
+
+    def _keys(self, state: _Request, first: int, end: int) -> list[ChunkKey]:
+        """Keys of chunks [first, end) that exist yet; kept per request, since a block hash never changes."""
+        if len(state.keys) < end:
+            state.keys += chunk_keys(state.request.block_hashes, self.hash_block_size, self.chunk_tokens,
+                                     self.namespace, first_chunk=len(state.keys))
+        return state.keys[first:end]
 
     def _lookup(self, request_id: str, keys: list[ChunkKey]) -> tuple[LookupResult, list[ChunkKey]]:
         """The index's answer for the longest hit, and the key chosen per hit chunk. With end-state groups a hit may
@@ -186,7 +192,7 @@ class SchedulerHalf:
         chunk = self.chunk_tokens
         first = num_computed_tokens // chunk
         last = (request.num_tokens - 1) // chunk  # vLLM computes at least the last token itself
-        keys = self._keys(request, first, last)
+        keys = self._keys(state, first, last)
         if not keys:
             self.index.release(request.request_id)
             return 0, False
@@ -298,7 +304,7 @@ class SchedulerHalf:
         if not self.config.store_decode_chunks:
             end_chunk = min(end_chunk, request.num_prompt_tokens // chunk)
         first = state.next_chunk
-        keys = self._keys(request, first, end_chunk)  # stops before chunks whose hash vLLM has not computed yet
+        keys = self._keys(state, first, end_chunk)  # stops before chunks whose hash vLLM has not computed yet
         if not keys:
             return None
         chunks = np.arange(first, first + len(keys))

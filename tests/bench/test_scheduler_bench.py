@@ -1,0 +1,18 @@
+"""`lmcache-npu bench-scheduler`: every measurement runs on vLLM's own objects, checks its own setup (the 128K
+prompt hits 511 chunks, the prefill and decode steps store the chunks they complete), and prints a table."""
+
+import json
+
+from lmcache_npu.cli import main
+
+
+def test_cli_measures_every_call_and_writes_json(tmp_path, capsys):
+    out = tmp_path / "sched.json"
+    assert main(["bench-scheduler", "--repeats", "20", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    operations = {(r["operation"], r["preset"]) for r in rows}
+    assert ("get_num_new_matched_tokens, hit, first call", "llama3-8b") in operations
+    assert ("build_connector_meta, decode step", "deepseek-v4-flash") in operations
+    assert len(rows) == 12 and all(r["median_us"] > 0 for r in rows)
+    assert "connector scheduler half" in capsys.readouterr().out
+    assert main(["bench-scheduler", "--repeats", "0"]) == 2

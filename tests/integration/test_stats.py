@@ -1,0 +1,67 @@
+"""Connector statistics: sums that aggregate across ranks, a reduced view for vLLM's log line, Prometheus counters,
+and the numbers a real run reports through vLLM's scheduler stats."""
+
+from __future__ import annotations
+
+import pickle
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from lmcache_npu.integration.vllm import LMCacheNPUConnector
+from lmcache_npu.integration.vllm.stats import METRICS, LMCacheNPUStats
+
+from .conftest import preset_engine, prompt
+
+
+def test_aggregate_reduce_and_pickle():
+    rank0 = LMCacheNPUStats.of({"loaded_bytes": 4e9, "load_seconds": 1.0, "lookups": 2, "lookup_tokens": 1000,
+                                "hit_tokens": 512})
+    rank1 = LMCacheNPUStats.of({"loaded_bytes": 4e9, "load_seconds": 1.0, "stored_bytes": 0})
+    merged = pickle.loads(pickle.dumps(rank0)).aggregate(rank1)
+    assert merged.data["loaded_bytes"] == 8e9 and "stored_bytes" not in merged.data
+    reduced = merged.reduce()
+    assert reduced["load_GBps"] == 4.0 and reduced["hit_rate"] == 0.512 and reduced["lookups"] == 2
+    assert LMCacheNPUStats().is_empty() and not merged.is_empty()
+    merged.reset()
+    assert merged.is_empty()
+    assert LMCacheNPUConnector.build_kv_connector_stats({"hit_tokens": 3}).data == {"hit_tokens": 3}
+
+
+def test_prometheus_counters_are_labelled_per_engine():
+    registry = CollectorRegistry()
+
+    def bound(cls):
+        return type(cls.__name__, (cls,), {"__init__": lambda self, *a, **k: cls.__init__(self, *a, registry=registry,
+                                                                                             **k)})
+
+    types = {Counter: bound(Counter), Gauge: bound(Gauge), Histogram: bound(Histogram)}
+    metrics = LMCacheNPUConnector.build_prom_metrics(_config(), types, ["model_name", "engine"],
+                                                     {0: ["m", "0"], 1: ["m", "1"]})
+    metrics.observe({"hit_tokens": 512, "loaded_bytes": 1024.0, "not_a_metric": 9}, engine_idx=1)
+    metrics.observe({"hit_tokens": 256}, engine_idx=1)
+    assert registry.get_sample_value("lmcache_npu:hit_tokens_total", {"model_name": "m", "engine": "1"}) == 768
+    assert registry.get_sample_value("lmcache_npu:loaded_bytes_total", {"model_name": "m", "engine": "1"}) == 1024
+    assert registry.get_sample_value("lmcache_npu:hit_tokens_total", {"model_name": "m", "engine": "0"}) is None
+    assert len({name for name in METRICS}) == len(METRICS)
+
+
+def _config():
+    from types import SimpleNamespace
+
+    return SimpleNamespace(kv_transfer_config=None)
+
+
+def test_a_run_reports_lookups_hits_and_bytes_through_vllm(make_engine):
+    engine = preset_engine(make_engine, "llama3-8b", "ascend", world=2)
+    text = prompt(2 * 256 + 10, seed=61)
+    engine.add(text, max_tokens=2, request_id="a")
+    engine.run()
+    engine.add(text + [1], max_tokens=2, request_id="b")
+    engine.run()
+    data = engine.stats.data
+    assert data["hit_tokens"] == 512 and data["hit_chunks_cpu"] == 2 and data["store_chunks"] == 2
+    object_bytes = engine.workers[0].worker_half.layout.plan.object_bytes
+    assert data["loaded_chunks"] == 4 and data["stored_chunks"] == 4  # two chunks on each of two ranks
+    assert data["loaded_bytes"] == data["stored_bytes"] <= 4 * object_bytes
+    reduced = engine.stats.reduce()
+    assert reduced["load_GBps"] > 0 and 0 < reduced["hit_rate"] < 1
