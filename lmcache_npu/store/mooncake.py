@@ -141,6 +141,8 @@ class MooncakeTier:
         self.config = config
         self.counters = TierCounters()
         self._factory = store_factory or _default_store_factory
+        # the real client's setup blocks the process while it retries a dead master: probe its port first
+        self._probe_master = store_factory is None
         self._pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="lmcache-mooncake")
         # setup and probes get their own thread: they must not queue behind calls stuck on a dead master
         self._control = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmcache-mooncake-control")
@@ -158,11 +160,11 @@ class MooncakeTier:
     def _connect(self) -> bool:
         """setup() with a deadline; False leaves the tier unhealthy until the next retry."""
         def setup() -> Any:
+            store = self._factory()  # a missing client package raises here, whatever the master's state
             # the client's own setup retries for ~90 s against a dead master, holding the GIL: the whole process
             # would stall; a master that refuses a TCP connection is down, and the circuit opens at once instead
-            if not _master_accepts(self.config.master, min(1.0, self.config.timeout_s)):
+            if self._probe_master and not _master_accepts(self.config.master, min(1.0, self.config.timeout_s)):
                 raise ConnectionError("the master does not accept connections")
-            store = self._factory()
             code = store.setup(self.config.resolved_hostname(), self.config.metadata,
                                self.config.global_segment_bytes, self.config.local_buffer_bytes,
                                self.config.protocol, self.config.device_name, self.config.master)

@@ -266,3 +266,23 @@ def test_a_refused_registration_means_copies_not_zero_copy_calls():
     assert tier.get_into(["a"], [memoryview(arena[1024:])])[0].ok
     assert tier.counters["copy_ops"] == 2 and tier.counters["zero_copy_ops"] == 0
     tier.close()
+
+
+def test_a_master_that_refuses_connections_is_never_handed_to_the_clients_blocking_setup(monkeypatch):
+    """The real client's setup retries a dead master for ~90 s without releasing the GIL: the tier probes the port
+    first and opens its circuit instead."""
+    from lmcache_npu.store import mooncake as mooncake_module
+    from lmcache_npu.store.mooncake_local import free_port
+
+    calls = []
+
+    class Client:
+        def setup(self, *args):
+            calls.append(args)
+            return 0
+
+    monkeypatch.setattr(mooncake_module, "_default_store_factory", Client)
+    tier = MooncakeTier(MooncakeConfig.from_dict({"master": f"127.0.0.1:{free_port()}", "metadata": "P2PHANDSHAKE",
+                                                  "local_hostname": "127.0.0.1"}))
+    assert not tier.healthy() and calls == [] and tier.counters["unavailable"] == 1
+    tier.close()

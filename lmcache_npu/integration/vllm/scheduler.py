@@ -55,6 +55,7 @@ class _Request:
     lookup: Optional[_Lookup] = None
     found_in: dict[int, str] = field(default_factory=dict)  # chunk -> the tier its first lookup found it in
     keys: list[ChunkKey] = field(default_factory=list)  # of chunks 0.. whose hashes exist
+    asked: Optional[int] = None  # tokens vLLM had computed when it last asked for a hit (counted at allocation)
     finished: bool = False
     no_hits: bool = False  # a load of this request failed: it recomputes, and never loads again
 
@@ -76,7 +77,6 @@ class SchedulerHalf:
             check_stable_hashing(adapter.hash_algorithm(vllm_config))
         # from the workers' handshake: the plan's chunk size and groups
         self.chunk_tokens = 0
-        self.hashes_per_chunk = 0
         self.groups: tuple[LayoutGroup, ...] = ()
         self.moved: list[LayoutGroup] = []
         self.has_end_state = False
@@ -116,7 +116,6 @@ class SchedulerHalf:
             raise ValueError(f"the workers chose chunks of {first.chunk_tokens} tokens, not a multiple of the "
                              f"scheduler's hash block size {self.hash_block_size}")
         self.chunk_tokens = first.chunk_tokens
-        self.hashes_per_chunk = first.chunk_tokens // self.hash_block_size
         self.groups = first.groups
         self.moved = [g for g in self.groups if not g.skipped]
         self.has_end_state = any(g.recurrent for g in self.moved)
@@ -197,10 +196,9 @@ class SchedulerHalf:
             self.index.release(request.request_id)
             return 0, False
         result, chosen = self._lookup(request.request_id, keys)
+        state.asked = num_computed_tokens
         for offset, source in enumerate(result.sources):  # a promoted chunk reads "cpu" by the time it loads
             state.found_in.setdefault(first + offset, source)
-        self.counters.add("lookups")
-        self.counters.add("lookup_tokens", request.num_tokens - num_computed_tokens)
         if result.pending:
             self.counters.add("lookups_pending")
             return None, False  # promotions into the arena are in flight: ask again next step
@@ -215,6 +213,10 @@ class SchedulerHalf:
         state = self._state(request)
         state.blocks = [list(ids) for ids in adapter.block_ids_of(blocks)]
         lookup, state.lookup = state.lookup, None
+        if state.asked is not None:  # once per admission: vLLM may ask many times before it schedules a request
+            self.counters.add("lookups")
+            self.counters.add("lookup_tokens", request.num_tokens - state.asked)
+            state.asked = None
         if self.index is None:
             return
         if num_external_tokens <= 0 or lookup is None:

@@ -16,9 +16,9 @@ SchedulerCounters = TierCounters
 
 # name -> Prometheus help text; every counter either half keeps (sums over ranks and steps)
 METRICS: dict[str, str] = {
-    "lookups": "requests the scheduler looked up in the plugin's store",
+    "lookups": "requests admitted after a lookup in the plugin's store",
     "lookups_pending": "lookups answered 'ask again' while disk or Mooncake chunks were promoted into the arena",
-    "lookup_tokens": "prompt tokens not computed by vLLM's own prefix cache when looked up",
+    "lookup_tokens": "tokens of looked-up requests beyond vLLM's own prefix-cache hit",
     "hit_tokens": "tokens loaded from the plugin instead of being prefilled",
     "hit_chunks_cpu": "hit chunks found in the host arena",
     "hit_chunks_disk": "hit chunks promoted from the local disk tier",
