@@ -199,7 +199,7 @@ def bench_lookup(preset: str, device_family: str, repeats: int) -> list[Schedule
             first.append((time.perf_counter() - start) * 1e6)
             if found != (expected if label == "hit" else 0):
                 raise RuntimeError(f"bench setup: the 128K prompt matched {found} tokens")
-            again += _timed(20, lambda _: half.get_num_new_matched_tokens(request, 0))
+            again += _timed(20, lambda _, asked=request: half.get_num_new_matched_tokens(asked, 0))
             half.request_finished(request, ())
         out.append(_summary(f"get_num_new_matched_tokens, {label}, first call", preset, 1, LOOKUP_TOKENS, first,
                             target=1000.0))

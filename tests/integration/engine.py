@@ -18,9 +18,6 @@ from typing import Any, Callable, Optional
 from unittest import mock
 
 import numpy as np
-
-from . import vllm_cpu  # noqa: F401  (forces the CPU platform before vLLM is used)
-
 from vllm.config import (  # noqa: E402
     CacheConfig,
     DeviceConfig,
@@ -49,6 +46,7 @@ from lmcache_npu.integration.vllm import LMCacheNPUConnector  # noqa: E402
 from lmcache_npu.integration.vllm.stats import LMCacheNPUStats  # noqa: E402
 from lmcache_npu.layout.presets import PresetKV, build_preset  # noqa: E402
 
+from . import vllm_cpu  # noqa: F401  (forces the CPU platform before vLLM is used)
 from .sim import SimModel, prefix_hashes  # noqa: E402
 from .vllm_cpu import tiny_model_dir  # noqa: E402
 

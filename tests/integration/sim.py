@@ -20,6 +20,7 @@ from lmcache_npu.layout.discovery import KVLayout, LayoutGroup, SpecKind
 from lmcache_npu.ops import Plane
 from lmcache_npu.ops.torch_backend import row_view
 
+
 def _mix(x: np.ndarray) -> np.ndarray:
     """splitmix64 finaliser, elementwise on uint64 (wrapping)."""
     x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)

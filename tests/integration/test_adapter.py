@@ -10,11 +10,10 @@ from lmcache_npu.integration.vllm import adapter
 
 @pytest.mark.parametrize("window,block", [(128, 16), (128, 128), (8, 8), (1024, 16), (100, 16)])
 def test_the_live_window_rule_matches_vllms_sliding_window_manager(window, block):
+    import torch
     from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager
     from vllm.v1.kv_cache_interface import SlidingWindowSpec
-
-    import torch
 
     spec = SlidingWindowSpec(block_size=block, num_kv_heads=1, head_size=8, dtype=torch.float16,
                              sliding_window=window)

@@ -25,10 +25,9 @@ def test_import_loads_no_npu_module_native_kernel_or_cuda() -> None:
 
 
 def test_the_connector_is_an_hma_connector_vllm_can_load() -> None:
+    from vllm.config import KVTransferConfig
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, supports_hma
-
-    from vllm.config import KVTransferConfig
 
     config = KVTransferConfig(kv_connector="LMCacheNPUConnector", kv_role="kv_both",
                               kv_connector_module_path="lmcache_npu.integration.vllm")

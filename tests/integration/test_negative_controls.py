@@ -8,8 +8,8 @@ from typing import Callable, Optional
 import numpy as np
 import pytest
 
-from lmcache_npu.integration.vllm import mover as mover_module
 from lmcache_npu.ops import ChunkBatch, Direction, TransferStats
+from lmcache_npu.transfer import mover as mover_module
 
 from .conftest import preset_engine, prompt
 from .wrappers import Wrapped, wrap

@@ -87,8 +87,9 @@ BACKENDS: dict[str, Callable[[], TransferBackend]] = {
 
 @pytest.mark.parametrize("name", list(BACKENDS))
 def test_round_trip_restores_rows_bit_exactly(name: str) -> None:
-    from .oracle import Geometry, allocate
     from lmcache_npu.ops import GroupSpec
+
+    from .oracle import Geometry, allocate
 
     g = torch.Generator().manual_seed(7)
     geometry = Geometry(

@@ -17,12 +17,13 @@ from typing import Any, Mapping, Optional
 
 from ...config import ConnectorConfig
 from ...layout.discovery import KVLayout, LayoutPolicy, default_chunk_tokens, discover_layout, token_granularity
-from ...ops import BackendUnavailable, TransferBackend, get_backend
-from ...store.commands import Command, Load, Store
+from ...ops import BackendUnavailable, Direction, TransferBackend, get_backend
+from ...store.commands import Command, Completion, Load, Store
 from ...store.executor import StoreExecutor
 from ...store.factory import build_executor
 from ...store.keys import layout_fingerprint, model_fingerprint, namespace_of
 from ...store.tier import TierCounters
+from ...transfer import KVMover, StreamKit
 from . import adapter
 from .metadata import (
     LMCacheNPUConnectorMetadata,
@@ -31,9 +32,7 @@ from .metadata import (
     WorkerGeometry,
     plan_group_geometry,
 )
-from .mover import KVMover
 from .stats import LMCacheNPUStats
-from .streams import StreamKit
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +77,6 @@ class WorkerHalf:
         self.failure_channel = adapter.failure_channel(len(kv_cache_config.kv_cache_groups))
         self.counters = TierCounters()
         self.layout: Optional[KVLayout] = None
-        self.backend: Optional[TransferBackend] = None
         self.mover: Optional[KVMover] = None
         self.executor: Optional[StoreExecutor] = None
         self.geometry: Optional[WorkerGeometry] = None
@@ -86,7 +84,7 @@ class WorkerHalf:
         self._recv: dict[str, _Recv] = {}
         self._sends: dict[str, _Sends] = {}
         self._owner: dict[int, str] = {}  # in-flight load/store cmd id -> request id
-        self._outbox: list = []
+        self._outbox: list[Completion] = []
         self._load_error_blocks: set[int] = set()
 
     # ---- start-up ---------------------------------------------------------------------------------------------
@@ -110,26 +108,27 @@ class WorkerHalf:
             logger.warning("lmcache_npu rank %d: %s", self.place.rank, reason)
             self.geometry = WorkerGeometry(self.place.rank, self.place.world, enabled=False, reason=reason)
             return
-        self.backend = self._backend(plan.device)  # fails here, at start-up, if the device has none
         fingerprint = layout_fingerprint(plan)
         namespace = namespace_of(self.model_fingerprint, fingerprint)
+        # both lanes' backends are made here: a device without one fails at start-up, before the arena exists
         self.mover = KVMover(layout, lambda: self._backend(plan.device), lambda: StreamKit.for_device(plan.device),
                              self.place.rank, self.config.load_retries, self.counters)
+        backend = self.mover.backends[Direction.LOAD].name
         self.executor = build_executor(self.config.store, self.place.rank, plan.object_bytes, fingerprint, self.mover,
                                        namespace)
         self.geometry = WorkerGeometry(
             self.place.rank, self.place.world, enabled=True, namespace=namespace, layout_fingerprint=fingerprint,
             chunk_tokens=plan.chunk_tokens, object_bytes=plan.object_bytes, num_slots=self.executor.arena.num_slots,
-            groups=plan_group_geometry(layout.groups), backend=self.backend.name, device=str(plan.device))
+            groups=plan_group_geometry(layout.groups), backend=backend, device=str(plan.device))
         logger.info("lmcache_npu rank %d: %d planes in %d groups, %d B per %d-token chunk, %s backend, %d arena slots",
                     self.place.rank, len(plan.moved_planes), len(layout.groups), plan.object_bytes, plan.chunk_tokens,
-                    self.backend.name, self.executor.arena.num_slots)
+                    backend, self.executor.arena.num_slots)
 
     def _backend(self, device: Any) -> TransferBackend:
         name = self.config.backend if self.config.backend != "auto" else AUTO_BACKEND.get(device.type)
         if name is None:
             raise ValueError(f"KV caches on {device}: no transfer backend moves {device.type} memory")
-        if name in ("emu",) and device.type != "cpu" or name in ("cuda", "npu") and device.type != name:
+        if (name == "emu" and device.type != "cpu") or (name in ("cuda", "npu") and device.type != name):
             raise ValueError(f"backend {name!r} cannot move KV caches on {device}; use backend 'auto'")
         try:
             return get_backend(name, **dict(self.config.backend_options))

@@ -16,20 +16,19 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence, Union
 
 import numpy as np
 import torch
 
-from ...layout.discovery import KVLayout
-from ...layout.slots import chunk_slots, row_tokens
-from ...ops import SKIP_SLOT, ChunkBatch, Direction, TransferBackend
-from ...store.commands import Load, Store
-from ...store.executor import Report
-from ...store.tier import OK, TierCounters, TierResult
-from .metadata import LoadPlan, StorePlan
+from ..layout.discovery import KVLayout
+from ..layout.slots import chunk_slots, row_tokens
+from ..ops import SKIP_SLOT, ChunkBatch, Direction, TransferBackend
+from ..store.commands import Load, Store
+from ..store.executor import Report
+from ..store.tier import OK, TierCounters, TierResult
+from .plans import LoadPlan, StorePlan
 from .streams import StreamKit
 
 logger = logging.getLogger(__name__)
@@ -52,10 +51,11 @@ class _Lane:
     """One direction's thread, queue, backend and stream kit."""
 
     def __init__(self, name: str, backend: TransferBackend, kit: StreamKit) -> None:
+        self.name = name
         self.backend = backend
         self.kit = kit
         self.jobs: "queue.Queue[Optional[_Job]]" = queue.Queue()
-        self.thread = threading.Thread(target=lambda: None, name=name, daemon=True)
+        self.thread: Optional[threading.Thread] = None
 
 
 class KVMover:
@@ -74,7 +74,7 @@ class KVMover:
         self._lanes = {direction: _Lane(f"lmcache-npu-{direction.name.lower()}-r{rank}", make_backend(), make_kit())
                        for direction in (Direction.LOAD, Direction.STORE)}
         for lane in self._lanes.values():
-            lane.thread = threading.Thread(target=self._loop, args=(lane,), name=lane.thread.name, daemon=True)
+            lane.thread = threading.Thread(target=self._loop, args=(lane,), name=lane.name, daemon=True)
             lane.thread.start()
 
     @property
@@ -114,12 +114,21 @@ class KVMover:
         for lane in self._lanes.values():
             lane.jobs.put(None)
         for lane in self._lanes.values():
-            lane.thread.join()
+            if lane.thread is not None:
+                lane.thread.join()
 
     # ---- the transfer thread ----------------------------------------------------------------------------------
 
     def _loop(self, lane: _Lane) -> None:
-        lane.kit.bind_thread()
+        try:
+            lane.kit.bind_thread()
+        except Exception as exc:  # no stream on this thread: every batch fails (and is recomputed), none hangs
+            logger.exception("rank %d: the %s thread has no device stream", self.rank, lane.name)
+            failure = TierResult.fail(f"device: the {lane.name} thread could not bind its device: {exc}")
+            while (job := lane.jobs.get()) is not None:
+                self._report_all(job, job.commands, failure)
+                job.kernel_done.set()
+            return
         with lane.kit.side_stream():
             while (job := lane.jobs.get()) is not None:
                 try:
