@@ -50,6 +50,11 @@ class TransferBackend(abc.ABC):
         written, before the host copy of the staging buffer ends), host backends once the copy has finished. The
         connector uses it to let the model overwrite pages as early as possible."""
 
+    def prepare(self, plan: TransferPlan) -> None:
+        """Readies what every transfer of `plan` reuses, once, before serving (device backends upload the plane
+        table: a first upload inside a transfer would copy from pageable memory and wait for the stream, which a
+        connector's stream has ordered behind the model's work). Host backends keep nothing per plan."""
+
     def store(
         self,
         plan: TransferPlan,
@@ -90,6 +95,21 @@ class PlaneTables:
             table = torch.from_numpy(plan.plane_table.view(np.uint8)).to(plan.device)
             self._tables[plan] = table
         return table
+
+    def upload(self, plan: TransferPlan) -> None:
+        """The table on the device now, the copy finished: later transfers on any stream read it."""
+        table = self.get(plan)
+        getattr(torch, table.device.type).current_stream(table.device).synchronize()
+
+
+def warm_up(backend: TransferBackend, plan: TransferPlan) -> None:
+    """One store of a chunk whose rows are all skipped (it writes zeros to a scratch object and reads no page):
+    the device loads the kernel's module and the backend allocates what its first transfer would, before serving,
+    where a first launch can wait for every stream of the device."""
+    slots = [None if g.skip else np.full((1, rows), -1, dtype=np.int64)
+             for g, rows in zip(plan.groups, plan.rows_per_chunk)]
+    scratch = torch.zeros(plan.object_bytes, dtype=torch.uint8, pin_memory=True)
+    backend.store(plan, slots, [scratch])
 
 
 def pack_pinned(parts: Sequence[np.ndarray]) -> tuple[torch.Tensor, list[int]]:

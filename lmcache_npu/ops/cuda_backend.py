@@ -19,7 +19,15 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
-from .backend import BackendUnavailable, PlaneTables, TransferBackend, TransferStats, pack_pinned, verify_kernel_report
+from .backend import (
+    BackendUnavailable,
+    PlaneTables,
+    TransferBackend,
+    TransferStats,
+    pack_pinned,
+    verify_kernel_report,
+    warm_up,
+)
 from .batch import ChunkBatch
 from .plan import Direction, TransferPlan
 
@@ -156,6 +164,10 @@ class CudaBackend(TransferBackend):
         """Page-locked and addressable by kernels: torch's pinned memory, or a cudaHostRegister'ed arena (torch's
         is_pinned() does not see registrations it did not make)."""
         return obj.is_pinned() or bool(self._cuda.host_mapped(obj.data_ptr(), obj.numel() * obj.element_size()))
+
+    def prepare(self, plan: TransferPlan) -> None:
+        self._plane_tables.upload(plan)
+        warm_up(self, plan)
 
     def transfer(self, batch: ChunkBatch, after_kernel: Optional[Callable[[], None]] = None) -> TransferStats:
         plan = batch.plan

@@ -14,10 +14,18 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
-from .backend import BackendUnavailable, PlaneTables, TransferBackend, TransferStats, pack_pinned, verify_kernel_report
+from .backend import (
+    BackendUnavailable,
+    PlaneTables,
+    TransferBackend,
+    TransferStats,
+    pack_pinned,
+    verify_kernel_report,
+    warm_up,
+)
 from .batch import ChunkBatch
 from .emu_backend import SOCS, SocSpec, check_soc_rules
-from .plan import CORE_STATUS_DTYPE, Direction
+from .plan import CORE_STATUS_DTYPE, Direction, TransferPlan
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +65,10 @@ class NpuBackend(TransferBackend):
         self._plane_tables = PlaneTables()
         logger.info("npu backend on %s: %d vector cores, %d B UB, tile %d B", info["soc"], self.cores,
                     self.soc.ub_bytes, self.tiling["tile_bytes"])
+
+    def prepare(self, plan: TransferPlan) -> None:
+        self._plane_tables.upload(plan)
+        warm_up(self, plan)
 
     def transfer(self, batch: ChunkBatch, after_kernel: Optional[Callable[[], None]] = None) -> TransferStats:
         plan = batch.plan

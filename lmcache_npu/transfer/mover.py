@@ -74,6 +74,8 @@ class KVMover:
         self._lanes = {direction: _Lane(f"lmcache-npu-{direction.name.lower()}-r{rank}", make_backend(), make_kit())
                        for direction in (Direction.LOAD, Direction.STORE)}
         for lane in self._lanes.values():
+            lane.backend.prepare(layout.plan)
+        for lane in self._lanes.values():
             lane.thread = threading.Thread(target=self._loop, args=(lane,), name=lane.name, daemon=True)
             lane.thread.start()
 
