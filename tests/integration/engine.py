@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import itertools
+import pickle
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -136,6 +137,8 @@ class Engine:
             block_size=self.block_size, hash_block_size=self.hash_block_size, log_stats=True)
         assert isinstance(self.scheduler.connector, LMCacheNPUConnector)
         self.connector = self.scheduler.connector
+        self._build_meta = self.connector.build_connector_meta
+        self.connector.build_connector_meta = self._checked_build_meta
         make = worker_factory or LMCacheNPUConnector
         self.workers = [make(self.configs[r], KVConnectorRole.WORKER, self.presets[r].kv_cache_config)
                         for r in range(spec.world)]
@@ -146,7 +149,7 @@ class Engine:
                 stack.enter_context(mock.patch.object(worker_module, "_fractal_nz", lambda caches: True))
             for worker, preset in zip(self.workers, self.presets):
                 worker.register_kv_caches(preset.kv_caches)
-        handshake = {(0, r): w.get_handshake_metadata() for r, w in enumerate(self.workers)}
+        handshake = {(0, r): pickle.loads(pickle.dumps(w.get_handshake_metadata())) for r, w in enumerate(self.workers)}
         self.connector.set_xfer_handshake_metadata_pp_aware(handshake)
         self.sims = [SimModel(r, w.worker_half.layout) for r, w in enumerate(self.workers)]
         self.runners = [Runner() for _ in self.workers]
@@ -187,6 +190,14 @@ class Engine:
             vc.parallel_config = copy.copy(vc.parallel_config)
         vc.parallel_config.rank = rank
         return vc
+
+    def _checked_build_meta(self, scheduler_output: Any) -> Any:
+        """The connector must not change the scheduler output, and its metadata must survive pickling (vLLM sends it
+        to worker processes)."""
+        before = pickle.dumps(scheduler_output)
+        meta = self._build_meta(scheduler_output)
+        assert pickle.dumps(scheduler_output) == before, "build_connector_meta changed the scheduler output"
+        return pickle.loads(pickle.dumps(meta))
 
     # ---- requests -------------------------------------------------------------------------------------------
 
@@ -282,6 +293,7 @@ class Engine:
                                     kv_connector_stats=worker.get_kv_connector_stats(),
                                     kv_connector_worker_meta=worker.build_connector_worker_meta(),
                                     invalid_block_ids=worker.get_block_ids_with_load_errors())
+            kvo = pickle.loads(pickle.dumps(kvo))  # it crosses a process boundary in vLLM
             worker.clear_connector_metadata()
             if so.total_num_scheduled_tokens:
                 req_ids = [request.request_id for request, _ in scheduled]

@@ -9,7 +9,7 @@ import pytest
 from lmcache_npu.ops import Direction
 
 from .conftest import assert_quiescent, preset_engine, prompt
-from .wrappers import Slow, wait_until, wrap
+from .wrappers import Slow, Wrapped, wait_until, wrap
 
 LAYOUTS = [("llama3-8b", "ascend"), ("gpt-oss-120b", "cuda"), ("deepseek-v4-flash", "ascend")]
 IDS = ["one-group", "sliding+full", "deepseek-v4"]
@@ -57,14 +57,16 @@ def test_decode_chunks_can_be_left_out(make_engine):
 @pytest.mark.parametrize("world", [1, 2], ids=["tp1", "tp2"])
 @pytest.mark.parametrize("preset,family", LAYOUTS, ids=IDS)
 def test_one_system_prompt_shared_by_many_requests(make_engine, preset, family, world):
-    engine = preset_engine(make_engine, preset, family, world=world)
+    engine = preset_engine(make_engine, preset, family, world=world, num_blocks=700)
     chunk = _chunk(engine)
     system = prompt(2 * chunk + 10, seed=7)
     engine.add(system + prompt(50, seed=100), max_tokens=2, request_id="warm")
     engine.run()
+    counted = wrap(engine, Wrapped, Direction.LOAD)
     users = [engine.add(system + prompt(60 + i, seed=200 + i), max_tokens=3) for i in range(5)]
     engine.run()
     assert [engine.loaded_tokens[u] for u in users] == [2 * chunk] * 5
+    assert [c.calls[Direction.LOAD] for c in counted] == [1] * world  # one launch for the 10 chunks of 5 requests
     assert_quiescent(engine)
 
 
