@@ -13,6 +13,7 @@ is never evicted or reused.
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from enum import Enum
@@ -26,6 +27,8 @@ from .tier import TierCounters
 logger = logging.getLogger(__name__)
 
 RemoteExists = Callable[[Sequence[ChunkKey]], Sequence[bool]]
+# A chunk whose promotion from the remote store failed on some rank is a miss for this long, then tried again.
+REMOTE_MISS_AFTER_FAILURE_S = 60.0
 
 
 class SlotState(str, Enum):
@@ -97,6 +100,7 @@ class ChunkIndex:
         self.num_ranks = num_ranks
         self.disk_chunks = disk_chunks
         self._remote_exists = remote_exists
+        self._remote_failed: dict[ChunkKey, float] = {}  # key -> until when a failed remote promotion makes it a miss
         self._put_to_remote = put_to_remote and remote_exists is not None
         self._entries: dict[ChunkKey, _Entry] = {}
         self._slot_owner: list[Optional[ChunkKey]] = [None] * num_slots
@@ -313,6 +317,8 @@ class ChunkIndex:
         reserved.add(entry.key)
 
     def _remote_present(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        """Batch existence in the remote store; a key whose promotion failed lately is a miss whatever it says (the
+        store may list an object every rank cannot read, and a lookup must not promote it again every step)."""
         if self._remote_exists is None:
             return [False] * len(keys)
         try:
@@ -321,7 +327,14 @@ class ChunkIndex:
             self.counters.add("remote_lookup_errors")
             logger.warning("remote existence check failed, treating as misses: %s", exc)
             return [False] * len(keys)
-        return present + [False] * (len(keys) - len(present))
+        present += [False] * (len(keys) - len(present))
+        if self._remote_failed:
+            now = time.monotonic()
+            for key, until in list(self._remote_failed.items()):
+                if until <= now:
+                    del self._remote_failed[key]
+            present = [there and key not in self._remote_failed for key, there in zip(keys, present)]
+        return present
 
     def _occupy(self, entry: _Entry, slot: int) -> None:
         entry.slot = slot
@@ -425,6 +438,8 @@ class ChunkIndex:
                 entry.readers += 1
                 self._emit(Put(self._new_id(), entry.key, command.slot))
         elif isinstance(command, Promote):
+            if command.source is Source.REMOTE and not ok:
+                self._remote_failed[command.key] = time.monotonic() + REMOTE_MISS_AFTER_FAILURE_S
             if command.source is Source.DISK:
                 entry.disk_readers -= 1
                 if not ok and entry.disk is DiskState.PRESENT:

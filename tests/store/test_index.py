@@ -1,14 +1,17 @@
 """The scheduler-side index and the worker executors, in one process: hits, LRU, pins, spills, promotions,
 remote puts, failures. Every load checks the bytes each rank gets back against the pattern it stored."""
 
+import time
 from pathlib import Path
 
 import pytest
 
 from lmcache_npu.store.commands import Completion, Drop, Load, Promote, Put, Source, Spill, Store
+from lmcache_npu.store import index as index_module
 from lmcache_npu.store.disk import DiskTier
 from lmcache_npu.store.index import ChunkIndex, DiskState, SlotState, disk_chunks_for_capacity
 from lmcache_npu.store.keys import ChunkKey
+from lmcache_npu.store.tier import TierResult
 
 from .fakes import Cluster, MemoryRemote, PatternDevice, make_key
 
@@ -257,6 +260,34 @@ def test_a_remote_chunk_gone_between_lookup_and_promotion_is_a_miss():
     assert reader.index.counters["promote_failed"] == 1
     reader.index.release("b")
     assert reader.load("b", [make_key(1)]) == 0
+    assert not reader.mismatches
+    reader.close()
+
+
+def test_a_remote_chunk_that_fails_to_promote_is_a_miss_for_a_while_then_tried_again(monkeypatch):
+    shared: dict[str, bytes] = {}
+    Cluster(num_slots=2, object_bytes=OBJECT_BYTES, remote=MemoryRemote(shared)).store("a", [make_key(1)])
+    remote = MemoryRemote(shared)
+    reader = Cluster(num_slots=2, object_bytes=OBJECT_BYTES, remote=remote)
+    listed_but_unreadable = remote.get_into
+    remote.get_into = lambda names, buffers: [TierResult.fail("corrupt")] * len(names)
+    assert reader.index.lookup("b", [make_key(1)]).hit_chunks == 1
+    reader.settle()
+    reader.index.release("b")
+    assert reader.index.counters["promote_failed"] == 1
+    promotes = sum(isinstance(c, Promote) for c in reader.issued)
+    for request in ("c", "d"):  # the store still lists it: without the memory every lookup would promote again
+        result = reader.index.lookup(request, [make_key(1)])
+        assert result.hit_chunks == 0 and not reader.index.is_pending(request)
+        reader.settle()
+    assert sum(isinstance(c, Promote) for c in reader.issued) == promotes
+    remote.get_into = listed_but_unreadable
+    later = time.monotonic() + index_module.REMOTE_MISS_AFTER_FAILURE_S + 1
+    monkeypatch.setattr(index_module.time, "monotonic", lambda: later)
+    assert reader.index.lookup("e", [make_key(1)]).hit_chunks == 1
+    reader.settle()
+    reader.index.release("e")
+    assert reader.load("e", [make_key(1)]) == 1
     assert not reader.mismatches
     reader.close()
 
