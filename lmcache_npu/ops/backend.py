@@ -155,15 +155,28 @@ def backend_class(name: str) -> type[TransferBackend]:
     raise ValueError(f"unknown transfer backend {name!r}; expected one of {', '.join(BACKEND_NAMES)}")
 
 
+def backend_for_device(device_type: str, requested: str = "auto") -> str:
+    """The backend that moves KV pages held on `device_type`: `requested` if it can, else a ValueError; "auto" picks
+    the device's own kernels (on the host: the AscendC source built for x86 when present, else torch)."""
+    if requested == "auto":
+        if device_type in ("npu", "cuda"):
+            return device_type
+        if device_type == "cpu":
+            return "emu" if importlib.util.find_spec("lmcache_npu._emu") is not None else "torch"
+        raise ValueError(f"no transfer backend moves {device_type} memory")
+    backend_class(requested)  # an unknown name fails here, naming the choices
+    if (requested == "emu" and device_type != "cpu") or (requested in ("cuda", "npu") and device_type != requested):
+        raise ValueError(f"backend {requested!r} cannot move {device_type} memory; use backend 'auto'")
+    return requested
+
+
 def auto_backend_name() -> str:
     """The backend this machine runs best: npu > cuda > emu > torch."""
     if npu_available():
-        return "npu"
+        return backend_for_device("npu")
     if _cuda_available():
-        return "cuda"
-    if importlib.util.find_spec("lmcache_npu._emu") is not None:
-        return "emu"
-    return "torch"
+        return backend_for_device("cuda")
+    return backend_for_device("cpu")
 
 
 def get_backend(name: str = "auto", **options: object) -> TransferBackend:

@@ -41,6 +41,7 @@ class _Job:
     direction: Direction
     commands: list[Union[Store, Load]]
     objects: list[torch.Tensor]
+    plans: list[Optional[Plan]]  # each command's request window, taken on the model's thread
     report: Report
     ready: Optional[Any]  # the model stream's position the transfer waits for
     kernel_done: threading.Event = field(default_factory=threading.Event)  # set once pages_event exists (or None)
@@ -68,8 +69,7 @@ class KVMover:
         self.load_retries = load_retries
         self.counters = counters
         self.kit = make_kit()  # the model thread's view: events on the model's stream
-        self._plans: dict[int, Plan] = {}
-        self._plans_lock = threading.Lock()
+        self._plans: dict[int, Plan] = {}  # this step's plans by command id; only the model's thread touches it
         self._unreleased: list[_Job] = []  # store jobs whose pages the model must not overwrite yet
         self._lanes = {direction: _Lane(f"lmcache-npu-{direction.name.lower()}-r{rank}", make_backend(), make_kit())
                        for direction in (Direction.LOAD, Direction.STORE)}
@@ -90,16 +90,15 @@ class KVMover:
     # ---- the model's thread -----------------------------------------------------------------------------------
 
     def expect(self, plans: Sequence[Plan]) -> None:
-        """The requests behind the next Load/Store commands: their block windows and which rows to leave alone."""
-        with self._plans_lock:
-            for plan in plans:
-                for cmd_id in plan.cmd_ids:
-                    self._plans[cmd_id] = plan
+        """The requests behind this step's Load/Store commands: their block windows and which rows to leave alone.
+        Replaces the previous step's plans: a command the executor never passed on (a refused slot) leaves nothing."""
+        self._plans = {cmd_id: plan for plan in plans for cmd_id in plan.cmd_ids}
 
     def run(self, commands: Sequence[Union[Store, Load]], objects: Sequence[torch.Tensor], report: Report) -> None:
         """DeviceMover: queue one batch (all Stores or all Loads) behind everything the model has enqueued so far."""
         direction = Direction.STORE if isinstance(commands[0], Store) else Direction.LOAD
-        job = _Job(direction, list(commands), list(objects), report, self.kit.record())
+        plans = [self._plans.pop(c.cmd_id, None) for c in commands]
+        job = _Job(direction, list(commands), list(objects), plans, report, self.kit.record())
         if direction == Direction.STORE:
             self._unreleased.append(job)
         self._lanes[direction].jobs.put(job)
@@ -147,9 +146,7 @@ class KVMover:
         job.kernel_done.set()
 
     def _execute(self, lane: _Lane, job: _Job) -> None:
-        with self._plans_lock:
-            plans = [self._plans.pop(c.cmd_id, None) for c in job.commands]
-        commands, objects, slots = self._slots(job, plans)
+        commands, objects, slots = self._slots(job)
         if not commands:
             return
         lane.kit.wait(job.ready)
@@ -184,13 +181,13 @@ class KVMover:
         for command in commands:
             job.report(command.cmd_id, result)
 
-    def _slots(self, job: _Job, plans: Sequence[Optional[Plan]]) -> tuple[list, list, list[Optional[np.ndarray]]]:
+    def _slots(self, job: _Job) -> tuple[list, list, list[Optional[np.ndarray]]]:
         """Slot matrices of the batch (one per plan group, chunks in command order) and the commands they cover;
         a command without its plan, or a store that would write zeros for rows the model needs, is refused."""
         layout, chunk = self.layout, self.layout.plan.chunk_tokens
         rows: list[list[np.ndarray]] = [[] for _ in layout.groups]
         keep_commands, keep_objects = [], []
-        for command, obj, plan in zip(job.commands, job.objects, plans):
+        for command, obj, plan in zip(job.commands, job.objects, job.plans):
             if plan is None:
                 job.report(command.cmd_id, TierResult.fail("device: no block window for this command"))
                 continue

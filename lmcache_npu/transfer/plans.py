@@ -21,7 +21,6 @@ class LoadPlan:
 
     request_id: str
     cmd_ids: tuple[int, ...]  # one Load per chunk, in chunk order
-    first_chunk: int
     window: BlockWindow
     first_token: int  # vLLM's own prefix cache computed the tokens before this one: their rows are left alone
     end_token: int  # the hit's end; only the chunk ending here loads end-state rows (a recurrent state)
@@ -35,6 +34,5 @@ class StorePlan:
 
     request_id: str
     cmd_ids: tuple[int, ...]
-    chunk_indices: tuple[int, ...]
     window: BlockWindow
     without_end_state: tuple[int, ...] = ()  # cmd ids stored with their end-state rows left out (zeros)

@@ -17,9 +17,6 @@ import torch
 class StreamKit:
     """Host memory: no streams, no events."""
 
-    device_type = "cpu"
-    asynchronous = False  # True: a transfer's completion must be waited for through events
-
     def bind_thread(self) -> None:
         """Called once on the transfer thread before its first transfer."""
 
@@ -51,11 +48,8 @@ class StreamKit:
 class DeviceStreamKit(StreamKit):
     """torch.cuda or torch.npu, which share the stream and event API."""
 
-    asynchronous = True
-
     def __init__(self, device: torch.device, module: Any) -> None:
         self.device = device
-        self.device_type = device.type
         self._module = module
         self._stream: Optional[Any] = None
 

@@ -126,8 +126,10 @@ def test_a_rank_whose_loads_always_fail_makes_vllm_recompute(make_engine):
     assert_quiescent(engine)
 
 
-def test_vllm_0_23_cannot_recompute_a_failed_load_of_several_groups_so_the_engine_stops(make_engine):
+def test_vllm_0_23_cannot_recompute_a_failed_load_of_several_groups_so_the_engine_stops(make_engine, caplog):
+    caplog.set_level("WARNING", logger="lmcache_npu")
     engine = preset_engine(make_engine, "gpt-oss-120b", "cuda", world=2)
+    assert "a failed load stops the engine rather than serve KV that may be wrong" in caplog.text
     text = prompt(2 * 256 + 10, seed=30)
     engine.add(text, max_tokens=2, request_id="a")
     engine.run()
@@ -158,3 +160,19 @@ def test_two_engines_and_one_mooncake_store(scenario):
         assert found == {"loaded": 512, "remote_hits": 2}
     else:
         assert found["local_hit"] == 512 and found["remote_loaded"] == 0 and found["put_failures"] >= 1
+
+
+def test_with_the_fail_policy_a_failed_load_fails_its_request_and_the_log_says_so(make_engine, caplog):
+    caplog.set_level("WARNING", logger="lmcache_npu")
+    engine = preset_engine(make_engine, "llama3-8b", "ascend", world=2, failure_policy="fail")
+    assert "kv_load_failure_policy is 'fail'" in caplog.text
+    text = prompt(2 * 256 + 10, seed=31)
+    engine.add(text, max_tokens=3, request_id="a")
+    engine.run()
+    wrap(engine, lambda b: Failing(b), Direction.LOAD, ranks=[1])
+    engine.add(text + [8, 9], max_tokens=3, request_id="b")
+    engine.run()
+    assert "loading request b (tokens 0..512) failed" in caplog.text
+    assert "vLLM fails the request (kv_load_failure_policy is 'fail'" in caplog.text
+    assert engine.requests["b"].status.name == "FINISHED_ERROR" and engine.output_tokens("b") == []
+    assert_quiescent(engine)

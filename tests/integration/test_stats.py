@@ -65,3 +65,26 @@ def test_a_run_reports_lookups_hits_and_bytes_through_vllm(make_engine):
     assert data["loaded_bytes"] == data["stored_bytes"] <= 4 * object_bytes
     reduced = engine.stats.reduce()
     assert reduced["load_GBps"] > 0 and 0 < reduced["hit_rate"] < 1
+
+
+def test_the_stores_own_counters_reach_vllm_as_growth_since_the_last_report(make_engine, tmp_path):
+    engine = preset_engine(make_engine, "llama3-8b", "ascend", num_blocks=12)
+    slot = engine.workers[0].worker_half.executor.arena.slot_bytes
+    engine = preset_engine(make_engine, "llama3-8b", "ascend", num_blocks=12,
+                           extra_config={"cpu_bytes": 2 * slot, "disk_path": str(tmp_path), "disk_bytes": "64MiB"})
+    first = prompt(2 * 256 + 10, seed=62)
+    engine.add(first, max_tokens=2, request_id="a")
+    engine.run()
+    engine.add(prompt(2 * 256 + 10, seed=63), max_tokens=2, request_id="b")  # pushes a's chunks to disk
+    engine.run()
+    engine.workers[0].worker_half.executor.disk.flush(30)
+    engine.add(first + [1], max_tokens=2, request_id="again")  # a's chunks come back from disk
+    engine.run()
+    data = engine.stats.data
+    index = engine.connector.scheduler_half.index.counters
+    disk = engine.workers[0].worker_half.executor.disk.counters
+    assert data["evictions"] == index["evictions"] >= 2 and data["spills"] == index["spills"] >= 2
+    assert data["promotions_disk"] == index["promotions_disk"] == 2 and data["hit_chunks_disk"] == 2
+    assert data["disk_writes"] == disk["writes"] >= 2 and data["disk_reads"] == disk["reads"] >= 2
+    assert data["disk_read_bytes"] == disk["read_bytes"] > 0
+    assert set(data) <= set(METRICS)  # every exported name has a Prometheus counter

@@ -158,9 +158,9 @@ class Setup:
         cmd_id = next(self._ids)
         key = ChunkKey("0" * 32, cmd_id.to_bytes(8, "little"))
         if direction == Direction.STORE:
-            command, plan = Store(cmd_id, key, slot, "r", 0), StorePlan("r", (cmd_id,), (0,), self.window)
+            command, plan = Store(cmd_id, key, slot, "r", 0), StorePlan("r", (cmd_id,), self.window)
         else:
-            command, plan = Load(cmd_id, key, slot, "r", 0), LoadPlan("r", (cmd_id,), 0, self.window, 0, CHUNK)
+            command, plan = Load(cmd_id, key, slot, "r", 0), LoadPlan("r", (cmd_id,), self.window, 0, CHUNK)
         self.mover.expect([plan])
         self.mover.run([command], [self.arena.slot(slot)], report)
         self.pending = done

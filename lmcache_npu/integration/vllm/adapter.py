@@ -163,8 +163,6 @@ def scheduled_requests(scheduler_output: Any) -> Iterator[ScheduledRequest]:
                                int(cached.num_computed_tokens[i]))
 
 
-def preempted_request_ids(scheduler_output: Any) -> set[str]:
-    return set(getattr(scheduler_output, "preempted_req_ids", None) or ())
 
 
 def block_ids_of(blocks: Any) -> tuple[list[int], ...]:

@@ -90,7 +90,7 @@ class LMCacheNPUConnector(KVConnectorBase_V1, SupportsHMA):
     def get_kv_connector_stats(self) -> Optional[LMCacheNPUStats]:
         if self._worker is not None:
             return self._worker.stats()
-        return LMCacheNPUStats.of(self.scheduler_half.counters.drain())
+        return self.scheduler_half.stats()
 
     def shutdown(self) -> None:
         if self._worker is not None:
@@ -99,9 +99,6 @@ class LMCacheNPUConnector(KVConnectorBase_V1, SupportsHMA):
             self._scheduler.shutdown()
 
     # ---- scheduler side ---------------------------------------------------------------------------------------
-
-    def set_xfer_handshake_metadata_pp_aware(self, metadata: dict[tuple[int, ...], Any]) -> None:
-        self.scheduler_half.set_worker_geometry([m for m in metadata.values() if isinstance(m, WorkerGeometry)])
 
     def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
         self.scheduler_half.set_worker_geometry([m for m in metadata.values() if isinstance(m, WorkerGeometry)])

@@ -28,11 +28,6 @@ class LMCacheNPUConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadPlan] = field(default_factory=list)
     stores: list[StorePlan] = field(default_factory=list)
     delayed_free: list[str] = field(default_factory=list)  # report finished_sending once their stores settled
-    preempted: list[str] = field(default_factory=list)
-
-    @property
-    def empty(self) -> bool:
-        return not (self.commands or self.loads or self.stores or self.delayed_free or self.preempted)
 
 
 @dataclass

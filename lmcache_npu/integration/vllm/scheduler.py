@@ -22,6 +22,7 @@ from ...store.commands import Load, Store
 from ...store.factory import build_index, scheduler_mooncake_client
 from ...store.index import ChunkIndex, LookupResult
 from ...store.keys import ChunkKey, check_stable_hashing, chunk_keys, model_fingerprint, namespace_of
+from ...store.tier import TierCounters
 from . import adapter
 from .metadata import (
     BlockWindow,
@@ -31,7 +32,7 @@ from .metadata import (
     StorePlan,
     WorkerGeometry,
 )
-from .stats import SchedulerCounters
+from .stats import INDEX_METRICS, CounterDeltas, LMCacheNPUStats
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +61,16 @@ class _Request:
     no_hits: bool = False  # a load of this request failed: it recomputes, and never loads again
 
 
+def _warn_about_failed_loads(channel: str, policy: str) -> None:
+    """Once per engine: what a chunk that cannot be loaded (a lost disk file, a remote fault) does to a request."""
+    if channel == "none":
+        logger.warning("lmcache_npu: this vLLM cannot be told a load of a model with several KV-cache groups failed "
+                       "(vLLM >= 0.30 can): a failed load stops the engine rather than serve KV that may be wrong")
+    elif policy != "recompute":
+        logger.warning("lmcache_npu: kv_load_failure_policy is %r: a chunk that cannot be loaded fails its request; "
+                       "'recompute' computes those tokens instead", policy)
+
+
 class SchedulerHalf:
     def __init__(self, config: ConnectorConfig, vllm_config: Any, kv_cache_config: Any) -> None:
         self.config = config
@@ -72,6 +83,7 @@ class SchedulerHalf:
         self.num_scheduler_groups = len(kv_cache_config.kv_cache_groups)
         self.model_fingerprint = model_fingerprint(**adapter.model_facts(vllm_config, config.model_name))
         self.failure_channel = adapter.failure_channel(self.num_scheduler_groups)
+        _warn_about_failed_loads(self.failure_channel, adapter.load_failure_policy(vllm_config))
         if config.store.disk_path is not None or config.store.mooncake is not None:
             # chunks outliving this process must be named the same by the next one (and by other instances)
             check_stable_hashing(adapter.hash_algorithm(vllm_config))
@@ -84,7 +96,8 @@ class SchedulerHalf:
         self._remote: Optional[Any] = None  # the Mooncake client for existence checks, closed at shutdown
         self.namespace = ""
         self.requests: dict[str, _Request] = {}
-        self.counters = SchedulerCounters()
+        self.counters = TierCounters()
+        self.index_counters = CounterDeltas()  # the index's own counters, once the handshake built it
         self._owner: dict[int, _Request] = {}  # in-flight store/load cmd id -> its request
         self._loads: list[LoadPlan] = []
         self._delayed_free: list[str] = []
@@ -126,11 +139,12 @@ class SchedulerHalf:
         self.index = build_index(store, first.object_bytes, self.place.world, first.namespace,
                                  first.layout_fingerprint, remote_client=self._remote, num_slots=num_slots)
         self.namespace = first.namespace
+        self.index_counters.watch(self.index.counters, INDEX_METRICS)
         logger.info("lmcache_npu scheduler: %d ranks, %d arena slots of %d B, chunks of %d tokens, %s backend on %s",
                     self.place.world, num_slots, first.object_bytes, self.chunk_tokens, first.backend, first.device)
 
-    @property
-    def ready(self) -> bool:
+    def _ready(self) -> bool:
+        """The index exists (the workers' handshake arrived); says once if it has not."""
         if self.index is None and not self._warned_idle:
             self._warned_idle = True
             logger.warning("lmcache_npu has no worker handshake yet: no lookups or stores until the workers report "
@@ -185,7 +199,7 @@ class SchedulerHalf:
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[Optional[int], bool]:
         state = self._state(request)
         state.lookup = None
-        if not (self.loads_enabled and self.ready) or state.no_hits or adapter.skips_prefix_cache(request):
+        if not (self.loads_enabled and self._ready()) or state.no_hits or adapter.skips_prefix_cache(request):
             return 0, False
         assert self.index is not None
         chunk = self.chunk_tokens
@@ -240,8 +254,7 @@ class SchedulerHalf:
         for chunk_index, _ in chunks:
             self.counters.add(f"hit_chunks_{state.found_in.get(chunk_index, 'cpu')}")
         self._loads.append(LoadPlan(
-            request_id=request.request_id, cmd_ids=cmd_ids, first_chunk=lookup.first_chunk,
-            window=self._window(state, lookup.first_chunk, lookup.first_chunk + count),
+            request_id=request.request_id, cmd_ids=cmd_ids, window=self._window(state, lookup.first_chunk, lookup.first_chunk + count),
             first_token=first_token, end_token=end_token,
             error_block_ids=self._error_blocks(state, first_token, end_token), refused=refused))
 
@@ -292,8 +305,7 @@ class SchedulerHalf:
                     stores.append(plan)
         meta = LMCacheNPUConnectorMetadata(
             commands=self.index.take_commands() if self.index is not None else [],
-            loads=self._loads, stores=stores, delayed_free=self._delayed_free,
-            preempted=sorted(adapter.preempted_request_ids(scheduler_output)))
+            loads=self._loads, stores=stores, delayed_free=self._delayed_free)
         self._loads, self._delayed_free = [], []
         return meta
 
@@ -327,13 +339,13 @@ class SchedulerHalf:
                 else:
                     storable &= rows_ok & this_step
         state.next_chunk = first + len(keys)
+        self.counters.add("store_chunks_unsafe", int((~storable).sum()))
         if not complete.all():  # a copy without end state is useless where the complete one is held
             held = self.index.presence([k for k, whole in zip(keys, complete) if not whole], remote=False)
             storable[~complete] &= ~np.array(held, dtype=bool)
         picked = [(int(c), key if whole else key.without_end_state())
                   for c, key, ok, whole in zip(chunks, keys, storable, complete) if ok]
         without_end_state = {key for (_, key), whole in zip(picked, complete[storable]) if not whole}
-        self.counters.add("store_chunks_unsafe", int((~storable).sum()))
         if not picked:
             return None
         commands = self.index.allocate_store(request.request_id, picked)
@@ -343,7 +355,7 @@ class SchedulerHalf:
         partial = tuple(c.cmd_id for c in commands if c.key in without_end_state)
         self.counters.add("store_chunks", len(commands))
         indices = tuple(c.chunk_index for c in commands)
-        return StorePlan(request.request_id, tuple(c.cmd_id for c in commands), indices,
+        return StorePlan(request.request_id, tuple(c.cmd_id for c in commands),
                          self._window(state, min(indices), max(indices) + 1), partial)
 
     def request_finished(self, request: Any, block_ids: Sequence[Sequence[int]]) -> tuple[bool, Optional[dict]]:
@@ -396,6 +408,9 @@ class SchedulerHalf:
         request_id = state.request.request_id
         if state.finished and not state.stores and not state.loads and self.requests.get(request_id) is state:
             del self.requests[request_id]
+
+    def stats(self) -> LMCacheNPUStats:
+        return LMCacheNPUStats.of({**self.counters.drain(), **self.index_counters.take()})
 
     def shutdown(self) -> None:
         if self._remote is not None:

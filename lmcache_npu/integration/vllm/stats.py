@@ -12,8 +12,6 @@ from typing import Any, Mapping
 from ...store.tier import TierCounters
 from .adapter import KVConnectorPromMetrics, KVConnectorStats
 
-SchedulerCounters = TierCounters
-
 # name -> Prometheus help text; every counter either half keeps (sums over ranks and steps)
 METRICS: dict[str, str] = {
     "lookups": "requests admitted after a lookup in the plugin's store",
@@ -37,6 +35,68 @@ METRICS: dict[str, str] = {
     "load_retries": "device loads retried after a failure",
     "transfer_failures": "device transfers that failed (each fails its commands)",
 }
+
+# counters the store keeps for its own tests and logs (never drained): exported name -> (own name, help text)
+INDEX_METRICS: dict[str, tuple[str, str]] = {
+    "evictions": ("evictions", "host-arena chunks evicted to make room (spilled to disk first where there is one)"),
+    "evicted_lost": ("evicted_lost", "evicted chunks no lower tier holds: gone from this instance"),
+    "spills": ("spills", "host-arena chunks written to the disk tier"),
+    "spill_failures": ("spill_failed", "spills that failed on some rank"),
+    "disk_evictions": ("disk_evictions", "chunks dropped from the disk tier to make room"),
+    "store_no_slot": ("store_no_slot", "chunks not stored because every arena slot was pinned or reserved"),
+    "promotions_disk": ("promotions_disk", "chunks promoted from the disk tier into the host arena"),
+    "promotions_remote": ("promotions_remote", "chunks promoted from the Mooncake store into the host arena"),
+    "promote_no_slot": ("promote_no_slot", "promotions skipped for want of a free arena slot"),
+    "promote_failures": ("promote_failed", "promotions that failed on some rank (the chunk is a miss)"),
+    "remote_put_failures": ("put_failed", "Mooncake puts that failed on some rank"),
+    "remote_lookup_errors": ("remote_lookup_errors", "Mooncake existence checks that failed (taken as misses)"),
+}
+DISK_METRICS: dict[str, tuple[str, str]] = {
+    "disk_writes": ("writes", "chunk files written (summed over ranks)"),
+    "disk_write_bytes": ("write_bytes", "bytes written to chunk files (summed over ranks)"),
+    "disk_reads": ("reads", "chunk files read (summed over ranks)"),
+    "disk_read_bytes": ("read_bytes", "bytes read from chunk files (summed over ranks)"),
+    "disk_corrupt": ("corrupt", "chunk files refused as corrupt or of another layout, and removed"),
+    "disk_io_errors": ("io_errors", "disk reads or writes that raised"),
+    "disk_full": ("disk_full", "writes refused because the file system was full"),
+    "disk_queue_full": ("queue_full", "spills refused because the write-behind queue was full"),
+}
+REMOTE_METRICS: dict[str, tuple[str, str]] = {
+    "mooncake_puts": ("puts", "chunk objects put into the Mooncake store (summed over ranks)"),
+    "mooncake_put_bytes": ("put_bytes", "bytes put into the Mooncake store (summed over ranks)"),
+    "mooncake_get_bytes": ("get_bytes", "bytes read from the Mooncake store (summed over ranks)"),
+    "mooncake_misses": ("misses", "Mooncake reads of objects no longer there"),
+    "mooncake_errors": ("errors", "Mooncake calls that failed"),
+    "mooncake_timeouts": ("timeouts", "Mooncake calls that ran past their deadline"),
+    "mooncake_unavailable": ("unavailable", "times the Mooncake store was marked unavailable (calls skip it a while)"),
+    "mooncake_skipped": ("unhealthy_skips", "Mooncake calls skipped while the store was marked unavailable"),
+}
+for _table in (INDEX_METRICS, DISK_METRICS, REMOTE_METRICS):
+    METRICS.update({name: text for name, (_, text) in _table.items()})
+
+
+class CounterDeltas:
+    """What long-lived counters grew by since the last `take`, under exported names (the store's counters are read
+    by its own code and tests, so they are never drained)."""
+
+    def __init__(self) -> None:
+        self._sources: list[tuple[TierCounters, dict[str, tuple[str, str]]]] = []
+        self._last: dict[tuple[int, str], float] = {}
+
+    def watch(self, counters: TierCounters, names: dict[str, tuple[str, str]]) -> None:
+        self._sources.append((counters, names))
+
+    def take(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for position, (counters, names) in enumerate(self._sources):
+            now = counters.snapshot()
+            for exported, (own, _) in names.items():
+                value = now.get(own, 0)
+                grown = value - self._last.get((position, own), 0)
+                self._last[(position, own)] = value
+                if grown:
+                    out[exported] = out.get(exported, 0) + grown
+        return out
 
 
 @dataclass

@@ -18,6 +18,7 @@ from typing import Any, Mapping, Optional
 from ...config import ConnectorConfig
 from ...layout.discovery import KVLayout, LayoutPolicy, default_chunk_tokens, discover_layout, token_granularity
 from ...ops import BackendUnavailable, Direction, TransferBackend, get_backend
+from ...ops.backend import backend_for_device
 from ...store.commands import Command, Completion, Load, Store
 from ...store.executor import StoreExecutor
 from ...store.factory import build_executor
@@ -32,12 +33,9 @@ from .metadata import (
     WorkerGeometry,
     plan_group_geometry,
 )
-from .stats import LMCacheNPUStats
+from .stats import DISK_METRICS, REMOTE_METRICS, CounterDeltas, LMCacheNPUStats
 
 logger = logging.getLogger(__name__)
-
-AUTO_BACKEND = {"npu": "npu", "cuda": "cuda", "cpu": "emu"}  # the AscendC kernel source moves host pages on CPU
-
 
 class LoadFailedError(RuntimeError):
     """A load failed and this vLLM cannot be told to recompute it; the engine stops rather than serve wrong KV."""
@@ -75,7 +73,9 @@ class WorkerHalf:
         _, self.hash_block_size = adapter.block_sizes(kv_cache_config, vllm_config)
         self.model_fingerprint = model_fingerprint(**adapter.model_facts(vllm_config, config.model_name))
         self.failure_channel = adapter.failure_channel(len(kv_cache_config.kv_cache_groups))
+        self.load_failure_policy = adapter.load_failure_policy(vllm_config)
         self.counters = TierCounters()
+        self.tier_counters = CounterDeltas()  # the disk and Mooncake tiers' own counters, once the executor exists
         self.layout: Optional[KVLayout] = None
         self.mover: Optional[KVMover] = None
         self.executor: Optional[StoreExecutor] = None
@@ -116,6 +116,9 @@ class WorkerHalf:
         backend = self.mover.backends[Direction.LOAD].name
         self.executor = build_executor(self.config.store, self.place.rank, plan.object_bytes, fingerprint, self.mover,
                                        namespace)
+        for tier, names in ((self.executor.disk, DISK_METRICS), (self.executor.remote, REMOTE_METRICS)):
+            if tier is not None:
+                self.tier_counters.watch(tier.counters, names)
         self.geometry = WorkerGeometry(
             self.place.rank, self.place.world, enabled=True, namespace=namespace, layout_fingerprint=fingerprint,
             chunk_tokens=plan.chunk_tokens, object_bytes=plan.object_bytes, num_slots=self.executor.arena.num_slots,
@@ -125,11 +128,10 @@ class WorkerHalf:
                     backend, self.executor.arena.num_slots)
 
     def _backend(self, device: Any) -> TransferBackend:
-        name = self.config.backend if self.config.backend != "auto" else AUTO_BACKEND.get(device.type)
-        if name is None:
-            raise ValueError(f"KV caches on {device}: no transfer backend moves {device.type} memory")
-        if (name == "emu" and device.type != "cpu") or (name in ("cuda", "npu") and device.type != name):
-            raise ValueError(f"backend {name!r} cannot move KV caches on {device}; use backend 'auto'")
+        try:
+            name = backend_for_device(device.type, self.config.backend)
+        except ValueError as exc:
+            raise ValueError(f"lmcache_npu: KV caches on {device}: {exc}") from exc
         try:
             return get_backend(name, **dict(self.config.backend_options))
         except BackendUnavailable as exc:
@@ -138,18 +140,18 @@ class WorkerHalf:
     # ---- per step ---------------------------------------------------------------------------------------------
 
     def handle_preemptions(self, meta: LMCacheNPUConnectorMetadata) -> None:
-        """Runs before the step writes any page: earlier stores must be done reading theirs (vLLM may have handed
-        their blocks to other requests)."""
+        """vLLM calls this every step before the model writes a page (preempted requests or not): earlier stores must
+        be done reading their pages, which vLLM may have handed to other requests."""
         if self.mover is not None:
             self.mover.release_pages()
 
     def start_load_kv(self, meta: LMCacheNPUConnectorMetadata) -> None:
         if self.executor is None or self.mover is None:
             return
-        self.mover.release_pages()  # a runner that skips handle_preemptions still orders loads after old stores
-        if self._stores:  # a previous step bound stores but never reached wait_for_save
+        if self._stores:  # a previous step bound stores but never reached wait_for_save (its plans are still expected)
             self.executor.submit(self._stores)
             self._stores = []
+        self.mover.release_pages()  # a runner that skips handle_preemptions still orders loads after old stores
         self.mover.expect([*meta.loads, *meta.stores])
         for plan in meta.loads:
             self._recv[plan.request_id] = _Recv(plan, set(plan.cmd_ids), f"refused: {plan.refused}" if plan.refused
@@ -218,7 +220,9 @@ class WorkerHalf:
                 f"with {len(self.kv_cache_config.kv_cache_groups)} KV-cache groups (its invalid-block handler maps "
                 "one group only; vLLM >= 0.30 takes request-level failures), so the engine stops instead of serving "
                 "KV that may be wrong")
-        logger.warning("%s; vLLM recomputes these tokens", where)
+        outcome = ("vLLM recomputes these tokens" if self.load_failure_policy == "recompute" else
+                   "vLLM fails the request (kv_load_failure_policy is 'fail'; 'recompute' would compute them instead)")
+        logger.warning("%s; %s", where, outcome)
         if self.failure_channel == "invalid_blocks":
             self._load_error_blocks.update(plan.error_block_ids)
 
@@ -233,7 +237,7 @@ class WorkerHalf:
         return meta
 
     def stats(self) -> LMCacheNPUStats:
-        return LMCacheNPUStats.of(self.counters.drain())
+        return LMCacheNPUStats.of({**self.counters.drain(), **self.tier_counters.take()})
 
     def shutdown(self) -> None:
         if self.mover is not None:
