@@ -108,6 +108,7 @@ class _Bench:
                                              max_num_batched_tokens=PREFILL_REQUESTS * PREFILL_PROMPT),
             kv_transfer_config=KVTransferConfig(kv_connector="LMCacheNPUConnector", kv_role="kv_both",
                                                 kv_connector_module_path="lmcache_npu.integration.vllm",
+                                                kv_load_failure_policy="recompute",
                                                 kv_connector_extra_config=extra))
         self.vllm_config.cache_config.num_gpu_blocks = 1 << 20
         scheduler_config = generate_scheduler_kv_cache_config([kv.kv_cache_config])
