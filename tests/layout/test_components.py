@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from lmcache_npu.layout import collect_components, layer_components
+from lmcache_npu.layout.components import KVPacking
 from lmcache_npu.ops import GroupSpec, PageLayout, Plane, TransferPlan, get_backend
 
 NB, BS = 6, 16
@@ -33,6 +34,44 @@ def test_cuda_flash_interleaved_kv() -> None:
     k, v = layer_components("l0", cache, BS)
     assert (k.rows_per_block, k.row_bytes, k.block_stride_bytes) == (BS, 4 * 32 * 2, 2 * BS * 4 * 32 * 2)
     assert row_bytes_of(k, 3, 5) == as_bytes(cache[3, 0, 5]) and row_bytes_of(v, 3, 5) == as_bytes(cache[3, 1, 5])
+
+
+def test_head_major_strides_become_one_component_per_head() -> None:
+    physical = randn(NB, 2, 4, BS, 32)  # HND flash: [nb, 2, H, bs, d] in memory, [nb, 2, bs, H, d] as vLLM views it
+    cache = physical.permute(0, 1, 3, 2, 4)
+    comps = layer_components("l0", cache, BS)
+    assert [c.role for c in comps] == [f"{kv}.h{h}" for kv in "kv" for h in range(4)]
+    assert all((c.rows_per_block, c.row_bytes) == (BS, 32 * 2) for c in comps)
+    v_head2 = comps[4 + 2]
+    assert row_bytes_of(v_head2, 3, 5) == as_bytes(cache[3, 1, 5, 2]) == as_bytes(physical[3, 1, 2, 5])
+
+
+def test_cpu_attention_rows_are_k_then_v_per_block_and_head() -> None:
+    heads, head_size = 3, 16
+    cache = randn(NB, heads, BS, 2 * head_size)
+    # the CPU backend's own reading: [nb, H, 2*bs, D], K the first bs rows, V the next bs
+    key_cache, value_cache = cache.view(NB, heads, 2 * BS, head_size).chunk(2, dim=2)
+    comps = layer_components("l0", cache, BS, packing=KVPacking.CPU_ATTENTION)
+    assert [c.role for c in comps] == [f"{kv}{h}" for h in range(heads) for kv in "kv"]
+    for h in range(heads):
+        k, v = comps[2 * h], comps[2 * h + 1]
+        assert (k.row_bytes, k.block_stride_bytes) == (head_size * 2, heads * 2 * BS * head_size * 2)
+        for block, row in ((0, 0), (4, 15), (5, 7)):
+            assert row_bytes_of(k, block, row) == as_bytes(key_cache[block, h, row])
+            assert row_bytes_of(v, block, row) == as_bytes(value_cache[block, h, row])
+    assert row_bytes_of(comps[0], 2, 1) != as_bytes(cache[2, 0, 1, :head_size])  # row 1 is not cache[.., 1, :D]
+    with pytest.raises(ValueError, match=r"layer l0: the CPU attention backend's cache is \[num_blocks, kv_heads, "
+                                         r"16, 2 \* head_size\]"):
+        layer_components("l0", randn(NB, BS, 4, 32), BS, packing=KVPacking.CPU_ATTENTION)
+
+
+def test_head_major_views_have_a_component_per_head() -> None:
+    mla = randn(NB, 1, BS, 72)  # vLLM >= 0.29 CPU MLA: [B, 1, N, C]
+    (c,) = layer_components("mla", mla, BS, packing=KVPacking.HEAD_MAJOR)
+    assert c.row_bytes == 144 and row_bytes_of(c, 4, 3) == as_bytes(mla[4, 0, 3])
+    two = randn(NB, 2, BS, 8)
+    comps = layer_components("x", two, BS, packing=KVPacking.HEAD_MAJOR)
+    assert [c.role for c in comps] == ["h0", "h1"] and row_bytes_of(comps[1], 5, 9) == as_bytes(two[5, 1, 9])
 
 
 def test_cuda_kv_first_layout_and_mla() -> None:
@@ -105,7 +144,8 @@ def test_310p_fractal_nz() -> None:
 @pytest.mark.parametrize(
     "value,rows,message",
     [
-        (randn(NB, 4, BS, 32).transpose(1, 2), BS, "rows inside a block must be contiguous"),
+        (randn(NB, 32, BS).transpose(1, 2), BS, "rows inside a block must be contiguous"),
+        (randn(NB, 4, 32, BS).permute(0, 3, 1, 2), BS, "rows inside a block must be contiguous"),
         (randn(NB, 12, 4, 32), BS, "12 rows per block does not match the group's 16"),
         ("not a tensor", BS, "expected a Tensor or a tuple/list of Tensors"),
     ],

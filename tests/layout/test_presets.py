@@ -1,4 +1,4 @@
-"""Every preset, both device families: bytes per chunk by hand, and a bit-exact round trip through emu and torch."""
+"""Every preset, every device family: bytes per chunk by hand, and a bit-exact round trip through emu and torch."""
 
 from __future__ import annotations
 
@@ -44,6 +44,13 @@ STORED = {
     ("qwen3-next-80b", "ascend"): 12 * 2 * 1024 * 1024 + 36 * (49152 + 1048576),
     ("qwen3-next-80b", "cuda"): 12 * 2 * 544 * 1024 + 36 * (49152 + 1048576),
     ("llama3-8b-310p", "ascend"): 32 * 2 * 256 * 2048,
+    # vLLM's CPU attention: the same bytes, as one K and one V plane per KV head (256 rows x 256 B each)
+    ("llama3-8b", "cpu"): 32 * 8 * 2 * 256 * 256,
+    ("qwen3-32b", "cpu"): 64 * 8 * 2 * 256 * 256,
+    ("deepseek-v3", "cpu"): 61 * 256 * 1152,  # CPU MLA [nb, 16, 576] bf16
+    ("gemma3-27b", "cpu"): 62 * 16 * 2 * 256 * 256,
+    ("gpt-oss-120b", "cpu"): 18 * 8 * 2 * 128 * 128 + 18 * 8 * 2 * 256 * 128,
+    ("qwen3-next-80b", "cpu"): 12 * 2 * 2 * 544 * 512 + 36 * (49152 + 1048576),
 }
 DSV4_STATE_NAIVE = 21 * 256 * (8192 + 2048) + 20 * 256 * 4096  # c4 attn + indexer state, c128 state: full chunks
 NAIVE = {
@@ -51,6 +58,7 @@ NAIVE = {
     ("deepseek-v4-flash", "cuda"): 21 * 64 * (1024 + 132) + 20 * 2 * 1024 + 43 * 256 * 1024 + DSV4_STATE_NAIVE,
     ("gpt-oss-120b", "ascend"): 36 * 2 * 256 * 1024,
     ("gpt-oss-120b", "cuda"): 36 * 2 * 256 * 1024,
+    ("gpt-oss-120b", "cpu"): 36 * 2 * 256 * 1024,
 }
 CASES = sorted(STORED)
 
@@ -119,7 +127,8 @@ def _round_trip(name: str, family: str, backend_name: str) -> None:
     backend = get_backend(backend_name, **({"soc": soc} if backend_name == "emu" else {}))
 
     before = _snapshot(preset.allocations)
-    expected = expected_object_segments(layout, caches, slots)
+    backends = preset.attention_backends
+    expected = expected_object_segments(layout, caches, slots, backends)
     objects = torch.zeros((chunks, plan.object_bytes), dtype=torch.uint8)
     backend.store(plan, slots, objects)
     assert all(torch.equal(a, b) for a, b in zip(preset.allocations, before)), "a store wrote the pages"
@@ -138,7 +147,8 @@ def _round_trip(name: str, family: str, backend_name: str) -> None:
         if not g.skipped:
             flat = slots[g.index].reshape(-1)
             for plane in g.planes:
-                now = rows_of(caches[plane.layers[0]], plane, g, flat // g.rows_per_block, flat % g.rows_per_block)
+                now = rows_of(caches[plane.layers[0]], plane, g, flat // g.rows_per_block, flat % g.rows_per_block,
+                          backends.get(plane.layers[0]))
                 moved_diff += int((now != expected[plane.name].reshape(now.shape)).sum())
     skipped_before = {}
     for g in layout.groups:
@@ -147,19 +157,20 @@ def _round_trip(name: str, family: str, backend_name: str) -> None:
             blocks = np.full(g.rows_per_block, own)
             for plane in g.planes:
                 skipped_before[plane.name] = rows_of(caches[plane.layers[0]], plane, g, blocks,
-                                                     np.arange(g.rows_per_block))
+                                                     np.arange(g.rows_per_block), backends.get(plane.layers[0]))
     backend.load(plan, slots, objects)
     for g in layout.groups:
         if g.skipped:
             own = tables[g.scheduler_group][-1]
             for plane in g.planes:
                 after = rows_of(caches[plane.layers[0]], plane, g, np.full(g.rows_per_block, own),
-                                np.arange(g.rows_per_block))
+                                np.arange(g.rows_per_block), backends.get(plane.layers[0]))
                 assert torch.equal(after, skipped_before[plane.name]), f"skipped plane {plane.name} was written"
             continue
         flat = slots[g.index].reshape(-1)
         for plane in g.planes:
-            back = rows_of(caches[plane.layers[0]], plane, g, flat // g.rows_per_block, flat % g.rows_per_block)
+            back = rows_of(caches[plane.layers[0]], plane, g, flat // g.rows_per_block, flat % g.rows_per_block,
+                           backends.get(plane.layers[0]))
             assert torch.equal(back, expected[plane.name].reshape(back.shape)), f"{plane.name} not restored"
     changed = sum(int((raw != fresh).sum()) for raw, fresh in zip(preset.allocations, scrubbed))
     assert changed == moved_diff, "a load wrote bytes outside the moved rows"

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import re
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional
+from typing import Any, Iterable, Iterator, Optional
 
 import vllm
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: F401  (re-exported for the connector)
@@ -113,6 +113,26 @@ def model_facts(vllm_config: Any, model_name: Optional[str]) -> dict[str, Any]:
         "tensor_parallel_size": int(pc.tensor_parallel_size),
         "hash_algorithm": hash_algorithm(vllm_config),
     }
+
+
+def attention_backends(vllm_config: Any, layer_names: Iterable[str]) -> dict[str, str]:
+    """Each attention layer's backend name (`AttentionBackend.get_name()`), from the model the worker built; empty
+    where no model is registered in the config (the scheduler process, tests without a model)."""
+    from vllm.config import get_layers_from_vllm_config
+    from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+
+    names = list(layer_names)
+    try:
+        layers = get_layers_from_vllm_config(vllm_config, AttentionLayerBase, names)
+    except (AttributeError, KeyError, AssertionError):  # no static forward context: nothing registered
+        return {}
+    backends = {}
+    for name, layer in layers.items():
+        try:
+            backends[name] = str(layer.get_attn_backend().get_name())
+        except (AttributeError, NotImplementedError):  # a layer kind without a backend (e.g. mamba mixers)
+            continue
+    return backends
 
 
 def load_failure_policy(vllm_config: Any) -> str:

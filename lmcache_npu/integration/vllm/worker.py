@@ -68,6 +68,7 @@ def _fractal_nz(kv_caches: Mapping[str, Any]) -> bool:
 class WorkerHalf:
     def __init__(self, config: ConnectorConfig, vllm_config: Any, kv_cache_config: Any) -> None:
         self.config = config
+        self.vllm_config = vllm_config
         self.kv_cache_config = kv_cache_config
         self.place = adapter.parallel_place(vllm_config)
         _, self.hash_block_size = adapter.block_sizes(kv_cache_config, vllm_config)
@@ -100,7 +101,8 @@ class WorkerHalf:
     def register_kv_caches(self, kv_caches: Mapping[str, Any]) -> None:
         policy = LayoutPolicy(chunk_tokens=self.chunk_tokens(), skip_spec_kinds=self.config.skip_spec_kinds,
                               hash_block_size=self.hash_block_size, fractal_nz=_fractal_nz(kv_caches))
-        layout = discover_layout(self.kv_cache_config, kv_caches, policy)
+        layout = discover_layout(self.kv_cache_config, kv_caches, policy,
+                                 adapter.attention_backends(self.vllm_config, kv_caches))
         self.layout = layout
         plan = layout.plan
         if plan.object_bytes == 0:

@@ -1,4 +1,4 @@
-"""Presets: real models as vLLM (CUDA) and vllm-ascend (Ascend) hand them to a connector, through layout discovery.
+"""Presets: real models as vLLM (CUDA, CPU) and vllm-ascend (Ascend) hand them to a connector, through layout discovery.
 
 Each preset builds the KVCacheConfig from vLLM 0.23 spec classes (vllm-ascend's own classes where vllm-ascend
 is importable, faithful stand-ins otherwise) and allocates small tensors exactly as the model runner shapes
@@ -24,7 +24,7 @@ from ..discovery import (
 )
 from .catalog import MODELS, DeepseekV4, Model
 
-DEVICE_FAMILIES = ("ascend", "cuda")
+DEVICE_FAMILIES = ("ascend", "cuda", "cpu")
 
 
 @dataclass
@@ -36,6 +36,7 @@ class PresetKV:
     kv_cache_config: Any
     kv_caches: dict[str, Any]
     allocations: list[torch.Tensor]
+    attention_backends: dict[str, str] = dataclasses.field(default_factory=dict)  # layer -> backend, where it matters
 
     @property
     def default_chunk_tokens(self) -> int:
@@ -79,6 +80,19 @@ def build_preset(name: str, device_family: str = "ascend", num_blocks: int = 8, 
 
         config = cuda_kv_cache_config(cuda_specs(model), num_blocks)
         caches, raws = cuda_kv_caches(config, generator, device)
+    elif device_family == "cpu":
+        from .cuda import (
+            CPU_BLOCK,
+            CPU_MLA_BLOCK,
+            cpu_attention_backends,
+            cuda_kv_cache_config,
+            cuda_kv_caches,
+            cuda_specs,
+        )
+
+        config = cuda_kv_cache_config(cuda_specs(model, CPU_BLOCK, CPU_MLA_BLOCK), num_blocks)
+        caches, raws = cuda_kv_caches(config, generator, device, cpu_attention=True)
+        return PresetKV(model, device_family, config, caches, raws, cpu_attention_backends(config))
     else:
         from .ascend import ascend_kv_cache_config, ascend_kv_caches
 
@@ -94,4 +108,4 @@ def preset_layout(name: str, device_family: str = "ascend", chunk_tokens: Option
     preset = build_preset(name, device_family, num_blocks, seed, device)
     policy = LayoutPolicy(chunk_tokens=chunk_tokens or preset.default_chunk_tokens,
                           skip_spec_kinds=tuple(skip_spec_kinds), fractal_nz=preset.model.fractal_nz)
-    return discover_layout(preset.kv_cache_config, preset.kv_caches, policy), preset
+    return discover_layout(preset.kv_cache_config, preset.kv_caches, policy, preset.attention_backends), preset

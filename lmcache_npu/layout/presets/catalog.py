@@ -57,7 +57,7 @@ class Model:
     layers: Union[tuple[tuple[str, Layer], ...], DeepseekV4]
     notes: str
     dtype: torch.dtype = torch.bfloat16
-    families: tuple[str, ...] = ("ascend", "cuda")
+    families: tuple[str, ...] = ("ascend", "cuda", "cpu")  # cpu: vLLM's CPU attention backends
     fractal_nz: bool = False  # 310P K/V pages
 
 
@@ -98,7 +98,8 @@ def _deepseek_v4_flash() -> Model:
     # HF config: 43 layers, compress_ratios [0, 0, 4, 128, 4, 128, ...]; the MTP layer is not served here.
     ratios = (0, 0) + tuple(4 if i % 2 == 0 else 128 for i in range(41))
     return Model("deepseek-v4-flash", DeepseekV4(ratios),
-                 "43 layers: SWA cache (window 128) on every layer, 21 c4 (MLA + indexer) and 20 c128 MLA layers")
+                 "43 layers: SWA cache (window 128) on every layer, 21 c4 (MLA + indexer) and 20 c128 MLA layers",
+                 families=("ascend", "cuda"))
 
 
 MODELS: dict[str, Model] = {m.name: m for m in (
@@ -107,7 +108,8 @@ MODELS: dict[str, Model] = {m.name: m for m in (
     Model("deepseek-v3", _stack("model.layers.{i}.self_attn.attn", [MLA()] * 61),
           "61 MLA layers: latent 512 + rope 64, bf16"),
     Model("deepseek-v3.2-c8", _stack("model.layers.{i}.self_attn.attn", [MLA(indexer=True)] * 61),
-          "61 MLA layers with the DSA lightning indexer (int8 keys + fp16 scale on Ascend LI-C8, fp8 on CUDA)"),
+          "61 MLA layers with the DSA lightning indexer (int8 keys + fp16 scale on Ascend LI-C8, fp8 on CUDA)",
+          families=("ascend", "cuda")),
     _deepseek_v4_flash(),
     _gemma3_27b(),
     _gpt_oss_120b(),

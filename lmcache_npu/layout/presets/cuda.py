@@ -1,4 +1,4 @@
-"""CUDA presets: upstream vLLM 0.23 spec classes, vLLM's own grouping, tensors shaped as its GPU model runner.
+"""CUDA and CPU presets: upstream vLLM 0.23 spec classes, vLLM's own grouping, tensors shaped as its model runners.
 
 The groups and KVCacheTensors come from vLLM's `get_kv_cache_groups` / `get_kv_cache_config_from_groups`;
 each layer's view follows `GPUModelRunner._reshape_kv_cache_tensors`: FlashAttention `[nb, 2, bs, h, d]`,
@@ -16,6 +16,8 @@ import torch
 from .catalog import MLA, Attention, DeepseekV4, GatedDeltaNet, Model
 
 CUDA_BLOCK = 16  # FlashAttention's default block size
+CPU_BLOCK = 128  # the CPU platform's default block size
+CPU_MLA_BLOCK = 16  # the CPU MLA decode kernel's only block size
 DSV4_BLOCK = 256  # DeepSeek-V4 on CUDA: a c4 block of 256 tokens holds 64 compressed rows
 DSV4_SWA_BLOCK = 64
 
@@ -52,7 +54,8 @@ def _hybrid_block_and_page(model: Model) -> tuple[int, int, tuple[Any, ...], tup
     return block, block * per_token, shapes, dtypes
 
 
-def cuda_specs(model: Model) -> dict[str, Any]:
+def cuda_specs(model: Model, attention_block: int = CUDA_BLOCK, mla_block: int = CUDA_BLOCK * 4) -> dict[str, Any]:
+    """The model's layer specs as vLLM builds them; the CPU family differs only in its block sizes."""
     from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
     from vllm.v1.kv_cache_interface import (
         FullAttentionSpec,
@@ -66,7 +69,7 @@ def cuda_specs(model: Model) -> dict[str, Any]:
         return _dsv4_specs(model.layers, MLAAttentionSpec, SlidingWindowMLASpec)
     dtype = model.dtype
     has_mamba = any(isinstance(x, GatedDeltaNet) for _, x in model.layers)
-    block, mamba_page, shapes, dtypes = _hybrid_block_and_page(model) if has_mamba else (CUDA_BLOCK, 0, (), ())
+    block, mamba_page, shapes, dtypes = _hybrid_block_and_page(model) if has_mamba else (attention_block, 0, (), ())
     specs: dict[str, Any] = {}
     for name, layer in model.layers:
         if isinstance(layer, Attention) and layer.sliding_window:
@@ -82,7 +85,7 @@ def cuda_specs(model: Model) -> dict[str, Any]:
             specs[name.replace(".attn", ".indexer.k_cache")] = MLAAttentionSpec(
                 block_size=64, num_kv_heads=1, head_size=layer.index_head_dim + 4, dtype=torch.uint8)
         elif isinstance(layer, MLA):
-            specs[name] = MLAAttentionSpec(block_size=CUDA_BLOCK * 4, num_kv_heads=1,
+            specs[name] = MLAAttentionSpec(block_size=mla_block, num_kv_heads=1,
                                            head_size=layer.kv_lora_rank + layer.rope_dim, dtype=dtype)
         elif isinstance(layer, GatedDeltaNet):
             specs[name] = MambaSpec(block_size=block, shapes=shapes, dtypes=dtypes, page_size_padded=mamba_page,
@@ -133,9 +136,10 @@ def _layer_specs(kv_cache_config: Any) -> dict[str, Any]:
     return out
 
 
-def cuda_kv_caches(kv_cache_config: Any, generator: torch.Generator,
-                   device: torch.device = torch.device("cpu")) -> tuple[dict[str, Any], list[torch.Tensor]]:
-    """One raw int8 buffer per KVCacheTensor, viewed per layer as vLLM's GPU model runner views it."""
+def cuda_kv_caches(kv_cache_config: Any, generator: torch.Generator, device: torch.device = torch.device("cpu"),
+                   cpu_attention: bool = False) -> tuple[dict[str, Any], list[torch.Tensor]]:
+    """One raw int8 buffer per KVCacheTensor, viewed per layer as vLLM's GPU model runner views it;
+    `cpu_attention`: attention layers as the CPU attention backend shapes them, `[nb, H, bs, 2 * D]`."""
     from vllm.v1.kv_cache_interface import AttentionSpec, MambaSpec, MLAAttentionSpec, SlidingWindowMLASpec
 
     specs = _layer_specs(kv_cache_config)
@@ -163,9 +167,24 @@ def cuda_kv_caches(kv_cache_config: Any, generator: torch.Generator,
                 # one row per stored entry: 656 B (V3.2 fp8), 584 B (V4 fp8), else head_size elements
                 row = spec.real_page_size_bytes // spec.storage_block_size // dtype.itemsize
                 shape: tuple[int, ...] = (nb, spec.storage_block_size, row)
+            elif cpu_attention:
+                shape = (nb, spec.num_kv_heads, spec.block_size, 2 * spec.head_size)
             else:
                 shape = (nb, 2, spec.block_size, spec.num_kv_heads, spec.head_size)
             strides = list(torch.empty(shape, device="meta").stride())
             strides[0] = spec.page_size_bytes // dtype.itemsize
             caches[name] = torch.as_strided(raw.view(dtype), shape, strides)
     return caches, raws
+
+
+def cpu_attention_backends(kv_cache_config: Any) -> dict[str, str]:
+    """The backend vLLM's CPU platform picks per layer: CPU_ATTN for attention, CPU_MLA for MLA."""
+    from vllm.v1.kv_cache_interface import AttentionSpec, MLAAttentionSpec
+
+    backends = {}
+    for name, spec in _layer_specs(kv_cache_config).items():
+        if isinstance(spec, MLAAttentionSpec):
+            backends[name] = "CPU_MLA"
+        elif isinstance(spec, AttentionSpec):
+            backends[name] = "CPU_ATTN"
+    return backends
