@@ -222,11 +222,22 @@ def _geometry_key(s: LayerSpec) -> tuple:
             s.rows_are_tokens, s.prefix_cacheable, s.mamba_cache_mode)
 
 
+def kept_window_tokens(sliding_window: int, tokens_per_block: int) -> int:
+    """The tokens before a block-aligned position that vLLM keeps for a sliding window: the whole blocks the window
+    reaches (it frees blocks, not rows), and some backends read every row of them (vLLM's CPU attention does)."""
+    return max(1, -(-(sliding_window - 1) // tokens_per_block)) * tokens_per_block
+
+
+_KEPT_WHOLE_BLOCKS = (SpecKind.SLIDING_WINDOW, SpecKind.SLIDING_WINDOW_MLA)
+
+
 def _decide(draft: _Draft, policy: LayoutPolicy, all_specs: Mapping[str, LayerSpec]) -> None:
     """Skip flag, stored window and note of one plan group."""
     s = draft.specs[0]
     names = [x.layer for x in draft.specs]
     draft.stored_window = s.sliding_window
+    if s.sliding_window is not None and s.kind in _KEPT_WHOLE_BLOCKS:
+        draft.stored_window = kept_window_tokens(s.sliding_window, s.tokens_per_block)
     if not s.prefix_cacheable:
         draft.skipped, draft.skip_reason = True, "vLLM marks this spec not prefix-cacheable"
         return
@@ -394,6 +405,10 @@ def discover_layout(kv_cache_config: Any, kv_caches: Mapping[str, KVValue],
                                     {n: s.rows_per_block for n, s in layer_specs.items()},
                                     policy.fractal_nz, scope=plan_index, packings=packings)
     planes, infos = _planes(components, drafts, plan_index, int(kv_cache_config.num_blocks))
+    for d in drafts:
+        s = d.specs[0]
+        if d.stored_window is not None and s.kind in _KEPT_WHOLE_BLOCKS and policy.chunk_tokens % s.tokens_per_block:
+            d.stored_window = None  # a chunk end inside a block: the window's first block starts in earlier chunks
     groups = tuple(_finish_group(gi, d, policy.chunk_tokens, infos[gi]) for gi, d in enumerate(drafts))
     block_sizes = [int(g.kv_cache_spec.block_size) for g in kv_cache_config.kv_cache_groups]
     hash_block = policy.hash_block_size or math.gcd(*block_sizes)

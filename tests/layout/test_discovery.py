@@ -11,6 +11,7 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 import vllm.v1.kv_cache_interface as kvi  # noqa: E402
 
 from lmcache_npu.layout import LayoutPolicy, discover_layout  # noqa: E402
+from lmcache_npu.layout.discovery import kept_window_tokens  # noqa: E402
 from lmcache_npu.layout.presets.ascend import ascend_spec_classes  # noqa: E402
 from lmcache_npu.layout.slots import chunk_slots  # noqa: E402
 
@@ -134,10 +135,11 @@ def test_chunk_slots_by_hand() -> None:
     f, w = layout.groups
     # chunk 1 = tokens 32..63 = logical blocks 2 and 3 -> physical 2 and 7
     assert chunk_slots(f, 32, table, [1]).tolist() == [list(range(32, 48)) + list(range(112, 128))]
-    # the window keeps the last 8 tokens of each chunk: tokens 24..31 and 56..63
-    assert chunk_slots(w, 32, table, [0, 1]).tolist() == [list(range(152, 160)), list(range(120, 128))]
+    # a window of 8 keeps the whole last block of each chunk (vLLM frees blocks, not rows, and the CPU kernel reads
+    # them whole): tokens 16..31 and 48..63
+    assert chunk_slots(w, 32, table, [0, 1]).tolist() == [list(range(144, 160)), list(range(112, 128))]
     # block 0 is vLLM's null block (a freed sliding-window block), a missing block is not in the table
-    assert chunk_slots(w, 32, [5, 0], [0]).tolist() == [[-1] * 8]
+    assert chunk_slots(w, 32, [5, 0], [0]).tolist() == [[-1] * 16]
     assert chunk_slots(f, 32, [5], [0]).tolist() == [list(range(80, 96)) + [-1] * 16]
 
 
@@ -154,3 +156,20 @@ def test_chunk_slots_compressed_and_recurrent() -> None:
     assert chunk_slots(compressed, 128, [3, 5, 4, 1], [1]).tolist() == [list(range(64, 80)) + list(range(16, 32))]
     # the state after token 255 lives in logical block 3
     assert chunk_slots(recurrent, 128, [3, 5, 4, 1], [0, 1]).tolist() == [[5], [1]]
+
+
+@pytest.mark.parametrize("window,block,kept", [(32, 128, 128), (128, 16, 128), (129, 128, 128), (130, 128, 256),
+                                               (1024, 128, 1024), (1, 16, 16)])
+def test_a_window_keeps_the_whole_blocks_it_reaches(window: int, block: int, kept: int) -> None:
+    assert kept_window_tokens(window, block) == kept
+
+
+def test_a_chunk_ending_inside_a_block_stores_whole_chunks_of_a_window() -> None:
+    caches = {"f": kv(nb=10), "w": kv(nb=10)}
+    aligned = discover_layout(config((["f"], full()), (["w"], window(8)), num_blocks=10), caches,
+                              LayoutPolicy(chunk_tokens=32))
+    assert aligned.groups[1].stored_tokens == 16
+    caches = {"f": kv(nb=10, block=8), "w": kv(nb=10, block=32)}
+    inside = discover_layout(config((["f"], full(block=8)), (["w"], window(8, block=32)), num_blocks=10), caches,
+                             LayoutPolicy(chunk_tokens=16))  # chunk 1 ends at 32, chunk 0 inside the first block
+    assert inside.groups[1].stored_tokens == 16
