@@ -5,7 +5,7 @@ The scheduler builds one `ChunkIndex` (`factory.build_index`); every worker buil
 """
 
 from .arena import HostArena, slots_for_capacity
-from .commands import Command, Completion, Drop, Load, Promote, Put, Source, Spill, Store
+from .commands import Command, Completion, Drop, Load, Persist, Promote, Put, Source, Spill, Store
 from .config import StoreConfig, parse_bytes
 from .executor import DeviceMover, StoreExecutor
 from .factory import build_executor, build_index, disk_keys_on_every_rank
@@ -25,6 +25,7 @@ __all__ = [
     "HostArena",
     "Load",
     "LookupResult",
+    "Persist",
     "Promote",
     "Put",
     "SlotState",

@@ -72,6 +72,15 @@ class Put:
 
 
 @dataclass(frozen=True)
+class Persist:
+    """Arena `slot` → disk, in the background; the slot stays pinned (like Put) until every rank has completed."""
+
+    cmd_id: int
+    key: ChunkKey
+    slot: int
+
+
+@dataclass(frozen=True)
 class Drop:
     """Delete the chunk's copy in `tier` (disk LRU, or a copy found corrupt on some rank)."""
 
@@ -80,7 +89,7 @@ class Drop:
     tier: Source
 
 
-Command = Union[Store, Load, Spill, Promote, Put, Drop]
+Command = Union[Store, Load, Spill, Promote, Put, Persist, Drop]
 
 
 @dataclass(frozen=True)

@@ -58,6 +58,9 @@ class StoreConfig:
     disk_bytes: int = 0  # L2 capacity per rank; required with disk_path
     disk_max_pending_bytes: int = 256 << 20  # write-behind queue; a spill beyond it is dropped and counted
     disk_writer_threads: int = 2
+    # every stored or promoted-from-remote chunk is also written to disk in the background, so a restart finds it;
+    # false: the disk only receives evicted chunks
+    disk_write_through: bool = True
     mooncake: Optional[Mapping[str, Any]] = None  # L3: MooncakeConfig keys (master, metadata, ...); None: off
     put_to_remote: bool = True  # write every stored chunk through to Mooncake (how other instances find it)
     io_threads: int = 4  # per worker: promotions, puts and remote drops run on these
@@ -85,6 +88,8 @@ class StoreConfig:
                 raise ValueError(f"{key} must be an integer from 1 to 64, got {value!r}")
         if self.disk_max_pending_bytes <= 0:
             raise ValueError(f"disk_max_pending_bytes must be positive, got {self.disk_max_pending_bytes}")
+        if not isinstance(self.disk_write_through, bool):
+            raise ValueError(f"disk_write_through must be true or false, got {self.disk_write_through!r}")
         if not isinstance(self.put_to_remote, bool):
             raise ValueError(f"put_to_remote must be true or false, got {self.put_to_remote!r}")
         if self.mooncake is not None:

@@ -280,7 +280,7 @@ def scan_disk_directory(path: str | os.PathLike[str], layout_fingerprint: bytes,
 @dataclass(eq=False)
 class _PendingWrite:
     name: str
-    data: Optional[bytes]  # set to None on cancel, so the memory goes back at once
+    data: Optional[bytes | memoryview]  # a copy, or the caller's buffer (copy=False); None once cancelled
     file_bytes: int
     done: Optional[Callable[[TierResult], None]]
     cancel_reason: str = ""  # "cancelled" (deleted) or "superseded" (written again) once it must not land
@@ -349,15 +349,20 @@ class DiskTier:
 
     # ---- writes -------------------------------------------------------------------------------------------------
 
-    def write_async(self, name: str, data: Any, done: Optional[Callable[[TierResult], None]] = None) -> TierResult:
+    def write_async(self, name: str, data: Any, done: Optional[Callable[[TierResult], None]] = None,
+                    copy: bool = True) -> TierResult:
         """Copies `data` and queues it; OK when queued. `done` runs exactly once (writer thread) for queued writes
-        only: OK, "disk full", "io: ...", or "cancelled"/"superseded" when a delete or a newer write overtook it."""
+        only: OK, "disk full", "io: ...", or "cancelled"/"superseded" when a delete or a newer write overtook it.
+
+        `copy=False` queues a reference to `data` instead of a copy: the caller must keep those bytes unchanged
+        until `done` has run (no writer reads them after that). It still counts against `max_pending_bytes`,
+        which then bounds how much of the caller's memory waits on the disk."""
         _check_name(name)
         view = _byte_view(data, writable=False)
         file_bytes = HEADER_BYTES + view.nbytes
         refusal = self._refusal(file_bytes)  # unlocked pre-check, so a refused write costs no copy
         if refusal is None:
-            payload = bytes(view)
+            payload = bytes(view) if copy else view
             with self._lock:
                 refusal = self._refusal(file_bytes)
                 if refusal is None:
@@ -421,7 +426,7 @@ class DiskTier:
             if len(landed) >= _DIR_SYNC_BATCH:
                 self._report_landed(landed, dirty_dirs)
 
-    def _write_one(self, item: _PendingWrite, payload: Optional[bytes]) -> tuple[TierResult, str]:
+    def _write_one(self, item: _PendingWrite, payload: Optional[bytes | memoryview]) -> tuple[TierResult, str]:
         if payload is None:
             return TierResult.fail(item.cancel_reason), ""
         fan_dir = os.path.join(self._root, _fan_of(item.name))

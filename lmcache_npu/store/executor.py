@@ -1,8 +1,9 @@
 """The worker side of the store: runs the index's commands against this rank's arena and tiers.
 
 Commands run in the order given. Spills copy the slot into the disk tier's write-behind queue before the next
-command, so a slot evicted and reused in the same step is safe. Promotions and puts run on background threads
-(the slot is writing or pinned in the index until every rank completes). Stores and loads move bytes between the
+command, so a slot evicted and reused in the same step is safe. Persists queue the slot itself (no copy: the index
+pins it until every rank completes) for the disk tier's writer threads. Promotions and puts run on background
+threads (the slot is writing or pinned in the index until every rank completes). Stores and loads move bytes between the
 device and the arena: they go to a `DeviceMover` (the connector's transfer backend; a fake in tests). Every
 command gets exactly one `Completion`, collected by `poll()`.
 """
@@ -18,7 +19,7 @@ from typing import Callable, Optional, Protocol, Sequence, Union
 import torch
 
 from .arena import HostArena
-from .commands import Command, Completion, Drop, Load, Promote, Put, Source, Spill, Store
+from .commands import Command, Completion, Drop, Load, Persist, Promote, Put, Source, Spill, Store
 from .tier import OK, TierResult
 
 logger = logging.getLogger(__name__)
@@ -141,7 +142,9 @@ class StoreExecutor:
 
     def _run_one(self, command: Command) -> None:
         if isinstance(command, Spill):
-            self._spill(command)
+            self._write_to_disk(command, copy=True)  # the slot may be reused by the very next command
+        elif isinstance(command, Persist):  # pinned until every rank answers: writers read the slot in place, no copy
+            self._write_to_disk(command, copy=False)
         elif isinstance(command, Drop):
             self._drop(command)
         elif isinstance(command, Promote):  # from disk; remote promotions are batched
@@ -158,13 +161,15 @@ class StoreExecutor:
             result = TierResult.fail(f"error: {exc}")
         self._report(cmd_id, result)
 
-    def _spill(self, command: Spill) -> None:
+    def _write_to_disk(self, command: Union[Spill, Persist], copy: bool) -> None:
+        """Queues the slot for the disk tier's writer threads (the write, checksum and fsync never run here, on the
+        model's thread); `done` answers the command, or the refusal does at once."""
         if self.disk is None:
             self._report(command.cmd_id, TierResult.fail("no disk tier"))
             return
         name = command.key.storage_name(self.rank)
         queued = self.disk.write_async(name, self.arena.slot_view(command.slot),
-                                       lambda result: self._report(command.cmd_id, result))
+                                       lambda result: self._report(command.cmd_id, result), copy=copy)
         if not queued.ok:
             self._report(command.cmd_id, queued)
 

@@ -68,7 +68,8 @@ def build_index(config: StoreConfig, object_bytes: int, num_ranks: int, namespac
         remote_exists = remote_exists_for(remote_client, num_ranks)
     slots = slots_for_capacity(config.cpu_bytes, object_bytes)
     index = ChunkIndex(slots if num_slots is None else min(slots, num_slots), num_ranks, disk_chunks=disk_chunks,
-                       remote_exists=remote_exists, put_to_remote=config.put_to_remote)
+                       remote_exists=remote_exists, put_to_remote=config.put_to_remote,
+                       disk_write_through=config.disk_write_through)
     if config.disk_path is not None:
         complete, partial = disk_keys_on_every_rank(config.disk_path, layout_fingerprint, namespace, num_ranks)
         adopted = index.adopt_disk(complete)

@@ -2,12 +2,13 @@
 
 Only this object changes slot states. It answers lookups from its own tables (no RPC to workers), allocates arena
 slots for stores, keeps an LRU over ready slots with pins for in-flight work, spills what it evicts to disk when a
-disk tier exists, promotes disk/remote chunks into the arena before a load, and emits every byte move as a command
-(`commands.py`) for all ranks. A command's effect becomes visible here only once every rank has completed it.
+disk tier exists (with write-through, stored chunks are written to disk at once, so they survive a restart), promotes
+disk/remote chunks into the arena before a load, and emits every byte move as a command (`commands.py`) for all
+ranks. A command's effect becomes visible here only once every rank has completed it.
 
 Slot life: free → writing (a store or a promotion in flight) → ready (in the LRU) → reading (pinned by in-flight
-loads or puts) → ready. A slot that is writing, pinned or reserved by a request between its lookup and its load
-is never evicted or reused.
+loads, puts or persists) → ready. A slot that is writing, pinned or reserved by a request between its lookup and its
+load is never evicted or reused.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Callable, Iterable, Optional, Sequence
 
-from .commands import Command, Completion, Drop, Load, Promote, Put, Source, Spill, Store
+from .commands import Command, Completion, Drop, Load, Persist, Promote, Put, Source, Spill, Store
 from .disk import HEADER_BYTES
 from .keys import ChunkKey
 from .tier import TierCounters
@@ -35,7 +36,7 @@ class SlotState(str, Enum):
     FREE = "free"
     WRITING = "writing"
     READY = "ready"
-    READING = "reading"  # ready and pinned by in-flight loads or puts (reported by `location`, never stored)
+    READING = "reading"  # ready and pinned by in-flight loads, puts, persists (reported by `location`, never stored)
 
 
 class DiskState(str, Enum):
@@ -49,11 +50,11 @@ class _Entry:
     key: ChunkKey
     slot: Optional[int] = None
     slot_state: SlotState = SlotState.FREE
-    readers: int = 0  # in-flight loads and puts reading the slot
+    readers: int = 0  # in-flight loads, puts and persists reading the slot
     reservations: set[str] = field(default_factory=set)  # requests between lookup and load
     disk: DiskState = DiskState.NONE
     disk_readers: int = 0  # in-flight promotions reading the file
-    disk_cmd: int = 0  # the spill that is writing the current disk copy
+    disk_cmd: int = 0  # the spill or persist that is writing the current disk copy
     remote_put: bool = False  # a put of this chunk is in flight or done
 
     @property
@@ -89,10 +90,13 @@ class LookupResult:
 
 class ChunkIndex:
     """One per scheduler; capacities are in chunks (`slots_for_capacity` and `disk_chunks_for_capacity` convert
-    the configured bytes). `remote_exists` answers batch existence in the remote store (None: no remote tier)."""
+    the configured bytes). `remote_exists` answers batch existence in the remote store (None: no remote tier).
+    `disk_write_through`: every chunk stored or promoted from the remote store is also written to disk (`Persist`),
+    so a restart finds it; off, the disk only receives evicted chunks."""
 
     def __init__(self, num_slots: int, num_ranks: int = 1, disk_chunks: int = 0,
-                 remote_exists: Optional[RemoteExists] = None, put_to_remote: bool = True) -> None:
+                 remote_exists: Optional[RemoteExists] = None, put_to_remote: bool = True,
+                 disk_write_through: bool = False) -> None:
         if num_slots < 1 or num_ranks < 1 or disk_chunks < 0:
             raise ValueError(f"index needs num_slots >= 1, num_ranks >= 1, disk_chunks >= 0 "
                              f"(got {num_slots}, {num_ranks}, {disk_chunks})")
@@ -102,6 +106,8 @@ class ChunkIndex:
         self._remote_exists = remote_exists
         self._remote_failed: dict[ChunkKey, float] = {}  # key -> until when a failed remote promotion makes it a miss
         self._put_to_remote = put_to_remote and remote_exists is not None
+        self._write_through = disk_write_through and disk_chunks > 0
+        self._to_persist: list[tuple[ChunkKey, int]] = []  # (key, slot) written to the arena by this batch of answers
         self._entries: dict[ChunkKey, _Entry] = {}
         self._slot_owner: list[Optional[ChunkKey]] = [None] * num_slots
         self._free_slots: list[int] = list(range(num_slots - 1, -1, -1))
@@ -264,6 +270,7 @@ class ChunkIndex:
             if not pending.waiting:
                 del self._pending[done.cmd_id]
                 self._finish(pending.command, pending.failures)
+        self._persist_written()
 
     # ---- introspection ------------------------------------------------------------------------------------------
 
@@ -437,9 +444,13 @@ class ChunkIndex:
                 entry.remote_put = True
                 entry.readers += 1
                 self._emit(Put(self._new_id(), entry.key, command.slot))
+            if ok and self._write_through:
+                self._to_persist.append((entry.key, command.slot))
         elif isinstance(command, Promote):
             if command.source is Source.REMOTE and not ok:
                 self._remote_failed[command.key] = time.monotonic() + REMOTE_MISS_AFTER_FAILURE_S
+            if command.source is Source.REMOTE and ok and self._write_through:
+                self._to_persist.append((entry.key, command.slot))
             if command.source is Source.DISK:
                 entry.disk_readers -= 1
                 if not ok and entry.disk is DiskState.PRESENT:
@@ -449,13 +460,33 @@ class ChunkIndex:
             entry.readers -= 1
             if isinstance(command, Put) and not ok:
                 entry.remote_put = False  # no delete: another instance may hold a good copy under the same name
-        elif isinstance(command, Spill):
+        elif isinstance(command, (Spill, Persist)):
+            if isinstance(command, Persist):
+                entry.readers -= 1
             if entry.disk is DiskState.WRITING and entry.disk_cmd == command.cmd_id:
                 if ok:
                     entry.disk = DiskState.PRESENT
                 else:
                     self._drop_disk(entry)
         self._forget_if_empty(entry)
+
+    def _persist_written(self) -> None:
+        """Write-through of the chunks this batch of answers made ready: Persists follow the batch's Puts, so the
+        executor still sends consecutive puts as one remote batch."""
+        written, self._to_persist = self._to_persist, []
+        for key, slot in written:
+            entry = self._entries.get(key)
+            if (entry is None or entry.slot != slot or entry.slot_state is not SlotState.READY
+                    or entry.disk is not DiskState.NONE):
+                continue  # gone, moved, or a disk copy exists or is being written already
+            if not self._make_disk_room():
+                self.counters.add("persist_no_room")
+                continue
+            entry.disk = DiskState.WRITING
+            self._disk_lru[key] = None
+            entry.readers += 1  # the slot must not be evicted or reused while ranks read it
+            entry.disk_cmd = self._emit(Persist(self._new_id(), key, slot)).cmd_id
+            self.counters.add("persists")
 
     def _finish_write(self, entry: _Entry, slot: int, ok: bool) -> None:
         if entry.slot != slot or entry.slot_state is not SlotState.WRITING:

@@ -83,8 +83,25 @@ def test_the_stores_own_counters_reach_vllm_as_growth_since_the_last_report(make
     data = engine.stats.data
     index = engine.connector.scheduler_half.index.counters
     disk = engine.workers[0].worker_half.executor.disk.counters
-    assert data["evictions"] == index["evictions"] >= 2 and data["spills"] == index["spills"] >= 2
+    # write-through put all four chunks on disk as they were stored: evicting a's needs no spill
+    assert data["evictions"] == index["evictions"] >= 2 and "spills" not in data and index["spills"] == 0
+    assert data["disk_persists"] == index["persists"] == 4
     assert data["promotions_disk"] == index["promotions_disk"] == 2 and data["hit_chunks_disk"] == 2
     assert data["disk_writes"] == disk["writes"] >= 2 and data["disk_reads"] == disk["reads"] >= 2
     assert data["disk_read_bytes"] == disk["read_bytes"] > 0
     assert set(data) <= set(METRICS)  # every exported name has a Prometheus counter
+
+
+def test_a_second_engine_in_one_process_replaces_the_first_ones_counters():
+    from prometheus_client import REGISTRY
+
+    from lmcache_npu.integration.vllm.stats import _unregister_previous_counters
+
+    types = {Counter: Counter, Gauge: Gauge, Histogram: Histogram}
+    first = LMCacheNPUConnector.build_prom_metrics(_config(), types, ["engine"], {0: ["0"]})
+    first.observe({"hit_tokens": 7})
+    second = LMCacheNPUConnector.build_prom_metrics(_config(), types, ["engine"], {0: ["0"]})
+    second.observe({"hit_tokens": 5})
+    assert REGISTRY.get_sample_value("lmcache_npu:hit_tokens_total", {"engine": "0"}) == 5
+    _unregister_previous_counters()
+    assert REGISTRY.get_sample_value("lmcache_npu:hit_tokens_total", {"engine": "0"}) is None

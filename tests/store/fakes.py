@@ -97,7 +97,7 @@ class Cluster:
     completions back)."""
 
     def __init__(self, num_slots: int, object_bytes: int, num_ranks: int = 2, disks: Optional[list] = None,
-                 disk_chunks: int = 0, remote: Optional[MemoryRemote] = None) -> None:
+                 disk_chunks: int = 0, remote: Optional[MemoryRemote] = None, disk_write_through: bool = False) -> None:
         self.remote = remote
         self.devices = [PatternDevice(rank) for rank in range(num_ranks)]
         self.executors = [
@@ -106,7 +106,8 @@ class Cluster:
             for rank in range(num_ranks)
         ]
         remote_exists = None if remote is None else remote_exists_for(remote, num_ranks)
-        self.index = ChunkIndex(num_slots, num_ranks, disk_chunks=disk_chunks, remote_exists=remote_exists)
+        self.index = ChunkIndex(num_slots, num_ranks, disk_chunks=disk_chunks, remote_exists=remote_exists,
+                                disk_write_through=disk_write_through)
         self.issued: list[Command] = []
         self.stored: set[ChunkKey] = set()  # chunks whose store completed on every rank
 

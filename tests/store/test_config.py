@@ -2,6 +2,7 @@
 
 import pytest
 
+from lmcache_npu.config import load_config
 from lmcache_npu.store.config import StoreConfig, parse_bytes
 
 
@@ -41,8 +42,27 @@ def test_unknown_keys_are_listed_with_the_valid_ones():
     ({"io_threads": 0}, "io_threads must be an integer from 1 to 64"),
     ({"disk_writer_threads": 100}, "disk_writer_threads must be an integer from 1 to 64"),
     ({"put_to_remote": 1}, "put_to_remote must be true or false"),
+    ({"disk_write_through": "no"}, "disk_write_through must be true or false, got 'no'"),
     ({"mooncake": "10.0.0.5:50051"}, "mooncake must be an object of Mooncake settings"),
 ])
 def test_each_rule_names_its_key(values, message):
     with pytest.raises(ValueError, match=message):
         StoreConfig.from_dict(values)
+
+
+def test_disk_write_through_is_on_by_default():
+    assert StoreConfig().disk_write_through is True
+    assert StoreConfig.from_dict({"disk_write_through": False}).disk_write_through is False
+
+
+@pytest.mark.parametrize("text,value", [("false", False), ("0", False), ("true", True), ("on", True)])
+def test_the_environment_turns_write_through_off_and_on(text, value):
+    environ = {"LMCACHE_NPU_DISK_WRITE_THROUGH": text}
+    assert load_config({}, environ=environ).store.disk_write_through is value
+    assert load_config({"disk_write_through": not value}, environ={}).store.disk_write_through is (not value)
+    assert load_config({"disk_write_through": not value}, environ=environ).store.disk_write_through is value
+
+
+def test_a_bad_environment_value_names_the_variable():
+    with pytest.raises(ValueError, match="LMCACHE_NPU_DISK_WRITE_THROUGH: expected true or false, got 'maybe'"):
+        load_config({}, environ={"LMCACHE_NPU_DISK_WRITE_THROUGH": "maybe"})

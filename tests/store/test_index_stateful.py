@@ -1,6 +1,7 @@
 """Random interleavings of store / lookup / load / release / worker steps / disk corruption / remote outages,
 driving one index and two real executors (real arena, real disk tier, in-memory remote) against a simple model:
-what was stored. Evictions, spills, disk drops and promotions happen because the arena and disk are small.
+what was stored. Evictions, spills, disk drops and promotions happen because the arena and disk are small. Each run
+draws whether stored chunks are also written through to disk (`disk_write_through`).
 
 Checked after every rule: the index's own invariants; every load's bytes on every rank (a wrong byte is a
 mismatch); a lookup's ready prefix holds only chunks whose store completed; and, in the lossless machine (disk
@@ -11,10 +12,10 @@ import tempfile
 
 import hypothesis.strategies as st
 from hypothesis import settings
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from lmcache_npu.store.disk import DiskTier
-from lmcache_npu.store.index import SlotState
+from lmcache_npu.store.index import DiskState, SlotState
 
 from .fakes import Cluster, MemoryRemote, make_key
 
@@ -31,16 +32,23 @@ class IndexMachine(RuleBasedStateMachine):
         self.root = tempfile.mkdtemp(prefix="lmcache-npu-index-")
         self.disks = [DiskTier(self.root, b"F" * 16) for _ in range(2)]
         self.remote = None if self.lossless else MemoryRemote()
-        disk_chunks = len(KEYS) if self.lossless else 1
-        self.cluster = Cluster(num_slots=3 if self.lossless else 4, object_bytes=OBJECT_BYTES, disks=self.disks,
-                               disk_chunks=disk_chunks, remote=self.remote)
-        self.index = self.cluster.index
-        self.stored = self.cluster.stored  # chunks whose store completed on every rank
+        self.cluster = None
+        self.write_through = False
         self.corrupted: set = set()  # chunks whose disk file we damaged: they may be lost, never loaded wrong
         self.lookups: dict[str, list] = {}
 
+    @initialize(write_through=st.booleans())
+    def start(self, write_through):
+        self.write_through = write_through
+        disk_chunks = len(KEYS) if self.lossless else 1
+        self.cluster = Cluster(num_slots=3 if self.lossless else 4, object_bytes=OBJECT_BYTES, disks=self.disks,
+                               disk_chunks=disk_chunks, remote=self.remote, disk_write_through=write_through)
+        self.index = self.cluster.index
+        self.stored = self.cluster.stored  # chunks whose store completed on every rank
+
     def teardown(self) -> None:
-        self.cluster.close()
+        if self.cluster is not None:
+            self.cluster.close()
         for disk in self.disks:
             disk.close()
         shutil.rmtree(self.root, ignore_errors=True)
@@ -102,6 +110,14 @@ class IndexMachine(RuleBasedStateMachine):
     @invariant()
     def bytes_are_never_wrong(self):
         assert not self.cluster.mismatches
+
+    @precondition(lambda self: self.lossless and self.write_through)
+    @invariant()
+    def every_stored_chunk_is_on_disk_once_quiet(self):
+        if self.index.in_flight or self.index._outbox:
+            return
+        for key in sorted(self.stored - self.corrupted):
+            assert self.index.location(key)[2] is DiskState.PRESENT, f"{key.chunk_hash.hex()[:12]} not written through"
 
     @precondition(lambda self: self.lossless)
     @invariant()

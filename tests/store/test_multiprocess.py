@@ -1,8 +1,11 @@
 """One scheduler-side index, one worker process per rank: commands travel pickled (as they will in the
 connector metadata), completions come back, every load is checked byte for byte in the worker that made it.
-A second run over the same disk directory finds what the first spilled."""
+A second run over the same disk directory finds what the first spilled, and with write-through what its arenas
+held too."""
 
 import multiprocessing as mp
+
+import pytest
 
 from lmcache_npu.store.config import StoreConfig
 from lmcache_npu.store.factory import build_index
@@ -56,17 +59,20 @@ class Workers:
             assert proc.exitcode == 0
 
 
-def test_index_drives_worker_processes_and_a_restart_keeps_the_disk_cache(tmp_path):
-    config = {"cpu_bytes": 4 * 20480, "pinned": False, "disk_path": str(tmp_path / "kv"), "disk_bytes": "1MiB"}
+@pytest.mark.parametrize("write_through", [True, False])
+def test_index_drives_worker_processes_and_a_restart_keeps_the_disk_cache(tmp_path, write_through):
+    config = {"cpu_bytes": 4 * 20480, "pinned": False, "disk_path": str(tmp_path / "kv"), "disk_bytes": "1MiB",
+              "disk_write_through": write_through}
     index = build_index(StoreConfig.from_dict(config), OBJECT_BYTES, RANKS, NAMESPACE, FINGERPRINT)
     assert index.num_slots == 4
     keys = [make_key(i, NAMESPACE) for i in range(12)]
     workers = Workers(config)
     try:
-        for start in range(0, 12, 3):  # 12 chunks through 4 slots: 8 are spilled to disk on the way
+        for start in range(0, 12, 3):  # 12 chunks through 4 slots: 8 are evicted on the way
             index.allocate_store("writer", list(enumerate(keys[start:start + 3], start)))
             workers.settle(index)
-        assert sum(index.location(k)[2] is DiskState.PRESENT for k in keys) == 8
+        # with write-through every chunk is on disk, evicted or not; without, the 8 spilled ones
+        assert sum(index.location(k)[2] is DiskState.PRESENT for k in keys) == (12 if write_through else 8)
         for start in (0, 4, 8):  # read everything back through promotions, four chunks at a time
             result = index.lookup("reader", keys[start:start + 4])
             assert result.hit_chunks == 4
@@ -81,7 +87,10 @@ def test_index_drives_worker_processes_and_a_restart_keeps_the_disk_cache(tmp_pa
 
     restarted = build_index(StoreConfig.from_dict(config), OBJECT_BYTES, RANKS, NAMESPACE, FINGERPRINT)
     on_disk = [k for k in keys if restarted.location(k)[2] is DiskState.PRESENT]
-    assert len(on_disk) >= 8  # every chunk spilled before the stop (the last four stayed in the old arenas)
+    if write_through:
+        assert len(on_disk) == 12  # the four never evicted too
+    else:
+        assert len(on_disk) >= 8  # every chunk spilled before the stop (the last four stayed in the old arenas)
     other_model = build_index(StoreConfig.from_dict(config), OBJECT_BYTES, RANKS, "cd" * 16, FINGERPRINT)
     assert all(other_model.location(k)[2] is DiskState.NONE for k in keys)
     workers = Workers(config)

@@ -42,6 +42,9 @@ INDEX_METRICS: dict[str, tuple[str, str]] = {
     "evicted_lost": ("evicted_lost", "evicted chunks no lower tier holds: gone from this instance"),
     "spills": ("spills", "host-arena chunks written to the disk tier"),
     "spill_failures": ("spill_failed", "spills that failed on some rank"),
+    "disk_persists": ("persists", "chunks written through to the disk tier"),
+    "persist_failures": ("persist_failed", "write-throughs that failed on some rank"),
+    "persist_no_room": ("persist_no_room", "write-throughs skipped: every disk chunk was being read or written"),
     "disk_evictions": ("disk_evictions", "chunks dropped from the disk tier to make room"),
     "store_no_slot": ("store_no_slot", "chunks not stored because every arena slot was pinned or reserved"),
     "promotions_disk": ("promotions_disk", "chunks promoted from the disk tier into the host arena"),
@@ -138,6 +141,7 @@ class LMCacheNPUPromMetrics(KVConnectorPromMetrics):
     def __init__(self, vllm_config: Any, metric_types: Any, labelnames: list[str],
                  per_engine_labelvalues: dict[int, list[object]]) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        _unregister_previous_counters()
         self._counters = {name: self._counter_cls(name=f"lmcache_npu:{name}", documentation=text,
                                                   labelnames=labelnames)
                           for name, text in METRICS.items()}
@@ -152,3 +156,13 @@ class LMCacheNPUPromMetrics(KVConnectorPromMetrics):
                 bound = self._bound[(engine_idx, name)] = self._counters[name].labels(
                     *self.per_engine_labelvalues[engine_idx])
             bound.inc(value)
+
+
+def _unregister_previous_counters() -> None:
+    """A new engine in the same process (tests, a restarted LLM) replaces the last one's counters, as vLLM does for
+    its own: the default registry refuses a second collector of the same name."""
+    from prometheus_client import REGISTRY
+
+    for collector in list(REGISTRY._collector_to_names):
+        if str(getattr(collector, "_name", "")).startswith("lmcache_npu:"):
+            REGISTRY.unregister(collector)
