@@ -1,5 +1,4 @@
-"""`lmcache-npu`: the command line (bench, inspect, store-bench, bench-scheduler; replay and doctor join it as they
-land)."""
+"""`lmcache-npu`: the command line (replay, bench, inspect, store-bench, bench-scheduler)."""
 
 from __future__ import annotations
 
@@ -151,12 +150,145 @@ def _bench_scheduler(args: argparse.Namespace) -> int:
     return 0
 
 
+def _replay_workload(args: argparse.Namespace, vocab: int) -> tuple[list, str]:
+    from .replay.workload import load_trace, multi_turn_chat, prefix_repetition
+
+    if args.trace is not None:
+        return load_trace(args.trace, vocab, args.seed), f"trace {args.trace}"
+    if args.workload == "chat":
+        conversations = multi_turn_chat(args.conversations, args.turns, args.system_tokens, args.user_tokens,
+                                        args.output_tokens, vocab, args.seed)
+        return conversations, (f"{args.conversations} conversations x {args.turns} turns after a "
+                               f"{args.system_tokens}-token system prompt")
+    prefixes = args.prefix_repetition_num_prefixes
+    if args.num_prompts < prefixes:
+        raise ValueError(f"--num-prompts ({args.num_prompts}) must be at least --prefix-repetition-num-prefixes "
+                         f"({prefixes})")
+    conversations = prefix_repetition(prefixes, args.num_prompts // prefixes, args.prefix_repetition_prefix_len,
+                                      args.prefix_repetition_suffix_len, args.prefix_repetition_output_len, vocab,
+                                      args.seed)
+    return conversations, (f"prefix_repetition: {len(conversations)} prompts over {prefixes} prefixes of "
+                           f"{args.prefix_repetition_prefix_len} tokens")
+
+
+def _replay_plugin_config(args: argparse.Namespace, disk_dir: Optional[str]) -> dict[str, object]:
+    from .config import read_config_file
+
+    config: dict[str, object] = read_config_file(str(args.config)) if args.config else {}
+    config.update({k: v for k, v in (("backend", args.backend), ("chunk_tokens", args.chunk_tokens),
+                                     ("cpu_bytes", args.cpu_bytes)) if v is not None})
+    if disk_dir is not None:
+        config.update(disk_path=disk_dir, disk_bytes=args.disk_bytes)
+    return config
+
+
+def _replay(args: argparse.Namespace) -> int:
+    import os
+    import tempfile
+
+    _quiet_vllm()
+    os.environ.setdefault("PYTHONHASHSEED", "0")  # chunk keys that survive in the disk tier (vLLM reads it)
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from .replay.engine import EngineSettings, engine_available
+    from .replay.models import VOCAB, make_model, recipe_from_config_file, resolve_recipe
+    from .replay.replay import render_report, run_replay
+
+    missing = engine_available()
+    if missing:
+        raise ValueError(f"replay needs a real vLLM engine: {missing}")
+    console = Console(width=None if sys.stdout.isatty() else 200)
+    conversations, workload = _replay_workload(args, VOCAB)
+    longest = max(len(c.system) + sum(len(t.user) + t.output_tokens for t in c.turns) for c in conversations)
+    if args.model_config is not None:
+        recipe = recipe_from_config_file(args.model_config)
+        model_dir, label = str(make_model(recipe, progress=console.log)), f"{args.model_config}"
+    elif os.path.isdir(args.model):
+        recipe, model_dir, label = None, args.model, args.model
+    else:
+        recipe = resolve_recipe(args.model)
+        model_dir, label = str(make_model(recipe, progress=console.log)), f"{recipe.name} ({recipe.exercises})"
+    overrides: dict[str, object] = {"kv_cache_memory_bytes": _bytes("--kv-cache-memory", args.kv_cache_memory),
+                                    "max_num_seqs": args.max_num_seqs, "max_model_len": -(-longest // 256) * 256,
+                                    "seed": args.seed}
+    if args.vllm_prefix_cache:
+        overrides["prefix_caching"] = True
+    if args.dtype is not None:
+        overrides["dtype"] = args.dtype
+    settings = (EngineSettings.for_recipe(recipe, model_dir, **overrides) if recipe is not None
+                else EngineSettings(model_dir=model_dir, **overrides))  # type: ignore[arg-type]
+    total = 2 * sum(len(c.turns) for c in conversations)
+    with tempfile.TemporaryDirectory(prefix="lmcache-npu-replay-") as scratch:
+        disk_dir = None if args.no_disk else (str(args.disk_path) if args.disk_path else scratch)
+        plugin_config = _replay_plugin_config(args, disk_dir)
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      console=Console(stderr=True), transient=not sys.stderr.isatty()) as progress:
+            task = progress.add_task("requests", total=total)
+
+            def on_turn(run: str, turn) -> None:
+                progress.update(task, advance=len(turn.completions),
+                                description=f"{run} the plugin: turn {turn.turn + 1} done")
+
+            report = run_replay(label, conversations, workload, settings, plugin_config, on_turn=on_turn,
+                                on_phase=lambda text: progress.update(task, description=text))
+    for item in render_report(report):
+        console.print(item)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report.to_json(), indent=2))
+    return 0 if report.all_identical else 1
+
+
+def _bytes(option: str, value: str) -> int:
+    from .store.config import parse_bytes
+
+    return parse_bytes(option, value)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .layout.presets import DEVICE_FAMILIES, preset_names
 
     parser = argparse.ArgumentParser(prog="lmcache-npu", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = parser.add_subparsers(dest="command", required=True)
+    replay = sub.add_parser("replay", help="a multi-turn workload on a real vLLM engine without the plugin, then "
+                            "with it: tokens loaded, prefill and TTFT per turn, identical tokens")
+    replay.add_argument("--model", default="gemma3-demo",
+                        help="a model recipe made on this machine (gemma3-demo, llama, gemma3, gpt-oss, qwen3-next, "
+                             "deepseek-mla) or a model directory (default gemma3-demo)")
+    replay.add_argument("--model-config", type=Path, help="a Hugging Face config.json: a model of that "
+                        "architecture with random weights is made and served")
+    replay.add_argument("--dtype", help="the engine's dtype (default: the recipe's, or the model's)")
+    replay.add_argument("--workload", choices=["chat", "prefix-repetition"], default="chat")
+    replay.add_argument("--trace", type=Path, help="JSONL conversations, one per line: {\"system\": S, \"turns\": "
+                        "[{\"user\": U, \"output\": N}, ...]} (S, U: token ids or lengths); replaces --workload")
+    replay.add_argument("--conversations", type=int, default=16)
+    replay.add_argument("--turns", type=int, default=4)
+    replay.add_argument("--system-tokens", type=int, default=512, help="the system prompt all conversations share")
+    replay.add_argument("--user-tokens", type=int, default=128, help="each turn's new user message")
+    replay.add_argument("--output-tokens", type=int, default=32, help="tokens generated per turn")
+    replay.add_argument("--num-prompts", type=int, default=32, help="prefix-repetition: prompts in all")
+    replay.add_argument("--prefix-repetition-num-prefixes", type=int, default=4)
+    replay.add_argument("--prefix-repetition-prefix-len", type=int, default=1024)
+    replay.add_argument("--prefix-repetition-suffix-len", type=int, default=128)
+    replay.add_argument("--prefix-repetition-output-len", type=int, default=32)
+    replay.add_argument("--backend", choices=list(BACKEND_NAMES), help="the plugin's transfer backend "
+                        "(default auto: the kernel source under the emulator on a host-only machine)")
+    replay.add_argument("--chunk-tokens", type=int, help="tokens per stored chunk (default: the plugin's choice)")
+    replay.add_argument("--cpu-bytes", help="the plugin's host arena (default 8GiB)")
+    replay.add_argument("--disk-path", type=Path, help="the plugin's disk tier (default: a temporary directory)")
+    replay.add_argument("--disk-bytes", default="4GiB", help="the disk tier's capacity (default 4GiB)")
+    replay.add_argument("--no-disk", action="store_true", help="host arena only")
+    replay.add_argument("--config", type=Path, help="a YAML file of more plugin config keys (e.g. mooncake); "
+                        "the options above override it")
+    replay.add_argument("--kv-cache-memory", default="256MiB", help="vLLM's KV cache (default 256MiB)")
+    replay.add_argument("--max-num-seqs", type=int, default=16)
+    replay.add_argument("--vllm-prefix-cache", action="store_true", help="vLLM's own prefix cache on in both "
+                        "runs (default off: every hit is the plugin's)")
+    replay.add_argument("--seed", type=int, default=0)
+    replay.add_argument("--json", type=Path, help="write the report as JSON")
+    replay.set_defaults(func=_replay)
+
     bench = sub.add_parser("bench", help="store and load N chunks of a model's KV geometry and report bandwidth")
     bench.add_argument("--backend", choices=BACKEND_NAMES, default="auto")
     source = bench.add_mutually_exclusive_group()

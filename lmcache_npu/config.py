@@ -169,7 +169,8 @@ def _env_values(environ: Mapping[str, str]) -> dict[str, tuple[Any, str]]:
     return out
 
 
-def _yaml_values(path: str) -> dict[str, Any]:
+def read_config_file(path: str) -> dict[str, Any]:
+    """A YAML (or JSON) file of config keys, as a mapping; the keys are checked when merged."""
     try:
         import yaml
     except ImportError as exc:  # pragma: no cover - pyyaml is a dependency
@@ -202,7 +203,7 @@ def load_config(extra_config: Optional[Mapping[str, Any]] = None,
     if path is not None:
         if not isinstance(path, str) or not path:
             raise ValueError(f"config_file must be a path to a YAML file, got {path!r}")
-        merged.update({k: (v, f"file {path}") for k, v in _yaml_values(path).items()})
+        merged.update({k: (v, f"file {path}") for k, v in read_config_file(path).items()})
     merged.update(_env_values(env))
     config = ConnectorConfig.from_dict({k: v for k, (v, _) in merged.items()})
     for key in sorted(merged):

@@ -14,7 +14,7 @@ import logging
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -33,10 +33,14 @@ class Recipe:
     arguments: dict[str, Any]
     exercises: str
     dtype: str = "float32"
+    engine_settings: dict[str, Any] = field(default_factory=dict)  # what vLLM's CPU backend needs to serve it
 
     def config(self) -> Any:
         import transformers
 
+        if self.config_class == "AutoConfig":  # a config file's own keys, model_type among them
+            arguments = dict(self.arguments)
+            return transformers.AutoConfig.for_model(arguments.pop("model_type"), **arguments)
         return getattr(transformers, self.config_class)(**self.arguments)
 
     def fingerprint(self, seed: int) -> str:
@@ -56,6 +60,13 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (
            _attention(4, layer_types=["sliding_attention"] * 3 + ["full_attention"], sliding_window=32,
                       query_pre_attn_scalar=64),
            "sliding-window (32 tokens: less than a block and a chunk) and full layers: two KV-cache groups"),
+    Recipe("gemma3-demo", "Gemma3TextConfig",
+           {"vocab_size": VOCAB, "hidden_size": 512, "intermediate_size": 2048, "num_hidden_layers": 6,
+            "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64, "max_position_embeddings": 8192,
+            "layer_types": ["sliding_attention"] * 5 + ["full_attention"], "sliding_window": 256,
+            "query_pre_attn_scalar": 64},
+           "the replay's model: Gemma-3's five sliding-window (256) layers per full one, large enough that a "
+           "prefill costs more than loading its KV"),
     Recipe("gpt-oss", "GptOssConfig",
            _attention(4, num_local_experts=4, num_experts_per_tok=2, sliding_window=64,
                       layer_types=["sliding_attention", "full_attention"] * 2),
@@ -71,11 +82,15 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (
     Recipe("qwen3-next", "Qwen3NextConfig",
            {"vocab_size": VOCAB, "hidden_size": HIDDEN, "intermediate_size": 512, "num_hidden_layers": 4,
             "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "linear_num_key_heads": 2,
-            "linear_num_value_heads": 4, "linear_key_head_dim": 32, "linear_value_head_dim": 32,
+            "linear_num_value_heads": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
             "linear_conv_kernel_dim": 4, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 128,
             "shared_expert_intermediate_size": 128, "full_attention_interval": 4,
             "max_position_embeddings": 4096},
-           "Gated DeltaNet (conv + recurrent state per block) beside full attention: a mamba hybrid"),
+           "Gated DeltaNet (conv + recurrent state per block) beside full attention: a mamba hybrid",
+           dtype="bfloat16",  # vLLM's CPU GDN kernels take bf16 activations, and fp32 states without AMX
+           # `align` keeps a state at every block boundary, and vLLM turns it off without its own prefix cache
+           engine_settings={"prefix_caching": True,
+                            "engine_args": {"mamba_cache_mode": "align", "mamba_ssm_cache_dtype": "float32"}}),
 )}
 
 
@@ -85,12 +100,32 @@ def default_cache_dir() -> Path:
     return Path(root)
 
 
-def make_model(name: str, cache_dir: Optional[Path] = None, seed: int = 0,
-               progress: Optional[Callable[[str], None]] = None) -> Path:
-    """The directory of recipe `name` (config.json + safetensors), made on first use."""
+def recipe_from_config_file(path: str | os.PathLike[str]) -> Recipe:
+    """A Hugging Face config.json (any architecture vLLM serves) as a recipe: its weights are made here."""
+    try:
+        arguments = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"model config {path}: cannot read it as JSON: {exc}") from exc
+    if not isinstance(arguments, dict) or not isinstance(arguments.get("model_type"), str):
+        raise ValueError(f"model config {path}: needs a \"model_type\" (a Hugging Face config.json)")
+    dtype = str(arguments.get("torch_dtype") or arguments.get("dtype") or "float32")
+    arguments = {k: v for k, v in arguments.items() if k not in ("architectures", "torch_dtype", "dtype")}
+    return Recipe(Path(path).stem, "AutoConfig", arguments, f"the model of {path}", dtype=dtype)
+
+
+def resolve_recipe(name: str | Recipe) -> Recipe:
+    if isinstance(name, Recipe):
+        return name
     if name not in RECIPES:
         raise ValueError(f"unknown model recipe {name!r}; choose one of {', '.join(RECIPES)}")
-    recipe = RECIPES[name]
+    return RECIPES[name]
+
+
+def make_model(name: str | Recipe, cache_dir: Optional[Path] = None, seed: int = 0,
+               progress: Optional[Callable[[str], None]] = None) -> Path:
+    """The directory of recipe `name` (config.json + safetensors), made on first use."""
+    recipe = resolve_recipe(name)
+    name = recipe.name
     target = (cache_dir or default_cache_dir()) / f"{name}-{recipe.fingerprint(seed)}"
     if (target / "config.json").exists():
         return target

@@ -112,12 +112,16 @@ class StoreExecutor:
             self._done.clear()
         return done
 
+    def wait_idle(self, timeout: Optional[float] = None) -> bool:
+        """Whether every submitted command completed within `timeout` (completions stay for `poll`)."""
+        with self._idle:
+            return self._idle.wait_for(lambda: self._outstanding == 0, timeout)
+
     def drain(self, timeout: Optional[float] = None) -> list[Completion]:
         """Waits until every submitted command completed, then polls. Raises TimeoutError naming what is left."""
-        with self._idle:
-            if not self._idle.wait_for(lambda: self._outstanding == 0, timeout):
-                raise TimeoutError(f"rank {self.rank}: {self._outstanding} store commands still running "
-                                   f"after {timeout} s")
+        if not self.wait_idle(timeout):
+            raise TimeoutError(f"rank {self.rank}: {self._outstanding} store commands still running "
+                               f"after {timeout} s")
         return self.poll()
 
     def close(self) -> None:

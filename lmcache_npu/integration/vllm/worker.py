@@ -78,6 +78,7 @@ class WorkerHalf:
         self.counters = TierCounters()
         self.tier_counters = CounterDeltas()  # the disk and Mooncake tiers' own counters, once the executor exists
         self.layout: Optional[KVLayout] = None
+        self.kv_caches: Mapping[str, Any] = {}  # what vLLM registered (the tensors the plan's planes view)
         self.mover: Optional[KVMover] = None
         self.executor: Optional[StoreExecutor] = None
         self.geometry: Optional[WorkerGeometry] = None
@@ -101,6 +102,7 @@ class WorkerHalf:
     def register_kv_caches(self, kv_caches: Mapping[str, Any]) -> None:
         policy = LayoutPolicy(chunk_tokens=self.chunk_tokens(), skip_spec_kinds=self.config.skip_spec_kinds,
                               hash_block_size=self.hash_block_size, fractal_nz=_fractal_nz(kv_caches))
+        self.kv_caches = kv_caches
         layout = discover_layout(self.kv_cache_config, kv_caches, policy,
                                  adapter.attention_backends(self.vllm_config, kv_caches))
         self.layout = layout

