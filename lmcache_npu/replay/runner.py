@@ -1,5 +1,6 @@
-"""Runs a workload on one engine, turn by turn: every conversation's turn n is submitted together, as concurrent
-users would send them, and each answer becomes part of that conversation's next prompt."""
+"""Runs a workload on one engine, wave by wave: the turns a wave holds (every conversation's turn n, when they all
+start in wave 0) are submitted together, as concurrent users would send them, and each answer becomes part of that
+conversation's next prompt."""
 
 from __future__ import annotations
 
@@ -13,9 +14,9 @@ from .workload import Conversation, prompt_of
 
 @dataclass(frozen=True)
 class TurnRun:
-    """One turn of every conversation that has it."""
+    """One wave: a turn of every conversation that sends one in it."""
 
-    turn: int
+    turn: int  # the wave
     conversations: tuple[int, ...]  # which conversations took part, in the order of `completions`
     completions: tuple[Completion, ...]
     wall_s: float
@@ -26,18 +27,21 @@ def run_workload(engine: Engine, conversations: Sequence[Conversation],
     """Every turn of every conversation; `on_turn` sees each turn as it completes."""
     answers: list[list[tuple[int, ...]]] = [[] for _ in conversations]
     runs = []
-    for turn in range(max(len(c.turns) for c in conversations)):
-        taking_part = tuple(i for i, c in enumerate(conversations) if turn < len(c.turns))
-        prompts = [prompt_of(conversations[i], answers[i], turn) for i in taking_part]
+    for wave in range(max(c.start + len(c.turns) for c in conversations)):
+        sending = [(i, turn) for i, c in enumerate(conversations) if (turn := c.turn_in(wave)) is not None]
+        if not sending:
+            continue
+        taking_part, turns = tuple(i for i, _ in sending), [turn for _, turn in sending]
+        prompts = [prompt_of(conversations[i], answers[i], t) for i, t in zip(taking_part, turns)]
+        outputs = [conversations[i].turns[t].output_tokens for i, t in zip(taking_part, turns)]
         # one generate per output length: vLLM takes one SamplingParams per call
-        lengths = sorted({conversations[i].turns[turn].output_tokens for i in taking_part})
         completions: dict[int, Completion] = {}
         started = time.perf_counter()
-        for length in lengths:
-            group = [k for k, i in enumerate(taking_part) if conversations[i].turns[turn].output_tokens == length]
+        for length in sorted(set(outputs)):
+            group = [k for k, n in enumerate(outputs) if n == length]
             for k, done in zip(group, engine.generate([prompts[k] for k in group], length)):
                 completions[k] = done
-        run = TurnRun(turn, taking_part, tuple(completions[k] for k in range(len(taking_part))),
+        run = TurnRun(wave, taking_part, tuple(completions[k] for k in range(len(taking_part))),
                       time.perf_counter() - started)
         for i, done in zip(taking_part, run.completions):
             answers[i].append(done.token_ids)

@@ -27,6 +27,11 @@ class Turn:
 class Conversation:
     system: tuple[int, ...]
     turns: tuple[Turn, ...]
+    start: int = 0  # the wave (the runner's round of concurrent requests) its first turn is sent in
+
+    def turn_in(self, wave: int) -> int | None:
+        """Which of its turns this conversation sends in `wave`, if any."""
+        return wave - self.start if self.start <= wave < self.start + len(self.turns) else None
 
 
 class _Tokens:
@@ -58,14 +63,15 @@ def multi_turn_chat(conversations: int, turns: int, system_tokens: int, user_tok
 def prefix_repetition(num_prefixes: int, prompts_per_prefix: int, prefix_tokens: int, suffix_tokens: int,
                       output_tokens: int, vocab: int, seed: int = 0) -> list[Conversation]:
     """vLLM's `bench serve --dataset-name prefix_repetition`: `num_prefixes` shared prefixes, each followed by
-    `prompts_per_prefix` different suffixes; one turn each, prefixes interleaved."""
+    `prompts_per_prefix` different suffixes. They are sent in `prompts_per_prefix` waves of one prompt per prefix:
+    requests that arrive together cannot find each other's prefix (it is stored once computed), later ones can."""
     if num_prefixes < 1 or prompts_per_prefix < 1:
         raise ValueError(f"num_prefixes and prompts_per_prefix must be >= 1, got {num_prefixes} and "
                          f"{prompts_per_prefix}")
     tokens = _Tokens(vocab, seed)
     prefixes = [tokens(prefix_tokens) for _ in range(num_prefixes)]
-    return [Conversation(prefixes[p], (Turn(tokens(suffix_tokens), output_tokens),))
-            for _ in range(prompts_per_prefix) for p in range(num_prefixes)]
+    return [Conversation(prefixes[p], (Turn(tokens(suffix_tokens), output_tokens),), start=wave)
+            for wave in range(prompts_per_prefix) for p in range(num_prefixes)]
 
 
 def load_trace(path: Union[str, Path], vocab: int, seed: int = 0) -> list[Conversation]:

@@ -58,9 +58,13 @@ def test_one_system_prompt_shared_by_many_requests(engines, model_dirs) -> None:
     reference = _reference(engines, recipe, model_dir, first + rest)
     engine = engines(recipe, model_dir, extra_config=ARENA)
     opened = run_workload(engine, first)  # stores the system prompt
-    runs = run_workload(engine, rest)
-    assert_identical(reference[0].completions, opened[0].completions + runs[0].completions)
-    assert [c.cached_tokens for c in runs[0].completions] == [768] * 5  # 800 tokens: three whole chunks
+    runs = run_workload(engine, rest)  # one request per wave
+
+    def flat(turns):
+        return [c for turn in turns for c in turn.completions]
+
+    assert_identical(flat(reference), flat(opened) + flat(runs))
+    assert [c.cached_tokens for c in flat(runs)] == [768] * 5  # 800 tokens: three whole chunks
 
 
 def test_preemption_under_a_small_kv_cache(engines, model_dirs) -> None:

@@ -45,3 +45,18 @@ def test_unsupported_parallel_modes_are_named():
                                                              prefill_context_parallel_size=1, rank=0))
     with pytest.raises(ValueError, match="pipeline_parallel_size=2: lmcache_npu stores whole chunks per tensor-"):
         adapter.parallel_place(config)
+
+
+@pytest.mark.parametrize("preset, family, skipped", [("gemma3-27b", "cuda", 0), ("deepseek-v4-flash", "ascend", 1)])
+def test_vllm_is_told_which_groups_a_load_writes_and_that_stores_are_best_effort(make_engine, preset, family,
+                                                                                 skipped):
+    """vLLM >= 0.32 zeroes new blocks of the groups a load does not write; >= 0.28 recomputes a preempted request
+    whose hand-off must be delivered (a cache's store need not be)."""
+    from .conftest import preset_engine
+
+    engine = preset_engine(make_engine, preset, family)
+    half = engine.connector.scheduler_half
+    loaded = engine.connector.get_loaded_kv_cache_group_ids(None)
+    assert loaded == tuple(sorted({g.scheduler_group for g in half.groups if not g.skipped}))
+    assert len(loaded) == half.num_scheduler_groups - skipped > 0
+    assert engine.connector.requires_kv_delivery is False

@@ -109,6 +109,16 @@ class LMCacheNPUConnector(KVConnectorBase_V1, SupportsHMA):
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[Optional[int], bool]:
         return self.scheduler_half.get_num_new_matched_tokens(request, num_computed_tokens)
 
+    def get_loaded_kv_cache_group_ids(self, request: Any) -> tuple[int, ...]:
+        """vLLM >= 0.32: the groups a load writes (their new blocks need no zeroing); a skipped group is not."""
+        return self.scheduler_half.loaded_group_ids()
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """vLLM >= 0.28: a best-effort cache (a lost store is a later miss), so a request preempted while its store
+        is in flight keeps its output; the page fence and delayed frees already keep its pages intact."""
+        return False
+
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         self.scheduler_half.update_state_after_alloc(request, blocks, num_external_tokens)
 

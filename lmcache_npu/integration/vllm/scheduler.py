@@ -159,6 +159,10 @@ class SchedulerHalf:
             state = self.requests[request.request_id] = _Request(request)
         return state
 
+    def loaded_group_ids(self) -> tuple[int, ...]:
+        """The scheduler groups a load writes rows into (every group the plan moves)."""
+        return tuple(sorted({g.scheduler_group for g in self.moved}))
+
     def on_new_request(self, request: Any) -> None:
         self._state(request)
 

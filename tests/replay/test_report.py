@@ -1,0 +1,72 @@
+"""The replay's comparison and report, without an engine: two runs' turns become per-turn rows; a single changed
+token in one conversation is reported with where it happened (the negative control of the demo's verdict)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from lmcache_npu.replay.compare import differences, first_difference
+from lmcache_npu.replay.engine import Completion
+from lmcache_npu.replay.replay import ReplayReport, compare_turns, render_report
+from lmcache_npu.replay.runner import TurnRun
+
+
+def completion(tokens, prompt=100, cached=0, ttft=1.0, logprobs=None) -> Completion:
+    steps = tuple(logprobs or ({t: -0.5} for t in tokens))
+    return Completion(prompt, tuple(tokens), steps, cached, ttft, ttft / 2)
+
+
+def turn(number, completions, wall=2.0) -> TurnRun:
+    return TurnRun(number, tuple(range(len(completions))), tuple(completions), wall)
+
+
+def test_identical_runs_report_hits_prefill_and_ttft_per_turn():
+    without = [turn(0, [completion([1, 2], 100, 0, 2.0), completion([3, 4], 100, 0, 4.0)], 5.0),
+               turn(1, [completion([5], 150, 0, 3.0), completion([6], 150, 0, 5.0)], 6.0)]
+    with_plugin = [turn(0, [completion([1, 2], 100, 0, 2.0), completion([3, 4], 100, 64, 1.0)], 4.0),
+                   turn(1, [completion([5], 150, 128, 1.0), completion([6], 150, 128, 0.5)], 2.0)]
+    rows = compare_turns(without, with_plugin)
+    assert [(r.turn, r.requests, r.prompt_tokens, r.loaded_tokens, r.computed_tokens) for r in rows] == [
+        (1, 2, 200, 64, 136), (2, 2, 300, 256, 44)]
+    assert rows[1].hit_rate == pytest.approx(256 / 300)
+    assert rows[0].prefill_s == {"without": 4.0, "with": 2.0}  # until the turn's last first token
+    assert rows[1].ttft_s == {"without": 4.0, "with": 0.75}  # medians
+    assert all(r.identical == r.requests and not r.first_difference for r in rows)
+    report = ReplayReport("m", "w", {}, rows)
+    totals = report.totals()
+    assert totals["loaded_tokens"] == 320 and totals["identical"] and totals["wall_s"] == {"without": 11.0,
+                                                                                           "with": 6.0}
+    json.dumps(report.to_json())  # serialisable as written by --json
+
+
+def test_one_changed_token_is_reported_with_its_conversation_and_step():
+    without = [turn(0, [completion([1, 2, 3]), completion([4, 5, 6])])]
+    with_plugin = [turn(0, [completion([1, 2, 3]), completion([4, 9, 6])])]
+    rows = compare_turns(without, with_plugin)
+    assert rows[0].identical == 1
+    assert rows[0].first_difference == "conversation 1: tokens differ from step 1 on"
+    report = ReplayReport("m", "w", {}, rows)
+    assert not report.all_identical and not report.totals()["identical"]
+    from rich.console import Console
+
+    console = Console(record=True, width=200)
+    for item in render_report(report):
+        console.print(item)
+    assert "tokens differed with the plugin: conversation 1: tokens differ from step 1 on" in console.export_text()
+
+
+def test_logprobs_beyond_the_tolerance_are_a_difference_and_within_it_are_not():
+    reference = completion([7], logprobs=[{7: -0.25, 8: -1.5}])
+    close = completion([7], logprobs=[{7: -0.25 + 5e-5, 8: -1.5}])
+    far = completion([7], logprobs=[{7: -0.25, 8: -1.5 + 2e-4}])
+    assert first_difference(reference, close) == ""
+    assert first_difference(reference, far) == "step 0, token 8: logprob -1.499800 vs -1.500000"
+    assert first_difference(reference, far, tolerance=None) == ""  # tokens only
+    assert differences([reference], [reference, reference]) == ["2 completions, expected 1"]
+
+
+def test_runs_of_different_turns_are_refused():
+    with pytest.raises(ValueError, match="same turns"):
+        compare_turns([turn(0, [completion([1])])], [turn(0, [completion([1]), completion([2])])])
