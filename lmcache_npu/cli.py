@@ -192,15 +192,13 @@ def _replay(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from .replay.engine import EngineSettings, engine_available
-    from .replay.models import VOCAB, make_model, recipe_from_config_file, resolve_recipe
+    from .replay.models import VOCAB, make_model, model_vocab, recipe_from_config_file, resolve_recipe
     from .replay.replay import render_report, run_replay
 
     missing = engine_available()
     if missing:
         raise ValueError(f"replay needs a real vLLM engine: {missing}")
     console = Console(width=None if sys.stdout.isatty() else 200)
-    conversations, workload = _replay_workload(args, VOCAB)
-    longest = max(len(c.system) + sum(len(t.user) + t.output_tokens for t in c.turns) for c in conversations)
     if args.model_config is not None:
         recipe = recipe_from_config_file(args.model_config)
         model_dir, label = str(make_model(recipe, progress=console.log)), f"{args.model_config}"
@@ -209,6 +207,8 @@ def _replay(args: argparse.Namespace) -> int:
     else:
         recipe = resolve_recipe(args.model)
         model_dir, label = str(make_model(recipe, progress=console.log)), f"{recipe.name} ({recipe.exercises})"
+    conversations, workload = _replay_workload(args, model_vocab(model_dir, VOCAB))
+    longest = max(len(c.system) + sum(len(t.user) + t.output_tokens for t in c.turns) for c in conversations)
     overrides: dict[str, object] = {"kv_cache_memory_bytes": _bytes("--kv-cache-memory", args.kv_cache_memory),
                                     "max_num_seqs": args.max_num_seqs, "max_model_len": -(-longest // 256) * 256,
                                     "seed": args.seed}

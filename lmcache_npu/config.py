@@ -26,8 +26,9 @@ logger = logging.getLogger(__name__)
 
 ENV_PREFIX = "LMCACHE_NPU_"
 CONFIG_FILE_ENV = "LMCACHE_NPU_CONFIG"
-# LMCACHE_NPU_* variables that are not configuration keys: the config file, build switches, test knobs.
-NON_KEY_ENV = frozenset({"CONFIG", "CUDA", "CUDA_ARCHS", "HYPOTHESIS_EXAMPLES", "HYPOTHESIS_RANDOM"})
+# LMCACHE_NPU_* variables that are not configuration keys: the config file, build switches, test knobs, the replay's
+# model cache.
+NON_KEY_ENV = frozenset({"CONFIG", "CUDA", "CUDA_ARCHS", "HYPOTHESIS_EXAMPLES", "HYPOTHESIS_RANDOM", "MODEL_CACHE"})
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 

@@ -100,6 +100,18 @@ def default_cache_dir() -> Path:
     return Path(root)
 
 
+def model_vocab(model_dir: str | os.PathLike[str], most: int) -> int:
+    """The token ids a workload may use on the model in `model_dir`: its vocabulary, at most `most`."""
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"model directory {model_dir}: no readable config.json ({exc})") from exc
+    vocab = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
+    if not isinstance(vocab, int) or vocab < 1:
+        raise ValueError(f"model directory {model_dir}: config.json has no vocab_size")
+    return min(vocab, most)
+
+
 def recipe_from_config_file(path: str | os.PathLike[str]) -> Recipe:
     """A Hugging Face config.json (any architecture vLLM serves) as a recipe: its weights are made here."""
     try:

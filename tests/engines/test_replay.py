@@ -28,12 +28,19 @@ def test_replay_reports_hits_and_identical_tokens(tmp_path, workload) -> None:
     assert report["plugin_stats"]["stores"] > 0 and report["settings"]["extra_config"]["chunk_tokens"] == 128
 
 
-def test_replay_of_a_trace_file(tmp_path) -> None:
+def test_replay_of_a_trace_file_on_a_model_made_from_a_config_file(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("LMCACHE_NPU_MODEL_CACHE", str(tmp_path / "models"))
+    config = tmp_path / "tiny-qwen2.json"
+    config.write_text(json.dumps({"model_type": "qwen2", "vocab_size": 500, "hidden_size": 128, "num_hidden_layers": 2,
+                                  "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2,
+                                  "max_position_embeddings": 2048, "torch_dtype": "float32"}))
     trace = tmp_path / "trace.jsonl"
     trace.write_text("\n".join(json.dumps({"system": 260, "turns": [{"user": 30, "output": 4}] * 2})
                                for _ in range(2)))
     out = tmp_path / "replay.json"
-    assert main(["replay", "--model", "llama", "--trace", str(trace), "--no-disk", "--json", str(out)]) == 0
+    assert main(["replay", "--model-config", str(config), "--trace", str(trace), "--no-disk", "--chunk-tokens",
+                 "128", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["workload"] == f"trace {trace}" and report["totals"]["identical"]
+    assert report["turns"][1]["loaded_tokens"] == 2 * 2 * 128  # 260 + 30 + 4 tokens: two whole chunks each
     assert "disk_path" not in report["settings"]["extra_config"]
