@@ -219,7 +219,7 @@ class _Draft:
 
 def _geometry_key(s: LayerSpec) -> tuple:
     return (s.spec_class, s.kind, s.tokens_per_block, s.rows_per_block, s.compress_ratio, s.sliding_window,
-            s.rows_are_tokens, s.prefix_cacheable, s.mamba_cache_mode)
+            s.rows_are_tokens, s.prefix_cacheable, s.mamba_cache_mode, s.transferable)
 
 
 def kept_window_tokens(sliding_window: int, tokens_per_block: int) -> int:
@@ -238,6 +238,10 @@ def _decide(draft: _Draft, policy: LayoutPolicy, all_specs: Mapping[str, LayerSp
     draft.stored_window = s.sliding_window
     if s.sliding_window is not None and s.kind in _KEPT_WHOLE_BLOCKS:
         draft.stored_window = kept_window_tokens(s.sliding_window, s.tokens_per_block)
+    if not s.transferable:
+        draft.skipped, draft.skip_reason = True, ("vLLM excludes this group from KV transfer (enable_kv_transfer=False: "
+                                                  "a replica it rebuilds from another group after a load)")
+        return
     if not s.prefix_cacheable:
         draft.skipped, draft.skip_reason = True, "vLLM marks this spec not prefix-cacheable"
         return

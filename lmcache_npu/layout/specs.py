@@ -9,6 +9,7 @@ vllm-ascend importable, and a class it does not know is an error rather than a g
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass
 from fractions import Fraction
@@ -127,6 +128,7 @@ class LayerSpec:
     cache_dtype: Optional[str] = None
     model_version: Optional[str] = None
     mamba_cache_mode: Optional[str] = None
+    transferable: bool = True  # False: vLLM >= 0.32 excludes its group from KV transfer (enable_kv_transfer)
 
     @property
     def rows_are_tokens(self) -> bool:
@@ -174,8 +176,12 @@ def layer_specs_of_group(group_index: int, group: Any) -> list[LayerSpec]:
         missing = [n for n in names if n not in per_layer]
         if missing:
             raise ValueError(f"group {group_index}: layers {missing} have no spec in its UniformTypeKVCacheSpecs")
-        return [read_layer_spec(n, per_layer[n]) for n in names]
-    return [read_layer_spec(n, spec) for n in names]
+        specs = [read_layer_spec(n, per_layer[n]) for n in names]
+    else:
+        specs = [read_layer_spec(n, spec) for n in names]
+    if getattr(group, "enable_kv_transfer", True) is False:  # a replica vLLM rebuilds from another group after a load
+        specs = [dataclasses.replace(s, transferable=False) for s in specs]
+    return specs
 
 
 def is_compressor_state_layer(layer: str) -> bool:

@@ -173,3 +173,18 @@ def test_a_chunk_ending_inside_a_block_stores_whole_chunks_of_a_window() -> None
     inside = discover_layout(config((["f"], full(block=8)), (["w"], window(8, block=32)), num_blocks=10), caches,
                              LayoutPolicy(chunk_tokens=16))  # chunk 1 ends at 32, chunk 0 inside the first block
     assert inside.groups[1].stored_tokens == 16
+
+
+def test_a_group_vllm_excludes_from_kv_transfer_is_skipped() -> None:
+    """vLLM >= 0.32 marks replica groups (HiSparse) `enable_kv_transfer=False`: rebuilt after a load, never moved."""
+    from types import SimpleNamespace
+
+    k, v = kv()
+    replica_k, replica_v = kv()
+    groups = [kvi.KVCacheGroupSpec(["a"], full()),
+              SimpleNamespace(layer_names=["replica"], kv_cache_spec=full(), enable_kv_transfer=False)]
+    layout = discover_layout(kvi.KVCacheConfig(num_blocks=NB, kv_cache_tensors=[], kv_cache_groups=groups),
+                             {"a": (k, v), "replica": (replica_k, replica_v)}, LayoutPolicy(chunk_tokens=32))
+    moved, replica = layout.groups
+    assert not moved.skipped and replica.skipped and "enable_kv_transfer=False" in replica.skip_reason
+    assert len(layout.plan.moved_planes) == 2  # only a's K and V
