@@ -46,6 +46,7 @@ class ReplayReport:
     settings: dict[str, Any]
     turns: list[TurnReport] = field(default_factory=list)
     plugin_stats: dict[str, float] = field(default_factory=dict)  # the connector's counters over the run with it
+    step_name: str = "turn"  # what a row is: a chat's turn, or a wave of concurrent requests
     ttft_p50: dict[str, float] = field(default_factory=dict)  # run -> median TTFT over every request
 
     @property
@@ -64,7 +65,7 @@ class ReplayReport:
                 "identical": all(t.identical == t.requests for t in self.turns)}
 
     def to_json(self) -> dict[str, Any]:
-        return {"model": self.model, "workload": self.workload, "settings": self.settings,
+        return {"model": self.model, "workload": self.workload, "settings": self.settings, "rows": self.step_name,
                 "turns": [{**asdict(t), "hit_rate": t.hit_rate} for t in self.turns], "totals": self.totals(),
                 "plugin_stats": self.plugin_stats}
 
@@ -113,7 +114,9 @@ def run_replay(model: str, conversations: Sequence[Conversation], workload: str,
                 stats = engine.plugin_stats()
         finally:
             engine.close()
-    report = ReplayReport(model=model, workload=workload, settings=_settings_json(settings, extra_config))
+    waves = any(c.start for c in conversations)
+    report = ReplayReport(model=model, workload=workload, settings=_settings_json(settings, extra_config),
+                          step_name="wave" if waves else "turn")
     report.turns = compare_turns(runs["without"], runs["with"])
     report.ttft_p50 = {name: statistics.median(c.ttft_s for turn in runs[name] for c in turn.completions)
                        for name in RUNS}
@@ -134,7 +137,7 @@ def render_report(report: ReplayReport) -> list[Any]:
     from rich.text import Text
 
     table = Table(title=f"{report.workload} on {report.model}: without the plugin vs with it", title_justify="left")
-    for column in ("turn", "requests", "prompt tokens", "loaded", "computed", "hit rate", "prefill without",
+    for column in (report.step_name, "requests", "prompt tokens", "loaded", "computed", "hit rate", "prefill without",
                    "prefill with", "TTFT p50 without", "TTFT p50 with", "identical"):
         table.add_column(column, justify="right")
 
@@ -161,6 +164,6 @@ def render_report(report: ReplayReport) -> list[Any]:
     ttft, wall = totals["ttft_s"], totals["wall_s"]
     summary = Text(f"TTFT p50 {seconds(ttft['without'])} without the plugin, {seconds(ttft['with'])} with it "
                    f"({ttft['without'] / max(ttft['with'], 1e-9):.1f}x); the whole workload {seconds(wall['without'])} "
-                   f"without, {seconds(wall['with'])} with. Prefill: from a turn's submission until each of its "
-                   f"requests had its first token.")
+                   f"without, {seconds(wall['with'])} with. Prefill: from a {report.step_name}'s submission until "
+                   f"each of its requests had its first token.")
     return [table, summary, verdict]

@@ -21,6 +21,7 @@ def test_replay_reports_hits_and_identical_tokens(tmp_path, workload) -> None:
     report = json.loads(out.read_text())
     assert report["totals"]["identical"] and report["totals"]["requests"] == 4
     turns = report["turns"]
+    assert report["rows"] == ("turn" if "--turns" in workload else "wave")
     if "--turns" in workload:  # turn 2 loads turn 1's history (300 + 64 + 8 tokens: two whole 128-token chunks)
         assert [t["loaded_tokens"] for t in turns][1] == 2 * 2 * 128
     else:  # two waves of one prompt per prefix: the second finds both prefixes (two whole chunks of 300 tokens)
