@@ -275,7 +275,8 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--backend", choices=list(BACKEND_NAMES), help="the plugin's transfer backend "
                         "(default auto: the kernel source under the emulator on a host-only machine)")
     replay.add_argument("--chunk-tokens", type=int, help="tokens per stored chunk (default: the plugin's choice)")
-    replay.add_argument("--cpu-bytes", help="the plugin's host arena (default 8GiB)")
+    replay.add_argument("--cpu-bytes", default="2GiB", help="the plugin's host arena (default 2GiB: the workloads "
+                        "here fit; the plugin's own default, 8GiB, takes seconds to touch)")
     replay.add_argument("--disk-path", type=Path, help="the plugin's disk tier (default: a temporary directory)")
     replay.add_argument("--disk-bytes", default="4GiB", help="the disk tier's capacity (default 4GiB)")
     replay.add_argument("--no-disk", action="store_true", help="host arena only")
