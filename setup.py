@@ -12,6 +12,7 @@ from __future__ import annotations
 import glob
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -28,14 +29,29 @@ ROOT = Path(__file__).parent.resolve()
 CXX_FLAGS = ["-std=c++17", "-O2", "-Wall", "-Wextra", "-fvisibility=hidden"]
 
 
+def local_includes(sources: list[str]) -> list[str]:
+    """Every repository file the sources reach through `#include "..."`, recursively: an extension depends on them,
+    so an edit to the kernel header or the emulator rebuilds the module instead of leaving a stale one."""
+    found: set[Path] = set()
+    pending = [ROOT / s for s in sources]
+    while pending:
+        path = pending.pop()
+        for name in re.findall(r'^\s*#\s*include\s+"([^"]+)"', path.read_text(encoding="utf-8"), re.MULTILINE):
+            included = (path.parent / name).resolve()
+            if included.is_file() and included not in found:  # CANN's kernel_operator.h is not in the repository
+                found.add(included)
+                pending.append(included)
+    return sorted(str(p.relative_to(ROOT)) for p in found)
+
+
+EMU_SOURCES = ["csrc/bindings/emu_module.cpp", "csrc/bindings/emu_kernel_a2.cpp", "csrc/bindings/emu_kernel_310p.cpp"]
+
+
 def emu_extension() -> Pybind11Extension:
     return Pybind11Extension(
         "lmcache_npu._emu",
-        sources=[
-            "csrc/bindings/emu_module.cpp",
-            "csrc/bindings/emu_kernel_a2.cpp",
-            "csrc/bindings/emu_kernel_310p.cpp",
-        ],
+        sources=EMU_SOURCES,
+        depends=local_includes(EMU_SOURCES),
         include_dirs=["csrc", "csrc/ascendc"],
         define_macros=[("LMCACHE_NPU_EMU", "1")],
         extra_compile_args=CXX_FLAGS,
@@ -81,8 +97,11 @@ def cuda_extension() -> Pybind11Extension | None:
     home = cuda_home()
     if home is None:
         raise RuntimeError("nvcc found but no CUDA toolkit with include/cuda_runtime.h; set CUDA_HOME")
-    ext = Pybind11Extension("lmcache_npu._cuda", sources=["csrc/bindings/cuda_module.cpp"], include_dirs=["csrc"],
-                            extra_compile_args=CXX_FLAGS, cxx_std=17)
+    binding = ["csrc/bindings/cuda_module.cpp"]
+    # the .cu files are compiled by BuildExt before the link; listed here, an edit to them relinks the module too
+    ext = Pybind11Extension("lmcache_npu._cuda", sources=binding, include_dirs=["csrc"],
+                            depends=sources + local_includes(binding + sources), extra_compile_args=CXX_FLAGS,
+                            cxx_std=17)
     ext.cuda_sources = sources  # type: ignore[attr-defined]
     ext.library_dirs += [str(home / d) for d in ("lib64", "lib") if (home / d).exists()]
     ext.runtime_library_dirs += [str(home / d) for d in ("lib64", "lib") if (home / d).exists()]
