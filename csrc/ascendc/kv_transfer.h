@@ -74,6 +74,7 @@ class KvTransfer {
                               GM_ADDR status, uint64_t total_items, uint32_t num_planes, uint32_t num_groups,
                               uint32_t num_runs, uint32_t num_chunks, uint32_t direction, uint32_t tile_bytes,
                               uint32_t zero_tile_bytes) {
+    AscendC::SetAtomicNone();  // a previous kernel on the stream may have left atomic add on: writes must overwrite
     pipe_ = pipe;
     planes_.SetGlobalBuffer(reinterpret_cast<__gm__ uint64_t*>(planes));
     groups_.SetGlobalBuffer(reinterpret_cast<__gm__ uint64_t*>(groups));
@@ -86,8 +87,11 @@ class KvTransfer {
     num_runs_ = num_runs;
     num_chunks_ = num_chunks;
     store_ = direction == kStore;
-    tile_bytes_ = tile_bytes;
-    zero_tile_bytes_ = zero_tile_bytes;
+    // DataCopy moves whole 32 B UB blocks: a tile of 0 (no loop would advance), under 32 B or not a multiple of 32 B
+    // refuses the whole launch; the buffers still get one block each so the status can be written
+    tiles_ok_ = TileOk(tile_bytes) && TileOk(zero_tile_bytes);
+    tile_bytes_ = tiles_ok_ ? tile_bytes : kUbBlockBytes;
+    zero_tile_bytes_ = tiles_ok_ ? zero_tile_bytes : kUbBlockBytes;
     pipe_->InitBuffer(queue_, 2, tile_bytes_);
     pipe_->InitBuffer(zero_buf_, zero_tile_bytes_);
     pipe_->InitBuffer(status_buf_, sizeof(CoreStatus));
@@ -96,6 +100,11 @@ class KvTransfer {
   __aicore__ inline void Process() {
     const uint64_t core = static_cast<uint64_t>(AscendC::GetBlockIdx());
     const uint64_t cores = static_cast<uint64_t>(AscendC::GetBlockNum());
+    if (!tiles_ok_) {  // every item of this core is refused; nothing is read or written but the status
+      items_rejected_ = core < total_items_ ? static_cast<uint32_t>((total_items_ - core + cores - 1) / cores) : 0;
+      WriteStatus(core);
+      return;
+    }
     uint32_t g = 0;
     GroupDesc group{};
     if (num_groups_ > 0) group = ReadDesc<GroupDesc>(groups_, 0);
@@ -186,6 +195,8 @@ class KvTransfer {
   }
 
   // DMAs to move a num_rows x cols NZ run in pieces of rows_per_piece x cols_per_piece units.
+  __aicore__ static inline bool TileOk(uint32_t bytes) { return bytes >= kUbBlockBytes && bytes % kUbBlockBytes == 0; }
+
   __aicore__ static inline uint64_t NzDmaCount(uint32_t num_rows, uint32_t cols, uint32_t rows_per_piece,
                                                uint32_t cols_per_piece) {
     const uint64_t pieces = static_cast<uint64_t>((num_rows + rows_per_piece - 1) / rows_per_piece) *
@@ -201,7 +212,7 @@ class KvTransfer {
     const uint32_t cols = plane_.row_bytes / unit;
     const uint32_t tile_units = tile_bytes_ / unit;
     uint32_t rows_per_piece = 1, cols_per_piece = MinU32(tile_units, kMaxBlockCount);
-    if (cols <= tile_units) {  // whole rows fit
+    if (cols <= MinU32(tile_units, kMaxBlockCount)) {  // whole rows fit (a row is one DMA of `cols` units)
       rows_per_piece = MinU32(tile_units / cols, kMaxBlockCount);
       cols_per_piece = cols;
     }
@@ -388,6 +399,7 @@ class KvTransfer {
   uint64_t total_items_ = 0;
   uint32_t num_planes_ = 0, num_groups_ = 0, num_runs_ = 0, num_chunks_ = 0;
   uint32_t tile_bytes_ = 0, zero_tile_bytes_ = 0;
+  bool tiles_ok_ = false;
   bool store_ = true;
   bool zero_ready_ = false;
   bool has_pending_ = false;

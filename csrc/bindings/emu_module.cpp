@@ -37,7 +37,7 @@ py::list Launch(const std::string& target, uint32_t block_dim, uint32_t ub_bytes
                 uint64_t seed, uint64_t planes, uint64_t groups, uint64_t runs, uint64_t objects, uint64_t status,
                 uint64_t total_items, uint32_t num_planes, uint32_t num_groups, uint32_t num_runs,
                 uint32_t num_chunks, uint32_t direction, uint32_t tile_bytes, uint32_t zero_tile_bytes,
-                const std::vector<Region>& regions) {
+                const std::vector<Region>& regions, bool atomic_add_on_entry) {
   emu::LaunchConfig cfg;
   cfg.target = ParseTarget(target);
   cfg.ub_bytes = ub_bytes;
@@ -45,6 +45,7 @@ py::list Launch(const std::string& target, uint32_t block_dim, uint32_t ub_bytes
   cfg.order = ParseOrder(order);
   cfg.seed = seed;
   cfg.kernel = "lmcache_kv_transfer";
+  cfg.atomic_add_on_entry = atomic_add_on_entry;
   std::vector<emu::GmRegion> gm;
   gm.reserve(regions.size());
   for (const Region& r : regions) {
@@ -109,7 +110,7 @@ PYBIND11_MODULE(_emu, m) {
         py::arg("ub_bytes"), py::arg("order"), py::arg("seed"), py::arg("planes"), py::arg("groups"),
         py::arg("runs"), py::arg("objects"), py::arg("status"), py::arg("total_items"), py::arg("num_planes"),
         py::arg("num_groups"), py::arg("num_runs"), py::arg("num_chunks"), py::arg("direction"),
-        py::arg("tile_bytes"), py::arg("zero_tile_bytes"), py::arg("regions"));
+        py::arg("tile_bytes"), py::arg("zero_tile_bytes"), py::arg("regions"), py::arg("atomic_add_on_entry") = false);
   m.def("ub_tiling", &Tiling, "UB split for a given UB capacity", py::arg("ub_bytes"));
   m.attr("LAYOUT_VERSION") = lmcache_npu::kLayoutVersion;
   m.attr("PLANE_DESC_BYTES") = sizeof(lmcache_npu::PlaneDesc);

@@ -94,7 +94,7 @@ def test_round_trip_restores_rows_bit_exactly(name: str) -> None:
     g = torch.Generator().manual_seed(7)
     geometry = Geometry(
         [GroupSpec(128), GroupSpec(512, compress_ratio=4), GroupSpec(128, sliding_window=128)],
-        [allocate(8, 128, 1152 if name != "emu-310p" else 1152, 0, 0, g),
+        [allocate(8, 128, 1152, 0, 0, g),
          allocate(4, 128, 64, 256, 1, g),
          allocate(8, 128, 512, 0, 2, g, dtype=torch.float16)],
         256,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from typing import Optional
 
 import numpy as np
 import pytest
@@ -139,8 +140,12 @@ def test_skipped_groups_are_never_touched() -> None:
     assert torch.equal(geometry.raw_planes[1].raw, state_before)
 
 
-def launch_raw(plan: TransferPlan, batch: ChunkBatch, runs: np.ndarray, status: np.ndarray, pages_writable: bool):
+def launch_raw(plan: TransferPlan, batch: ChunkBatch, runs: np.ndarray, status: np.ndarray, pages_writable: bool,
+               tile_bytes: Optional[int] = None, zero_tile_bytes: Optional[int] = None,
+               atomic_add_on_entry: bool = False):
     tiling = _emu.ub_tiling(196608)
+    tiling = {"tile_bytes": tiling["tile_bytes"] if tile_bytes is None else tile_bytes,
+              "zero_tile_bytes": tiling["zero_tile_bytes"] if zero_tile_bytes is None else zero_tile_bytes}
     objects = batch.object_addresses()
     regions = [(p.base_addr, p.extent_bytes, pages_writable, p.label) for p in plan.moved_planes]
     regions += [(o.data_ptr(), plan.object_bytes, not pages_writable, "obj") for o in batch.objects]
@@ -152,7 +157,33 @@ def launch_raw(plan: TransferPlan, batch: ChunkBatch, runs: np.ndarray, status: 
                 objects=objects.ctypes.data, status=status.ctypes.data, total_items=batch.total_items,
                 num_planes=len(plan.plane_table), num_groups=len(batch.group_table), num_runs=len(runs),
                 num_chunks=batch.num_chunks, direction=int(batch.direction), tile_bytes=tiling["tile_bytes"],
-                zero_tile_bytes=tiling["zero_tile_bytes"], regions=regions)
+                zero_tile_bytes=tiling["zero_tile_bytes"], regions=regions, atomic_add_on_entry=atomic_add_on_entry)
+
+
+@pytest.mark.parametrize("direction", [Direction.STORE, Direction.LOAD])
+def test_a_previous_kernels_atomic_add_does_not_turn_writes_into_sums(direction) -> None:
+    """The emulator starts each core with atomic add on, as a previous kernel on the stream may leave it; the kernel
+    turns it off at entry, so pages and objects get the bytes, not the bytes plus what was there."""
+    geometry = small_geometry()
+    plan = geometry.plan()
+    g = torch.Generator().manual_seed(11)
+    objects = torch.randint(0, 256, (1, plan.object_bytes), dtype=torch.uint8, generator=g)
+    for rp in geometry.raw_planes:  # what an add would add to: random bytes everywhere
+        rp.raw.copy_(torch.randint(0, 256, rp.raw.shape, dtype=torch.uint8, generator=g))
+    batch = ChunkBatch.build(plan, good_slots(), objects, direction)
+    if direction == Direction.LOAD:
+        expected_pages = oracle_load(geometry, good_slots(), objects.numpy())
+    else:
+        expected_objects = objects.clone()
+        get_backend("torch").store(plan, good_slots(), expected_objects)
+    status = np.zeros(4, dtype=CORE_STATUS_DTYPE)
+    launch_raw(plan, batch, batch.runs, status, pages_writable=direction == Direction.LOAD, atomic_add_on_entry=True)
+    assert int(status["items_rejected"].sum()) == 0
+    if direction == Direction.LOAD:
+        for rp, want in zip(geometry.raw_planes, expected_pages):
+            assert np.array_equal(rp.raw.numpy(), want)
+    else:
+        assert torch.equal(objects, expected_objects)
 
 
 @pytest.mark.parametrize(
@@ -177,6 +208,39 @@ def test_kernel_rejects_malformed_runs_without_writing(field: str, value: int) -
     assert int(status["items_rejected"].sum()) == 2  # run 0 x the two planes of group 0
     for rp, want in zip(geometry.raw_planes, expected):
         assert np.array_equal(rp.raw.numpy(), want)
+
+
+@pytest.mark.parametrize("tile_bytes, zero_tile_bytes", [(0, None), (16, None), (48, None), (None, 0), (None, 40)])
+def test_the_kernel_refuses_tiles_dma_cannot_move_without_touching_memory(tile_bytes, zero_tile_bytes) -> None:
+    """A tile of 0 bytes looped forever; under 32 B or not a multiple of 32 B no DataCopy can move it. The kernel
+    refuses every item of the launch (run in a child process, so a hang fails the test instead of the suite)."""
+    import multiprocessing
+
+    geometry = small_geometry()
+    plan = geometry.plan()
+    objects = torch.randint(0, 256, (1, plan.object_bytes), dtype=torch.uint8)
+    batch = ChunkBatch.build(plan, good_slots(), objects, Direction.LOAD)
+    status = np.zeros(4, dtype=CORE_STATUS_DTYPE)
+    pages_before = [rp.raw.clone() for rp in geometry.raw_planes]
+    shared = multiprocessing.get_context("fork").Array("b", status.nbytes)
+
+    def child() -> None:
+        launch_raw(plan, batch, batch.runs, status, pages_writable=True, tile_bytes=tile_bytes,
+                   zero_tile_bytes=zero_tile_bytes)
+        shared[:] = status.tobytes()
+        for rp, before in zip(geometry.raw_planes, pages_before):
+            assert torch.equal(rp.raw, before), "the refused launch wrote pages"
+
+    process = multiprocessing.get_context("fork").Process(target=child)
+    process.start()
+    process.join(60)
+    if process.is_alive():
+        process.kill()
+        pytest.fail(f"the kernel hung with tile_bytes={tile_bytes}, zero_tile_bytes={zero_tile_bytes}")
+    assert process.exitcode == 0
+    report = np.frombuffer(bytes(shared[:]), dtype=CORE_STATUS_DTYPE)
+    assert int(report["items_rejected"].sum()) == batch.total_items and int(report["items_done"].sum()) == 0
+    assert int(report["bytes_moved"].sum()) == 0
 
 
 def test_emu_violation_is_a_runtime_error_with_a_rule() -> None:

@@ -614,7 +614,10 @@ __aicore__ inline void PipeBarrier(EMU_SITE) {
   }
 }
 
-__aicore__ inline void SetAtomicNone() {}
+__aicore__ inline void SetAtomicNone(EMU_SITE) {
+    EMU_BIND_SITE;
+  emu::Core("SetAtomicNone", site).atomic_add = false;
+}
 
 // ----------------------------------------------------------------------------- data movement
 
@@ -632,6 +635,15 @@ inline void CheckUbDma(uint32_t ub_offset, uint64_t footprint, const LocalTensor
               "UB footprint " + std::to_string(footprint) + " B exceeds the tensor's " +
                   std::to_string(t.EmuBytes()) + " B");
   }
+}
+
+// An MTE3 write: overwrites GM, or adds to it while a previous kernel's atomic add is still on (bytes as uint8).
+inline void WriteGm(uint8_t* gm, const uint8_t* ub, uint64_t len) {
+  if (!emu::g_core->atomic_add) {
+    std::memcpy(gm, ub, len);
+    return;
+  }
+  for (uint64_t i = 0; i < len; ++i) gm[i] = static_cast<uint8_t>(gm[i] + ub[i]);
 }
 
 inline void CountDma(int pipe, uint64_t bytes) {
@@ -669,7 +681,7 @@ inline void BlockCopy(bool to_ub, uint8_t* gm, const LocalTensor<uint8_t>& ub, c
       std::memcpy(emu::g_core->ub.data() + u, gm + k * gm_pitch, len);
     } else {
       emu::UbAccess(pipe, u, static_cast<uint32_t>(len), 0, 0, api, site);
-      std::memcpy(gm + k * gm_pitch, emu::g_core->ub.data() + u, len);
+      WriteGm(gm + k * gm_pitch, emu::g_core->ub.data() + u, len);
     }
   }
   CountDma(pipe, len * p.blockCount);
@@ -796,7 +808,7 @@ __aicore__ inline void DataCopyPad(const GlobalTensor<T>& dst, const LocalTensor
   for (uint16_t k = 0; k < p.blockCount; ++k) {
     const uint32_t u = ub.EmuOffset() + static_cast<uint32_t>(k * ub_pitch);
     emu::UbAccess(emu::kMte3, u, p.blockLen, 0, 0, api, site);
-    std::memcpy(gm + k * gm_pitch, emu::g_core->ub.data() + u, p.blockLen);
+    emu_detail::WriteGm(gm + k * gm_pitch, emu::g_core->ub.data() + u, p.blockLen);
   }
   emu_detail::CountDma(emu::kMte3, static_cast<uint64_t>(p.blockLen) * p.blockCount);
 }

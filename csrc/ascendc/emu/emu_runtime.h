@@ -150,6 +150,7 @@ struct CoreCtx {
   std::vector<std::vector<EventSlot>> events;
   std::vector<std::vector<bool>> event_reserved;  // ids held by queues
   TPipeState* pipe = nullptr;
+  bool atomic_add = false;  // MTE3 writes add to GM instead of overwriting it (the mode outlives a kernel)
   std::string pending_end_error;  // found while the TPipe ended; raised at kernel end
   std::string pending_end_rule;
   CoreStats stats;
@@ -394,6 +395,7 @@ struct LaunchConfig {
   CoreOrder order = CoreOrder::kSequential;
   uint64_t seed = 0;
   std::string kernel = "kernel";
+  bool atomic_add_on_entry = false;  // a previous kernel on the stream left atomic add on (SetAtomicNone clears it)
 };
 
 struct LaunchReport {
@@ -488,6 +490,7 @@ LaunchReport Launch(const LaunchConfig& cfg, std::vector<GmRegion> regions, Body
     c.shadow.assign(ub / 32, UbBlockShadow{});
     c.events.assign(kNumHardEvents, std::vector<EventSlot>(spec.num_event_ids));
     c.event_reserved.assign(kNumHardEvents, std::vector<bool>(spec.num_event_ids, false));
+    c.atomic_add = cfg.atomic_add_on_entry;
     g_core = &c;
     body();
     CheckKernelEnd(c);
