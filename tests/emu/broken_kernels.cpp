@@ -247,6 +247,31 @@ void SetTwice() {
   SetFlag<HardEvent::MTE2_MTE3>(1);
 }
 
+// The hardware's FetchEventID returns the same id until that id is reserved (AllocEventID): two flags in flight
+// from two fetches share one id, and the second set hits a flag already set.
+void FetchedTwice() {
+  TPipe pipe;
+  const TEventID first = pipe.FetchEventID<HardEvent::MTE2_MTE3>();
+  SetFlag<HardEvent::MTE2_MTE3>(first);
+  const TEventID second = pipe.FetchEventID<HardEvent::MTE2_MTE3>();
+  SetFlag<HardEvent::MTE2_MTE3>(second);
+  WaitFlag<HardEvent::MTE2_MTE3>(first);
+  WaitFlag<HardEvent::MTE2_MTE3>(second);
+}
+
+// The control: ids held by AllocEventID are distinct, so two flags can be in flight.
+void AllocatedTwice() {
+  TPipe pipe;
+  const TEventID first = pipe.AllocEventID<HardEvent::MTE2_MTE3>();
+  SetFlag<HardEvent::MTE2_MTE3>(first);
+  const TEventID second = pipe.AllocEventID<HardEvent::MTE2_MTE3>();
+  SetFlag<HardEvent::MTE2_MTE3>(second);
+  WaitFlag<HardEvent::MTE2_MTE3>(first);
+  WaitFlag<HardEvent::MTE2_MTE3>(second);
+  pipe.ReleaseEventID<HardEvent::MTE2_MTE3>(first);
+  pipe.ReleaseEventID<HardEvent::MTE2_MTE3>(second);
+}
+
 void SetNeverWaited() {
   TPipe pipe;
   SetFlag<HardEvent::S_MTE3>(2);
@@ -281,6 +306,8 @@ const std::map<std::string, void (*)()>& Cases() {
       {"cross_core_write", CrossCoreWrite},
       {"wait_without_set", WaitWithoutSet},
       {"set_twice", SetTwice},
+      {"fetched_twice", FetchedTwice},
+      {"allocated_twice", AllocatedTwice},
       {"set_never_waited", SetNeverWaited},
       {"two_pipes", TwoPipes},
   };

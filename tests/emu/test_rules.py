@@ -61,6 +61,7 @@ BROKEN = [
     ("cross_core_write", "a2", 4, "cross-core-write"),
     ("wait_without_set", "a2", 1, "event"),
     ("set_twice", "a2", 1, "event"),
+    ("fetched_twice", "a2", 1, "event"),
     ("set_never_waited", "a2", 1, "event"),
     ("two_pipes", "a2", 1, "tpipe"),
 ]
@@ -98,6 +99,12 @@ def test_correct_depth2_copy_is_clean(harness: ctypes.CDLL, target: str, order: 
 @pytest.mark.parametrize("target", ["a2", "310p"])
 def test_correct_manual_flags_are_clean(harness: ctypes.CDLL, target: str) -> None:
     rc, rule, message = run(harness, "correct_manual_flags", target, cores=2)
+    assert rc == 0, message
+
+
+def test_two_allocated_event_ids_can_both_be_in_flight(harness: ctypes.CDLL) -> None:
+    """The control of `fetched_twice`: AllocEventID reserves, so the second id differs and nothing collides."""
+    rc, rule, message = run(harness, "allocated_twice", "a2")
     assert rc == 0, message
 
 

@@ -362,10 +362,11 @@ class TPipe : public emu::TPipeState {
   TEventID FetchEventID(EMU_SITE) {
     EMU_BIND_SITE;
     emu::CoreCtx& c = emu::Core("TPipe::FetchEventID", site);
+    // Like the hardware: the first id no AllocEventID holds, whether or not its flag is set; two fetched ids in
+    // flight are one id, and the second SetFlag trips "set twice" instead of hiding a real hang
     const auto& reserved = c.event_reserved[static_cast<size_t>(evt)];
-    const auto& set = c.events[static_cast<size_t>(evt)];
     for (size_t i = 0; i < reserved.size(); ++i) {
-      if (!reserved[i] && !set[i].set) return static_cast<TEventID>(i);
+      if (!reserved[i]) return static_cast<TEventID>(i);
     }
     emu::Fail(emu::rule::kEvent, "TPipe::FetchEventID", site, "no free event id for this HardEvent");
   }
