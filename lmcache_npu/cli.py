@@ -194,6 +194,7 @@ def _replay(args: argparse.Namespace) -> int:
     from .replay.engine import EngineSettings, engine_available
     from .replay.models import VOCAB, make_model, model_vocab, recipe_from_config_file, resolve_recipe
     from .replay.replay import render_report, run_replay
+    from .store.config import parse_bytes
 
     missing = engine_available()
     if missing:
@@ -209,7 +210,7 @@ def _replay(args: argparse.Namespace) -> int:
         model_dir, label = str(make_model(recipe, progress=console.log)), f"{recipe.name} ({recipe.exercises})"
     conversations, workload = _replay_workload(args, model_vocab(model_dir, VOCAB))
     longest = max(len(c.system) + sum(len(t.user) + t.output_tokens for t in c.turns) for c in conversations)
-    overrides: dict[str, object] = {"kv_cache_memory_bytes": _bytes("--kv-cache-memory", args.kv_cache_memory),
+    overrides: dict[str, object] = {"kv_cache_memory_bytes": parse_bytes("--kv-cache-memory", args.kv_cache_memory),
                                     "max_num_seqs": args.max_num_seqs, "max_model_len": -(-longest // 256) * 256,
                                     "seed": args.seed}
     if args.vllm_prefix_cache:
@@ -237,12 +238,6 @@ def _replay(args: argparse.Namespace) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(report.to_json(), indent=2))
     return 0 if report.all_identical else 1
-
-
-def _bytes(option: str, value: str) -> int:
-    from .store.config import parse_bytes
-
-    return parse_bytes(option, value)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -56,8 +56,6 @@ class Completion:
     logprobs: tuple[dict[int, float], ...]  # per generated token: token id -> logprob (the top-k and the chosen one)
     cached_tokens: int  # prompt tokens not computed: the plugin's hits (and vLLM's own prefix cache, if on)
     ttft_s: float  # arrival to first token
-    prefill_s: float  # first scheduled to first token: the load wait and the prefill
-    preemptions: int = 0  # times vLLM preempted the request to free KV blocks
 
 
 def engine_available() -> str:
@@ -130,14 +128,9 @@ class Engine:
     def _completion(output: Any) -> Completion:
         completion = output.outputs[0]
         steps = tuple({int(t): float(lp.logprob) for t, lp in step.items()} for step in (completion.logprobs or ()))
-        metrics = getattr(output, "metrics", None)
-        ttft = float(getattr(metrics, "first_token_latency", 0.0) or 0.0)
-        first_token_ts = float(getattr(metrics, "first_token_ts", 0.0) or 0.0)
-        scheduled_ts = float(getattr(metrics, "scheduled_ts", 0.0) or 0.0)
-        prefill = first_token_ts - scheduled_ts if first_token_ts and scheduled_ts else ttft
+        ttft = float(getattr(getattr(output, "metrics", None), "first_token_latency", 0.0) or 0.0)
         return Completion(len(output.prompt_token_ids), tuple(completion.token_ids), steps,
-                          int(output.num_cached_tokens or 0), ttft, prefill,
-                          int(getattr(metrics, "num_preemptions", 0) or 0))
+                          int(output.num_cached_tokens or 0), ttft)
 
     def reset_prefix_cache(self) -> None:
         """Empties vLLM's own prefix cache, so the next hits can only come from the plugin."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 from .compare import first_difference
@@ -103,8 +103,7 @@ def run_replay(model: str, conversations: Sequence[Conversation], workload: str,
             on_phase(f"starting the engine {name} the plugin")
         started = time.perf_counter()
         plugin = name == "with"
-        engine = Engine(EngineSettings(**{**asdict(settings), "plugin": plugin,
-                                          "extra_config": dict(extra_config) if plugin else {}}))
+        engine = Engine(replace(settings, plugin=plugin, extra_config=dict(extra_config) if plugin else {}))
         try:
             if on_phase is not None:
                 on_phase(f"engine {name} the plugin up in {time.perf_counter() - started:.1f} s")

@@ -15,7 +15,7 @@ from lmcache_npu.replay.runner import TurnRun
 
 def completion(tokens, prompt=100, cached=0, ttft=1.0, logprobs=None) -> Completion:
     steps = tuple(logprobs or ({t: -0.5} for t in tokens))
-    return Completion(prompt, tuple(tokens), steps, cached, ttft, ttft / 2)
+    return Completion(prompt, tuple(tokens), steps, cached, ttft)
 
 
 def turn(number, completions, wall=2.0) -> TurnRun:
