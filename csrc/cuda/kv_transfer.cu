@@ -79,6 +79,13 @@ __device__ __forceinline__ bool Admissible(const PlaneDesc& plane, const GroupDe
   return plane.layout == kPageFractalNZ && plane.nz_unit_bytes > 0 && plane.row_bytes % plane.nz_unit_bytes == 0;
 }
 
+// Work items come from the host, not from arithmetic as on AscendC: the run and the plane must both lie in the
+// plane's group, or a mis-paired item would move another group's rows.
+__device__ __forceinline__ bool Paired(const GroupDesc& group, const uint4& work) {
+  return work.x >= group.run_begin && work.x - group.run_begin < group.run_count &&
+         work.y >= group.plane_begin && work.y - group.plane_begin < group.plane_count;
+}
+
 __device__ __forceinline__ void MoveItem(const PlaneDesc* __restrict__ planes, const GroupDesc* __restrict__ groups,
                                          const RunDesc* __restrict__ runs, const uint64_t* __restrict__ objects,
                                          const uint4& work, uint32_t num_planes, uint32_t num_groups,
@@ -90,7 +97,8 @@ __device__ __forceinline__ void MoveItem(const PlaneDesc* __restrict__ planes, c
   }
   const PlaneDesc plane = planes[work.y];
   const RunDesc run = runs[work.x];
-  if (plane.group_index >= num_groups || !Admissible(plane, groups[plane.group_index], run, num_chunks)) {
+  if (plane.group_index >= num_groups || !Paired(groups[plane.group_index], work) ||
+      !Admissible(plane, groups[plane.group_index], run, num_chunks)) {
     if (lane == 0) atomicAdd(&status->items_rejected, 1ull);
     return;
   }

@@ -122,6 +122,71 @@ def pack_pinned(parts: Sequence[np.ndarray]) -> tuple[torch.Tensor, list[int]]:
     return host, [int(o) for o in offsets[:-1]]
 
 
+class StagingBuffer:
+    """The device buffer host chunk objects pass through, kept across transfers and zeroed only where needed.
+
+    A store copies whole stretches of it to the host, alignment gaps included, so every byte a store can copy out
+    holds the kernel's output or zeros: never another plan's device payload, nor host bytes (another object's gaps)
+    that an earlier load copied in. A gap-free plan's store overwrites every byte, so it never zeroes; otherwise
+    the zeroing is stream-ordered before the store's kernel and covers only bytes a load or another plan dirtied."""
+
+    def __init__(self) -> None:
+        self._buffer: Optional[torch.Tensor] = None
+        self._plan: Optional["weakref.ref[TransferPlan]"] = None
+        self._dirty = (0, 0)  # [begin, end): may hold bytes that are not a store's output
+
+    def get(self, plan: TransferPlan, nbytes: int, direction: Direction) -> torch.Tensor:
+        buffer = self._buffer
+        if buffer is None or buffer.numel() < nbytes or buffer.device != plan.device:
+            buffer = self._buffer = torch.zeros(nbytes, dtype=torch.uint8, device=plan.device)
+            self._dirty = (0, 0)
+        elif self._plan is None or self._plan() is not plan:
+            self._dirty = (0, buffer.numel())  # the old plan's payload sits where this plan has gaps
+        self._plan = weakref.ref(plan)
+        begin, end = self._dirty
+        if direction == Direction.LOAD:
+            if not plan.gap_free:
+                self._dirty = (0, max(end, nbytes))  # host bytes land in [0, nbytes), this plan's gaps included
+            return buffer[:nbytes]
+        if not plan.gap_free and begin < min(end, nbytes):
+            buffer[begin: min(end, nbytes)].zero_()
+        rest = max(begin, nbytes)  # [0, nbytes) now holds this store's output or zeros
+        self._dirty = (rest, end) if rest < end else (0, 0)
+        return buffer[:nbytes]
+
+    @property
+    def dirty(self) -> tuple[int, int]:
+        """The byte range a store would zero before use (for tests and logs)."""
+        return self._dirty
+
+
+def host_stretches(objects: Sequence[torch.Tensor], pieces: Sequence[tuple[int, int, int]],
+                   object_bytes: int) -> list[tuple[int, int, int]]:
+    """Merges (chunk, offset, length) pieces, ordered by staging offset, into the longest stretches contiguous in
+    both staging (chunk c at c * object_bytes) and host memory, so each becomes one async copy."""
+    merged: list[list[int]] = []
+    for chunk, offset, length in pieces:
+        if merged:
+            c0, o0, n0 = merged[-1]
+            if (chunk * object_bytes + offset == c0 * object_bytes + o0 + n0
+                    and objects[chunk].data_ptr() + offset == objects[c0].data_ptr() + o0 + n0
+                    and objects[chunk].untyped_storage().data_ptr() == objects[c0].untyped_storage().data_ptr()):
+                merged[-1][2] += length
+                continue
+        merged.append([chunk, offset, length])
+    return [(c, o, n) for c, o, n in merged]
+
+
+def copy_stretches(staging: torch.Tensor, objects: Sequence[torch.Tensor], stretches: Sequence[tuple[int, int, int]],
+                   object_bytes: int, to_device: bool) -> None:
+    """One non-blocking copy per stretch between host objects and the staging buffer, on the current stream."""
+    for chunk, offset, length in stretches:
+        obj = objects[chunk]
+        host = torch.as_strided(obj, (length,), (1,), obj.storage_offset() + offset)
+        device = staging[chunk * object_bytes + offset: chunk * object_bytes + offset + length]
+        (device.copy_(host, non_blocking=True) if to_device else host.copy_(device, non_blocking=True))
+
+
 def npu_available() -> bool:
     if importlib.util.find_spec("torch_npu") is None:
         return False

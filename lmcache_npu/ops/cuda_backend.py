@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import time
-import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -22,8 +21,11 @@ import torch
 from .backend import (
     BackendUnavailable,
     PlaneTables,
+    StagingBuffer,
     TransferBackend,
     TransferStats,
+    copy_stretches,
+    host_stretches,
     pack_pinned,
     verify_kernel_report,
     warm_up,
@@ -128,8 +130,7 @@ class CudaBackend(TransferBackend):
         self.multiprocessors = _cuda.multiprocessors(torch.cuda.current_device())
         self.blocks = blocks
         self._plane_tables = PlaneTables()
-        self._staging: Optional[torch.Tensor] = None
-        self._staging_plan: Optional["weakref.ref[TransferPlan]"] = None
+        self._staging = StagingBuffer()
         self._flags: Optional[torch.Tensor] = None
         self._copy_stream: Optional[torch.cuda.Stream] = None
         self._epoch = 0
@@ -149,16 +150,6 @@ class CudaBackend(TransferBackend):
         if all(o.device.type == "cuda" for o in batch.objects):
             return "device"
         return AUTO_PATH[batch.direction] if self.path == "auto" else self.path
-
-    def _staging_buffer(self, plan: TransferPlan, nbytes: int) -> torch.Tensor:
-        """Zeroed when allocated and when the plan changes: object gaps copied to the host never carry
-        stale device memory."""
-        if self._staging is None or self._staging.numel() < nbytes or self._staging.device != plan.device:
-            self._staging = torch.zeros(nbytes, dtype=torch.uint8, device=plan.device)
-        elif self._staging_plan is None or self._staging_plan() is not plan:
-            self._staging.zero_()
-        self._staging_plan = weakref.ref(plan)
-        return self._staging[:nbytes]
 
     def _host_mapped(self, obj: torch.Tensor) -> bool:
         """Page-locked and addressable by kernels: torch's pinned memory, or a cudaHostRegister'ed arena (torch's
@@ -188,7 +179,7 @@ class CudaBackend(TransferBackend):
         order = work_order(batch)
         slices = order.slice_items.size
         if staging_path:
-            staging = self._staging_buffer(plan, batch.num_chunks * plan.object_bytes)
+            staging = self._staging.get(plan, batch.num_chunks * plan.object_bytes, batch.direction)
             addresses = staging.data_ptr() + np.arange(batch.num_chunks, dtype=np.uint64) * np.uint64(plan.object_bytes)
         else:
             addresses = batch.object_addresses()
@@ -209,9 +200,9 @@ class CudaBackend(TransferBackend):
         ready.record(stream)  # tables on the device; staging free of the previous transfer
         if staging_path and batch.direction == Direction.LOAD:
             if pipelined:
-                self._copy_slices(batch, order, stream, ready, flags, to_device=True)
+                self._copy_slices(staging, batch, order, stream, ready, flags, to_device=True)
             else:
-                self._copy_pieces(batch, order.pieces, to_device=True)
+                self._copy_pieces(staging, batch, order.pieces, to_device=True)
         begin.record(stream)
         pipeline = NO_PIPELINE if not pipelined else (
             RELEASE_SLICES if batch.direction == Direction.STORE else ACQUIRE_SLICES)
@@ -231,9 +222,9 @@ class CudaBackend(TransferBackend):
             after_kernel()  # in stream order after the kernel: the pages are free once it completes
         if staging_path and batch.direction == Direction.STORE:
             if pipelined:
-                self._copy_slices(batch, order, stream, ready, flags, to_device=False)
+                self._copy_slices(staging, batch, order, stream, ready, flags, to_device=False)
             else:
-                self._copy_pieces(batch, order.pieces, to_device=False)
+                self._copy_pieces(staging, batch, order.pieces, to_device=False)
         last.record(stream)
         status = tables[offsets[6]: offsets[6] + 24].cpu().numpy().view(np.uint64)  # synchronises
         seconds = time.perf_counter() - start
@@ -249,8 +240,8 @@ class CudaBackend(TransferBackend):
             self._epoch = 0
         return self._flags
 
-    def _copy_slices(self, batch: ChunkBatch, order: WorkOrder, stream: torch.cuda.Stream, ready: torch.cuda.Event,
-                     flags: torch.Tensor, to_device: bool) -> None:
+    def _copy_slices(self, staging: torch.Tensor, batch: ChunkBatch, order: WorkOrder, stream: torch.cuda.Stream,
+                     ready: torch.cuda.Event, flags: torch.Tensor, to_device: bool) -> None:
         """Copy engine on a side stream, one slice at a time, meeting the kernel through slice flags.
 
         The side stream waits only for `ready` (recorded before the launch), never for the kernel itself:
@@ -265,31 +256,17 @@ class CudaBackend(TransferBackend):
                 if not to_device and not self._cuda.stream_wait_value32(copy.cuda_stream, flag_base + 4 * k,
                                                                          self._epoch):
                     raise RuntimeError("cuStreamWaitValue32 became unavailable mid-transfer")
-                self._copy_pieces(batch, [pieces], to_device)
+                self._copy_pieces(staging, batch, [pieces], to_device)
                 if to_device and not self._cuda.stream_write_value32(copy.cuda_stream, flag_base + 4 * k,
                                                                      self._epoch):
                     raise RuntimeError("cuStreamWriteValue32 became unavailable mid-transfer")
         if not to_device:
             stream.wait_stream(copy)  # the caller's stream sees the host objects complete
 
-    def _copy_pieces(self, batch: ChunkBatch, slices: list[list[tuple[int, int, int]]], to_device: bool) -> None:
+    def _copy_pieces(self, staging: torch.Tensor, batch: ChunkBatch, slices: list[list[tuple[int, int, int]]],
+                     to_device: bool) -> None:
         """One cudaMemcpyAsync per stretch that is contiguous in both staging and host memory."""
-        assert self._staging is not None
         object_bytes = batch.plan.object_bytes
-        objects = batch.objects
         for pieces in slices:
-            merged: list[list[int]] = []  # [chunk, offset, length]
-            for chunk, offset, length in pieces:
-                if merged:
-                    c0, o0, n0 = merged[-1]
-                    adjacent_host = objects[chunk].data_ptr() + offset == objects[c0].data_ptr() + o0 + n0
-                    same_storage = (objects[chunk].untyped_storage().data_ptr()
-                                    == objects[c0].untyped_storage().data_ptr())
-                    if chunk * object_bytes + offset == c0 * object_bytes + o0 + n0 and adjacent_host and same_storage:
-                        merged[-1][2] += length
-                        continue
-                merged.append([chunk, offset, length])
-            for chunk, offset, length in merged:
-                host = torch.as_strided(objects[chunk], (length,), (1,), objects[chunk].storage_offset() + offset)
-                device = self._staging[chunk * object_bytes + offset: chunk * object_bytes + offset + length]
-                (device.copy_(host, non_blocking=True) if to_device else host.copy_(device, non_blocking=True))
+            copy_stretches(staging, batch.objects, host_stretches(batch.objects, pieces, object_bytes),
+                           object_bytes, to_device)

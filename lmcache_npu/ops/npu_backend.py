@@ -1,8 +1,9 @@
 """The AscendC kernel on an Ascend NPU (lmcache_npu._npu); torch_npu is imported only here, lazily.
 
-Chunk objects may live on the NPU (the kernel writes them directly) or in pinned host memory
-(the kernel gathers into a device staging buffer, then one async copy per direction moves it
-over PCIe/HCCS with the DMA engine, so no AI-core time is spent waiting on the host link).
+Chunk objects may live on the NPU (the kernel writes them directly) or in pinned host memory: the
+kernel gathers into a device staging buffer and async copies move it over PCIe/HCCS with the DMA
+engine, so no AI-core time is spent waiting on the host link. Objects adjacent in host memory (the
+arena's consecutive slots) share one copy: one per direction when a batch's slots are consecutive.
 """
 
 from __future__ import annotations
@@ -17,8 +18,11 @@ import torch
 from .backend import (
     BackendUnavailable,
     PlaneTables,
+    StagingBuffer,
     TransferBackend,
     TransferStats,
+    copy_stretches,
+    host_stretches,
     pack_pinned,
     verify_kernel_report,
     warm_up,
@@ -63,6 +67,7 @@ class NpuBackend(TransferBackend):
         self.cores = int(cores) if cores is not None else self.soc.vector_cores
         self.tiling = _emu.ub_tiling(self.soc.ub_bytes)  # the one tiling function (transfer_plan.h)
         self._plane_tables = PlaneTables()
+        self._staging = StagingBuffer()
         logger.info("npu backend on %s: %d vector cores, %d B UB, tile %d B", info["soc"], self.cores,
                     self.soc.ub_bytes, self.tiling["tile_bytes"])
 
@@ -81,15 +86,18 @@ class NpuBackend(TransferBackend):
             raise ValueError("chunk objects must all be on the plan's NPU or all in host memory")
         stream = torch.npu.current_stream(device)  # type: ignore[attr-defined]
         start = time.perf_counter()
+        staging: Optional[torch.Tensor] = None
+        stretches: list[tuple[int, int, int]] = []
         if on_device:
-            staging = None
             object_addrs = batch.object_addresses()
         else:
-            staging = torch.empty((batch.num_chunks, plan.object_bytes), dtype=torch.uint8, device=device)
-            object_addrs = np.array([staging[c].data_ptr() for c in range(batch.num_chunks)], dtype=np.uint64)
+            staging = self._staging.get(plan, batch.num_chunks * plan.object_bytes, batch.direction)
+            object_addrs = staging.data_ptr() + np.arange(batch.num_chunks, dtype=np.uint64) * np.uint64(
+                plan.object_bytes)
+            stretches = host_stretches(batch.objects, [(c, 0, plan.object_bytes) for c in range(batch.num_chunks)],
+                                       plan.object_bytes)
             if batch.direction == Direction.LOAD:
-                for c, obj in enumerate(batch.objects):
-                    staging[c].copy_(obj[: plan.object_bytes], non_blocking=True)
+                copy_stretches(staging, batch.objects, stretches, plan.object_bytes, to_device=True)
         host, offsets = pack_pinned([batch.group_table, batch.runs, object_addrs])  # one H2D copy
         tables = host.to(device, non_blocking=True)
         status = torch.zeros(self.cores * CORE_STATUS_DTYPE.itemsize, dtype=torch.uint8, device=device)
@@ -105,8 +113,7 @@ class NpuBackend(TransferBackend):
         if after_kernel is not None:
             after_kernel()  # in stream order after the kernel: the pages are free once it completes
         if staging is not None and batch.direction == Direction.STORE:
-            for c, obj in enumerate(batch.objects):
-                obj[: plan.object_bytes].copy_(staging[c], non_blocking=True)
+            copy_stretches(staging, batch.objects, stretches, plan.object_bytes, to_device=False)
         stream.synchronize()
         seconds = time.perf_counter() - start
         report = status.cpu().numpy().view(CORE_STATUS_DTYPE)

@@ -257,6 +257,16 @@ class TransferPlan:
                         p.group, int(p.layout), p.nz_unit_bytes, (0, 0, 0, 0))
         return table
 
+    @cached_property
+    def gap_free(self) -> bool:
+        """Plane segments tile the object exactly (no alignment gaps): a store then writes every object byte."""
+        cursor = 0
+        for p, offset in zip(self.moved_planes, self.object_offsets):
+            if offset != cursor:
+                return False
+            cursor = offset + self.rows_per_chunk[p.group] * p.row_bytes
+        return cursor == self.object_bytes
+
     def object_bytes_naive(self) -> int:
         """Bytes per chunk of a copier that stores every group's full chunk, skipped groups included."""
         total = 0
