@@ -77,3 +77,29 @@ def preset_engine(make: Callable[..., Engine], preset: str, family: str, **overr
     if overrides.get("backend", "emu") != "emu":
         extra.pop("backend_options", None)  # SoC options are the emulator's
     return make(**{**settings, **overrides}, extra_config=extra)
+
+
+def _expected_hit(chunk: int, stored_tokens: int, next_prompt: int) -> int:
+    """Whole chunks of the first request, short of the next prompt's last token."""
+    return min(stored_tokens // chunk, (next_prompt - 1) // chunk) * chunk
+
+
+def prefix_is_loaded_exactly(engine: Engine) -> None:
+    """A request computes and stores a prompt; a second one with that prefix loads it, every page it reads checked
+    against the simulated model; nothing leaks (the preset scenario, also run by the NPU suite)."""
+    chunk = engine.connector.scheduler_half.chunk_tokens
+    if engine.connector.scheduler_half.has_end_state:
+        # a recurrent state exists only where a step ends: one chunk per step keeps every chunk complete
+        engine.spec.max_num_batched_tokens = chunk
+        engine.scheduler.max_num_scheduled_tokens = chunk
+    first = prompt(2 * chunk + chunk // 2, seed=1)
+    engine.add(first, max_tokens=2, request_id="first")
+    engine.run()
+    engine.evict_device_cache()
+    second = first + prompt(chunk // 2, seed=2)
+    engine.add(second, max_tokens=3, request_id="second")
+    engine.run()
+    assert engine.loaded_tokens.get("second", 0) == _expected_hit(chunk, len(first) + 1, len(second))
+    assert engine.loaded_tokens["second"] > 0
+    assert len(engine.output_tokens("second")) == 3
+    assert_quiescent(engine)

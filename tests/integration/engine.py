@@ -19,6 +19,7 @@ from typing import Any, Callable, Optional
 from unittest import mock
 
 import numpy as np
+import torch
 from vllm.config import (  # noqa: E402
     CacheConfig,
     DeviceConfig,
@@ -92,6 +93,7 @@ class EngineSpec:
     kv_role: str = "kv_both"
     check_every_step: bool = True
     async_scheduling: bool = False  # vLLM 0.23's default: step N+1 is scheduled before step N's output is applied
+    device: str = "cpu"  # where the preset's KV caches live (the NPU suite runs the same scenarios on npu:0)
 
 
 class Runner:
@@ -121,7 +123,8 @@ class Engine:
     def __init__(self, spec: EngineSpec, worker_factory: Optional[Callable[..., Any]] = None) -> None:
         self.spec = spec
         self.presets: list[PresetKV] = [build_preset(spec.preset, spec.family, num_blocks=spec.num_blocks, seed=rank,
-                                                     max_layers=spec.max_layers) for rank in range(spec.world)]
+                                                     device=torch.device(spec.device), max_layers=spec.max_layers)
+                                        for rank in range(spec.world)]
         kv_cache_config = self.presets[0].kv_cache_config
         register_compressed_managers(kv_cache_config)
         block_size = int(np.lcm.reduce([g.kv_cache_spec.block_size for g in kv_cache_config.kv_cache_groups]))
@@ -143,7 +146,7 @@ class Engine:
         self.workers = [make(self.configs[r], KVConnectorRole.WORKER, self.presets[r].kv_cache_config)
                         for r in range(spec.world)]
         with contextlib.ExitStack() as stack:
-            if self.presets[0].model.fractal_nz:  # 310P: torch_npu tells FRACTAL_NZ caches apart; CPU tensors cannot
+            if self.presets[0].model.fractal_nz:  # 310P: the preset lays NZ bytes into plain tensors, on any device
                 from lmcache_npu.integration.vllm import worker as worker_module
 
                 stack.enter_context(mock.patch.object(worker_module, "_fractal_nz", lambda caches: True))

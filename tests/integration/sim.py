@@ -80,13 +80,15 @@ class SimModel:
             self.planes[plane.group].append(_PlaneRows(plane, _salt(rank, plane), row_view(plane)))
 
     def _write(self, rows: _PlaneRows, blocks: np.ndarray, within: np.ndarray, seeds: np.ndarray) -> None:
-        data = torch.from_numpy(row_pattern(seeds, rows.salt, rows.plane.row_bytes))
         target = rows.view
-        target[torch.from_numpy(blocks), torch.from_numpy(within)] = data.reshape((len(seeds),) + tuple(target.shape[2:]))
+        data = torch.from_numpy(row_pattern(seeds, rows.salt, rows.plane.row_bytes)).to(target.device)
+        index = (torch.from_numpy(blocks).to(target.device), torch.from_numpy(within).to(target.device))
+        target[index] = data.reshape((len(seeds),) + tuple(target.shape[2:]))
 
     def _read(self, rows: _PlaneRows, blocks: np.ndarray, within: np.ndarray) -> np.ndarray:
-        picked = rows.view[torch.from_numpy(blocks), torch.from_numpy(within)]
-        return picked.reshape(len(blocks), rows.plane.row_bytes).numpy()
+        device = rows.view.device
+        picked = rows.view[torch.from_numpy(blocks).to(device), torch.from_numpy(within).to(device)]
+        return picked.reshape(len(blocks), rows.plane.row_bytes).cpu().numpy()
 
     @staticmethod
     def _locate(g: LayoutGroup, table: Sequence[int], row_index: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -1,0 +1,45 @@
+"""`vllm serve` on an Ascend NPU with the plugin (A2/A3 in bfloat16, 310P in float16): two identical long requests,
+the second one's prefill loaded from the plugin, identical tokens. The model is a small Llama made on the machine
+(random weights, nothing downloaded) unless LMCACHE_NPU_SMOKE_MODEL names a model directory or hub id."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+
+from ..serve_smoke import check, kv_transfer_config, two_identical_requests
+
+pytestmark = [
+    pytest.mark.npu,
+    pytest.mark.skipif(importlib.util.find_spec("torch_npu") is None,
+                       reason="no torch_npu: the NPU suite needs an Ascend NPU with CANN and torch_npu"),
+    pytest.mark.skipif(importlib.util.find_spec("vllm_ascend") is None,
+                       reason="no vllm_ascend: `vllm serve` on an NPU needs the vllm-ascend image"),
+    pytest.mark.skipif(importlib.util.find_spec("lmcache_npu._npu") is None,
+                       reason="lmcache_npu._npu is not built (needs CANN at install time)"),
+]
+CHUNK_TOKENS = 256
+
+
+def test_vllm_serve_loads_the_second_identical_request_from_the_plugin(tmp_path: Path) -> None:
+    from lmcache_npu.ops import BackendUnavailable, get_backend
+    from lmcache_npu.replay.models import make_model, model_vocab
+
+    try:
+        soc = get_backend("npu").soc.name
+    except BackendUnavailable as exc:
+        pytest.skip(str(exc))
+    model = os.environ.get("LMCACHE_NPU_SMOKE_MODEL") or str(make_model("llama"))
+    local = Path(model).is_dir()
+    vocab = model_vocab(model, 4000) if local else 4000
+    prompt = [(7 * i + 3) % vocab for i in range(8 * CHUNK_TOKENS + 37)]
+    args = ["--dtype", "float16" if soc == "310p" else "bfloat16", "--max-model-len", "4096",
+            "--no-enable-prefix-caching", "--max-num-seqs", "4", "--gpu-memory-utilization", "0.5",
+            "--kv-transfer-config", kv_transfer_config({"cpu_bytes": "4GiB", "chunk_tokens": CHUNK_TOKENS})]
+    if not os.environ.get("LMCACHE_NPU_SMOKE_MODEL"):
+        args.append("--skip-tokenizer-init")  # the made model has no tokenizer; prompts are token ids
+    result = two_identical_requests(model, args, tmp_path / "serve.log", prompt)
+    check(result, CHUNK_TOKENS)
