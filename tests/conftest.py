@@ -1,3 +1,4 @@
+import importlib.util
 import os
 
 import torch
@@ -7,17 +8,19 @@ from hypothesis import HealthCheck, settings
 # transfer thread beside the test's own) slow some tests by 50x on a 2-core machine
 torch.set_num_threads(1)
 
-# vLLM on this machine's CPU keeps the hybrid KV-cache manager on only with its CPU platform; it must be chosen
-# before any test module imports vLLM (tests/integration/vllm_cpu.py does the same when run on its own).
+# vLLM on a host-only machine keeps the hybrid KV-cache manager on only with its CPU platform; it must be chosen
+# before any test module imports vLLM (tests/integration/vllm_cpu.py does the same when run on its own). On an
+# Ascend or CUDA box vLLM's own platform (vllm-ascend's plugin there) stays.
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 os.environ.setdefault("PYTHONHASHSEED", "0")  # block hashes that a disk or Mooncake tier may keep (vLLM reads it)
-try:
-    import vllm.platforms as _platforms
-    from vllm.platforms.cpu import CpuPlatform
+if importlib.util.find_spec("torch_npu") is None and not torch.cuda.is_available():
+    try:
+        import vllm.platforms as _platforms
+        from vllm.platforms.cpu import CpuPlatform
 
-    _platforms._current_platform = CpuPlatform()
-except ImportError:  # the suites that need vLLM skip or fail on their own
-    pass
+        _platforms._current_platform = CpuPlatform()
+    except ImportError:  # the suites that need vLLM skip or fail on their own
+        pass
 
 settings.register_profile(
     "ci",
