@@ -152,3 +152,22 @@ def materialize(geometry: Geometry, chunks: int, device: torch.device, seed: int
         logical = torch.arange(chunks * rows)
         slots.append((table[logical // rpb] * rpb + logical % rpb).reshape(chunks, rows))
     return Materialized(TransferPlan(groups, planes, tokens), slots, allocations)
+
+
+def geometry_of_plan(plan: TransferPlan, name: str, notes: str = "") -> Geometry:
+    """A plan's shapes as a `--geometry` file (one plane entry per plane, each in its own allocation): a machine
+    without vLLM, where presets cannot be built, benchmarks the same chunks byte for byte."""
+    dtype_names = {dtype: key for key, dtype in reversed(list(DTYPES.items()))}
+    groups = []
+    for gi, g in enumerate(plan.groups):
+        planes = tuple(
+            PlaneGeometry(row_bytes=p.row_bytes, rows_per_block=p.rows_per_block,
+                          block_stride_bytes=p.block_stride_bytes, name=p.name or f"p{i}",
+                          dtype=dtype_names.get(p.dtype, "uint8"),
+                          layout="fractal_nz" if p.layout == PageLayout.FRACTAL_NZ else "nd",
+                          nz_unit_bytes=p.nz_unit_bytes)
+            for i, p in enumerate(plan.planes) if p.group == gi)
+        if planes:
+            groups.append(GroupGeometry(g.tokens_per_block, planes, g.compress_ratio, g.sliding_window, g.skip,
+                                        g.skip_reason, g.name))
+    return Geometry(tuple(groups), plan.chunk_tokens, name, notes)
