@@ -134,8 +134,17 @@ class StagingBuffer:
         self._buffer: Optional[torch.Tensor] = None
         self._plan: Optional["weakref.ref[TransferPlan]"] = None
         self._dirty = (0, 0)  # [begin, end): may hold bytes that are not a store's output
+        self._pending: Optional[tuple[int, int]] = None  # bytes reserve() found dirty, zeroed by zero_pending()
 
     def get(self, plan: TransferPlan, nbytes: int, direction: Direction) -> torch.Tensor:
+        """reserve() then zero_pending(): the buffer ready for this transfer's kernel."""
+        view = self.reserve(plan, nbytes, direction)
+        self.zero_pending()
+        return view
+
+    def reserve(self, plan: TransferPlan, nbytes: int, direction: Direction) -> torch.Tensor:
+        """The first `nbytes` of the buffer for one transfer; host bookkeeping only (an allocation at most), so a
+        caller can prepare everything before its first device operation and zero_pending() right before the kernel."""
         buffer = self._buffer
         if buffer is None or buffer.numel() < nbytes or buffer.device != plan.device:
             buffer = self._buffer = torch.zeros(nbytes, dtype=torch.uint8, device=plan.device)
@@ -144,15 +153,23 @@ class StagingBuffer:
             self._dirty = (0, buffer.numel())  # the old plan's payload sits where this plan has gaps
         self._plan = weakref.ref(plan)
         begin, end = self._dirty
+        self._pending = None
         if direction == Direction.LOAD:
             if not plan.gap_free:
                 self._dirty = (0, max(end, nbytes))  # host bytes land in [0, nbytes), this plan's gaps included
             return buffer[:nbytes]
         if not plan.gap_free and begin < min(end, nbytes):
-            buffer[begin: min(end, nbytes)].zero_()
-        rest = max(begin, nbytes)  # [0, nbytes) now holds this store's output or zeros
+            self._pending = (begin, min(end, nbytes))
+        rest = max(begin, nbytes)  # [0, nbytes) will hold this store's output or zeros
         self._dirty = (rest, end) if rest < end else (0, 0)
         return buffer[:nbytes]
+
+    def zero_pending(self) -> None:
+        """Enqueues the zeroing reserve() found necessary on the current stream (nothing when none was)."""
+        if self._pending is not None and self._buffer is not None:
+            begin, end = self._pending
+            self._buffer[begin:end].zero_()
+            self._pending = None
 
     @property
     def dirty(self) -> tuple[int, int]:

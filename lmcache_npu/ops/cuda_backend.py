@@ -178,37 +178,32 @@ class CudaBackend(TransferBackend):
         pipelined = staging_path and self._memops and wanted
         order = work_order(batch)
         slices = order.slice_items.size
+        object_bytes = plan.object_bytes
+        copies: list[list[tuple[int, int, int]]] = []  # per copy-engine step: stretches contiguous on both sides
         if staging_path:
-            staging = self._staging.get(plan, batch.num_chunks * plan.object_bytes, batch.direction)
-            addresses = staging.data_ptr() + np.arange(batch.num_chunks, dtype=np.uint64) * np.uint64(plan.object_bytes)
+            staging = self._staging.reserve(plan, batch.num_chunks * object_bytes, batch.direction)
+            addresses = staging.data_ptr() + np.arange(batch.num_chunks, dtype=np.uint64) * np.uint64(object_bytes)
+            if pipelined:
+                copies = [host_stretches(batch.objects, pieces, object_bytes) for pieces in order.pieces]
+            else:  # one step: stretches merge across slices, one copy where host objects are adjacent
+                copies = [host_stretches(batch.objects, [p for pieces in order.pieces for p in pieces], object_bytes)]
         else:
             addresses = batch.object_addresses()
-        # Host-side tables first, so the measured GPU window holds only GPU work.
+        # Every host-side step before the first device operation: the GPU never idles waiting for Python between
+        # the table upload, the kernel and the copies, and the measured window holds only GPU work.
         host, offsets = pack_pinned([batch.group_table, batch.runs, addresses, order.items, order.slice_items,
                                      np.zeros(slices, dtype=np.uint32),  # per-slice counters
                                      np.zeros(self._cuda.STATUS_BYTES, dtype=np.uint8)])
+        tables = torch.empty(host.numel(), dtype=torch.uint8, device=device)
+        base = tables.data_ptr()
         stream = torch.cuda.current_stream(device)
         flags = self._slice_flags(device)
         self._epoch = (self._epoch + 1) & 0xFFFFFFFF or 1
-        first, last = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start = time.perf_counter()
-        first.record(stream)
-        tables = host.to(device, non_blocking=True)
-        base = tables.data_ptr()
-        ready = torch.cuda.Event()
-        ready.record(stream)  # tables on the device; staging free of the previous transfer
-        if staging_path and batch.direction == Direction.LOAD:
-            if pipelined:
-                self._copy_slices(staging, batch, order, stream, ready, flags, to_device=True)
-            else:
-                self._copy_pieces(staging, batch, order.pieces, to_device=True)
-        begin.record(stream)
         pipeline = NO_PIPELINE if not pipelined else (
             RELEASE_SLICES if batch.direction == Direction.STORE else ACQUIRE_SLICES)
         blocks = self.blocks or (PIPELINED_BLOCKS if pipelined else (
             self.multiprocessors if path == "mapped" else 4 * self.multiprocessors))
-        self._cuda.launch(
+        launch = dict(
             stream=stream.cuda_stream, planes=self._plane_tables.get(plan).data_ptr(), groups=base + offsets[0],
             runs=base + offsets[1], objects=base + offsets[2], items=base + offsets[3],
             slice_items=base + offsets[4], slice_counters=base + offsets[5], slice_flags=flags.data_ptr(),
@@ -217,14 +212,25 @@ class CudaBackend(TransferBackend):
             direction=int(batch.direction), blocks=blocks, threads=self.threads, num_slices=slices,
             epoch=self._epoch, pipeline=pipeline,
         )
+        first, last = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        ready = torch.cuda.Event() if pipelined else None
+        start = time.perf_counter()
+        first.record(stream)
+        tables.copy_(host, non_blocking=True)
+        if staging_path:
+            self._staging.zero_pending()
+        if ready is not None:
+            ready.record(stream)  # tables on the device; staging free of the previous transfer
+        if staging_path and batch.direction == Direction.LOAD:
+            self._copy(staging, batch, copies, stream, ready, flags, to_device=True)
+        begin.record(stream)
+        self._cuda.launch(**launch)
         end.record(stream)
         if after_kernel is not None:
             after_kernel()  # in stream order after the kernel: the pages are free once it completes
         if staging_path and batch.direction == Direction.STORE:
-            if pipelined:
-                self._copy_slices(staging, batch, order, stream, ready, flags, to_device=False)
-            else:
-                self._copy_pieces(staging, batch, order.pieces, to_device=False)
+            self._copy(staging, batch, copies, stream, ready, flags, to_device=False)
         last.record(stream)
         status = tables[offsets[6]: offsets[6] + 24].cpu().numpy().view(np.uint64)  # synchronises
         seconds = time.perf_counter() - start
@@ -240,33 +246,32 @@ class CudaBackend(TransferBackend):
             self._epoch = 0
         return self._flags
 
-    def _copy_slices(self, staging: torch.Tensor, batch: ChunkBatch, order: WorkOrder, stream: torch.cuda.Stream,
-                     ready: torch.cuda.Event, flags: torch.Tensor, to_device: bool) -> None:
-        """Copy engine on a side stream, one slice at a time, meeting the kernel through slice flags.
+    def _copy(self, staging: torch.Tensor, batch: ChunkBatch, copies: list[list[tuple[int, int, int]]],
+              stream: torch.cuda.Stream, ready: Optional[torch.cuda.Event], flags: torch.Tensor,
+              to_device: bool) -> None:
+        """The copy engine's steps: on the current stream back to back (one step), or pipelined with the kernel.
 
-        The side stream waits only for `ready` (recorded before the launch), never for the kernel itself:
-        on a store it starts copying slice 0 while the kernel still gathers the rest."""
+        Pipelined, a side stream waits only for `ready` (recorded before the launch), never for the kernel itself,
+        and meets it through per-slice flags: on a store it copies slice 0 while the kernel still gathers the rest;
+        on a load the kernel starts on a slice as soon as its copy raised the flag."""
+        object_bytes = batch.plan.object_bytes
+        if ready is None:
+            for stretches in copies:
+                copy_stretches(staging, batch.objects, stretches, object_bytes, to_device)
+            return
         if self._copy_stream is None or self._copy_stream.device != stream.device:
             self._copy_stream = torch.cuda.Stream(stream.device)
-        copy = self._copy_stream
-        copy.wait_event(ready)
+        side = self._copy_stream
+        side.wait_event(ready)
         flag_base = flags.data_ptr()
-        with torch.cuda.stream(copy):
-            for k, pieces in enumerate(order.pieces):
-                if not to_device and not self._cuda.stream_wait_value32(copy.cuda_stream, flag_base + 4 * k,
+        with torch.cuda.stream(side):
+            for k, stretches in enumerate(copies):
+                if not to_device and not self._cuda.stream_wait_value32(side.cuda_stream, flag_base + 4 * k,
                                                                          self._epoch):
                     raise RuntimeError("cuStreamWaitValue32 became unavailable mid-transfer")
-                self._copy_pieces(staging, batch, [pieces], to_device)
-                if to_device and not self._cuda.stream_write_value32(copy.cuda_stream, flag_base + 4 * k,
+                copy_stretches(staging, batch.objects, stretches, object_bytes, to_device)
+                if to_device and not self._cuda.stream_write_value32(side.cuda_stream, flag_base + 4 * k,
                                                                      self._epoch):
                     raise RuntimeError("cuStreamWriteValue32 became unavailable mid-transfer")
         if not to_device:
-            stream.wait_stream(copy)  # the caller's stream sees the host objects complete
-
-    def _copy_pieces(self, staging: torch.Tensor, batch: ChunkBatch, slices: list[list[tuple[int, int, int]]],
-                     to_device: bool) -> None:
-        """One cudaMemcpyAsync per stretch that is contiguous in both staging and host memory."""
-        object_bytes = batch.plan.object_bytes
-        for pieces in slices:
-            copy_stretches(staging, batch.objects, host_stretches(batch.objects, pieces, object_bytes),
-                           object_bytes, to_device)
+            stream.wait_stream(side)  # the caller's stream sees the host objects complete
