@@ -58,7 +58,7 @@ def cases(draw: st.DrawFn, soc: str = "a2", max_chunks: int = 16) -> Case:
         window = draw(st.one_of(st.none(), st.sampled_from([8, 16, 64, 128, 1024])))
         if window is not None and min(chunk_tokens, window) % ratio:
             window = None
-        rows_per_block = draw(st.sampled_from([1, 16, 64, 128]))
+        rows_per_block = draw(st.sampled_from([1, 16, 64, 128, 256, 512]))  # above 128: the DMA count caps
         skip = draw(st.sampled_from([False, False, False, True]))
         groups.append(GroupSpec(rows_per_block * ratio, ratio, window, skip, "state" if skip else ""))
         rows = rows_per_chunk(chunk_tokens, ratio, window)
@@ -74,7 +74,12 @@ def cases(draw: st.DrawFn, soc: str = "a2", max_chunks: int = 16) -> Case:
                     row_bytes = 32 * draw(st.integers(1, 40))
             else:
                 dtype, size = draw(st.sampled_from(DTYPES))
-                row_bytes = draw(st.one_of(st.sampled_from(ODD_ROW_BYTES), st.integers(1, 300).map(lambda n, size=size: n * size)))
+                if size in (2, 4) and draw(st.integers(0, 7)) == 0:  # FRACTAL_NZ pages are legal on A2/A3 too
+                    nz_unit = 16 * size
+                    row_bytes = nz_unit * draw(st.integers(1, 8))
+                else:
+                    row_bytes = draw(st.one_of(st.sampled_from(ODD_ROW_BYTES),
+                                               st.integers(1, 300).map(lambda n, size=size: n * size)))
             pad = draw(st.sampled_from([0, 0, 13, 32, 512]))
             raw_planes.append(allocate(num_blocks, rows_per_block, row_bytes, pad, g, generator, nz_unit, dtype))
         holes = draw(st.sampled_from([0.0, 0.0, 0.05, 0.5, 1.0]))
