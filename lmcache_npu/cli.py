@@ -1,4 +1,4 @@
-"""`lmcache-npu`: the command line (replay, bench, inspect, store-bench, bench-scheduler)."""
+"""`lmcache-npu`: the command line (replay, bench, inspect, store-bench, bench-scheduler, doctor)."""
 
 from __future__ import annotations
 
@@ -85,6 +85,22 @@ def _quiet_vllm() -> None:
     import os
 
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    from .doctor import DoctorOptions, blocking, render, run_doctor, to_json
+
+    _quiet_vllm()
+    checks = run_doctor(DoctorOptions(args.device, args.kv_transfer_config,
+                                      str(args.model_config) if args.model_config else None,
+                                      str(args.disk_path) if args.disk_path else None))
+    if args.json:
+        print(to_json(checks))
+    else:
+        from rich.console import Console
+
+        Console(width=None if sys.stdout.isatty() else 200).print(render(checks))
+    return 1 if blocking(checks) else 0
 
 
 def _inspect(args: argparse.Namespace) -> int:
@@ -336,6 +352,16 @@ def build_parser() -> argparse.ArgumentParser:
     store.add_argument("--json", type=Path, help="write the results as JSON")
     store.add_argument("--seed", type=int, default=0)
     store.set_defaults(func=_store_bench)
+
+    doctor = sub.add_parser("doctor", help="check this machine before serving: versions, CANN and SoC, native modules, "
+                            "devices, locked memory, disk, Mooncake, the kv-transfer-config, a model's layout")
+    doctor.add_argument("--device", choices=["auto", "npu", "cuda", "cpu"], default="auto",
+                        help="what you will serve on (default: what is visible); a missing one is then blocking")
+    doctor.add_argument("--kv-transfer-config", help="the JSON you pass to vllm serve (default: $KV_TRANSFER_CONFIG)")
+    doctor.add_argument("--model-config", type=Path, help="a model's config.json: the plan layout discovery makes")
+    doctor.add_argument("--disk-path", type=Path, help="check this disk tier directory (default: the config's)")
+    doctor.add_argument("--json", action="store_true", help="print the checks as JSON")
+    doctor.set_defaults(func=_doctor)
 
     sched = sub.add_parser("bench-scheduler", help="host time the connector adds to vLLM's scheduler: lookups of a "
                            "128K-token prompt, connector metadata for 64 running requests")

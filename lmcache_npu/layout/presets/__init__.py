@@ -48,14 +48,17 @@ def preset_names() -> list[str]:
     return list(MODELS)
 
 
-def get_model(name: str, device_family: str, max_layers: Optional[int] = None) -> Model:
+def get_model(name: "str | Model", device_family: str, max_layers: Optional[int] = None) -> Model:
     """A preset's model; `max_layers` keeps its first layers only (tests scale models down, keeping the mix of layer
     kinds the first layers have)."""
-    if name not in MODELS:
+    if isinstance(name, Model):  # a model read from a config.json (model_from_hf_config)
+        model = name
+    elif name not in MODELS:
         raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(MODELS)}")
+    else:
+        model = MODELS[name]
     if device_family not in DEVICE_FAMILIES:
         raise ValueError(f"unknown device family {device_family!r}; choose one of {', '.join(DEVICE_FAMILIES)}")
-    model = MODELS[name]
     if device_family not in model.families:
         raise ValueError(f"preset {name} exists only for {', '.join(model.families)}")
     if max_layers is not None:
@@ -68,7 +71,7 @@ def get_model(name: str, device_family: str, max_layers: Optional[int] = None) -
     return model
 
 
-def build_preset(name: str, device_family: str = "ascend", num_blocks: int = 8, seed: int = 0,
+def build_preset(name: "str | Model", device_family: str = "ascend", num_blocks: int = 8, seed: int = 0,
                  device: torch.device = torch.device("cpu"), max_layers: Optional[int] = None) -> PresetKV:
     """Allocates the preset's KV caches (random bytes) with `num_blocks` blocks per group on `device`."""
     model = get_model(name, device_family, max_layers)
@@ -101,7 +104,7 @@ def build_preset(name: str, device_family: str = "ascend", num_blocks: int = 8, 
     return PresetKV(model, device_family, config, caches, raws)
 
 
-def preset_layout(name: str, device_family: str = "ascend", chunk_tokens: Optional[int] = None, num_blocks: int = 8,
+def preset_layout(name: "str | Model", device_family: str = "ascend", chunk_tokens: Optional[int] = None, num_blocks: int = 8,
                   skip_spec_kinds: Sequence[str] = DEFAULT_SKIP_SPEC_KINDS, seed: int = 0,
                   device: torch.device = torch.device("cpu")) -> tuple[KVLayout, PresetKV]:
     """The layout discovery makes of a preset, and the preset itself."""

