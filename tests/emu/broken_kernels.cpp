@@ -282,6 +282,166 @@ void TwoPipes() {
   TPipe b;
 }
 
+// ---- variants and rules that had no broken kernel (issue 12 item 9); each "ordered_*" case is its clean control.
+
+void DataCopyBlockLenZero() {
+  TPipe pipe;
+  TBuf<TPosition::VECCALC> buf;
+  pipe.InitBuffer(buf, 256);
+  DataCopy(buf.Get<uint8_t>(), Src(), DataCopyParams(1, 0, 0, 0));
+}
+
+void DataCopyBlockCountTooBig() {
+  TPipe pipe;
+  TBuf<TPosition::VECCALC> buf;
+  pipe.InitBuffer(buf, 256);
+  DataCopy(buf.Get<uint8_t>(), Src(), DataCopyParams(4096, 1, 0, 0));
+}
+
+void PadPaddingTooWide() {
+  TPipe pipe;
+  TBuf<TPosition::VECCALC> buf;
+  pipe.InitBuffer(buf, 256);
+  DataCopyPad(buf.Get<uint8_t>(), Src(), DataCopyExtParams(1, 16, 0, 0, 0),
+              DataCopyPadExtParams<uint8_t>(true, 40, 0, 0));  // 40 B of left padding: at most 32
+}
+
+void PadBlockLenNotElements() {
+  TPipe pipe;
+  TBuf<TPosition::VECCALC> buf;
+  pipe.InitBuffer(buf, 256);
+  GlobalTensor<uint16_t> src;
+  src.SetGlobalBuffer(reinterpret_cast<uint16_t*>(g_src), kBytes / 2);
+  DataCopyPad(buf.Get<uint16_t>(), src, DataCopyExtParams(1, 3, 0, 0, 0),  // 3 B of 2 B elements
+              DataCopyPadExtParams<uint16_t>(false, 0, 0, 0));
+}
+
+void UbSlicePastEnd() {
+  TPipe pipe;
+  TBuf<TPosition::VECCALC> buf;
+  pipe.InitBuffer(buf, 256);
+  LocalTensor<uint8_t> t = buf.Get<uint8_t>()[256];
+  DataCopy(t, Src(), 32);
+}
+
+void UbDmaPastEnd() {
+  TPipe pipe;
+  TBuf<TPosition::VECCALC> buf;
+  pipe.InitBuffer(buf, 256);
+  DataCopy(buf.Get<uint8_t>()[192], Src(), 128);  // 64 B past the tensor
+}
+
+void UbScalarPastEnd() {
+  TPipe pipe;
+  TBuf<TPosition::VECCALC> buf;
+  pipe.InitBuffer(buf, 256);
+  buf.Get<uint8_t>().SetValue(300, 1);
+}
+
+void UbGetWithOffsetMisaligned() {
+  TPipe pipe;
+  TBuf<TPosition::VECCALC> buf;
+  pipe.InitBuffer(buf, 256);
+  LocalTensor<uint8_t> t = buf.GetWithOffset<uint8_t>(64, 16);
+  DataCopy(t, Src(), 32);
+}
+
+void DuplicateMisaligned() {
+  TPipe pipe;
+  TBuf<TPosition::VECCALC> buf;
+  pipe.InitBuffer(buf, 256);
+  Duplicate(buf.Get<uint8_t>()[16], static_cast<uint8_t>(0), 16);
+}
+
+void QueueDeQueEmpty() {
+  TPipe pipe;
+  BindQueue q;
+  pipe.InitBuffer(q, 2, 64);
+  LocalTensor<uint8_t> t = q.DeQue<uint8_t>();  // nothing was enqueued: the core would wait forever
+  q.FreeTensor(t);
+}
+
+void QueueFreeWhileQueued() {
+  TPipe pipe;
+  BindQueue q;
+  pipe.InitBuffer(q, 2, 64);
+  LocalTensor<uint8_t> t = q.AllocTensor<uint8_t>();
+  DataCopy(t, Src(), 64);
+  q.EnQue(t);
+  q.FreeTensor(t);  // still in the queue
+}
+
+void QueueStillQueuedAtEnd() {
+  TPipe pipe;
+  BindQueue q;
+  pipe.InitBuffer(q, 2, 64);
+  LocalTensor<uint8_t> t = q.AllocTensor<uint8_t>();
+  DataCopy(t, Src(), 64);
+  q.EnQue(t);  // never dequeued: the pipeline's last tile is lost
+}
+
+// Scalar writes to UB, then MTE3 reads them: needs SetFlag/WaitFlag<S_MTE3>.
+void ScalarThenMte3(bool ordered) {
+  TPipe pipe;
+  TBuf<TPosition::VECCALC> buf;
+  pipe.InitBuffer(buf, 256);
+  LocalTensor<uint8_t> t = buf.Get<uint8_t>();
+  for (uint32_t i = 0; i < 32; ++i) t.SetValue(i, static_cast<uint8_t>(i));
+  if (ordered) {
+    SetFlag<HardEvent::S_MTE3>(0);
+    WaitFlag<HardEvent::S_MTE3>(0);
+  }
+  if (GetBlockIdx() == 0) DataCopy(Dst(), t, 32);
+}
+void MissingSMte3() { ScalarThenMte3(false); }
+void OrderedSMte3() { ScalarThenMte3(true); }
+
+// A vector op writes UB, then MTE3 reads it: needs SetFlag/WaitFlag<V_MTE3>.
+void VectorThenMte3(bool ordered) {
+  TPipe pipe;
+  TBuf<TPosition::VECCALC> buf;
+  pipe.InitBuffer(buf, 256);
+  LocalTensor<uint8_t> t = buf.Get<uint8_t>();
+  Duplicate(t, static_cast<uint8_t>(7), 32);
+  if (ordered) {
+    SetFlag<HardEvent::V_MTE3>(0);
+    WaitFlag<HardEvent::V_MTE3>(0);
+  }
+  if (GetBlockIdx() == 0) DataCopy(Dst(), t, 32);
+}
+void MissingVMte3() { VectorThenMte3(false); }
+void OrderedVMte3() { VectorThenMte3(true); }
+
+// MTE2 fills UB, then the scalar unit reads it: needs SetFlag/WaitFlag<MTE2_S>.
+void Mte2ThenScalar(bool ordered) {
+  TPipe pipe;
+  TBuf<TPosition::VECCALC> buf;
+  pipe.InitBuffer(buf, 256);
+  LocalTensor<uint8_t> t = buf.Get<uint8_t>();
+  DataCopy(t, Src(), 32);
+  if (ordered) {
+    SetFlag<HardEvent::MTE2_S>(0);
+    WaitFlag<HardEvent::MTE2_S>(0);
+  }
+  (void)t.GetValue(0);
+}
+void MissingMte2S() { Mte2ThenScalar(false); }
+void OrderedMte2S() { Mte2ThenScalar(true); }
+
+// Scalar GM writes go through the data cache in 64 B lines: two cores writing one line lose each other's bytes.
+void CrossCoreScalarLine(uint32_t spacing) {
+  GlobalTensor<uint8_t> dst = Dst();
+  dst.SetValue(GetBlockIdx() * spacing, static_cast<uint8_t>(GetBlockIdx() + 1));
+}
+void CrossCoreSetValueSameLine() { CrossCoreScalarLine(8); }
+void CrossCoreSetValueOwnLines() { CrossCoreScalarLine(64); }
+
+void PipeTooManyBuffers() {
+  TPipe pipe;
+  static TBuf<TPosition::VECCALC> bufs[65];
+  for (auto& b : bufs) pipe.InitBuffer(b, 32);  // at most 64 buffers per TPipe
+}
+
 const std::map<std::string, void (*)()>& Cases() {
   static const std::map<std::string, void (*)()> cases = {
       {"correct_copy", CorrectCopy},
@@ -309,6 +469,27 @@ const std::map<std::string, void (*)()>& Cases() {
       {"fetched_twice", FetchedTwice},
       {"allocated_twice", AllocatedTwice},
       {"set_never_waited", SetNeverWaited},
+      {"datacopy_block_len_zero", DataCopyBlockLenZero},
+      {"datacopy_block_count_4096", DataCopyBlockCountTooBig},
+      {"pad_padding_too_wide", PadPaddingTooWide},
+      {"pad_block_len_not_elements", PadBlockLenNotElements},
+      {"ub_slice_past_end", UbSlicePastEnd},
+      {"ub_dma_past_end", UbDmaPastEnd},
+      {"ub_scalar_past_end", UbScalarPastEnd},
+      {"ub_get_with_offset_misaligned", UbGetWithOffsetMisaligned},
+      {"duplicate_misaligned", DuplicateMisaligned},
+      {"queue_deque_empty", QueueDeQueEmpty},
+      {"queue_free_while_queued", QueueFreeWhileQueued},
+      {"queue_still_queued_at_end", QueueStillQueuedAtEnd},
+      {"missing_s_mte3", MissingSMte3},
+      {"ordered_s_mte3", OrderedSMte3},
+      {"missing_v_mte3", MissingVMte3},
+      {"ordered_v_mte3", OrderedVMte3},
+      {"missing_mte2_s", MissingMte2S},
+      {"ordered_mte2_s", OrderedMte2S},
+      {"cross_core_setvalue_same_line", CrossCoreSetValueSameLine},
+      {"cross_core_setvalue_own_lines", CrossCoreSetValueOwnLines},
+      {"pipe_too_many_buffers", PipeTooManyBuffers},
       {"two_pipes", TwoPipes},
   };
   return cases;

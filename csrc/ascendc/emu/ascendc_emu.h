@@ -116,6 +116,7 @@ struct QueBuffer {
   int enq_id = -1;
   int free_id = -1;
   bool free_pending = false;        // FreeTensor's flag not yet consumed by AllocTensor
+  Site enqueued_at{"", 0};          // the last EnQue: named when the kernel ends with the tensor still queued
 };
 
 // The part of TPipe the LocalTensors need to validate themselves.
@@ -392,7 +393,8 @@ class TPipe : public emu::TPipeState {
     for (emu::QueBuffer& b : buffers) {
       if (!b.in_queue) continue;
       if (b.state == emu::BufState::kEnqueued && end_error.empty()) {
-        end_error = "kernel ended with a tensor still enqueued (missing DeQue/FreeTensor)";
+        end_error = std::string("kernel ended with a tensor still enqueued (missing DeQue/FreeTensor); it was "
+                                "enqueued at ") + b.enqueued_at.file + ":" + std::to_string(b.enqueued_at.line);
         end_error_rule = emu::rule::kQueueState;
       }
       if (b.free_pending) {
@@ -466,6 +468,7 @@ class TQueBind {
     const auto pipes = emu::EventPipes(b.enq_event);
     emu::SetEvent(static_cast<int>(b.enq_event), pipes.first, b.enq_id, api, site);
     b.state = emu::BufState::kEnqueued;
+    b.enqueued_at = site;
     fifo_.push_back(t.EmuBuffer());
     return true;
   }
