@@ -35,8 +35,17 @@ enum class PieceKind : uint32_t {
   kNzByColumn,  // NZ, rows > columns: one strided DMA per column on the object side
 };
 
+// A GM region a piece may touch: the plane's blocks, or this plane's segment of one chunk object. Every DMA goes
+// through a GlobalTensor bound to its region, so an address computed wrong cannot reach another plane or object.
+struct GmRange {
+  uint64_t base;
+  uint64_t bytes;
+};
+
 struct Piece {
   PieceKind kind;
+  GmRange pages;                 // the plane's blocks
+  GmRange segment;               // the plane's segment of the chunk object
   uint64_t page;                 // ND: first byte; NZ: unit (first row, first column)
   uint64_t obj;                  // first object byte
   uint32_t bytes;                // kSpan payload
@@ -59,10 +68,15 @@ __aicore__ inline Desc ReadDesc(const AscendC::GlobalTensor<uint64_t>& table, ui
 }
 
 template <typename T>
-__aicore__ inline AscendC::GlobalTensor<T> Gm(uint64_t addr) {
+__aicore__ inline AscendC::GlobalTensor<T> Gm(uint64_t addr, uint64_t count) {
   AscendC::GlobalTensor<T> t;
-  t.SetGlobalBuffer(reinterpret_cast<__gm__ T*>(addr));
+  t.SetGlobalBuffer(reinterpret_cast<__gm__ T*>(addr), count);
   return t;
+}
+
+// The bytes of `range` from `addr` on.
+__aicore__ inline AscendC::GlobalTensor<uint8_t> In(const GmRange& range, uint64_t addr) {
+  return Gm<uint8_t>(range.base, range.bytes)[addr - range.base];
 }
 
 __aicore__ inline uint32_t MinU32(uint32_t a, uint32_t b) { return a < b ? a : b; }
@@ -76,10 +90,10 @@ class KvTransfer {
                               uint32_t zero_tile_bytes) {
     AscendC::SetAtomicNone();  // a previous kernel on the stream may have left atomic add on: writes must overwrite
     pipe_ = pipe;
-    planes_.SetGlobalBuffer(reinterpret_cast<__gm__ uint64_t*>(planes));
-    groups_.SetGlobalBuffer(reinterpret_cast<__gm__ uint64_t*>(groups));
-    runs_.SetGlobalBuffer(reinterpret_cast<__gm__ uint64_t*>(runs));
-    objects_.SetGlobalBuffer(reinterpret_cast<__gm__ uint64_t*>(objects));
+    planes_.SetGlobalBuffer(reinterpret_cast<__gm__ uint64_t*>(planes), num_planes * (sizeof(PlaneDesc) / 8));
+    groups_.SetGlobalBuffer(reinterpret_cast<__gm__ uint64_t*>(groups), num_groups * (sizeof(GroupDesc) / 8));
+    runs_.SetGlobalBuffer(reinterpret_cast<__gm__ uint64_t*>(runs), num_runs * (sizeof(RunDesc) / 8));
+    objects_.SetGlobalBuffer(reinterpret_cast<__gm__ uint64_t*>(objects), num_chunks);
     status_addr_ = reinterpret_cast<uint64_t>(status);
     total_items_ = total_items;
     num_planes_ = num_planes;
@@ -140,11 +154,14 @@ class KvTransfer {
       ++items_rejected_;
       return;
     }
-    const uint64_t obj = objects_.GetValue(run.chunk) + plane_.object_offset_bytes +
-                         static_cast<uint64_t>(run.first_row) * plane_.row_bytes;
+    const GmRange segment{objects_.GetValue(run.chunk) + plane_.object_offset_bytes,
+                          static_cast<uint64_t>(group.rows_per_chunk) * plane_.row_bytes};
+    const GmRange pages{plane_.base_addr, static_cast<uint64_t>(plane_.num_blocks - 1) * plane_.block_stride_bytes +
+                                              static_cast<uint64_t>(plane_.rows_per_block) * plane_.row_bytes};
+    const uint64_t obj = segment.base + static_cast<uint64_t>(run.first_row) * plane_.row_bytes;
     if (run.first_slot < 0) {
       // Skipped rows: a store writes zeros, a load leaves the page untouched.
-      if (store_) ZeroFill(obj, static_cast<uint64_t>(run.num_rows) * plane_.row_bytes);
+      if (store_) ZeroFill(segment, obj, static_cast<uint64_t>(run.num_rows) * plane_.row_bytes);
       ++items_done_;
       return;
     }
@@ -153,10 +170,10 @@ class KvTransfer {
                                                   plane_.block_stride_bytes;
     const uint32_t row_in_block = slot % plane_.rows_per_block;
     if (plane_.layout == kPageND) {
-      MoveSpan(block + static_cast<uint64_t>(row_in_block) * plane_.row_bytes, obj,
+      MoveSpan(pages, segment, block + static_cast<uint64_t>(row_in_block) * plane_.row_bytes, obj,
                static_cast<uint64_t>(run.num_rows) * plane_.row_bytes);
     } else {
-      MoveNz(block, row_in_block, obj, run.num_rows);
+      MoveNz(pages, segment, block, row_in_block, obj, run.num_rows);
     }
     ++items_done_;
   }
@@ -183,10 +200,13 @@ class KvTransfer {
            plane.row_bytes / kUbBlockBytes <= kMaxStrideUnits;
   }
 
-  __aicore__ inline void MoveSpan(uint64_t page, uint64_t obj, uint64_t bytes) {
+  __aicore__ inline void MoveSpan(const GmRange& pages, const GmRange& segment, uint64_t page, uint64_t obj,
+                                  uint64_t bytes) {
     for (uint64_t off = 0; off < bytes; off += tile_bytes_) {
       Piece p{};
       p.kind = PieceKind::kSpan;
+      p.pages = pages;
+      p.segment = segment;
       p.page = page + off;
       p.obj = obj + off;
       p.bytes = static_cast<uint32_t>(bytes - off < tile_bytes_ ? bytes - off : tile_bytes_);
@@ -207,7 +227,8 @@ class KvTransfer {
   // NZ page: unit (row t, column j) of a block sits at j * rows_per_block * unit + t * unit.
   // A piece costs 1 + min(rows, cols) DMAs, so it spans the run's longer side in full: either
   // whole rows (all columns) or whole columns (all rows of the run), whichever needs fewer DMAs.
-  __aicore__ inline void MoveNz(uint64_t block, uint32_t first_row_in_block, uint64_t obj, uint32_t num_rows) {
+  __aicore__ inline void MoveNz(const GmRange& pages, const GmRange& segment, uint64_t block,
+                                uint32_t first_row_in_block, uint64_t obj, uint32_t num_rows) {
     const uint32_t unit = plane_.nz_unit_bytes;
     const uint32_t cols = plane_.row_bytes / unit;
     const uint32_t tile_units = tile_bytes_ / unit;
@@ -230,6 +251,8 @@ class KvTransfer {
         p.rows = MinU32(rows_per_piece, num_rows - r0);
         p.cols = MinU32(cols_per_piece, cols - j0);
         p.kind = p.rows <= p.cols ? PieceKind::kNzByRow : PieceKind::kNzByColumn;
+        p.pages = pages;
+        p.segment = segment;
         p.page = block + static_cast<uint64_t>(j0) * plane_.rows_per_block * unit +
                  static_cast<uint64_t>(first_row_in_block + r0) * unit;
         p.obj = obj + static_cast<uint64_t>(r0) * plane_.row_bytes + static_cast<uint64_t>(j0) * unit;
@@ -263,18 +286,18 @@ class KvTransfer {
   __aicore__ inline void CopyIn(const AscendC::LocalTensor<uint8_t>& tile, const Piece& p) {
     using AscendC::DataCopyParams;
     if (p.kind == PieceKind::kSpan) {
-      ReadSpan(tile, store_ ? p.page : p.obj, p.bytes);
+      ReadSpan(tile, store_ ? In(p.pages, p.page) : In(p.segment, p.obj), p.bytes);
     } else if (p.kind == PieceKind::kNzByRow) {
       const uint32_t row_units = p.cols * p.unit_blocks * kUbBlockBytes;
       if (store_) {  // gather each row's units from the NZ columns
         for (uint32_t i = 0; i < p.rows; ++i) {
-          DataCopy(tile[i * row_units], Gm<uint8_t>(p.page + static_cast<uint64_t>(i) * p.unit_blocks * kUbBlockBytes),
+          DataCopy(tile[i * row_units], In(p.pages, p.page + static_cast<uint64_t>(i) * p.unit_blocks * kUbBlockBytes),
                    DataCopyParams(static_cast<uint16_t>(p.cols), static_cast<uint16_t>(p.unit_blocks),
                                   static_cast<uint16_t>(p.column_pitch_blocks - p.unit_blocks), 0));
           ++dma_ops_;
         }
       } else {  // object rows, row_pitch apart, land as compact rows
-        DataCopy(tile, Gm<uint8_t>(p.obj),
+        DataCopy(tile, In(p.segment, p.obj),
                  DataCopyParams(static_cast<uint16_t>(p.rows), static_cast<uint16_t>(p.cols * p.unit_blocks),
                                 static_cast<uint16_t>(p.row_pitch_blocks - p.cols * p.unit_blocks), 0));
         ++dma_ops_;
@@ -282,13 +305,13 @@ class KvTransfer {
     } else {
       const uint32_t column_units = p.rows * p.unit_blocks * kUbBlockBytes;
       if (store_) {  // each NZ column holds the piece's rows contiguously
-        DataCopy(tile, Gm<uint8_t>(p.page),
+        DataCopy(tile, In(p.pages, p.page),
                  DataCopyParams(static_cast<uint16_t>(p.cols), static_cast<uint16_t>(p.rows * p.unit_blocks),
                                 static_cast<uint16_t>(p.column_pitch_blocks - p.rows * p.unit_blocks), 0));
         ++dma_ops_;
       } else {  // gather one column of units from the object rows
         for (uint32_t k = 0; k < p.cols; ++k) {
-          DataCopy(tile[k * column_units], Gm<uint8_t>(p.obj + static_cast<uint64_t>(k) * p.unit_blocks * kUbBlockBytes),
+          DataCopy(tile[k * column_units], In(p.segment, p.obj + static_cast<uint64_t>(k) * p.unit_blocks * kUbBlockBytes),
                    DataCopyParams(static_cast<uint16_t>(p.rows), static_cast<uint16_t>(p.unit_blocks),
                                   static_cast<uint16_t>(p.row_pitch_blocks - p.unit_blocks), 0));
           ++dma_ops_;
@@ -300,17 +323,17 @@ class KvTransfer {
   __aicore__ inline void CopyOut(const AscendC::LocalTensor<uint8_t>& tile, const Piece& p) {
     using AscendC::DataCopyParams;
     if (p.kind == PieceKind::kSpan) {
-      WriteSpan(store_ ? p.obj : p.page, tile, p.bytes);
+      WriteSpan(store_ ? In(p.segment, p.obj) : In(p.pages, p.page), tile, p.bytes);
     } else if (p.kind == PieceKind::kNzByRow) {
       const uint32_t row_units = p.cols * p.unit_blocks * kUbBlockBytes;
       if (store_) {
-        DataCopy(Gm<uint8_t>(p.obj), tile,
+        DataCopy(In(p.segment, p.obj), tile,
                  DataCopyParams(static_cast<uint16_t>(p.rows), static_cast<uint16_t>(p.cols * p.unit_blocks), 0,
                                 static_cast<uint16_t>(p.row_pitch_blocks - p.cols * p.unit_blocks)));
         ++dma_ops_;
       } else {
         for (uint32_t i = 0; i < p.rows; ++i) {
-          DataCopy(Gm<uint8_t>(p.page + static_cast<uint64_t>(i) * p.unit_blocks * kUbBlockBytes), tile[i * row_units],
+          DataCopy(In(p.pages, p.page + static_cast<uint64_t>(i) * p.unit_blocks * kUbBlockBytes), tile[i * row_units],
                    DataCopyParams(static_cast<uint16_t>(p.cols), static_cast<uint16_t>(p.unit_blocks), 0,
                                   static_cast<uint16_t>(p.column_pitch_blocks - p.unit_blocks)));
           ++dma_ops_;
@@ -321,13 +344,13 @@ class KvTransfer {
       const uint32_t column_units = p.rows * p.unit_blocks * kUbBlockBytes;
       if (store_) {
         for (uint32_t k = 0; k < p.cols; ++k) {
-          DataCopy(Gm<uint8_t>(p.obj + static_cast<uint64_t>(k) * p.unit_blocks * kUbBlockBytes), tile[k * column_units],
+          DataCopy(In(p.segment, p.obj + static_cast<uint64_t>(k) * p.unit_blocks * kUbBlockBytes), tile[k * column_units],
                    DataCopyParams(static_cast<uint16_t>(p.rows), static_cast<uint16_t>(p.unit_blocks), 0,
                                   static_cast<uint16_t>(p.row_pitch_blocks - p.unit_blocks)));
           ++dma_ops_;
         }
       } else {
-        DataCopy(Gm<uint8_t>(p.page), tile,
+        DataCopy(In(p.pages, p.page), tile,
                  DataCopyParams(static_cast<uint16_t>(p.cols), static_cast<uint16_t>(p.rows * p.unit_blocks), 0,
                                 static_cast<uint16_t>(p.column_pitch_blocks - p.rows * p.unit_blocks)));
         ++dma_ops_;
@@ -336,27 +359,29 @@ class KvTransfer {
     }
   }
 
-  __aicore__ inline void ReadSpan(const AscendC::LocalTensor<uint8_t>& tile, uint64_t src, uint32_t bytes) {
+  __aicore__ inline void ReadSpan(const AscendC::LocalTensor<uint8_t>& tile, const AscendC::GlobalTensor<uint8_t>& src,
+                                  uint32_t bytes) {
     if constexpr (kHasDataCopyPad) {
-      DataCopyPad(tile, Gm<uint8_t>(src), AscendC::DataCopyExtParams(1, bytes, 0, 0, 0),
+      DataCopyPad(tile, src, AscendC::DataCopyExtParams(1, bytes, 0, 0, 0),
                   AscendC::DataCopyPadExtParams<uint8_t>(false, 0, 0, 0));
     } else {
-      DataCopy(tile, Gm<uint8_t>(src), bytes);  // 32 B multiple: checked by Admissible
+      DataCopy(tile, src, bytes);  // 32 B multiple: checked by Admissible
     }
     ++dma_ops_;
   }
 
-  __aicore__ inline void WriteSpan(uint64_t dst, const AscendC::LocalTensor<uint8_t>& tile, uint32_t bytes) {
+  __aicore__ inline void WriteSpan(const AscendC::GlobalTensor<uint8_t>& dst, const AscendC::LocalTensor<uint8_t>& tile,
+                                   uint32_t bytes) {
     if constexpr (kHasDataCopyPad) {
-      DataCopyPad(Gm<uint8_t>(dst), tile, AscendC::DataCopyExtParams(1, bytes, 0, 0, 0));
+      DataCopyPad(dst, tile, AscendC::DataCopyExtParams(1, bytes, 0, 0, 0));
     } else {
-      DataCopy(Gm<uint8_t>(dst), tile, bytes);
+      DataCopy(dst, tile, bytes);
     }
     ++dma_ops_;
     bytes_moved_ += bytes;
   }
 
-  __aicore__ inline void ZeroFill(uint64_t obj, uint64_t bytes) {
+  __aicore__ inline void ZeroFill(const GmRange& segment, uint64_t obj, uint64_t bytes) {
     if (!zero_ready_) {
       // Filled once by the vector unit; MTE3 reads it only after V_MTE3.
       zero_ = zero_buf_.template Get<uint8_t>();
@@ -368,7 +393,8 @@ class KvTransfer {
       zero_ready_ = true;
     }
     for (uint64_t off = 0; off < bytes; off += zero_tile_bytes_) {
-      WriteSpan(obj + off, zero_, static_cast<uint32_t>(bytes - off < zero_tile_bytes_ ? bytes - off : zero_tile_bytes_));
+      WriteSpan(In(segment, obj + off), zero_,
+                static_cast<uint32_t>(bytes - off < zero_tile_bytes_ ? bytes - off : zero_tile_bytes_));
     }
   }
 
@@ -385,7 +411,7 @@ class KvTransfer {
     const int32_t event = static_cast<int32_t>(pipe_->template FetchEventID<AscendC::HardEvent::S_MTE3>());
     AscendC::SetFlag<AscendC::HardEvent::S_MTE3>(event);
     AscendC::WaitFlag<AscendC::HardEvent::S_MTE3>(event);
-    DataCopy(Gm<uint32_t>(status_addr_ + core * sizeof(CoreStatus)), words,
+    DataCopy(Gm<uint32_t>(status_addr_ + core * sizeof(CoreStatus), sizeof(CoreStatus) / sizeof(uint32_t)), words,
              static_cast<uint32_t>(sizeof(CoreStatus) / sizeof(uint32_t)));
   }
 

@@ -205,7 +205,24 @@ void GmOutOfBounds() {
   DataCopy(t, Src(), 256);
   SetFlag<HardEvent::MTE2_MTE3>(0);
   WaitFlag<HardEvent::MTE2_MTE3>(0);
-  DataCopy(Dst()[kBytes - 128], t, 256);  // 128 B past the end
+  GlobalTensor<uint8_t> unbounded;  // no size: only the registered buffers bound it
+  unbounded.SetGlobalBuffer(g_dst);
+  DataCopy(unbounded[kBytes - 128], t, 256);  // 128 B past the end
+}
+
+// The tensor names the first half of the buffer; the write lands in the second half, memory the launch owns but the
+// tensor does not (as a write into the next plane or the next chunk's object would).
+void GmTensorBounds() {
+  TPipe pipe;
+  TBuf<TPosition::VECCALC> buf;
+  pipe.InitBuffer(buf, 256);
+  LocalTensor<uint8_t> t = buf.Get<uint8_t>();
+  DataCopy(t, Src(), 256);
+  SetFlag<HardEvent::MTE2_MTE3>(0);
+  WaitFlag<HardEvent::MTE2_MTE3>(0);
+  GlobalTensor<uint8_t> half;
+  half.SetGlobalBuffer(g_dst, kBytes / 2);
+  DataCopy(half[kBytes / 2 - 64], t, 128);
 }
 
 void GmGuardOverwrite() {
@@ -461,6 +478,7 @@ const std::map<std::string, void (*)()>& Cases() {
       {"missing_free_sync", MissingFreeSync},
       {"uninitialised_read", UninitialisedRead},
       {"gm_out_of_bounds", GmOutOfBounds},
+      {"gm_tensor_bounds", GmTensorBounds},
       {"gm_guard_overwrite", GmGuardOverwrite},
       {"gm_read_only", GmReadOnly},
       {"cross_core_write", CrossCoreWrite},

@@ -56,6 +56,7 @@ BROKEN = [
     ("missing_free_sync", "310p", 1, "unordered-ub-access"),
     ("uninitialised_read", "a2", 1, "uninitialised-ub-read"),
     ("gm_out_of_bounds", "a2", 1, "gm-bounds"),
+    ("gm_tensor_bounds", "a2", 1, "gm-tensor-bounds"),
     ("gm_guard_overwrite", "a2", 2, "gm-guard"),
     ("gm_read_only", "a2", 1, "gm-read-only"),
     ("cross_core_write", "a2", 4, "cross-core-write"),

@@ -264,21 +264,34 @@ class GlobalTensor {
                  site);
     ptr_ = buffer;
     size_ = buffer_size;
+    bounded_ = true;
   }
   void SetGlobalBuffer(__gm__ T* buffer, EMU_SITE) {
     EMU_BIND_SITE;
     emu::CheckGm(buffer, 1, false, "GlobalTensor::SetGlobalBuffer", site);
     ptr_ = buffer;
     size_ = 0;
+    bounded_ = false;
   }
   GlobalTensor operator[](const uint64_t offset) const {
     GlobalTensor t;
     t.ptr_ = ptr_ + offset;
     t.size_ = size_ > offset ? size_ - offset : 0;
+    t.bounded_ = bounded_;
     return t;
+  }
+  // A GlobalTensor bound with a size is the buffer it names: an access past it is a named error even where the bytes
+  // belong to another registered buffer (another plane, another chunk object).
+  void EmuCheckSpan(uint64_t bytes, const char* api, const emu::Site& site) const {
+    if (bounded_ && bytes > size_ * sizeof(T)) {
+      emu::Fail(emu::rule::kGmTensorBounds, api, site,
+                "touches " + std::to_string(bytes) + " B from its start, but the GlobalTensor was bound to " +
+                    std::to_string(size_ * sizeof(T)) + " B (SetGlobalBuffer size, less any offset)");
+    }
   }
   T GetValue(const uint64_t offset, EMU_SITE) const {
     EMU_BIND_SITE;
+    EmuCheckSpan((offset + 1) * sizeof(T), "GlobalTensor::GetValue", site);
     emu::CheckGm(ptr_ + offset, sizeof(T), false, "GlobalTensor::GetValue", site);
     ++emu::g_core->stats.scalar_gm_reads;
     T v;
@@ -287,6 +300,7 @@ class GlobalTensor {
   }
   void SetValue(const uint64_t offset, T value, EMU_SITE) {
     EMU_BIND_SITE;
+    EmuCheckSpan((offset + 1) * sizeof(T), "GlobalTensor::SetValue", site);
     // Scalar writes go through the 64 B DCache line: record the whole line as written.
     const uintptr_t addr = reinterpret_cast<uintptr_t>(ptr_ + offset);
     emu::CheckGm(ptr_ + offset, sizeof(T), true, "GlobalTensor::SetValue", site);
@@ -302,6 +316,7 @@ class GlobalTensor {
  private:
   __gm__ T* ptr_ = nullptr;
   uint64_t size_ = 0;
+  bool bounded_ = false;  // SetGlobalBuffer with a size
 };
 
 // ----------------------------------------------------------------------------- pipe and queues
@@ -661,6 +676,12 @@ inline void CountDma(int pipe, uint64_t bytes) {
   }
 }
 
+// GM bytes a strided block copy spans from its first byte (0 for parameters the copy itself refuses).
+inline uint64_t BlockSpan(const DataCopyParams& p, uint16_t gm_stride) {
+  if (p.blockCount < 1 || p.blockCount > 4095 || p.blockLen < 1) return 0;
+  return (static_cast<uint64_t>(p.blockLen) + gm_stride) * 32 * (p.blockCount - 1) + static_cast<uint64_t>(p.blockLen) * 32;
+}
+
 // Strided block copy in 32 B units (DataCopy with DataCopyParams, and the count form).
 inline void BlockCopy(bool to_ub, uint8_t* gm, const LocalTensor<uint8_t>& ub, const DataCopyParams& p,
                       const char* api, const emu::Site& site) {
@@ -714,6 +735,7 @@ template <typename T>
 __aicore__ inline void DataCopy(const LocalTensor<T>& dst, const GlobalTensor<T>& src, const uint32_t count,
                                 EMU_SITE) {
   EMU_BIND_SITE;
+  src.EmuCheckSpan(static_cast<uint64_t>(count) * sizeof(T), "DataCopy(GM->UB)", site);
   emu_detail::CountCopy(true, reinterpret_cast<uint8_t*>(src.GetPhyAddr()), dst.template ReinterpretCast<uint8_t>(),
                         static_cast<uint64_t>(count) * sizeof(T), "DataCopy(GM->UB)", site);
 }
@@ -722,6 +744,7 @@ template <typename T>
 __aicore__ inline void DataCopy(const GlobalTensor<T>& dst, const LocalTensor<T>& src, const uint32_t count,
                                 EMU_SITE) {
   EMU_BIND_SITE;
+  dst.EmuCheckSpan(static_cast<uint64_t>(count) * sizeof(T), "DataCopy(UB->GM)", site);
   emu_detail::CountCopy(false, reinterpret_cast<uint8_t*>(dst.GetPhyAddr()), src.template ReinterpretCast<uint8_t>(),
                         static_cast<uint64_t>(count) * sizeof(T), "DataCopy(UB->GM)", site);
 }
@@ -731,6 +754,7 @@ __aicore__ inline void DataCopy(const LocalTensor<T>& dst, const GlobalTensor<T>
                                 EMU_SITE) {
     EMU_BIND_SITE;
   emu::Core("DataCopy", site);
+  src.EmuCheckSpan(emu_detail::BlockSpan(params, params.srcStride), "DataCopy(GM->UB, params)", site);
   emu_detail::BlockCopy(true, reinterpret_cast<uint8_t*>(src.GetPhyAddr()), dst.template ReinterpretCast<uint8_t>(),
                         params, "DataCopy(GM->UB, params)", site);
 }
@@ -740,6 +764,7 @@ __aicore__ inline void DataCopy(const GlobalTensor<T>& dst, const LocalTensor<T>
                                 EMU_SITE) {
     EMU_BIND_SITE;
   emu::Core("DataCopy", site);
+  dst.EmuCheckSpan(emu_detail::BlockSpan(params, params.dstStride), "DataCopy(UB->GM, params)", site);
   emu_detail::BlockCopy(false, reinterpret_cast<uint8_t*>(dst.GetPhyAddr()), src.template ReinterpretCast<uint8_t>(),
                         params, "DataCopy(UB->GM, params)", site);
 }
@@ -781,6 +806,7 @@ __aicore__ inline void DataCopyPad(const LocalTensor<T>& dst, const GlobalTensor
   const uint64_t footprint = (lp + p.blockLen + rp + 31) / 32 * 32;
   const uint64_t ub_pitch = footprint + static_cast<uint64_t>(p.dstStride) * 32;
   const uint64_t gm_pitch = static_cast<uint64_t>(p.blockLen) + p.srcStride;
+  src.EmuCheckSpan(gm_pitch * (p.blockCount - 1) + p.blockLen, api, site);
   LocalTensor<uint8_t> ub = dst.template ReinterpretCast<uint8_t>();
   emu_detail::CheckUbDma(ub.EmuOffset(), ub_pitch * (p.blockCount - 1) + footprint, ub, api, site);
   uint8_t* gm = reinterpret_cast<uint8_t*>(src.GetPhyAddr());
@@ -805,6 +831,7 @@ __aicore__ inline void DataCopyPad(const GlobalTensor<T>& dst, const LocalTensor
   const uint64_t footprint = (static_cast<uint64_t>(p.blockLen) + 31) / 32 * 32;
   const uint64_t ub_pitch = footprint + static_cast<uint64_t>(p.srcStride) * 32;
   const uint64_t gm_pitch = static_cast<uint64_t>(p.blockLen) + p.dstStride;
+  dst.EmuCheckSpan(gm_pitch * (p.blockCount - 1) + p.blockLen, api, site);
   LocalTensor<uint8_t> ub = src.template ReinterpretCast<uint8_t>();
   emu_detail::CheckUbDma(ub.EmuOffset(), ub_pitch * (p.blockCount - 1) + footprint, ub, api, site);
   uint8_t* gm = reinterpret_cast<uint8_t*>(dst.GetPhyAddr());

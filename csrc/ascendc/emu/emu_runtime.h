@@ -68,6 +68,7 @@ constexpr const char* kGmBounds = "gm-bounds";
 constexpr const char* kGmReadOnly = "gm-read-only";
 constexpr const char* kGmGuard = "gm-guard";
 constexpr const char* kCrossCoreWrite = "cross-core-write";
+constexpr const char* kGmTensorBounds = "gm-tensor-bounds";
 constexpr const char* kPipe = "tpipe";
 constexpr const char* kLaunch = "launch";
 }  // namespace rule
