@@ -459,6 +459,92 @@ void PipeTooManyBuffers() {
   for (auto& b : bufs) pipe.InitBuffer(b, 32);  // at most 64 buffers per TPipe
 }
 
+// ---- GM hazards (issue 12 item 7); each "ordered_*" twin is the same code with the ordering and must run clean.
+
+// Two MTE3 writes of the same GM bytes: their completion order is not the issue order without PipeBarrier<PIPE_MTE3>.
+void GmWriteTwice(bool ordered) {
+  TPipe pipe;
+  TBuf<TPosition::VECCALC> buf;
+  pipe.InitBuffer(buf, 512);
+  LocalTensor<uint8_t> t = buf.Get<uint8_t>();
+  DataCopy(t, Src(), 512);
+  SetFlag<HardEvent::MTE2_MTE3>(0);
+  WaitFlag<HardEvent::MTE2_MTE3>(0);
+  DataCopy(Dst(), t, 256);
+  if (ordered) PipeBarrier<PIPE_MTE3>();
+  DataCopy(Dst(), t[256], 256);
+}
+void GmMte3WriteAfterWrite() { GmWriteTwice(false); }
+void OrderedGmMte3WriteAfterWrite() { GmWriteTwice(true); }
+
+// MTE3 writes GM, then MTE2 reads it back: MTE2 may read before the write lands without an MTE3_MTE2 flag.
+void GmWriteThenRead(bool ordered) {
+  TPipe pipe;
+  TBuf<TPosition::VECCALC> buf;
+  pipe.InitBuffer(buf, 512);
+  LocalTensor<uint8_t> t = buf.Get<uint8_t>();
+  DataCopy(t, Src(), 256);
+  SetFlag<HardEvent::MTE2_MTE3>(0);
+  WaitFlag<HardEvent::MTE2_MTE3>(0);
+  DataCopy(Dst(), t, 256);
+  if (ordered) {
+    SetFlag<HardEvent::MTE3_MTE2>(0);
+    WaitFlag<HardEvent::MTE3_MTE2>(0);
+  }
+  DataCopy(t[256], Dst(), 256);
+}
+void GmMte3ThenMte2() { GmWriteThenRead(false); }
+void OrderedGmMte3ThenMte2() { GmWriteThenRead(true); }
+
+// Core 0 writes what core 1 reads: cores of a launch are not synchronised.
+void CrossCoreRead() {
+  TPipe pipe;
+  TBuf<TPosition::VECCALC> buf;
+  pipe.InitBuffer(buf, 256);
+  LocalTensor<uint8_t> t = buf.Get<uint8_t>();
+  if (GetBlockIdx() == 0) {
+    DataCopy(t, Src(), 64);
+    SetFlag<HardEvent::MTE2_MTE3>(0);
+    WaitFlag<HardEvent::MTE2_MTE3>(0);
+    DataCopy(Dst(), t, 64);
+  } else {
+    DataCopy(t, Dst(), 64);
+  }
+}
+
+// The vector unit writes a tile, it is freed and allocated again, MTE2 overwrites it: the allocation orders MTE2
+// after MTE3's reads, not after the vector write, which needs V_MTE2.
+void RewriteAfterFree(bool ordered) {
+  TPipe pipe;
+  BindQueue q;
+  pipe.InitBuffer(q, 1, 64);
+  LocalTensor<uint8_t> t = q.AllocTensor<uint8_t>();
+  Duplicate(t, static_cast<uint8_t>(1), 64);
+  if (ordered) {
+    SetFlag<HardEvent::V_MTE2>(0);
+    WaitFlag<HardEvent::V_MTE2>(0);
+  }
+  q.FreeTensor(t);
+  LocalTensor<uint8_t> again = q.AllocTensor<uint8_t>();
+  DataCopy(again, Src(), 64);
+  q.FreeTensor(again);
+}
+void UbRewriteAfterFree() { RewriteAfterFree(false); }
+void OrderedUbRewriteAfterFree() { RewriteAfterFree(true); }
+
+// Without the compiler's automatic sync (run with v_auto_sync off), dependent vector ops need PipeBarrier<PIPE_V>.
+void VectorAfterVector(bool ordered) {
+  TPipe pipe;
+  TBuf<TPosition::VECCALC> buf;
+  pipe.InitBuffer(buf, 256);
+  LocalTensor<uint8_t> t = buf.Get<uint8_t>();
+  Duplicate(t, static_cast<uint8_t>(1), 64);
+  if (ordered) PipeBarrier<PIPE_V>();
+  Duplicate(t, static_cast<uint8_t>(2), 64);
+}
+void ManualSyncVectorAfterVector() { VectorAfterVector(false); }
+void ManualSyncOrderedVectorAfterVector() { VectorAfterVector(true); }
+
 const std::map<std::string, void (*)()>& Cases() {
   static const std::map<std::string, void (*)()> cases = {
       {"correct_copy", CorrectCopy},
@@ -508,6 +594,15 @@ const std::map<std::string, void (*)()>& Cases() {
       {"cross_core_setvalue_same_line", CrossCoreSetValueSameLine},
       {"cross_core_setvalue_own_lines", CrossCoreSetValueOwnLines},
       {"pipe_too_many_buffers", PipeTooManyBuffers},
+      {"gm_mte3_write_after_write", GmMte3WriteAfterWrite},
+      {"ordered_gm_mte3_write_after_write", OrderedGmMte3WriteAfterWrite},
+      {"gm_mte3_then_mte2", GmMte3ThenMte2},
+      {"ordered_gm_mte3_then_mte2", OrderedGmMte3ThenMte2},
+      {"cross_core_read", CrossCoreRead},
+      {"ub_rewrite_after_free", UbRewriteAfterFree},
+      {"ordered_ub_rewrite_after_free", OrderedUbRewriteAfterFree},
+      {"manual_sync_vector_after_vector", ManualSyncVectorAfterVector},
+      {"manual_sync_ordered_vector_after_vector", ManualSyncOrderedVectorAfterVector},
       {"two_pipes", TwoPipes},
   };
   return cases;
@@ -544,6 +639,7 @@ extern "C" int run_case(const char* name, const char* target, uint32_t block_dim
                              : (o == "shuffled" ? emu::CoreOrder::kShuffled : emu::CoreOrder::kSequential);
   cfg.seed = 1234;
   cfg.kernel = name;
+  cfg.v_auto_sync = std::string(name).rfind("manual_sync_", 0) != 0;  // manual_sync_*: no compiler-inserted V barriers
   int rc = 0;
   try {
     std::vector<emu::GmRegion> regions = {

@@ -292,7 +292,7 @@ class GlobalTensor {
   T GetValue(const uint64_t offset, EMU_SITE) const {
     EMU_BIND_SITE;
     EmuCheckSpan((offset + 1) * sizeof(T), "GlobalTensor::GetValue", site);
-    emu::CheckGm(ptr_ + offset, sizeof(T), false, "GlobalTensor::GetValue", site);
+    emu::CheckGm(ptr_ + offset, sizeof(T), false, "GlobalTensor::GetValue", site, emu::kS);
     ++emu::g_core->stats.scalar_gm_reads;
     T v;
     std::memcpy(&v, ptr_ + offset, sizeof(T));
@@ -303,7 +303,7 @@ class GlobalTensor {
     EmuCheckSpan((offset + 1) * sizeof(T), "GlobalTensor::SetValue", site);
     // Scalar writes go through the 64 B DCache line: record the whole line as written.
     const uintptr_t addr = reinterpret_cast<uintptr_t>(ptr_ + offset);
-    emu::CheckGm(ptr_ + offset, sizeof(T), true, "GlobalTensor::SetValue", site);
+    emu::CheckGm(ptr_ + offset, sizeof(T), true, "GlobalTensor::SetValue", site, emu::kS);
     emu::g_launch->writes.back().begin = addr & ~uintptr_t{63};
     emu::g_launch->writes.back().end = (addr + sizeof(T) + 63) & ~uintptr_t{63};
     ++emu::g_core->stats.scalar_gm_writes;
@@ -697,7 +697,7 @@ inline void BlockCopy(bool to_ub, uint8_t* gm, const LocalTensor<uint8_t>& ub, c
   CheckUbDma(ub.EmuOffset(), ub_span, ub, api, site);
   const int pipe = to_ub ? emu::kMte2 : emu::kMte3;
   for (uint16_t k = 0; k < p.blockCount; ++k) {
-    emu::CheckGm(gm + k * gm_pitch, len, !to_ub, api, site);
+    emu::CheckGm(gm + k * gm_pitch, len, !to_ub, api, site, to_ub ? emu::kMte2 : emu::kMte3);
   }
   for (uint16_t k = 0; k < p.blockCount; ++k) {
     const uint32_t u = ub.EmuOffset() + static_cast<uint32_t>(k * ub_pitch);
@@ -810,7 +810,7 @@ __aicore__ inline void DataCopyPad(const LocalTensor<T>& dst, const GlobalTensor
   LocalTensor<uint8_t> ub = dst.template ReinterpretCast<uint8_t>();
   emu_detail::CheckUbDma(ub.EmuOffset(), ub_pitch * (p.blockCount - 1) + footprint, ub, api, site);
   uint8_t* gm = reinterpret_cast<uint8_t*>(src.GetPhyAddr());
-  for (uint16_t k = 0; k < p.blockCount; ++k) emu::CheckGm(gm + k * gm_pitch, p.blockLen, false, api, site);
+  for (uint16_t k = 0; k < p.blockCount; ++k) emu::CheckGm(gm + k * gm_pitch, p.blockLen, false, api, site, emu::kMte2);
   for (uint16_t k = 0; k < p.blockCount; ++k) {
     const uint32_t u = ub.EmuOffset() + static_cast<uint32_t>(k * ub_pitch);
     emu::UbAccess(emu::kMte2, 0, 0, u, static_cast<uint32_t>(footprint), api, site);
@@ -835,7 +835,7 @@ __aicore__ inline void DataCopyPad(const GlobalTensor<T>& dst, const LocalTensor
   LocalTensor<uint8_t> ub = src.template ReinterpretCast<uint8_t>();
   emu_detail::CheckUbDma(ub.EmuOffset(), ub_pitch * (p.blockCount - 1) + footprint, ub, api, site);
   uint8_t* gm = reinterpret_cast<uint8_t*>(dst.GetPhyAddr());
-  for (uint16_t k = 0; k < p.blockCount; ++k) emu::CheckGm(gm + k * gm_pitch, p.blockLen, true, api, site);
+  for (uint16_t k = 0; k < p.blockCount; ++k) emu::CheckGm(gm + k * gm_pitch, p.blockLen, true, api, site, emu::kMte3);
   for (uint16_t k = 0; k < p.blockCount; ++k) {
     const uint32_t u = ub.EmuOffset() + static_cast<uint32_t>(k * ub_pitch);
     emu::UbAccess(emu::kMte3, u, p.blockLen, 0, 0, api, site);

@@ -21,6 +21,7 @@
 #include <stdexcept>
 #include <string>
 #include <utility>
+#include <map>
 #include <vector>
 
 namespace emu {
@@ -69,6 +70,8 @@ constexpr const char* kGmReadOnly = "gm-read-only";
 constexpr const char* kGmGuard = "gm-guard";
 constexpr const char* kCrossCoreWrite = "cross-core-write";
 constexpr const char* kGmTensorBounds = "gm-tensor-bounds";
+constexpr const char* kGmHazard = "gm-hazard";
+constexpr const char* kCrossCoreRead = "cross-core-read";
 constexpr const char* kPipe = "tpipe";
 constexpr const char* kLaunch = "launch";
 }  // namespace rule
@@ -107,7 +110,17 @@ using Clock = std::array<uint64_t, kNumPipes>;
 struct UbBlockShadow {
   int8_t writer = -1;      // pipe of the last write, -1: never written since allocation
   uint64_t writer_seq = 0;
+  int8_t freed_writer = -1;  // the last writer before the buffer was freed: a new write must still be ordered after it
+  uint64_t freed_writer_seq = 0;
   Clock reader_seq{};      // latest read per pipe since the last write
+};
+
+// One GM write of this core still relevant to later accesses of the same bytes: [begin, end) by `pipe` op `seq`.
+struct GmShadow {
+  uintptr_t end;
+  int pipe;
+  uint64_t seq;
+  Site site;
 };
 
 struct GmWrite {
@@ -152,6 +165,8 @@ struct CoreCtx {
   std::vector<std::vector<bool>> event_reserved;  // ids held by queues
   TPipeState* pipe = nullptr;
   bool atomic_add = false;  // MTE3 writes add to GM instead of overwriting it (the mode outlives a kernel)
+  bool v_auto_sync = true;  // the compiler inserts PipeBarrier<PIPE_V> between dependent vector ops
+  std::map<uintptr_t, GmShadow> gm_writes;  // by begin, non-overlapping: this core's GM writes
   std::string pending_end_error;  // found while the TPipe ended; raised at kernel end
   std::string pending_end_rule;
   CoreStats stats;
@@ -162,6 +177,7 @@ struct LaunchState {
   const TargetSpec* spec = nullptr;
   std::vector<GmRegion> regions;
   std::vector<GmWrite> writes;
+  std::vector<GmWrite> reads;  // every core's DMA and scalar GM reads: none may see another core's write
   size_t last_region = 0;
 };
 
@@ -249,7 +265,11 @@ inline std::string Hex(uintptr_t v) {
 }
 
 // Every GM byte range a DMA or scalar access touches must lie inside one registered buffer.
-inline void CheckGm(const void* ptr, uint64_t bytes, bool is_write, const char* api, const Site& site) {
+inline void GmOrder(int pipe, uintptr_t begin, uintptr_t end, bool is_write, const char* api, const Site& site);
+
+// `pipe` >= 0: a real access by that pipe (ordered against this core's earlier GM writes, and recorded for the
+// cross-core checks); -1: only a bounds check (binding a GlobalTensor).
+inline void CheckGm(const void* ptr, uint64_t bytes, bool is_write, const char* api, const Site& site, int pipe = -1) {
   if (bytes == 0) return;
   const uintptr_t begin = reinterpret_cast<uintptr_t>(ptr);
   const uintptr_t end = begin + bytes;
@@ -263,7 +283,12 @@ inline void CheckGm(const void* ptr, uint64_t bytes, bool is_write, const char* 
     Fail(rule::kGmReadOnly, api, site,
          "writes GM [" + Hex(begin) + ", " + Hex(end) + ") inside read-only buffer '" + r->name + "'");
   }
-  if (is_write) g_launch->writes.push_back({begin, end, g_core->idx, site.file, site.line});
+  if (pipe >= 0) GmOrder(pipe, begin, end, is_write, api, site);
+  if (is_write) {
+    g_launch->writes.push_back({begin, end, g_core->idx, site.file, site.line});
+  } else if (pipe >= 0) {
+    g_launch->reads.push_back({begin, end, g_core->idx, site.file, site.line});
+  }
 }
 
 // ----------------------------------------------------------------------------- ordering model
@@ -277,12 +302,14 @@ inline const char* SyncHint(int writer, int reader) {
   if (writer == kMte2 && reader == kV) return "missing EnQue/DeQue or SetFlag/WaitFlag<MTE2_V>";
   if (writer == kMte3 && reader == kV) return "missing SetFlag/WaitFlag<MTE3_V>";
   if (writer == kV && reader == kMte2) return "missing SetFlag/WaitFlag<V_MTE2>";
+  if (writer == kMte3 && reader == kS) return "missing SetFlag/WaitFlag<MTE3_S>";
   if (writer == reader) return "missing PipeBarrier on that pipe";
   return "missing SetFlag/WaitFlag between these pipes";
 }
 
 inline bool Ordered(const CoreCtx& c, int pipe, int other, uint64_t seq) {
-  if (pipe == other && (pipe == kS || pipe == kV)) return true;  // in-order pipes
+  if (pipe == other && pipe == kS) return true;  // the scalar unit is in order
+  if (pipe == other && pipe == kV && c.v_auto_sync) return true;  // the compiler's PipeBarrier<PIPE_V>
   return c.known[pipe][other] >= seq;
 }
 
@@ -291,7 +318,7 @@ inline void UbAccess(int pipe, uint32_t rd, uint32_t rd_len, uint32_t wr, uint32
                      const Site& site) {
   CoreCtx& c = *g_core;
   const uint64_t seq = ++c.issued[pipe];
-  if (pipe == kS || pipe == kV) c.known[pipe][pipe] = seq - 1;
+  if (pipe == kS || (pipe == kV && c.v_auto_sync)) c.known[pipe][pipe] = seq - 1;  // in-order issue
   if (rd_len > 0) {
     for (uint32_t b = rd / 32; b <= (rd + rd_len - 1) / 32; ++b) {
       UbBlockShadow& s = c.shadow[b];
@@ -321,6 +348,13 @@ inline void UbAccess(int pipe, uint32_t rd, uint32_t rd_len, uint32_t wr, uint32
                    std::to_string(s.reader_seq[r]) + " (" + SyncHint(r, pipe) + ")");
         }
       }
+      if (s.writer < 0 && s.freed_writer >= 0 && !Ordered(c, pipe, s.freed_writer, s.freed_writer_seq)) {
+        Fail(rule::kUnordered, api, site,
+             std::string(PipeName(pipe)) + " overwrites UB [" + std::to_string(b * 32) + ", " +
+                 std::to_string(b * 32 + 32) + ") that " + PipeName(s.freed_writer) + " op #" +
+                 std::to_string(s.freed_writer_seq) + " wrote before its buffer was freed and allocated again (" +
+                 SyncHint(s.freed_writer, pipe) + ")");
+      }
       if (s.writer >= 0 && !Ordered(c, pipe, s.writer, s.writer_seq)) {
         Fail(rule::kUnordered, api, site,
              std::string(PipeName(pipe)) + " overwrites UB [" + std::to_string(b * 32) + ", " +
@@ -329,6 +363,7 @@ inline void UbAccess(int pipe, uint32_t rd, uint32_t rd_len, uint32_t wr, uint32
       }
       s.writer = static_cast<int8_t>(pipe);
       s.writer_seq = seq;
+      s.freed_writer = -1;
       s.reader_seq = Clock{};
     }
   }
@@ -339,9 +374,42 @@ inline void UbPoison(uint32_t offset, uint32_t len) {
   CoreCtx& c = *g_core;
   std::memset(c.ub.data() + offset, 0xA5, len);
   for (uint32_t b = offset / 32; b < (offset + len + 31) / 32; ++b) {
-    c.shadow[b].writer = -1;
-    c.shadow[b].writer_seq = 0;
+    UbBlockShadow& s = c.shadow[b];
+    if (s.writer >= 0) {
+      s.freed_writer = s.writer;
+      s.freed_writer_seq = s.writer_seq;
+    }
+    s.writer = -1;
+    s.writer_seq = 0;
   }
+}
+
+// GM hazards inside one core: a read or write of bytes this core wrote must be ordered after that write (MTE3 then
+// MTE3: PipeBarrier<PIPE_MTE3>; MTE3 then MTE2: SetFlag/WaitFlag<MTE3_MTE2>; MTE3 then a scalar read: MTE3_S).
+inline void GmOrder(int pipe, uintptr_t begin, uintptr_t end, bool is_write, const char* api, const Site& site) {
+  CoreCtx& c = *g_core;
+  uint64_t seq = c.issued[pipe] + 1;  // DMA pipes: the op about to be issued (UbAccess numbers it)
+  if (pipe == kS) {
+    seq = ++c.issued[kS];
+    c.known[kS][kS] = seq - 1;
+  }
+  auto it = c.gm_writes.upper_bound(begin);
+  if (it != c.gm_writes.begin()) --it;
+  while (it != c.gm_writes.end() && it->first < end) {
+    const GmShadow& w = it->second;
+    if (w.end <= begin) {
+      ++it;
+      continue;
+    }
+    if (!Ordered(c, pipe, w.pipe, w.seq)) {
+      Fail(rule::kGmHazard, api, site,
+           std::string(PipeName(pipe)) + (is_write ? " writes" : " reads") + " GM [" + Hex(std::max(begin, it->first)) +
+               ", " + Hex(std::min(end, w.end)) + ") that " + PipeName(w.pipe) + " wrote at " + w.site.file + ":" +
+               std::to_string(w.site.line) + " without ordering (" + SyncHint(w.pipe, pipe) + ")");
+    }
+    it = is_write ? c.gm_writes.erase(it) : std::next(it);
+  }
+  if (is_write) c.gm_writes[begin] = {end, pipe, seq, site};
 }
 
 inline void CheckEventId(const CoreCtx& c, int id, const char* api, const Site& site) {
@@ -397,6 +465,7 @@ struct LaunchConfig {
   uint64_t seed = 0;
   std::string kernel = "kernel";
   bool atomic_add_on_entry = false;  // a previous kernel on the stream left atomic add on (SetAtomicNone clears it)
+  bool v_auto_sync = true;  // false: dependent vector ops need an explicit PipeBarrier<PIPE_V> (-O0, manual sync)
 };
 
 struct LaunchReport {
@@ -425,6 +494,30 @@ inline void CheckCrossCoreWrites(LaunchState& L) {
       throw Violation(rule::kCrossCoreWrite, msg);
     }
     if (w[i].end > w[reach].end) reach = i;
+  }
+}
+
+// Cores of one launch are not synchronised: a read of bytes another core wrote sees them or not by timing.
+inline void CheckCrossCoreReads(LaunchState& L) {
+  const auto& w = L.writes;  // sorted by begin (CheckCrossCoreWrites)
+  std::vector<uintptr_t> reach(w.size());
+  for (size_t i = 0; i < w.size(); ++i) reach[i] = std::max(w[i].end, i ? reach[i - 1] : uintptr_t{0});
+  for (const GmWrite& r : L.reads) {
+    size_t j = static_cast<size_t>(std::lower_bound(w.begin(), w.end(), r.end, [](const GmWrite& a, uintptr_t e) {
+                                     return a.begin < e;
+                                   }) - w.begin());
+    while (j-- > 0 && reach[j] > r.begin) {
+      if (w[j].end > r.begin && w[j].core != r.core) {
+        char msg[512];
+        std::snprintf(msg, sizeof(msg),
+                      "[EMU][%s][%s] core %d reads GM [%s, %s) at %s:%d that core %d writes at %s:%d in the same "
+                      "launch: what it sees depends on core timing (rule: %s)",
+                      L.spec->name, L.kernel.c_str(), r.core, Hex(std::max(r.begin, w[j].begin)).c_str(),
+                      Hex(std::min(r.end, w[j].end)).c_str(), r.file, r.line, w[j].core, w[j].file, w[j].line,
+                      rule::kCrossCoreRead);
+        throw Violation(rule::kCrossCoreRead, msg);
+      }
+    }
   }
 }
 
@@ -492,6 +585,7 @@ LaunchReport Launch(const LaunchConfig& cfg, std::vector<GmRegion> regions, Body
     c.events.assign(kNumHardEvents, std::vector<EventSlot>(spec.num_event_ids));
     c.event_reserved.assign(kNumHardEvents, std::vector<bool>(spec.num_event_ids, false));
     c.atomic_add = cfg.atomic_add_on_entry;
+    c.v_auto_sync = cfg.v_auto_sync;
     g_core = &c;
     body();
     CheckKernelEnd(c);
@@ -499,6 +593,7 @@ LaunchReport Launch(const LaunchConfig& cfg, std::vector<GmRegion> regions, Body
     g_core = nullptr;
   }
   CheckCrossCoreWrites(L);
+  CheckCrossCoreReads(L);
   CheckGuards(L);
   return report;
 }
