@@ -231,8 +231,13 @@ class CudaBackend(TransferBackend):
             after_kernel()  # in stream order after the kernel: the pages are free once it completes
         if staging_path and batch.direction == Direction.STORE:
             self._copy(staging, batch, copies, stream, ready, flags, to_device=False)
+        # The status comes back into the pinned table buffer and the host waits on an event: a synchronous copy to
+        # pageable memory would hold the driver while the stream is held, blocking other threads' CUDA calls.
+        status_host = host[offsets[6]: offsets[6] + 24]
+        status_host.copy_(tables[offsets[6]: offsets[6] + 24], non_blocking=True)
         last.record(stream)
-        status = tables[offsets[6]: offsets[6] + 24].cpu().numpy().view(np.uint64)  # synchronises
+        last.synchronize()
+        status = status_host.numpy().view(np.uint64)
         seconds = time.perf_counter() - start
         self.last_kernel_ms = begin.elapsed_time(end)
         verify_kernel_report(batch, int(status[0]), int(status[1]), int(status[2]))
