@@ -233,10 +233,12 @@ class CudaBackend(TransferBackend):
             self._copy(staging, batch, copies, stream, ready, flags, to_device=False)
         # The status comes back into the pinned table buffer and the host waits on an event: a synchronous copy to
         # pageable memory would hold the driver while the stream is held, blocking other threads' CUDA calls.
+        last.record(stream)  # the measured window ends with the transfer, before the status read-back
         status_host = host[offsets[6]: offsets[6] + 24]
         status_host.copy_(tables[offsets[6]: offsets[6] + 24], non_blocking=True)
-        last.record(stream)
-        last.synchronize()
+        returned = torch.cuda.Event()
+        returned.record(stream)
+        returned.synchronize()
         status = status_host.numpy().view(np.uint64)
         seconds = time.perf_counter() - start
         self.last_kernel_ms = begin.elapsed_time(end)
