@@ -4,9 +4,7 @@ allocator's power-of-two rounding), and the CUDA transfer kernels store into and
 from __future__ import annotations
 
 import gc
-import importlib.util
 
-import pytest
 import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
@@ -15,13 +13,9 @@ from lmcache_npu.ops import get_backend
 from lmcache_npu.store.arena import HostArena
 
 from ..ops.strategies import Case, cases
+from .marks import CUDA_KERNELS
 
-pytestmark = [
-    pytest.mark.cuda,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device visible"),
-    pytest.mark.skipif(importlib.util.find_spec("lmcache_npu._cuda") is None,
-                       reason="lmcache_npu._cuda is not built (needs nvcc and a CUDA build of torch)"),
-]
+pytestmark = CUDA_KERNELS
 
 
 def test_arena_is_registered_exactly_and_unregistered_when_dropped():

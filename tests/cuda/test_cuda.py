@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 
 import numpy as np
 import pytest
@@ -15,13 +14,9 @@ from lmcache_npu.ops import get_backend
 from ..ops.oracle import Geometry, allocate
 from ..ops.strategies import Case, cases
 from ..ops.test_conformance import run_round_trip
+from .marks import CUDA_KERNELS
 
-pytestmark = [
-    pytest.mark.cuda,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device visible"),
-    pytest.mark.skipif(importlib.util.find_spec("lmcache_npu._cuda") is None,
-                       reason="lmcache_npu._cuda is not built (needs nvcc and a CUDA build of torch)"),
-]
+pytestmark = CUDA_KERNELS
 
 PLACEMENT = {
     "mapped": lambda t: t.pin_memory(),

@@ -3,7 +3,6 @@ object's gaps, and a work item whose run and plane belong to different groups is
 
 from __future__ import annotations
 
-import importlib.util
 
 import pytest
 import torch
@@ -13,13 +12,9 @@ from lmcache_npu.ops import backend as backend_module
 from lmcache_npu.ops import cuda_backend
 
 from ..ops.staging_cases import CHUNKS, HOST_GAP, gap_bytes_of_a_store_after_a_load, two_group_geometry, two_group_slots
+from .marks import CUDA_KERNELS
 
-pytestmark = [
-    pytest.mark.cuda,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device visible"),
-    pytest.mark.skipif(importlib.util.find_spec("lmcache_npu._cuda") is None,
-                       reason="lmcache_npu._cuda is not built (needs nvcc and a CUDA build of torch)"),
-]
+pytestmark = CUDA_KERNELS
 CUDA = torch.device("cuda", 0)
 
 

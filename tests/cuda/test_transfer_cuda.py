@@ -4,19 +4,13 @@ device. Each has a negative control that sees the wrong bytes without the orderi
 
 from __future__ import annotations
 
-import importlib.util
 
-import pytest
 import torch
 
 from ..transfer import ordering
+from .marks import CUDA_KERNELS
 
-pytestmark = [
-    pytest.mark.cuda,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device visible"),
-    pytest.mark.skipif(importlib.util.find_spec("lmcache_npu._cuda") is None,
-                       reason="lmcache_npu._cuda is not built (needs nvcc and a CUDA build of torch)"),
-]
+pytestmark = CUDA_KERNELS
 CUDA = torch.device("cuda", 0)
 
 

@@ -3,7 +3,6 @@ memory), every byte against the independent oracle, as tests/cuda runs it for CU
 
 from __future__ import annotations
 
-import importlib.util
 
 import pytest
 from hypothesis import given, settings
@@ -11,14 +10,9 @@ from hypothesis import strategies as st
 
 from ..ops.strategies import Case, cases
 from ..ops.test_conformance import run_round_trip
+from .marks import NEEDS_NPU_MODULE, NEEDS_TORCH_NPU
 
-pytestmark = [
-    pytest.mark.npu,
-    pytest.mark.skipif(importlib.util.find_spec("torch_npu") is None,
-                       reason="no torch_npu: the NPU suite needs an Ascend NPU with CANN and torch_npu"),
-    pytest.mark.skipif(importlib.util.find_spec("lmcache_npu._npu") is None,
-                       reason="lmcache_npu._npu is not built (needs CANN at install time)"),
-]
+pytestmark = [pytest.mark.npu, NEEDS_TORCH_NPU, NEEDS_NPU_MODULE]
 NPU = "npu:0"
 PLACEMENT = {
     "host": lambda t: t.pin_memory(),

@@ -4,19 +4,11 @@ and checking every row) with its KV caches on the NPU and the AscendC kernel mov
 
 from __future__ import annotations
 
-import importlib.util
 
 import pytest
+from .marks import NEEDS_NPU_MODULE, NEEDS_TORCH_NPU, NEEDS_VLLM_ASCEND
 
-pytestmark = [
-    pytest.mark.npu,
-    pytest.mark.skipif(importlib.util.find_spec("torch_npu") is None,
-                       reason="no torch_npu: the NPU suite needs an Ascend NPU with CANN and torch_npu"),
-    pytest.mark.skipif(importlib.util.find_spec("vllm_ascend") is None,
-                       reason="no vllm_ascend: the connector-in-vLLM-Ascend tests need the vllm-ascend image"),
-    pytest.mark.skipif(importlib.util.find_spec("lmcache_npu._npu") is None,
-                       reason="lmcache_npu._npu is not built (needs CANN at install time)"),
-]
+pytestmark = [pytest.mark.npu, NEEDS_TORCH_NPU, NEEDS_VLLM_ASCEND, NEEDS_NPU_MODULE]
 ASCEND_PRESETS = ["llama3-8b", "qwen3-32b", "deepseek-v3", "deepseek-v3.2-c8", "deepseek-v4-flash", "gemma3-27b",
                   "gpt-oss-120b", "qwen3-next-80b", "llama3-8b-310p"]
 

@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
 
 import pytest
+from .marks import NEEDS_TORCH_NPU
 
-pytestmark = [
-    pytest.mark.npu,
-    pytest.mark.skipif(importlib.util.find_spec("torch_npu") is None,
-                       reason="no torch_npu: the NPU suite needs an Ascend NPU with CANN and torch_npu"),
-]
+pytestmark = [pytest.mark.npu, NEEDS_TORCH_NPU]
 
 
 @pytest.fixture(scope="module")

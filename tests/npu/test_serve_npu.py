@@ -4,23 +4,15 @@ the second one's prefill loaded from the plugin, identical tokens. The model is 
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from pathlib import Path
 
 import pytest
 
 from ..serve_smoke import check, kv_transfer_config, two_identical_requests
+from .marks import NEEDS_NPU_MODULE, NEEDS_TORCH_NPU, NEEDS_VLLM_ASCEND
 
-pytestmark = [
-    pytest.mark.npu,
-    pytest.mark.skipif(importlib.util.find_spec("torch_npu") is None,
-                       reason="no torch_npu: the NPU suite needs an Ascend NPU with CANN and torch_npu"),
-    pytest.mark.skipif(importlib.util.find_spec("vllm_ascend") is None,
-                       reason="no vllm_ascend: `vllm serve` on an NPU needs the vllm-ascend image"),
-    pytest.mark.skipif(importlib.util.find_spec("lmcache_npu._npu") is None,
-                       reason="lmcache_npu._npu is not built (needs CANN at install time)"),
-]
+pytestmark = [pytest.mark.npu, NEEDS_TORCH_NPU, NEEDS_VLLM_ASCEND, NEEDS_NPU_MODULE]
 CHUNK_TOKENS = 256
 
 

@@ -2,17 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
 
 import pytest
+from .marks import NEEDS_NPU_MODULE, NEEDS_TORCH_NPU
 
-pytestmark = [
-    pytest.mark.npu,
-    pytest.mark.skipif(importlib.util.find_spec("torch_npu") is None,
-                       reason="no torch_npu: the NPU suite needs an Ascend NPU with CANN and torch_npu"),
-    pytest.mark.skipif(importlib.util.find_spec("lmcache_npu._npu") is None,
-                       reason="lmcache_npu._npu is not built (needs CANN at install time)"),
-]
+pytestmark = [pytest.mark.npu, NEEDS_TORCH_NPU, NEEDS_NPU_MODULE]
 
 
 def test_a_store_after_a_load_writes_no_host_gap_bytes() -> None:
