@@ -254,6 +254,20 @@ class LocalTensor {
   friend class LocalTensor;
 };
 
+namespace emu_detail {
+constexpr uint64_t kUnbounded = ~uint64_t{0};  // a GlobalTensor bound without a size
+
+// A GlobalTensor bound with a size is the buffer it names: an access past it is a named error even where the bytes
+// belong to another registered buffer (another plane, another chunk object).
+inline void CheckTensorSpan(uint64_t bound, uint64_t bytes, const char* api, const ::emu::Site& site) {
+  if (bytes > bound) {
+    ::emu::Fail(::emu::rule::kGmTensorBounds, api, site,
+                "touches " + std::to_string(bytes) + " B from its start, but the GlobalTensor was bound to " +
+                    std::to_string(bound) + " B (SetGlobalBuffer size, less any offset)");
+  }
+}
+}  // namespace emu_detail
+
 template <typename T>
 class GlobalTensor {
  public:
@@ -280,14 +294,9 @@ class GlobalTensor {
     t.bounded_ = bounded_;
     return t;
   }
-  // A GlobalTensor bound with a size is the buffer it names: an access past it is a named error even where the bytes
-  // belong to another registered buffer (another plane, another chunk object).
+  uint64_t EmuBound() const { return bounded_ ? size_ * sizeof(T) : emu_detail::kUnbounded; }
   void EmuCheckSpan(uint64_t bytes, const char* api, const emu::Site& site) const {
-    if (bounded_ && bytes > size_ * sizeof(T)) {
-      emu::Fail(emu::rule::kGmTensorBounds, api, site,
-                "touches " + std::to_string(bytes) + " B from its start, but the GlobalTensor was bound to " +
-                    std::to_string(size_ * sizeof(T)) + " B (SetGlobalBuffer size, less any offset)");
-    }
+    emu_detail::CheckTensorSpan(EmuBound(), bytes, api, site);
   }
   T GetValue(const uint64_t offset, EMU_SITE) const {
     EMU_BIND_SITE;
@@ -676,15 +685,10 @@ inline void CountDma(int pipe, uint64_t bytes) {
   }
 }
 
-// GM bytes a strided block copy spans from its first byte (0 for parameters the copy itself refuses).
-inline uint64_t BlockSpan(const DataCopyParams& p, uint16_t gm_stride) {
-  if (p.blockCount < 1 || p.blockCount > 4095 || p.blockLen < 1) return 0;
-  return (static_cast<uint64_t>(p.blockLen) + gm_stride) * 32 * (p.blockCount - 1) + static_cast<uint64_t>(p.blockLen) * 32;
-}
-
-// Strided block copy in 32 B units (DataCopy with DataCopyParams, and the count form).
-inline void BlockCopy(bool to_ub, uint8_t* gm, const LocalTensor<uint8_t>& ub, const DataCopyParams& p,
-                      const char* api, const emu::Site& site) {
+// Strided block copy in 32 B units (DataCopy with DataCopyParams, and the count form); `gm_bound`: the bytes the
+// GM side's GlobalTensor was bound to.
+inline void BlockCopy(bool to_ub, uint8_t* gm, uint64_t gm_bound, const LocalTensor<uint8_t>& ub,
+                      const DataCopyParams& p, const char* api, const emu::Site& site) {
   if (p.blockCount < 1 || p.blockCount > 4095) {
     emu::Fail(emu::rule::kDataCopyParams, api, site,
               "blockCount " + std::to_string(p.blockCount) + " outside [1, 4095]");
@@ -695,6 +699,7 @@ inline void BlockCopy(bool to_ub, uint8_t* gm, const LocalTensor<uint8_t>& ub, c
   const uint64_t ub_pitch = (static_cast<uint64_t>(p.blockLen) + (to_ub ? p.dstStride : p.srcStride)) * 32;
   const uint64_t ub_span = ub_pitch * (p.blockCount - 1) + len;
   CheckUbDma(ub.EmuOffset(), ub_span, ub, api, site);
+  CheckTensorSpan(gm_bound, gm_pitch * (p.blockCount - 1) + len, api, site);
   const int pipe = to_ub ? emu::kMte2 : emu::kMte3;
   for (uint16_t k = 0; k < p.blockCount; ++k) {
     emu::CheckGm(gm + k * gm_pitch, len, !to_ub, api, site, to_ub ? emu::kMte2 : emu::kMte3);
@@ -717,8 +722,8 @@ inline void BlockCopy(bool to_ub, uint8_t* gm, const LocalTensor<uint8_t>& ub, c
 namespace emu_detail {
 
 // The count form: one contiguous block of count * sizeof(T) bytes, which must be whole 32 B units.
-inline void CountCopy(bool to_ub, uint8_t* gm, const LocalTensor<uint8_t>& ub, uint64_t bytes, const char* api,
-                      const emu::Site& site) {
+inline void CountCopy(bool to_ub, uint8_t* gm, uint64_t gm_bound, const LocalTensor<uint8_t>& ub, uint64_t bytes,
+                      const char* api, const emu::Site& site) {
   emu::Core(api, site);
   if (bytes == 0 || bytes % 32 != 0) {
     emu::Fail(emu::rule::kDataCopyLen, api, site,
@@ -726,7 +731,7 @@ inline void CountCopy(bool to_ub, uint8_t* gm, const LocalTensor<uint8_t>& ub, u
                   std::to_string(bytes / 32 * 32) + " B)");
   }
   if (bytes / 32 > 65535) emu::Fail(emu::rule::kDataCopyParams, api, site, "more than 65535 x 32 B in one DataCopy");
-  BlockCopy(to_ub, gm, ub, DataCopyParams(1, static_cast<uint16_t>(bytes / 32), 0, 0), api, site);
+  BlockCopy(to_ub, gm, gm_bound, ub, DataCopyParams(1, static_cast<uint16_t>(bytes / 32), 0, 0), api, site);
 }
 
 }  // namespace emu_detail
@@ -735,8 +740,8 @@ template <typename T>
 __aicore__ inline void DataCopy(const LocalTensor<T>& dst, const GlobalTensor<T>& src, const uint32_t count,
                                 EMU_SITE) {
   EMU_BIND_SITE;
-  src.EmuCheckSpan(static_cast<uint64_t>(count) * sizeof(T), "DataCopy(GM->UB)", site);
-  emu_detail::CountCopy(true, reinterpret_cast<uint8_t*>(src.GetPhyAddr()), dst.template ReinterpretCast<uint8_t>(),
+  emu_detail::CountCopy(true, reinterpret_cast<uint8_t*>(src.GetPhyAddr()), src.EmuBound(),
+                        dst.template ReinterpretCast<uint8_t>(),
                         static_cast<uint64_t>(count) * sizeof(T), "DataCopy(GM->UB)", site);
 }
 
@@ -744,8 +749,8 @@ template <typename T>
 __aicore__ inline void DataCopy(const GlobalTensor<T>& dst, const LocalTensor<T>& src, const uint32_t count,
                                 EMU_SITE) {
   EMU_BIND_SITE;
-  dst.EmuCheckSpan(static_cast<uint64_t>(count) * sizeof(T), "DataCopy(UB->GM)", site);
-  emu_detail::CountCopy(false, reinterpret_cast<uint8_t*>(dst.GetPhyAddr()), src.template ReinterpretCast<uint8_t>(),
+  emu_detail::CountCopy(false, reinterpret_cast<uint8_t*>(dst.GetPhyAddr()), dst.EmuBound(),
+                        src.template ReinterpretCast<uint8_t>(),
                         static_cast<uint64_t>(count) * sizeof(T), "DataCopy(UB->GM)", site);
 }
 
@@ -754,8 +759,8 @@ __aicore__ inline void DataCopy(const LocalTensor<T>& dst, const GlobalTensor<T>
                                 EMU_SITE) {
     EMU_BIND_SITE;
   emu::Core("DataCopy", site);
-  src.EmuCheckSpan(emu_detail::BlockSpan(params, params.srcStride), "DataCopy(GM->UB, params)", site);
-  emu_detail::BlockCopy(true, reinterpret_cast<uint8_t*>(src.GetPhyAddr()), dst.template ReinterpretCast<uint8_t>(),
+  emu_detail::BlockCopy(true, reinterpret_cast<uint8_t*>(src.GetPhyAddr()), src.EmuBound(),
+                        dst.template ReinterpretCast<uint8_t>(),
                         params, "DataCopy(GM->UB, params)", site);
 }
 
@@ -764,8 +769,8 @@ __aicore__ inline void DataCopy(const GlobalTensor<T>& dst, const LocalTensor<T>
                                 EMU_SITE) {
     EMU_BIND_SITE;
   emu::Core("DataCopy", site);
-  dst.EmuCheckSpan(emu_detail::BlockSpan(params, params.dstStride), "DataCopy(UB->GM, params)", site);
-  emu_detail::BlockCopy(false, reinterpret_cast<uint8_t*>(dst.GetPhyAddr()), src.template ReinterpretCast<uint8_t>(),
+  emu_detail::BlockCopy(false, reinterpret_cast<uint8_t*>(dst.GetPhyAddr()), dst.EmuBound(),
+                        src.template ReinterpretCast<uint8_t>(),
                         params, "DataCopy(UB->GM, params)", site);
 }
 
