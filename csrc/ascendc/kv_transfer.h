@@ -147,6 +147,8 @@ class KvTransfer {
     }
     if (plane_index != cached_plane_index_) {
       plane_ = ReadDesc<PlaneDesc>(planes_, plane_index);
+      pages_ = GmRange{plane_.base_addr, static_cast<uint64_t>(plane_.num_blocks - 1) * plane_.block_stride_bytes +
+                                             static_cast<uint64_t>(plane_.rows_per_block) * plane_.row_bytes};
       cached_plane_index_ = plane_index;
     }
     const RunDesc run = ReadDesc<RunDesc>(runs_, run_index);
@@ -156,8 +158,6 @@ class KvTransfer {
     }
     const GmRange segment{objects_.GetValue(run.chunk) + plane_.object_offset_bytes,
                           static_cast<uint64_t>(group.rows_per_chunk) * plane_.row_bytes};
-    const GmRange pages{plane_.base_addr, static_cast<uint64_t>(plane_.num_blocks - 1) * plane_.block_stride_bytes +
-                                              static_cast<uint64_t>(plane_.rows_per_block) * plane_.row_bytes};
     const uint64_t obj = segment.base + static_cast<uint64_t>(run.first_row) * plane_.row_bytes;
     if (run.first_slot < 0) {
       // Skipped rows: a store writes zeros, a load leaves the page untouched.
@@ -170,10 +170,10 @@ class KvTransfer {
                                                   plane_.block_stride_bytes;
     const uint32_t row_in_block = slot % plane_.rows_per_block;
     if (plane_.layout == kPageND) {
-      MoveSpan(pages, segment, block + static_cast<uint64_t>(row_in_block) * plane_.row_bytes, obj,
+      MoveSpan(pages_, segment, block + static_cast<uint64_t>(row_in_block) * plane_.row_bytes, obj,
                static_cast<uint64_t>(run.num_rows) * plane_.row_bytes);
     } else {
-      MoveNz(pages, segment, block, row_in_block, obj, run.num_rows);
+      MoveNz(pages_, segment, block, row_in_block, obj, run.num_rows);
     }
     ++items_done_;
   }
@@ -431,6 +431,7 @@ class KvTransfer {
   bool has_pending_ = false;
   Piece pending_{};
   PlaneDesc plane_{};
+  GmRange pages_{};  // plane_'s blocks, derived when plane_ is read
   uint32_t cached_plane_index_ = 0xffffffffu;
   uint32_t items_done_ = 0, items_rejected_ = 0, dma_ops_ = 0, pieces_ = 0;
   uint64_t bytes_moved_ = 0;
