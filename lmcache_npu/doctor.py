@@ -94,7 +94,7 @@ def check_versions(versions: Mapping[str, Optional[str]], device: str) -> list[C
     if ascend_v is None:
         checks.append(Check("vllm-ascend", FAIL if device == "npu" else SKIP, "not installed",
                             "serve on Ascend from the vllm-ascend image (docs/deployment.md)" if device == "npu" else ""))
-    elif vllm_r is not None and _release(ascend_v)[:2] != vllm_r[:2]:  # type: ignore[index]
+    elif vllm_r is not None and (_release(ascend_v) or ())[:2] != vllm_r[:2]:
         checks.append(Check("vllm-ascend", FAIL, f"vllm-ascend {ascend_v} with vLLM {vllm_v}: minor versions differ",
                             "install the vLLM version vllm-ascend pins (0.23.0 for vllm-ascend 0.23)"))
     else:
@@ -119,6 +119,16 @@ def cann_home(environ: Mapping[str, str]) -> Optional[Path]:
     return None
 
 
+def cann_version(home: Path) -> str:
+    """The first `version=` line of the toolkit's version files (per-architecture directory or top level)."""
+    for name in ("version.cfg", "version.info"):
+        for found in sorted(home.glob(f"*/{name}")) + [home / name]:
+            match = re.search(r"version\s*=\s*([\w.\-]+)", found.read_text(errors="replace")) if found.is_file() else None
+            if match:
+                return match.group(1)
+    return ""
+
+
 def check_cann(environ: Mapping[str, str], device: str, npu_smi: Callable[[], Optional[str]]) -> list[Check]:
     home = cann_home(environ)
     if home is None:
@@ -126,12 +136,7 @@ def check_cann(environ: Mapping[str, str], device: str, npu_smi: Callable[[], Op
                      "/usr/local/Ascend/ascend-toolkit)", "source /usr/local/Ascend/ascend-toolkit/set_env.sh, or use "
                      "the vllm-ascend image" if device == "npu" else "")
     else:
-        version = ""
-        for name in ("version.cfg", "version.info"):
-            for found in sorted(home.glob(f"*/{name}")) + [home / name]:
-                if found.is_file():
-                    match = re.search(r"version\s*=\s*([\w.\-]+)", found.read_text(errors="replace"))
-                    version = version or (match.group(1) if match else "")
+        version = cann_version(home)
         cann = Check("cann", OK, f"CANN at {home}" + (f", version {version}" if version else ""))
     report = npu_smi()
     soc = environ.get("SOC_VERSION", "")

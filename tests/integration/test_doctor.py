@@ -37,6 +37,10 @@ def test_each_broken_version_is_blocking_and_named(change: dict, name: str) -> N
     assert verdicts(doctor.check_versions({**GOOD, **change}, "npu"))[name] == FAIL
 
 
+def test_an_unreadable_vllm_ascend_version_is_a_mismatch_not_a_crash() -> None:
+    assert verdicts(doctor.check_versions({**GOOD, "vllm-ascend": "main"}, "npu"))["vllm-ascend"] == FAIL
+
+
 def test_ascend_packages_are_not_needed_off_ascend() -> None:
     got = verdicts(doctor.check_versions({"torch": "2.13.0+cpu", "vllm": "0.32.0"}, "cpu"))
     assert got["vllm-ascend"] == SKIP and got["torch_npu"] == SKIP and got["vllm"] == OK
