@@ -78,9 +78,12 @@ class _Host:
 
 
 class Gate:
-    """Holds a stream at a point until the test opens it: CUDA stream memory operations wait on a device flag, so
-    "the other side ran first" is decided by the test, not by timing. Without them (NPU, or a CUDA build without
-    memops) a long busy loop stands in; on the host, a pause."""
+    """Holds a stream at a point until the test opens it, once: a CUDA stream memory operation waits on a flag in
+    pinned host memory that the host itself writes, so "the other side ran first" is decided by the test, not by
+    timing, and opening needs no stream (a new stream may share a hardware queue with the held one and never run).
+    Opening before the hold is enqueued (the hold may sit on another thread) lets the hold pass, never strands it.
+    Without stream memory operations (NPU, or a CUDA build without them) a long busy loop stands in; on the host, a
+    pause."""
 
     def __init__(self, setup: "Setup") -> None:
         self.setup = setup
@@ -88,30 +91,27 @@ class Gate:
         if setup.device.type == "cuda":
             from lmcache_npu import _cuda
 
-            flag = torch.zeros(1, dtype=torch.int32, device=setup.device)
+            flag = torch.zeros(1, dtype=torch.int32).pin_memory()  # mapped at the same address under UVA
             probe = torch.cuda.Stream(setup.device)
-            if _cuda.stream_write_value32(probe.cuda_stream, flag.data_ptr(), 0):
+            if _cuda.stream_wait_value32(probe.cuda_stream, flag.data_ptr(), 0):
                 self.flag, self._cuda = flag, _cuda
             probe.synchronize()
 
     def hold(self) -> None:
-        """Everything enqueued on the current stream after this waits until `open`."""
+        """Everything enqueued on the current stream after this waits until `open` (no wait once it was opened)."""
         if self.flag is None:
             self.setup.busy()
             return
         stream = torch.cuda.current_stream(self.setup.device)
-        self.flag.zero_()
         assert self._cuda.stream_wait_value32(stream.cuda_stream, self.flag.data_ptr(), 1)
 
     def open(self) -> None:
         if self.flag is not None:
-            opener = torch.cuda.Stream(self.setup.device)
-            assert self._cuda.stream_write_value32(opener.cuda_stream, self.flag.data_ptr(), 1)
-            opener.synchronize()
+            self.flag[0] = 1  # a plain host store; the waiting stream polls the flag
 
 
 class Setup:
-    def __init__(self, device: torch.device, ordered: bool = True) -> None:
+    def __init__(self, device: torch.device, ordered: bool = True, options: Optional[dict] = None) -> None:
         self.device = device
         self.module = {"cuda": torch.cuda, "npu": getattr(torch, "npu", None), "cpu": _Host}[device.type]
         names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
@@ -121,7 +121,7 @@ class Setup:
         self.layout = discover_layout(config, self.caches, LayoutPolicy(chunk_tokens=CHUNK))
         kit = (lambda: StreamKit.for_device(device)) if ordered else (lambda: Unordered(StreamKit.for_device(device)))
         backend = {"cuda": "cuda", "npu": "npu", "cpu": "emu"}[device.type]
-        self.mover = KVMover(self.layout, lambda: get_backend(backend), kit, 0, 0, TierCounters())
+        self.mover = KVMover(self.layout, lambda: get_backend(backend, **(options or {})), kit, 0, 0, TierCounters())
         self.arena = HostArena(4, self.layout.plan.object_bytes)
         self.blocks = tuple(range(1, 1 + CHUNK // BLOCK))  # chunk 0 of one request
         # on the device already: indexing with a host list would copy it synchronously and stall the host
@@ -182,10 +182,11 @@ class Setup:
         return set(torch.cat([c[list(self.blocks)].flatten() for c in self.caches.values()]).float().unique().tolist())
 
 
-def store_after_the_forwards_writes(device: torch.device, ordered: bool = True) -> tuple[set, bool, bool]:
+def store_after_the_forwards_writes(device: torch.device, ordered: bool = True,
+                                    options: Optional[dict] = None) -> tuple[set, bool, bool]:
     """The model's stream is held, then writes 7s; the store is queued at once. Returns (the stored values, whether the
     host came back from `run` and from `release_pages` while the model's stream was still held)."""
-    s = Setup(device, ordered)
+    s = Setup(device, ordered, options)
     gate = Gate(s)
     stream = s.module.current_stream(device)
     s.warm()
@@ -207,10 +208,10 @@ def store_after_the_forwards_writes(device: torch.device, ordered: bool = True) 
     return stored, run_returned_early, fence_returned_early
 
 
-def fence_orders_the_next_forward(device: torch.device, fence: bool = True) -> set:
+def fence_orders_the_next_forward(device: torch.device, fence: bool = True, options: Optional[dict] = None) -> set:
     """A store whose gather starts late; the next step's forward overwrites the pages with 9s right after the page
     fence. With the fence the store holds what the step computed (5s); without it, the 9s."""
-    s = Setup(device)
+    s = Setup(device, options=options)
     gate = Gate(s)
     s.warm()
     s.mover.set_backend(Direction.STORE, Delayed(s.mover.backends[Direction.STORE], gate.hold))
@@ -229,10 +230,11 @@ def fence_orders_the_next_forward(device: torch.device, fence: bool = True) -> s
     return stored
 
 
-def load_after_the_models_earlier_writes(device: torch.device, ordered: bool = True) -> set:
+def load_after_the_models_earlier_writes(device: torch.device, ordered: bool = True,
+                                        options: Optional[dict] = None) -> set:
     """The arena holds 3s; the model's stream is held, then zeroes the target blocks (as vLLM zeroes new blocks); the
     load is queued at once. The pages must end with the loaded 3s."""
-    s = Setup(device, ordered)
+    s = Setup(device, ordered, options)
     gate = Gate(s)
     s.warm()
     s.fill(3)
