@@ -3,6 +3,7 @@ kernel, status read-back) from torch.profiler, next to a plain pinned copy of th
 (preset, chunks, direction) and can write JSON.
 
     python benchmarks/cuda_timeline.py --presets llama3-8b deepseek-v3 deepseek-v4-flash --chunks 1 8 --json t.json
+    python benchmarks/cuda_timeline.py --geometry benchmarks/geometries/*.json --pipeline on off --no-timeline
 
 A preset needs vLLM; where it is absent, pass `--geometry` files (benchmarks/export_geometry.py writes them).
 """
@@ -34,14 +35,28 @@ def _gpu_events(prof: "profile") -> list[dict]:
     return events
 
 
-def timeline(backend: object, batch: ChunkBatch, repeats: int) -> dict:
-    """Best-of-`repeats` host wall time, and the GPU timeline of one more run under the profiler."""
-    walls = []
+QUEUE_CYCLES = 2_000_000  # ~1 ms of GPU sleep ahead of a queued transfer: longer than its host preparation
+
+
+def timeline(backend: object, batch: ChunkBatch, repeats: int, profiled: bool = True, queued: bool = False) -> dict:
+    """Best-of-`repeats` device window and host wall time, the phases of the best run, and the GPU timeline of one
+    more run under the profiler. `queued`: each transfer is enqueued behind GPU work, as in serving, so the window
+    holds GPU time only, not the host's enqueue latency."""
+    walls, devices, phases = [], [], {}
     for _ in range(repeats):
         torch.cuda.synchronize()
+        if queued:
+            torch.cuda._sleep(QUEUE_CYCLES)
         start = time.perf_counter()
         stats = backend.transfer(batch)  # type: ignore[attr-defined]
-        walls.append((time.perf_counter() - start, stats.device_seconds))
+        walls.append(time.perf_counter() - start)
+        devices.append(stats.device_seconds or 0.0)
+        if devices[-1] == min(devices):
+            phases = backend.last_phases_ms()  # type: ignore[attr-defined]
+    summary = {"wall_ms": min(walls) * 1e3, "device_ms": min(devices) * 1e3,
+               "median_device_ms": sorted(devices)[len(devices) // 2] * 1e3, "phases_ms": phases, "events": []}
+    if not profiled:
+        return summary
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         backend.transfer(batch)  # type: ignore[attr-defined]
@@ -50,15 +65,17 @@ def timeline(backend: object, batch: ChunkBatch, repeats: int) -> dict:
     origin = events[0]["start_us"] if events else 0.0
     for e in events:
         e["start_us"] -= origin
-    wall, device = min(walls)
-    return {"wall_ms": wall * 1e3, "device_ms": (device or 0.0) * 1e3, "events": events}
+    summary["events"] = events
+    return summary
 
 
-def pinned_copy_ms(nbytes: int, direction: Direction, repeats: int) -> float:
+def pinned_copy_ms(nbytes: int, direction: Direction, repeats: int, queued: bool = False) -> float:
     dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     best = float("inf")
     for _ in range(repeats):
+        if queued:
+            torch.cuda._sleep(QUEUE_CYCLES)
         begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         begin.record()
         (host.copy_(dev, non_blocking=True) if direction == Direction.STORE else dev.copy_(host, non_blocking=True))
@@ -76,36 +93,74 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--device-family", default="ascend", choices=["ascend", "cuda"])
     parser.add_argument("--path", default="staging", choices=["auto", "mapped", "staging"])
-    parser.add_argument("--pipeline", choices=["on", "off"], default=None)
+    parser.add_argument("--pipeline", nargs="+", choices=["on", "off", "auto"], default=["auto"],
+                        help="one row per choice (auto: the backend's own rule)")
+    parser.add_argument("--piece-bytes", type=int)
+    parser.add_argument("--store-first-slice-bytes", type=int)
+    parser.add_argument("--store-slice-growth", type=int)
+    parser.add_argument("--load-tail-bytes", type=int)
+    parser.add_argument("--load-tail-share", type=int)
+    parser.add_argument("--pipelined-blocks", type=int)
+    parser.add_argument("--blocks", type=int, help="thread blocks per launch (default: the backend's per path)")
+    parser.add_argument("--threads", type=int, help="threads per block")
+    parser.add_argument("--no-timeline", action="store_true", help="ratios only, no profiler run per transfer")
+    parser.add_argument("--queued", nargs="+", choices=["idle", "queued"], default=["idle"],
+                        help="idle: each transfer starts on an idle GPU (the window holds the host's enqueue "
+                             "latency); queued: behind 1 ms of GPU work, as in serving (GPU time only)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     console = Console()
-    pipeline = None if args.pipeline is None else args.pipeline == "on"
-    backend = get_backend("cuda", path=args.path, pipeline=pipeline)
+    slicing = {k: getattr(args, k) for k in ("piece_bytes", "store_first_slice_bytes", "store_slice_growth",
+                                              "load_tail_bytes", "load_tail_share", "pipelined_blocks", "blocks",
+                                              "threads")
+               if getattr(args, k) is not None}
+    backends = {choice: get_backend("cuda", path=args.path, pipeline=None if choice == "auto" else choice == "on",
+                                    **slicing) for choice in args.pipeline}
     results = []
+    summary = Table(title="x pinned copy (best of --repeats, same run)")
+    for column in ("preset", "chunks", "direction", "start", "pipeline", "MB", "device ms", "to kernel / kernel / "
+                   "after (µs)", "host wall ms", "pinned copy ms", "x pinned"):
+        summary.add_column(column, justify="right")
     sources = [load_geometry(g) for g in args.geometry] if args.geometry else args.presets
     for preset in sources:
         for chunks in args.chunks:
             m, name = materialize_source(preset, chunks, torch.device("cuda"), device_family=args.device_family)
             objects = torch.zeros((chunks, m.plan.object_bytes), dtype=torch.uint8, pin_memory=True)
-            backend.prepare(m.plan)
+            for backend in backends.values():
+                backend.prepare(m.plan)
             for direction in (Direction.STORE, Direction.LOAD):
                 batch = ChunkBatch.build(m.plan, m.slots, objects, direction)
-                backend.transfer(batch)  # warm-up
-                result = timeline(backend, batch, args.repeats)
-                copy_ms = pinned_copy_ms(batch.payload_bytes, direction, args.repeats)
-                result.update(preset=name, chunks=chunks, direction=direction.name.lower(),
-                              payload_bytes=batch.payload_bytes, pinned_copy_ms=copy_ms)
-                results.append(result)
-                table = Table(title=f"{name}, {chunks} chunk(s), {direction.name.lower()}: "
-                                    f"{batch.payload_bytes / 1e6:.1f} MB; device {result['device_ms']:.3f} ms, "
-                                    f"host wall {result['wall_ms']:.3f} ms, pinned copy {copy_ms:.3f} ms "
-                                    f"(x{copy_ms / result['device_ms']:.3f})")
-                for column in ("start (µs)", "duration (µs)", "GPU activity"):
-                    table.add_column(column)
-                for e in result["events"]:
-                    table.add_row(f"{e['start_us']:.1f}", f"{e['us']:.1f}", e["name"][:90])
-                console.print(table)
+                for start in args.queued:
+                    queued = start == "queued"
+                    copy_ms = pinned_copy_ms(batch.payload_bytes, direction, args.repeats, queued)
+                    for choice, backend in backends.items():
+                        backend.transfer(batch)  # warm-up
+                        result = timeline(backend, batch, args.repeats, profiled=not args.no_timeline and not queued,
+                                          queued=queued)
+                        result.update(preset=name, chunks=chunks, direction=direction.name.lower(), pipeline=choice,
+                                      start=start, pipelined=backend.pipelined(batch),
+                                      payload_bytes=batch.payload_bytes, pinned_copy_ms=copy_ms,
+                                      ratio=copy_ms / result["device_ms"])
+                        results.append(result)
+                        phases = result["phases_ms"]
+                        summary.add_row(name, str(chunks), direction.name.lower(), start,
+                                        f"{choice} ({'on' if result['pipelined'] else 'off'})",
+                                        f"{batch.payload_bytes / 1e6:.1f}", f"{result['device_ms']:.3f}",
+                                        " / ".join(f"{phases.get(k, 0) * 1e3:.0f}"
+                                                   for k in ("to_kernel", "kernel", "after_kernel")),
+                                        f"{result['wall_ms']:.3f}", f"{copy_ms:.3f}", f"{result['ratio']:.3f}")
+                        if not result["events"]:
+                            continue
+                        table = Table(title=f"{name}, {chunks} chunk(s), {direction.name.lower()}, pipeline "
+                                            f"{choice}: {batch.payload_bytes / 1e6:.1f} MB; device "
+                                            f"{result['device_ms']:.3f} ms, host wall {result['wall_ms']:.3f} ms, "
+                                            f"pinned copy {copy_ms:.3f} ms (x{result['ratio']:.3f})")
+                        for column in ("start (µs)", "duration (µs)", "GPU activity"):
+                            table.add_column(column)
+                        for e in result["events"]:
+                            table.add_row(f"{e['start_us']:.1f}", f"{e['us']:.1f}", e["name"][:90])
+                        console.print(table)
+    console.print(summary)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
     return 0

@@ -2,6 +2,7 @@
 // come from Python as integers; this module links only the CUDA runtime, not torch.
 #include <pybind11/pybind11.h>
 
+#include <cstddef>
 #include <stdexcept>
 #include <string>
 
@@ -16,33 +17,63 @@ void Check(int error, const char* what) {
   if (error != 0) throw std::runtime_error(std::string(what) + ": " + lmcache_cuda_error_string(error));
 }
 
-void Launch(uint64_t stream, uint64_t planes, uint64_t groups, uint64_t runs, uint64_t objects, uint64_t items,
-            uint64_t slice_items, uint64_t slice_counters, uint64_t slice_flags, uint64_t status, uint64_t num_items,
-            uint32_t num_planes, uint32_t num_groups, uint32_t num_runs, uint32_t num_chunks, uint32_t direction,
-            uint32_t blocks, uint32_t threads, uint32_t num_slices, uint32_t epoch, uint32_t pipeline) {
-  LmcacheCudaLaunch launch{};
-  launch.stream = stream;
-  launch.planes = planes;
-  launch.groups = groups;
-  launch.runs = runs;
-  launch.objects = objects;
-  launch.items = items;
-  launch.slice_items = slice_items;
-  launch.slice_counters = slice_counters;
-  launch.slice_flags = slice_flags;
-  launch.status = status;
-  launch.num_items = num_items;
-  launch.num_planes = num_planes;
-  launch.num_groups = num_groups;
-  launch.num_runs = num_runs;
-  launch.num_chunks = num_chunks;
-  launch.direction = direction;
-  launch.blocks = blocks;
-  launch.threads = threads;
-  launch.num_slices = num_slices;
-  launch.epoch = epoch;
-  launch.pipeline = pipeline;
-  Check(lmcache_cuda_kv_transfer(&launch), "lmcache_cuda_kv_transfer");
+// The transfer record lives in a numpy array the caller owns; its address crosses as an integer.
+const LmcacheCudaTransfer* Record(uint64_t address) { return reinterpret_cast<const LmcacheCudaTransfer*>(address); }
+
+void Head(uint64_t transfer) { Check(lmcache_cuda_transfer_head(Record(transfer)), "lmcache_cuda_transfer_head"); }
+
+void Tail(uint64_t transfer) { Check(lmcache_cuda_transfer_tail(Record(transfer)), "lmcache_cuda_transfer_tail"); }
+
+uint64_t EventCreate() {
+  uint64_t event = 0;
+  Check(lmcache_cuda_event_create(&event), "cudaEventCreate");
+  return event;
+}
+
+float ElapsedMs(uint64_t begin, uint64_t end) {
+  float ms = 0.0f;
+  Check(lmcache_cuda_event_elapsed_ms(begin, end, &ms), "cudaEventElapsedTime");
+  return ms;
+}
+
+// Byte offsets of the record's fields, so Python builds the same layout and checks it at import.
+py::dict TransferFields() {
+  py::dict fields;
+#define LMCACHE_FIELD(name, member) fields[name] = offsetof(LmcacheCudaTransfer, member)
+  LMCACHE_FIELD("stream", kernel.stream);
+  LMCACHE_FIELD("planes", kernel.planes);
+  LMCACHE_FIELD("groups", kernel.groups);
+  LMCACHE_FIELD("runs", kernel.runs);
+  LMCACHE_FIELD("objects", kernel.objects);
+  LMCACHE_FIELD("items", kernel.items);
+  LMCACHE_FIELD("slice_items", kernel.slice_items);
+  LMCACHE_FIELD("slice_counters", kernel.slice_counters);
+  LMCACHE_FIELD("slice_flags", kernel.slice_flags);
+  LMCACHE_FIELD("status", kernel.status);
+  LMCACHE_FIELD("num_items", kernel.num_items);
+  LMCACHE_FIELD("num_planes", kernel.num_planes);
+  LMCACHE_FIELD("num_groups", kernel.num_groups);
+  LMCACHE_FIELD("num_runs", kernel.num_runs);
+  LMCACHE_FIELD("num_chunks", kernel.num_chunks);
+  LMCACHE_FIELD("kernel_direction", kernel.direction);
+  LMCACHE_FIELD("blocks", kernel.blocks);
+  LMCACHE_FIELD("threads", kernel.threads);
+  LMCACHE_FIELD("num_slices", kernel.num_slices);
+  LMCACHE_FIELD("epoch", kernel.epoch);
+  LMCACHE_FIELD("pipeline", kernel.pipeline);
+  LMCACHE_FIELD("copy_stream", copy_stream);
+  LMCACHE_FIELD("table_host", table_host);
+  LMCACHE_FIELD("table_device", table_device);
+  LMCACHE_FIELD("table_bytes", table_bytes);
+  LMCACHE_FIELD("zero_address", zero_address);
+  LMCACHE_FIELD("zero_bytes", zero_bytes);
+  LMCACHE_FIELD("copies", copies);
+  LMCACHE_FIELD("num_copies", num_copies);
+  LMCACHE_FIELD("direction", direction);
+  LMCACHE_FIELD("status_host", status_host);
+  LMCACHE_FIELD("events", events);
+#undef LMCACHE_FIELD
+  return fields;
 }
 
 bool WaitValue(uint64_t stream, uint64_t address, uint32_t value) {
@@ -67,12 +98,18 @@ int Multiprocessors(int device) {
 
 PYBIND11_MODULE(_cuda, m) {
   m.doc() = "CUDA kv-transfer kernel launcher (raw addresses, cudaStream_t as int)";
-  m.def("launch", &Launch, py::arg("stream"), py::arg("planes"), py::arg("groups"), py::arg("runs"),
-        py::arg("objects"), py::arg("items"), py::arg("slice_items"), py::arg("slice_counters"),
-        py::arg("slice_flags"), py::arg("status"), py::arg("num_items"), py::arg("num_planes"),
-        py::arg("num_groups"), py::arg("num_runs"), py::arg("num_chunks"), py::arg("direction"), py::arg("blocks"),
-        py::arg("threads"), py::arg("num_slices"), py::arg("epoch"), py::arg("pipeline"),
+  m.def("transfer_head", &Head, "enqueue a transfer up to its kernel (table upload, zeroing, a load's copies)",
+        py::arg("transfer"), py::call_guard<py::gil_scoped_release>());
+  m.def("transfer_tail", &Tail, "enqueue the rest (a store's copies, the status read-back)", py::arg("transfer"),
         py::call_guard<py::gil_scoped_release>());
+  m.def("event_create", &EventCreate, "a cudaEvent_t with timing, as an int");
+  m.def(
+      "event_destroy", [](uint64_t event) { Check(lmcache_cuda_event_destroy(event), "cudaEventDestroy"); },
+      py::arg("event"));
+  m.def(
+      "event_synchronize", [](uint64_t event) { Check(lmcache_cuda_event_synchronize(event), "cudaEventSynchronize"); },
+      py::arg("event"), py::call_guard<py::gil_scoped_release>());
+  m.def("event_elapsed_ms", &ElapsedMs, py::arg("begin"), py::arg("end"));
   m.def("stream_wait_value32", &WaitValue, "enqueue: wait until *address >= value; False if unsupported",
         py::arg("stream"), py::arg("address"), py::arg("value"));
   m.def("stream_write_value32", &WriteValue, "enqueue: *address = value; False if unsupported", py::arg("stream"),
@@ -83,5 +120,9 @@ PYBIND11_MODULE(_cuda, m) {
       "True when the host range is page-locked and mapped at the same address (cudaHostAlloc or cudaHostRegister)",
       py::arg("address"), py::arg("size"));
   m.attr("STATUS_BYTES") = sizeof(LmcacheCudaStatus);
+  m.attr("COPY_BYTES") = sizeof(LmcacheCudaCopy);
+  m.attr("TRANSFER_BYTES") = sizeof(LmcacheCudaTransfer);
+  m.attr("TRANSFER_FIELDS") = TransferFields();
+  m.attr("EVENTS") = static_cast<int>(kLmcacheEventCount);
   m.attr("LAYOUT_VERSION") = lmcache_npu::kLayoutVersion;
 }

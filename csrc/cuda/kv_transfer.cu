@@ -190,8 +190,6 @@ extern "C" int lmcache_cuda_kv_transfer(const LmcacheCudaLaunch* a) {
   using namespace lmcache_npu;
   if (a->threads < 32 || a->threads > 1024 || a->threads % 32 != 0) return cudaErrorInvalidConfiguration;
   cudaStream_t stream = reinterpret_cast<cudaStream_t>(static_cast<uintptr_t>(a->stream));
-  cudaError_t err = cudaMemsetAsync(reinterpret_cast<void*>(a->status), 0, sizeof(LmcacheCudaStatus), stream);
-  if (err != cudaSuccess) return err;
   if (a->num_items == 0) return cudaSuccess;
   uint64_t blocks = a->blocks == 0 ? a->num_items : a->blocks;
   if (blocks > a->num_items) blocks = a->num_items;
@@ -204,6 +202,120 @@ extern "C" int lmcache_cuda_kv_transfer(const LmcacheCudaLaunch* a) {
       reinterpret_cast<const uint4*>(a->items), a->num_items, a->num_planes, a->num_groups, a->num_runs,
       a->num_chunks, a->direction, slices, reinterpret_cast<LmcacheCudaStatus*>(a->status));
   return cudaGetLastError();
+}
+
+namespace {
+
+cudaStream_t AsStream(uint64_t handle) { return reinterpret_cast<cudaStream_t>(static_cast<uintptr_t>(handle)); }
+cudaEvent_t AsEvent(uint64_t handle) { return reinterpret_cast<cudaEvent_t>(static_cast<uintptr_t>(handle)); }
+
+int Record(const LmcacheCudaTransfer* t, LmcacheTransferEvent which, uint64_t stream) {
+  return t->events[which] == 0 ? cudaSuccess : cudaEventRecord(AsEvent(t->events[which]), AsStream(stream));
+}
+
+int StreamValue(bool wait, uint64_t stream, uint64_t address, uint32_t value);
+
+// The copies of one direction, in slice order. Pipelined, a store's copy first waits for its slice's flag and a
+// load raises the flag once the slice's last copy is in; back to back on the caller's stream otherwise.
+int EnqueueCopies(const LmcacheCudaTransfer* t, bool to_device) {
+  const bool pipelined = t->copy_stream != 0;
+  const uint64_t stream = pipelined ? t->copy_stream : t->kernel.stream;
+  const auto* copies = reinterpret_cast<const LmcacheCudaCopy*>(t->copies);
+  const uint64_t flags = t->kernel.slice_flags;
+  for (uint64_t i = 0; i < t->num_copies; ++i) {
+    const LmcacheCudaCopy& c = copies[i];
+    const bool slice_begins = i == 0 || copies[i - 1].slice != c.slice;
+    const bool slice_ends = i + 1 == t->num_copies || copies[i + 1].slice != c.slice;
+    if (pipelined && !to_device && slice_begins) {
+      const int rc = StreamValue(true, stream, flags + 4 * c.slice, t->kernel.epoch);
+      if (rc != 0) return rc < 0 ? cudaErrorNotSupported : rc;
+    }
+    void* dst = reinterpret_cast<void*>(to_device ? c.staging : c.host);
+    const void* src = reinterpret_cast<const void*>(to_device ? c.host : c.staging);
+    const cudaError_t err = cudaMemcpyAsync(dst, src, c.bytes, to_device ? cudaMemcpyHostToDevice
+                                                                           : cudaMemcpyDeviceToHost, AsStream(stream));
+    if (err != cudaSuccess) return err;
+    if (pipelined && to_device && slice_ends) {
+      const int rc = StreamValue(false, stream, flags + 4 * c.slice, t->kernel.epoch);
+      if (rc != 0) return rc < 0 ? cudaErrorNotSupported : rc;
+      // The kernel's stream waits for the first slice by event, which wakes a stream about 1 µs sooner than a wait
+      // on the slice's flag (benchmarks/cuda_gate_latency.py).
+      if (c.slice == copies[0].slice) {
+        const int err = Record(t, kLmcacheEventFirstSliceIn, stream);
+        if (err != cudaSuccess) return err;
+      }
+    }
+  }
+  return pipelined ? Record(t, kLmcacheEventCopiesDone, stream) : cudaSuccess;
+}
+
+}  // namespace
+
+#define LMCACHE_TRY(expr)            \
+  do {                               \
+    const int rc_ = (expr);          \
+    if (rc_ != 0) return rc_;        \
+  } while (0)
+
+extern "C" int lmcache_cuda_transfer_head(const LmcacheCudaTransfer* t) {
+  const cudaStream_t stream = AsStream(t->kernel.stream);
+  const bool load = t->direction == lmcache_npu::kLoad;
+  LMCACHE_TRY(Record(t, kLmcacheEventFirst, t->kernel.stream));
+  if (t->table_bytes != 0) {
+    LMCACHE_TRY(cudaMemcpyAsync(reinterpret_cast<void*>(t->table_device), reinterpret_cast<const void*>(t->table_host),
+                                t->table_bytes, cudaMemcpyHostToDevice, stream));
+  }
+  if (t->zero_bytes != 0) {
+    LMCACHE_TRY(cudaMemsetAsync(reinterpret_cast<void*>(t->zero_address), 0, t->zero_bytes, stream));
+  }
+  const bool pipelined = t->copy_stream != 0 && t->num_copies != 0;
+  if (load) {
+    // A pipelined load's copies start with the transfer's turn on the caller's stream, not before: its window is
+    // then First to the last copy, and the lane's ordering holds for every operation of the transfer.
+    if (pipelined) {
+      if (t->events[kLmcacheEventFirst] == 0) return cudaErrorInvalidValue;
+      LMCACHE_TRY(cudaStreamWaitEvent(AsStream(t->copy_stream), AsEvent(t->events[kLmcacheEventFirst]), 0));
+    }
+    LMCACHE_TRY(EnqueueCopies(t, true));
+    // Pipelined, the kernel starts once the first slice is in: its blocks then wait only for the later slices.
+    if (pipelined) {
+      if (t->events[kLmcacheEventFirstSliceIn] == 0) return cudaErrorInvalidValue;
+      LMCACHE_TRY(cudaStreamWaitEvent(stream, AsEvent(t->events[kLmcacheEventFirstSliceIn]), 0));
+    }
+  }
+  LMCACHE_TRY(Record(t, kLmcacheEventKernelBegin, t->kernel.stream));
+  LMCACHE_TRY(lmcache_cuda_kv_transfer(&t->kernel));
+  return Record(t, kLmcacheEventKernelEnd, t->kernel.stream);
+}
+
+extern "C" int lmcache_cuda_transfer_tail(const LmcacheCudaTransfer* t) {
+  // A store's copies are queued after its kernel, also when they wait for its flags on the copy stream: streams may
+  // share a hardware queue, and a wait queued there ahead of the kernel that ends it would never end.
+  if (t->direction == lmcache_npu::kStore) LMCACHE_TRY(EnqueueCopies(t, false));
+  LMCACHE_TRY(Record(t, kLmcacheEventLast, t->kernel.stream));
+  if (t->status_host != 0) {
+    LMCACHE_TRY(cudaMemcpyAsync(reinterpret_cast<void*>(t->status_host),
+                                reinterpret_cast<const void*>(t->kernel.status), sizeof(LmcacheCudaStatus),
+                                cudaMemcpyDeviceToHost, AsStream(t->kernel.stream)));
+  }
+  return Record(t, kLmcacheEventReturned, t->kernel.stream);
+}
+
+#undef LMCACHE_TRY
+
+extern "C" int lmcache_cuda_event_create(uint64_t* event) {
+  cudaEvent_t handle = nullptr;
+  const cudaError_t err = cudaEventCreate(&handle);
+  *event = reinterpret_cast<uint64_t>(handle);
+  return err;
+}
+
+extern "C" int lmcache_cuda_event_destroy(uint64_t event) { return cudaEventDestroy(AsEvent(event)); }
+
+extern "C" int lmcache_cuda_event_synchronize(uint64_t event) { return cudaEventSynchronize(AsEvent(event)); }
+
+extern "C" int lmcache_cuda_event_elapsed_ms(uint64_t begin, uint64_t end, float* ms) {
+  return cudaEventElapsedTime(ms, AsEvent(begin), AsEvent(end));
 }
 
 extern "C" int lmcache_cuda_multiprocessors(int device, int* count) {
@@ -244,25 +356,26 @@ StreamValueFn DriverFunction(const char* name) {
   return reinterpret_cast<StreamValueFn>(fn);
 }
 
-enum class StreamOp { kWait, kWrite };
-
-int StreamValue(StreamOp op, uint64_t stream, uint64_t address, uint32_t value, unsigned int flags) {
-  static const StreamValueFn wait = DriverFunction("cuStreamWaitValue32");
-  static const StreamValueFn write = DriverFunction("cuStreamWriteValue32");
-  const StreamValueFn fn = op == StreamOp::kWait ? wait : write;
+// wait: until *address >= value; else *address = value. 0 on success, -1 if the driver lacks the call.
+int StreamValue(bool wait, uint64_t stream, uint64_t address, uint32_t value) {
+  static const StreamValueFn wait_fn = DriverFunction("cuStreamWaitValue32");
+  static const StreamValueFn write_fn = DriverFunction("cuStreamWriteValue32");
+  const StreamValueFn fn = wait ? wait_fn : write_fn;
   if (fn == nullptr) return -1;
   return static_cast<int>(fn(reinterpret_cast<CUstream>(static_cast<uintptr_t>(stream)),
-                             static_cast<CUdeviceptr>(address), value, flags));
+                             static_cast<CUdeviceptr>(address), value,
+                             wait ? static_cast<unsigned>(CU_STREAM_WAIT_VALUE_GEQ)
+                                  : static_cast<unsigned>(CU_STREAM_WRITE_VALUE_DEFAULT)));
 }
 
 }  // namespace
 
 extern "C" int lmcache_cuda_stream_wait_value32(uint64_t stream, uint64_t address, uint32_t value) {
-  return StreamValue(StreamOp::kWait, stream, address, value, CU_STREAM_WAIT_VALUE_GEQ);
+  return StreamValue(true, stream, address, value);
 }
 
 extern "C" int lmcache_cuda_stream_write_value32(uint64_t stream, uint64_t address, uint32_t value) {
-  return StreamValue(StreamOp::kWrite, stream, address, value, CU_STREAM_WRITE_VALUE_DEFAULT);
+  return StreamValue(false, stream, address, value);
 }
 
 extern "C" const char* lmcache_cuda_error_string(int error) {

@@ -9,7 +9,7 @@
 extern "C" {
 #endif
 
-// Counters the kernel accumulates with atomics; the host zeroes them (cudaMemsetAsync) per launch.
+// Counters the kernel accumulates with atomics; zero at launch (the host uploads zeros with the tables).
 typedef struct {
   unsigned long long items_done;
   unsigned long long items_rejected;
@@ -27,7 +27,7 @@ typedef struct {
   uint64_t slice_items;   // uint32 per slice: work items in it (pipelined staging only)
   uint64_t slice_counters;  // uint32 per slice, zero at launch: items finished
   uint64_t slice_flags;   // uint32 per slice: set to `epoch` when a slice's bytes are ready
-  uint64_t status;        // LmcacheCudaStatus, device memory
+  uint64_t status;        // LmcacheCudaStatus, device memory, zero at launch
   uint64_t num_items;
   uint32_t num_planes;
   uint32_t num_groups;
@@ -48,8 +48,54 @@ enum LmcachePipeline {
   kLmcacheAcquireSlices = 2,  // load: wait for a slice's flag before reading its bytes
 };
 
-// Returns a cudaError_t value (0 on success). Enqueues a status reset and exactly one kernel.
+// One copy-engine step between the staging buffer and a host object.
+typedef struct {
+  uint64_t staging;  // device address
+  uint64_t host;     // host address (pinned for an asynchronous copy)
+  uint64_t bytes;
+  uint64_t slice;    // pipelined: a store's copy waits for this slice's flag; a load's copy raises it
+} LmcacheCudaCopy;
+
+// The events a transfer records, as cudaEvent_t handles (lmcache_cuda_event_create).
+enum LmcacheTransferEvent {
+  kLmcacheEventFirst = 0,    // before the table upload: the transfer's window starts
+  kLmcacheEventKernelBegin,
+  kLmcacheEventKernelEnd,    // the pages are free once this completes (a store's kernel read them)
+  kLmcacheEventLast,         // the transfer's work on the caller's stream is done (before the status read-back)
+  kLmcacheEventCopiesDone,   // pipelined: the copy stream's last copy is done
+  kLmcacheEventReturned,     // the status sits in host memory
+  kLmcacheEventFirstSliceIn,  // a pipelined load's first slice is in staging: the kernel's stream waits for it
+  kLmcacheEventCount,
+};
+
+// Everything one transfer enqueues, in the order it runs: table upload, staging zeroing, (load) copies in,
+// kernel, (store) copies out, status read-back. Plain 64-bit fields so Python can fill it as a numpy record.
+typedef struct {
+  LmcacheCudaLaunch kernel;
+  uint64_t copy_stream;   // pipelined copies run here, meeting the kernel through slice flags; 0: on kernel.stream
+  uint64_t table_host;    // pinned host bytes uploaded to table_device before the kernel (0 bytes: none)
+  uint64_t table_device;
+  uint64_t table_bytes;
+  uint64_t zero_address;  // staging bytes zeroed before the kernel (0 bytes: none)
+  uint64_t zero_bytes;
+  uint64_t copies;        // LmcacheCudaCopy[num_copies], host memory, in slice order
+  uint64_t num_copies;
+  uint64_t direction;     // lmcache_npu::Direction: a store copies after the kernel, a load before it
+  uint64_t status_host;   // pinned host bytes the status is read back into
+  uint64_t events[kLmcacheEventCount];
+} LmcacheCudaTransfer;
+
+// Returns a cudaError_t value (0 on success). Enqueues exactly one kernel on launch->stream.
 int lmcache_cuda_kv_transfer(const LmcacheCudaLaunch* launch);
+// The transfer up to the kernel end event: the caller may record its own events on kernel.stream in between.
+// Every stream wait is queued after what ends it (streams may share a hardware queue).
+int lmcache_cuda_transfer_head(const LmcacheCudaTransfer* transfer);
+// The rest: a store's copies out, the last events and the status read-back.
+int lmcache_cuda_transfer_tail(const LmcacheCudaTransfer* transfer);
+int lmcache_cuda_event_create(uint64_t* event);
+int lmcache_cuda_event_destroy(uint64_t event);
+int lmcache_cuda_event_synchronize(uint64_t event);
+int lmcache_cuda_event_elapsed_ms(uint64_t begin, uint64_t end, float* ms);
 int lmcache_cuda_multiprocessors(int device, int* count);
 // 1 when [address, address + size) is page-locked host memory kernels may address with the same pointer
 // (cudaHostAlloc'ed or cudaHostRegister'ed, mapped under unified addressing), else 0.

@@ -81,11 +81,10 @@ class OverlapResult:
         return 100.0 * (self.matmul_ms_with_transfers / self.matmul_ms_alone - 1.0)
 
 
-def overlap(batch: ChunkBatch, backend, path: str, matmuls: int = 150, size: int = 8192,
-            priority: int = 0) -> OverlapResult:
-    """bf16 matmuls on the compute stream while `batch` is transferred again and again on a side stream
-    (`priority` < 0: a high-priority stream, whose blocks the scheduler places first as SMs free up)."""
-    device = batch.plan.device
+def _overlap(device: torch.device, step: Callable[[], tuple[int, float, float]], label: str, matmuls: int, size: int,
+             priority: int) -> OverlapResult:
+    """bf16 matmuls on the compute stream while `step` (returns payload bytes, seconds, kernel ms) runs again and
+    again on a side stream."""
     a = torch.randn(size, size, dtype=torch.bfloat16, device=device)
     b = torch.randn(size, size, dtype=torch.bfloat16, device=device)
     compute = torch.cuda.current_stream(device)
@@ -102,18 +101,48 @@ def overlap(batch: ChunkBatch, backend, path: str, matmuls: int = 150, size: int
     begin, end = matmul_loop()
     end.synchronize()
     alone = begin.elapsed_time(end) / matmuls
-    backend.path = path
     side = torch.cuda.Stream(device, priority=priority)
     begin, end = matmul_loop()
     moved, seconds, kernel_ms, count = 0, 0.0, 0.0, 0
     with torch.cuda.stream(side):
         while not end.query():
-            stats = backend.transfer(batch)
-            moved += stats.payload_bytes
-            seconds += stats.device_seconds or stats.seconds
-            kernel_ms += backend.last_kernel_ms or 0.0
+            nbytes, step_seconds, step_kernel_ms = step()
+            moved += nbytes
+            seconds += step_seconds
+            kernel_ms += step_kernel_ms
             count += 1
     end.synchronize()
     with_transfers = begin.elapsed_time(end) / matmuls
-    return OverlapResult(path, priority, alone, with_transfers, moved / seconds / 1e9 if seconds else 0.0, count,
+    return OverlapResult(label, priority, alone, with_transfers, moved / seconds / 1e9 if seconds else 0.0, count,
                          kernel_ms / max(count, 1))
+
+
+def overlap(batch: ChunkBatch, backend, path: str, matmuls: int = 150, size: int = 8192,
+            priority: int = 0) -> OverlapResult:
+    """The matmul loop's slowdown while `batch` is transferred again and again on a side stream (`priority` < 0: a
+    high-priority stream, whose blocks the scheduler places first as SMs free up)."""
+    backend.path = path
+
+    def step() -> tuple[int, float, float]:
+        stats = backend.transfer(batch)
+        return stats.payload_bytes, stats.device_seconds or stats.seconds, backend.last_kernel_ms or 0.0
+
+    return _overlap(batch.plan.device, step, path, matmuls, size, priority)
+
+
+def pinned_copy_overlap(nbytes: int, direction: Direction, device: torch.device, matmuls: int = 150,
+                        size: int = 8192) -> OverlapResult:
+    """The same matmul loop next to plain pinned copies of `nbytes`: the PCIe rate a transfer can hope for there."""
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    def step() -> tuple[int, float, float]:
+        stream = torch.cuda.current_stream(device)
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record(stream)
+        (host.copy_(dev, non_blocking=True) if direction == Direction.STORE else dev.copy_(host, non_blocking=True))
+        end.record(stream)
+        end.synchronize()
+        return nbytes, begin.elapsed_time(end) / 1e3, 0.0
+
+    return _overlap(device, step, "pinned copy", matmuls, size, 0)

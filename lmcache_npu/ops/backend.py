@@ -72,11 +72,14 @@ class TransferBackend(abc.ABC):
         return self.transfer(ChunkBatch.build(plan, slots, objects, Direction.LOAD))
 
 
-def verify_kernel_report(batch: ChunkBatch, done: int, rejected: int, bytes_moved: int) -> None:
-    """Every kernel reports what it did; anything but the whole batch is an error, never a silent loss."""
-    if rejected or done != batch.total_items:
+def verify_kernel_report(batch: ChunkBatch, done: int, rejected: int, bytes_moved: int,
+                         items: Optional[int] = None) -> None:
+    """Every kernel reports what it did; anything but the whole batch is an error, never a silent loss. `items`:
+    the work items launched when the backend cut the batch's runs finer (default: the batch's own)."""
+    expected = batch.total_items if items is None else items
+    if rejected or done != expected:
         raise RuntimeError(
-            f"kernel moved {done} of {batch.total_items} work items and rejected {rejected}: the host "
+            f"kernel moved {done} of {expected} work items and rejected {rejected}: the host "
             "validation and the kernel disagree about this batch"
         )
     if bytes_moved != batch.payload_bytes:
@@ -112,14 +115,24 @@ def warm_up(backend: TransferBackend, plan: TransferPlan) -> None:
     backend.store(plan, slots, [scratch])
 
 
-def pack_pinned(parts: Sequence[np.ndarray]) -> tuple[torch.Tensor, list[int]]:
-    """Per-call tables in one pinned host buffer (64 B aligned parts), so one async copy uploads them all."""
+def packed_offsets(parts: Sequence[np.ndarray]) -> tuple[list[int], int]:
+    """Where each part of a packed table buffer starts (64 B aligned), and the buffer's size."""
     offsets = np.cumsum([0] + [(p.nbytes + 63) // 64 * 64 for p in parts]).tolist()
-    host = torch.zeros(max(int(offsets[-1]), 64), dtype=torch.uint8, pin_memory=True)
-    view = host.numpy()
+    return [int(o) for o in offsets[:-1]], max(int(offsets[-1]), 64)
+
+
+def pack_into(view: np.ndarray, parts: Sequence[np.ndarray], offsets: Sequence[int]) -> None:
+    """Writes each part at its offset of a uint8 host buffer."""
     for part, offset in zip(parts, offsets):
         view[offset: offset + part.nbytes] = np.ascontiguousarray(part).view(np.uint8).reshape(-1)
-    return host, [int(o) for o in offsets[:-1]]
+
+
+def pack_pinned(parts: Sequence[np.ndarray]) -> tuple[torch.Tensor, list[int]]:
+    """Per-call tables in one pinned host buffer (64 B aligned parts), so one async copy uploads them all."""
+    offsets, nbytes = packed_offsets(parts)
+    host = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=True)
+    pack_into(host.numpy(), parts, offsets)
+    return host, offsets
 
 
 class StagingBuffer:
@@ -134,7 +147,7 @@ class StagingBuffer:
         self._buffer: Optional[torch.Tensor] = None
         self._plan: Optional["weakref.ref[TransferPlan]"] = None
         self._dirty = (0, 0)  # [begin, end): may hold bytes that are not a store's output
-        self._pending: Optional[tuple[int, int]] = None  # bytes reserve() found dirty, zeroed by zero_pending()
+        self._pending: Optional[tuple[int, int]] = None  # bytes reserve() found dirty, zeroed by zero_pending() or by the caller (take_pending())
 
     def get(self, plan: TransferPlan, nbytes: int, direction: Direction) -> torch.Tensor:
         """reserve() then zero_pending(): the buffer ready for this transfer's kernel."""
@@ -144,7 +157,8 @@ class StagingBuffer:
 
     def reserve(self, plan: TransferPlan, nbytes: int, direction: Direction) -> torch.Tensor:
         """The first `nbytes` of the buffer for one transfer; host bookkeeping only (an allocation at most), so a
-        caller can prepare everything before its first device operation and zero_pending() right before the kernel."""
+        caller can prepare everything before its first device operation and zero the pending bytes right before
+        the kernel."""
         buffer = self._buffer
         if buffer is None or buffer.numel() < nbytes or buffer.device != plan.device:
             buffer = self._buffer = torch.zeros(nbytes, dtype=torch.uint8, device=plan.device)
@@ -166,10 +180,14 @@ class StagingBuffer:
 
     def zero_pending(self) -> None:
         """Enqueues the zeroing reserve() found necessary on the current stream (nothing when none was)."""
-        if self._pending is not None and self._buffer is not None:
-            begin, end = self._pending
-            self._buffer[begin:end].zero_()
-            self._pending = None
+        pending = self.take_pending()
+        if pending is not None and self._buffer is not None:
+            self._buffer[pending[0]:pending[1]].zero_()
+
+    def take_pending(self) -> Optional[tuple[int, int]]:
+        """The [begin, end) bytes reserve() found dirty, for a caller that enqueues the zeroing itself."""
+        pending, self._pending = self._pending, None
+        return pending
 
     @property
     def dirty(self) -> tuple[int, int]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
@@ -103,14 +104,17 @@ class ChunkBatch:
     def num_chunks(self) -> int:
         return len(self.objects)
 
-    @property
+    @functools.cached_property
     def payload_bytes(self) -> int:
-        """Bytes the transfer writes: every moved row (and, on store, the zeros of skipped rows)."""
+        """Bytes the transfer writes: every moved row (and, on store, the zeros of skipped rows); computed once."""
+        rows: dict[int, int] = {}  # moved rows per group, counted once for all its planes
         total = 0
         for p in self.plan.moved_planes:
-            matrix = self.slots[p.group]
-            rows = matrix.size if self.direction == Direction.STORE else int((matrix >= 0).sum())
-            total += rows * p.row_bytes
+            if p.group not in rows:
+                matrix = self.slots[p.group]
+                rows[p.group] = matrix.size if self.direction == Direction.STORE else int(
+                    np.count_nonzero(matrix >= 0))
+            total += rows[p.group] * p.row_bytes
         return total
 
     def object_addresses(self) -> np.ndarray:

@@ -5,13 +5,16 @@ Two ways to reach host chunk objects:
 * ``staging``: the kernel gathers into (scatters from) a device buffer and the copy engine moves the
   contiguous bytes with cudaMemcpyAsync.
 ``path="auto"`` picks per direction from ``AUTO_PATH`` (measured, see docs/performance.md).
-Either way a transfer is exactly one kernel launch.
+Either way a transfer is exactly one kernel launch, and one native call enqueues everything around it (table
+upload, staging zeroing, copies, events) so the GPU never waits for Python between them.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -24,9 +27,9 @@ from .backend import (
     StagingBuffer,
     TransferBackend,
     TransferStats,
-    copy_stretches,
     host_stretches,
-    pack_pinned,
+    pack_into,
+    packed_offsets,
     verify_kernel_report,
     warm_up,
 )
@@ -36,49 +39,142 @@ from .plan import Direction, TransferPlan
 logger = logging.getLogger(__name__)
 
 PATHS = ("auto", "mapped", "staging")
-# Chosen from the H200 measurements in docs/performance.md: staging (pipelined) is as fast as mapped or
-# faster in both directions and leaves the SMs to the model while the copy engine crosses PCIe.
+# Chosen from the H200 measurements in docs/performance.md: staging is as fast as mapped or faster in both
+# directions and leaves the SMs to the model while the copy engine crosses PCIe.
 AUTO_PATH = {Direction.STORE: "staging", Direction.LOAD: "staging"}
-# Pipelining pays once a store moves about 4 llama-8B chunks (128 MiB); below that the per-slice costs
-# dominate. A pipelined load keeps its blocks resident while they wait for slices: 1-2% faster, but it
-# cost the matmul loop 7-15%, so loads pipeline only on request. See docs/performance.md.
-AUTO_PIPELINE_MIN_BYTES = {Direction.STORE: 128 << 20, Direction.LOAD: None}
-FIRST_SLICE_BYTES = 2 << 20  # the copy engine starts after this much is gathered...
-MAX_SLICE_BYTES = 64 << 20  # ...and slices double up to this, so fixed per-copy costs stay small
+# Pipelining (the copy engine meets the kernel through per-slice flags) from this much payload: below it the
+# handshakes cost more than the kernel they hide (H100, 2026-11-24, docs/performance.md).
+AUTO_PIPELINE_MIN_BYTES = {Direction.STORE: 34 << 20, Direction.LOAD: 34 << 20}
+PIECE_BYTES = 64 << 10  # runs are cut so one block gathers about this much: slices complete in staging order
+STORE_FIRST_SLICE_BYTES = 1 << 20  # a store's copy engine starts once this much is gathered...
+STORE_SLICE_GROWTH = 4  # ...and its later slices grow by this factor, so few handshakes remain
+# A load's tail: what still crosses PCIe once the kernel starts. It must outlast the kernel's start (~20 µs after the
+# first slice lands) and the first slice's scatter (~1/20 of its PCIe time), or the kernel runs after PCIe is done.
+LOAD_TAIL_BYTES = 2 << 20
+LOAD_TAIL_SHARE = 12
 MAX_SLICES = 256
-PIPELINED_BLOCKS = 32  # enough to outrun PCIe many times over while leaving most SMs to the model
 
 NO_PIPELINE, RELEASE_SLICES, ACQUIRE_SLICES = 0, 1, 2
+
+# The native transfer record (LmcacheCudaTransfer in csrc/cuda/kv_transfer_cuda.h), field by field.
+_RECORD_U64 = ("stream", "planes", "groups", "runs", "objects", "items", "slice_items", "slice_counters",
+               "slice_flags", "status", "num_items")
+_RECORD_U32 = ("num_planes", "num_groups", "num_runs", "num_chunks", "kernel_direction", "blocks", "threads",
+               "num_slices", "epoch", "pipeline")
+_RECORD_TAIL = ("copy_stream", "table_host", "table_device", "table_bytes", "zero_address", "zero_bytes", "copies",
+                "num_copies", "direction", "status_host")
+(EVENT_FIRST, EVENT_KERNEL_BEGIN, EVENT_KERNEL_END, EVENT_LAST, EVENT_COPIES_DONE, EVENT_RETURNED,
+ EVENT_FIRST_SLICE_IN) = range(7)
+
+
+def record_dtype(cuda: Any) -> np.dtype:
+    """The numpy twin of the native record, at the offsets the built module reports (a stale build fails here)."""
+    names = _RECORD_U64 + _RECORD_U32 + _RECORD_TAIL + ("events",)
+    fields = dict(cuda.TRANSFER_FIELDS)
+    if set(fields) != set(names) or cuda.EVENTS != EVENT_FIRST_SLICE_IN + 1:
+        raise BackendUnavailable(f"lmcache_npu._cuda has transfer fields {sorted(fields)}; this package expects "
+                                 f"{sorted(names)}: rebuild it (pip install -e . or setup.py build_ext)")
+    formats = (["<u8"] * len(_RECORD_U64) + ["<u4"] * len(_RECORD_U32) + ["<u8"] * len(_RECORD_TAIL)
+               + [("<u8", (cuda.EVENTS,))])
+    return np.dtype({"names": list(names), "formats": formats, "offsets": [fields[n] for n in names],
+                     "itemsize": cuda.TRANSFER_BYTES})
 
 
 @dataclass(frozen=True)
 class WorkOrder:
-    """Work items in staging-byte order, cut into byte-balanced slices for the copy engine."""
+    """The kernel's work: the batch's runs cut into pieces, and (run, plane) items in staging-byte order, cut into
+    byte-balanced slices for the copy engine."""
 
+    runs: np.ndarray  # RUN_DESC_DTYPE: the batch's runs, each cut into pieces of about PIECE_BYTES per plane
+    group_table: np.ndarray  # GROUP_DESC_DTYPE over `runs`
     items: np.ndarray  # (n, 4) uint32: run, plane, slice, 0
     slice_items: np.ndarray  # uint32 per slice
     pieces: list[list[tuple[int, int, int]]]  # per slice: (chunk, offset in object, length)
 
 
-def slice_bounds(total: int, first: int = FIRST_SLICE_BYTES, largest: int = MAX_SLICE_BYTES) -> np.ndarray:
-    """End offsets of geometric slices: first, 2 x first, ... capped at `largest`, at most MAX_SLICES."""
-    bounds, position, size = [], 0, first
+_WIDEST_ROWS: "weakref.WeakKeyDictionary[TransferPlan, list[int]]" = weakref.WeakKeyDictionary()
+
+
+def widest_rows(plan: TransferPlan) -> list[int]:
+    """Per group, the widest row its moved planes hold (0 for a skipped group); computed once per plan."""
+    widest = _WIDEST_ROWS.get(plan)
+    if widest is None:
+        widest = [0] * len(plan.groups)
+        for p in plan.moved_planes:
+            widest[p.group] = max(widest[p.group], p.row_bytes)
+        _WIDEST_ROWS[plan] = widest
+    return widest
+
+
+def split_runs(batch: ChunkBatch, piece_bytes: int) -> tuple[np.ndarray, np.ndarray]:
+    """The batch's runs cut so no piece holds more than `piece_bytes` on its group's widest plane (at least one row),
+    and the group table over them. Pieces are runs too (consecutive rows and slots inside one block)."""
+    runs_out, table = [], batch.group_table.copy()
+    run_cursor = item_cursor = 0
+    for g, (group, widest) in enumerate(zip(batch.group_table, widest_rows(batch.plan))):
+        begin, count = int(group["run_begin"]), int(group["run_count"])
+        runs = batch.runs[begin: begin + count]
+        plane_count = int(group["plane_count"])
+        if count and widest and piece_bytes > 0:
+            rows = max(1, piece_bytes // widest)
+            num_rows = runs["num_rows"].astype(np.int64)
+            counts = -(-num_rows // rows)
+            pieces = np.repeat(runs, counts)
+            offset = (np.arange(pieces.size, dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)) * rows
+            pieces["first_row"] += offset.astype(np.uint32)
+            live = pieces["first_slot"] >= 0
+            pieces["first_slot"][live] += offset[live].astype(np.int32)
+            pieces["num_rows"] = np.minimum(rows, np.repeat(num_rows, counts) - offset).astype(np.uint32)
+            runs = pieces
+        table[g]["run_begin"], table[g]["run_count"], table[g]["item_begin"] = run_cursor, runs.size, item_cursor
+        runs_out.append(runs)
+        run_cursor += runs.size
+        item_cursor += runs.size * plane_count
+    return (np.concatenate(runs_out) if runs_out else batch.runs), table
+
+
+def slice_bounds(total: int, direction: Direction, pipelined: bool, first: int = STORE_FIRST_SLICE_BYTES,
+                 growth: int = STORE_SLICE_GROWTH, tail_bytes: int = LOAD_TAIL_BYTES,
+                 tail_share: int = LOAD_TAIL_SHARE) -> np.ndarray:
+    """End offsets of the copy engine's slices of `total` staging bytes.
+
+    Not pipelined: one. A store's grow from `first` by `growth`: the copy engine starts once the first is gathered
+    and never waits long for the next. A load's kernel starts once its first slice (all but a tail of `tail_bytes` +
+    1/`tail_share` of the bytes) is in and scatters it while the tail crosses PCIe in halving slices, so only the
+    last, smallest slice's scatter remains once PCIe is done."""
+    if not pipelined or total <= 0:
+        return np.array([max(total, 0)], dtype=np.int64)
+    if direction == Direction.LOAD:
+        tail = min(total // 2, max(0, tail_bytes) + total // max(1, tail_share))
+        if tail == 0:
+            return np.array([total], dtype=np.int64)
+        bounds, position, rest = [total - tail], total - tail, tail
+        for part in (tail // 2, tail // 4, tail // 8):  # the last slice is what rest leaves: about tail / 8
+            if 0 < part < rest:
+                position, rest = position + part, rest - part
+                bounds.append(position)
+        bounds.append(total)
+        return np.array(bounds, dtype=np.int64)
+    bounds, position, size = [], 0, max(1, first)
     while position < total and len(bounds) < MAX_SLICES - 1:
-        position += size
-        bounds.append(min(position, total))
-        size = min(size * 2, largest)
-    if not bounds or bounds[-1] < total:
+        position = min(position + size, total)
+        bounds.append(position)
+        size *= max(2, growth)
+    if bounds[-1] < total:
         bounds.append(total)
     return np.array(bounds, dtype=np.int64)
 
 
-def work_order(batch: ChunkBatch, first_slice_bytes: int = FIRST_SLICE_BYTES) -> WorkOrder:
+def work_order(batch: ChunkBatch, pipelined: bool = False, piece_bytes: int = PIECE_BYTES,
+               bounds: Optional[np.ndarray] = None) -> WorkOrder:
+    """The kernel's items for `batch` in staging-byte order, with the slice each belongs to (`bounds`: slice end
+    offsets; default slice_bounds for the batch's direction)."""
     plan = batch.plan
-    runs = batch.runs
+    runs, group_table = split_runs(batch, piece_bytes)
     plane_offsets = np.array(plan.object_offsets, dtype=np.int64)
     plane_rows = np.array([p.row_bytes for p in plan.moved_planes], dtype=np.int64)
     run_ids, plane_ids = [], []
-    for group in batch.group_table:
+    for group in group_table:
         r = np.arange(group["run_begin"], group["run_begin"] + group["run_count"], dtype=np.int64)
         p = np.arange(group["plane_begin"], group["plane_begin"] + group["plane_count"], dtype=np.int64)
         if r.size and p.size:
@@ -86,7 +182,7 @@ def work_order(batch: ChunkBatch, first_slice_bytes: int = FIRST_SLICE_BYTES) ->
             run_ids.append(rr.reshape(-1))
             plane_ids.append(pp.reshape(-1))
     if not run_ids:
-        return WorkOrder(np.zeros((0, 4), dtype=np.uint32), np.zeros(0, dtype=np.uint32), [])
+        return WorkOrder(runs, group_table, np.zeros((0, 4), dtype=np.uint32), np.zeros(0, dtype=np.uint32), [])
     run_id, plane_id = np.concatenate(run_ids), np.concatenate(plane_ids)
     chunk = runs["chunk"][run_id].astype(np.int64)
     offset = plane_offsets[plane_id] + runs["first_row"][run_id].astype(np.int64) * plane_rows[plane_id]
@@ -95,7 +191,8 @@ def work_order(batch: ChunkBatch, first_slice_bytes: int = FIRST_SLICE_BYTES) ->
     order = np.argsort(start, kind="stable")
     run_id, plane_id, start, length = run_id[order], plane_id[order], start[order], length[order]
     total = batch.num_chunks * plan.object_bytes
-    bounds = slice_bounds(total, first_slice_bytes, max(first_slice_bytes, MAX_SLICE_BYTES))
+    if bounds is None:
+        bounds = slice_bounds(total, batch.direction, pipelined)
     _, slice_id = np.unique(np.searchsorted(bounds, start, side="right"), return_inverse=True)
     slice_items = np.bincount(slice_id).astype(np.uint32)
     pieces: list[list[tuple[int, int, int]]] = []
@@ -108,14 +205,72 @@ def work_order(batch: ChunkBatch, first_slice_bytes: int = FIRST_SLICE_BYTES) ->
                        for c in range(lo // plan.object_bytes, (hi - 1) // plan.object_bytes + 1)])
     items = np.zeros((len(order), 4), dtype=np.uint32)
     items[:, 0], items[:, 1], items[:, 2] = run_id, plane_id, slice_id
-    return WorkOrder(items, slice_items, pieces)
+    return WorkOrder(runs, group_table, items, slice_items, pieces)
+
+
+def copy_table(staging_address: int, objects: tuple[torch.Tensor, ...], order: WorkOrder, object_bytes: int,
+               pipelined: bool) -> np.ndarray:
+    """The copy engine's steps as LmcacheCudaCopy rows (staging address, host address, bytes, slice): one per
+    stretch contiguous on both sides, per slice when pipelined, else merged across slices."""
+    if pipelined:
+        per_slice = [(k, host_stretches(objects, pieces, object_bytes)) for k, pieces in enumerate(order.pieces)]
+    else:
+        per_slice = [(0, host_stretches(objects, [p for pieces in order.pieces for p in pieces], object_bytes))]
+    rows = [(staging_address + chunk * object_bytes + offset, objects[chunk].data_ptr() + offset, length, k)
+            for k, stretches in per_slice for chunk, offset, length in stretches]
+    return np.array(rows, dtype=np.uint64).reshape(-1, 4)
+
+
+class _Native:
+    """What every transfer on one device reuses: the record, its events, the table buffers, the copy stream."""
+
+    def __init__(self, cuda: Any, device: torch.device) -> None:
+        self.cuda = cuda
+        self.device = device
+        self.record = np.zeros(1, dtype=record_dtype(cuda))
+        with torch.cuda.device(device):
+            self.events = [cuda.event_create() for _ in range(cuda.EVENTS)]
+            self.copy_stream = torch.cuda.Stream(device)
+        self.record["events"][0] = self.events
+        self.flags = torch.zeros(MAX_SLICES, dtype=torch.int32, device=device)
+        self.epoch = 0
+        self.host_tables = torch.zeros(0, dtype=torch.uint8)
+        self.device_tables = torch.zeros(0, dtype=torch.uint8, device=device)
+        torch.cuda.current_stream(device).synchronize()  # the flags are zero before the copy stream waits on them
+
+    def tables(self, nbytes: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pinned host and device table buffers of at least `nbytes`, kept across transfers (each transfer is done
+        before the next starts), so none allocates page-locked memory while the device may be busy."""
+        if self.host_tables.numel() < nbytes:
+            size = max(4096, 1 << (nbytes - 1).bit_length())
+            self.host_tables = torch.zeros(size, dtype=torch.uint8, pin_memory=True)
+            self.device_tables = torch.empty(size, dtype=torch.uint8, device=self.device)  # used on this stream only
+        return self.host_tables, self.device_tables
+
+    def next_epoch(self) -> int:
+        self.epoch = (self.epoch + 1) & 0xFFFFFFFF or 1
+        if self.epoch == 1:  # wrapped (or first): flags from 2^32 transfers ago must not satisfy a wait
+            self.flags.zero_()
+            torch.cuda.current_stream(self.device).synchronize()
+        return self.epoch
+
+    def elapsed_ms(self, begin: int, end: int) -> float:
+        return float(self.cuda.event_elapsed_ms(self.events[begin], self.events[end]))
+
+    def close(self) -> None:
+        for event in self.events:
+            self.cuda.event_destroy(event)
+        self.events = []
 
 
 class CudaBackend(TransferBackend):
     name = "cuda"
 
     def __init__(self, path: str = "auto", blocks: Optional[int] = None, threads: int = 512,
-                 pipeline: Optional[bool] = None) -> None:
+                 pipeline: Optional[bool] = None, piece_bytes: int = PIECE_BYTES,
+                 store_first_slice_bytes: int = STORE_FIRST_SLICE_BYTES, store_slice_growth: int = STORE_SLICE_GROWTH,
+                 load_tail_bytes: int = LOAD_TAIL_BYTES, load_tail_share: int = LOAD_TAIL_SHARE,
+                 pipelined_blocks: Optional[int] = None) -> None:
         if path not in PATHS:
             raise ValueError(f"path must be one of {PATHS}, got {path!r}")
         if not torch.cuda.is_available():
@@ -125,15 +280,24 @@ class CudaBackend(TransferBackend):
         except ImportError as exc:
             raise BackendUnavailable(f"lmcache_npu._cuda is not built ({exc})") from exc
         self._cuda: Any = _cuda
+        record_dtype(_cuda)  # a stale build is refused here, not at the first transfer
         self.path = path
         self.threads = threads
         self.multiprocessors = _cuda.multiprocessors(torch.cuda.current_device())
         self.blocks = blocks
+        # None: one per SM for a store, so its slices complete in order; a load's blocks only wait for the copy engine,
+        # which never waits for them, so it keeps the unpipelined count
+        self.pipelined_blocks = pipelined_blocks
+        self.piece_bytes = piece_bytes
+        self.store_first_slice_bytes = store_first_slice_bytes
+        self.store_slice_growth = store_slice_growth
+        self.load_tail_bytes = load_tail_bytes
+        self.load_tail_share = load_tail_share
         self._plane_tables = PlaneTables()
         self._staging = StagingBuffer()
-        self._flags: Optional[torch.Tensor] = None
-        self._copy_stream: Optional[torch.cuda.Stream] = None
-        self._epoch = 0
+        self._staging_address = 0
+        self._native: Optional[_Native] = None
+        self._lock = threading.Lock()  # one transfer at a time: the record and buffers are reused
         # Stream memory operations let one launch overlap the kernel with the copy engine.
         probe = torch.zeros(1, dtype=torch.int32, device="cuda")
         probe_stream = torch.cuda.current_stream().cuda_stream
@@ -145,11 +309,28 @@ class CudaBackend(TransferBackend):
         if not supported:
             logger.warning("cuStreamWaitValue32 is unavailable: the staging path runs kernel and copy back to back")
         self.last_kernel_ms: Optional[float] = None
+        self._last_pipelined = False
+
+    def __del__(self) -> None:
+        native = getattr(self, "_native", None)
+        if native is not None:
+            try:
+                native.close()
+            except Exception:  # the CUDA context may already be gone at interpreter exit
+                logger.debug("cuda events not destroyed", exc_info=True)
 
     def path_for(self, batch: ChunkBatch) -> str:
         if all(o.device.type == "cuda" for o in batch.objects):
             return "device"
         return AUTO_PATH[batch.direction] if self.path == "auto" else self.path
+
+    def pipelined(self, batch: ChunkBatch) -> bool:
+        """Whether a staging transfer of `batch` overlaps its kernel with the copy engine."""
+        if not self._memops or self.path_for(batch) != "staging":
+            return False
+        if self.pipeline is not None:
+            return self.pipeline
+        return batch.payload_bytes >= AUTO_PIPELINE_MIN_BYTES[batch.direction]
 
     def _host_mapped(self, obj: torch.Tensor) -> bool:
         """Page-locked and addressable by kernels: torch's pinned memory, or a cudaHostRegister'ed arena (torch's
@@ -161,6 +342,30 @@ class CudaBackend(TransferBackend):
         warm_up(self, plan)
 
     def transfer(self, batch: ChunkBatch, after_kernel: Optional[Callable[[], None]] = None) -> TransferStats:
+        with self._lock:
+            return self._transfer(batch, after_kernel)
+
+    def last_phases_ms(self) -> dict[str, float]:
+        """Where the last transfer's device window went, from its events (valid until the next transfer): start to
+        kernel (table upload, zeroing, a load's copies), the kernel, kernel end to the end of the window."""
+        state = self._native
+        if state is None:
+            return {}
+        phases = {"to_kernel": state.elapsed_ms(EVENT_FIRST, EVENT_KERNEL_BEGIN),
+                  "kernel": state.elapsed_ms(EVENT_KERNEL_BEGIN, EVENT_KERNEL_END),
+                  "after_kernel": state.elapsed_ms(EVENT_KERNEL_END, EVENT_LAST)}
+        if self._last_pipelined:
+            phases["copies_done"] = state.elapsed_ms(EVENT_FIRST, EVENT_COPIES_DONE)
+        return phases
+
+    def _state(self, device: torch.device) -> _Native:
+        if self._native is None or self._native.device != device:
+            if self._native is not None:
+                self._native.close()
+            self._native = _Native(self._cuda, device)
+        return self._native
+
+    def _transfer(self, batch: ChunkBatch, after_kernel: Optional[Callable[[], None]]) -> TransferStats:
         plan = batch.plan
         device = plan.device
         if device.type != "cuda":
@@ -173,112 +378,83 @@ class CudaBackend(TransferBackend):
             if path == "staging" and obj.device.type != "cpu":
                 raise ValueError(f"chunk {i}: the staging path moves host objects; this one is on {obj.device}")
         staging_path = path == "staging"
-        threshold = AUTO_PIPELINE_MIN_BYTES[batch.direction]
-        wanted = (threshold is not None and batch.payload_bytes >= threshold) if self.pipeline is None else self.pipeline
-        pipelined = staging_path and self._memops and wanted
-        order = work_order(batch)
-        slices = order.slice_items.size
+        pipelined = self.pipelined(batch)
         object_bytes = plan.object_bytes
-        copies: list[list[tuple[int, int, int]]] = []  # per copy-engine step: stretches contiguous on both sides
+        total = batch.num_chunks * object_bytes
+        bounds = slice_bounds(total, batch.direction, pipelined, self.store_first_slice_bytes,
+                              self.store_slice_growth, self.load_tail_bytes, self.load_tail_share)
+        order = work_order(batch, pipelined, self.piece_bytes, bounds)
+        pipelined = pipelined and order.slice_items.size > 1  # one slice: nothing to overlap
+        slices = order.slice_items.size
+        state = self._state(device)
+        stream = torch.cuda.current_stream(device)
+        zero = None
+        copies = np.zeros((0, 4), dtype=np.uint64)
         if staging_path:
-            staging = self._staging.reserve(plan, batch.num_chunks * object_bytes, batch.direction)
+            staging = self._staging.reserve(plan, total, batch.direction)
+            if staging.data_ptr() != self._staging_address:  # new memory: its zeroing done before any stream uses it
+                stream.synchronize()
+                self._staging_address = staging.data_ptr()
+            zero = self._staging.take_pending()
             addresses = staging.data_ptr() + np.arange(batch.num_chunks, dtype=np.uint64) * np.uint64(object_bytes)
-            if pipelined:
-                copies = [host_stretches(batch.objects, pieces, object_bytes) for pieces in order.pieces]
-            else:  # one step: stretches merge across slices, one copy where host objects are adjacent
-                copies = [host_stretches(batch.objects, [p for pieces in order.pieces for p in pieces], object_bytes)]
+            copies = copy_table(staging.data_ptr(), batch.objects, order, object_bytes, pipelined)
         else:
             addresses = batch.object_addresses()
-        # Every host-side step before the first device operation: the GPU never idles waiting for Python between
-        # the table upload, the kernel and the copies, and the measured window holds only GPU work.
-        host, offsets = pack_pinned([batch.group_table, batch.runs, addresses, order.items, order.slice_items,
-                                     np.zeros(slices, dtype=np.uint32),  # per-slice counters
-                                     np.zeros(self._cuda.STATUS_BYTES, dtype=np.uint8)])
-        tables = torch.empty(host.numel(), dtype=torch.uint8, device=device)
-        base = tables.data_ptr()
-        stream = torch.cuda.current_stream(device)
-        flags = self._slice_flags(device)
-        self._epoch = (self._epoch + 1) & 0xFFFFFFFF or 1
-        pipeline = NO_PIPELINE if not pipelined else (
-            RELEASE_SLICES if batch.direction == Direction.STORE else ACQUIRE_SLICES)
-        blocks = self.blocks or (PIPELINED_BLOCKS if pipelined else (
-            self.multiprocessors if path == "mapped" else 4 * self.multiprocessors))
-        launch = dict(
-            stream=stream.cuda_stream, planes=self._plane_tables.get(plan).data_ptr(), groups=base + offsets[0],
-            runs=base + offsets[1], objects=base + offsets[2], items=base + offsets[3],
-            slice_items=base + offsets[4], slice_counters=base + offsets[5], slice_flags=flags.data_ptr(),
-            status=base + offsets[6], num_items=len(order.items), num_planes=len(plan.plane_table),
-            num_groups=len(batch.group_table), num_runs=batch.runs.size, num_chunks=batch.num_chunks,
-            direction=int(batch.direction), blocks=blocks, threads=self.threads, num_slices=slices,
-            epoch=self._epoch, pipeline=pipeline,
-        )
-        first, last = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        ready = torch.cuda.Event() if pipelined else None
+        parts = [order.group_table, order.runs, addresses, order.items, order.slice_items,
+                 np.zeros(slices, dtype=np.uint32),  # per-slice counters
+                 np.zeros(self._cuda.STATUS_BYTES, dtype=np.uint8)]  # the kernel's status starts at zero
+        offsets, table_bytes = packed_offsets(parts)
+        host_tables, device_tables = state.tables(table_bytes)
+        pack_into(host_tables.numpy(), parts, offsets)
+        host, base = host_tables.data_ptr(), device_tables.data_ptr()
+        if pipelined:
+            blocks = self.blocks or self.pipelined_blocks or (
+                self.multiprocessors if batch.direction == Direction.STORE else 4 * self.multiprocessors)
+        else:
+            blocks = self.blocks or (self.multiprocessors if path == "mapped" else 4 * self.multiprocessors)
+        record = state.record
+        for name, value in (
+                ("stream", stream.cuda_stream), ("planes", self._plane_tables.get(plan).data_ptr()),
+                ("groups", base + offsets[0]), ("runs", base + offsets[1]), ("objects", base + offsets[2]),
+                ("items", base + offsets[3]), ("slice_items", base + offsets[4]),
+                ("slice_counters", base + offsets[5]), ("slice_flags", state.flags.data_ptr()),
+                ("status", base + offsets[6]), ("num_items", len(order.items)), ("num_planes", len(plan.plane_table)),
+                ("num_groups", len(order.group_table)), ("num_runs", order.runs.size),
+                ("num_chunks", batch.num_chunks), ("kernel_direction", int(batch.direction)), ("blocks", blocks),
+                ("threads", self.threads), ("num_slices", slices), ("epoch", state.next_epoch()),
+                ("pipeline", RELEASE_SLICES if pipelined and batch.direction == Direction.STORE
+                 else ACQUIRE_SLICES if pipelined else NO_PIPELINE),
+                ("copy_stream", state.copy_stream.cuda_stream if pipelined else 0), ("table_host", host),
+                ("table_device", base), ("table_bytes", table_bytes),
+                ("zero_address", 0 if zero is None else staging.data_ptr() + zero[0]),
+                ("zero_bytes", 0 if zero is None else zero[1] - zero[0]),
+                ("copies", copies.ctypes.data), ("num_copies", len(copies)), ("direction", int(batch.direction)),
+                ("status_host", host + offsets[6])):
+            record[name] = value
+        address = state.record.ctypes.data
         start = time.perf_counter()
-        first.record(stream)
-        tables.copy_(host, non_blocking=True)
-        if staging_path:
-            self._staging.zero_pending()
-        if ready is not None:
-            ready.record(stream)  # tables on the device; staging free of the previous transfer
-        if staging_path and batch.direction == Direction.LOAD:
-            self._copy(staging, batch, copies, stream, ready, flags, to_device=True)
-        begin.record(stream)
-        self._cuda.launch(**launch)
-        end.record(stream)
-        if after_kernel is not None:
-            after_kernel()  # in stream order after the kernel: the pages are free once it completes
-        if staging_path and batch.direction == Direction.STORE:
-            self._copy(staging, batch, copies, stream, ready, flags, to_device=False)
-        # The status comes back into the pinned table buffer and the host waits on an event: a synchronous copy to
-        # pageable memory would hold the driver while the stream is held, blocking other threads' CUDA calls.
-        last.record(stream)  # the measured window ends with the transfer, before the status read-back
-        status_host = host[offsets[6]: offsets[6] + 24]
-        status_host.copy_(tables[offsets[6]: offsets[6] + 24], non_blocking=True)
-        returned = torch.cuda.Event()
-        returned.record(stream)
-        returned.synchronize()
-        status = status_host.numpy().view(np.uint64)
+        try:
+            self._cuda.transfer_head(address)
+            if after_kernel is not None:
+                after_kernel()  # in stream order after the kernel: the pages are free once it completes
+            self._cuda.transfer_tail(address)
+            # The host waits on events, never on a synchronous copy: that would hold the driver while a stream is
+            # held and block other threads' CUDA calls.
+            self._cuda.event_synchronize(state.events[EVENT_RETURNED])
+            if pipelined:
+                self._cuda.event_synchronize(state.events[EVENT_COPIES_DONE])
+        except BaseException:
+            stream.synchronize()  # nothing enqueued may still read the reused buffers when the next transfer starts
+            state.copy_stream.synchronize()
+            raise
         seconds = time.perf_counter() - start
-        self.last_kernel_ms = begin.elapsed_time(end)
-        verify_kernel_report(batch, int(status[0]), int(status[1]), int(status[2]))
+        window_ms = state.elapsed_ms(EVENT_FIRST, EVENT_LAST)
+        if pipelined:
+            window_ms = max(window_ms, state.elapsed_ms(EVENT_FIRST, EVENT_COPIES_DONE))
+        self.last_kernel_ms = state.elapsed_ms(EVENT_KERNEL_BEGIN, EVENT_KERNEL_END)
+        self._last_pipelined = pipelined
+        status = host_tables.numpy()[offsets[6]: offsets[6] + 24].view(np.uint64)
+        verify_kernel_report(batch, int(status[0]), int(status[1]), int(status[2]), items=len(order.items))
         return TransferStats(backend=self.name, direction=batch.direction, chunks=batch.num_chunks,
                              payload_bytes=batch.payload_bytes, launches=1, seconds=seconds,
-                             device_seconds=first.elapsed_time(last) / 1e3)
-
-    def _slice_flags(self, device: torch.device) -> torch.Tensor:
-        if self._flags is None or self._flags.device != device:
-            self._flags = torch.zeros(MAX_SLICES, dtype=torch.int32, device=device)
-            self._epoch = 0
-        return self._flags
-
-    def _copy(self, staging: torch.Tensor, batch: ChunkBatch, copies: list[list[tuple[int, int, int]]],
-              stream: torch.cuda.Stream, ready: Optional[torch.cuda.Event], flags: torch.Tensor,
-              to_device: bool) -> None:
-        """The copy engine's steps: on the current stream back to back (one step), or pipelined with the kernel.
-
-        Pipelined, a side stream waits only for `ready` (recorded before the launch), never for the kernel itself,
-        and meets it through per-slice flags: on a store it copies slice 0 while the kernel still gathers the rest;
-        on a load the kernel starts on a slice as soon as its copy raised the flag."""
-        object_bytes = batch.plan.object_bytes
-        if ready is None:
-            for stretches in copies:
-                copy_stretches(staging, batch.objects, stretches, object_bytes, to_device)
-            return
-        if self._copy_stream is None or self._copy_stream.device != stream.device:
-            self._copy_stream = torch.cuda.Stream(stream.device)
-        side = self._copy_stream
-        side.wait_event(ready)
-        flag_base = flags.data_ptr()
-        with torch.cuda.stream(side):
-            for k, stretches in enumerate(copies):
-                if not to_device and not self._cuda.stream_wait_value32(side.cuda_stream, flag_base + 4 * k,
-                                                                         self._epoch):
-                    raise RuntimeError("cuStreamWaitValue32 became unavailable mid-transfer")
-                copy_stretches(staging, batch.objects, stretches, object_bytes, to_device)
-                if to_device and not self._cuda.stream_write_value32(side.cuda_stream, flag_base + 4 * k,
-                                                                     self._epoch):
-                    raise RuntimeError("cuStreamWriteValue32 became unavailable mid-transfer")
-        if not to_device:
-            stream.wait_stream(side)  # the caller's stream sees the host objects complete
+                             device_seconds=window_ms / 1e3)

@@ -31,12 +31,22 @@ def to_cuda(case: Case) -> Case:
     return case
 
 
+# Slicing small enough that the strategy's small objects pipeline over several slices and many pieces.
+SLICING = st.fixed_dictionaries({
+    "piece_bytes": st.sampled_from([0, 1, 100, 4096, 64 << 10]),
+    "store_first_slice_bytes": st.sampled_from([64, 1000, 1 << 20]),
+    "store_slice_growth": st.sampled_from([2, 4, 1 << 30]),
+    "load_tail_bytes": st.sampled_from([0, 100, 2 << 20]),
+    "load_tail_share": st.sampled_from([2, 3, 12]),
+})
+
+
 @settings(max_examples=250)
 @given(case=cases(soc="a2"), path=st.sampled_from(sorted(PLACEMENT)), blocks=st.sampled_from([None, 1, 3, 1000]),
-       threads=st.sampled_from([32, 256, 1024]), pipeline=st.booleans())
-def test_cuda_matches_oracle(case: Case, path: str, blocks, threads: int, pipeline: bool) -> None:
+       threads=st.sampled_from([32, 256, 1024]), pipeline=st.booleans(), slicing=SLICING)
+def test_cuda_matches_oracle(case: Case, path: str, blocks, threads: int, pipeline: bool, slicing: dict) -> None:
     backend = get_backend("cuda", path="mapped" if path == "device" else path, blocks=blocks, threads=threads,
-                          pipeline=pipeline)
+                          pipeline=pipeline, **slicing)
     run_round_trip(backend, to_cuda(case), PLACEMENT[path])
 
 

@@ -1,4 +1,5 @@
-"""The CUDA backend's slicing of a batch for the copy engine (pure numpy: runs without a GPU)."""
+"""The CUDA backend's host side of a transfer: runs cut into pieces, items in staging order cut into slices, and the
+copy engine's steps (pure numpy: runs without a GPU)."""
 
 from __future__ import annotations
 
@@ -8,21 +9,66 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from lmcache_npu.ops import ChunkBatch, Direction
-from lmcache_npu.ops.cuda_backend import MAX_SLICES, work_order
+from lmcache_npu.ops.cuda_backend import MAX_SLICES, copy_table, slice_bounds, split_runs, work_order
 
 from ..ops.strategies import Case, cases
 
+DIRECTIONS = st.sampled_from([Direction.STORE, Direction.LOAD])
 
-@given(case=cases(soc="a2"), slice_bytes=st.sampled_from([64, 1000, 1 << 16, 2 << 20]),
-       direction=st.sampled_from([Direction.STORE, Direction.LOAD]))
-def test_slices_cover_every_item_and_payload_byte_once(case: Case, slice_bytes: int, direction: Direction) -> None:
+
+def _batch(case: Case, direction: Direction, objects: list[torch.Tensor] | None = None) -> ChunkBatch:
     plan = case.geometry.plan()
-    objects = torch.zeros((case.num_chunks, plan.object_bytes), dtype=torch.uint8)
-    batch = ChunkBatch.build(plan, case.slots, objects, direction)
-    order = work_order(batch, slice_bytes)
-    assert len(order.items) == batch.total_items
-    assert int(order.slice_items.sum()) == batch.total_items
-    assert 0 < order.slice_items.size <= MAX_SLICES or batch.total_items == 0
+    if objects is None:
+        objects = list(torch.zeros((case.num_chunks, plan.object_bytes), dtype=torch.uint8))
+    return ChunkBatch.build(plan, case.slots, objects, direction)
+
+
+def _rows(runs: np.ndarray) -> set[tuple[int, int, int]]:
+    """(chunk, row, slot) of every row the runs name."""
+    out = set()
+    for run in runs:
+        for r in range(int(run["num_rows"])):
+            slot = int(run["first_slot"]) + r if run["first_slot"] >= 0 else -1
+            out.add((int(run["chunk"]), int(run["first_row"]) + r, slot))
+    return out
+
+
+@given(case=cases(soc="a2"), piece_bytes=st.sampled_from([0, 1, 33, 1000, 1 << 16]), direction=DIRECTIONS)
+def test_pieces_name_exactly_the_batchs_rows_and_stay_small(case: Case, piece_bytes: int,
+                                                           direction: Direction) -> None:
+    batch = _batch(case, direction)
+    plan = batch.plan
+    runs, groups = split_runs(batch, piece_bytes)
+    for g, (before, after) in enumerate(zip(batch.group_table, groups)):
+        old = batch.runs[before["run_begin"]: before["run_begin"] + before["run_count"]]
+        new = runs[after["run_begin"]: after["run_begin"] + after["run_count"]]
+        assert _rows(new) == _rows(old), f"group {g}: the pieces name other rows than the runs"
+        assert int(new["num_rows"].sum()) == int(old["num_rows"].sum()), f"group {g}: a row is named twice"
+        planes = plan.moved_planes[after["plane_begin"]: after["plane_begin"] + after["plane_count"]]
+        if piece_bytes and planes and new.size:
+            widest = max(p.row_bytes for p in planes)
+            assert (new["num_rows"] <= max(1, piece_bytes // widest)).all()
+        rpb = int(before["rows_per_block"])
+        live = new[new["first_slot"] >= 0]
+        assert ((live["first_slot"] % rpb + live["num_rows"]) <= rpb).all(), "a piece crosses a block boundary"
+    assert int(groups["run_count"].sum()) == runs.size
+
+
+@given(case=cases(soc="a2"), first=st.sampled_from([64, 1000, 1 << 16, 2 << 20]), growth=st.sampled_from([2, 4]),
+       share=st.sampled_from([2, 24]), piece_bytes=st.sampled_from([0, 100, 1 << 16]), direction=DIRECTIONS,
+       pipelined=st.booleans())
+def test_slices_cover_every_item_and_payload_byte_once(case: Case, first: int, growth: int, share: int,
+                                                       piece_bytes: int, direction: Direction,
+                                                       pipelined: bool) -> None:
+    batch = _batch(case, direction)
+    plan = batch.plan
+    bounds = slice_bounds(batch.num_chunks * plan.object_bytes, direction, pipelined, first, growth, share)
+    order = work_order(batch, pipelined, piece_bytes, bounds)
+    expected_items = sum(int(g["run_count"]) * int(g["plane_count"]) for g in order.group_table)
+    assert len(order.items) == expected_items
+    assert int(order.slice_items.sum()) == expected_items
+    assert 0 < order.slice_items.size <= MAX_SLICES or expected_items == 0
+    assert pipelined or order.slice_items.size <= 1
     assert (np.diff(order.items[:, 2].astype(np.int64)) >= 0).all(), "slices must follow item order"
     covered = np.zeros((case.num_chunks, plan.object_bytes), dtype=np.int32)
     for pieces in order.pieces:
@@ -32,17 +78,81 @@ def test_slices_cover_every_item_and_payload_byte_once(case: Case, slice_bytes: 
     assert covered.max(initial=0) <= 1, "a byte is copied by two slices"
     offsets = plan.object_offsets
     for item in order.items:  # every item's bytes lie inside its own slice's pieces
-        run, plane = batch.runs[item[0]], plan.moved_planes[item[1]]
+        run, plane = order.runs[item[0]], plan.moved_planes[item[1]]
         lo = offsets[item[1]] + int(run["first_row"]) * plane.row_bytes
         hi = lo + int(run["num_rows"]) * plane.row_bytes
         inside = [(c, o, n) for c, o, n in order.pieces[item[2]] if c == run["chunk"] and o <= lo and hi <= o + n]
         assert inside, "an item's bytes are not in its slice"
 
 
-def test_slices_grow_geometrically() -> None:
-    from lmcache_npu.ops.cuda_backend import slice_bounds
-
+def test_slice_sizes_per_direction() -> None:
     mib = 1 << 20
-    assert list(slice_bounds(268 * mib) // mib) == [2, 6, 14, 30, 62, 126, 190, 254, 268]
-    assert list(slice_bounds(7 * mib)) == [2 * mib, 6 * mib, 7 * mib]
-    assert len(slice_bounds(1 << 40, first=64)) == MAX_SLICES
+    store = slice_bounds(268 * mib, Direction.STORE, True, first=mib, growth=4)
+    assert list(np.diff(store, prepend=0) // mib) == [1, 4, 16, 64, 183]
+    load = slice_bounds(240 * mib, Direction.LOAD, True, tail_bytes=2 * mib, tail_share=12)
+    # the kernel starts on 218 MiB while the last 22 MiB cross PCIe in halving slices
+    assert list(np.diff(load, prepend=0)) == [218 * mib, 11 * mib, 11 * mib // 2, 11 * mib // 4, 11 * mib // 4]
+    assert list(slice_bounds(7 * mib, Direction.STORE, False)) == [7 * mib]
+    assert list(slice_bounds(5, Direction.LOAD, True, tail_bytes=0, tail_share=2)) == [3, 4, 5]
+    assert list(slice_bounds(1, Direction.LOAD, True)) == [1]
+    assert len(slice_bounds(1 << 40, Direction.STORE, True, first=1, growth=2)) <= MAX_SLICES
+
+
+def _apply(copies: np.ndarray, staging: np.ndarray, staging_address: int, objects: list[torch.Tensor],
+           to_device: bool) -> None:
+    """What the copy engine does with the rows: bytes between the staging array and the host objects."""
+    for staging_at, host_at, nbytes, _ in copies.tolist():
+        for obj in objects:
+            base = obj.data_ptr()
+            if base <= host_at < base + obj.numel():  # a merged copy runs on into the next object of its storage
+                host = torch.as_strided(obj, (nbytes,), (1,), obj.storage_offset() + host_at - base).numpy()
+                device = staging[staging_at - staging_address: staging_at - staging_address + nbytes]
+                if to_device:
+                    device[:] = host
+                else:
+                    host[:] = device
+                break
+        else:
+            raise AssertionError(f"copy from an address in no object: {host_at:#x}")
+
+
+@given(case=cases(soc="a2"), pipelined=st.booleans(), first=st.sampled_from([64, 1 << 20]), direction=DIRECTIONS,
+       adjacent=st.booleans(), drop=st.booleans())
+def test_copies_move_every_payload_byte_between_staging_and_objects(case: Case, pipelined: bool, first: int,
+                                                                     direction: Direction, adjacent: bool,
+                                                                     drop: bool) -> None:
+    plan = case.geometry.plan()
+    nbytes = plan.object_bytes
+    if adjacent:  # one allocation, objects back to back: copies merge across chunks
+        objects = list(torch.zeros((case.num_chunks, nbytes), dtype=torch.uint8))
+    else:
+        objects = [torch.zeros(nbytes + 64, dtype=torch.uint8)[:nbytes] for _ in range(case.num_chunks)]
+    batch = _batch(case, direction, objects)
+    order = work_order(batch, pipelined, 100, slice_bounds(case.num_chunks * nbytes, direction, pipelined, first))
+    staging_address = 1 << 40  # any device address: the copies only offset from it
+    copies = copy_table(staging_address, batch.objects, order, nbytes, pipelined)
+    assert (np.diff(copies[:, 3].astype(np.int64)) >= 0).all(), "copies must follow slice order"
+    rng = np.random.default_rng(case.seed)
+    moved = np.zeros((case.num_chunks, nbytes), dtype=bool)
+    for pieces in order.pieces:
+        for chunk, offset, length in pieces:
+            moved[chunk, offset: offset + length] = True
+    dropped = drop and len(copies) > 0
+    if dropped:  # negative control: a lost copy leaves bytes behind
+        copies = copies[1:]
+    staging = np.zeros(case.num_chunks * nbytes, dtype=np.uint8)
+    if direction == Direction.STORE:
+        staging[:] = rng.integers(1, 256, staging.size, dtype=np.uint8)
+        _apply(copies, staging, staging_address, objects, to_device=False)
+        got = np.stack([o.numpy() for o in objects])
+        ok = np.array_equal(got[moved], staging.reshape(case.num_chunks, nbytes)[moved])
+    else:
+        for o in objects:
+            o.copy_(torch.from_numpy(rng.integers(1, 256, nbytes, dtype=np.uint8)))
+        _apply(copies, staging, staging_address, objects, to_device=True)
+        want = np.stack([o.numpy() for o in objects])
+        ok = np.array_equal(staging.reshape(case.num_chunks, nbytes)[moved], want[moved])
+    if dropped:
+        assert not ok, "the check missed a dropped copy"
+    else:
+        assert ok, "a payload byte was not copied"
