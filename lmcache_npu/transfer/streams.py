@@ -37,7 +37,9 @@ class StreamKit:
         if device.type == "cpu":
             return StreamKit()
         if device.type == "cuda":
-            return DeviceStreamKit(device, torch.cuda)
+            # High priority: a transfer's blocks take SMs as the model's free them, instead of waiting out a whole
+            # forward, and the model loses no time to them (docs/performance.md, `bench --overlap`).
+            return DeviceStreamKit(device, torch.cuda, high_priority=True)
         if device.type == "npu":
             import torch_npu  # noqa: F401  (registers torch.npu; imported only when NPU tensors exist)
 
@@ -48,14 +50,19 @@ class StreamKit:
 class DeviceStreamKit(StreamKit):
     """torch.cuda or torch.npu, which share the stream and event API."""
 
-    def __init__(self, device: torch.device, module: Any) -> None:
+    def __init__(self, device: torch.device, module: Any, high_priority: bool = False) -> None:
         self.device = device
         self._module = module
+        self._high_priority = high_priority  # else the module's default stream priority
         self._stream: Optional[Any] = None
 
     def bind_thread(self) -> None:
         self._module.set_device(self.device)
-        self._stream = self._module.Stream(self.device)
+        if self._high_priority:
+            highest = self._module.Stream.priority_range()[1]  # (least, greatest): lower numbers come first
+            self._stream = self._module.Stream(self.device, priority=highest)
+        else:
+            self._stream = self._module.Stream(self.device)
 
     def record(self) -> Any:
         event = self._module.Event()
