@@ -90,6 +90,7 @@ class HostArena:
         self.slot_bytes = align_up(object_bytes, SLOT_ALIGN_BYTES)
         self.pinned = accelerator_present() if pinned is None else pinned
         self.numa_node = numa_node
+        self._cuda_registration: Optional[weakref.finalize] = None  # undoes cudaHostRegister, once
         total = num_slots * self.slot_bytes
         try:
             if numa_node is None:
@@ -121,8 +122,14 @@ class HostArena:
         buffer = raw[skip:skip + total]
         if self.pinned and torch.cuda.is_available():
             # CUDA: page-lock exactly these bytes (pin_memory=True would round the allocation up to a power of two)
-            _register_with_cuda(self, buffer, raw)
+            self._cuda_registration = _register_with_cuda(self, buffer, raw)
         return buffer
+
+    def close(self) -> None:
+        """Unregisters the memory from CUDA now instead of whenever the arena is collected: cudaHostUnregister waits
+        for the device, so the owner picks a moment when no stream is held back. The slots stay readable."""
+        if self._cuda_registration is not None:
+            self._cuda_registration()
 
     @classmethod
     def for_capacity(cls, cpu_bytes: int, object_bytes: int, **options: object) -> "HostArena":
@@ -163,14 +170,15 @@ class HostArena:
 _CUDA_HOST_REGISTER_PORTABLE_MAPPED = 0x01 | 0x02  # every context sees it, and kernels may address it directly
 
 
-def _register_with_cuda(owner: object, buffer: torch.Tensor, raw: torch.Tensor) -> None:
-    """cudaHostRegister the buffer; unregistered when `owner` goes away, before `raw`'s memory is freed."""
+def _register_with_cuda(owner: object, buffer: torch.Tensor, raw: torch.Tensor) -> weakref.finalize:
+    """cudaHostRegister the buffer; unregistered when `owner` goes away (or the returned finalizer is called), before
+    `raw`'s memory is freed."""
     cudart = torch.cuda.cudart()
     error = cudart.cudaHostRegister(buffer.data_ptr(), buffer.numel(), _CUDA_HOST_REGISTER_PORTABLE_MAPPED)
     if int(error) != 0:
         raise MemoryError(f"cudaHostRegister of a {buffer.numel() / 2**30:.2f} GiB host arena failed (CUDA error "
                           f"{int(error)}); lower cpu_bytes or raise the locked-memory limit (ulimit -l)")
-    weakref.finalize(owner, _unregister_with_cuda, buffer.data_ptr(), raw)
+    return weakref.finalize(owner, _unregister_with_cuda, buffer.data_ptr(), raw)
 
 
 def _unregister_with_cuda(address: int, raw: torch.Tensor) -> None:

@@ -36,6 +36,18 @@ def test_arena_is_registered_exactly_and_unregistered_when_dropped():
     assert _cuda.host_mapped(again.base_address, again.total_bytes)
 
 
+def test_close_unregisters_at_once_and_keeps_the_slots_readable():
+    from lmcache_npu import _cuda
+
+    arena = HostArena(2, 1 << 20)
+    arena.slot(0).fill_(7)
+    assert _cuda.host_mapped(arena.base_address, arena.total_bytes)
+    arena.close()
+    assert not _cuda.host_mapped(arena.base_address, arena.total_bytes), "close() left the arena registered"
+    assert int(arena.slot(0).sum()) == 7 << 20
+    arena.close()  # once only: a second close (or the collection) does nothing
+
+
 @settings(max_examples=60, deadline=None)
 @given(case=cases(soc="a2", max_chunks=8), path=st.sampled_from(["mapped", "staging"]))
 def test_cuda_kernels_move_chunks_straight_into_arena_slots(case: Case, path: str):

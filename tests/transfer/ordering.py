@@ -5,6 +5,7 @@ fence) the same sequence sees the wrong bytes."""
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 from types import SimpleNamespace
@@ -114,6 +115,9 @@ class Setup:
     def __init__(self, device: torch.device, ordered: bool = True, options: Optional[dict] = None) -> None:
         self.device = device
         self.module = {"cuda": torch.cuda, "npu": getattr(torch, "npu", None), "cpu": _Host}[device.type]
+        # Earlier tests' arenas go now: a collection during a held stream would unregister them there and wait on it.
+        gc.collect()
+        self.module.synchronize()
         names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
         config = SimpleNamespace(num_blocks=BLOCKS, kv_cache_tensors=[],
                                  kv_cache_groups=[SimpleNamespace(layer_names=names, kv_cache_spec=FullAttentionSpec())])
@@ -131,6 +135,11 @@ class Setup:
         self.busy_a = torch.randn(size, size, dtype=torch.float16, device=device)
         self.busy_b = torch.randn(size, size, dtype=torch.float16, device=device)
         self._ids = iter(range(1, 1 << 30))
+
+    def close(self) -> None:
+        """The lanes, then the arena's CUDA registration, while no stream is held (unregistering waits for them)."""
+        self.mover.close()
+        self.arena.close()
 
     def busy(self, matmuls: int = 300) -> None:
         """Tens of milliseconds of work on the current stream (the host only enqueues it); on the host, a pause."""
@@ -204,7 +213,7 @@ def store_after_the_forwards_writes(device: torch.device, ordered: bool = True,
     s.pending.wait(60)
     s.module.synchronize()
     stored = s.stored_value()
-    s.mover.close()
+    s.close()
     return stored, run_returned_early, fence_returned_early
 
 
@@ -226,7 +235,7 @@ def fence_orders_the_next_forward(device: torch.device, fence: bool = True, opti
     s.pending.wait(60)
     s.module.synchronize()
     stored = s.stored_value()
-    s.mover.close()
+    s.close()
     return stored
 
 
@@ -250,5 +259,5 @@ def load_after_the_models_earlier_writes(device: torch.device, ordered: bool = T
     s.pending.wait(60)
     s.module.synchronize()
     pages = s.page_value()
-    s.mover.close()
+    s.close()
     return pages
