@@ -101,6 +101,7 @@ def main() -> int:
     parser.add_argument("--load-tail-bytes", type=int)
     parser.add_argument("--load-tail-share", type=int)
     parser.add_argument("--pipelined-blocks", type=int)
+    parser.add_argument("--store-mapped-prefix-share", type=int, help="0: no mapped prefix")
     parser.add_argument("--blocks", type=int, help="thread blocks per launch (default: the backend's per path)")
     parser.add_argument("--threads", type=int, help="threads per block")
     parser.add_argument("--no-timeline", action="store_true", help="ratios only, no profiler run per transfer")
@@ -112,7 +113,7 @@ def main() -> int:
     console = Console()
     slicing = {k: getattr(args, k) for k in ("piece_bytes", "store_first_slice_bytes", "store_slice_growth",
                                               "load_tail_bytes", "load_tail_share", "pipelined_blocks", "blocks",
-                                              "threads")
+                                              "threads", "store_mapped_prefix_share")
                if getattr(args, k) is not None}
     backends = {choice: get_backend("cuda", path=args.path, pipeline=None if choice == "auto" else choice == "on",
                                     **slicing) for choice in args.pipeline}
@@ -139,6 +140,7 @@ def main() -> int:
                                           queued=queued)
                         result.update(preset=name, chunks=chunks, direction=direction.name.lower(), pipeline=choice,
                                       start=start, pipelined=backend.pipelined(batch),
+                                      mapped_prefix=backend.last_mapped_prefix,
                                       payload_bytes=batch.payload_bytes, pinned_copy_ms=copy_ms,
                                       ratio=copy_ms / result["device_ms"])
                         results.append(result)

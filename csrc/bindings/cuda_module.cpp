@@ -45,6 +45,7 @@ py::dict TransferFields() {
   LMCACHE_FIELD("groups", kernel.groups);
   LMCACHE_FIELD("runs", kernel.runs);
   LMCACHE_FIELD("objects", kernel.objects);
+  LMCACHE_FIELD("host_objects", kernel.host_objects);
   LMCACHE_FIELD("items", kernel.items);
   LMCACHE_FIELD("slice_items", kernel.slice_items);
   LMCACHE_FIELD("slice_counters", kernel.slice_counters);

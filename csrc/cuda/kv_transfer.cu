@@ -168,17 +168,19 @@ __device__ __forceinline__ void ReleaseSlice(const Slices& slices, uint32_t slic
 
 __global__ void KvTransferKernel(const PlaneDesc* __restrict__ planes, const GroupDesc* __restrict__ groups,
                                  const RunDesc* __restrict__ runs, const uint64_t* __restrict__ objects,
-                                 const uint4* __restrict__ items, uint64_t num_items, uint32_t num_planes,
-                                 uint32_t num_groups, uint32_t num_runs, uint32_t num_chunks, uint32_t direction,
-                                 Slices slices, LmcacheCudaStatus* status) {
+                                 const uint64_t* __restrict__ host_objects, const uint4* __restrict__ items,
+                                 uint64_t num_items, uint32_t num_planes, uint32_t num_groups, uint32_t num_runs,
+                                 uint32_t num_chunks, uint32_t direction, Slices slices, LmcacheCudaStatus* status) {
   const bool store = direction == kStore;
   const unsigned lane = threadIdx.x, lanes = blockDim.x;
   for (uint64_t item = blockIdx.x; item < num_items; item += gridDim.x) {
     const uint4 work = items[item];  // (run, plane, slice)
     const bool sliced = slices.pipeline != kLmcacheNoPipeline && work.z < slices.count;
     if (sliced && slices.pipeline == kLmcacheAcquireSlices) AcquireSlice(slices, work.z);
-    MoveItem(planes, groups, runs, objects, work, num_planes, num_groups, num_runs, num_chunks, store, lane, lanes,
-             status);
+    // A mapped prefix: PCIe takes slice 0 from the SMs while they gather the rest, so the kernel's time is hidden.
+    const bool to_host = store && slices.pipeline == kLmcacheMappedPrefix && work.z == 0;
+    MoveItem(planes, groups, runs, to_host ? host_objects : objects, work, num_planes, num_groups, num_runs,
+             num_chunks, store, lane, lanes, status);
     if (sliced && slices.pipeline == kLmcacheReleaseSlices) ReleaseSlice(slices, work.z);
   }
 }
@@ -190,6 +192,9 @@ extern "C" int lmcache_cuda_kv_transfer(const LmcacheCudaLaunch* a) {
   using namespace lmcache_npu;
   if (a->threads < 32 || a->threads > 1024 || a->threads % 32 != 0) return cudaErrorInvalidConfiguration;
   cudaStream_t stream = reinterpret_cast<cudaStream_t>(static_cast<uintptr_t>(a->stream));
+  if (a->pipeline == kLmcacheMappedPrefix && (a->direction != kStore || a->host_objects == 0)) {
+    return cudaErrorInvalidValue;  // only a store writes a prefix, and only into host objects it was given
+  }
   if (a->num_items == 0) return cudaSuccess;
   uint64_t blocks = a->blocks == 0 ? a->num_items : a->blocks;
   if (blocks > a->num_items) blocks = a->num_items;
@@ -199,8 +204,9 @@ extern "C" int lmcache_cuda_kv_transfer(const LmcacheCudaLaunch* a) {
   KvTransferKernel<<<static_cast<unsigned>(blocks), a->threads, 0, stream>>>(
       reinterpret_cast<const PlaneDesc*>(a->planes), reinterpret_cast<const GroupDesc*>(a->groups),
       reinterpret_cast<const RunDesc*>(a->runs), reinterpret_cast<const uint64_t*>(a->objects),
-      reinterpret_cast<const uint4*>(a->items), a->num_items, a->num_planes, a->num_groups, a->num_runs,
-      a->num_chunks, a->direction, slices, reinterpret_cast<LmcacheCudaStatus*>(a->status));
+      reinterpret_cast<const uint64_t*>(a->host_objects), reinterpret_cast<const uint4*>(a->items), a->num_items,
+      a->num_planes, a->num_groups, a->num_runs, a->num_chunks, a->direction, slices,
+      reinterpret_cast<LmcacheCudaStatus*>(a->status));
   return cudaGetLastError();
 }
 

@@ -4,7 +4,10 @@ Two ways to reach host chunk objects:
 * ``mapped``: the kernel reads/writes pinned host memory directly through UVA (zero-copy);
 * ``staging``: the kernel gathers into (scatters from) a device buffer and the copy engine moves the
   contiguous bytes with cudaMemcpyAsync.
-``path="auto"`` picks per direction from ``AUTO_PATH`` (measured, see docs/performance.md).
+``path="auto"`` picks per direction from ``AUTO_PATH`` (measured, see docs/performance.md). Staging transfers from
+``AUTO_PIPELINE_MIN_BYTES`` on pipeline the kernel with the copy engine (slice flags); a smaller store writes a
+prefix of its bytes straight into the pinned host objects while it gathers the rest, so PCIe is busy during its
+kernel too.
 Either way a transfer is exactly one kernel launch, and one native call enqueues everything around it (table
 upload, staging zeroing, copies, events) so the GPU never waits for Python between them.
 """
@@ -52,13 +55,17 @@ STORE_SLICE_GROWTH = 4  # ...and its later slices grow by this factor, so few ha
 # first slice lands) and the first slice's scatter (~1/20 of its PCIe time), or the kernel runs after PCIe is done.
 LOAD_TAIL_BYTES = 2 << 20
 LOAD_TAIL_SHARE = 12
+# An unpipelined store's kernel writes 1/this of the bytes straight into the pinned host objects over PCIe while it
+# gathers the rest, so PCIe is busy during the kernel too (H100: 1/16 beat 1/12, 1/24 and 1/48, docs/performance.md).
+# Gap-free plans only: the kernel writes items, never the gaps between them.
+STORE_MAPPED_PREFIX_SHARE = 16
 MAX_SLICES = 256
 
-NO_PIPELINE, RELEASE_SLICES, ACQUIRE_SLICES = 0, 1, 2
+NO_PIPELINE, RELEASE_SLICES, ACQUIRE_SLICES, MAPPED_PREFIX = 0, 1, 2, 3
 
 # The native transfer record (LmcacheCudaTransfer in csrc/cuda/kv_transfer_cuda.h), field by field.
-_RECORD_U64 = ("stream", "planes", "groups", "runs", "objects", "items", "slice_items", "slice_counters",
-               "slice_flags", "status", "num_items")
+_RECORD_U64 = ("stream", "planes", "groups", "runs", "objects", "host_objects", "items", "slice_items",
+               "slice_counters", "slice_flags", "status", "num_items")
 _RECORD_U32 = ("num_planes", "num_groups", "num_runs", "num_chunks", "kernel_direction", "blocks", "threads",
                "num_slices", "epoch", "pipeline")
 _RECORD_TAIL = ("copy_stream", "table_host", "table_device", "table_bytes", "zero_address", "zero_bytes", "copies",
@@ -209,16 +216,31 @@ def work_order(batch: ChunkBatch, pipelined: bool = False, piece_bytes: int = PI
 
 
 def copy_table(staging_address: int, objects: tuple[torch.Tensor, ...], order: WorkOrder, object_bytes: int,
-               pipelined: bool) -> np.ndarray:
+               pipelined: bool, from_slice: int = 0) -> np.ndarray:
     """The copy engine's steps as LmcacheCudaCopy rows (staging address, host address, bytes, slice): one per
-    stretch contiguous on both sides, per slice when pipelined, else merged across slices."""
+    stretch contiguous on both sides, per slice when pipelined, else merged across slices. Slices before
+    `from_slice` are not copied (a mapped prefix: the kernel wrote them into the objects itself)."""
     if pipelined:
-        per_slice = [(k, host_stretches(objects, pieces, object_bytes)) for k, pieces in enumerate(order.pieces)]
+        per_slice = [(k, host_stretches(objects, pieces, object_bytes)) for k, pieces in enumerate(order.pieces)
+                     if k >= from_slice]
     else:
-        per_slice = [(0, host_stretches(objects, [p for pieces in order.pieces for p in pieces], object_bytes))]
+        per_slice = [(0, host_stretches(objects, [p for pieces in order.pieces[from_slice:] for p in pieces],
+                                        object_bytes))]
     rows = [(staging_address + chunk * object_bytes + offset, objects[chunk].data_ptr() + offset, length, k)
             for k, stretches in per_slice for chunk, offset, length in stretches]
     return np.array(rows, dtype=np.uint64).reshape(-1, 4)
+
+
+def prefix_order(batch: ChunkBatch, piece_bytes: int, share: int) -> Optional[WorkOrder]:
+    """An unpipelined store's work order split in two: slice 0, the items in the first 1/`share` of the staging
+    bytes, which the kernel writes straight into the host objects; slice 1, the rest, gathered into staging and
+    copied after the kernel. None where either side would be empty."""
+    total = batch.num_chunks * batch.plan.object_bytes
+    prefix = total // share if share > 0 else 0
+    if prefix <= 0 or prefix >= total:
+        return None
+    order = work_order(batch, True, piece_bytes, np.array([prefix, total], dtype=np.int64))
+    return order if order.slice_items.size == 2 else None
 
 
 class _Native:
@@ -270,7 +292,8 @@ class CudaBackend(TransferBackend):
                  pipeline: Optional[bool] = None, piece_bytes: int = PIECE_BYTES,
                  store_first_slice_bytes: int = STORE_FIRST_SLICE_BYTES, store_slice_growth: int = STORE_SLICE_GROWTH,
                  load_tail_bytes: int = LOAD_TAIL_BYTES, load_tail_share: int = LOAD_TAIL_SHARE,
-                 pipelined_blocks: Optional[int] = None) -> None:
+                 pipelined_blocks: Optional[int] = None,
+                 store_mapped_prefix_share: int = STORE_MAPPED_PREFIX_SHARE) -> None:
         if path not in PATHS:
             raise ValueError(f"path must be one of {PATHS}, got {path!r}")
         if not torch.cuda.is_available():
@@ -292,6 +315,7 @@ class CudaBackend(TransferBackend):
         self.store_first_slice_bytes = store_first_slice_bytes
         self.store_slice_growth = store_slice_growth
         self.load_tail_bytes = load_tail_bytes
+        self.store_mapped_prefix_share = store_mapped_prefix_share  # 0: no mapped prefix
         self.load_tail_share = load_tail_share
         self._plane_tables = PlaneTables()
         self._staging = StagingBuffer()
@@ -309,6 +333,7 @@ class CudaBackend(TransferBackend):
         if not supported:
             logger.warning("cuStreamWaitValue32 is unavailable: the staging path runs kernel and copy back to back")
         self.last_kernel_ms: Optional[float] = None
+        self.last_mapped_prefix = False  # whether the last transfer's kernel wrote a prefix straight to the host
         self._last_pipelined = False
 
     def __del__(self) -> None:
@@ -383,7 +408,11 @@ class CudaBackend(TransferBackend):
         total = batch.num_chunks * object_bytes
         bounds = slice_bounds(total, batch.direction, pipelined, self.store_first_slice_bytes,
                               self.store_slice_growth, self.load_tail_bytes, self.load_tail_share)
-        order = work_order(batch, pipelined, self.piece_bytes, bounds)
+        prefix = None
+        if (staging_path and not pipelined and batch.direction == Direction.STORE and plan.gap_free
+                and self.store_mapped_prefix_share > 0 and all(self._host_mapped(o) for o in batch.objects)):
+            prefix = prefix_order(batch, self.piece_bytes, self.store_mapped_prefix_share)
+        order = prefix or work_order(batch, pipelined, self.piece_bytes, bounds)
         pipelined = pipelined and order.slice_items.size > 1  # one slice: nothing to overlap
         slices = order.slice_items.size
         state = self._state(device)
@@ -397,12 +426,14 @@ class CudaBackend(TransferBackend):
                 self._staging_address = staging.data_ptr()
             zero = self._staging.take_pending()
             addresses = staging.data_ptr() + np.arange(batch.num_chunks, dtype=np.uint64) * np.uint64(object_bytes)
-            copies = copy_table(staging.data_ptr(), batch.objects, order, object_bytes, pipelined)
+            copies = copy_table(staging.data_ptr(), batch.objects, order, object_bytes, pipelined,
+                                from_slice=0 if prefix is None else 1)
         else:
             addresses = batch.object_addresses()
         parts = [order.group_table, order.runs, addresses, order.items, order.slice_items,
                  np.zeros(slices, dtype=np.uint32),  # per-slice counters
-                 np.zeros(self._cuda.STATUS_BYTES, dtype=np.uint8)]  # the kernel's status starts at zero
+                 np.zeros(self._cuda.STATUS_BYTES, dtype=np.uint8),  # the kernel's status starts at zero
+                 batch.object_addresses() if prefix is not None else np.zeros(0, dtype=np.uint64)]
         offsets, table_bytes = packed_offsets(parts)
         host_tables, device_tables = state.tables(table_bytes)
         pack_into(host_tables.numpy(), parts, offsets)
@@ -416,13 +447,15 @@ class CudaBackend(TransferBackend):
         for name, value in (
                 ("stream", stream.cuda_stream), ("planes", self._plane_tables.get(plan).data_ptr()),
                 ("groups", base + offsets[0]), ("runs", base + offsets[1]), ("objects", base + offsets[2]),
+                ("host_objects", 0 if prefix is None else base + offsets[7]),
                 ("items", base + offsets[3]), ("slice_items", base + offsets[4]),
                 ("slice_counters", base + offsets[5]), ("slice_flags", state.flags.data_ptr()),
                 ("status", base + offsets[6]), ("num_items", len(order.items)), ("num_planes", len(plan.plane_table)),
                 ("num_groups", len(order.group_table)), ("num_runs", order.runs.size),
                 ("num_chunks", batch.num_chunks), ("kernel_direction", int(batch.direction)), ("blocks", blocks),
                 ("threads", self.threads), ("num_slices", slices), ("epoch", state.next_epoch()),
-                ("pipeline", RELEASE_SLICES if pipelined and batch.direction == Direction.STORE
+                ("pipeline", MAPPED_PREFIX if prefix is not None
+                 else RELEASE_SLICES if pipelined and batch.direction == Direction.STORE
                  else ACQUIRE_SLICES if pipelined else NO_PIPELINE),
                 ("copy_stream", state.copy_stream.cuda_stream if pipelined else 0), ("table_host", host),
                 ("table_device", base), ("table_bytes", table_bytes),
@@ -453,6 +486,7 @@ class CudaBackend(TransferBackend):
             window_ms = max(window_ms, state.elapsed_ms(EVENT_FIRST, EVENT_COPIES_DONE))
         self.last_kernel_ms = state.elapsed_ms(EVENT_KERNEL_BEGIN, EVENT_KERNEL_END)
         self._last_pipelined = pipelined
+        self.last_mapped_prefix = prefix is not None
         status = host_tables.numpy()[offsets[6]: offsets[6] + 24].view(np.uint64)
         verify_kernel_report(batch, int(status[0]), int(status[1]), int(status[2]), items=len(order.items))
         return TransferStats(backend=self.name, direction=batch.direction, chunks=batch.num_chunks,

@@ -38,6 +38,7 @@ SLICING = st.fixed_dictionaries({
     "store_slice_growth": st.sampled_from([2, 4, 1 << 30]),
     "load_tail_bytes": st.sampled_from([0, 100, 2 << 20]),
     "load_tail_share": st.sampled_from([2, 3, 12]),
+    "store_mapped_prefix_share": st.sampled_from([0, 2, 24]),
 })
 
 

@@ -9,7 +9,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from lmcache_npu.ops import ChunkBatch, Direction
-from lmcache_npu.ops.cuda_backend import MAX_SLICES, copy_table, slice_bounds, split_runs, work_order
+from lmcache_npu.ops.cuda_backend import (
+    MAX_SLICES,
+    copy_table,
+    prefix_order,
+    slice_bounds,
+    split_runs,
+    work_order,
+)
 
 from ..ops.strategies import Case, cases
 
@@ -156,3 +163,43 @@ def test_copies_move_every_payload_byte_between_staging_and_objects(case: Case, 
         assert not ok, "the check missed a dropped copy"
     else:
         assert ok, "a payload byte was not copied"
+
+
+@given(case=cases(soc="a2"), share=st.sampled_from([2, 3, 24]), piece_bytes=st.sampled_from([0, 100, 1 << 16]),
+       drop=st.booleans())
+def test_a_mapped_prefix_and_the_copies_write_every_stored_byte_once(case: Case, share: int, piece_bytes: int,
+                                                                    drop: bool) -> None:
+    plan = case.geometry.plan()
+    nbytes = plan.object_bytes
+    objects = [torch.zeros(nbytes + 64, dtype=torch.uint8)[:nbytes] for _ in range(case.num_chunks)]
+    batch = _batch(case, Direction.STORE, objects)
+    order = prefix_order(batch, piece_bytes, share)
+    if order is None:  # the split would leave a side empty: the store runs unsplit
+        return
+    assert order.slice_items.size == 2 and (order.items[:, 2] <= 1).all()
+    rng = np.random.default_rng(case.seed)
+    kernel_output = rng.integers(1, 256, (case.num_chunks, nbytes), dtype=np.uint8)  # never 0
+    prefix = np.zeros((case.num_chunks, nbytes), dtype=bool)
+    for chunk, offset, length in order.pieces[0]:
+        prefix[chunk, offset: offset + length] = True
+    staged = np.zeros_like(prefix)
+    for chunk, offset, length in order.pieces[1]:
+        staged[chunk, offset: offset + length] = True
+    assert not (prefix & staged).any(), "a byte is both written by the kernel and copied"
+    # The kernel: the prefix's items straight into the objects, the rest into staging (whose prefix holds zeros).
+    staging = np.where(prefix, 0, kernel_output).reshape(-1)
+    for chunk, obj in enumerate(objects):
+        obj.numpy()[prefix[chunk]] = kernel_output[chunk][prefix[chunk]]
+    staging_address = 1 << 40
+    copies = copy_table(staging_address, batch.objects, order, nbytes, False, from_slice=1)
+    dropped = drop and len(copies) > 0
+    if dropped:  # negative control: a lost copy leaves the staged bytes behind
+        copies = copies[1:]
+    _apply(copies, staging, staging_address, objects, to_device=False)
+    got = np.stack([o.numpy() for o in objects])
+    written = prefix | staged
+    ok = np.array_equal(got[written], kernel_output[written])
+    if dropped:
+        assert not ok, "the check missed a dropped copy"
+    else:
+        assert ok, "a stored byte is missing, or a copy overwrote the prefix with staging's bytes"
