@@ -257,7 +257,7 @@ def _replay(args: argparse.Namespace) -> int:
         console.print(item)
     if args.json:
         Path(args.json).write_text(json.dumps(report.to_json(), indent=2))
-    return 0 if report.all_identical else 1
+    return 0 if report.all_match else 1
 
 
 def build_parser() -> argparse.ArgumentParser:

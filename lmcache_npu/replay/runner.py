@@ -23,8 +23,9 @@ class TurnRun:
 
 
 def run_workload(engine: Engine, conversations: Sequence[Conversation],
-                 on_turn: Optional[Callable[[TurnRun], None]] = None) -> list[TurnRun]:
-    """Every turn of every conversation; `on_turn` sees each turn as it completes."""
+                 on_turn: Optional[Callable[[TurnRun], None]] = None, logprobs: int = 0) -> list[TurnRun]:
+    """Every turn of every conversation; `on_turn` sees each turn as it completes; `logprobs`: the top logprobs
+    each step records (a comparison needs two to tell a near tie)."""
     answers: list[list[tuple[int, ...]]] = [[] for _ in conversations]
     runs = []
     for wave in range(max(c.start + len(c.turns) for c in conversations)):
@@ -39,7 +40,7 @@ def run_workload(engine: Engine, conversations: Sequence[Conversation],
         started = time.perf_counter()
         for length in sorted(set(outputs)):
             group = [k for k, n in enumerate(outputs) if n == length]
-            for k, done in zip(group, engine.generate([prompts[k] for k in group], length)):
+            for k, done in zip(group, engine.generate([prompts[k] for k in group], length, logprobs)):
                 completions[k] = done
         run = TurnRun(wave, taking_part, tuple(completions[k] for k in range(len(taking_part))),
                       time.perf_counter() - started)

@@ -1,4 +1,4 @@
-"""Prompts for the engine tests, and the assertion that two engines' completions are identical."""
+"""Prompts for the engine tests, and the assertion that two engines' completions are the same."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from typing import Sequence
 
 import numpy as np
 
-from lmcache_npu.replay.compare import LOGPROB_TOLERANCE, differences
+from lmcache_npu.replay.compare import differences, tolerance_for
 from lmcache_npu.replay.engine import Completion
 from lmcache_npu.replay.models import VOCAB
 
@@ -15,7 +15,8 @@ def prompt(length: int, seed: int) -> list[int]:
     return np.random.default_rng(seed).integers(10, VOCAB, length).tolist()
 
 
-def assert_identical(reference: Sequence[Completion], candidate: Sequence[Completion],
-                     tolerance: float = LOGPROB_TOLERANCE) -> None:
-    found = differences(reference, candidate, tolerance)
+def assert_identical(reference: Sequence[Completion], candidate: Sequence[Completion], dtype: str) -> None:
+    """Same greedy tokens and logprobs within the tolerance of the model's `dtype` (near ties of a bf16 model's
+    logits aside: `lmcache_npu.replay.compare`)."""
+    found = differences(reference, candidate, tolerance_for(dtype))
     assert not found, "; ".join(found[:5])

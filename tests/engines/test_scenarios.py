@@ -15,6 +15,7 @@ from lmcache_npu.replay.workload import multi_turn_chat, prefix_repetition
 
 from ..integration.wrappers import Failing
 from .compare import assert_identical, prompt
+from .rows import RowRecorder, assert_same_prefix_rows
 from .conftest import ENGINE_VLLM
 
 ARENA = {"cpu_bytes": "256MiB"}
@@ -23,14 +24,14 @@ ARENA = {"cpu_bytes": "256MiB"}
 def _reference(engines, recipe, model_dir, workload, **settings):
     """The workload's completions without the plugin (the engine is shut down before the caller builds its own)."""
     engine = engines(recipe, model_dir, plugin=False, **settings)
-    runs = run_workload(engine, workload)
+    runs = run_workload(engine, workload, logprobs=5)
     engine.close()
     return runs
 
 
-def _assert_runs_identical(reference, runs) -> None:
+def _assert_runs_identical(reference, runs, dtype: str) -> None:
     for expected, got in zip(reference, runs, strict=True):
-        assert_identical(expected.completions, got.completions)
+        assert_identical(expected.completions, got.completions, dtype)
 
 
 def test_multi_turn_chat_loads_each_turns_history(engines, model_dirs) -> None:
@@ -38,8 +39,9 @@ def test_multi_turn_chat_loads_each_turns_history(engines, model_dirs) -> None:
     chats = multi_turn_chat(conversations=3, turns=3, system_tokens=300, user_tokens=120, output_tokens=40,
                             vocab=VOCAB, seed=1)
     reference = _reference(engines, recipe, model_dir, chats)
-    runs = run_workload(engines(recipe, model_dir, extra_config=ARENA), chats)
-    _assert_runs_identical(reference, runs)
+    engine = engines(recipe, model_dir, extra_config=ARENA)
+    runs = run_workload(engine, chats, logprobs=5)
+    _assert_runs_identical(reference, runs, engine.settings.dtype)
     chunk = 256
     # turn 1 computes the system prompt once per conversation (concurrently: no chunk is stored yet)
     assert [c.cached_tokens for c in runs[0].completions] == [0, 0, 0]
@@ -57,14 +59,19 @@ def test_one_system_prompt_shared_by_many_requests(engines, model_dirs) -> None:
                              output_tokens=24, vocab=VOCAB, seed=2)[1:]
     reference = _reference(engines, recipe, model_dir, first + rest)
     engine = engines(recipe, model_dir, extra_config=ARENA)
-    opened = run_workload(engine, first)  # stores the system prompt
-    runs = run_workload(engine, rest)  # one request per wave
+    rows = RowRecorder(engine)
+    opened = run_workload(engine, first, logprobs=5)  # stores the system prompt
+    runs = run_workload(engine, rest, logprobs=5)  # one request per wave
 
     def flat(turns):
         return [c for turn in turns for c in turn.completions]
 
-    assert_identical(flat(reference), flat(opened) + flat(runs))
     assert [c.cached_tokens for c in flat(runs)] == [768] * 5  # 800 tokens: three whole chunks
+    writer, *readers = rows.finished
+    assert len(readers) == 5
+    for reader in readers:  # the loaded system prompt holds exactly the rows the first request computed
+        assert_same_prefix_rows(writer, reader, 768)
+    assert_identical(flat(reference), flat(opened) + flat(runs), engine.settings.dtype)
 
 
 def test_preemption_under_a_small_kv_cache(engines, model_dirs) -> None:
@@ -81,8 +88,8 @@ def test_preemption_under_a_small_kv_cache(engines, model_dirs) -> None:
     first = engine.generate(prompts, 48, logprobs=5)
     again = engine.generate(prompts, 48, logprobs=5)
     assert engine.vllm_counter("vllm:num_preemptions") > before, "the KV cache was large enough: nothing was preempted"
-    assert_identical(expected, first)
-    assert_identical(expected, again)
+    assert_identical(expected, first, engine.settings.dtype)
+    assert_identical(expected, again, engine.settings.dtype)
     assert sum(c.cached_tokens for c in again) >= 6 * 1024  # the four whole chunks of every prompt come back
 
 
@@ -102,7 +109,7 @@ def test_a_failed_load_is_recomputed_with_identical_tokens(engines, model_dirs, 
     worker.mover.set_backend(Direction.LOAD, failing)
     recomputed = engine.generate(prompts, 32, logprobs=5)
     assert failing.failures >= 1
-    assert_identical(cold, recomputed)
+    assert_identical(cold, recomputed, engine.settings.dtype)
     assert all(c.cached_tokens == 0 or not several_groups for c in recomputed)
 
 
@@ -119,4 +126,4 @@ def test_tensor_parallel_ranks_each_load_their_heads(engines, model_dirs, monkey
     warm = engine.generate(prompts, 32, logprobs=5)
     assert [c.cached_tokens for c in cold] == [0, 0]
     assert [c.cached_tokens for c in warm] == [699 // chunk * chunk] * 2
-    assert_identical(cold, warm)
+    assert_identical(cold, warm, engine.settings.dtype)

@@ -25,7 +25,9 @@ def _mooncake_reason() -> str:
 def test_a_second_engine_hits_what_the_first_stored_in_mooncake(tmp_path) -> None:
     from lmcache_npu.store.mooncake_local import run_in_loopback_netns
 
-    from .sharing import DECODE_STEPS, PROMPTS
+    from lmcache_npu.replay.models import RECIPES
+
+    from .sharing import DECODE_STEPS, PROMPTS, RECIPE
 
     out = tmp_path / "sharing.pkl"
     env = dict(os.environ, PYTHONPATH=str(ROOT), GLOG_minloglevel="2")
@@ -33,7 +35,7 @@ def test_a_second_engine_hits_what_the_first_stored_in_mooncake(tmp_path) -> Non
     assert done.returncode == 0, f"the sharing scenario failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     found = pickle.loads(out.read_bytes())
     assert [len(c.token_ids) for c in found["writer"]] == [DECODE_STEPS] * len(PROMPTS)
-    assert_identical(found["writer"], found["reader"])
+    assert_identical(found["writer"], found["reader"], RECIPES[RECIPE].dtype)
     assert [c.cached_tokens for c in found["reader"]] == [(length - 1) // 256 * 256 for length, _ in PROMPTS]
     assert found["promotions_remote"] == sum((length - 1) // 256 for length, _ in PROMPTS)
 
@@ -56,7 +58,7 @@ def test_an_engine_restarted_on_the_same_disk_directory_hits_from_disk(engines, 
     restarted = engines(recipe, model_dir, extra_config=config)
     # one at a time again: the small arena can promote one prompt's chunks from disk, not three prompts' at once
     loaded = [restarted.generate([text], 32, logprobs=5)[0] for text in prompts]
-    assert_identical(stored, loaded)
+    assert_identical(stored, loaded, first.settings.dtype)
     hits = [c.cached_tokens for c in loaded]
     whole = (700 - 1) // chunk * chunk
     if write_through:
