@@ -20,6 +20,7 @@ from rich.console import Console
 from rich.table import Table
 from torch.profiler import ProfilerActivity, profile
 
+from lmcache_npu.bench.cuda_baselines import pinned_copy_gbps, queue_gpu_work
 from lmcache_npu.bench.geometry import load_geometry
 from lmcache_npu.bench.runner import materialize_source
 from lmcache_npu.ops import ChunkBatch, Direction, get_backend
@@ -35,9 +36,6 @@ def _gpu_events(prof: "profile") -> list[dict]:
     return events
 
 
-QUEUE_CYCLES = 2_000_000  # ~1 ms of GPU sleep ahead of a queued transfer: longer than its host preparation
-
-
 def timeline(backend: object, batch: ChunkBatch, repeats: int, profiled: bool = True, queued: bool = False) -> dict:
     """Best-of-`repeats` device window and host wall time, the phases of the best run, and the GPU timeline of one
     more run under the profiler. `queued`: each transfer is enqueued behind GPU work, as in serving, so the window
@@ -46,7 +44,7 @@ def timeline(backend: object, batch: ChunkBatch, repeats: int, profiled: bool = 
     for _ in range(repeats):
         torch.cuda.synchronize()
         if queued:
-            torch.cuda._sleep(QUEUE_CYCLES)
+            queue_gpu_work()
         start = time.perf_counter()
         stats = backend.transfer(batch)  # type: ignore[attr-defined]
         walls.append(time.perf_counter() - start)
@@ -67,22 +65,6 @@ def timeline(backend: object, batch: ChunkBatch, repeats: int, profiled: bool = 
         e["start_us"] -= origin
     summary["events"] = events
     return summary
-
-
-def pinned_copy_ms(nbytes: int, direction: Direction, repeats: int, queued: bool = False) -> float:
-    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    best = float("inf")
-    for _ in range(repeats):
-        if queued:
-            torch.cuda._sleep(QUEUE_CYCLES)
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        (host.copy_(dev, non_blocking=True) if direction == Direction.STORE else dev.copy_(host, non_blocking=True))
-        end.record()
-        end.synchronize()
-        best = min(best, begin.elapsed_time(end))
-    return best
 
 
 def main() -> int:
@@ -133,7 +115,8 @@ def main() -> int:
                 batch = ChunkBatch.build(m.plan, m.slots, objects, direction)
                 for start in args.queued:
                     queued = start == "queued"
-                    copy_ms = pinned_copy_ms(batch.payload_bytes, direction, args.repeats, queued)
+                    copy_ms = batch.payload_bytes / pinned_copy_gbps(batch.payload_bytes, direction, m.plan.device,
+                                                                     args.repeats, queued) / 1e6
                     for choice, backend in backends.items():
                         backend.transfer(batch)  # warm-up
                         result = timeline(backend, batch, args.repeats, profiled=not args.no_timeline and not queued,

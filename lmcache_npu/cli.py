@@ -1,4 +1,4 @@
-"""`lmcache-npu`: the command line (replay, bench, inspect, store-bench, bench-scheduler, doctor)."""
+"""`lmcache-npu`: the command line (replay, bench, inspect, store-bench, bench-scheduler, bench-connector, doctor)."""
 
 from __future__ import annotations
 
@@ -168,6 +168,25 @@ def _bench_scheduler(args: argparse.Namespace) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps([r.to_json() for r in results], indent=2))
     return 0
+
+
+def _bench_connector(args: argparse.Namespace) -> int:
+    _quiet_vllm()
+    from rich.console import Console
+
+    from .bench.connector_path import render_connector_path, run_connector_path
+    from .bench.geometry import load_geometry
+
+    source = load_geometry(args.geometry) if args.geometry else args.preset
+    reports = []
+    for chunks in args.chunks:
+        report = run_connector_path(source, args.backend, chunks=chunks, repeats=args.repeats,
+                                    device_family=args.device_family, seed=args.seed, starts=args.start)
+        Console(width=None if sys.stdout.isatty() else 200).print(render_connector_path(report))
+        reports.append(report)
+    if args.json:
+        Path(args.json).write_text(json.dumps([r.to_json() for r in reports], indent=2))
+    return 0 if all(r.same_bytes for r in reports) else 1
 
 
 def _replay_workload(args: argparse.Namespace, vocab: int) -> tuple[list, str]:
@@ -372,6 +391,24 @@ def build_parser() -> argparse.ArgumentParser:
     sched.add_argument("--repeats", type=int, default=200, help="calls per lookup measurement (default 200)")
     sched.add_argument("--json", type=Path, help="write the results as JSON")
     sched.set_defaults(func=_bench_scheduler)
+
+    worker = sub.add_parser("bench-connector", help="chunks stored and loaded through the connector's worker path "
+                            "(store executor, transfer lanes) next to the bench's transfer of the same chunks")
+    worker.add_argument("--backend", choices=BACKEND_NAMES, default="auto")
+    where = worker.add_mutually_exclusive_group()
+    where.add_argument("--preset", choices=preset_names(), default="llama3-8b",
+                       help="a model preset (needs vLLM for its spec classes)")
+    where.add_argument("--geometry", type=Path, help="a --geometry JSON file (machines without vLLM)")
+    worker.add_argument("--device-family", choices=DEVICE_FAMILIES, default=None,
+                        help="preset shapes: cuda or ascend (default: the backend's)")
+    worker.add_argument("--chunks", type=int, nargs="+", default=[1, 8], help="chunks per transfer (default 1 8)")
+    worker.add_argument("--repeats", type=int, default=10, help="transfers per path and direction; best reported")
+    worker.add_argument("--start", nargs="+", choices=["idle", "queued"], default=["idle"],
+                        help="idle: each transfer starts on an idle GPU; queued: behind 1 ms of the model's GPU work, "
+                             "as in serving (CUDA)")
+    worker.add_argument("--seed", type=int, default=0)
+    worker.add_argument("--json", type=Path, help="write the reports as JSON")
+    worker.set_defaults(func=_bench_connector)
     return parser
 
 

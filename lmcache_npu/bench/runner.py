@@ -54,7 +54,8 @@ class BenchReport:
         return data
 
 
-def _device_for(backend: TransferBackend) -> torch.device:
+def device_for(backend: TransferBackend) -> torch.device:
+    """The device whose memory `backend` moves."""
     if backend.name == "npu":
         return torch.device("npu")
     if backend.name == "cuda":
@@ -98,7 +99,7 @@ def run_bench(source: Union[Geometry, str], backend_name: str, chunks: int = 4, 
               device_family: Optional[str] = None, **backend_options: object) -> BenchReport:
     """Stores `chunks` chunks, scrubs the pages, loads them back; `check` verifies every byte."""
     backend = get_backend(backend_name, **backend_options)
-    m, name = materialize_source(source, chunks, _device_for(backend), seed, chunk_tokens,
+    m, name = materialize_source(source, chunks, device_for(backend), seed, chunk_tokens,
                                  device_family or default_family(backend.name))
     plan = m.plan
     pin = backend.name in ("npu", "cuda")
