@@ -84,6 +84,7 @@ def main() -> int:
     parser.add_argument("--load-tail-share", type=int)
     parser.add_argument("--pipelined-blocks", type=int)
     parser.add_argument("--store-mapped-prefix-share", type=int, help="0: no mapped prefix")
+    parser.add_argument("--load-mapped-prefix-share", type=int, help="0: no mapped prefix")
     parser.add_argument("--blocks", type=int, help="thread blocks per launch (default: the backend's per path)")
     parser.add_argument("--threads", type=int, help="threads per block")
     parser.add_argument("--no-timeline", action="store_true", help="ratios only, no profiler run per transfer")
@@ -95,7 +96,8 @@ def main() -> int:
     console = Console()
     slicing = {k: getattr(args, k) for k in ("piece_bytes", "store_first_slice_bytes", "store_slice_growth",
                                               "load_tail_bytes", "load_tail_share", "pipelined_blocks", "blocks",
-                                              "threads", "store_mapped_prefix_share")
+                                              "threads", "store_mapped_prefix_share",
+                                              "load_mapped_prefix_share")
                if getattr(args, k) is not None}
     backends = {choice: get_backend("cuda", path=args.path, pipeline=None if choice == "auto" else choice == "on",
                                     **slicing) for choice in args.pipeline}

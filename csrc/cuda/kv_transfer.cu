@@ -177,9 +177,10 @@ __global__ void KvTransferKernel(const PlaneDesc* __restrict__ planes, const Gro
     const uint4 work = items[item];  // (run, plane, slice)
     const bool sliced = slices.pipeline != kLmcacheNoPipeline && work.z < slices.count;
     if (sliced && slices.pipeline == kLmcacheAcquireSlices) AcquireSlice(slices, work.z);
-    // A mapped prefix: PCIe takes slice 0 from the SMs while they gather the rest, so the kernel's time is hidden.
-    const bool to_host = store && slices.pipeline == kLmcacheMappedPrefix && work.z == 0;
-    MoveItem(planes, groups, runs, to_host ? host_objects : objects, work, num_planes, num_groups, num_runs,
+    // A mapped prefix: PCIe carries slice 0 while the other blocks gather or scatter the rest through staging, so
+    // the link does not sit idle during the kernel.
+    const bool mapped = slices.pipeline == kLmcacheMappedPrefix && work.z == 0;
+    MoveItem(planes, groups, runs, mapped ? host_objects : objects, work, num_planes, num_groups, num_runs,
              num_chunks, store, lane, lanes, status);
     if (sliced && slices.pipeline == kLmcacheReleaseSlices) ReleaseSlice(slices, work.z);
   }
@@ -192,8 +193,8 @@ extern "C" int lmcache_cuda_kv_transfer(const LmcacheCudaLaunch* a) {
   using namespace lmcache_npu;
   if (a->threads < 32 || a->threads > 1024 || a->threads % 32 != 0) return cudaErrorInvalidConfiguration;
   cudaStream_t stream = reinterpret_cast<cudaStream_t>(static_cast<uintptr_t>(a->stream));
-  if (a->pipeline == kLmcacheMappedPrefix && (a->direction != kStore || a->host_objects == 0)) {
-    return cudaErrorInvalidValue;  // only a store writes a prefix, and only into host objects it was given
+  if (a->pipeline == kLmcacheMappedPrefix && a->host_objects == 0) {
+    return cudaErrorInvalidValue;  // a mapped prefix moves through host objects it was given, never through null
   }
   if (a->num_items == 0) return cudaSuccess;
   uint64_t blocks = a->blocks == 0 ? a->num_items : a->blocks;

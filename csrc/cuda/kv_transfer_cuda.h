@@ -23,7 +23,7 @@ typedef struct {
   uint64_t groups;        // GroupDesc[num_groups]
   uint64_t runs;          // RunDesc[num_runs]
   uint64_t objects;       // uint64 object address per chunk (device or mapped pinned host addresses)
-  uint64_t host_objects;  // uint64 mapped host object address per chunk: where a mapped prefix's items write
+  uint64_t host_objects;  // uint64 mapped host object address per chunk: where a mapped prefix's items go
   uint64_t items;         // uint32 x4 (run, plane, slice, 0) in staging-byte order
   uint64_t slice_items;   // uint32 per slice: work items in it (pipelined staging only)
   uint64_t slice_counters;  // uint32 per slice, zero at launch: items finished
@@ -47,7 +47,7 @@ enum LmcachePipeline {
   kLmcacheNoPipeline = 0,
   kLmcacheReleaseSlices = 1,  // store: raise a slice's flag when its last item is written
   kLmcacheAcquireSlices = 2,  // load: wait for a slice's flag before reading its bytes
-  kLmcacheMappedPrefix = 3,   // store: slice 0's items write straight into host_objects, the rest into objects
+  kLmcacheMappedPrefix = 3,   // slice 0's items move straight to/from host_objects, the rest through objects
 };
 
 // One copy-engine step between the staging buffer and a host object.

@@ -5,9 +5,9 @@ Two ways to reach host chunk objects:
 * ``staging``: the kernel gathers into (scatters from) a device buffer and the copy engine moves the
   contiguous bytes with cudaMemcpyAsync.
 ``path="auto"`` picks per direction from ``AUTO_PATH`` (measured, see docs/performance.md). Staging transfers from
-``AUTO_PIPELINE_MIN_BYTES`` on pipeline the kernel with the copy engine (slice flags); a smaller store writes a
-prefix of its bytes straight into the pinned host objects while it gathers the rest, so PCIe is busy during its
-kernel too.
+``AUTO_PIPELINE_MIN_BYTES`` on pipeline the kernel with the copy engine (slice flags); below it the kernel moves a
+prefix of the bytes straight to (a store) or from (a load) the pinned host objects while it gathers or scatters the
+rest through staging, so PCIe is busy during the kernel too.
 Either way a transfer is exactly one kernel launch, and one native call enqueues everything around it (table
 upload, staging zeroing, copies, events) so the GPU never waits for Python between them.
 """
@@ -59,6 +59,10 @@ LOAD_TAIL_SHARE = 12
 # gathers the rest, so PCIe is busy during the kernel too (H100: 1/16 beat 1/12, 1/24 and 1/48, docs/performance.md).
 # Gap-free plans only: the kernel writes items, never the gaps between them.
 STORE_MAPPED_PREFIX_SHARE = 16
+# An unpipelined load's copy engine moves all but 1/this of the bytes before the kernel, which reads that share
+# straight from the pinned host objects while it scatters the rest, so PCIe is busy during the scatter too (H100:
+# 1/32 beat 1/8 and 1/16, one llama3-8b chunk 0.949 -> 0.972 of the pinned copy, docs/performance.md).
+LOAD_MAPPED_PREFIX_SHARE = 32
 MAX_SLICES = 256
 
 NO_PIPELINE, RELEASE_SLICES, ACQUIRE_SLICES, MAPPED_PREFIX = 0, 1, 2, 3
@@ -232,9 +236,10 @@ def copy_table(staging_address: int, objects: tuple[torch.Tensor, ...], order: W
 
 
 def prefix_order(batch: ChunkBatch, piece_bytes: int, share: int) -> Optional[WorkOrder]:
-    """An unpipelined store's work order split in two: slice 0, the items in the first 1/`share` of the staging
-    bytes, which the kernel writes straight into the host objects; slice 1, the rest, gathered into staging and
-    copied after the kernel. None where either side would be empty."""
+    """An unpipelined transfer's work order split in two: slice 0, the items in the first 1/`share` of the staging
+    bytes, which the kernel moves straight to (store) or from (load) the host objects; slice 1, the rest, through
+    staging: gathered and copied after the kernel, or copied in before it and scattered. None where either side
+    would be empty."""
     total = batch.num_chunks * batch.plan.object_bytes
     prefix = total // share if share > 0 else 0
     if prefix <= 0 or prefix >= total:
@@ -293,7 +298,8 @@ class CudaBackend(TransferBackend):
                  store_first_slice_bytes: int = STORE_FIRST_SLICE_BYTES, store_slice_growth: int = STORE_SLICE_GROWTH,
                  load_tail_bytes: int = LOAD_TAIL_BYTES, load_tail_share: int = LOAD_TAIL_SHARE,
                  pipelined_blocks: Optional[int] = None,
-                 store_mapped_prefix_share: int = STORE_MAPPED_PREFIX_SHARE) -> None:
+                 store_mapped_prefix_share: int = STORE_MAPPED_PREFIX_SHARE,
+                 load_mapped_prefix_share: int = LOAD_MAPPED_PREFIX_SHARE) -> None:
         if path not in PATHS:
             raise ValueError(f"path must be one of {PATHS}, got {path!r}")
         if not torch.cuda.is_available():
@@ -315,7 +321,8 @@ class CudaBackend(TransferBackend):
         self.store_first_slice_bytes = store_first_slice_bytes
         self.store_slice_growth = store_slice_growth
         self.load_tail_bytes = load_tail_bytes
-        self.store_mapped_prefix_share = store_mapped_prefix_share  # 0: no mapped prefix
+        self.mapped_prefix_share = {Direction.STORE: store_mapped_prefix_share,  # 0: no mapped prefix
+                                    Direction.LOAD: load_mapped_prefix_share}
         self.load_tail_share = load_tail_share
         self._plane_tables = PlaneTables()
         self._staging = StagingBuffer()
@@ -333,7 +340,7 @@ class CudaBackend(TransferBackend):
         if not supported:
             logger.warning("cuStreamWaitValue32 is unavailable: the staging path runs kernel and copy back to back")
         self.last_kernel_ms: Optional[float] = None
-        self.last_mapped_prefix = False  # whether the last transfer's kernel wrote a prefix straight to the host
+        self.last_mapped_prefix = False  # whether the last transfer's kernel moved a prefix straight to/from the host
         self._last_pipelined = False
 
     def __del__(self) -> None:
@@ -409,9 +416,10 @@ class CudaBackend(TransferBackend):
         bounds = slice_bounds(total, batch.direction, pipelined, self.store_first_slice_bytes,
                               self.store_slice_growth, self.load_tail_bytes, self.load_tail_share)
         prefix = None
-        if (staging_path and not pipelined and batch.direction == Direction.STORE and plan.gap_free
-                and self.store_mapped_prefix_share > 0 and all(self._host_mapped(o) for o in batch.objects)):
-            prefix = prefix_order(batch, self.piece_bytes, self.store_mapped_prefix_share)
+        share = self.mapped_prefix_share[batch.direction]
+        if (staging_path and not pipelined and share > 0 and (batch.direction == Direction.LOAD or plan.gap_free)
+                and all(self._host_mapped(o) for o in batch.objects)):
+            prefix = prefix_order(batch, self.piece_bytes, share)
         order = prefix or work_order(batch, pipelined, self.piece_bytes, bounds)
         pipelined = pipelined and order.slice_items.size > 1  # one slice: nothing to overlap
         slices = order.slice_items.size

@@ -39,6 +39,7 @@ SLICING = st.fixed_dictionaries({
     "load_tail_bytes": st.sampled_from([0, 100, 2 << 20]),
     "load_tail_share": st.sampled_from([2, 3, 12]),
     "store_mapped_prefix_share": st.sampled_from([0, 2, 24]),
+    "load_mapped_prefix_share": st.sampled_from([0, 2, 24]),
 })
 
 

@@ -203,3 +203,42 @@ def test_a_mapped_prefix_and_the_copies_write_every_stored_byte_once(case: Case,
         assert not ok, "the check missed a dropped copy"
     else:
         assert ok, "a stored byte is missing, or a copy overwrote the prefix with staging's bytes"
+
+
+@given(case=cases(soc="a2"), share=st.sampled_from([2, 3, 24]), piece_bytes=st.sampled_from([0, 100, 1 << 16]),
+       drop=st.booleans())
+def test_a_mapped_prefix_load_reads_every_loaded_byte_from_the_object(case: Case, share: int, piece_bytes: int,
+                                                                     drop: bool) -> None:
+    """A load's kernel reads slice 0's items from the host objects and the rest from staging, which the copies
+    filled from slice 1 only: every byte it reads holds the object's byte, whatever was in staging before."""
+    plan = case.geometry.plan()
+    nbytes = plan.object_bytes
+    rng = np.random.default_rng(case.seed)
+    objects = [torch.from_numpy(rng.integers(1, 256, nbytes + 64, dtype=np.uint8))[:nbytes]
+               for _ in range(case.num_chunks)]
+    batch = _batch(case, Direction.LOAD, objects)
+    order = prefix_order(batch, piece_bytes, share)
+    if order is None:  # the split would leave a side empty: the load runs unsplit
+        return
+    assert order.slice_items.size == 2 and (order.items[:, 2] <= 1).all()
+    mapped = np.zeros((case.num_chunks, nbytes), dtype=bool)
+    for chunk, offset, length in order.pieces[0]:
+        mapped[chunk, offset: offset + length] = True
+    staged = np.zeros_like(mapped)
+    for chunk, offset, length in order.pieces[1]:
+        staged[chunk, offset: offset + length] = True
+    assert not (mapped & staged).any(), "a byte is both read from the host and copied"
+    staging = np.zeros(case.num_chunks * nbytes, dtype=np.uint8)  # zeros: a byte the copies missed reads 0
+    staging_address = 1 << 40
+    copies = copy_table(staging_address, batch.objects, order, nbytes, False, from_slice=1)
+    dropped = drop and len(copies) > 0
+    if dropped:  # negative control: a lost copy leaves zeros where the kernel reads staging
+        copies = copies[1:]
+    _apply(copies, staging, staging_address, objects, to_device=True)
+    want = np.stack([o.numpy() for o in objects])
+    read = np.where(mapped, want, staging.reshape(case.num_chunks, nbytes))  # what the kernel's items read
+    ok = np.array_equal(read[mapped | staged], want[mapped | staged])
+    if dropped:
+        assert not ok, "the check missed a dropped copy"
+    else:
+        assert ok, "a loaded byte is missing from staging"
