@@ -20,9 +20,7 @@ void Check(int error, const char* what) {
 // The transfer record lives in a numpy array the caller owns; its address crosses as an integer.
 const LmcacheCudaTransfer* Record(uint64_t address) { return reinterpret_cast<const LmcacheCudaTransfer*>(address); }
 
-void Head(uint64_t transfer) { Check(lmcache_cuda_transfer_head(Record(transfer)), "lmcache_cuda_transfer_head"); }
-
-void Tail(uint64_t transfer) { Check(lmcache_cuda_transfer_tail(Record(transfer)), "lmcache_cuda_transfer_tail"); }
+void Transfer(uint64_t transfer) { Check(lmcache_cuda_transfer(Record(transfer)), "lmcache_cuda_transfer"); }
 
 uint64_t EventCreate() {
   uint64_t event = 0;
@@ -99,10 +97,8 @@ int Multiprocessors(int device) {
 
 PYBIND11_MODULE(_cuda, m) {
   m.doc() = "CUDA kv-transfer kernel launcher (raw addresses, cudaStream_t as int)";
-  m.def("transfer_head", &Head, "enqueue a transfer up to its kernel (table upload, zeroing, a load's copies)",
+  m.def("transfer", &Transfer, "enqueue a whole transfer (tables, zeroing, copies, kernel, events, status)",
         py::arg("transfer"), py::call_guard<py::gil_scoped_release>());
-  m.def("transfer_tail", &Tail, "enqueue the rest (a store's copies, the status read-back)", py::arg("transfer"),
-        py::call_guard<py::gil_scoped_release>());
   m.def("event_create", &EventCreate, "a cudaEvent_t with timing, as an int");
   m.def(
       "event_destroy", [](uint64_t event) { Check(lmcache_cuda_event_destroy(event), "cudaEventDestroy"); },

@@ -264,7 +264,10 @@ int EnqueueCopies(const LmcacheCudaTransfer* t, bool to_device) {
     if (rc_ != 0) return rc_;        \
   } while (0)
 
-extern "C" int lmcache_cuda_transfer_head(const LmcacheCudaTransfer* t) {
+namespace {
+
+// The transfer up to its kernel and the caller's pages-free event.
+int EnqueueHead(const LmcacheCudaTransfer* t) {
   const cudaStream_t stream = AsStream(t->kernel.stream);
   const bool load = t->direction == lmcache_npu::kLoad;
   LMCACHE_TRY(Record(t, kLmcacheEventFirst, t->kernel.stream));
@@ -292,10 +295,12 @@ extern "C" int lmcache_cuda_transfer_head(const LmcacheCudaTransfer* t) {
   }
   LMCACHE_TRY(Record(t, kLmcacheEventKernelBegin, t->kernel.stream));
   LMCACHE_TRY(lmcache_cuda_kv_transfer(&t->kernel));
-  return Record(t, kLmcacheEventKernelEnd, t->kernel.stream);
+  LMCACHE_TRY(Record(t, kLmcacheEventKernelEnd, t->kernel.stream));
+  return Record(t, kLmcacheEventPagesFree, t->kernel.stream);
 }
 
-extern "C" int lmcache_cuda_transfer_tail(const LmcacheCudaTransfer* t) {
+// The rest: a store's copies out, the last events and the status read-back.
+int EnqueueTail(const LmcacheCudaTransfer* t) {
   // A store's copies are queued after its kernel, also when they wait for its flags on the copy stream: streams may
   // share a hardware queue, and a wait queued there ahead of the kernel that ends it would never end.
   if (t->direction == lmcache_npu::kStore) LMCACHE_TRY(EnqueueCopies(t, false));
@@ -306,6 +311,13 @@ extern "C" int lmcache_cuda_transfer_tail(const LmcacheCudaTransfer* t) {
                                 cudaMemcpyDeviceToHost, AsStream(t->kernel.stream)));
   }
   return Record(t, kLmcacheEventReturned, t->kernel.stream);
+}
+
+}  // namespace
+
+extern "C" int lmcache_cuda_transfer(const LmcacheCudaTransfer* t) {
+  LMCACHE_TRY(EnqueueHead(t));
+  return EnqueueTail(t);
 }
 
 #undef LMCACHE_TRY

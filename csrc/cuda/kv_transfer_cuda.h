@@ -67,6 +67,7 @@ enum LmcacheTransferEvent {
   kLmcacheEventCopiesDone,   // pipelined: the copy stream's last copy is done
   kLmcacheEventReturned,     // the status sits in host memory
   kLmcacheEventFirstSliceIn,  // a pipelined load's first slice is in staging: the kernel's stream waits for it
+  kLmcacheEventPagesFree,    // the caller's own event (0: none), recorded right after the kernel for its waiters
   kLmcacheEventCount,
 };
 
@@ -89,11 +90,10 @@ typedef struct {
 
 // Returns a cudaError_t value (0 on success). Enqueues exactly one kernel on launch->stream.
 int lmcache_cuda_kv_transfer(const LmcacheCudaLaunch* launch);
-// The transfer up to the kernel end event: the caller may record its own events on kernel.stream in between.
+// Enqueues the whole transfer in one call (no host step between the kernel and a store's copies): table upload,
+// zeroing, a load's copies, the kernel, the caller's pages-free event, a store's copies, the status read-back.
 // Every stream wait is queued after what ends it (streams may share a hardware queue).
-int lmcache_cuda_transfer_head(const LmcacheCudaTransfer* transfer);
-// The rest: a store's copies out, the last events and the status read-back.
-int lmcache_cuda_transfer_tail(const LmcacheCudaTransfer* transfer);
+int lmcache_cuda_transfer(const LmcacheCudaTransfer* transfer);
 int lmcache_cuda_event_create(uint64_t* event);
 int lmcache_cuda_event_destroy(uint64_t event);
 int lmcache_cuda_event_synchronize(uint64_t event);

@@ -7,7 +7,7 @@ import importlib.util
 import logging
 import weakref
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -36,19 +36,24 @@ class TransferStats:
     device_seconds: Optional[float] = None  # GPU time from the first enqueued op to the last (CUDA events)
 
 
+# Told that the kernel is done with the pages: a device event that completes then, or None (see transfer()).
+AfterKernel = Callable[[Optional[Any]], None]
+
+
 class TransferBackend(abc.ABC):
     """Moves a ChunkBatch between paged planes and chunk objects, one launch per direction."""
 
     name: str = ""
 
     @abc.abstractmethod
-    def transfer(self, batch: ChunkBatch, after_kernel: Optional[Callable[[], None]] = None) -> TransferStats:
+    def transfer(self, batch: ChunkBatch, after_kernel: Optional[AfterKernel] = None) -> TransferStats:
         """Runs one validated batch; raises before touching memory if the backend cannot run it.
 
-        `after_kernel` is called once the kernel is done with the pages: device backends call it right after the
-        launch on the current stream (an event recorded there completes when every page row has been read or
-        written, before the host copy of the staging buffer ends), host backends once the copy has finished. The
-        connector uses it to let the model overwrite pages as early as possible."""
+        `after_kernel(event)` is called once the kernel is done with the pages, before the transfer's host copy
+        ends: with a device event recorded right after the kernel, or with None where the current stream's present
+        position is right after the launch (an event recorded there completes when every page row has been read or
+        written) or, on host backends, once the copy has finished. The connector uses it to let the model overwrite
+        pages as early as possible."""
 
     def prepare(self, plan: TransferPlan) -> None:
         """Readies what every transfer of `plan` reuses, once, before serving (device backends upload the plane

@@ -19,12 +19,13 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
 
 from .backend import (
+    AfterKernel,
     BackendUnavailable,
     PlaneTables,
     StagingBuffer,
@@ -75,14 +76,14 @@ _RECORD_U32 = ("num_planes", "num_groups", "num_runs", "num_chunks", "kernel_dir
 _RECORD_TAIL = ("copy_stream", "table_host", "table_device", "table_bytes", "zero_address", "zero_bytes", "copies",
                 "num_copies", "direction", "status_host")
 (EVENT_FIRST, EVENT_KERNEL_BEGIN, EVENT_KERNEL_END, EVENT_LAST, EVENT_COPIES_DONE, EVENT_RETURNED,
- EVENT_FIRST_SLICE_IN) = range(7)
+ EVENT_FIRST_SLICE_IN, EVENT_PAGES_FREE) = range(8)  # the last slot: the caller's own event, per transfer
 
 
 def record_dtype(cuda: Any) -> np.dtype:
     """The numpy twin of the native record, at the offsets the built module reports (a stale build fails here)."""
     names = _RECORD_U64 + _RECORD_U32 + _RECORD_TAIL + ("events",)
     fields = dict(cuda.TRANSFER_FIELDS)
-    if set(fields) != set(names) or cuda.EVENTS != EVENT_FIRST_SLICE_IN + 1:
+    if set(fields) != set(names) or cuda.EVENTS != EVENT_PAGES_FREE + 1:
         raise BackendUnavailable(f"lmcache_npu._cuda has transfer fields {sorted(fields)}; this package expects "
                                  f"{sorted(names)}: rebuild it (pip install -e . or setup.py build_ext)")
     formats = (["<u8"] * len(_RECORD_U64) + ["<u4"] * len(_RECORD_U32) + ["<u8"] * len(_RECORD_TAIL)
@@ -256,9 +257,9 @@ class _Native:
         self.device = device
         self.record = np.zeros(1, dtype=record_dtype(cuda))
         with torch.cuda.device(device):
-            self.events = [cuda.event_create() for _ in range(cuda.EVENTS)]
+            self.events = [cuda.event_create() for _ in range(EVENT_PAGES_FREE)]
             self.copy_stream = torch.cuda.Stream(device)
-        self.record["events"][0] = self.events
+        self.record["events"][0, :EVENT_PAGES_FREE] = self.events
         self.flags = torch.zeros(MAX_SLICES, dtype=torch.int32, device=device)
         self.epoch = 0
         self.host_tables = torch.zeros(0, dtype=torch.uint8)
@@ -373,7 +374,7 @@ class CudaBackend(TransferBackend):
         self._plane_tables.upload(plan)
         warm_up(self, plan)
 
-    def transfer(self, batch: ChunkBatch, after_kernel: Optional[Callable[[], None]] = None) -> TransferStats:
+    def transfer(self, batch: ChunkBatch, after_kernel: Optional[AfterKernel] = None) -> TransferStats:
         with self._lock:
             return self._transfer(batch, after_kernel)
 
@@ -397,7 +398,7 @@ class CudaBackend(TransferBackend):
             self._native = _Native(self._cuda, device)
         return self._native
 
-    def _transfer(self, batch: ChunkBatch, after_kernel: Optional[Callable[[], None]]) -> TransferStats:
+    def _transfer(self, batch: ChunkBatch, after_kernel: Optional[AfterKernel]) -> TransferStats:
         plan = batch.plan
         device = plan.device
         if device.type != "cuda":
@@ -472,13 +473,18 @@ class CudaBackend(TransferBackend):
                 ("copies", copies.ctypes.data), ("num_copies", len(copies)), ("direction", int(batch.direction)),
                 ("status_host", host + offsets[6])):
             record[name] = value
+        pages_free = None
+        if after_kernel is not None:
+            pages_free = torch.cuda.Event()
+            pages_free.record(stream)  # creates the event; the native call records it again right after the kernel
+        record["events"][0, EVENT_PAGES_FREE] = 0 if pages_free is None else pages_free.cuda_event
         address = state.record.ctypes.data
         start = time.perf_counter()
         try:
-            self._cuda.transfer_head(address)
+            # One GIL-free call: no host step (nor a wait for the GIL) between the kernel and a store's copies.
+            self._cuda.transfer(address)
             if after_kernel is not None:
-                after_kernel()  # in stream order after the kernel: the pages are free once it completes
-            self._cuda.transfer_tail(address)
+                after_kernel(pages_free)  # completes once the kernel is done with the pages
             # The host waits on events, never on a synchronous copy: that would hold the driver while a stream is
             # held and block other threads' CUDA calls.
             self._cuda.event_synchronize(state.events[EVENT_RETURNED])

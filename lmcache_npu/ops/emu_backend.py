@@ -5,12 +5,12 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Optional
 
 import numpy as np
 import torch
 
-from .backend import BackendUnavailable, TransferBackend, TransferStats, verify_kernel_report
+from .backend import AfterKernel, BackendUnavailable, TransferBackend, TransferStats, verify_kernel_report
 from .batch import ChunkBatch
 from .plan import CORE_STATUS_DTYPE, UB_BLOCK_BYTES, Direction, PageLayout, TransferPlan
 
@@ -79,7 +79,7 @@ class EmuBackend(TransferBackend):
         self.order = order
         self.seed = seed
 
-    def transfer(self, batch: ChunkBatch, after_kernel: Optional[Callable[[], None]] = None) -> TransferStats:
+    def transfer(self, batch: ChunkBatch, after_kernel: Optional[AfterKernel] = None) -> TransferStats:
         plan = batch.plan
         if plan.device.type != "cpu" or any(o.device.type != "cpu" for o in batch.objects):
             raise ValueError("the emu backend runs on host memory: planes and chunk objects must be CPU tensors")
@@ -122,7 +122,7 @@ class EmuBackend(TransferBackend):
         )
         seconds = time.perf_counter() - start
         if after_kernel is not None:
-            after_kernel()
+            after_kernel(None)
         verify_kernel_report(batch, int(status["items_done"].sum()), int(status["items_rejected"].sum()),
                              int(status["bytes_moved"].sum()))
         return TransferStats(

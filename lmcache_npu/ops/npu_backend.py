@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
 
 from .backend import (
+    AfterKernel,
     BackendUnavailable,
     PlaneTables,
     StagingBuffer,
@@ -75,7 +76,7 @@ class NpuBackend(TransferBackend):
         self._plane_tables.upload(plan)
         warm_up(self, plan)
 
-    def transfer(self, batch: ChunkBatch, after_kernel: Optional[Callable[[], None]] = None) -> TransferStats:
+    def transfer(self, batch: ChunkBatch, after_kernel: Optional[AfterKernel] = None) -> TransferStats:
         plan = batch.plan
         device = plan.device
         if device.type != "npu":
@@ -111,7 +112,7 @@ class NpuBackend(TransferBackend):
             zero_tile_bytes=self.tiling["zero_tile_bytes"],
         )
         if after_kernel is not None:
-            after_kernel()  # in stream order after the kernel: the pages are free once it completes
+            after_kernel(None)  # the stream's present position is right after the kernel: the pages are free there
         if staging is not None and batch.direction == Direction.STORE:
             copy_stretches(staging, batch.objects, stretches, plan.object_bytes, to_device=False)
         stream.synchronize()

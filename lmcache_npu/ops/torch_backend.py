@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import time
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
-from .backend import TransferBackend, TransferStats
+from .backend import AfterKernel, TransferBackend, TransferStats
 from .batch import ChunkBatch
 from .plan import Direction, PageLayout, Plane
 
@@ -28,7 +28,7 @@ def row_view(plane: Plane) -> torch.Tensor:
 class TorchBackend(TransferBackend):
     name = "torch"
 
-    def transfer(self, batch: ChunkBatch, after_kernel: Optional[Callable[[], None]] = None) -> TransferStats:
+    def transfer(self, batch: ChunkBatch, after_kernel: Optional[AfterKernel] = None) -> TransferStats:
         plan = batch.plan
         start = time.perf_counter()
         for plane, offset in zip(plan.moved_planes, plan.object_offsets):
@@ -54,7 +54,7 @@ class TorchBackend(TransferBackend):
         if plan.device.type == "cuda":
             torch.cuda.current_stream(plan.device).synchronize()
         if after_kernel is not None:
-            after_kernel()
+            after_kernel(None)
         return TransferStats(
             backend=self.name,
             direction=batch.direction,

@@ -141,8 +141,10 @@ class KVMover:
                     job.kernel_done.set()  # a batch that never launched touched no page
 
     @staticmethod
-    def _after_kernel(lane: _Lane, job: _Job) -> None:
-        job.pages_event = lane.kit.record()
+    def _after_kernel(lane: _Lane, job: _Job, event: Optional[Any]) -> None:
+        """The backend's kernel is done with the pages once `event` completes (None: at the lane stream's present
+        position)."""
+        job.pages_event = event if event is not None else lane.kit.record()
         job.kernel_done.set()
 
     def _execute(self, lane: _Lane, job: _Job) -> None:
@@ -161,7 +163,7 @@ class KVMover:
         attempts = 1 + (self.load_retries if loads else 0)
         for attempt in range(attempts):
             try:
-                stats = lane.backend.transfer(batch, after_kernel=lambda: self._after_kernel(lane, job))
+                stats = lane.backend.transfer(batch, after_kernel=lambda event: self._after_kernel(lane, job, event))
                 break
             except Exception as exc:  # a device fault: retried for loads (every row is rewritten), else reported
                 self.counters.add("transfer_failures")

@@ -53,3 +53,27 @@ def test_the_transfer_stream_has_the_highest_priority() -> None:
     highest = torch.cuda.Stream.priority_range()[1]  # (least, greatest); lower numbers are higher priorities
     assert highest < 0, "this device has no stream priorities"
     assert lane.priority == highest, f"the transfer stream's priority is {lane.priority}, the highest is {highest}"
+
+
+@pytest.mark.parametrize("direction", ["store", "load"])
+def test_the_backend_hands_over_an_event_recorded_right_after_its_kernel(direction: str) -> None:
+    """The pages-free event is recorded by the native call that enqueues the whole transfer (no host step between the
+    kernel and a store's copies), so the backend passes its own event; None would mean the caller records one."""
+    import numpy as np
+
+    from lmcache_npu.ops import ChunkBatch, Direction, get_backend
+
+    s = ordering.Setup(CUDA)
+    try:
+        backend = get_backend("cuda")
+        backend.prepare(s.layout.plan)
+        slots = [np.arange(ordering.CHUNK).reshape(1, -1) + ordering.BLOCK]  # chunk 0 in blocks 1..16
+        batch = ChunkBatch.build(s.layout.plan, slots, [s.arena.slot(0)], Direction[direction.upper()])
+        handed: list = []
+        backend.transfer(batch, after_kernel=handed.append)
+        assert len(handed) == 1 and isinstance(handed[0], torch.cuda.Event)
+        torch.cuda.current_stream(CUDA).wait_event(handed[0])
+        torch.cuda.synchronize()
+        assert handed[0].query()
+    finally:
+        s.close()

@@ -3,12 +3,13 @@ out, fails the scenario that passes with a correct load (test_presets.py)."""
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Optional
 
 import numpy as np
 import pytest
 
 from lmcache_npu.ops import ChunkBatch, Direction, TransferStats
+from lmcache_npu.ops.backend import AfterKernel
 from lmcache_npu.transfer import mover as mover_module
 
 from .conftest import preset_engine, prompt
@@ -32,7 +33,7 @@ class SkipsPlane(Wrapped):
         super().__init__(inner)
         self.plane = plane
 
-    def transfer(self, batch: ChunkBatch, after_kernel: Optional[Callable[[], None]] = None) -> TransferStats:
+    def transfer(self, batch: ChunkBatch, after_kernel: Optional[AfterKernel] = None) -> TransferStats:
         from lmcache_npu.ops.torch_backend import row_view
 
         plane = batch.plan.moved_planes[self.plane]

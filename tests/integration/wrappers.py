@@ -7,6 +7,7 @@ import time
 from typing import Callable, Optional
 
 from lmcache_npu.ops import ChunkBatch, Direction, TransferBackend, TransferStats
+from lmcache_npu.ops.backend import AfterKernel
 
 
 class Wrapped(TransferBackend):
@@ -15,7 +16,7 @@ class Wrapped(TransferBackend):
         self.name = inner.name
         self.calls = {Direction.STORE: 0, Direction.LOAD: 0}
 
-    def transfer(self, batch: ChunkBatch, after_kernel: Optional[Callable[[], None]] = None) -> TransferStats:
+    def transfer(self, batch: ChunkBatch, after_kernel: Optional[AfterKernel] = None) -> TransferStats:
         self.calls[batch.direction] += 1
         return self.inner.transfer(batch, after_kernel)
 
@@ -36,7 +37,7 @@ class Slow(Wrapped):
         self.waiting.set()
         self.release.wait(self.seconds)
 
-    def transfer(self, batch: ChunkBatch, after_kernel: Optional[Callable[[], None]] = None) -> TransferStats:
+    def transfer(self, batch: ChunkBatch, after_kernel: Optional[AfterKernel] = None) -> TransferStats:
         if batch.direction != self.direction:
             return super().transfer(batch, after_kernel)
         if batch.direction == Direction.LOAD:
@@ -55,7 +56,7 @@ class Failing(Wrapped):
         self.remaining = times
         self.failures = 0
 
-    def transfer(self, batch: ChunkBatch, after_kernel: Optional[Callable[[], None]] = None) -> TransferStats:
+    def transfer(self, batch: ChunkBatch, after_kernel: Optional[AfterKernel] = None) -> TransferStats:
         if batch.direction == Direction.LOAD and (self.remaining is None or self.remaining > 0):
             if self.remaining is not None:
                 self.remaining -= 1
