@@ -279,6 +279,21 @@ def _replay(args: argparse.Namespace) -> int:
     return 0 if report.all_match else 1
 
 
+def _add_chunk_source(parser: argparse.ArgumentParser, default_preset: str) -> None:
+    """--backend and where the chunks' shapes come from: a preset (needs vLLM's spec classes) or a geometry file."""
+    from .layout.presets import DEVICE_FAMILIES, preset_names
+
+    parser.add_argument("--backend", choices=BACKEND_NAMES, default="auto")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--preset", choices=preset_names(), default=default_preset,
+                        help="a model built through layout discovery (see `lmcache-npu inspect`)")
+    source.add_argument("--geometry", type=Path, help="JSON file with chunk_tokens and groups (see docs/kernels.md); "
+                        "what a machine without vLLM benchmarks")
+    parser.add_argument("--device-family", choices=DEVICE_FAMILIES, default=None,
+                        help="shape the preset like vllm-ascend or like vLLM on CUDA (default: cuda for the cuda "
+                             "backend, ascend otherwise)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .layout.presets import DEVICE_FAMILIES, preset_names
 
@@ -325,14 +340,7 @@ def build_parser() -> argparse.ArgumentParser:
     replay.set_defaults(func=_replay)
 
     bench = sub.add_parser("bench", help="store and load N chunks of a model's KV geometry and report bandwidth")
-    bench.add_argument("--backend", choices=BACKEND_NAMES, default="auto")
-    source = bench.add_mutually_exclusive_group()
-    source.add_argument("--preset", choices=preset_names(), default="deepseek-v4-flash",
-                        help="a model built through layout discovery (see `lmcache-npu inspect`)")
-    source.add_argument("--geometry", type=Path, help="JSON file with chunk_tokens and groups (see docs/kernels.md)")
-    bench.add_argument("--device-family", choices=DEVICE_FAMILIES, default=None,
-                       help="shape the preset like vllm-ascend or like vLLM on CUDA (default: cuda for the cuda "
-                            "backend, ascend otherwise)")
+    _add_chunk_source(bench, default_preset="deepseek-v4-flash")
     bench.add_argument("--chunks", type=int, default=4)
     bench.add_argument("--chunk-tokens", type=int, default=None, help="override the geometry's chunk_tokens")
     bench.add_argument("--check", action="store_true", help="verify every byte; exit 1 on any mismatch")
@@ -394,13 +402,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     worker = sub.add_parser("bench-connector", help="chunks stored and loaded through the connector's worker path "
                             "(store executor, transfer lanes) next to the bench's transfer of the same chunks")
-    worker.add_argument("--backend", choices=BACKEND_NAMES, default="auto")
-    where = worker.add_mutually_exclusive_group()
-    where.add_argument("--preset", choices=preset_names(), default="llama3-8b",
-                       help="a model preset (needs vLLM for its spec classes)")
-    where.add_argument("--geometry", type=Path, help="a --geometry JSON file (machines without vLLM)")
-    worker.add_argument("--device-family", choices=DEVICE_FAMILIES, default=None,
-                        help="preset shapes: cuda or ascend (default: the backend's)")
+    _add_chunk_source(worker, default_preset="llama3-8b")
     worker.add_argument("--chunks", type=int, nargs="+", default=[1, 8], help="chunks per transfer (default 1 8)")
     worker.add_argument("--repeats", type=int, default=10, help="transfers per path and direction; best reported")
     worker.add_argument("--start", nargs="+", choices=["idle", "queued"], default=["idle"],

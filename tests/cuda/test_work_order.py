@@ -165,6 +165,15 @@ def test_copies_move_every_payload_byte_between_staging_and_objects(case: Case, 
         assert ok, "a payload byte was not copied"
 
 
+def _slice_masks(order, num_chunks: int, nbytes: int) -> tuple[np.ndarray, np.ndarray]:
+    """(chunk, byte) masks of a two-slice work order: the mapped prefix's bytes, and those moved through staging."""
+    masks = np.zeros((2, num_chunks, nbytes), dtype=bool)
+    for k in (0, 1):
+        for chunk, offset, length in order.pieces[k]:
+            masks[k, chunk, offset: offset + length] = True
+    return masks[0], masks[1]
+
+
 @given(case=cases(soc="a2"), share=st.sampled_from([2, 3, 24]), piece_bytes=st.sampled_from([0, 100, 1 << 16]),
        drop=st.booleans())
 def test_a_mapped_prefix_and_the_copies_write_every_stored_byte_once(case: Case, share: int, piece_bytes: int,
@@ -179,12 +188,7 @@ def test_a_mapped_prefix_and_the_copies_write_every_stored_byte_once(case: Case,
     assert order.slice_items.size == 2 and (order.items[:, 2] <= 1).all()
     rng = np.random.default_rng(case.seed)
     kernel_output = rng.integers(1, 256, (case.num_chunks, nbytes), dtype=np.uint8)  # never 0
-    prefix = np.zeros((case.num_chunks, nbytes), dtype=bool)
-    for chunk, offset, length in order.pieces[0]:
-        prefix[chunk, offset: offset + length] = True
-    staged = np.zeros_like(prefix)
-    for chunk, offset, length in order.pieces[1]:
-        staged[chunk, offset: offset + length] = True
+    prefix, staged = _slice_masks(order, case.num_chunks, nbytes)
     assert not (prefix & staged).any(), "a byte is both written by the kernel and copied"
     # The kernel: the prefix's items straight into the objects, the rest into staging (whose prefix holds zeros).
     staging = np.where(prefix, 0, kernel_output).reshape(-1)
@@ -221,12 +225,7 @@ def test_a_mapped_prefix_load_reads_every_loaded_byte_from_the_object(case: Case
     if order is None:  # the split would leave a side empty: the load runs unsplit
         return
     assert order.slice_items.size == 2 and (order.items[:, 2] <= 1).all()
-    mapped = np.zeros((case.num_chunks, nbytes), dtype=bool)
-    for chunk, offset, length in order.pieces[0]:
-        mapped[chunk, offset: offset + length] = True
-    staged = np.zeros_like(mapped)
-    for chunk, offset, length in order.pieces[1]:
-        staged[chunk, offset: offset + length] = True
+    mapped, staged = _slice_masks(order, case.num_chunks, nbytes)
     assert not (mapped & staged).any(), "a byte is both read from the host and copied"
     staging = np.zeros(case.num_chunks * nbytes, dtype=np.uint8)  # zeros: a byte the copies missed reads 0
     staging_address = 1 << 40
