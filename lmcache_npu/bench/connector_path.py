@@ -34,7 +34,7 @@ from ..store.tier import TierCounters
 from ..transfer import BlockWindow, KVMover, LoadPlan, StorePlan, StreamKit
 from .cuda_baselines import queue_gpu_work
 from .geometry import Geometry, materialize
-from .presets import block_tables, blocks_for
+from .presets import materialize_preset
 from .runner import default_family, device_for
 
 REQUEST = "bench-request"
@@ -114,14 +114,8 @@ def _geometry_request(geometry: Geometry, chunks: int, device: torch.device,
 
 def _preset_request(name: str, chunks: int, device: torch.device, device_family: str,
                     seed: int) -> tuple[KVLayout, list[np.ndarray], list[torch.Tensor]]:
-    from ..layout.presets import preset_layout
-
-    probe, preset = preset_layout(name, device_family, None, num_blocks=2)
-    needed = blocks_for(probe, preset.kv_cache_config, chunks)
-    layout, preset = preset_layout(name, device_family, probe.plan.chunk_tokens, num_blocks=1 + sum(needed),
-                                   seed=seed, device=device)
-    tables = block_tables(needed, 1 + sum(needed), torch.Generator().manual_seed(seed + 1))
-    return layout, tables, list(preset.allocations)
+    m, layout, _ = materialize_preset(name, chunks, device, seed, device_family=device_family)
+    return layout, m.block_tables, m.allocations
 
 
 def _seconds(stats: TransferStats) -> float:

@@ -8,6 +8,7 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Optional
 
+import numpy as np
 import torch
 
 from ..ops import GroupSpec, PageLayout, Plane, TransferPlan, rows_per_chunk
@@ -105,6 +106,7 @@ class Materialized:
     plan: TransferPlan
     slots: list[Optional[torch.Tensor]]
     allocations: list[torch.Tensor] = field(default_factory=list)
+    block_tables: list[np.ndarray] = field(default_factory=list)  # presets: the request's table per scheduler group
 
 
 def blocks_needed(chunks: int, rows: int, rows_per_block: int) -> int:

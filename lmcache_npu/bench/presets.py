@@ -48,4 +48,4 @@ def materialize_preset(name: str, chunks: int, device: torch.device, seed: int =
     tables = block_tables(needed, 1 + sum(needed), torch.Generator().manual_seed(seed + 1))
     slots = layout_slots(layout, tables, np.arange(chunks))
     tensors = [None if s is None else torch.from_numpy(s) for s in slots]
-    return Materialized(layout.plan, tensors, preset.allocations), layout, preset
+    return Materialized(layout.plan, tensors, preset.allocations, tables), layout, preset
