@@ -20,11 +20,18 @@ LOGPROB_TOLERANCE = 1e-4  # fp32
 DTYPE_TOLERANCES = {"float32": LOGPROB_TOLERANCE, "bfloat16": 2.0 ** -5, "float16": 2.0 ** -8}
 
 
+# vLLM's other names; "auto" may pick a 16-bit dtype for the model, so it gets the loosest tolerance
+DTYPE_ALIASES = {"float": "float32", "fp32": "float32", "bf16": "bfloat16", "half": "float16", "fp16": "float16",
+                 "auto": "bfloat16"}
+
+
 def tolerance_for(dtype: str) -> float:
-    """The logprob tolerance (and near-tie width) of a model served in `dtype`."""
+    """The logprob tolerance (and near-tie width) of a model served in `dtype` (vLLM's names and aliases)."""
     name = dtype.removeprefix("torch.")
+    name = DTYPE_ALIASES.get(name, name)
     if name not in DTYPE_TOLERANCES:
-        raise ValueError(f"no logprob tolerance for model dtype {dtype!r}; known: {', '.join(DTYPE_TOLERANCES)}")
+        raise ValueError(f"no logprob tolerance for model dtype {dtype!r}; known: "
+                         f"{', '.join([*DTYPE_TOLERANCES, *DTYPE_ALIASES])}")
     return DTYPE_TOLERANCES[name]
 
 

@@ -109,6 +109,7 @@ def run_replay(model: str, conversations: Sequence[Conversation], workload: str,
                on_phase: Optional[Callable[[str], None]] = None) -> ReplayReport:
     """The workload without the plugin, then with it (`extra_config`: the connector's config), each on a fresh
     engine. `on_turn(run, turn)` sees each turn as it completes; `on_phase` each engine start."""
+    tolerance = tolerance_for(settings.dtype)  # an unknown dtype fails before either run, not after both
     runs: dict[str, list[TurnRun]] = {}
     stats: dict[str, float] = {}
     for name in RUNS:
@@ -130,7 +131,7 @@ def run_replay(model: str, conversations: Sequence[Conversation], workload: str,
     waves = any(c.start for c in conversations)
     report = ReplayReport(model=model, workload=workload, settings=_settings_json(settings, extra_config),
                           step_name="wave" if waves else "turn")
-    report.turns = compare_turns(runs["without"], runs["with"], tolerance_for(settings.dtype))
+    report.turns = compare_turns(runs["without"], runs["with"], tolerance)
     report.ttft_p50 = {name: statistics.median(c.ttft_s for turn in runs[name] for c in turn.completions)
                        for name in RUNS}
     report.plugin_stats = stats

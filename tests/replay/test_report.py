@@ -121,3 +121,4 @@ def test_a_replay_turn_reports_near_ties_apart_from_differences():
     assert (strict.identical, strict.near_ties) == (1, 0)
     with pytest.raises(ValueError, match="no logprob tolerance for model dtype 'int8'"):
         tolerance_for("int8")
+    assert tolerance_for("half") == tolerance_for("float16") and tolerance_for("torch.bfloat16") == 2.0 ** -5
