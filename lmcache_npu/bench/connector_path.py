@@ -12,6 +12,7 @@ arena slots, on backends of the same options, and the bytes they leave are compa
 
 from __future__ import annotations
 
+import contextlib
 import math
 import statistics
 import time
@@ -144,17 +145,20 @@ def run_connector_path(source: Union[Geometry, str], backend_name: str = "auto",
     if "queued" in starts and plan.device.type != "cuda":
         raise ValueError(f"a queued start needs a CUDA device (the {bench.name} backend moves {plan.device} pages)")
     slots = layout_slots(layout, tables, np.arange(chunks))
-    arena = HostArena(2 * chunks, plan.object_bytes, pinned=device.type != "cpu")
-    bench_objects = [arena.slot(i) for i in range(chunks)]  # the bench's transfer uses slots [0, chunks)
-    counters = TierCounters()
-    mover = KVMover(layout, lambda: get_backend(backend_name, **backend_options),
-                    lambda: StreamKit.for_device(plan.device), 0, 0, counters)
-    executor = StoreExecutor(0, arena, mover)  # the connector's commands use slots [chunks, 2 chunks)
-    bench.prepare(plan)
-    step = _ConnectorStep(executor, mover, counters, _window(layout, tables, chunks), chunks, plan.chunk_tokens)
     sync = torch.cuda.synchronize if plan.device.type == "cuda" else (lambda: None)
     rows = []
-    try:
+    with contextlib.ExitStack() as cleanup:  # whatever was built is closed, the arena's registration last
+        arena = HostArena(2 * chunks, plan.object_bytes, pinned=device.type != "cpu")
+        cleanup.callback(arena.close)
+        bench_objects = [arena.slot(i) for i in range(chunks)]  # the bench's transfer uses slots [0, chunks)
+        counters = TierCounters()
+        mover = KVMover(layout, lambda: get_backend(backend_name, **backend_options),
+                        lambda: StreamKit.for_device(plan.device), 0, 0, counters)
+        cleanup.callback(mover.close)
+        executor = StoreExecutor(0, arena, mover)  # the connector's commands use slots [chunks, 2 chunks)
+        cleanup.callback(executor.close)
+        bench.prepare(plan)
+        step = _ConnectorStep(executor, mover, counters, _window(layout, tables, chunks), chunks, plan.chunk_tokens)
         same = True
         for direction, start in [(d, s) for d in (Direction.STORE, Direction.LOAD) for s in starts]:
             batch = ChunkBatch.build(plan, slots, bench_objects, direction)
@@ -183,10 +187,6 @@ def run_connector_path(source: Union[Geometry, str], backend_name: str = "auto",
                                 _pinned_copy_ms(batch.payload_bytes, direction, plan.device, start == "queued")))
         same &= _load_restores_pages(plan, slots, [arena.slot(chunks + i) for i in range(chunks)], allocations,
                                      lambda: step.run(Direction.LOAD))
-    finally:
-        mover.close()
-        executor.close()
-        arena.close()
     return PathReport(name, bench.name, plan.object_bytes, tuple(rows), same)
 
 

@@ -59,8 +59,10 @@ def _near_tie(reference: Completion, candidate: Completion, step: int, tolerance
             and in_candidate[theirs] - in_candidate[ours] <= tolerance)
 
 
-def compare(reference: Completion, candidate: Completion, tolerance: Optional[float] = LOGPROB_TOLERANCE) -> Verdict:
-    """Where `candidate` departs from `reference`; `tolerance` None compares tokens only (no tie is excused)."""
+def compare(reference: Completion, candidate: Completion, tolerance: Optional[float] = LOGPROB_TOLERANCE,
+            logprobs: bool = True) -> Verdict:
+    """Where `candidate` departs from `reference`; `tolerance` None compares tokens only (no tie is excused);
+    `logprobs` False compares tokens and reads the logprobs only to tell a near tie."""
     steps = min(len(reference.token_ids), len(candidate.token_ids))
     departure = next((k for k in range(steps) if reference.token_ids[k] != candidate.token_ids[k]), None)
     tie = ""
@@ -70,12 +72,15 @@ def compare(reference: Completion, candidate: Completion, tolerance: Optional[fl
         if tolerance is None or not _near_tie(reference, candidate, departure, tolerance):
             return Verdict(difference=f"tokens differ from step {departure} on")
         tie = f"took the other token of a near tie at step {departure}"
-    if tolerance is None:
+    if tolerance is None or not logprobs:
         return Verdict(near_tie=tie)
     compared = len(reference.token_ids) if departure is None else departure + 1
+    recorded = (min(len(reference.logprobs), compared), min(len(candidate.logprobs), compared))
+    if recorded[0] != recorded[1]:
+        return Verdict(difference=f"logprobs recorded for {recorded[1]} steps, the reference for {recorded[0]}")
     for step, (a, b) in enumerate(zip(reference.logprobs[:compared], candidate.logprobs[:compared])):
         for token in sorted(a.keys() & b.keys()):
-            if abs(a[token] - b[token]) > tolerance:
+            if not abs(a[token] - b[token]) <= tolerance:  # a NaN on either side is a difference too
                 return Verdict(difference=f"step {step}, token {token}: logprob {b[token]:.6f} vs {a[token]:.6f}")
     return Verdict(near_tie=tie)
 

@@ -43,7 +43,7 @@ def test_both_paths_move_the_same_bytes_and_report_each_direction(tmp_path: Path
                for r in reports for row in r["rows"])
 
 
-def test_a_connector_path_that_moves_a_wrong_row_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_connector_path_that_moves_a_wrong_row_is_caught(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     from lmcache_npu.transfer import mover
 
     right_slots = mover.KVMover._command_slots
@@ -54,7 +54,9 @@ def test_a_connector_path_that_moves_a_wrong_row_is_caught(monkeypatch: pytest.M
     monkeypatch.setattr(mover.KVMover, "_command_slots", one_row_late)
     report = run_connector_path(geometry_from_dict(GEOMETRY), "emu", chunks=1, repeats=1)
     assert not report.same_bytes
-    assert main(["bench-connector", "--backend", "emu", "--preset", "llama3-8b", "--chunks", "1",
+    path = tmp_path / "small.json"
+    path.write_text(json.dumps(GEOMETRY))
+    assert main(["bench-connector", "--backend", "emu", "--geometry", str(path), "--chunks", "1",
                  "--repeats", "1"]) == 1
 
 

@@ -55,25 +55,64 @@ def test_the_transfer_stream_has_the_highest_priority() -> None:
     assert lane.priority == highest, f"the transfer stream's priority is {lane.priority}, the highest is {highest}"
 
 
-@pytest.mark.parametrize("direction", ["store", "load"])
-def test_the_backend_hands_over_an_event_recorded_right_after_its_kernel(direction: str) -> None:
-    """The pages-free event is recorded by the native call that enqueues the whole transfer (no host step between the
-    kernel and a store's copies), so the backend passes its own event; None would mean the caller records one."""
+class _NeverRecordedNatively(torch.cuda.Event):
+    """The negative control: the backend reads a null handle, so the native call records nothing after the kernel
+    and the event keeps the position the backend gave it before the transfer."""
+
+    @property
+    def cuda_event(self) -> int:
+        return 0
+
+
+def _pages_free_while_the_kernel_waits(monkeypatch: pytest.MonkeyPatch, native: bool) -> tuple[bool, bool]:
+    """A pipelined load whose copies are held by a gate on the backend's copy stream: its kernel cannot finish. Returns
+    whether the event the backend handed over had completed then, and once the gate opened."""
+    import threading
+    import time
+
     import numpy as np
 
     from lmcache_npu.ops import ChunkBatch, Direction, get_backend
 
     s = ordering.Setup(CUDA)
+    gate = ordering.Gate(s)
+    if gate.flag is None:
+        s.close()
+        pytest.skip("no CUDA stream memory operations: the copy stream cannot be held without timing")
+    backend = get_backend("cuda", **SLICED)
     try:
-        backend = get_backend("cuda")
         backend.prepare(s.layout.plan)
         slots = [np.arange(ordering.CHUNK).reshape(1, -1) + ordering.BLOCK]  # chunk 0 in blocks 1..16
-        batch = ChunkBatch.build(s.layout.plan, slots, [s.arena.slot(0)], Direction[direction.upper()])
+        batch = ChunkBatch.build(s.layout.plan, slots, [s.arena.slot(0)], Direction.LOAD)
+        backend.transfer(batch)  # the backend's streams and events exist from here on
+        assert backend.pipelined(batch)
+        if not native:
+            monkeypatch.setattr(torch.cuda, "Event", _NeverRecordedNatively)
+        with torch.cuda.stream(backend._native.copy_stream):
+            gate.hold()
         handed: list = []
-        backend.transfer(batch, after_kernel=handed.append)
-        assert len(handed) == 1 and isinstance(handed[0], torch.cuda.Event)
-        torch.cuda.current_stream(CUDA).wait_event(handed[0])
+        enqueued = threading.Event()
+        worker = threading.Thread(target=backend.transfer, args=(batch,),
+                                  kwargs={"after_kernel": lambda e: (handed.append(e), enqueued.set())})
+        worker.start()
+        try:
+            assert enqueued.wait(30), "the transfer never handed over its event"
+            time.sleep(0.05)  # the GPU has long reached the held copies
+            while_held = handed[0].query()
+        finally:
+            gate.open()
+            worker.join(60)
         torch.cuda.synchronize()
-        assert handed[0].query()
+        return while_held, handed[0].query()
     finally:
         s.close()
+
+
+def test_the_pages_free_event_completes_only_after_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The event is recorded by the native call that enqueues the whole transfer, right after the kernel (no host step
+    between the kernel and a store's copies): held copies hold it too."""
+    assert _pages_free_while_the_kernel_waits(monkeypatch, native=True) == (False, True)
+
+
+def test_without_the_native_record_the_event_completes_before_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert _pages_free_while_the_kernel_waits(monkeypatch, native=False) == (True, True)

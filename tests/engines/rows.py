@@ -11,6 +11,7 @@ from typing import Any, Sequence
 import torch
 
 KEPT_WHOLE = ("FullAttentionSpec", "MLAAttentionSpec")  # groups whose table holds every computed token's block
+POISON = 1e30  # what a loaded block holds until the load writes it: no model computes rows of this value
 
 
 @dataclass(frozen=True)
@@ -40,13 +41,28 @@ class RowRecorder:
                 cache = self._caches[layer]
                 assert isinstance(cache, torch.Tensor) and cache.shape[0] == config.num_blocks, \
                     f"{layer}: expected a [num_blocks, ...] cache, got {getattr(cache, 'shape', type(cache))}"
-        original = half.request_finished
+        finished, allocated = half.request_finished, half.update_state_after_alloc
 
         def record(request: Any, block_ids: Sequence[Sequence[int]]) -> Any:
             self._record(request, block_ids)
-            return original(request, block_ids)
+            return finished(request, block_ids)
+
+        def poison(request: Any, blocks: Any, num_external_tokens: int) -> None:
+            allocated(request, blocks, num_external_tokens)
+            load = next((p for p in reversed(half._loads) if p.request_id == request.request_id), None)
+            if load is not None:  # the tokens this step's load writes, in the request's fresh blocks
+                self._poison(half.requests[request.request_id].blocks, load.first_token, load.end_token)
 
         half.request_finished = record
+        half.update_state_after_alloc = poison
+
+    def _poison(self, tables: Sequence[Sequence[int]], first_token: int, end_token: int) -> None:
+        """Fills the blocks a load is about to write with POISON: vLLM may hand a reader the blocks a writer just
+        freed, whose old rows would equal the writer's even if the load wrote nothing."""
+        for g, block_size, layers in self._groups:  # whole blocks only: vLLM's own cached rows stay
+            ids = list(tables[g][-(-first_token // block_size):end_token // block_size])
+            for layer in layers:
+                self._caches[layer][torch.tensor(ids, dtype=torch.long)] = POISON
 
     def _record(self, request: Any, block_ids: Sequence[Sequence[int]]) -> None:
         sizes, blocks = {}, {}

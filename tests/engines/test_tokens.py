@@ -81,14 +81,24 @@ def test_a_deliberately_wrong_load_is_seen(engines, model_dirs, monkeypatch) -> 
     assert len(found) == 3, f"a one-token shift went unnoticed for some request: {found}"
 
 
-def test_a_deliberately_wrong_load_is_seen_in_the_rows(engines, model_dirs, monkeypatch) -> None:
-    """Negative control of the row check on a bf16 model, whose logprobs barely notice a one-token shift (0.01-0.02,
-    within its rounding): the loaded rows must differ from the computed ones."""
+@pytest.mark.parametrize("wrong", ["one_token_late", "nothing_written"])
+def test_a_deliberately_wrong_load_is_seen_in_the_rows(engines, model_dirs, monkeypatch, wrong: str) -> None:
+    """Negative controls of the row check on a bf16 model, whose logprobs barely notice a one-token shift (0.01-0.02,
+    within its rounding): the loaded rows must differ from the computed ones, also where the load wrote nothing into
+    blocks the writer just freed (the recorder poisons a load's blocks first)."""
+    from lmcache_npu.ops import Direction
+
+    from ..integration.wrappers import Hollow
+
     engine = engines("gpt-oss", model_dirs("gpt-oss"), extra_config={"cpu_bytes": "256MiB"})
     rows = RowRecorder(engine)
     text = prompt(PROMPT_TOKENS, 7)
     engine.generate([text], 2)
-    _load_rows_one_token_late(monkeypatch)
+    if wrong == "one_token_late":
+        _load_rows_one_token_late(monkeypatch)
+    else:
+        mover = engine.worker_connector.worker_half.mover
+        mover.set_backend(Direction.LOAD, Hollow(mover.backends[Direction.LOAD]))
     assert engine.generate([text], 2)[0].cached_tokens == 512
     computed, loaded = rows.of(text)
     with pytest.raises(AssertionError, match="differ from the rows computing them wrote"):

@@ -65,6 +65,18 @@ class Failing(Wrapped):
         return super().transfer(batch, after_kernel)
 
 
+class Hollow(Wrapped):
+    """Loads report success and write nothing (the pages keep whatever they held)."""
+
+    def transfer(self, batch: ChunkBatch, after_kernel: Optional[AfterKernel] = None) -> TransferStats:
+        if batch.direction != Direction.LOAD:
+            return super().transfer(batch, after_kernel)
+        self.calls[batch.direction] += 1
+        if after_kernel is not None:
+            after_kernel(None)
+        return TransferStats(self.name, batch.direction, batch.num_chunks, batch.payload_bytes, 1, 0.0)
+
+
 def wrap(engine, make: Callable[[TransferBackend], Wrapped], direction: Direction,
          ranks: Optional[list[int]] = None) -> list[Wrapped]:
     """Puts a wrapper around the `direction` lane's transfer backend of the given ranks (all by default)."""

@@ -122,3 +122,16 @@ def test_a_replay_turn_reports_near_ties_apart_from_differences():
     with pytest.raises(ValueError, match="no logprob tolerance for model dtype 'int8'"):
         tolerance_for("int8")
     assert tolerance_for("half") == tolerance_for("float16") and tolerance_for("torch.bfloat16") == 2.0 ** -5
+
+
+def test_nan_logprobs_and_missing_steps_are_differences_and_replay_compares_tokens():
+    reference = completion([7, 8], logprobs=[{7: -0.25}, {8: -0.5}])
+    nan = completion([7, 8], logprobs=[{7: float("nan")}, {8: -0.5}])
+    short = completion([7, 8], logprobs=[{7: -0.25}])
+    drifted = completion([7, 8], logprobs=[{7: -0.30}, {8: -0.5}])  # 0.05 off: an fp32 difference
+    assert first_difference(reference, nan).startswith("step 0, token 7: logprob nan")
+    assert first_difference(reference, short) == "logprobs recorded for 1 steps, the reference for 2"
+    assert first_difference(reference, drifted) == "step 0, token 7: logprob -0.300000 vs -0.250000"
+    assert compare(reference, drifted, logprobs=False).identical  # the replay's verdict: tokens
+    row = compare_turns([turn(0, [reference])], [turn(0, [drifted])])[0]
+    assert (row.identical, row.first_difference) == (1, "")
