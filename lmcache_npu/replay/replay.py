@@ -148,7 +148,7 @@ def _settings_json(settings: EngineSettings, extra_config: Mapping[str, Any]) ->
 
 def _matching_cell(matching: int, requests: int, near_ties: int) -> str:
     if matching != requests:
-        return f"[red]{matching}/{requests}[/red]" if requests > 1 else "[red]no[/red]"
+        return f"[red]{matching}/{requests}[/red]"
     return f"yes, {near_ties} near tie{'s' if near_ties > 1 else ''}" if near_ties else "yes"
 
 
@@ -176,7 +176,7 @@ def render_report(report: ReplayReport) -> list[Any]:
                   str(totals["computed_tokens"]), f"{totals['hit_rate']:.0%}", seconds(totals["prefill_s"]["without"]),
                   seconds(totals["prefill_s"]["with"]), seconds(totals["ttft_s"]["without"]),
                   seconds(totals["ttft_s"]["with"]),
-                  _matching_cell(int(totals["identical"]), 1, totals["near_ties"]))
+                  _matching_cell(sum(t.matching for t in report.turns), totals["requests"], totals["near_ties"]))
     if report.all_match and not totals["near_ties"]:
         verdict = Text("every conversation's tokens were identical with and without the plugin", style="green")
     elif report.all_match:
