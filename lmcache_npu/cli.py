@@ -7,7 +7,7 @@ import json
 import logging
 import sys
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from .ops import BACKEND_NAMES, BackendUnavailable
 
@@ -97,7 +97,7 @@ def _doctor(args: argparse.Namespace) -> int:
     _quiet_vllm()
     checks = run_doctor(DoctorOptions(args.device, args.kv_transfer_config,
                                       str(args.model_config) if args.model_config else None,
-                                      str(args.disk_path) if args.disk_path else None))
+                                      str(args.disk_path) if args.disk_path else None, args.model))
     if args.json:
         print(to_json(checks))
     else:
@@ -117,15 +117,31 @@ def _inspect(args: argparse.Namespace) -> int:
     skip = tuple(args.skip_spec_kinds.split(",")) if args.skip_spec_kinds is not None else None
     options = {} if skip is None else {"skip_spec_kinds": tuple(k for k in skip if k)}
     layout, preset = preset_layout(args.preset, args.device_family, args.chunk_tokens, **options)
+    weights = _weights_fingerprint(args.model) if args.model else None
     if args.json:
         data = {"preset": args.preset, "device_family": args.device_family, **layout.to_json()}
+        if weights is not None:
+            data["weights"] = weights
         print(json.dumps(data, indent=2))
         return 0
     console = Console(width=None if sys.stdout.isatty() else 200)
     title = f"{args.preset} on {args.device_family}: {len(preset.kv_cache_config.kv_cache_groups)} scheduler groups"
     for item in render_layout(layout, f"{title}, {preset.model.notes}"):
         console.print(item)
+    if weights is not None:
+        console.print(f"weights of {args.model}: " + ", ".join(f"{k} {v}" for k, v in weights.items()))
     return 0
+
+
+def _weights_fingerprint(model: str) -> dict[str, Any]:
+    """The content fingerprint of a model's weights and what it was made of (the namespace's weights part)."""
+    from .store.identity import find_model_dir, fingerprint_weights
+
+    model_dir = find_model_dir(model)
+    if model_dir is None:
+        raise SystemExit(f"--model {model!r} is neither a local directory nor a cached hub snapshot")
+    weights = fingerprint_weights(model_dir)
+    return {"digest": f"sha256:{weights.digest.hex()}", **weights.describe()}
 
 
 def _store_bench(args: argparse.Namespace) -> int:
@@ -367,6 +383,8 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--skip-spec-kinds", default=None,
                          help="comma-separated spec kinds to skip, e.g. compressor_state (default: none; state "
                               "windows are never stored whole, only the boundary rows an exact restore reads)")
+    inspect.add_argument("--model", help="also fingerprint this model directory's weights (what the namespace's "
+                         "weights part is made of)")
     inspect.add_argument("--json", action="store_true", help="print the layout as JSON")
     inspect.set_defaults(func=_inspect)
 
@@ -391,6 +409,8 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("--kv-transfer-config", help="the JSON you pass to vllm serve (default: $KV_TRANSFER_CONFIG)")
     doctor.add_argument("--model-config", type=Path, help="a model's config.json: the plan layout discovery makes")
     doctor.add_argument("--disk-path", type=Path, help="check this disk tier directory (default: the config's)")
+    doctor.add_argument("--model", help="the model directory (or cached hub id) you will serve: prints the content "
+                        "fingerprint its weights give the chunk namespace")
     doctor.add_argument("--json", action="store_true", help="print the checks as JSON")
     doctor.set_defaults(func=_doctor)
 

@@ -28,7 +28,8 @@ ENV_PREFIX = "LMCACHE_NPU_"
 CONFIG_FILE_ENV = "LMCACHE_NPU_CONFIG"
 # LMCACHE_NPU_* variables that are not configuration keys: the config file, build switches, test knobs, the replay's
 # model cache.
-NON_KEY_ENV = frozenset({"CONFIG", "CUDA", "CUDA_ARCHS", "HYPOTHESIS_EXAMPLES", "HYPOTHESIS_RANDOM", "MODEL_CACHE"})
+NON_KEY_ENV = frozenset({"CONFIG", "CUDA", "CUDA_ARCHS", "HYPOTHESIS_EXAMPLES", "HYPOTHESIS_RANDOM", "MODEL_CACHE",
+                         "SECRET"})  # SECRET: the store secret (store/secret.py), never a config value
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
@@ -58,7 +59,11 @@ class ConnectorConfig:
     backend_options: Mapping[str, Any] = field(default_factory=dict)  # constructor options of a named backend
     store_decode_chunks: bool = True  # also store chunks completed during decode (multi-turn chat reuses them)
     skip_spec_kinds: tuple[str, ...] = ()  # KV-cache spec kinds never offloaded (see `lmcache-npu inspect`)
-    model_name: Optional[str] = None  # names stored chunks; default: vLLM's served model name, else the model path
+    model_name: Optional[str] = None  # a label mixed into the namespace (it never replaces the weights' content)
+    # names the weights instead of reading their content: for loaders whose weights are not local files (a remote
+    # URI, a custom loader); it must change whenever the weights do
+    model_fingerprint: Optional[str] = None
+    allow_fast_block_hash: bool = False  # persistent/shared tiers with vLLM's xxhash block hashing: warn, not refuse
     load_retries: int = 1  # a failed device load is retried this often before it is reported
     store: StoreConfig = field(default_factory=StoreConfig)
 
@@ -80,6 +85,12 @@ class ConnectorConfig:
         LayoutPolicy(skip_spec_kinds=self.skip_spec_kinds)  # names an unknown kind
         if self.model_name is not None and (not isinstance(self.model_name, str) or not self.model_name.strip()):
             raise ValueError(f"model_name must be a non-empty string or null, got {self.model_name!r}")
+        if self.model_fingerprint is not None and (not isinstance(self.model_fingerprint, str)
+                                                   or len(self.model_fingerprint.strip()) < 8):
+            raise ValueError("model_fingerprint must be a string of at least 8 characters that names the weights "
+                             f"(e.g. a checkpoint's sha256 or a release tag), or null, got {self.model_fingerprint!r}")
+        if not isinstance(self.allow_fast_block_hash, bool):
+            raise ValueError(f"allow_fast_block_hash must be true or false, got {self.allow_fast_block_hash!r}")
         if isinstance(self.load_retries, bool) or not isinstance(self.load_retries, int) or not 0 <= self.load_retries <= 10:
             raise ValueError(f"load_retries must be an integer from 0 to 10, got {self.load_retries!r}")
 
@@ -120,7 +131,7 @@ def _field_types() -> dict[str, Any]:
     return defaults
 
 
-_STRING_OR_NULL = {"model_name", "disk_path"}  # optional strings: "" and "null" both mean unset
+_STRING_OR_NULL = {"model_name", "model_fingerprint", "disk_path"}  # optional strings: "" and "null" both mean unset
 _INT_OR_NULL = {"numa_node", "chunk_tokens"}
 _BOOL_OR_NULL = {"pinned"}
 _SIZES = set(StoreConfig._SIZES)

@@ -374,12 +374,43 @@ def check_model(path: Optional[str], device: str, chunk_tokens: Optional[int]) -
                  f"(a naive copier: {plan.object_bytes_naive() / 2**20:.2f} MiB)")
 
 
+def check_weights(model: Optional[str], config: Any) -> Check:
+    """The weights' content fingerprint the workers will compute (the namespace's weights part), and whether the
+    configured tiers can run with it."""
+    persistent = config is not None and (config.store.disk_path is not None or config.store.mooncake is not None)
+    named = config is not None and config.model_fingerprint is not None
+    if named:
+        return Check("model identity", OK, f"weights named by model_fingerprint {config.model_fingerprint!r} (their "
+                     "content is not read)")
+    if not model:
+        return Check("model identity", SKIP, "no --model given (a model directory or a cached hub id)")
+    from .store.identity import NoWeightsFound, find_model_dir, fingerprint_weights
+
+    model_dir = find_model_dir(model)
+    problem = f"{model!r} is neither a local directory nor a cached hub snapshot" if model_dir is None else ""
+    if model_dir is not None:
+        try:
+            weights = fingerprint_weights(model_dir)
+        except NoWeightsFound as exc:
+            problem = str(exc)
+        except (OSError, ValueError) as exc:
+            return Check("model identity", FAIL, f"{model_dir}: {exc}", "check the checkpoint's files")
+        else:
+            made_of = ", ".join(f"{k} {v}" for k, v in weights.describe().items())
+            return Check("model identity", OK, f"weights sha256:{weights.digest.hex()[:32]}... ({made_of})")
+    fix = ("set model_fingerprint in kv_connector_extra_config to a name for these exact weights, or serve with the "
+           "host arena alone")
+    outcome = "the disk and Mooncake tiers refuse to start" if persistent else "only the host arena can run"
+    return Check("model identity", FAIL if persistent else WARN, f"{problem}: {outcome}", fix)
+
+
 @dataclass(frozen=True)
 class DoctorOptions:
     device: str = "auto"  # auto | npu | cuda | cpu: what the user intends to serve on
     kv_transfer_config: Optional[str] = None
     model_config: Optional[str] = None
     disk_path: Optional[str] = None
+    model: Optional[str] = None  # the model directory or hub id vLLM will serve: its weights' fingerprint
 
 
 def _read(path: str) -> str:
@@ -412,6 +443,7 @@ def run_doctor(options: DoctorOptions, environ: Optional[Mapping[str, str]] = No
     checks += check_mooncake(store.mooncake if store is not None else None)
     checks.append(check_model(options.model_config, device,
                               config.chunk_tokens if config is not None else None))
+    checks.append(check_weights(options.model, config))
     return checks
 
 

@@ -115,13 +115,16 @@ class Engine:
 
     # ---- running ------------------------------------------------------------------------------------------------
 
-    def generate(self, prompts: Sequence[Sequence[int]], max_tokens: int, logprobs: int = 0) -> list[Completion]:
-        """Greedy completions of every prompt, submitted together (vLLM batches them as it schedules)."""
+    def generate(self, prompts: Sequence[Sequence[int]], max_tokens: int, logprobs: int = 0,
+                 lora_request: Any = None) -> list[Completion]:
+        """Greedy completions of every prompt, submitted together (vLLM batches them as it schedules), with a LoRA
+        adapter (vLLM's `LoRARequest`) when given."""
         from vllm import SamplingParams
 
         params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=max_tokens, detokenize=False,
                                 logprobs=logprobs or None)
-        outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
+        outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False,
+                                    lora_request=lora_request)
         return [self._completion(o) for o in outputs]
 
     @staticmethod

@@ -1,37 +1,57 @@
 """Chunk keys (DESIGN §7): vLLM's prefix-chained block hash at a chunk's last token, scoped by model and layout.
 
-A chunk is named by the block hash vLLM computed for the hash block that ends where the chunk ends, so LoRA,
-multimodal inputs and cache salt (all inside vLLM's hash) are already part of it. The namespace adds what vLLM's
-hash does not see: which model produced the bytes and how they are laid out (plan geometry and format
-version). Each parallel rank stores its own shard under its own storage name.
+A chunk is named by the block hash vLLM computed for the hash block that ends where the chunk ends, so the LoRA
+name, multimodal inputs and cache salt (all inside vLLM's hash) are already part of it; a LoRA request's hash is
+re-keyed by its adapter's content digest, since vLLM's hash sees only the adapter's name. The namespace adds what
+vLLM's hash does not see: which model produced the bytes (its weights' content, effective config, dtypes, TP
+size: `model_fingerprint` over the workers' facts) and how they are laid out (plan geometry and format version).
+Each parallel rank stores its own shard under its own storage name.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 from typing import Any, Mapping, NamedTuple, Optional, Sequence
 
 from ..ops import LAYOUT_VERSION, TransferPlan
 
+logger = logging.getLogger(__name__)
+
 # vLLM's prefix-caching hash algorithms; all hash the same input to the same bytes in any process once
 # NONE_HASH (the chain's seed) is fixed, which vLLM does only when PYTHONHASHSEED is set.
 STABLE_HASH_ALGORITHMS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
+# The ones whose collisions nobody can construct: a persistent or shared tier trusts a chunk's name to mean its prefix.
+CRYPTOGRAPHIC_HASH_ALGORITHMS = ("sha256", "sha256_cbor")
 # Appended to a chunk hash for the copy without end-state rows; a namespace fixes the hash algorithm (the model
 # fingerprint names it), hence the hash length, so a marked hash never equals another chunk's hash.
 _WITHOUT_END_STATE = b"\x00no-end-state"
+# Domain of a chunk hash re-keyed by a LoRA adapter's content digest.
+_ADAPTER_DOMAIN = b"lmcache-npu adapter chunk v1\x00"
 
 
-def check_stable_hashing(algorithm: str, environ: Optional[Mapping[str, str]] = None) -> None:
-    """Refuses a block-hash setup that would name the same prefix differently in another process or restart."""
+def check_stable_hashing(algorithm: str, environ: Optional[Mapping[str, str]] = None,
+                         allow_fast_block_hash: bool = False) -> None:
+    """Refuses a block-hash setup that would name the same prefix differently in another process or restart, or
+    whose collisions can be constructed (a tier outliving the process trusts a chunk's name to mean its prefix);
+    `allow_fast_block_hash` turns the second refusal into a loud warning."""
     env = os.environ if environ is None else environ
     if algorithm not in STABLE_HASH_ALGORITHMS:
         raise ValueError(f"prefix_caching_hash_algo {algorithm!r} is not stable across processes; a shared or "
-                         f"persistent KV cache needs one of {', '.join(STABLE_HASH_ALGORITHMS)}")
+                         f"persistent KV cache needs one of {', '.join(CRYPTOGRAPHIC_HASH_ALGORITHMS)}")
+    if algorithm not in CRYPTOGRAPHIC_HASH_ALGORITHMS:
+        why = (f"prefix_caching_hash_algo {algorithm!r} is not cryptographic: a prompt can be crafted whose block "
+               f"hash equals another prompt's, and a disk or Mooncake tier would then serve that prompt's KV")
+        if not allow_fast_block_hash:
+            raise ValueError(f"{why}. Use --prefix-caching-hash-algo {' or '.join(CRYPTOGRAPHIC_HASH_ALGORITHMS)}, or "
+                             "set allow_fast_block_hash: true to accept the risk")
+        logger.warning("lmcache_npu: %s (allowed by allow_fast_block_hash)", why)
     if env.get("PYTHONHASHSEED") in (None, "", "random"):
         raise ValueError("PYTHONHASHSEED is not set: vLLM then seeds every block-hash chain with os.urandom, so no "
-                         "other process or restart can find a stored chunk; set PYTHONHASHSEED to the same fixed "
-                         "value (e.g. 0) for every vLLM instance that shares this cache")
+                         "other process or restart can find a stored chunk; set PYTHONHASHSEED to the same value "
+                         "for every vLLM instance that shares this cache (a random one, kept like a password: with "
+                         "0, anyone can compute every chunk's name from a prompt)")
 
 
 def layout_fingerprint(plan: TransferPlan) -> bytes:
@@ -48,8 +68,8 @@ def layout_fingerprint(plan: TransferPlan) -> bytes:
 
 
 def model_fingerprint(**facts: Any) -> bytes:
-    """16 bytes over what makes KV bytes of one model differ from another's (name, revision, dtypes, quantisation,
-    parallel sizes): pass them as keywords; order does not matter."""
+    """16 bytes over what makes KV bytes of one model differ from another's (weights digest, effective config,
+    dtypes, quantisation, parallel sizes): pass them as keywords; order does not matter."""
     text = ";".join(f"{k}={facts[k]!r}" for k in sorted(facts))
     return hashlib.sha256(text.encode()).digest()[:16]
 
@@ -87,15 +107,25 @@ def namespace_of(model: bytes, layout: bytes) -> str:
     return hashlib.sha256(model + layout).hexdigest()[:32]
 
 
+def adapter_chunk_hash(block_hash: bytes, adapter_digest: bytes) -> bytes:
+    """A chunk hash re-keyed by the content of the LoRA adapter that computed it: vLLM's block hash names the
+    adapter only by `lora_name`, so another adapter loaded under the same name must not find these chunks."""
+    return hashlib.sha256(_ADAPTER_DOMAIN + adapter_digest + bytes(block_hash)).digest()
+
+
 def chunk_keys(block_hashes: Sequence[bytes], hash_block_size: int, chunk_tokens: int, namespace: str,
-               num_tokens: Optional[int] = None, first_chunk: int = 0) -> list[ChunkKey]:
+               num_tokens: Optional[int] = None, first_chunk: int = 0,
+               adapter_digest: Optional[bytes] = None) -> list[ChunkKey]:
     """Keys of the request's full chunks from `first_chunk` on, in order: chunk c is named by the hash of block
     `(c + 1) * k - 1`, k = chunk_tokens / hash_block_size. `num_tokens` limits them to chunks the request already
-    holds."""
+    holds; `adapter_digest` (a LoRA request's adapter content) re-keys every chunk."""
     if chunk_tokens % hash_block_size:
         raise ValueError(f"chunk_tokens {chunk_tokens} is not a multiple of the hash block size {hash_block_size}")
     per_chunk = chunk_tokens // hash_block_size
     full = len(block_hashes) // per_chunk
     if num_tokens is not None:
         full = min(full, num_tokens // chunk_tokens)
-    return [ChunkKey(namespace, bytes(block_hashes[(c + 1) * per_chunk - 1])) for c in range(first_chunk, full)]
+    hashes = [bytes(block_hashes[(c + 1) * per_chunk - 1]) for c in range(first_chunk, full)]
+    if adapter_digest is not None:
+        hashes = [adapter_chunk_hash(h, adapter_digest) for h in hashes]
+    return [ChunkKey(namespace, h) for h in hashes]

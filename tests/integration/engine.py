@@ -94,6 +94,7 @@ class EngineSpec:
     check_every_step: bool = True
     async_scheduling: bool = False  # vLLM 0.23's default: step N+1 is scheduled before step N's output is applied
     device: str = "cpu"  # where the preset's KV caches live (the NPU suite runs the same scenarios on npu:0)
+    model_dir: Optional[str] = None  # the model directory vLLM is told about (its weights name the chunks); None: tiny
 
 
 class Runner:
@@ -177,8 +178,8 @@ class Engine:
         cache = CacheConfig(block_size=block_size, enable_prefix_caching=mamba,
                             mamba_cache_mode="align" if mamba else "none")
         vc = VllmConfig(
-            model_config=ModelConfig(model=tiny_model_dir(), skip_tokenizer_init=True, dtype="float32",
-                                     max_model_len=spec.max_model_len),
+            model_config=ModelConfig(model=spec.model_dir or tiny_model_dir(), skip_tokenizer_init=True,
+                                     dtype="float32", max_model_len=spec.max_model_len),
             cache_config=cache,
             scheduler_config=SchedulerConfig(max_num_seqs=spec.max_num_seqs,
                                              max_num_batched_tokens=spec.max_num_batched_tokens,
@@ -204,10 +205,11 @@ class Engine:
 
     # ---- requests -------------------------------------------------------------------------------------------
 
-    def add(self, tokens: list[int], max_tokens: int = 4, request_id: Optional[str] = None) -> str:
+    def add(self, tokens: list[int], max_tokens: int = 4, request_id: Optional[str] = None,
+            lora_request: Any = None) -> str:
         request_id = request_id or f"r{next(self._ids)}"
         request = Request(request_id, list(tokens), SamplingParams(max_tokens=max_tokens, temperature=0.0), None,
-                          block_hasher=self.hasher)
+                          block_hasher=self.hasher, lora_request=lora_request)
         self.scheduler.add_request(request)
         self.requests[request_id] = request
         return request_id

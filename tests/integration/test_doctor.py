@@ -156,3 +156,26 @@ def test_the_command_here_says_there_is_no_npu() -> None:
     assert checks["module _emu"]["verdict"] == OK
     npu = _cli("--device", "npu")
     assert npu.returncode == 1 and "no NPU is visible" in npu.stdout
+
+
+def test_the_model_identity_check_names_the_weights_or_the_fix(tmp_path) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    from lmcache_npu.config import load_config
+
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    persistent = load_config({"disk_path": str(tmp_path / "kv"), "disk_bytes": "1GiB"}, environ={})
+    arena = load_config({}, environ={})
+    unnamed = doctor.check_weights(str(tmp_path), persistent)
+    assert unnamed.verdict == FAIL and "model_fingerprint" in unnamed.fix
+    assert doctor.check_weights(str(tmp_path), arena).verdict == WARN
+    save_file({"w": torch.ones(4)}, str(tmp_path / "model.safetensors"))
+    named = doctor.check_weights(str(tmp_path), persistent)
+    assert named.verdict == OK and "weights sha256:" in named.detail
+    save_file({"w": torch.ones(4) * 2}, str(tmp_path / "model.safetensors"))
+    assert doctor.check_weights(str(tmp_path), persistent).detail != named.detail  # the content, not the path
+    by_name = load_config({"disk_path": str(tmp_path / "kv"), "disk_bytes": "1GiB", "model_fingerprint": "v1-release"},
+                          environ={})
+    assert doctor.check_weights(None, by_name).verdict == OK
+    assert doctor.check_weights(None, persistent).verdict == SKIP

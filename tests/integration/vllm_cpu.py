@@ -20,9 +20,13 @@ _MODEL_DIR: str | None = None
 
 
 def tiny_model_dir() -> str:
-    """A directory holding only a config.json: enough for vLLM's ModelConfig offline (no weights are loaded)."""
+    """A directory holding a config.json and one small weights file: enough for vLLM's ModelConfig offline (no
+    weights are loaded: the model is simulated) and for the plugin to name the weights by their content."""
     global _MODEL_DIR
     if _MODEL_DIR is None:
+        import torch
+        from safetensors.torch import save_file
+
         _MODEL_DIR = tempfile.mkdtemp(prefix="lmcache-npu-model-")
         config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256,
                   "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -30,4 +34,6 @@ def tiny_model_dir() -> str:
                   "torch_dtype": "float32", "rms_norm_eps": 1e-5}
         with open(os.path.join(_MODEL_DIR, "config.json"), "w") as f:
             json.dump(config, f)
+        save_file({"model.embed_tokens.weight": torch.arange(4096, dtype=torch.float32).reshape(64, 64)},
+                  os.path.join(_MODEL_DIR, "model.safetensors"))
     return _MODEL_DIR

@@ -1,6 +1,7 @@
 """Chunk keys from vLLM 0.23's own request block hasher: stable across processes, scoped by model and layout."""
 
 import importlib.util
+import logging
 import os
 import subprocess
 import sys
@@ -8,6 +9,7 @@ import sys
 import pytest
 
 from lmcache_npu.store.keys import (
+    CRYPTOGRAPHIC_HASH_ALGORITHMS,
     STABLE_HASH_ALGORITHMS,
     ChunkKey,
     check_stable_hashing,
@@ -100,8 +102,31 @@ def test_num_tokens_limits_keys_and_chunk_must_be_whole_hash_blocks():
         chunk_keys(hashes, 16, 40, "n" * 32)
 
 
+def test_an_adapter_digest_rekeys_every_chunk_and_only_its_content_matters():
+    hashes = [bytes([i]) * 32 for i in range(12)]
+    plain = chunk_keys(hashes, 16, 64, "n" * 32)
+    first = chunk_keys(hashes, 16, 64, "n" * 32, adapter_digest=b"a" * 32)
+    again = chunk_keys(hashes, 16, 64, "n" * 32, adapter_digest=b"a" * 32)
+    other = chunk_keys(hashes, 16, 64, "n" * 32, adapter_digest=b"a" * 31 + b"b")  # one byte of the adapter
+    assert first == again  # control: the same adapter content names the same chunks in any process
+    assert len({k.chunk_hash for k in plain + first + other}) == 3 * len(plain)
+    assert [len(k.chunk_hash) for k in first] == [32] * len(plain)
+
+
+def test_a_fast_block_hash_is_refused_for_shared_tiers_unless_the_operator_opts_in(caplog):
+    for algo in CRYPTOGRAPHIC_HASH_ALGORITHMS:
+        check_stable_hashing(algo, {"PYTHONHASHSEED": "0"})
+    for algo in set(STABLE_HASH_ALGORITHMS) - set(CRYPTOGRAPHIC_HASH_ALGORITHMS):
+        with pytest.raises(ValueError, match=f"{algo!r} is not cryptographic.*allow_fast_block_hash"):
+            check_stable_hashing(algo, {"PYTHONHASHSEED": "0"})
+        with caplog.at_level(logging.WARNING, logger="lmcache_npu.store.keys"):
+            check_stable_hashing(algo, {"PYTHONHASHSEED": "0"}, allow_fast_block_hash=True)
+        assert f"{algo!r} is not cryptographic" in caplog.text
+        caplog.clear()
+
+
 def test_unstable_hashing_is_refused_with_the_reason():
-    for algo in STABLE_HASH_ALGORITHMS:
+    for algo in CRYPTOGRAPHIC_HASH_ALGORITHMS:
         check_stable_hashing(algo, {"PYTHONHASHSEED": "0"})
     with pytest.raises(ValueError, match="'builtin' is not stable across processes"):
         check_stable_hashing("builtin", {"PYTHONHASHSEED": "0"})

@@ -8,6 +8,8 @@ here: every other module asks this one.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import re
 from dataclasses import dataclass
@@ -98,21 +100,90 @@ def hash_algorithm(vllm_config: Any) -> str:
     return str(vllm_config.cache_config.prefix_caching_hash_algo)
 
 
+# hf_config keys that name where the config came from, not what the model computes
+_CONFIG_PROVENANCE_KEYS = frozenset({"_name_or_path", "name_or_path", "transformers_version", "_commit_hash",
+                                     "_attn_implementation", "_attn_implementation_autoset",
+                                     "_attn_implementation_internal"})
+# load formats whose weights are read from the model's files, so the files' content names them
+FILE_LOAD_FORMATS = frozenset({"auto", "pt", "safetensors", "npcache", "fastsafetensors", "gguf", "mistral",
+                               "bitsandbytes", "sharded_state"})
+
+
+def _without_provenance(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _without_provenance(v) for k, v in value.items() if k not in _CONFIG_PROVENANCE_KEYS}
+    if isinstance(value, (list, tuple)):
+        return [_without_provenance(v) for v in value]
+    return value
+
+
+def effective_model_config(vllm_config: Any) -> str:
+    """The model's config as vLLM runs it (config.json with `hf_overrides` and quantization config applied), as
+    canonical JSON without the keys that only say where it was read from."""
+    hf_config = vllm_config.model_config.hf_config
+    as_dict = hf_config.to_dict() if hasattr(hf_config, "to_dict") else dict(vars(hf_config))
+    return json.dumps(_without_provenance(as_dict), sort_keys=True, default=str)
+
+
 def model_facts(vllm_config: Any, model_name: Optional[str]) -> dict[str, Any]:
-    """What makes one model's KV bytes differ from another's (DESIGN §7), from the engine config."""
+    """What makes one model's KV bytes differ from another's besides its weights (DESIGN §7), from this process's
+    engine config. Workers call it after the model is built, so a worker-side rewrite (vllm-ascend on A5 sets
+    `cache_dtype` to fp8 in the worker only) is what enters the namespace; names and paths never do, except the
+    operator's optional `model_name` label."""
     mc, cc, pc = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
-    served = getattr(mc, "served_model_name", None)
-    if isinstance(served, (list, tuple)):
-        served = served[0] if served else None
     return {
-        "model": model_name or served or mc.model,
-        "revision": getattr(mc, "revision", None),
+        "label": model_name,
+        "config": hashlib.sha256(effective_model_config(vllm_config).encode()).hexdigest(),
         "dtype": str(mc.dtype),
         "kv_cache_dtype": str(cc.cache_dtype),
+        "calculate_kv_scales": bool(getattr(cc, "calculate_kv_scales", False)),
         "quantization": getattr(mc, "quantization", None),
         "tensor_parallel_size": int(pc.tensor_parallel_size),
         "hash_algorithm": hash_algorithm(vllm_config),
     }
+
+
+@dataclass(frozen=True)
+class WeightsSource:
+    """Where this engine's weights come from: a model directory or hub id, a revision, and how they are loaded."""
+
+    model: str
+    revision: Optional[str]
+    download_dir: Optional[str]
+    load_format: str
+
+    @property
+    def from_files(self) -> bool:
+        """Weights read from the checkpoint's files (not random `dummy` weights, a remote streamer or a custom
+        loader), so the files' content names them."""
+        return self.load_format in FILE_LOAD_FORMATS
+
+
+def weights_source(vllm_config: Any) -> WeightsSource:
+    mc, lc = vllm_config.model_config, vllm_config.load_config
+    load_format = getattr(lc, "load_format", "auto")
+    load_format = str(getattr(load_format, "value", load_format)).lower()
+    return WeightsSource(str(mc.model), getattr(mc, "revision", None), getattr(lc, "download_dir", None), load_format)
+
+
+def kv_cache_scales(vllm_config: Any, layer_names: Iterable[str]) -> tuple[tuple[str, float, float], ...]:
+    """Each attention layer's KV-cache quantisation scales as the worker holds them (k, v), in layer order; empty
+    where no model is registered. fp8 KV bytes are the values divided by these."""
+    from vllm.config import get_layers_from_vllm_config
+    from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+
+    names = sorted(layer_names)
+    try:
+        layers = get_layers_from_vllm_config(vllm_config, AttentionLayerBase, names)
+    except (AttributeError, KeyError, AssertionError):  # no static forward context: nothing registered
+        return ()
+    scales = []
+    for name in names:
+        layer = layers.get(name)
+        k, v = getattr(layer, "_k_scale_float", None), getattr(layer, "_v_scale_float", None)
+        if k is not None and v is not None:
+            scales.append((name, float(k), float(v)))
+    return tuple(scales)
 
 
 def attention_backends(vllm_config: Any, layer_names: Iterable[str]) -> dict[str, str]:
@@ -219,3 +290,13 @@ def first_live_window_token(num_computed_tokens: int, sliding_window: int, block
     async patch prunes less, never more, so a row at or past this token is still in a live block."""
     skipped = max(0, num_computed_tokens - sliding_window + 1)
     return skipped // block_size * block_size
+
+
+def lora_adapter(request: Any) -> Optional[tuple[str, str]]:
+    """(name, local path) of the LoRA adapter a request runs with, None without one; the path is "" when vLLM did
+    not say where the adapter's files are."""
+    lora = getattr(request, "lora_request", None)
+    if lora is None:
+        return None
+    path = getattr(lora, "lora_path", None) or getattr(lora, "path", None) or ""
+    return str(getattr(lora, "lora_name", "")), str(path)

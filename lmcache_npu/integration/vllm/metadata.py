@@ -56,6 +56,7 @@ class WorkerGeometry(KVConnectorHandshakeMetadata):
     groups: tuple[LayoutGroup, ...] = ()  # the plan groups, planes left out: how a chunk's rows map to blocks
     backend: str = ""
     device: str = ""
+    identity: tuple[tuple[str, str], ...] = ()  # what the rank's model fingerprint was made of (`EngineIdentity`)
 
 
 def plan_group_geometry(groups: tuple[LayoutGroup, ...]) -> tuple[LayoutGroup, ...]:

@@ -21,7 +21,8 @@ from ...layout.slots import chunk_slots, row_tokens, stored_block_span
 from ...store.commands import Load, Store
 from ...store.factory import build_index, scheduler_mooncake_client
 from ...store.index import ChunkIndex, LookupResult
-from ...store.keys import ChunkKey, check_stable_hashing, chunk_keys, model_fingerprint, namespace_of
+from ...store.identity import AdapterDigests
+from ...store.keys import ChunkKey, check_stable_hashing, chunk_keys
 from ...store.tier import TierCounters
 from . import adapter
 from .metadata import (
@@ -59,6 +60,8 @@ class _Request:
     asked: Optional[int] = None  # tokens vLLM had computed when it last asked for a hit (counted at allocation)
     finished: bool = False
     no_hits: bool = False  # a load of this request failed: it recomputes, and never loads again
+    adapter_digest: Optional[bytes] = None  # the content of the request's LoRA adapter: re-keys its chunks
+    bypass: bool = False  # a LoRA adapter whose files cannot be read: nothing names its KV, so no loads or stores
 
 
 def _warn_about_failed_loads(channel: str, policy: str) -> None:
@@ -81,12 +84,12 @@ class SchedulerHalf:
             raise ValueError(f"chunk_tokens {config.chunk_tokens} is not a multiple of vLLM's hash block size "
                              f"{self.hash_block_size}: a chunk is keyed by the block hash at its last token")
         self.num_scheduler_groups = len(kv_cache_config.kv_cache_groups)
-        self.model_fingerprint = model_fingerprint(**adapter.model_facts(vllm_config, config.model_name))
         self.failure_channel = adapter.failure_channel(self.num_scheduler_groups)
         _warn_about_failed_loads(self.failure_channel, adapter.load_failure_policy(vllm_config))
         if config.store.disk_path is not None or config.store.mooncake is not None:
             # chunks outliving this process must be named the same by the next one (and by other instances)
-            check_stable_hashing(adapter.hash_algorithm(vllm_config))
+            check_stable_hashing(adapter.hash_algorithm(vllm_config),
+                                 allow_fast_block_hash=config.allow_fast_block_hash)
         # from the workers' handshake: the plan's chunk size and groups
         self.chunk_tokens = 0
         self.groups: tuple[LayoutGroup, ...] = ()
@@ -102,6 +105,7 @@ class SchedulerHalf:
         self._loads: list[LoadPlan] = []
         self._delayed_free: list[str] = []
         self._warned_idle = False
+        self._adapters = AdapterDigests()
 
     # ---- start-up ---------------------------------------------------------------------------------------------
 
@@ -117,14 +121,17 @@ class SchedulerHalf:
             return
         first = min(geometries, key=lambda g: g.rank)
         for g in geometries:
+            if g.namespace != first.namespace and g.layout_fingerprint == first.layout_fingerprint:
+                mine, theirs = dict(first.identity), dict(g.identity)
+                differ = sorted(k for k in mine.keys() | theirs.keys() if k != "seconds" and mine.get(k) != theirs.get(k))
+                raise ValueError(f"rank {g.rank} runs another model identity than rank {first.rank} (differing: "
+                                 f"{', '.join(differ) or 'the fingerprint'}): every rank of one engine must load the "
+                                 "same weights and config")
             if (g.namespace, g.layout_fingerprint, g.chunk_tokens, g.object_bytes, g.groups) != (
                     first.namespace, first.layout_fingerprint, first.chunk_tokens, first.object_bytes, first.groups):
                 raise ValueError(f"rank {g.rank} lays chunks out differently from rank {first.rank} "
                                  f"({g.object_bytes} B vs {first.object_bytes} B per {g.chunk_tokens}-token chunk): "
                                  "every rank of one engine must hold the same shard geometry")
-        if first.namespace != namespace_of(self.model_fingerprint, first.layout_fingerprint):
-            raise ValueError("the workers' chunk namespace differs from the scheduler's: they see a different model "
-                             "configuration")
         if first.chunk_tokens % self.hash_block_size:
             raise ValueError(f"the workers chose chunks of {first.chunk_tokens} tokens, not a multiple of the "
                              f"scheduler's hash block size {self.hash_block_size}")
@@ -140,8 +147,9 @@ class SchedulerHalf:
                                  first.layout_fingerprint, remote_client=self._remote, num_slots=num_slots)
         self.namespace = first.namespace
         self.index_counters.watch(self.index.counters, INDEX_METRICS)
-        logger.info("lmcache_npu scheduler: %d ranks, %d arena slots of %d B, chunks of %d tokens, %s backend on %s",
-                    self.place.world, num_slots, first.object_bytes, self.chunk_tokens, first.backend, first.device)
+        logger.info("lmcache_npu scheduler: %d ranks, %d arena slots of %d B, chunks of %d tokens, %s backend on %s, "
+                    "namespace %s (weights: %s)", self.place.world, num_slots, first.object_bytes, self.chunk_tokens,
+                    first.backend, first.device, first.namespace, dict(first.identity).get("weights", "?"))
 
     def _ready(self) -> bool:
         """The index exists (the workers' handshake arrived); says once if it has not."""
@@ -156,7 +164,19 @@ class SchedulerHalf:
     def _state(self, request: Any) -> _Request:
         state = self.requests.get(request.request_id)
         if state is None or state.finished:
-            state = self.requests[request.request_id] = _Request(request)
+            state = self.requests[request.request_id] = self._new_state(request)
+        return state
+
+    def _new_state(self, request: Any) -> _Request:
+        """A LoRA request's chunks are keyed by its adapter's content (vLLM's hash knows only the adapter's name);
+        one whose adapter files cannot be read bypasses the plugin."""
+        state = _Request(request)
+        lora = adapter.lora_adapter(request)
+        if lora is not None:
+            state.adapter_digest = self._adapters.get(lora[1]) if lora[1] else None
+            if state.adapter_digest is None:
+                state.bypass = True
+                self.counters.add("lora_bypassed_requests")
         return state
 
     def loaded_group_ids(self) -> tuple[int, ...]:
@@ -168,13 +188,15 @@ class SchedulerHalf:
 
     def chunk_keys(self, request: Any) -> list[ChunkKey]:
         """Keys of every chunk of the request whose last hash block vLLM has hashed."""
-        return chunk_keys(request.block_hashes, self.hash_block_size, self.chunk_tokens, self.namespace)
+        return chunk_keys(request.block_hashes, self.hash_block_size, self.chunk_tokens, self.namespace,
+                          adapter_digest=self._state(request).adapter_digest)
 
     def _keys(self, state: _Request, first: int, end: int) -> list[ChunkKey]:
         """Keys of chunks [first, end) that exist yet; kept per request, since a block hash never changes."""
         if len(state.keys) < end:
             state.keys += chunk_keys(state.request.block_hashes, self.hash_block_size, self.chunk_tokens,
-                                     self.namespace, first_chunk=len(state.keys))
+                                     self.namespace, first_chunk=len(state.keys),
+                                     adapter_digest=state.adapter_digest)
         return state.keys[first:end]
 
     def _lookup(self, request_id: str, keys: list[ChunkKey]) -> tuple[LookupResult, list[ChunkKey]]:
@@ -203,7 +225,8 @@ class SchedulerHalf:
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[Optional[int], bool]:
         state = self._state(request)
         state.lookup = None
-        if not (self.loads_enabled and self._ready()) or state.no_hits or adapter.skips_prefix_cache(request):
+        if (not (self.loads_enabled and self._ready()) or state.no_hits or state.bypass
+                or adapter.skips_prefix_cache(request)):
             return 0, False
         assert self.index is not None
         chunk = self.chunk_tokens
@@ -300,7 +323,7 @@ class SchedulerHalf:
                 else:
                     for table, new in zip(state.blocks, scheduled.block_ids):
                         table.extend(new)
-            if self.stores_enabled and self.index is not None:
+            if self.stores_enabled and self.index is not None and not state.bypass:
                 spec = len(scheduler_output.scheduled_spec_decode_tokens.get(scheduled.request_id, ()))
                 computed_after = (scheduled.num_computed_tokens
                                   + scheduler_output.num_scheduled_tokens[scheduled.request_id] - spec)

@@ -24,6 +24,8 @@ METRICS: dict[str, str] = {
     "store_chunks": "chunks the scheduler sent to be stored",
     "store_chunks_unsafe": "completed chunks not stored because vLLM may already have freed some of their rows",
     "delayed_frees": "finished requests whose blocks vLLM kept until their stores had read them",
+    "lora_bypassed_requests": "LoRA requests served without the plugin: their adapter's files could not be read, so "
+                              "nothing names their KV",
     "load_failures": "load commands that failed on some rank (the request recomputes)",
     "store_failures": "store commands that failed on some rank (the chunk is not stored)",
     "loaded_chunks": "chunks loaded into device pages (summed over ranks)",

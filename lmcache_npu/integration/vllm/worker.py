@@ -22,10 +22,11 @@ from ...ops.backend import backend_for_device
 from ...store.commands import Command, Completion, Load, Store
 from ...store.executor import StoreExecutor
 from ...store.factory import build_executor
-from ...store.keys import layout_fingerprint, model_fingerprint, namespace_of
+from ...store.keys import layout_fingerprint, namespace_of
 from ...store.tier import TierCounters
 from ...transfer import KVMover, StreamKit
 from . import adapter
+from .identity import EngineIdentity, engine_identity
 from .metadata import (
     LMCacheNPUConnectorMetadata,
     LMCacheNPUWorkerMetadata,
@@ -72,7 +73,6 @@ class WorkerHalf:
         self.kv_cache_config = kv_cache_config
         self.place = adapter.parallel_place(vllm_config)
         _, self.hash_block_size = adapter.block_sizes(kv_cache_config, vllm_config)
-        self.model_fingerprint = model_fingerprint(**adapter.model_facts(vllm_config, config.model_name))
         self.failure_channel = adapter.failure_channel(len(kv_cache_config.kv_cache_groups))
         self.load_failure_policy = adapter.load_failure_policy(vllm_config)
         self.counters = TierCounters()
@@ -82,6 +82,7 @@ class WorkerHalf:
         self.mover: Optional[KVMover] = None
         self.executor: Optional[StoreExecutor] = None
         self.geometry: Optional[WorkerGeometry] = None
+        self.identity: Optional[EngineIdentity] = None
         self._stores: list[Command] = []
         self._recv: dict[str, _Recv] = {}
         self._sends: dict[str, _Sends] = {}
@@ -112,8 +113,11 @@ class WorkerHalf:
             logger.warning("lmcache_npu rank %d: %s", self.place.rank, reason)
             self.geometry = WorkerGeometry(self.place.rank, self.place.world, enabled=False, reason=reason)
             return
+        store = self.config.store
+        self.identity = engine_identity(self.config, self.vllm_config, kv_caches,
+                                        persistent_tiers=store.disk_path is not None or store.mooncake is not None)
         fingerprint = layout_fingerprint(plan)
-        namespace = namespace_of(self.model_fingerprint, fingerprint)
+        namespace = namespace_of(self.identity.fingerprint, fingerprint)
         # both lanes' backends are made here: a device without one fails at start-up, before the arena exists
         self.mover = KVMover(layout, lambda: self._backend(plan.device), lambda: StreamKit.for_device(plan.device),
                              self.place.rank, self.config.load_retries, self.counters)
@@ -126,7 +130,8 @@ class WorkerHalf:
         self.geometry = WorkerGeometry(
             self.place.rank, self.place.world, enabled=True, namespace=namespace, layout_fingerprint=fingerprint,
             chunk_tokens=plan.chunk_tokens, object_bytes=plan.object_bytes, num_slots=self.executor.arena.num_slots,
-            groups=plan_group_geometry(layout.groups), backend=backend, device=str(plan.device))
+            groups=plan_group_geometry(layout.groups), backend=backend, device=str(plan.device),
+            identity=self.identity.description)
         logger.info("lmcache_npu rank %d: %d planes in %d groups, %d B per %d-token chunk, %s backend, %d arena slots",
                     self.place.rank, len(plan.moved_planes), len(layout.groups), plan.object_bytes, plan.chunk_tokens,
                     backend, self.executor.arena.num_slots)

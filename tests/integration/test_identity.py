@@ -1,0 +1,136 @@
+"""A chunk is loaded only by the model that computed it: the namespace is named by the weights' content (not the
+model's path or name), LoRA chunks by the adapter's content, and persistent tiers refuse weights nothing can name.
+Driven by vLLM 0.23's real scheduler and the simulated model (`engine.py`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from lmcache_npu.integration.vllm.identity import UnnamedWeightsError
+
+from .conftest import prompt
+from .vllm_cpu import tiny_model_dir
+
+PROMPT = prompt(3 * 256 + 40, seed=5)
+WHOLE_CHUNKS = 3 * 256
+
+
+def _model_dir(root, weights_seed: int) -> str:
+    """The tiny model's config with weights drawn from `weights_seed`, at `root` (rewritten in place if present)."""
+    os.makedirs(root, exist_ok=True)
+    shutil.copy(os.path.join(tiny_model_dir(), "config.json"), os.path.join(root, "config.json"))
+    weights = torch.randn(64, 64, generator=torch.Generator().manual_seed(weights_seed))
+    save_file({"model.embed_tokens.weight": weights}, os.path.join(root, "model.safetensors"))
+    return str(root)
+
+
+def _adapter_dir(root, seed: int) -> str:
+    os.makedirs(root, exist_ok=True)
+    with open(os.path.join(root, "adapter_config.json"), "w") as f:
+        json.dump({"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]}, f)
+    generator = torch.Generator().manual_seed(seed)
+    save_file({"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.randn(4, 256, generator=generator),
+               "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": torch.randn(256, 4, generator=generator)},
+              os.path.join(root, "adapter_model.safetensors"))
+    return str(root)
+
+
+def _serve_once(make_engine, model_dir: str, disk: str, lora=None) -> int:
+    """One engine on `disk` serves PROMPT once; the tokens it loaded (its disk writes are flushed before it closes)."""
+    engine = make_engine(model_dir=model_dir, extra_config={"disk_path": disk, "disk_bytes": "256MiB"})
+    engine.add(PROMPT, max_tokens=2, request_id="a", lora_request=lora)
+    engine.run()
+    engine.workers[0].worker_half.executor.disk.flush(30)
+    loaded = engine.loaded_tokens.get("a", 0)
+    engine.close()
+    return loaded
+
+
+def test_new_weights_at_the_same_path_never_load_the_old_weights_chunks(make_engine, tmp_path):
+    model = _model_dir(tmp_path / "model", weights_seed=1)
+    disk = str(tmp_path / "kv")
+    assert _serve_once(make_engine, model, disk) == 0
+    assert _serve_once(make_engine, model, disk) == WHOLE_CHUNKS  # control: unchanged weights hit the disk
+    _model_dir(tmp_path / "model", weights_seed=2)  # a redeploy: new weights, same path, same config.json
+    assert _serve_once(make_engine, model, disk) == 0
+    assert _serve_once(make_engine, model, disk) == WHOLE_CHUNKS  # the new weights' own chunks are found again
+
+
+def test_a_moved_model_directory_keeps_its_chunks(make_engine, tmp_path):
+    """The weights' content names the chunks, not the directory's path."""
+    disk = str(tmp_path / "kv")
+    assert _serve_once(make_engine, _model_dir(tmp_path / "a", weights_seed=3), disk) == 0
+    assert _serve_once(make_engine, _model_dir(tmp_path / "b", weights_seed=3), disk) == WHOLE_CHUNKS
+
+
+def test_two_models_under_one_model_name_never_share_chunks(make_engine, tmp_path):
+    disk = str(tmp_path / "kv")
+    settings = {"disk_path": disk, "disk_bytes": "256MiB", "model_name": "chat"}
+    first = make_engine(model_dir=_model_dir(tmp_path / "a", weights_seed=4), extra_config=settings)
+    second = make_engine(model_dir=_model_dir(tmp_path / "b", weights_seed=5), extra_config=settings)
+    assert first.connector.scheduler_half.namespace != second.connector.scheduler_half.namespace
+    same = make_engine(model_dir=_model_dir(tmp_path / "c", weights_seed=4), extra_config=settings)
+    assert same.connector.scheduler_half.namespace == first.connector.scheduler_half.namespace  # control
+
+
+def test_persistent_tiers_refuse_weights_nothing_names(make_engine, tmp_path):
+    bare = tmp_path / "config-only"
+    bare.mkdir()
+    shutil.copy(os.path.join(tiny_model_dir(), "config.json"), bare / "config.json")
+    with pytest.raises(UnnamedWeightsError, match="model_fingerprint"):
+        make_engine(model_dir=str(bare), extra_config={"disk_path": str(tmp_path / "kv"), "disk_bytes": "64MiB"})
+    arena_only = make_engine(model_dir=str(bare))  # the arena dies with the engine: it runs
+    assert arena_only.connector.scheduler_half.index is not None
+    named = make_engine(model_dir=str(bare), extra_config={"disk_path": str(tmp_path / "kv2"), "disk_bytes": "64MiB",
+                                                           "model_fingerprint": "release-2026-11-25"})
+    renamed = make_engine(model_dir=str(bare), extra_config={"model_fingerprint": "release-2026-11-26"})
+    assert named.connector.scheduler_half.namespace != renamed.connector.scheduler_half.namespace
+    identity = dict(named.workers[0].get_handshake_metadata().identity)
+    assert identity["weights"] == "named by the model_fingerprint key"
+
+
+def test_ranks_with_other_weights_are_refused_with_what_differs(make_engine):
+    engine = make_engine(world=2)
+    half = engine.connector.scheduler_half
+    geometries = [w.get_handshake_metadata() for w in engine.workers]
+    assert all(g.namespace == geometries[0].namespace for g in geometries)
+    other = dict(geometries[1].identity, **{"weights.digest": "another"})
+    odd = dataclasses.replace(geometries[1], namespace="0" * 32, identity=tuple(sorted(other.items())))
+    with pytest.raises(ValueError, match=r"rank 1 runs another model identity .*weights\.digest"):
+        half.set_worker_geometry([geometries[0], odd])
+    half.set_worker_geometry(geometries)  # control: the ranks' own handshakes agree
+
+
+def test_a_lora_adapter_replaced_under_its_name_misses(make_engine, tmp_path):
+    from vllm.lora.request import LoRARequest
+
+    model = _model_dir(tmp_path / "model", weights_seed=6)
+    disk = str(tmp_path / "kv")
+    adapter = _adapter_dir(tmp_path / "adapter", seed=1)
+    lora = LoRARequest("tenant", 1, adapter)
+    assert _serve_once(make_engine, model, disk, lora) == 0
+    assert _serve_once(make_engine, model, disk, lora) == WHOLE_CHUNKS  # control: the same adapter hits
+    assert _serve_once(make_engine, model, disk) == 0  # the base model never gets the adapter's KV
+    _adapter_dir(tmp_path / "adapter", seed=2)  # new adapter files under the same name and path
+    assert _serve_once(make_engine, model, disk, lora) == 0
+
+
+def test_a_lora_adapter_whose_files_cannot_be_read_bypasses_the_plugin(make_engine, tmp_path):
+    from vllm.lora.request import LoRARequest
+
+    engine = make_engine(model_dir=_model_dir(tmp_path / "model", weights_seed=7))
+    lora = LoRARequest("remote", 2, str(tmp_path / "missing"))
+    for request_id in ("a", "b"):
+        engine.add(PROMPT, max_tokens=2, request_id=request_id, lora_request=lora)
+        engine.run()
+        engine.evict_device_cache()
+    assert engine.loaded_tokens.get("b", 0) == 0
+    assert engine.stats.data.get("lora_bypassed_requests") == 2
+    assert not engine.stats.data.get("store_chunks")
