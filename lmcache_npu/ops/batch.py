@@ -9,7 +9,7 @@ from typing import Optional, Sequence, Union
 import numpy as np
 import torch
 
-from .plan import GROUP_DESC_DTYPE, RUN_DESC_DTYPE, SKIP_SLOT, Direction, TransferPlan
+from .plan import GROUP_DESC_DTYPE, MAX_U32, RUN_DESC_DTYPE, SKIP_SLOT, Direction, TransferPlan
 
 SlotArray = Union[torch.Tensor, np.ndarray]
 
@@ -23,6 +23,13 @@ def _as_slot_matrix(plan: TransferPlan, group: int, slots: Optional[SlotArray], 
         raise ValueError(f"group {group}: slots must be integers, got dtype {array.dtype}")
     if array.shape != (num_chunks, rows):
         raise ValueError(f"group {group}: slots have shape {tuple(array.shape)}, expected ({num_chunks}, {rows})")
+    if array.dtype.kind == "u" and array.dtype.itemsize >= 8 and array.size:
+        # uint64 above 2^63 - 1 would wrap to a negative int64: 2^64 - 1 becomes -1, a skipped row
+        bad = np.argwhere(array > np.iinfo(np.int64).max)
+        if bad.size:
+            c, r = (int(x) for x in bad[0])
+            raise ValueError(f"group {group}, chunk {c}, row {r}: slot {int(array[c, r])} ({array.dtype}) exceeds "
+                             f"the int64 range (max {np.iinfo(np.int64).max}); slots are signed, -1 skips a row")
     matrix = array.astype(np.int64, copy=False)
     limit = plan.group_num_blocks[group] * plan.group_rows_per_block[group]
     bad = np.argwhere((matrix < SKIP_SLOT) | (matrix >= limit))
@@ -64,6 +71,8 @@ def _runs(matrix: np.ndarray, rows_per_block: int, with_zero_runs: bool) -> np.n
     starts = np.flatnonzero(np.concatenate(([True], ~continues)))
     lengths = np.diff(np.append(starts, flat.size))
     runs = np.zeros(starts.size, dtype=RUN_DESC_DTYPE)
+    # no field narrows a value: first_slot < the group's rows <= MAX_SLOT_ROWS (plan), first_row and num_rows
+    # <= rows_per_chunk <= MAX_SLOT_ROWS (plan), chunk < num_chunks <= MAX_U32 (ChunkBatch.build)
     runs["first_slot"] = flat[starts]
     runs["chunk"] = starts // rows
     runs["first_row"] = starts % rows
@@ -82,10 +91,29 @@ def _as_objects(plan: TransferPlan, objects: Union[torch.Tensor, Sequence[torch.
 
 
 def _check_disjoint(objects: Sequence[torch.Tensor], nbytes: int) -> None:
+    """A store writes each object's first `nbytes`: two objects sharing one would hold whichever core wrote last."""
     spans = sorted((t.data_ptr(), i) for i, t in enumerate(objects))
     for (a, i), (b, j) in zip(spans, spans[1:]):
         if b < a + nbytes:
-            raise ValueError(f"chunks {i} and {j}: store objects overlap; each chunk needs its own {nbytes} B")
+            raise ValueError(f"chunks {i} and {j}: store objects overlap ([{a:#x}, {a + nbytes:#x}) and "
+                             f"[{b:#x}, {b + nbytes:#x})); each chunk needs its own {nbytes} B")
+
+
+def _check_clear_of_pages(plan: TransferPlan, objects: Sequence[torch.Tensor]) -> None:
+    """An object inside a plane's page range would be pages the transfer reads while writing, or the reverse;
+    only objects on the planes' device share their address space."""
+    local = [i for i, t in enumerate(objects) if t.device == plan.device]
+    if not local or not plan.object_bytes:
+        return
+    starts = np.array([objects[i].data_ptr() for i in local], dtype=np.uint64)
+    found = plan.page_spans.first_overlap(starts, plan.object_bytes)
+    if found is not None:
+        index, comb = found
+        start = int(starts[index])
+        raise ValueError(
+            f"chunk {local[index]}: object [{start:#x}, {start + plan.object_bytes:#x}) overlaps the pages of plane "
+            f"{comb.label} [{comb.base:#x}, {comb.end:#x}); a chunk object may share no byte with KV pages"
+        )
 
 
 @dataclass(frozen=True, eq=False)
@@ -133,8 +161,11 @@ class ChunkBatch:
         num_chunks = len(object_list)
         if num_chunks < 1:
             raise ValueError("a transfer needs at least one chunk")
+        if num_chunks > MAX_U32:
+            raise ValueError(f"a transfer of {num_chunks} chunks exceeds {MAX_U32}, the kernel's uint32 chunk index")
         if len(slots) != len(plan.groups):
             raise ValueError(f"slots has {len(slots)} entries, the plan has {len(plan.groups)} groups")
+        _check_clear_of_pages(plan, object_list)
         if direction == Direction.STORE:
             _check_disjoint(object_list, plan.object_bytes)
         moved = set(plan.moved_group_indices())
@@ -156,6 +187,9 @@ class ChunkBatch:
                 if g in moved
                 else np.zeros(0, dtype=RUN_DESC_DTYPE)
             )
+            if run_cursor + runs.size > MAX_U32:
+                raise ValueError(f"group {g}: the transfer cuts into more than {MAX_U32} runs, the most the kernel's "
+                                 "uint32 run index holds; transfer fewer chunks at a time")
             table[g] = (plan.rows_per_chunk[g], plan.group_rows_per_block[g] or 0, plane_begin, plane_count,
                         run_cursor, runs.size, item_cursor)
             run_parts.append(runs)

@@ -24,16 +24,12 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from .backend import (
+from .device_staging import PlaneTables, StagingBuffer, host_stretches, pack_into, packed_offsets
+from .transfer_backend import (
     AfterKernel,
     BackendUnavailable,
-    PlaneTables,
-    StagingBuffer,
     TransferBackend,
     TransferStats,
-    host_stretches,
-    pack_into,
-    packed_offsets,
     verify_kernel_report,
     warm_up,
 )

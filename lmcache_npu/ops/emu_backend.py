@@ -10,7 +10,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from .backend import AfterKernel, BackendUnavailable, TransferBackend, TransferStats, verify_kernel_report
+from .transfer_backend import AfterKernel, BackendUnavailable, TransferBackend, TransferStats, verify_kernel_report
 from .batch import ChunkBatch
 from .plan import CORE_STATUS_DTYPE, UB_BLOCK_BYTES, Direction, PageLayout, TransferPlan
 

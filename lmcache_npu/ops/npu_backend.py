@@ -15,16 +15,12 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from .backend import (
+from .device_staging import PlaneTables, StagingBuffer, copy_stretches, host_stretches, pack_pinned
+from .transfer_backend import (
     AfterKernel,
     BackendUnavailable,
-    PlaneTables,
-    StagingBuffer,
     TransferBackend,
     TransferStats,
-    copy_stretches,
-    host_stretches,
-    pack_pinned,
     verify_kernel_report,
     warm_up,
 )

@@ -14,11 +14,16 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
+from .page_overlap import Comb, PlaneSpans, check_planes_disjoint
+
 LAYOUT_VERSION = 1
 OBJECT_ALIGN_BYTES = 64
 SKIP_SLOT = -1
 UB_BLOCK_BYTES = 32
 MAX_STRIDE_UNITS = 65535
+# The kernels' table fields (transfer_plan.h): a slot is an int32 (RunDesc.first_slot), counts are uint32.
+MAX_SLOT_ROWS = 2**31 - 1  # rows one group may address: every slot in [0, rows) then fits int32
+MAX_U32 = 2**32 - 1
 
 
 class PageLayout(enum.IntEnum):
@@ -131,6 +136,11 @@ class Plane:
     def label(self) -> str:
         return self.name or f"plane@{self.base_addr:#x}"
 
+    def comb(self) -> Comb:
+        """The bytes this plane addresses, for overlap checks."""
+        return Comb(self.label, self.group, self.base_addr, self.block_stride_bytes,
+                    self.rows_per_block * self.row_bytes, self.num_blocks)
+
 
 def _fail(where: str, rule: str) -> None:
     raise ValueError(f"{where}: {rule}")
@@ -171,6 +181,10 @@ def _validate_plane(index: int, plane: Plane, groups: Sequence[GroupSpec]) -> No
         _fail(where, "bytes inside a block must be contiguous (pages.stride(1) == 1)")
     if plane.block_stride_bytes < block_bytes:
         _fail(where, f"block stride {plane.block_stride_bytes} B is smaller than a block's rows ({block_bytes} B)")
+    for field, value in (("num_blocks", plane.num_blocks), ("rows_per_block", plane.rows_per_block),
+                         ("row_bytes", plane.row_bytes), ("nz_unit_bytes", plane.nz_unit_bytes)):
+        if value > MAX_U32:
+            _fail(where, f"{field} {value} exceeds {MAX_U32}, the largest the kernel's uint32 plane field holds")
     group = groups[plane.group]
     if plane.rows_per_block * group.compress_ratio != group.tokens_per_block:
         _fail(
@@ -228,6 +242,15 @@ class TransferPlan:
                     f"{self.group_num_blocks[g]} blocks of {self.group_rows_per_block[g]} rows; one block table "
                     "addresses all planes of a group",
                 )
+        for g, (rows_per_block, num_blocks) in enumerate(zip(self.group_rows_per_block, self.group_num_blocks)):
+            where = f"group {g}{' (' + self.groups[g].name + ')' if self.groups[g].name else ''}"
+            if rows_per_block is not None and num_blocks * rows_per_block > MAX_SLOT_ROWS:
+                _fail(where, f"{num_blocks} blocks x {rows_per_block} rows = {num_blocks * rows_per_block} rows "
+                             f"exceed {MAX_SLOT_ROWS}: the kernels address a slot as an int32")
+            if self.rows_per_chunk[g] > MAX_SLOT_ROWS:
+                _fail(where, f"{self.rows_per_chunk[g]} rows per chunk exceed {MAX_SLOT_ROWS}, the most rows a "
+                             "group may address (a slot is an int32)")
+        check_planes_disjoint([p.comb() for p in self.planes])
         self.moved_planes: tuple[Plane, ...] = tuple(p for p in self.planes if not self.groups[p.group].skip)
         offsets, cursor = [], 0
         for p in self.moved_planes:
@@ -248,6 +271,11 @@ class TransferPlan:
         """(first index, count) of the group's planes in ``moved_planes``."""
         indices = [i for i, p in enumerate(self.moved_planes) if p.group == group]
         return (indices[0], len(indices)) if indices else (0, 0)
+
+    @cached_property
+    def page_spans(self) -> PlaneSpans:
+        """Every plane's page range (skipped groups' included: a store into them would corrupt model state)."""
+        return PlaneSpans([p.comb() for p in self.planes])
 
     @cached_property
     def plane_table(self) -> np.ndarray:

@@ -7,7 +7,7 @@ from typing import Optional
 
 import torch
 
-from .backend import AfterKernel, TransferBackend, TransferStats
+from .transfer_backend import AfterKernel, TransferBackend, TransferStats
 from .batch import ChunkBatch
 from .plan import Direction, PageLayout, Plane
 

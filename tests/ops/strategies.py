@@ -87,3 +87,34 @@ def cases(draw: st.DrawFn, soc: str = "a2", max_chunks: int = 16) -> Case:
         matrix = _slot_matrix(rng, num_chunks, rows, rows_per_block, num_blocks, holes, shuffles)
         slots.append(None if skip and draw(st.booleans()) else matrix)
     return Case(Geometry(groups, raw_planes, chunk_tokens), slots, num_chunks, seed)
+
+
+@dataclass
+class Placement:
+    """Two planes' pages placed in one buffer: block bytes, stride, block count, start offset and group of each."""
+
+    block_bytes: tuple[int, int]
+    stride: tuple[int, int]
+    num_blocks: tuple[int, int]
+    offset: tuple[int, int]
+    group: tuple[int, int]
+
+    @property
+    def buffer_bytes(self) -> int:
+        return max(o + (n - 1) * s + b for o, s, n, b in zip(self.offset, self.stride, self.num_blocks,
+                                                              self.block_bytes))
+
+
+@st.composite
+def placements(draw: st.DrawFn) -> Placement:
+    """Pairs of combs that interleave, touch, share a byte or a block id, with equal or different strides."""
+    block_bytes = (draw(st.integers(1, 24)), draw(st.integers(1, 24)))
+    pads = (draw(st.integers(0, 40)), draw(st.integers(0, 40)))
+    stride_a = block_bytes[0] + pads[0]
+    same_stride = draw(st.booleans()) and block_bytes[1] <= stride_a
+    stride = (stride_a, stride_a if same_stride else block_bytes[1] + pads[1])
+    group_b = draw(st.integers(0, 1))
+    blocks_a = draw(st.integers(1, 6))
+    num_blocks = (blocks_a, blocks_a if group_b == 0 else draw(st.integers(1, 6)))  # one group: one block count
+    offset_b = draw(st.integers(0, stride_a * num_blocks[0] + 8))
+    return Placement(block_bytes, stride, num_blocks, (0, offset_b), (0, group_b))
