@@ -158,9 +158,10 @@ def _store_bench(args: argparse.Namespace) -> int:
                              "mooncake_master is started on 127.0.0.1)")
         mooncake = {"master": args.mooncake_master, "metadata": args.mooncake_metadata,
                     "global_segment_bytes": parse_bytes("--mooncake-segment-bytes", args.mooncake_segment_bytes)}
+    zero_copy = {"on": (True,), "off": (False,), "both": (True, False)}[args.mooncake_zero_copy]
     results = run_store_bench(tiers, parse_bytes("--chunk-bytes", args.chunk_bytes), args.chunks,
                               disk_path=args.disk_path, mooncake=mooncake, progress=sys.stderr.isatty(),
-                              seed=args.seed)
+                              seed=args.seed, mooncake_zero_copy=zero_copy)
     Console(width=None if sys.stdout.isatty() else 200).print(render_store_bench(results))
     if args.json:
         Path(args.json).write_text(json.dumps([r.to_json() for r in results], indent=2))
@@ -398,6 +399,9 @@ def build_parser() -> argparse.ArgumentParser:
     store.add_argument("--mooncake-metadata", default=None, help="its metadata server, e.g. http://host:8080/metadata")
     store.add_argument("--mooncake-segment-bytes", default="2GiB",
                        help="memory this client contributes to a running cluster (default 2GiB)")
+    store.add_argument("--mooncake-zero-copy", choices=("on", "off", "both"), default="on",
+                       help="mooncake.zero_copy: on registers the arena, off moves bytes through a bounce buffer, "
+                            "both prints a row each (default on)")
     store.add_argument("--json", type=Path, help="write the results as JSON")
     store.add_argument("--seed", type=int, default=0)
     store.set_defaults(func=_store_bench)

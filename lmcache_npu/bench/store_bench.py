@@ -4,7 +4,9 @@ Every tier is measured the way the connector drives it: commands submitted to a 
 arena, timed until every completion is in. cpu: Store/Load between host "device" buffers and arena slots (the
 index's bookkeeping included); disk: Spill (write-behind, fsync, rename) and Promote from disk (read + checksum;
 the page cache is dropped first so reads come from the device); mooncake: Put and Promote from the remote store
-(zero-copy from the registered arena). Every chunk read back is compared with what was written.
+(zero-copy from the registered arena, or through the bounce buffer with `zero_copy` off: row "mooncake-bounce").
+Every chunk travels sealed (object + envelope) and every promotion verifies its envelope, as in serving; every chunk
+read back is compared with what was written.
 """
 
 from __future__ import annotations
@@ -248,8 +250,11 @@ def bench_disk(chunk_bytes: int, chunks: int, progress: _Progress, disk_path: Op
 
 
 def bench_mooncake(chunk_bytes: int, chunks: int, progress: _Progress, mooncake: Optional[dict] = None,
-                   seed: int = 0) -> TierBench:
-    """Put (registered arena → Mooncake) and Promote from remote (Mooncake → arena)."""
+                   seed: int = 0, zero_copy: bool = True) -> TierBench:
+    """Put (arena → Mooncake) and Promote from remote (Mooncake → arena): zero-copy on the registered arena, or
+    through the tier's bounce buffer (`zero_copy` False)."""
+    import dataclasses
+
     from ..store.mooncake import MooncakeConfig, MooncakeTier
     from ..store.mooncake_local import LocalMooncakeMaster
 
@@ -262,6 +267,8 @@ def bench_mooncake(chunk_bytes: int, chunks: int, progress: _Progress, mooncake:
         else:
             config = MooncakeConfig.from_dict(mooncake)
             where = f"mooncake_master {config.master}"
+        config = dataclasses.replace(config, zero_copy=zero_copy,
+                                     bounce_bytes=max(config.bounce_bytes, chunk_bytes + (64 << 10)))
         tier = MooncakeTier(config)
         arena = HostArena(chunks, chunk_bytes)
         written = _fill(arena, chunks, seed)
@@ -269,15 +276,18 @@ def bench_mooncake(chunk_bytes: int, chunks: int, progress: _Progress, mooncake:
         keys = _keys(chunks, "mooncake")
         timings = _put_then_get("mooncake", executor, arena, keys, lambda i, k: Put(i + 1, k, i),
                                 lambda i, k: Promote(chunks + i + 1, k, i, Source.REMOTE), progress, written)
-        zero_copy = tier.counters["zero_copy_ops"] > 0
+        path = ("zero-copy" if tier.counters["zero_copy_ops"] else
+                f"bounce {config.bounce_bytes / 2**20:.0f} MiB" if tier.counters["bounce_ops"] else "copy")
         tier.delete([k.storage_name(0) for k in keys])
         executor.close()
-    return _tier_bench("mooncake", chunks, chunk_bytes, timings,
-                       f"{where}, {config.protocol}, {'zero-copy' if zero_copy else 'copy'}")
+    return _tier_bench("mooncake" if zero_copy else "mooncake-bounce", chunks, chunk_bytes, timings,
+                       f"{where}, {config.protocol}, {path}")
 
 
 def run_store_bench(tiers: Sequence[str], chunk_bytes: int, chunks: int, disk_path: Optional[str] = None,
-                    mooncake: Optional[dict] = None, progress: bool = False, seed: int = 0) -> list[TierBench]:
+                    mooncake: Optional[dict] = None, progress: bool = False, seed: int = 0,
+                    mooncake_zero_copy: Sequence[bool] = (True,)) -> list[TierBench]:
+    """One row per tier; the mooncake tier gets one row per `mooncake_zero_copy` setting."""
     unknown = [t for t in tiers if t not in TIERS]
     if unknown:
         raise ValueError(f"unknown tier(s) {', '.join(unknown)}; choose from {', '.join(TIERS)}")
@@ -291,7 +301,8 @@ def run_store_bench(tiers: Sequence[str], chunk_bytes: int, chunks: int, disk_pa
             elif tier == "disk":
                 results.append(bench_disk(chunk_bytes, chunks, bar, disk_path, seed))
             else:
-                results.append(bench_mooncake(chunk_bytes, chunks, bar, mooncake, seed))
+                results.extend(bench_mooncake(chunk_bytes, chunks, bar, mooncake, seed, zero_copy)
+                               for zero_copy in mooncake_zero_copy)
     return results
 
 

@@ -20,6 +20,7 @@ import torch
 
 from ..ops.backend import npu_available
 from ..ops.plan import align_up
+from .envelope import ENVELOPE_BYTES
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +78,8 @@ class _BoundToNode:
 
 
 class HostArena:
-    """`num_slots` slots of `object_bytes` each (a plan's chunk object), every slot starting on a page boundary."""
+    """`num_slots` slots, each holding a chunk object of `object_bytes` (what the transfer kernels see) followed by
+    its envelope trailer (`sealed_view`: what disk and Mooncake see), every slot starting on a page boundary."""
 
     def __init__(self, num_slots: int, object_bytes: int, *, pinned: Optional[bool] = None,
                  numa_node: Optional[int] = None) -> None:
@@ -87,7 +89,8 @@ class HostArena:
             raise ValueError(f"object_bytes must be positive, got {object_bytes}")
         self.num_slots = num_slots
         self.object_bytes = object_bytes
-        self.slot_bytes = align_up(object_bytes, SLOT_ALIGN_BYTES)
+        self.sealed_bytes = object_bytes + ENVELOPE_BYTES
+        self.slot_bytes = slot_bytes_for(object_bytes)
         self.pinned = accelerator_present() if pinned is None else pinned
         self.numa_node = numa_node
         self._cuda_registration: Optional[weakref.finalize] = None  # undoes cudaHostRegister, once
@@ -162,6 +165,16 @@ class HostArena:
         start = slot * self.slot_bytes
         return self._numpy[start:start + self.object_bytes]
 
+    def sealed_view(self, slot: int) -> memoryview:
+        """The chunk object and its envelope trailer, one contiguous writable range of `sealed_bytes` (what goes to
+        disk and Mooncake, and what a promotion writes)."""
+        return memoryview(self.sealed_array(slot))
+
+    def sealed_array(self, slot: int) -> np.ndarray:
+        self._check(slot)
+        start = slot * self.slot_bytes
+        return self._numpy[start:start + self.sealed_bytes]
+
     def slot_address(self, slot: int) -> int:
         self._check(slot)
         return self.base_address + slot * self.slot_bytes
@@ -186,10 +199,15 @@ def _unregister_with_cuda(address: int, raw: torch.Tensor) -> None:
     del raw  # the memory goes only after it is unregistered
 
 
+def slot_bytes_for(object_bytes: int) -> int:
+    """One arena slot: the chunk object and its envelope trailer, rounded up to whole pages."""
+    return align_up(object_bytes + ENVELOPE_BYTES, SLOT_ALIGN_BYTES)
+
+
 def slots_for_capacity(cpu_bytes: int, object_bytes: int) -> int:
     """How many arena slots `cpu_bytes` buys for chunk objects of `object_bytes` (the index and every worker agree)."""
-    slot_bytes = align_up(object_bytes, SLOT_ALIGN_BYTES)
+    slot_bytes = slot_bytes_for(object_bytes)
     if cpu_bytes < slot_bytes:
         raise ValueError(f"cpu_bytes {cpu_bytes} is smaller than one chunk slot ({slot_bytes} B for a "
-                         f"{object_bytes} B chunk object); raise cpu_bytes or lower chunk_tokens")
+                         f"{object_bytes} B chunk object and its envelope); raise cpu_bytes or lower chunk_tokens")
     return cpu_bytes // slot_bytes

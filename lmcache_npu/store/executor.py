@@ -6,6 +6,12 @@ pins it until every rank completes) for the disk tier's writer threads. Promotio
 threads (the slot is writing or pinned in the index until every rank completes). Stores and loads move bytes between the
 device and the arena: they go to a `DeviceMover` (the connector's transfer backend; a fake in tests). Every
 command gets exactly one `Completion`, collected by `poll()`.
+
+Envelopes (`envelope.py`): a slot's bytes leave for disk or Mooncake only sealed (object + trailer for this key and
+rank). Spills seal here, before the copy (the slot is reused by the next command); persists and puts seal on the io
+threads. A slot is sealed once per content: the executor remembers which key each slot's trailer seals, forgetting
+it when a Store or a Promote writes the slot. Every promotion verifies the envelope before it answers ok; one that
+does not verify fails ("rejected: <why>"), so the index frees the slot and the chunk is never loaded nor persisted.
 """
 
 from __future__ import annotations
@@ -20,11 +26,14 @@ import torch
 
 from .arena import HostArena
 from .commands import Command, Completion, Drop, Load, Persist, Promote, Put, Source, Spill, Store
+from .envelope import RejectionLog, Sealer, seal, verify
+from .keys import ChunkKey
 from .tier import OK, TierResult
 
 logger = logging.getLogger(__name__)
 
 Report = Callable[[int, TierResult], None]
+_SEAL_STRIPES = 64  # locks over slots: two io threads never seal one slot at once, unrelated slots never wait
 
 
 class DeviceMover(Protocol):
@@ -38,15 +47,21 @@ class DeviceMover(Protocol):
 
 
 class StoreExecutor:
-    """One per worker process (rank). `disk` is a `DiskTier`, `remote` a `MooncakeTier`; either may be None."""
+    """One per worker process (rank). `disk` is a `DiskTier`, `remote` a `MooncakeTier`; either may be None.
+    `sealer` seals and verifies envelopes (digest only when None: no store secret)."""
 
     def __init__(self, rank: int, arena: HostArena, mover: Optional[DeviceMover] = None, disk: object = None,
-                 remote: object = None, io_threads: int = 4) -> None:
+                 remote: object = None, io_threads: int = 4, sealer: Optional[Sealer] = None) -> None:
         self.rank = rank
         self.arena = arena
         self.mover = mover
         self.disk = disk
         self.remote = remote
+        self.sealer = sealer if sealer is not None else Sealer()
+        self._sealed: dict[int, ChunkKey] = {}  # slot -> the key its trailer seals (its bytes unchanged since)
+        self._seal_locks = [threading.Lock() for _ in range(min(_SEAL_STRIPES, arena.num_slots))]
+        self._disk_rejections = RejectionLog("disk")
+        self._remote_rejections = RejectionLog("mooncake")
         self._io = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix=f"lmcache-store-r{rank}")
         self._lock = threading.Lock()
         self._done: deque[Completion] = deque()
@@ -55,7 +70,7 @@ class StoreExecutor:
         self._closed = False
         self._submitting = 0
         if remote is not None and not remote.register(arena.base_address, arena.total_bytes):
-            logger.warning("rank %d: the remote store could not register the arena; puts and gets will copy", rank)
+            logger.info("rank %d: the arena is not registered with the remote store; puts and gets copy", rank)
 
     def submit(self, commands: Sequence[Command]) -> None:
         """Runs (or starts) every command in order; consecutive device moves and remote moves go as one batch."""
@@ -92,6 +107,9 @@ class StoreExecutor:
             while kind and end < len(commands) and _batch_kind(commands[end]) == kind:
                 end += 1
             batch = commands[position:end]
+            for written in batch:
+                if isinstance(written, (Store, Promote)):  # new bytes are coming: the old trailer seals nothing
+                    self._forget_seal(written.slot)
             try:
                 if kind in ("store", "load"):
                     self._run_device(batch)  # type: ignore[arg-type]
@@ -144,11 +162,40 @@ class StoreExecutor:
             self._outstanding -= 1
             self._idle.notify_all()
 
+    # ---- envelopes ------------------------------------------------------------------------------------------------
+
+    def _forget_seal(self, slot: int) -> None:
+        with self._seal_locks[slot % len(self._seal_locks)]:
+            self._sealed.pop(slot, None)
+
+    def _seal(self, slot: int, key: ChunkKey) -> None:
+        """Writes the slot's trailer for `key` unless it already seals these bytes for it."""
+        with self._seal_locks[slot % len(self._seal_locks)]:
+            if self._sealed.get(slot) == key:
+                return
+            seal(self.arena.sealed_view(slot), key, self.rank, self.sealer)
+            self._sealed[slot] = key
+
+    def _verified(self, key: ChunkKey) -> Callable[[memoryview], Optional[str]]:
+        """The check a promotion of `key` runs on the bytes it read (the slot itself, or a bounce buffer first)."""
+        return lambda view: verify(view, key, self.rank, self.sealer)
+
+    def _mark_sealed(self, slot: int, key: ChunkKey) -> None:
+        """A promotion verified the slot's trailer for `key`: a later persist or put need not seal it again."""
+        with self._seal_locks[slot % len(self._seal_locks)]:
+            self._sealed[slot] = key
+
     def _run_one(self, command: Command) -> None:
         if isinstance(command, Spill):
-            self._write_to_disk(command, copy=True)  # the slot may be reused by the very next command
+            try:  # here, on the model's thread: the slot may be reused by the very next command
+                self._seal(command.slot, command.key)
+            except Exception as exc:  # a key the envelope cannot hold: this chunk is not spilled, the others are
+                logger.exception("rank %d: sealing spill %d failed", self.rank, command.cmd_id)
+                self._report(command.cmd_id, TierResult.fail(f"error: {exc}"))
+                return
+            self._write_to_disk(command, copy=True)
         elif isinstance(command, Persist):  # pinned until every rank answers: writers read the slot in place, no copy
-            self._write_to_disk(command, copy=False)
+            self._io.submit(self._persist, command)
         elif isinstance(command, Drop):
             self._drop(command)
         elif isinstance(command, Promote):  # from disk; remote promotions are batched
@@ -165,6 +212,15 @@ class StoreExecutor:
             result = TierResult.fail(f"error: {exc}")
         self._report(cmd_id, result)
 
+    def _persist(self, command: Persist) -> None:
+        """On an io thread: seal, then queue the slot itself for the disk tier's writers (they answer)."""
+        try:
+            self._seal(command.slot, command.key)
+            self._write_to_disk(command, copy=False)
+        except Exception as exc:  # the command must still answer exactly once
+            logger.exception("rank %d: persist %d raised", self.rank, command.cmd_id)
+            self._report(command.cmd_id, TierResult.fail(f"error: {exc}"))
+
     def _write_to_disk(self, command: Union[Spill, Persist], copy: bool) -> None:
         """Queues the slot for the disk tier's writer threads (the write, checksum and fsync never run here, on the
         model's thread); `done` answers the command, or the refusal does at once."""
@@ -172,7 +228,7 @@ class StoreExecutor:
             self._report(command.cmd_id, TierResult.fail("no disk tier"))
             return
         name = command.key.storage_name(self.rank)
-        queued = self.disk.write_async(name, self.arena.slot_view(command.slot),
+        queued = self.disk.write_async(name, self.arena.sealed_view(command.slot),
                                        lambda result: self._report(command.cmd_id, result), copy=copy)
         if not queued.ok:
             self._report(command.cmd_id, queued)
@@ -195,7 +251,18 @@ class StoreExecutor:
     def _promote_from_disk(self, command: Promote) -> TierResult:
         if self.disk is None:
             return TierResult.fail("no disk tier")
-        return self.disk.read_into(command.key.storage_name(self.rank), self.arena.slot_view(command.slot))
+        name = command.key.storage_name(self.rank)
+        view = self.arena.sealed_view(command.slot)
+        result = self.disk.read_into(name, view)
+        if not result.ok:
+            return result
+        why = verify(view, command.key, self.rank, self.sealer)
+        if why is not None:
+            self.disk.counters.add("rejected")
+            self._disk_rejections.record(name, why)
+            return TierResult.fail(f"rejected: {why}")
+        self._mark_sealed(command.slot, command.key)
+        return OK
 
     def _run_remote(self, kind: str, batch: Sequence[Union[Promote, Put]]) -> None:
         try:
@@ -203,11 +270,22 @@ class StoreExecutor:
                 results = [TierResult.fail("no remote tier")] * len(batch)
             else:
                 names = [c.key.storage_name(self.rank) for c in batch]
-                views = [self.arena.slot_view(c.slot) for c in batch]
-                call = self.remote.get_into if kind == "remote_get" else self.remote.put
-                results = list(call(names, views))
+                views = [self.arena.sealed_view(c.slot) for c in batch]
+                checks = [self._verified(c.key) for c in batch]
+                if kind == "remote_get":
+                    results = list(self.remote.get_into(names, views, verify=checks))
+                else:
+                    for command in batch:  # here, on an io thread, never on the model's
+                        self._seal(command.slot, command.key)
+                    results = list(self.remote.put(names, views, verify=checks))
                 if len(results) != len(batch):
                     raise RuntimeError(f"remote tier answered {len(results)} results for {len(batch)} chunks")
+                if kind == "remote_get":
+                    for name, command, result in zip(names, batch, results):
+                        if result.ok:
+                            self._mark_sealed(command.slot, command.key)
+                        elif result.reason.startswith("rejected: "):  # the tier counted it
+                            self._remote_rejections.record(name, result.reason[len("rejected: "):])
         except Exception as exc:  # the serving path turns any tier fault into failed commands
             logger.exception("rank %d: remote batch of %d raised", self.rank, len(batch))
             results = [TierResult.fail(f"error: {exc}")] * len(batch)

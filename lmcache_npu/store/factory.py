@@ -1,21 +1,25 @@
 """Builds the two halves of the store from a `StoreConfig`: the scheduler's index and each rank's executor.
 
 Both halves derive their sizes from the same config and chunk object size, so slot numbers chosen by the index
-mean the same slot in every rank's arena.
+mean the same slot in every rank's arena. Disk files and Mooncake objects hold the sealed object (chunk object and
+its envelope trailer, `envelope.sealed_bytes`); the store secret that keys the envelopes' MAC is resolved once here
+(`store_sealer`) for both tiers.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 from .arena import HostArena, slots_for_capacity
 from .config import StoreConfig
 from .disk import HEADER_BYTES, DiskTier, scan_disk_directory
+from .envelope import Sealer, sealed_bytes
 from .executor import DeviceMover, StoreExecutor
 from .index import ChunkIndex, disk_chunks_for_capacity
 from .keys import ChunkKey
+from .secret import resolve_secret
 
 logger = logging.getLogger(__name__)
 
@@ -58,9 +62,10 @@ def build_index(config: StoreConfig, object_bytes: int, num_ranks: int, namespac
     `num_slots` caps the arena slots the index hands out (the smallest arena any rank reported)."""
     disk_chunks = 0
     if config.disk_path is not None:
-        disk_chunks = disk_chunks_for_capacity(config.disk_bytes, object_bytes, HEADER_BYTES)
+        disk_chunks = disk_chunks_for_capacity(config.disk_bytes, sealed_bytes(object_bytes), HEADER_BYTES)
         if disk_chunks == 0:
-            raise ValueError(f"disk_bytes {config.disk_bytes} holds no chunk file of {object_bytes + HEADER_BYTES} B")
+            raise ValueError(f"disk_bytes {config.disk_bytes} holds no chunk file of "
+                             f"{sealed_bytes(object_bytes) + HEADER_BYTES} B")
     remote_exists = None
     if config.mooncake is not None:
         if remote_client is None:
@@ -85,13 +90,27 @@ def scheduler_mooncake_client(config: StoreConfig) -> Any:
     from .mooncake import MooncakeTier
 
     mooncake = config.mooncake_config()
-    return MooncakeTier(dataclasses.replace(mooncake, global_segment_bytes=0, timeout_s=min(mooncake.timeout_s, 1.0)))
+    # zero_copy on: it moves no chunk bytes, so it needs no bounce buffer (and registers nothing either way)
+    return MooncakeTier(dataclasses.replace(mooncake, global_segment_bytes=0, timeout_s=min(mooncake.timeout_s, 1.0),
+                                            zero_copy=True))
+
+
+def store_sealer(config: StoreConfig, environ: Optional[Mapping[str, str]] = None) -> Sealer:
+    """The envelope sealer of every tier of this store: keyed by the store secret (`mooncake.secret_file` or
+    LMCACHE_NPU_SECRET) when one is configured, a plain digest otherwise."""
+    mooncake = config.mooncake_config()
+    secret = resolve_secret(mooncake.secret_file if mooncake is not None else "", environ)
+    if secret is None and (config.disk_path is not None or mooncake is not None):
+        logger.info("secret: not configured; envelopes carry digests only (anyone who can write the disk directory "
+                    "or reach the Mooncake master can forge chunks)")
+    return Sealer(secret)
 
 
 def build_executor(config: StoreConfig, rank: int, object_bytes: int, layout_fingerprint: bytes,
                    mover: Optional[DeviceMover], namespace: Optional[str] = None) -> StoreExecutor:
     """One rank's arena, tiers and executor; closing the executor closes the tiers. The disk tier counts only
     this rank's files of `namespace` (every file of this rank when None) against `disk_bytes`."""
+    sealer = store_sealer(config)  # first: a bad secret refuses start-up before any memory is allocated
     arena = HostArena.for_capacity(config.cpu_bytes, object_bytes, pinned=config.pinned, numa_node=config.numa_node)
     disk = None
     if config.disk_path is not None:
@@ -107,5 +126,11 @@ def build_executor(config: StoreConfig, rank: int, object_bytes: int, layout_fin
     if config.mooncake is not None:
         from .mooncake import MooncakeTier
 
-        remote = MooncakeTier(config.mooncake_config())
-    return StoreExecutor(rank, arena, mover, disk=disk, remote=remote, io_threads=config.io_threads)
+        mooncake = config.mooncake_config()
+        if not mooncake.zero_copy and mooncake.bounce_bytes < sealed_bytes(object_bytes):
+            # one sealed chunk must fit, or every transfer would fall back to the client's slower copy calls
+            logger.warning("mooncake.bounce_bytes %d is smaller than one sealed chunk (%d B); using %d B",
+                           mooncake.bounce_bytes, sealed_bytes(object_bytes), arena.slot_bytes)
+            mooncake = dataclasses.replace(mooncake, bounce_bytes=arena.slot_bytes)
+        remote = MooncakeTier(mooncake)
+    return StoreExecutor(rank, arena, mover, disk=disk, remote=remote, io_threads=config.io_threads, sealer=sealer)

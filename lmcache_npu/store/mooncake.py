@@ -9,95 +9,42 @@ Nothing here raises in the serving path. Every client call runs on the tier's ow
 (`timeout_s`); a timeout, an RPC failure or an unreachable master opens a circuit breaker: for `retry_after_s` the
 tier answers misses without calling the client, then one probe decides whether it is back. Facts about the client
 (checked against mooncake-transfer-engine-non-cuda 0.3.13): a missing key reads as -704, a too small buffer as
--600, an unreachable master as -900 (some calls only after ~4.5 s); a put of an existing key returns 0;
-`health_check()` crashes the process once the master is gone, so it is never called.
+-600, an unreachable master as -900 (some calls only after ~4.5 s); a put of an existing key returns 0 without
+writing; `health_check()` crashes the process once the master is gone, so it is never called.
+
+Trust (issue 21): a get runs the caller's envelope check (`verify`, one per name) on the bytes it read before it
+reports ok; with `zero_copy` off the bytes land in the tier's bounce buffer, are checked there, and only then are
+copied into the caller's slot (the arena is never registered, so no transfer-engine peer can address it). A put first
+asks which names exist (one batch call): an existing object whose envelope verifies for this key counts as stored
+(`put_existing`, not written again); one that does not (another length, a forged or corrupt envelope) is removed and
+put again (`put_replaced_invalid`), and if it cannot be removed the put fails.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import re
 import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
-from .config import parse_section
+from .mooncake_config import PROTOCOLS, MooncakeConfig
 from .tier import OK, TierCounters, TierResult
+
+__all__ = ["PROTOCOLS", "MooncakeConfig", "MooncakeTier", "Check"]
 
 logger = logging.getLogger(__name__)
 
-PROTOCOLS = ("tcp", "rdma", "ascend")
 _MISSING = -704
 _BUFFER_TOO_SMALL = -600
-_HOST_PORT = re.compile(r"^[A-Za-z0-9_.\-\[\]:]+:(\d{1,5})$")
 _PROBE_KEY = "lmcache-npu-probe"
+_EXISTS = 1
 
-
-@dataclass(frozen=True)
-class MooncakeConfig:
-    """The `mooncake` object of the store config."""
-
-    master: str  # "host:port" of mooncake_master's RPC service
-    metadata: str  # metadata server: "http://host:8080/metadata", "etcd://host:2379" or "P2PHANDSHAKE"
-    local_hostname: str = ""  # this client's address as others reach it; "": MC_TCP_BIND_ADDRESS or the route's
-    protocol: str = "tcp"  # tcp, rdma, or ascend (the -npu build's transport)
-    device_name: str = ""  # RDMA/ascend device list; "" lets the transfer engine choose
-    global_segment_bytes: int = 1 << 30  # memory this client contributes to the cluster pool
-    local_buffer_bytes: int = 64 << 20  # the client's own staging buffer (copy path)
-    timeout_s: float = 5.0  # one batch call; past it: misses and counter "timeouts"
-    retry_after_s: float = 5.0  # after a failure, answer misses without calling the client this long
-
-    def __post_init__(self) -> None:
-        for key in ("master", "metadata", "local_hostname", "protocol", "device_name"):
-            if not isinstance(getattr(self, key), str):
-                raise ValueError(f"mooncake.{key} must be a string, got {getattr(self, key)!r}")
-        match = _HOST_PORT.match(self.master)
-        if not match or not 0 < int(match.group(1)) < 65536:
-            raise ValueError(f"mooncake.master must be host:port of mooncake_master's RPC service, got "
-                             f"{self.master!r}")
-        if not self.metadata:
-            raise ValueError("mooncake.metadata must name the metadata server (e.g. http://host:8080/metadata, "
-                             "etcd://host:2379 or P2PHANDSHAKE)")
-        if self.protocol not in PROTOCOLS:
-            raise ValueError(f"mooncake.protocol must be one of {', '.join(PROTOCOLS)}, got {self.protocol!r}")
-        for key in ("global_segment_bytes", "local_buffer_bytes"):
-            value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"mooncake.{key} must be a size in bytes >= 0, got {value!r}")
-        for key in ("timeout_s", "retry_after_s"):
-            value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 3600:
-                raise ValueError(f"mooncake.{key} must be seconds in (0, 3600], got {value!r}")
-
-    @classmethod
-    def from_dict(cls, values: Mapping[str, Any]) -> "MooncakeConfig":
-        parsed = parse_section("mooncake", cls, values, ("global_segment_bytes", "local_buffer_bytes"))
-        missing = [k for k in ("master", "metadata") if k not in values]
-        if missing:
-            raise ValueError(f"mooncake config needs {' and '.join(missing)} (e.g. \"master\": \"10.0.0.5:50051\", "
-                             f"\"metadata\": \"http://10.0.0.5:8080/metadata\")")
-        return cls(**parsed)
-
-    def resolved_hostname(self) -> str:
-        """The address other nodes reach this client at."""
-        if self.local_hostname:
-            return self.local_hostname
-        if os.environ.get("MC_TCP_BIND_ADDRESS"):
-            return os.environ["MC_TCP_BIND_ADDRESS"]
-        host = self.master.rsplit(":", 1)[0].strip("[]")
-        try:  # the source address of the route to the master (a UDP connect sends nothing)
-            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-                probe.connect((host, int(self.master.rsplit(":", 1)[1])))
-                return probe.getsockname()[0]
-        except OSError:
-            return socket.gethostbyname(socket.gethostname())
+Check = Callable[[memoryview], Optional[str]]  # None: these bytes may be used; else why not
 
 
 def _master_accepts(master: str, timeout: float) -> bool:
@@ -152,6 +99,13 @@ class MooncakeTier:
         self._probing = False
         self._closed = False
         self._wanted: list[tuple[int, int]] = []  # memory the caller asked to register
+        self._bounce: Optional[np.ndarray] = None
+        self._bounce_lock = threading.Lock()  # one batch at a time owns the bounce buffer
+        if not config.zero_copy:  # only this buffer is ever registered: peers cannot address the arena
+            raw = np.zeros(config.bounce_bytes + 4096, dtype=np.uint8)
+            skip = -raw.ctypes.data % 4096
+            self._bounce = raw[skip:skip + config.bounce_bytes]
+            self._wanted.append((int(self._bounce.ctypes.data), config.bounce_bytes))
         self._registered: list[tuple[int, int]] = []  # what the current client registered successfully
         self._connect()  # a missing client package raises here, at startup; a dead master only opens the circuit
 
@@ -274,7 +228,12 @@ class MooncakeTier:
     # ---- registration ---------------------------------------------------------------------------------------------
 
     def register(self, address: int, size: int) -> bool:
-        """Registers host memory (the arena) so puts and gets from it are zero-copy; False: copies will be used."""
+        """Registers host memory (the arena) so puts and gets from it are zero-copy; False: copies will be used
+        (always with `zero_copy` off: the tier moves bytes through its own registered bounce buffer instead)."""
+        if self._bounce is not None:
+            logger.info("Mooncake tier: zero_copy is off: %d B at 0x%x stay unregistered; transfers go through a "
+                        "%d B bounce buffer", size, address, self._bounce.nbytes)
+            return False
         self._wanted.append((address, size))
         return self._store is not None and self._register_now(address, size)
 
@@ -293,6 +252,27 @@ class MooncakeTier:
             self._registered.append((address, size))
         return True
 
+    def registered(self) -> list[tuple[int, int]]:
+        """(address, bytes) of every range the current client registered with the transfer engine."""
+        with self._lock:
+            return list(self._registered)
+
+    def _bounce_ready(self) -> bool:
+        return self._bounce is not None and self._store is not None and bool(self._registered)
+
+    def _bounce_groups(self, buffers: Sequence[memoryview]) -> list[list[int]]:
+        """Indices in runs whose sizes fit the bounce buffer together; a buffer larger than it is a run alone."""
+        assert self._bounce is not None
+        groups: list[list[int]] = []
+        used = self._bounce.nbytes
+        for i, buffer in enumerate(buffers):
+            if used + buffer.nbytes > self._bounce.nbytes or buffer.nbytes > self._bounce.nbytes:
+                groups.append([])
+                used = 0
+            groups[-1].append(i)
+            used += buffer.nbytes
+        return groups
+
     def _zero_copy(self, buffers: Sequence[memoryview]) -> Optional[list[int]]:
         """The buffers' addresses when every one lies inside registered memory."""
         if not self._registered or not hasattr(self._store, "batch_get_into"):
@@ -306,19 +286,88 @@ class MooncakeTier:
 
     # ---- the tier ---------------------------------------------------------------------------------------------------
 
-    def put(self, names: Sequence[str], buffers: Sequence[memoryview]) -> list[TierResult]:
+    def put(self, names: Sequence[str], buffers: Sequence[memoryview],
+            verify: Optional[Sequence[Optional[Check]]] = None) -> list[TierResult]:
+        """Stores each buffer under its name. `verify[i]` checks an object that already has the name (its envelope
+        for this key and rank): valid counts as stored, anything else is replaced; without it only the length is
+        compared."""
         if not names:
             return []
-        addresses = self._zero_copy(buffers) if self._store is not None else None
-        if addresses is not None:
-            sizes = [b.nbytes for b in buffers]
-            codes = self._call("put", lambda s: list(s.batch_put_from(list(names), addresses, sizes)),
-                               touches_memory=True)
-            self.counters.add("zero_copy_ops", len(names))
+        checks = list(verify) if verify is not None else [None] * len(names)
+        present = self._call("exists", lambda s: list(s.batch_is_exist(list(names))))
+        if present is None:
+            return [TierResult.fail("unavailable")] * len(names)
+        results: list[Optional[TierResult]] = [None] * len(names)
+        existing = [i for i, code in enumerate(present) if code == _EXISTS]
+        to_write = [i for i, code in enumerate(present) if code != _EXISTS]
+        replacing = self._check_existing(names, buffers, checks, existing, results)
+        if replacing:
+            removed = self._call("remove", lambda s: list(s.batch_remove([names[i] for i in replacing], True)))
+            for i, code in zip(replacing, removed or [None] * len(replacing)):
+                if code in (0, _MISSING):
+                    to_write.append(i)
+                else:
+                    logger.warning("Mooncake tier: %s exists with other contents and could not be removed (%s)",
+                                   names[i], code)
+                    results[i] = TierResult.fail("put: name exists with other contents")
+        written = self._write([names[i] for i in to_write], [buffers[i] for i in to_write])
+        for i, result in zip(to_write, written):
+            results[i] = result
+            if result.ok and i in replacing:
+                self.counters.add("put_replaced_invalid")
+        return [r if r is not None else TierResult.fail("unavailable") for r in results]
+
+    def _check_existing(self, names: Sequence[str], buffers: Sequence[memoryview], checks: Sequence[Optional[Check]],
+                        existing: Sequence[int], results: list[Optional[TierResult]]) -> list[int]:
+        """Fills `results` for existing names whose object is valid; returns those to remove and put again."""
+        if not existing:
+            return []
+
+        def fetch(store: Any) -> list[Optional[str]]:
+            problems: list[Optional[str]] = []
+            for i in existing:
+                data = store.get(names[i])
+                if not data:
+                    problems.append("gone")
+                elif len(data) != buffers[i].nbytes:
+                    problems.append("length")
+                else:
+                    check = checks[i]
+                    problems.append(None if check is None else check(memoryview(data)))
+            return problems
+
+        problems = self._call("get", fetch)
+        replacing = []
+        for i, problem in zip(existing, problems or ["unavailable"] * len(existing)):
+            if problem is None:
+                results[i] = OK
+                self.counters.add("put_existing")
+            elif problem == "unavailable":
+                results[i] = TierResult.fail("unavailable")
+            else:
+                if problem != "gone":
+                    logger.warning("Mooncake tier: %s exists with an object that does not verify (%s); replacing "
+                                   "it", names[i], problem)
+                replacing.append(i)
+        return replacing
+
+    def _write(self, names: Sequence[str], buffers: Sequence[memoryview]) -> list[TierResult]:
+        if not names:
+            return []
+        if self._bounce_ready():
+            codes = self._bounce_put(names, buffers)
+            self.counters.add("bounce_ops", len(names))
         else:
-            payloads = [bytes(b) for b in buffers]
-            codes = self._call("put", lambda s: [s.put(n, p) for n, p in zip(names, payloads)])  # owns its copies
-            self.counters.add("copy_ops", len(names))
+            addresses = self._zero_copy(buffers) if self._store is not None else None
+            if addresses is not None:
+                sizes = [b.nbytes for b in buffers]
+                codes = self._call("put", lambda s: list(s.batch_put_from(list(names), addresses, sizes)),
+                                   touches_memory=True)
+                self.counters.add("zero_copy_ops", len(names))
+            else:
+                payloads = [bytes(b) for b in buffers]
+                codes = self._call("put", lambda s: [s.put(n, p) for n, p in zip(names, payloads)])  # owns its copies
+                self.counters.add("copy_ops", len(names))
         if codes is None:
             return [TierResult.fail("unavailable")] * len(names)
         results = [OK if code == 0 else TierResult.fail(f"put error {code}") for code in codes]
@@ -328,24 +377,64 @@ class MooncakeTier:
         self.counters.add("put_failures", len(results) - done)
         return results
 
-    def get_into(self, names: Sequence[str], buffers: Sequence[memoryview]) -> list[TierResult]:
+    def _bounce_put(self, names: Sequence[str], buffers: Sequence[memoryview]) -> Optional[list[int]]:
+        assert self._bounce is not None
+        codes: list[int] = []
+        base = int(self._bounce.ctypes.data)
+        for group in self._bounce_groups(buffers):
+            with self._bounce_lock:
+                if buffers[group[0]].nbytes > self._bounce.nbytes:
+                    payload = bytes(buffers[group[0]])
+                    got = self._call("put", lambda s: [s.put(names[group[0]], payload)])
+                else:
+                    offsets, at = [], 0
+                    for i in group:
+                        self._bounce[at:at + buffers[i].nbytes] = np.frombuffer(buffers[i], dtype=np.uint8)
+                        offsets.append(at)
+                        at += buffers[i].nbytes
+                    got = self._call("put", lambda s: list(s.batch_put_from(
+                        [names[i] for i in group], [base + o for o in offsets], [buffers[i].nbytes for i in group])),
+                        touches_memory=True)
+            if got is None:
+                return None
+            codes.extend(got)
+        return codes
+
+    def get_into(self, names: Sequence[str], buffers: Sequence[memoryview],
+                 verify: Optional[Sequence[Optional[Check]]] = None) -> list[TierResult]:
+        """Reads each object into its buffer. `verify[i]` checks the bytes read (the buffer itself when zero-copy,
+        the bounce buffer or a copy before a byte reaches the buffer otherwise); a failed check is a miss counted
+        as "rejected"."""
         if not names:
             return []
-        addresses = self._zero_copy(buffers) if self._store is not None else None
-        if addresses is not None:
-            sizes = [b.nbytes for b in buffers]
-            codes = self._call("get", lambda s: list(s.batch_get_into(list(names), addresses, sizes)),
-                               touches_memory=True)
-            self.counters.add("zero_copy_ops", len(names))
+        checks = list(verify) if verify is not None else [None] * len(names)
+        rejected: dict[int, str] = {}
+        if self._bounce_ready():
+            codes = self._bounce_get(names, buffers, checks, rejected)
+            self.counters.add("bounce_ops", len(names))
         else:
-            codes = self._call("get", lambda s: [self._copy_get(s, n, b) for n, b in zip(names, buffers)],
-                               touches_memory=True)
-            self.counters.add("copy_ops", len(names))
+            addresses = self._zero_copy(buffers) if self._store is not None else None
+            if addresses is not None:
+                sizes = [b.nbytes for b in buffers]
+                codes = self._call("get", lambda s: list(s.batch_get_into(list(names), addresses, sizes)),
+                                   touches_memory=True)
+                self.counters.add("zero_copy_ops", len(names))
+                for i, (code, buffer, check) in enumerate(zip(codes or [], buffers, checks)):
+                    if code == buffer.nbytes and check is not None and (why := check(buffer)) is not None:
+                        rejected[i] = why
+            else:
+                codes = self._call("get", lambda s: [self._copy_get(s, i, n, b, checks[i], rejected)
+                                                     for i, (n, b) in enumerate(zip(names, buffers))],
+                                   touches_memory=True)
+                self.counters.add("copy_ops", len(names))
         if codes is None:
             return [TierResult.fail("unavailable")] * len(names)
         results = []
-        for code, buffer in zip(codes, buffers):
-            if code == buffer.nbytes:
+        for i, (code, buffer) in enumerate(zip(codes, buffers)):
+            if i in rejected:
+                results.append(TierResult.fail(f"rejected: {rejected[i]}"))
+                self.counters.add("rejected")  # the caller logs it: it knows which chunk it asked for
+            elif code == buffer.nbytes:
                 results.append(OK)
             elif code == _MISSING:
                 results.append(TierResult.fail("miss"))
@@ -359,12 +448,54 @@ class MooncakeTier:
         self.counters.add("misses", sum(r.reason == "miss" for r in results))
         return results
 
+    def _bounce_get(self, names: Sequence[str], buffers: Sequence[memoryview], checks: Sequence[Optional[Check]],
+                    rejected: dict[int, str]) -> Optional[list[int]]:
+        """Gets through the bounce buffer: each object is checked there and copied into its buffer only if good."""
+        assert self._bounce is not None
+        codes: list[int] = []
+        base = int(self._bounce.ctypes.data)
+        for group in self._bounce_groups(buffers):
+            with self._bounce_lock:
+                if buffers[group[0]].nbytes > self._bounce.nbytes:
+                    i = group[0]
+                    got = self._call("get", lambda s: [self._copy_get(s, i, names[i], buffers[i], checks[i],
+                                                                      rejected)], touches_memory=True)
+                    if got is None:
+                        return None
+                    codes.extend(got)
+                    continue
+                offsets, at = [], 0
+                for i in group:
+                    offsets.append(at)
+                    at += buffers[i].nbytes
+                got = self._call("get", lambda s: list(s.batch_get_into(
+                    [names[i] for i in group], [base + o for o in offsets], [buffers[i].nbytes for i in group])),
+                    touches_memory=True)
+                if got is None:
+                    return None
+                for i, offset, code in zip(group, offsets, got):
+                    size = buffers[i].nbytes
+                    if code == size:
+                        landed = memoryview(self._bounce[offset:offset + size])
+                        why = checks[i](landed) if checks[i] is not None else None
+                        if why is None:
+                            buffers[i][:] = landed
+                        else:
+                            rejected[i] = why
+                codes.extend(got)
+        return codes
+
     @staticmethod
-    def _copy_get(store: Any, name: str, buffer: memoryview) -> int:
+    def _copy_get(store: Any, index: int, name: str, buffer: memoryview, check: Optional[Check],
+                  rejected: dict[int, str]) -> int:
         data = store.get(name)
         if not data:
             return _MISSING
         if len(data) != buffer.nbytes:
+            return len(data)
+        why = check(memoryview(data)) if check is not None else None
+        if why is not None:
+            rejected[index] = why  # checked in the copy: the buffer never sees these bytes
             return len(data)
         buffer[:] = data
         return len(data)

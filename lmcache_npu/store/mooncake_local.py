@@ -1,8 +1,10 @@
 """A local `mooncake_master` for tests and `lmcache-npu store-bench`, and a loopback-only network namespace.
 
 The master binary ships in the Mooncake wheel (next to the Python interpreter's scripts or inside the `mooncake`
-package). Everything here binds 127.0.0.1; tests additionally run inside `unshare -n` so nothing can leave the
-machine.
+package). Everything here binds 127.0.0.1: the master's RPC port, its metrics/admin server (0.0.0.0 unless told
+otherwise) and the HTTP metadata server, which runs as the wheel's separate `mooncake.http_metadata_server` (the
+master's built-in one binds 0.0.0.0 whatever --http_metadata_server_host says, in 0.3.13). Tests additionally run
+inside `unshare -n` so nothing can leave the machine; `listening_addresses` lets them check the binding.
 """
 
 from __future__ import annotations
@@ -57,28 +59,35 @@ def _port_open(port: int) -> bool:
 
 
 class LocalMooncakeMaster:
-    """`with LocalMooncakeMaster() as master: tier = MooncakeTier(master.config())`: a master with its built-in
-    HTTP metadata server on 127.0.0.1, stopped (and reaped) on exit."""
+    """`with LocalMooncakeMaster() as master: tier = MooncakeTier(master.config())`: a master and an HTTP metadata
+    server on 127.0.0.1, both stopped (and reaped) on exit."""
 
     def __init__(self, rpc_port: Optional[int] = None, http_port: Optional[int] = None,
-                 extra_args: Sequence[str] = (), start_timeout_s: float = 20.0) -> None:
+                 extra_args: Sequence[str] = (), start_timeout_s: float = 20.0,
+                 metrics_port: Optional[int] = None) -> None:
         self.rpc_port = rpc_port or free_port()
         self.http_port = http_port or free_port()
+        self.metrics_port = metrics_port or free_port()
         self.extra_args = list(extra_args)
         self.start_timeout_s = start_timeout_s
         self.process: Optional[subprocess.Popen] = None
+        self.metadata_process: Optional[subprocess.Popen] = None
         self._log = tempfile.NamedTemporaryFile(prefix="mooncake-master-", suffix=".log", delete=False)
 
     def __enter__(self) -> "LocalMooncakeMaster":
         os.environ.setdefault("MC_TCP_BIND_ADDRESS", LOOPBACK)  # our clients listen on loopback too
-        argv = [find_master_binary(), "--enable_http_metadata_server=true",
-                f"--http_metadata_server_port={self.http_port}", f"--rpc_port={self.rpc_port}",
-                f"--rpc_address={LOOPBACK}", *self.extra_args]
-        self.process = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT,
-                                        env=dict(os.environ, MC_TCP_BIND_ADDRESS=LOOPBACK))
+        argv = [find_master_binary(), f"--rpc_port={self.rpc_port}", f"--rpc_address={LOOPBACK}",
+                f"--metrics_host={LOOPBACK}", f"--metrics_port={self.metrics_port}", *self.extra_args]
+        env = dict(os.environ, MC_TCP_BIND_ADDRESS=LOOPBACK)
+        self.metadata_process = subprocess.Popen(
+            [sys.executable, "-c", "import sys; from mooncake.http_metadata_server import main; sys.exit(main())",
+             "--host", LOOPBACK, "--port", str(self.http_port), "--log-level", "WARNING"],
+            stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        self.process = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + self.start_timeout_s
         while not (_port_open(self.rpc_port) and _port_open(self.http_port)):
-            if self.process.poll() is not None or time.monotonic() > deadline:
+            if (self.process.poll() is not None or self.metadata_process.poll() is not None
+                    or time.monotonic() > deadline):
                 log = self.log_tail()
                 self.stop()
                 raise RuntimeError(f"mooncake_master did not come up on {LOOPBACK}:{self.rpc_port}: {log}")
@@ -103,6 +112,10 @@ class LocalMooncakeMaster:
         values.update(overrides)
         return MooncakeConfig(**values)
 
+    @property
+    def pid(self) -> Optional[int]:
+        return None if self.process is None else self.process.pid
+
     def kill(self) -> None:
         """SIGKILL, as a crashed master (fault tests)."""
         if self.process is not None and self.process.poll() is None:
@@ -110,14 +123,19 @@ class LocalMooncakeMaster:
             self.process.wait(10)
 
     def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(10)
+        for process in (self.process, self.metadata_process):
+            if process is not None and process.poll() is None:
+                process.terminate()
+                try:
+                    process.wait(10)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait(10)
         self._log.close()
+
+    def pids(self) -> list[int]:
+        """The processes serving this master (the master and its metadata server)."""
+        return [p.pid for p in (self.process, self.metadata_process) if p is not None]
 
     def log_tail(self, lines: int = 20) -> str:
         try:
@@ -155,3 +173,41 @@ def run_in_loopback_netns(argv: Sequence[str], env: Optional[Mapping[str, str]] 
     child_env = dict(os.environ if env is None else env, MC_TCP_BIND_ADDRESS=LOOPBACK)
     return subprocess.run(["unshare", "-n", "sh", "-c", script, "sh", *argv], env=child_env, capture_output=True,
                           text=True, timeout=timeout)
+
+
+def _socket_inodes(pid: int) -> set[str]:
+    inodes = set()
+    fd_dir = f"/proc/{pid}/fd"
+    for fd in os.listdir(fd_dir):
+        try:
+            target = os.readlink(os.path.join(fd_dir, fd))
+        except OSError:
+            continue  # closed meanwhile
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    return inodes
+
+
+def _decode_address(text: str) -> str:
+    """/proc/net/tcp's hex address (host byte order words) as dotted IPv4 or colon-hex IPv6."""
+    raw = bytes.fromhex(text)
+    words = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))  # each 32-bit word is little-endian
+    return socket.inet_ntop(socket.AF_INET if len(raw) == 4 else socket.AF_INET6, words)
+
+
+def listening_addresses(pid: int) -> list[tuple[str, int]]:
+    """(address, port) of every TCP socket process `pid` listens on, read from its own network namespace's
+    /proc/<pid>/net/tcp and tcp6 (the sockets matched by inode to its open descriptors)."""
+    inodes = _socket_inodes(pid)
+    found = []
+    for table in ("tcp", "tcp6"):
+        try:
+            lines = Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # 0A: TCP_LISTEN
+                address, port = fields[1].split(":")
+                found.append((_decode_address(address), int(port, 16)))
+    return sorted(found)

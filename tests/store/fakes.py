@@ -64,7 +64,7 @@ class MemoryRemote:
     def register(self, address: int, size: int) -> bool:
         return True
 
-    def put(self, names: Sequence[str], buffers: Sequence[memoryview]) -> list[TierResult]:
+    def put(self, names: Sequence[str], buffers: Sequence[memoryview], verify=None) -> list[TierResult]:
         if self.down:
             return [TierResult.fail("unavailable")] * len(names)
         with self._lock:
@@ -72,12 +72,19 @@ class MemoryRemote:
                 self.objects[name] = bytes(buffer)
         return [OK] * len(names)
 
-    def get_into(self, names: Sequence[str], buffers: Sequence[memoryview]) -> list[TierResult]:
+    def get_into(self, names: Sequence[str], buffers: Sequence[memoryview], verify=None) -> list[TierResult]:
+        """Like the Mooncake tier: `verify[i]` checks the bytes before they reach the buffer (a miss if not)."""
         results = []
-        for name, buffer in zip(names, buffers):
+        for i, (name, buffer) in enumerate(zip(names, buffers)):
             data = None if self.down else self.objects.get(name)
+            why = None if data is None or verify is None or len(data) != buffer.nbytes else verify[i](memoryview(data))
             if data is None:
                 results.append(TierResult.fail("unavailable" if self.down else "miss"))
+            elif len(data) != buffer.nbytes:
+                results.append(TierResult.fail("corrupt: length"))
+            elif why is not None:
+                self.counters.add("rejected")
+                results.append(TierResult.fail(f"rejected: {why}"))
             else:
                 buffer[:] = data
                 results.append(OK)

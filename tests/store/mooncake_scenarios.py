@@ -11,9 +11,13 @@ import time
 
 import numpy as np
 
+from lmcache_npu.store import executor as executor_module
 from lmcache_npu.store.arena import HostArena
+from lmcache_npu.store.commands import Promote, Put, Source
+from lmcache_npu.store.executor import StoreExecutor
+from lmcache_npu.store.keys import ChunkKey
 from lmcache_npu.store.mooncake import MooncakeConfig, MooncakeTier
-from lmcache_npu.store.mooncake_local import LocalMooncakeMaster
+from lmcache_npu.store.mooncake_local import LocalMooncakeMaster, listening_addresses
 
 CHUNK = 64 << 10
 
@@ -139,7 +143,128 @@ def master_killed() -> dict:
     return {"timings": {k: round(v, 2) for k, v in timings.items()}, "counters": counters}
 
 
-SCENARIOS = {"roundtrip": roundtrip, "share": share, "master_killed": master_killed}
+def loopback() -> dict:
+    """Every TCP socket the master and its metadata server listen on (checked by the test: loopback only)."""
+    with LocalMooncakeMaster() as master:
+        tier = MooncakeTier(master.config())  # a client joined: the master has whatever sockets serving needs
+        time.sleep(0.5)
+        listening = {str(pid): listening_addresses(pid) for pid in master.pids()}
+        tier.close()
+    return {"listening": listening}
+
+
+KEY_COUNT = 4
+
+
+def _keys() -> list[ChunkKey]:
+    return [ChunkKey("e" * 32, bytes([i]) * 32) for i in range(KEY_COUNT)]
+
+
+def _executor(master: LocalMooncakeMaster, **overrides) -> StoreExecutor:
+    return StoreExecutor(0, HostArena(KEY_COUNT, CHUNK, pinned=False), remote=MooncakeTier(master.config(**overrides)),
+                         io_threads=2)
+
+
+def _run(executor: StoreExecutor, commands: list) -> list:
+    executor.submit(commands)
+    return sorted(executor.drain(60), key=lambda c: c.cmd_id)
+
+
+def _promote_all(executor: StoreExecutor, first_id: int) -> list:
+    for slot in range(KEY_COUNT):
+        executor.arena.slot_array(slot)[:] = 0x5A  # a sentinel: a rejected chunk must leave no byte of its own
+    return _run(executor, [Promote(first_id + i, key, i, Source.REMOTE) for i, key in enumerate(_keys())])
+
+
+def _forge(master: LocalMooncakeMaster, name: str, size: int) -> None:
+    """Another client of the master: removes the object and puts other bytes of the same length (upsert)."""
+    attacker = MooncakeTier(master.config(global_segment_bytes=0))  # no memory of its own: the object outlives it
+    assert attacker._store.remove(name, True) == 0
+    assert attacker.put([name], [memoryview(_data(777, size))])[0].ok
+    assert attacker.counters["puts"] == 1
+    attacker.close()
+
+
+def envelope() -> dict:
+    """Through executors on a real master: an overwritten object is rejected (and, with verification switched
+    off, would have been loaded); a put over it replaces it; a put over a valid object writes nothing."""
+    found: dict = {}
+    with LocalMooncakeMaster() as master:
+        writer = _executor(master, global_segment_bytes=64 << 20)
+        for slot in range(KEY_COUNT):
+            writer.arena.slot_array(slot)[:] = _data(slot)
+        assert all(c.ok for c in _run(writer, [Put(i, k, i) for i, k in enumerate(_keys())]))
+        reader = _executor(master, global_segment_bytes=0)
+        assert all(c.ok for c in _promote_all(reader, 100))
+        assert all(np.array_equal(reader.arena.slot_array(s), _data(s)) for s in range(KEY_COUNT))
+        victim = _keys()[1].storage_name(0)
+        _forge(master, victim, writer.arena.sealed_bytes)
+        answers = _promote_all(reader, 200)
+        found["after_forgery"] = [c.reason for c in answers]
+        found["reader_rejected"] = reader.remote.counters["rejected"]
+        # negative control: with verification switched off the forged bytes are delivered as a hit
+        real_verify = executor_module.verify
+        executor_module.verify = lambda *args: None
+        try:
+            control = _promote_all(reader, 300)
+        finally:
+            executor_module.verify = real_verify
+        found["control_ok"] = all(c.ok for c in control)
+        found["control_delivers_forged_bytes"] = bool(np.array_equal(reader.arena.slot_array(1),
+                                                                     _data(777, CHUNK)))
+        # a put over the forged object removes it and writes ours; the reader then gets the right bytes
+        writer.arena.slot_array(1)[:] = _data(1)
+        writer._forget_seal(1)
+        assert all(c.ok for c in _run(writer, [Put(400, _keys()[1], 1)]))
+        found["put_replaced_invalid"] = writer.remote.counters["put_replaced_invalid"]
+        assert all(c.ok for c in _promote_all(reader, 500))
+        found["repaired"] = bool(np.array_equal(reader.arena.slot_array(1), _data(1)))
+        # another instance's valid object (other bytes: equally valid KV may differ by rounding) counts as stored
+        other = _executor(master, global_segment_bytes=16 << 20)
+        other.arena.slot_array(2)[:] = _data(9)
+        puts_before = other.remote.counters["puts"]
+        assert all(c.ok for c in _run(other, [Put(600, _keys()[2], 2)]))
+        found["put_existing"] = other.remote.counters["put_existing"]
+        found["other_wrote"] = other.remote.counters["puts"] - puts_before
+        assert all(c.ok for c in _promote_all(reader, 700))
+        found["first_copy_kept"] = bool(np.array_equal(reader.arena.slot_array(2), _data(2)))
+        for executor in (other, reader, writer):
+            executor.close()
+    return found
+
+
+def bounce() -> dict:
+    """zero_copy false: only the bounce buffer is registered; round trips split over it are byte for byte, and a
+    forged object is checked in the bounce buffer, never copied into the slot."""
+    count, bounce_bytes = 40, 1 << 20
+    with LocalMooncakeMaster() as master:
+        tier = MooncakeTier(master.config(zero_copy=False, bounce_bytes=bounce_bytes,
+                                          global_segment_bytes=count * CHUNK + (64 << 20)))
+        arena = HostArena(count, CHUNK, pinned=False)
+        executor = StoreExecutor(0, arena, remote=tier, io_threads=2)
+        registered = tier.registered()
+        keys = [ChunkKey("b" * 32, i.to_bytes(4, "little") * 8) for i in range(count)]
+        for slot in range(count):
+            arena.slot_array(slot)[:] = _data(slot)
+        assert all(c.ok for c in _run(executor, [Put(i, k, i) for i, k in enumerate(keys)]))
+        for slot in range(count):
+            arena.slot_array(slot)[:] = 0
+        answers = _run(executor, [Promote(100 + i, k, i, Source.REMOTE) for i, k in enumerate(keys)])
+        assert all(c.ok for c in answers), [c.reason for c in answers if not c.ok][:3]
+        wrong = [s for s in range(count) if not np.array_equal(arena.slot_array(s), _data(s))]
+        _forge(master, keys[3].storage_name(0), arena.sealed_bytes)
+        arena.slot_array(3)[:] = 0x5A
+        (forged,) = _run(executor, [Promote(200, keys[3], 3, Source.REMOTE)])
+        found = {"registered": registered, "arena": [arena.base_address, arena.total_bytes],
+                 "bounce_bytes": bounce_bytes, "wrong": wrong, "bounce_ops": tier.counters["bounce_ops"],
+                 "zero_copy_ops": tier.counters["zero_copy_ops"], "forged": forged.reason,
+                 "slot_untouched": bool((arena.slot_array(3) == 0x5A).all())}
+        executor.close()
+    return found
+
+
+SCENARIOS = {"roundtrip": roundtrip, "share": share, "master_killed": master_killed, "loopback": loopback,
+             "envelope": envelope, "bounce": bounce}
 
 
 def main(argv: list[str]) -> int:

@@ -31,7 +31,9 @@ def test_out_of_range_slots_are_refused():
 
 def test_capacity_in_bytes_becomes_slots():
     assert slots_for_capacity(10 * 8192, 5000) == 10
-    assert HostArena.for_capacity(3 * 4096 + 100, 4096, pinned=False).num_slots == 3
+    # a 4096 B object plus its envelope trailer needs two pages
+    assert HostArena.for_capacity(3 * 8192 + 100, 4096, pinned=False).num_slots == 3
+    assert HostArena.for_capacity(3 * 8192 - 1, 4096, pinned=False).num_slots == 2
     with pytest.raises(ValueError, match="cpu_bytes 100 is smaller than one chunk slot"):
         slots_for_capacity(100, 5000)
     with pytest.raises(ValueError, match="at least one slot"):
@@ -51,3 +53,16 @@ def test_numa_binding_allocates_on_a_real_node_and_refuses_a_missing_one():
 def test_pinning_without_an_accelerator_is_a_clear_memory_error():
     with pytest.raises(MemoryError, match="could not allocate a .* GiB host arena \\(pinned\\)"):
         HostArena(1, 4096, pinned=True)
+
+
+def test_the_sealed_view_is_the_object_then_its_trailer_and_the_kernels_see_only_the_object():
+    from lmcache_npu.store.envelope import ENVELOPE_BYTES
+
+    arena = HostArena(3, 4096 - ENVELOPE_BYTES + 1, pinned=False)  # one byte more than a page with the trailer
+    assert arena.slot_bytes == 8192 and arena.sealed_bytes == 4097
+    sealed = arena.sealed_view(1)
+    sealed[:] = bytes(range(256)) * 16 + b"\xff"
+    assert arena.slot(1).numel() == 4096 - ENVELOPE_BYTES + 1
+    assert bytes(arena.slot_view(1)) == bytes(sealed[:arena.object_bytes])
+    assert arena.sealed_array(1)[-1] == 0xFF and not arena.slot(0).any() and not arena.slot(2).any()
+    assert arena.sealed_array(1).ctypes.data == arena.slot_address(1)

@@ -9,6 +9,7 @@ import pytest
 from lmcache_npu.store import index as index_module
 from lmcache_npu.store.commands import Completion, Drop, Load, Promote, Put, Source, Spill, Store
 from lmcache_npu.store.disk import DiskTier
+from lmcache_npu.store.envelope import sealed_bytes
 from lmcache_npu.store.index import ChunkIndex, DiskState, SlotState, disk_chunks_for_capacity
 from lmcache_npu.store.keys import ChunkKey
 from lmcache_npu.store.tier import TierResult
@@ -414,7 +415,7 @@ def test_restart_counts_each_ranks_own_files_and_drops_partial_chunks(tmp_path):
 
     namespace = "ab" * 16
     config = StoreConfig.from_dict({"cpu_bytes": 2 * 8192, "pinned": False, "disk_path": str(tmp_path / "kv"),
-                                    "disk_bytes": 4 * (OBJECT_BYTES + 64)})
+                                    "disk_bytes": 4 * (sealed_bytes(OBJECT_BYTES) + 64)})
     index = build_index(config, OBJECT_BYTES, 2, namespace, b"L" * 16)
     workers = [build_executor(config, rank, OBJECT_BYTES, b"L" * 16, PatternDevice(rank), namespace)
                for rank in range(2)]
@@ -430,20 +431,21 @@ def test_restart_counts_each_ranks_own_files_and_drops_partial_chunks(tmp_path):
     for key in keys:  # 2 slots, disk for 4: the disk fills up
         index.allocate_store("w", [(0, key)])
         settle()
-    assert [w.disk.used_bytes // (OBJECT_BYTES + 64) for w in workers] == [4, 4]
+    assert [w.disk.used_bytes // (sealed_bytes(OBJECT_BYTES) + 64) for w in workers] == [4, 4]
     for w in workers:
         w.close()
     # a crash mid-spill left one chunk on rank 0 only
     stray = make_key(99, namespace)
     stray_tier = DiskTier(tmp_path / "kv", b"L" * 16)
-    stray_tier.write_async(stray.storage_name(0), bytes(OBJECT_BYTES))
+    stray_tier.write_async(stray.storage_name(0), bytes(sealed_bytes(OBJECT_BYTES)))
     stray_tier.close()
     restarted = build_index(config, OBJECT_BYTES, 2, namespace, b"L" * 16)
     workers = [build_executor(config, rank, OBJECT_BYTES, b"L" * 16, PatternDevice(rank), namespace)
                for rank in range(2)]
-    assert [w.disk.used_bytes // (OBJECT_BYTES + 64) for w in workers] == [5, 4]  # own files only, stray included
+    file_bytes = sealed_bytes(OBJECT_BYTES) + 64
+    assert [w.disk.used_bytes // file_bytes for w in workers] == [5, 4]  # own files only, stray included
     settle(restarted)  # the stray is dropped by the first step's commands
-    assert [w.disk.used_bytes // (OBJECT_BYTES + 64) for w in workers] == [4, 4]
+    assert [w.disk.used_bytes // (sealed_bytes(OBJECT_BYTES) + 64) for w in workers] == [4, 4]
     for i in range(6, 10):  # the disk keeps working after a restart with a full disk
         restarted.allocate_store("w", [(0, make_key(i, namespace))])
         settle(restarted)

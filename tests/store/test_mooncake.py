@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from lmcache_npu.store.mooncake import MooncakeConfig, MooncakeTier
+from lmcache_npu.store.tier import OK, TierResult
 from lmcache_npu.store.mooncake_local import netns_available, run_in_loopback_netns
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -57,6 +58,50 @@ def test_master_killed_mid_run_turns_into_misses_and_counters():
     assert found["counters"]["puts"] == 20 and found["counters"]["unavailable"] >= 1
 
 
+@needs_master
+def test_the_local_master_listens_on_loopback_only():
+    listening = _scenario("loopback")["listening"]
+    addresses = [tuple(a) for sockets in listening.values() for a in sockets]
+    assert len(addresses) >= 3, listening  # RPC, metrics/admin, HTTP metadata: a check that sees none proves nothing
+    assert [a for a in addresses if a[0] != "127.0.0.1"] == [], listening
+
+
+def test_listening_addresses_notices_a_wildcard_bind():
+    """Negative control for the check above: a socket bound to 0.0.0.0 is reported as such."""
+    import socket
+
+    from lmcache_npu.store.mooncake_local import listening_addresses
+
+    with socket.socket() as wild, socket.socket() as loop:
+        wild.bind(("0.0.0.0", 0))
+        wild.listen()
+        loop.bind(("127.0.0.1", 0))
+        loop.listen()
+        found = listening_addresses(os.getpid())
+        ports = wild.getsockname()[1], loop.getsockname()[1]
+    assert ("0.0.0.0", ports[0]) in found and ("127.0.0.1", ports[1]) in found
+
+
+@needs_master
+def test_an_overwritten_object_is_rejected_and_a_put_repairs_it_while_a_valid_one_is_kept():
+    found = _scenario("envelope")
+    assert found["after_forgery"] == ["", "rejected: magic", "", ""] and found["reader_rejected"] == 1
+    # negative control: verification switched off, the same promotion "succeeds" with the forged bytes
+    assert found["control_ok"] and found["control_delivers_forged_bytes"]
+    assert found["put_replaced_invalid"] == 1 and found["repaired"]
+    assert found["put_existing"] == 1 and found["other_wrote"] == 0 and found["first_copy_kept"]
+
+
+@needs_master
+def test_zero_copy_off_registers_only_the_bounce_buffer_and_round_trips_byte_for_byte():
+    found = _scenario("bounce")
+    assert len(found["registered"]) == 1 and found["registered"][0][1] == found["bounce_bytes"]
+    start, size = found["arena"]
+    assert not start <= found["registered"][0][0] < start + size  # the arena itself is not registered
+    assert found["wrong"] == [] and found["zero_copy_ops"] == 0 and found["bounce_ops"] >= 80
+    assert found["forged"] == "rejected: magic" and found["slot_untouched"]
+
+
 MASTER = {"master": "10.0.0.5:50051", "metadata": "http://10.0.0.5:8080/metadata"}
 
 
@@ -93,6 +138,10 @@ class FakeStore:
         self.release = threading.Event()
         self.setup_code = 0
         self.calls = 0
+        self.registered: list[tuple[int, int]] = []
+        self.removed: list[str] = []
+        self.puts: list[str] = []
+        self.refuse_removal = False
 
     def _maybe_hang(self) -> None:
         self.calls += 1
@@ -103,15 +152,22 @@ class FakeStore:
         return self.setup_code
 
     def register_buffer(self, address: int, size: int) -> int:
+        self.registered.append((address, size))
         return 0
 
     def batch_put_from(self, names, addresses, sizes):
         self._maybe_hang()
         import ctypes
 
+        codes = []
         for name, address, size in zip(names, addresses, sizes):
+            if name in self.objects:  # as the real client: an existing name is kept, and the put "succeeds"
+                codes.append(0)
+                continue
             self.objects[name] = ctypes.string_at(address, size)
-        return [0] * len(names)
+            self.puts.append(name)
+            codes.append(0)
+        return codes
 
     def batch_get_into(self, names, addresses, sizes):
         self._maybe_hang()
@@ -134,13 +190,18 @@ class FakeStore:
         return [1 if n in self.objects else 0 for n in names]
 
     def put(self, name, data):
-        self.objects[name] = bytes(data)
+        if name not in self.objects:
+            self.objects[name] = bytes(data)
+            self.puts.append(name)
         return 0
 
     def get(self, name):
         return self.objects.get(name, b"")
 
-    def batch_remove(self, names):
+    def batch_remove(self, names, force=False):
+        self.removed.extend(names)
+        if self.refuse_removal:
+            return [-706] * len(names)
         return [0 if self.objects.pop(n, None) is not None else -704 for n in names]
 
     def close(self) -> int:
@@ -226,6 +287,9 @@ def test_unregistered_buffers_use_the_copy_path_and_lengths_are_checked():
         def get(self, name):
             return self.objects.get(name, b"")
 
+        def batch_is_exist(self, names):
+            return [1 if n in self.objects else 0 for n in names]
+
         def close(self) -> int:
             return 0
 
@@ -285,4 +349,90 @@ def test_a_master_that_refuses_connections_is_never_handed_to_the_clients_blocki
     tier = MooncakeTier(MooncakeConfig.from_dict({"master": f"127.0.0.1:{free_port()}", "metadata": "P2PHANDSHAKE",
                                                   "local_hostname": "127.0.0.1"}))
     assert not tier.healthy() and calls == [] and tier.counters["unavailable"] == 1
+    tier.close()
+
+
+def _sealed_chunk(key, seed: int, sealer=None) -> np.ndarray:
+    from lmcache_npu.store.envelope import ENVELOPE_BYTES, Sealer, seal
+
+    data = np.random.default_rng(seed).integers(0, 256, 1024 + ENVELOPE_BYTES, dtype=np.uint8)
+    seal(data, key, 0, sealer or Sealer())
+    return data
+
+
+def _check_for(key):
+    from lmcache_npu.store.envelope import Sealer, verify
+
+    return lambda view: verify(view, key, 0, Sealer())
+
+
+def test_a_put_over_an_invalid_object_replaces_it_and_over_a_valid_one_writes_nothing():
+    from lmcache_npu.store.keys import ChunkKey
+
+    key = ChunkKey("c" * 32, b"\x01" * 32)
+    name = key.storage_name(0)
+    store = FakeStore({name: b"\x00" * (1024 + 256)})  # same length, no valid envelope
+    tier = _tier(store)
+    ours = _sealed_chunk(key, 1)
+    assert tier.put([name], [memoryview(ours)], verify=[_check_for(key)]) == [OK]
+    assert store.objects[name] == ours.tobytes() and store.removed == [name]
+    assert tier.counters["put_replaced_invalid"] == 1
+    # another instance's valid object of this key (other bytes) counts as stored, and is not written
+    theirs = _sealed_chunk(key, 2)
+    assert tier.put([name], [memoryview(theirs)], verify=[_check_for(key)]) == [OK]
+    assert store.objects[name] == ours.tobytes() and tier.counters["put_existing"] == 1 and store.puts == [name]
+    # control: without the check only the length is compared, so an object with a bad envelope would be kept
+    store.objects[name] = b"\x00" * (1024 + 256)
+    assert tier.put([name], [memoryview(ours)]) == [OK] and store.objects[name] == b"\x00" * (1024 + 256)
+    # an object of another length is replaced even without a check
+    store.objects[name] = b"\x00" * 10
+    assert tier.put([name], [memoryview(ours)]) == [OK] and store.objects[name] == ours.tobytes()
+    tier.close()
+
+
+def test_a_put_over_an_invalid_object_that_cannot_be_removed_fails():
+    from lmcache_npu.store.keys import ChunkKey
+
+    key = ChunkKey("c" * 32, b"\x02" * 32)
+    name = key.storage_name(0)
+    store = FakeStore({name: b"\x07" * (1024 + 256)})
+    store.refuse_removal = True
+    tier = _tier(store)
+    results = tier.put([name], [memoryview(_sealed_chunk(key, 3))], verify=[_check_for(key)])
+    assert results == [TierResult.fail("put: name exists with other contents")]
+    assert store.objects[name] == b"\x07" * (1024 + 256) and tier.counters["puts"] == 0
+    tier.close()
+
+
+def test_a_get_whose_check_fails_is_a_rejected_miss_and_the_copy_path_leaves_the_buffer_alone():
+    from lmcache_npu.store.keys import ChunkKey
+
+    key, other = ChunkKey("c" * 32, b"\x03" * 32), ChunkKey("c" * 32, b"\x04" * 32)
+    store = FakeStore({key.storage_name(0): _sealed_chunk(other, 4).tobytes()})  # another chunk's bytes
+    store.register_buffer = lambda address, size: -1  # copy path: the check runs before the buffer is written
+    tier = _tier(store)
+    out = np.full(1024 + 256, 0x5A, dtype=np.uint8)
+    assert tier.get_into([key.storage_name(0)], [memoryview(out)], verify=[_check_for(key)]) == [
+        TierResult.fail("rejected: key")]
+    assert (out == 0x5A).all() and tier.counters["rejected"] == 1 and tier.counters["gets"] == 0
+    # control: the right key's check accepts the same bytes and they arrive
+    assert tier.get_into([key.storage_name(0)], [memoryview(out)], verify=[_check_for(other)]) == [OK]
+    assert out.tobytes() == store.objects[key.storage_name(0)]
+    tier.close()
+
+
+def test_zero_copy_off_registers_only_a_bounce_buffer_and_splits_batches_to_fit_it():
+    store = FakeStore({})
+    tier = _tier(store, zero_copy=False, bounce_bytes=1 << 20)
+    arena = np.zeros(6 * (400 << 10), dtype=np.uint8)
+    assert not tier.register(arena.ctypes.data, arena.nbytes)
+    assert [size for _, size in store.registered] == [1 << 20]
+    views = [memoryview(arena[i * (400 << 10):(i + 1) * (400 << 10)]) for i in range(6)]
+    for i in range(3):
+        arena[i * (400 << 10):(i + 1) * (400 << 10)] = i + 1
+    names = [f"n{i}" for i in range(3)]
+    assert tier.put(names, views[:3]) == [OK] * 3 and tier.counters["bounce_ops"] == 3
+    assert tier.get_into(names, views[3:]) == [OK] * 3
+    assert [bytes(v[:1]) + bytes(v[-1:]) for v in views[3:]] == [bytes([i, i]) for i in (1, 2, 3)]
+    assert tier.counters["zero_copy_ops"] == 0
     tier.close()

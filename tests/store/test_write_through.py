@@ -14,6 +14,7 @@ import pytest
 from lmcache_npu.store.commands import Command, Drop, Persist, Promote, Put, Source, Spill
 from lmcache_npu.store.config import StoreConfig
 from lmcache_npu.store.disk import HEADER_BYTES, DiskTier
+from lmcache_npu.store.envelope import ENVELOPE_BYTES, Sealer, verify
 from lmcache_npu.store.executor import StoreExecutor
 from lmcache_npu.store.factory import build_executor, build_index
 from lmcache_npu.store.index import ChunkIndex, DiskState, SlotState
@@ -103,8 +104,14 @@ def settle_past(cluster: Cluster, held: Callable[[Command], bool]) -> None:
 
 
 def file_payload(disk: DiskTier, key: ChunkKey, rank: int) -> Optional[bytes]:
+    """The chunk object a disk file holds, after its envelope was checked for this key and rank (a file whose
+    envelope does not verify reads as its reason, which never equals a payload)."""
     path = Path(disk.file_path(key.storage_name(rank)))
-    return path.read_bytes()[HEADER_BYTES:] if path.exists() else None
+    if not path.exists():
+        return None
+    sealed = bytearray(path.read_bytes()[HEADER_BYTES:])
+    why = verify(sealed, key, rank, Sealer())
+    return why.encode() if why is not None else bytes(sealed[:-ENVELOPE_BYTES])
 
 
 @pytest.mark.parametrize("write_through", [True, False])

@@ -65,6 +65,7 @@ DISK_METRICS: dict[str, tuple[str, str]] = {
     "disk_io_errors": ("io_errors", "disk reads or writes that raised"),
     "disk_full": ("disk_full", "writes refused because the file system was full"),
     "disk_queue_full": ("queue_full", "spills refused because the write-behind queue was full"),
+    "disk_rejected": ("rejected", "chunk files whose envelope did not verify for the chunk asked for (never loaded)"),
 }
 REMOTE_METRICS: dict[str, tuple[str, str]] = {
     "mooncake_puts": ("puts", "chunk objects put into the Mooncake store (summed over ranks)"),
@@ -75,6 +76,11 @@ REMOTE_METRICS: dict[str, tuple[str, str]] = {
     "mooncake_timeouts": ("timeouts", "Mooncake calls that ran past their deadline"),
     "mooncake_unavailable": ("unavailable", "times the Mooncake store was marked unavailable (calls skip it a while)"),
     "mooncake_skipped": ("unhealthy_skips", "Mooncake calls skipped while the store was marked unavailable"),
+    "mooncake_rejected": ("rejected", "Mooncake objects whose envelope did not verify for the chunk asked for "
+                                      "(overwritten, forged or corrupt: never loaded)"),
+    "mooncake_put_existing": ("put_existing", "puts of a name that already held a valid object (not written again)"),
+    "mooncake_put_replaced_invalid": ("put_replaced_invalid", "puts that replaced an object whose envelope did "
+                                                              "not verify"),
 }
 for _table in (INDEX_METRICS, DISK_METRICS, REMOTE_METRICS):
     METRICS.update({name: text for name, (_, text) in _table.items()})

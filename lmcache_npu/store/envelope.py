@@ -1,0 +1,226 @@
+"""The chunk envelope: a trailer that says whose chunk an object is and proves its bytes (DESIGN §7, issue 21).
+
+Every chunk object that leaves the host arena for disk or Mooncake carries this record right after its payload,
+inside the same arena slot, so the bytes that travel are one contiguous range (`HostArena.sealed_view`). A chunk read
+back is loaded only when its envelope verifies for the key and rank the reader asked for: another model's namespace,
+another chunk, another rank, a short or long payload, a flipped byte or (with a store-wide secret) a forged envelope
+are each a named miss, never a load.
+
+Byte layout (little-endian, `ENVELOPE_BYTES` = 256):
+
+    offset  size  field
+         0     8  magic, b"LMCNPUEV"
+         8     2  format version, u16 (`ENVELOPE_VERSION`)
+        10     2  envelope size in bytes, u16 (256)
+        12     1  payload digest algorithm id, u8 (`DIGESTS`: 1 xxh3-128, 2 blake3, 3 blake2b-256, 4 sha256)
+        13     1  flags, u8: bit 0 set = a MAC is present
+        14     1  chunk hash length, u8 (at most `MAX_CHUNK_HASH_BYTES`)
+        15     1  reserved, 0
+        16    16  namespace: the ChunkKey's 32 hex digits as 16 bytes
+        32     4  rank, u32
+        36     4  reserved, 0
+        40     8  payload length, u64
+        48    80  chunk hash (vLLM's block hash), zero-padded
+       128    32  payload digest, zero-padded (xxh3-128 fills 16)
+       160    32  MAC: HMAC-SHA256(secret, bytes 0..160), zeros when no MAC
+       192    64  reserved, zeros
+
+Without a secret the digest detects corruption and misnamed objects, and anyone can recompute it. With a secret the
+payload digest is cryptographic and the MAC covers every field above it (the digest included), so a client without
+the secret cannot make an object that verifies.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import struct
+import threading
+import time
+from typing import Callable, Optional, Union
+
+import numpy as np
+import xxhash
+
+from .keys import ChunkKey
+
+logger = logging.getLogger(__name__)
+
+ENVELOPE_BYTES = 256
+ENVELOPE_VERSION = 1
+MAGIC = b"LMCNPUEV"
+MAX_CHUNK_HASH_BYTES = 80
+MIN_SECRET_BYTES = 16
+FLAG_MAC = 0x01
+_DIGEST_FIELD = 32
+_MAC_OFFSET = 160
+
+_FIELDS = struct.Struct("<8sHHBBBB16sII Q80s32s")
+assert _FIELDS.size == _MAC_OFFSET
+
+
+def _blake3(data: memoryview) -> bytes:
+    import blake3  # a dependency of the package; imported here so the no-secret path never needs it
+
+    return blake3.blake3(data).digest()
+
+
+# id -> (name, digest function, cryptographic)
+DIGESTS: dict[int, tuple[str, Callable[[memoryview], bytes], bool]] = {
+    1: ("xxh3-128", xxhash.xxh3_128_digest, False),
+    2: ("blake3", _blake3, True),
+    3: ("blake2b", lambda data: hashlib.blake2b(data, digest_size=32).digest(), True),
+    4: ("sha256", lambda data: hashlib.sha256(data).digest(), True),
+}
+DIGEST_IDS = {name: ident for ident, (name, _, _) in DIGESTS.items()}
+# chosen by benchmarks/envelope_bench.py on this project's machines: the fastest of each kind
+DEFAULT_DIGEST = "xxh3-128"
+DEFAULT_KEYED_DIGEST = "blake3"
+
+Buffer = Union[memoryview, bytearray, np.ndarray]
+
+
+class Sealer:
+    """The digest choice and the optional store-wide secret. The secret never appears in repr or str."""
+
+    def __init__(self, secret: Optional[bytes] = None, digest: Optional[str] = None) -> None:
+        if secret is not None and len(secret) < MIN_SECRET_BYTES:
+            raise ValueError(f"the store secret must be at least {MIN_SECRET_BYTES} bytes, got {len(secret)}")
+        name = digest or (DEFAULT_KEYED_DIGEST if secret is not None else DEFAULT_DIGEST)
+        if name not in DIGEST_IDS:
+            raise ValueError(f"unknown envelope digest {name!r}; choose one of {', '.join(DIGEST_IDS)}")
+        if secret is not None and not DIGESTS[DIGEST_IDS[name]][2]:
+            raise ValueError(f"envelope digest {name!r} is not cryptographic: with a secret use blake3, blake2b or "
+                             f"sha256")
+        self._secret = secret
+        self.digest_name = name
+        self.digest_id = DIGEST_IDS[name]
+
+    @property
+    def keyed(self) -> bool:
+        """A secret is configured: seals carry a MAC and verification demands one."""
+        return self._secret is not None
+
+    def mac(self, fields: bytes) -> bytes:
+        if self._secret is None:
+            raise RuntimeError("this sealer has no secret")
+        return hmac.new(self._secret, fields, hashlib.sha256).digest()
+
+    def __repr__(self) -> str:
+        return f"Sealer(digest={self.digest_name!r}, keyed={self.keyed})"
+
+
+def sealed_bytes(object_bytes: int) -> int:
+    """Bytes of a chunk object with its envelope: what disk files and Mooncake objects hold."""
+    return object_bytes + ENVELOPE_BYTES
+
+
+def _bytes_of(view: Buffer) -> memoryview:
+    out = memoryview(view).cast("B") if not isinstance(view, np.ndarray) else memoryview(view.reshape(-1))
+    if out.nbytes < ENVELOPE_BYTES:
+        raise ValueError(f"a sealed chunk needs at least {ENVELOPE_BYTES} bytes for its envelope, got {out.nbytes}")
+    return out
+
+
+def _key_fields(key: ChunkKey, rank: int) -> tuple[bytes, bytes]:
+    try:
+        namespace = bytes.fromhex(key.namespace)
+    except ValueError:
+        namespace = b""
+    if len(namespace) != 16:
+        raise ValueError(f"chunk key namespace must be 32 hex digits, got {key.namespace!r}")
+    if len(key.chunk_hash) > MAX_CHUNK_HASH_BYTES:
+        raise ValueError(f"chunk hash of {len(key.chunk_hash)} bytes is longer than the envelope holds "
+                         f"({MAX_CHUNK_HASH_BYTES} bytes)")
+    if not 0 <= rank < 2**32:
+        raise ValueError(f"rank must fit in 32 bits, got {rank}")
+    return namespace, bytes(key.chunk_hash)
+
+
+def seal(view: Buffer, key: ChunkKey, rank: int, sealer: Sealer) -> None:
+    """Writes the envelope over the last `ENVELOPE_BYTES` of `view` (the payload is everything before them)."""
+    data = _bytes_of(view)
+    namespace, chunk_hash = _key_fields(key, rank)
+    payload = data[:-ENVELOPE_BYTES]
+    digest = DIGESTS[sealer.digest_id][1](payload)
+    fields = _FIELDS.pack(MAGIC, ENVELOPE_VERSION, ENVELOPE_BYTES, sealer.digest_id, FLAG_MAC if sealer.keyed else 0,
+                          len(chunk_hash), 0, namespace, rank, 0, payload.nbytes, chunk_hash, digest)
+    mac = sealer.mac(fields) if sealer.keyed else bytes(32)
+    data[-ENVELOPE_BYTES:] = fields + mac + bytes(ENVELOPE_BYTES - _MAC_OFFSET - 32)
+
+
+def verify(view: Buffer, key: ChunkKey, rank: int, sealer: Sealer) -> Optional[str]:
+    """None when `view`'s envelope is a valid seal of its payload for `key` and `rank`; otherwise why not: "magic",
+    "version", "namespace", "key", "rank", "length", "digest", "mac", "mac missing" or "unexpected mac"."""
+    data = _bytes_of(view)
+    namespace, chunk_hash = _key_fields(key, rank)
+    trailer = bytes(data[-ENVELOPE_BYTES:])
+    (magic, version, size, digest_id, flags, hash_len, reserved1, got_namespace, got_rank, reserved2, length,
+     got_hash, digest) = _FIELDS.unpack_from(trailer)
+    if magic != MAGIC:
+        return "magic"
+    if (version != ENVELOPE_VERSION or size != ENVELOPE_BYTES or reserved1 or reserved2 or flags & ~FLAG_MAC
+            or any(trailer[_MAC_OFFSET + 32:])):
+        return "version"
+    if got_namespace != namespace:
+        return "namespace"
+    if hash_len != len(chunk_hash) or got_hash != chunk_hash.ljust(MAX_CHUNK_HASH_BYTES, b"\0"):
+        return "key"
+    if got_rank != rank:
+        return "rank"
+    if length != data.nbytes - ENVELOPE_BYTES:
+        return "length"
+    has_mac = bool(flags & FLAG_MAC)
+    if sealer.keyed and not has_mac:
+        return "mac missing"
+    if has_mac and not sealer.keyed:
+        return "unexpected mac"
+    if sealer.keyed:
+        if not hmac.compare_digest(sealer.mac(trailer[:_MAC_OFFSET]), trailer[_MAC_OFFSET:_MAC_OFFSET + 32]):
+            return "mac"
+        if digest_id not in DIGESTS or not DIGESTS[digest_id][2]:
+            return "digest"  # a MAC over a digest anyone can collide proves nothing
+    elif any(trailer[_MAC_OFFSET:_MAC_OFFSET + 32]):
+        return "version"
+    elif digest_id not in DIGESTS:
+        return "digest"
+    expected = DIGESTS[digest_id][1](data[:-ENVELOPE_BYTES])
+    if digest != expected.ljust(_DIGEST_FIELD, b"\0"):
+        return "digest"
+    return None
+
+
+_HINTS = {
+    "mac missing": "the object has no MAC but this store has a secret: written by a client without the secret",
+    "unexpected mac": "the object has a MAC but this store has no secret: set mooncake.secret_file or "
+                      "LMCACHE_NPU_SECRET as its writer did",
+    "mac": "the MAC does not match: written with another secret, or forged",
+}
+
+
+class RejectionLog:
+    """One log line per rejected chunk, naming the tier, the storage name and the reason; past `per_second` lines a
+    second the rest are counted and summed up in the next line (a flood of forged objects must not flood the log)."""
+
+    def __init__(self, tier: str, per_second: int = 10) -> None:
+        self.tier = tier
+        self.per_second = per_second
+        self._lock = threading.Lock()
+        self._window = 0.0
+        self._in_window = 0
+        self._suppressed = 0
+
+    def record(self, name: str, why: str) -> None:
+        now = time.monotonic()
+        with self._lock:
+            if now - self._window >= 1.0:
+                self._window, self._in_window = now, 0
+            if self._in_window >= self.per_second:
+                self._suppressed += 1
+                return
+            self._in_window += 1
+            suppressed, self._suppressed = self._suppressed, 0
+        hint = _HINTS.get(why, "")
+        logger.warning("%s: chunk %s rejected: %s%s%s", self.tier, name, why, f" ({hint})" if hint else "",
+                       f"; {suppressed} more rejections not logged" if suppressed else "")
