@@ -23,21 +23,51 @@ def _mooncake_reason() -> str:
 
 @pytest.mark.skipif(bool(_mooncake_reason()), reason=_mooncake_reason() or "ok")
 def test_a_second_engine_hits_what_the_first_stored_in_mooncake(tmp_path) -> None:
-    from lmcache_npu.store.mooncake_local import run_in_loopback_netns
-
     from lmcache_npu.replay.models import RECIPES
 
     from .sharing import DECODE_STEPS, PROMPTS, RECIPE
 
-    out = tmp_path / "sharing.pkl"
-    env = dict(os.environ, PYTHONPATH=str(ROOT), GLOG_minloglevel="2")
-    done = run_in_loopback_netns([sys.executable, "-m", "tests.engines.sharing", str(out)], env=env, timeout=500)
-    assert done.returncode == 0, f"the sharing scenario failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
-    found = pickle.loads(out.read_bytes())
+    found = _scenario(tmp_path, "share")
+    reader = found["reader"]
     assert [len(c.token_ids) for c in found["writer"]] == [DECODE_STEPS] * len(PROMPTS)
-    assert_identical(found["writer"], found["reader"], RECIPES[RECIPE].dtype)
-    assert [c.cached_tokens for c in found["reader"]] == [(length - 1) // 256 * 256 for length, _ in PROMPTS]
-    assert found["promotions_remote"] == sum((length - 1) // 256 for length, _ in PROMPTS)
+    assert_identical(found["writer"], reader["completions"], RECIPES[RECIPE].dtype)
+    assert [c.cached_tokens for c in reader["completions"]] == [(length - 1) // 256 * 256 for length, _ in PROMPTS]
+    assert reader["promotions_remote"] == sum((length - 1) // 256 for length, _ in PROMPTS)
+    assert reader["rejected"] == 0
+
+
+def _scenario(tmp_path, mode: str) -> dict:
+    from lmcache_npu.store.mooncake_local import run_in_loopback_netns
+
+    out = tmp_path / f"{mode}.pkl"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), GLOG_minloglevel="2")
+    done = run_in_loopback_netns([sys.executable, "-m", "tests.engines.sharing", str(out), mode], env=env,
+                                 timeout=500)
+    assert done.returncode == 0, f"the {mode} scenario failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    return pickle.loads(out.read_bytes())
+
+
+@pytest.mark.skipif(bool(_mooncake_reason()), reason=_mooncake_reason() or "ok")
+def test_mooncake_objects_of_other_weights_overwritten_or_forged_are_never_loaded(tmp_path) -> None:
+    """Other weights under the writer's model_name find nothing; an object another client overwrote with other
+    bytes of the same length, or re-sealed without the secret, is a counted miss; the untouched prompt still
+    loads from Mooncake (the control), and every completion is the writer's."""
+    from lmcache_npu.replay.compare import differences
+    from lmcache_npu.replay.models import RECIPES
+
+    from .sharing import PROMPTS, RECIPE
+
+    found = _scenario(tmp_path, "trust")
+    whole = [(length - 1) // 256 * 256 for length, _ in PROMPTS]
+    other = found["other_weights"]
+    assert other["promotions_remote"] == 0 and [c.cached_tokens for c in other["completions"]] == [0] * len(PROMPTS)
+    assert differences(found["writer"], other["completions"]), "other weights gave the writer's tokens"
+    assert found["overwritten"] == found["forged"] == whole[0] // 256
+    reader = found["reader"]
+    assert [c.cached_tokens for c in reader["completions"]] == [0, 0, whole[2]]
+    # every promotion but the untouched prompt's was refused (at least the first chunk of each tampered prompt)
+    assert reader["rejected"] == reader["promotions_remote"] - whole[2] // 256 >= 2
+    assert_identical(found["writer"], reader["completions"], RECIPES[RECIPE].dtype)
 
 
 @pytest.mark.parametrize("write_through", [True, False])
