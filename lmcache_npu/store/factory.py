@@ -121,7 +121,7 @@ def build_executor(config: StoreConfig, rank: int, object_bytes: int, layout_fin
 
         disk = DiskTier(config.disk_path, layout_fingerprint, capacity_bytes=config.disk_bytes,
                         max_pending_bytes=config.disk_max_pending_bytes, writer_threads=config.disk_writer_threads,
-                        owns=owns)
+                        owns=owns, lock_name=None if namespace is None else f"{namespace}-r{rank}")
     remote = None
     if config.mooncake is not None:
         from .mooncake import MooncakeTier

@@ -1,11 +1,15 @@
-"""The local-disk tier stores exactly the bytes it was given, survives restarts, and refuses damaged files."""
+"""The local-disk tier stores exactly the bytes it was given, survives restarts, refuses damaged files, and trusts
+no directory, link or lock it did not check."""
 
 from __future__ import annotations
 
 import errno
 import hashlib
+import multiprocessing as mp
 import os
 import shutil
+import socket
+import stat
 import struct
 import tempfile
 import threading
@@ -16,7 +20,7 @@ from typing import Callable, Iterator
 import numpy as np
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lmcache_npu.store import disk as disk_module
@@ -27,8 +31,8 @@ FP = bytes(range(16))
 OTHER_FP = bytes(range(16, 32))
 
 
-def name_of(i: int) -> str:
-    return f"{'ab' * 16}-{i:016x}-r0"
+def name_of(i: int, rank: int = 0) -> str:
+    return f"{'ab' * 16}-{i:016x}-r{rank}"
 
 
 def file_of(root: Path, name: str) -> Path:
@@ -393,24 +397,6 @@ def test_file_and_directory_modes(tmp_path: Path) -> None:
     assert path.stat().st_mode & 0o777 == 0o600
 
 
-def test_crash_leftover_temp_files_are_removed_on_start(tmp_path: Path) -> None:
-    root = tmp_path / "cache"
-    tier = DiskTier(root, FP)
-    tier.write_async(name_of(1), b"kept")
-    tier.close()
-    fan = file_of(root, name_of(1)).parent
-    crashed_same_pid = fan / f"{name_of(2)}.{os.getpid()}-00000000.0.tmp"  # an earlier process with our pid
-    old = fan / f"{name_of(3)}.{os.getppid()}-12345678.0.tmp"  # its writer pid is alive, but it is far too old
-    live = fan / f"{name_of(4)}.{os.getpid()}-{disk_module._INCARNATION}.0.tmp"  # another tier of this process
-    for path in (crashed_same_pid, old, live):
-        path.write_bytes(b"partial")
-    os.utime(old, (time.time() - 3600, time.time() - 3600))
-    restarted = DiskTier(root, FP)
-    assert not crashed_same_pid.exists() and not old.exists() and live.exists()
-    assert restarted.counters["temp_removed"] == 2 and [e.name for e in scan_disk_directory(root, FP)] == [name_of(1)]
-    restarted.close()
-
-
 def test_close_is_idempotent_and_refuses_later_writes(tmp_path: Path) -> None:
     tier = DiskTier(tmp_path, FP, writer_threads=3)
     done = Results()
@@ -510,3 +496,343 @@ def test_random_operations_match_a_dict_model(ops: list[tuple], writer_threads: 
             assert tier.counters["corrupt"] == 0 and not list(Path(root).rglob("*.tmp"))
         finally:
             tier.close()
+
+
+# ---- trust in the directory, the lock, temp files ----------------------------------------------------------------
+
+FOREIGN_UID = 1234
+
+
+def make_root(parent: Path, mode: int = 0o700) -> Path:
+    root = parent / "cache"
+    root.mkdir()
+    os.chmod(root, mode)  # exactly `mode`, whatever the umask did
+    return root
+
+
+def refusal(make: Callable[[], object]) -> str:
+    """The ValueError message `make()` raises; fails the test when it starts instead."""
+    with pytest.raises(ValueError) as error:
+        made = make()
+        if isinstance(made, DiskTier):
+            made.close()
+    return str(error.value)
+
+
+def test_missing_root_is_created_0700_whatever_the_umask(tmp_path: Path) -> None:
+    previous = os.umask(0)
+    try:
+        tier = DiskTier(tmp_path / "a" / "cache", FP)
+    finally:
+        os.umask(previous)
+    tier.close()
+    assert stat.S_IMODE((tmp_path / "a" / "cache").stat().st_mode) == 0o700
+
+
+@settings(max_examples=60, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(mode=st.integers(0, 0o777))
+def test_root_mode_is_refused_exactly_when_group_or_others_may_write(tmp_path: Path, mode: int) -> None:
+    with tempfile.TemporaryDirectory(dir=tmp_path) as parent:
+        root = make_root(Path(parent), mode)
+        if mode & 0o022:
+            for make in (lambda: DiskTier(root, FP), lambda: scan_disk_directory(root, FP)):
+                message = refusal(make)
+                assert str(root) in message and f"mode {mode:04o}" in message and "writable by group or others" \
+                    in message and f"chmod 700 {root}" in message
+            assert stat.S_IMODE(root.stat().st_mode) == mode  # refused, not silently repaired
+        else:  # negative control: a private root starts
+            DiskTier(root, FP).close()
+            assert scan_disk_directory(root, FP) == []
+
+
+def test_root_0777_is_refused_and_0700_starts(tmp_path: Path) -> None:
+    root = make_root(tmp_path, 0o777)
+    message = refusal(lambda: DiskTier(root, FP))
+    assert repr(str(root)) in message and "mode 0777" in message and "chmod 700" in message
+    os.chmod(root, 0o700)
+    tier = DiskTier(root, FP)
+    assert tier.write_async(name_of(1), b"fine") == OK and tier.flush(10)
+    tier.close()
+
+
+def test_root_owned_by_another_uid_is_refused(tmp_path: Path) -> None:
+    root = make_root(tmp_path)
+    os.chown(root, FOREIGN_UID, -1)
+    for make in (lambda: DiskTier(root, FP), lambda: scan_disk_directory(root, FP)):
+        message = refusal(make)
+        assert str(root) in message and f"owned by uid {FOREIGN_UID}" in message and f"chown {os.geteuid()}" in message
+    os.chown(root, os.geteuid(), -1)  # negative control: the same directory, owned by us
+    DiskTier(root, FP).close()
+
+
+def test_root_that_is_a_symlink_is_refused(tmp_path: Path) -> None:
+    real = make_root(tmp_path)
+    link = tmp_path / "link"
+    link.symlink_to(real, target_is_directory=True)
+    for make in (lambda: DiskTier(link, FP), lambda: scan_disk_directory(link, FP)):
+        message = refusal(make)
+        assert str(link) in message and "is a symlink" in message
+    DiskTier(real, FP).close()  # negative control: the directory it points at is fine by itself
+
+
+def plant_fan(root: Path, kind: str, elsewhere: Path) -> Path:
+    """Puts an untrusted thing where the fan directory of name_of(1) belongs."""
+    fan = file_of(root, name_of(1)).parent
+    if kind == "symlink":
+        elsewhere.mkdir(mode=0o700)
+        fan.symlink_to(elsewhere, target_is_directory=True)
+    elif kind == "file":
+        fan.write_bytes(b"not a directory")
+    else:
+        fan.mkdir(mode=0o700)
+        if kind == "foreign owner":
+            os.chown(fan, FOREIGN_UID, -1)
+        elif kind == "0777":
+            os.chmod(fan, 0o777)
+    return fan
+
+
+FAN_PROBLEMS = {"symlink": "is a symlink", "file": "is not a directory", "foreign owner": f"uid {FOREIGN_UID}",
+                "0777": "writable by group or others", "ours": None}
+
+
+@pytest.mark.parametrize("kind", list(FAN_PROBLEMS))
+def test_untrusted_fan_directory_is_refused_at_start(tmp_path: Path, kind: str) -> None:
+    root = make_root(tmp_path)
+    fan = plant_fan(root, kind, tmp_path / "elsewhere")
+    if FAN_PROBLEMS[kind] is None:  # negative control: our own 0700 fan directory
+        tier = DiskTier(root, FP)
+        assert tier.write_async(name_of(1), b"ok") == OK and tier.flush(10) and read(tier, name_of(1), 2) == (OK, b"ok")
+        tier.close()
+        return
+    for make in (lambda: DiskTier(root, FP), lambda: scan_disk_directory(root, FP)):
+        message = refusal(make)
+        assert str(fan) in message and FAN_PROBLEMS[kind] in message and "fan directory" in message
+    if kind == "symlink":
+        assert list((tmp_path / "elsewhere").iterdir()) == []  # nothing was made through the link
+
+
+def test_symlinked_chunk_file_is_never_read_or_removed(tmp_path: Path) -> None:
+    elsewhere = DiskTier(tmp_path / "elsewhere", FP)
+    secret = payload(3000, seed=11)
+    elsewhere.write_async(name_of(2), secret)
+    elsewhere.close()
+    target = file_of(tmp_path / "elsewhere", name_of(2))
+    os.utime(target, (1_000_000, 1_000_000))
+    before = target.read_bytes()
+    root = tmp_path / "cache"
+    tier = DiskTier(root, FP)
+    link = file_of(root, name_of(2))
+    link.parent.mkdir(mode=0o700, exist_ok=True)
+    link.symlink_to(target)
+    # negative control: the target is a valid file for this very name, so following the link would be a hit
+    assert read(elsewhere, name_of(2), 3000) == (OK, secret)
+    assert read(tier, name_of(2), 3000)[0] == TierResult.fail("untrusted: symlink")
+    assert tier.counters["untrusted"] == 1 and tier.counters["reads"] == 0 and not tier.exists(name_of(2))
+    tier.close()
+    restarted = DiskTier(root, FP)  # the scan skips the link: neither an entry nor removed
+    assert restarted.used_bytes == 0 and restarted.counters["untrusted"] == 1 and restarted.counters["corrupt"] == 0
+    assert link.is_symlink() and scan_disk_directory(root, FP) == []
+    data = payload(3000, seed=12)
+    assert restarted.write_async(name_of(2), data) == OK and restarted.flush(10)  # renamed over the link
+    assert not link.is_symlink() and read(restarted, name_of(2), 3000) == (OK, data)
+    link.unlink()
+    link.symlink_to(target)
+    assert restarted.delete(name_of(2)) and not link.exists() and not link.is_symlink()  # the link went
+    restarted.close()
+    assert target.read_bytes() == before and target.stat().st_mtime == 1_000_000
+
+
+def test_a_fifo_under_a_chunk_name_is_refused_without_blocking(tier: DiskTier) -> None:
+    path = file_of(Path(tier.root), name_of(1))
+    path.parent.mkdir(mode=0o700)
+    os.mkfifo(path)
+    assert read(tier, name_of(1), 10)[0] == TierResult.fail("untrusted: not a regular file")
+    assert tier.counters["untrusted"] == 1 and not tier.exists(name_of(1))
+
+
+def test_fan_directory_untrusted_later_fails_each_access_and_is_never_followed(tmp_path: Path) -> None:
+    root = tmp_path / "cache"
+    tier = DiskTier(root, FP)
+    data = payload(2000, seed=3)
+    tier.write_async(name_of(1), data)
+    tier.flush(10)
+    fan = file_of(root, name_of(1)).parent
+    decoy = tmp_path / "decoy"
+    os.rename(fan, decoy)  # the decoy holds a valid file for name_of(1)
+    fan.symlink_to(decoy, target_is_directory=True)
+    decoy_file = decoy / file_of(root, name_of(1)).name
+    os.utime(decoy_file, (1_000_000, 1_000_000))
+    reason = f"untrusted: fan directory {fan.name} is a symlink"
+    assert read(tier, name_of(1), 2000)[0] == TierResult.fail(reason)
+    done = Results()
+    assert tier.write_async(name_of(1), payload(2000, seed=4), done) == OK
+    assert tier.flush(10) and done.items == [TierResult.fail(reason)]
+    assert not tier.exists(name_of(1)) and not tier.delete(name_of(1))
+    assert tier.counters["untrusted"] == 4 and tier.counters["reads"] == 0
+    assert sorted(p.name for p in decoy.iterdir()) == [decoy_file.name]  # no temp file was made through the link
+    assert decoy_file.read_bytes()[HEADER_BYTES:] == data and decoy_file.stat().st_mtime == 1_000_000
+    fan.unlink()
+    os.rename(decoy, fan)  # negative control: the same file in a real fan directory reads
+    assert read(tier, name_of(1), 2000) == (OK, data)
+    os.chown(fan, FOREIGN_UID, -1)
+    assert read(tier, name_of(1), 2000)[0] == TierResult.fail(
+        f"untrusted: fan directory {fan.name} is owned by uid {FOREIGN_UID}, not by this process's uid {os.geteuid()}")
+    os.chown(fan, os.geteuid(), -1)
+    os.chmod(fan, 0o770)
+    assert read(tier, name_of(1), 2000)[0] == TierResult.fail(
+        f"untrusted: fan directory {fan.name} is writable by group or others")
+    os.chmod(fan, 0o700)
+    assert read(tier, name_of(1), 2000) == (OK, data)
+    tier.close()
+
+
+def hold_lock(root: str, lock_name: str, ready, release) -> None:
+    """Runs in another process: holds the lock until told to let go."""
+    tier = DiskTier(root, FP, lock_name=lock_name)
+    ready.set()
+    release.wait(120)
+    tier.close()
+
+
+def test_second_engine_with_the_same_lock_name_is_refused_naming_the_holder(tmp_path: Path) -> None:
+    root = make_root(tmp_path)
+    ctx = mp.get_context("spawn")
+    ready, release = ctx.Event(), ctx.Event()
+    holder = ctx.Process(target=hold_lock, args=(str(root), "ns-r0", ready, release), daemon=True)
+    holder.start()
+    try:
+        assert ready.wait(120)
+        message = refusal(lambda: DiskTier(root, FP, lock_name="ns-r0"))
+        assert f"held by pid {holder.pid} on host {socket.gethostname()}" in message and str(root) in message
+        assert "'ns-r0'" in message
+        other = DiskTier(root, FP, lock_name="ns-r1")  # negative control: another rank on the same directory
+        assert other.holds_lock
+        other.close()
+    finally:
+        release.set()
+        holder.join(120)
+    assert holder.exitcode == 0
+    second = DiskTier(root, FP, lock_name="ns-r0")  # the holder closed: the lock is free
+    assert second.holds_lock
+    second.close()
+
+
+def test_lock_in_one_process_file_contents_and_release(tmp_path: Path) -> None:
+    root = make_root(tmp_path)
+    first = DiskTier(root, FP, lock_name="ns-r0")
+    lock_file = root / ".lock-ns-r0"
+    assert lock_file.read_text() == f"{os.getpid()} {socket.gethostname()}\n"
+    assert stat.S_IMODE(lock_file.stat().st_mode) == 0o600
+    assert f"held by pid {os.getpid()}" in refusal(lambda: DiskTier(root, FP, lock_name="ns-r0"))
+    unlocked = DiskTier(root, FP)  # no lock name: tools and the scheduler's scan never contend
+    unlocked.close()
+    assert first.holds_lock and scan_disk_directory(root, FP) == []
+    first.close()
+    assert not first.holds_lock and lock_file.read_text() == ""
+    first.close()  # idempotent
+    again = DiskTier(root, FP, lock_name="ns-r0")
+    again.close()
+    for bad in ("", "../x", "a.b", "a/b", "x" * 201):
+        with pytest.raises(ValueError, match="lock_name"):
+            DiskTier(root, FP, lock_name=bad)
+
+
+def test_a_planted_lock_file_is_refused(tmp_path: Path) -> None:
+    root = make_root(tmp_path)
+    lock_file = root / ".lock-ns-r0"
+    lock_file.symlink_to(tmp_path / "target")
+    assert "symlink" in refusal(lambda: DiskTier(root, FP, lock_name="ns-r0"))
+    assert not (tmp_path / "target").exists()  # O_NOFOLLOW: the link was not followed to create its target
+    lock_file.unlink()
+    lock_file.write_text("")
+    os.chown(lock_file, FOREIGN_UID, -1)
+    assert f"owner uid {FOREIGN_UID}" in refusal(lambda: DiskTier(root, FP, lock_name="ns-r0"))
+    os.chown(lock_file, os.geteuid(), -1)  # negative control
+    DiskTier(root, FP, lock_name="ns-r0").close()
+
+
+def test_a_forked_child_does_not_keep_the_lock(tmp_path: Path) -> None:
+    root = make_root(tmp_path)
+    tier = DiskTier(root, FP, lock_name="ns-r0")
+    reader, writer = os.pipe()
+    up_reader, up_writer = os.pipe()
+    child = os.fork()
+    if child == 0:  # without the fork hook it would hold an inherited copy of the lock's fd until it exits
+        os.close(writer)
+        os.write(up_writer, b"1")  # the fork hooks have run
+        os.read(reader, 1)
+        os._exit(0)
+    os.close(reader)
+    os.close(up_writer)
+    try:
+        assert os.read(up_reader, 1) == b"1"
+        tier.close()
+        again = DiskTier(root, FP, lock_name="ns-r0")  # fails if the child's copy still held the flock
+        again.close()
+    finally:
+        os.close(writer)
+        os.close(up_reader)
+        os.waitpid(child, 0)
+
+
+def make_temp(root: Path, name: str, pid: int, incarnation: str, age: float = 0.0) -> Path:
+    path = file_of(root, name).parent / f"{name}.{pid}-{incarnation}.0.tmp"
+    path.parent.mkdir(mode=0o700, exist_ok=True)
+    path.write_bytes(b"partial")
+    when = time.time() - age
+    os.utime(path, (when, when))
+    return path
+
+
+def plant_temps(root: Path) -> dict[str, Path]:
+    """Temp files of rank 0's names (ours) and rank 1's (foreign), fresh and old, with live and dead writer pids."""
+    return {
+        "own fresh, live pid": make_temp(root, name_of(1), os.getpid(), disk_module._INCARNATION),
+        "own fresh, dead pid": make_temp(root, name_of(2), 2 ** 22 + 7, "00000000"),
+        "own old": make_temp(root, name_of(3), os.getpid(), "00000000", age=3600),
+        "foreign fresh, live pid": make_temp(root, name_of(4, rank=1), os.getpid(), disk_module._INCARNATION),
+        "foreign fresh, dead pid": make_temp(root, name_of(5, rank=1), 2 ** 22 + 7, "00000000"),
+        "foreign old": make_temp(root, name_of(6, rank=1), os.getppid(), "12345678", age=3600),
+    }
+
+
+def rank0(name: str) -> bool:
+    return name.endswith("-r0")
+
+
+@pytest.mark.parametrize("holder", ["locked tier", "unlocked tier", "scheduler scan"])
+def test_temp_files_own_ones_go_under_the_lock_foreign_ones_only_by_age(tmp_path: Path, holder: str) -> None:
+    root = make_root(tmp_path)
+    temps = plant_temps(root)
+    counters = disk_module.TierCounters()
+    if holder == "scheduler scan":
+        assert scan_disk_directory(root, FP, counters, owns=rank0) == []
+    else:
+        tier = DiskTier(root, FP, owns=rank0, lock_name="ns-r0" if holder == "locked tier" else None)
+        counters = tier.counters
+        tier.close()
+    removable = {"own old", "foreign old"}
+    if holder == "locked tier":  # our lock proves no live writer of our names: a crashed holder's leftovers
+        removable |= {"own fresh, live pid", "own fresh, dead pid"}
+    assert {what for what, path in temps.items() if not path.exists()} == removable
+    assert counters["temp_removed"] == len(removable)
+
+
+def test_a_writer_of_another_tier_keeps_its_fresh_temp_file_across_our_start(tmp_path: Path,
+                                                                            fsync_gate: tuple[threading.Event, ...]
+                                                                            ) -> None:
+    root = make_root(tmp_path)
+    file_of(root, name_of(1, rank=1)).parent.mkdir(mode=0o700)  # so the gated fsync is the temp file's, not the root's
+    writer = DiskTier(root, FP, owns=lambda n: n.endswith("-r1"), lock_name="ns-r1")
+    data = payload(5000, seed=8)
+    done = Results()
+    assert writer.write_async(name_of(1, rank=1), data, done) == OK
+    assert fsync_gate[1].wait(5)  # its temp file exists, not yet renamed
+    assert len(list(root.rglob("*.tmp"))) == 1
+    starter = DiskTier(root, FP, owns=rank0, lock_name="ns-r0")
+    assert starter.counters["temp_removed"] == 0 and len(list(root.rglob("*.tmp"))) == 1
+    fsync_gate[0].set()
+    assert writer.flush(10) and done.items == [OK] and read(writer, name_of(1, rank=1), 5000) == (OK, data)
+    starter.close()
+    writer.close()
