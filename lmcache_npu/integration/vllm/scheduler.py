@@ -171,13 +171,18 @@ class SchedulerHalf:
         """A LoRA request's chunks are keyed by its adapter's content (vLLM's hash knows only the adapter's name);
         one whose adapter files cannot be read bypasses the plugin."""
         state = _Request(request)
-        lora = adapter.lora_adapter(request)
-        if lora is not None:
-            state.adapter_digest = self._adapters.get(lora[1]) if lora[1] else None
+        if adapter.lora_adapter(request) is not None:
+            state.adapter_digest = self._adapter_digest(request)
             if state.adapter_digest is None:
                 state.bypass = True
                 self.counters.add("lora_bypassed_requests")
         return state
+
+    def _adapter_digest(self, request: Any) -> Optional[bytes]:
+        """The content digest of the request's LoRA adapter; None without an adapter or when its files are
+        unreadable."""
+        lora = adapter.lora_adapter(request)
+        return self._adapters.get(lora[1]) if lora is not None and lora[1] else None
 
     def loaded_group_ids(self) -> tuple[int, ...]:
         """The scheduler groups a load writes rows into (every group the plan moves)."""
@@ -189,7 +194,7 @@ class SchedulerHalf:
     def chunk_keys(self, request: Any) -> list[ChunkKey]:
         """Keys of every chunk of the request whose last hash block vLLM has hashed."""
         return chunk_keys(request.block_hashes, self.hash_block_size, self.chunk_tokens, self.namespace,
-                          adapter_digest=self._state(request).adapter_digest)
+                          adapter_digest=self._adapter_digest(request))
 
     def _keys(self, state: _Request, first: int, end: int) -> list[ChunkKey]:
         """Keys of chunks [first, end) that exist yet; kept per request, since a block hash never changes."""
