@@ -35,6 +35,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+import os
 import struct
 import threading
 import time
@@ -60,10 +61,17 @@ _FIELDS = struct.Struct("<8sHHBBBB16sII Q80s32s")
 assert _FIELDS.size == _MAC_OFFSET
 
 
+# BLAKE3 hashes a large payload on several cores (its tree makes the digest independent of the thread count); a
+# bounded share of the host, so the io and model threads keep theirs
+_BLAKE3_THREADS = max(1, min(8, (os.cpu_count() or 1) // 4))
+_BLAKE3_THREADED_FROM = 1 << 20
+
+
 def _blake3(data: memoryview) -> bytes:
     import blake3  # a dependency of the package; imported here so the no-secret path never needs it
 
-    return blake3.blake3(data).digest()
+    threads = _BLAKE3_THREADS if data.nbytes >= _BLAKE3_THREADED_FROM else 1
+    return blake3.blake3(data, max_threads=threads).digest()
 
 
 # id -> (name, digest function, cryptographic)

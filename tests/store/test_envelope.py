@@ -116,6 +116,23 @@ def test_every_digest_round_trips_and_a_reader_of_another_choice_still_verifies(
     assert verify(data, KEY, 3, writer) == "digest"
 
 
+def test_a_keyed_seal_is_the_same_whatever_number_of_threads_hashes_it(monkeypatch):
+    from lmcache_npu.store import envelope
+
+    key = ChunkKey("c" * 32, bytes(range(32)))
+    sealer = Sealer(secret=b"s" * 32)
+    payload = np.random.default_rng(3).integers(0, 256, (2 << 20) + ENVELOPE_BYTES, dtype=np.uint8)
+    seals = []
+    for threads in (1, 4):
+        monkeypatch.setattr(envelope, "_BLAKE3_THREADS", threads)
+        data = payload.copy()
+        seal(data, key, 0, sealer)
+        seals.append(bytes(data[-ENVELOPE_BYTES:]))
+    assert seals[0] == seals[1]
+    data[5] ^= 1  # control: the threaded digest still sees one flipped byte
+    assert verify(data, key, 0, sealer) == "digest"
+
+
 def test_bad_inputs_are_refused_by_name():
     with pytest.raises(ValueError, match="chunk hash of 81 bytes is longer than the envelope holds"):
         seal(np.zeros(sealed_bytes(10), dtype=np.uint8), KEY._replace(chunk_hash=bytes(81)), 0, Sealer())
