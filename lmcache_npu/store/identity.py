@@ -21,7 +21,10 @@ Samples are page-sized (4 KiB) and page-aligned where the tensor allows. Their p
 function of the file's relative name, size and header (and the budget), never random, so every process on every
 host that reads the same files with the same budget gets the same digest; `threads` does not change it. Reads
 use `os.pread` after `posix_fadvise(POSIX_FADV_RANDOM)`, so kernel readahead does not turn a 4 KiB sample into
-128 KiB of I/O, from a thread pool so an NVMe device sees queue depth.
+128 KiB of I/O. Batches whose pages are all in the page cache are read on the calling thread first (`preadv` with
+`RWF_NOWAIT`); only the rest go to a thread pool, so a device sees queue depth while a warm cache is not slowed by
+threads fighting over the GIL (H100 host, 16 cores, 700 GB DeepSeek-like layout: 0.7 s warm on one thread, 1.8 s
+with 32 before this split).
 
 Budget: headers and definition files are read first and are mandatory; if they alone exceed `max_read_bytes` the
 call fails. When every weight file together is no larger than the spread share (and the budget), the files are
@@ -401,15 +404,36 @@ def _plan_samples(plans: list[_FilePlan], budget: int, whole_read_bytes: int,
     return False, sample_bytes, spread
 
 
+def _batch_digest(data: bytes, ranges: Sequence[tuple[int, int]]) -> tuple[bytes, int]:
+    """One digest over a batch's samples and where they came from. xxh3-128 here (the file and model digests above
+    it are SHA-256): it notices changed weights at memory speed, and whoever can write the weights needs no
+    collision to change what the model computes."""
+    where = struct.pack(f"<{2 * len(ranges)}Q", *(v for r in ranges for v in r))
+    return xxhash.xxh3_128_digest(data + where), len(data)
+
+
 def _hash_batch(fd: int, name: str, ranges: Sequence[tuple[int, int]]) -> tuple[bytes, int]:
-    h = hashlib.sha256()
-    read = 0
+    return _batch_digest(b"".join([_pread_exact(fd, length, off, name) for off, length in ranges]), ranges)
+
+
+_NOWAIT = getattr(os, "RWF_NOWAIT", None)
+
+
+def _hash_cached_batch(fd: int, ranges: Sequence[tuple[int, int]]) -> Optional[tuple[bytes, int]]:
+    """The batch's digest when every sample is in the page cache (preadv with RWF_NOWAIT), else None: cached
+    batches are read on the calling thread, where a thread pool would only fight over the GIL."""
+    if _NOWAIT is None:
+        return None
+    parts = []
     for off, length in ranges:
-        h.update(_pread_exact(fd, length, off, name))
-        read += length
-    # Where the bytes came from, once per batch: one hash call per read instead of two.
-    h.update(struct.pack(f"<{2 * len(ranges)}Q", *(v for r in ranges for v in r)))
-    return h.digest(), read
+        buffer = bytearray(length)
+        try:
+            if os.preadv(fd, [buffer], off, _NOWAIT) != length:
+                return None
+        except OSError:  # EAGAIN: not cached; EOPNOTSUPP: a filesystem without RWF_NOWAIT
+            return None
+        parts.append(buffer)
+    return _batch_digest(b"".join(parts), ranges)
 
 
 def _field(h: "hashlib._Hash", value: bytes) -> None:
@@ -461,14 +485,21 @@ def _fingerprint(model_dir: PathLike, domain: bytes, max_read_bytes: int, whole_
             p.samples = _merge(p.samples or [])
             batches.extend((p.entry.name, p.fd, p.entry.name, p.samples[i:i + _BATCH])
                            for i in range(0, len(p.samples), _BATCH))
-        workers = min(threads, len(batches))
+        results: list[Optional[tuple[bytes, int]]] = [_hash_cached_batch(b[1], b[3]) for b in batches]
+        uncached = [i for i, r in enumerate(results) if r is None]
+        workers = min(threads, len(uncached))  # only reads that wait on the device gain from a pool
         if workers > 1:
             with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="fingerprint") as pool:
-                results = list(pool.map(lambda b: _hash_batch(b[1], b[2], b[3]), batches))
+                read_now = list(pool.map(lambda i: _hash_batch(batches[i][1], batches[i][2], batches[i][3]),
+                                         uncached))
         else:
-            results = [_hash_batch(b[1], b[2], b[3]) for b in batches]
+            read_now = [_hash_batch(batches[i][1], batches[i][2], batches[i][3]) for i in uncached]
+        for i, result in zip(uncached, read_now):
+            results[i] = result
     per_file: dict[str, "hashlib._Hash"] = {p.entry.name: hashlib.sha256() for p in plans}
-    for batch, (digest, n) in zip(batches, results):
+    for batch, result in zip(batches, results):
+        assert result is not None
+        digest, n = result
         per_file[batch[0]].update(digest)
         read += n
     total = hashlib.sha256()

@@ -80,16 +80,23 @@ def many(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture()
 def reads(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int, int]]:
-    """Every os.pread the fingerprint makes, as (file path, offset, bytes returned), counted outside the module."""
+    """Every os.pread and os.preadv (the page-cache path) the fingerprint makes, as (file path, offset, bytes
+    returned), counted outside the module."""
     seen: list[tuple[str, int, int]] = []
-    real = os.pread
+    real, real_v = os.pread, os.preadv
 
     def counting(fd: int, length: int, offset: int) -> bytes:
         data = real(fd, length, offset)
         seen.append((os.readlink(f"/proc/self/fd/{fd}"), offset, len(data)))
         return data
 
+    def counting_v(fd: int, buffers: list, offset: int, *flags: int) -> int:
+        got = real_v(fd, buffers, offset, *flags)
+        seen.append((os.readlink(f"/proc/self/fd/{fd}"), offset, got))
+        return got
+
     monkeypatch.setattr(os, "pread", counting)
+    monkeypatch.setattr(os, "preadv", counting_v)
     return seen
 
 
@@ -198,6 +205,26 @@ def test_kv_scale_change_is_seen(tmp_path: Path) -> None:
     shards["model-00001-of-00002.safetensors"]["layers.0.k_scale"] = torch.tensor([0.25])
     c = _write_model(tmp_path / "c", shards)  # control: rebuilding the same tensors gives the same digest
     assert _sampled(b) == _sampled(c)
+
+
+def test_cached_and_device_reads_give_one_digest(many: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Batches whose pages are cached are read on the calling thread (RWF_NOWAIT), the rest on the pool: the
+    digest must not depend on which path a batch took, and both paths see a changed byte."""
+    from lmcache_npu.store import identity
+
+    cached = fingerprint_weights(many, max_read_bytes=SAMPLED, threads=4).digest
+    monkeypatch.setattr(identity, "_NOWAIT", None)  # every batch through the blocking reads of the pool
+    assert fingerprint_weights(many, max_read_bytes=SAMPLED, threads=4).digest == cached
+    assert fingerprint_weights(many, max_read_bytes=SAMPLED, threads=1).digest == cached
+    shard = many / "model-00001-of-00002.safetensors"
+    begin, _ = _tensor_ranges(shard)["layers.0.k_scale"]
+    _flip(shard, begin)
+    try:
+        assert fingerprint_weights(many, max_read_bytes=SAMPLED, threads=4).digest != cached
+        monkeypatch.undo()
+        assert fingerprint_weights(many, max_read_bytes=SAMPLED, threads=4).digest != cached
+    finally:
+        _flip(shard, begin)
 
 
 def _sampled(root: Path) -> bytes:
@@ -341,14 +368,19 @@ def _unsampled(reads: list, shard: Path) -> list[str]:
 @given(budget=st.integers(16 << 10, 4 << 20))
 def test_any_budget_is_respected_or_refused(crowded: Path, budget: int) -> None:
     counted = []
-    real = os.pread
+    real, real_v = os.pread, os.preadv
 
     def counting(fd: int, length: int, offset: int) -> bytes:
         data = real(fd, length, offset)
         counted.append(len(data))
         return data
 
-    os.pread = counting
+    def counting_v(fd: int, buffers: list, offset: int, *flags: int) -> int:
+        got = real_v(fd, buffers, offset, *flags)
+        counted.append(got)
+        return got
+
+    os.pread, os.preadv = counting, counting_v
     try:
         fp = fingerprint_weights(crowded, max_read_bytes=budget)
     except ValueError as exc:
@@ -356,7 +388,7 @@ def test_any_budget_is_respected_or_refused(crowded: Path, budget: int) -> None:
         assert f"max_read_bytes {budget} is too small" in str(exc) and budget < headers + 900  # a byte per tensor
         return
     finally:
-        os.pread = real
+        os.pread, os.preadv = real, real_v
     assert sum(counted) == fp.bytes_read <= budget
 
 
