@@ -35,7 +35,7 @@ never followed. A symlink where a chunk file belongs is never read or removed (a
 
 Lock: a tier given a ``lock_name`` holds an exclusive ``flock`` on ``{dir}/.lock-{lock_name}`` (0600, holding
 "pid hostname") for its lifetime; a second tier with that name, in any process on any host that shares the
-directory's locks, is refused naming the holder. The lead passes ``f"{namespace}-r{rank}"``.
+directory's locks, is refused naming the holder. `factory.build_executor` names it ``f"{namespace}-r{rank}"``.
 
 Restart: the scan validates every header and the file length, removes invalid files, skips without touching files
 of another layout fingerprint or format version (another model or build may share the directory), and returns
