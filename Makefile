@@ -60,7 +60,7 @@ bench-all: setup
 # Wheels for a lent GPU machine that reaches no registry (carried as .wheels/, see docs/performance.md).
 gpu-wheels: setup
 	$(BIN)/python -m pip download -q --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
-		--platform any -d .wheels pybind11 setuptools wheel pytest hypothesis rich xxhash
+		--platform any -d .wheels pybind11 setuptools wheel pytest hypothesis rich xxhash blake3
 
 clean:
 	rm -rf build *.egg-info lmcache_npu/*.so $(STAMP)

@@ -42,7 +42,7 @@ if [[ -n $TARGET ]]; then
   check_path=$TARGET
 else
   "$PYTHON" -m pip install -q --no-deps --force-reinstall "$wheel"
-  "$PYTHON" -m pip install -q "numpy>=1.24" "pyyaml>=6" "rich>=13" "xxhash>=3.4"
+  "$PYTHON" -m pip install -q "numpy>=1.24" "pyyaml>=6" "rich>=13" "xxhash>=3.4" "blake3>=0.4"
   if [[ -n ${MOONCAKE_REQUIREMENT:-} ]]; then "$PYTHON" -m pip install -q "$MOONCAKE_REQUIREMENT"; fi
   check_path=
 fi

@@ -141,7 +141,7 @@ def _weights_fingerprint(model: str) -> dict[str, Any]:
     if model_dir is None:
         raise SystemExit(f"--model {model!r} is neither a local directory nor a cached hub snapshot")
     weights = fingerprint_weights(model_dir)
-    return {"digest": f"sha256:{weights.digest.hex()}", **weights.describe()}
+    return {**weights.describe(), "digest": f"sha256:{weights.digest.hex()}"}
 
 
 def _store_bench(args: argparse.Namespace) -> int:

@@ -396,7 +396,7 @@ def check_weights(model: Optional[str], config: Any) -> Check:
         except (OSError, ValueError) as exc:
             return Check("model identity", FAIL, f"{model_dir}: {exc}", "check the checkpoint's files")
         else:
-            made_of = ", ".join(f"{k} {v}" for k, v in weights.describe().items())
+            made_of = ", ".join(f"{k} {v}" for k, v in weights.describe().items() if k != "digest")
             return Check("model identity", OK, f"weights sha256:{weights.digest.hex()[:32]}... ({made_of})")
     fix = ("set model_fingerprint in kv_connector_extra_config to a name for these exact weights, or serve with the "
            "host arena alone")

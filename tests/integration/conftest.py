@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable, Optional
 
 import numpy as np
 import pytest
@@ -61,8 +61,8 @@ def assert_quiescent(engine: Engine) -> None:
 def make_engine() -> Callable[..., Engine]:
     engines: list[Engine] = []
 
-    def make(**settings) -> Engine:
-        engine = Engine(EngineSpec(**settings))
+    def make(worker_factory: Optional[Callable[..., Any]] = None, **settings) -> Engine:
+        engine = Engine(EngineSpec(**settings), worker_factory)
         engines.append(engine)
         return engine
 

@@ -136,3 +136,22 @@ def test_a_lora_adapter_whose_files_cannot_be_read_bypasses_the_plugin(make_engi
     assert engine.loaded_tokens.get("b", 0) == 0
     assert engine.stats.data.get("lora_bypassed_requests") == 2
     assert not engine.stats.data.get("store_chunks")
+
+
+def test_a_worker_side_kv_dtype_rewrite_does_not_split_the_halves(make_engine, tmp_path):
+    """vllm-ascend on A5 sets cache_dtype to fp8 inside the worker after the scheduler fixed its own: the namespace
+    comes from the workers (what they hold), and the scheduler adopts it instead of refusing the handshake."""
+    from lmcache_npu.integration.vllm import LMCacheNPUConnector
+
+    def rewriting_worker(vllm_config, role, kv_cache_config):
+        vllm_config.cache_config.cache_dtype = "fp8_e4m3"  # what the model code does in the worker process
+        return LMCacheNPUConnector(vllm_config, role, kv_cache_config)
+
+    model = _model_dir(tmp_path / "model", weights_seed=8)
+    rewritten = make_engine(model_dir=model, worker_factory=rewriting_worker)
+    plain = make_engine(model_dir=model)
+    assert rewritten.connector.scheduler_half.index is not None
+    identity = dict(rewritten.workers[0].get_handshake_metadata().identity)
+    assert identity["kv_cache_dtype"] == "fp8_e4m3"
+    assert rewritten.connector.scheduler_half.namespace == rewritten.workers[0].get_handshake_metadata().namespace
+    assert rewritten.connector.scheduler_half.namespace != plain.connector.scheduler_half.namespace  # control

@@ -54,3 +54,19 @@ def test_skipping_state_and_bad_kinds(capsys: pytest.CaptureFixture[str]) -> Non
 def test_310p_exists_only_for_ascend(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["inspect", "--preset", "llama3-8b-310p", "--device-family", "cuda"]) == 2
     assert "preset llama3-8b-310p exists only for ascend" in capsys.readouterr().err
+
+
+def test_inspect_model_prints_what_the_weights_fingerprint_is_made_of(tmp_path, capsys) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    save_file({"w": torch.ones(8)}, str(tmp_path / "model.safetensors"))
+    assert main(["inspect", "--preset", "llama3-8b", "--json", "--model", str(tmp_path)]) == 0
+    first = json.loads(capsys.readouterr().out)["weights"]
+    assert first["digest"].startswith("sha256:") and first["weight_files"] == 1
+    save_file({"w": torch.ones(8) * 3}, str(tmp_path / "model.safetensors"))
+    assert main(["inspect", "--preset", "llama3-8b", "--json", "--model", str(tmp_path)]) == 0
+    assert json.loads(capsys.readouterr().out)["weights"]["digest"] != first["digest"]  # content, not the path
+    assert main(["inspect", "--preset", "llama3-8b", "--model", str(tmp_path)]) == 0
+    assert "weights of" in capsys.readouterr().out

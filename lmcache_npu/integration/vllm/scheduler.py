@@ -123,7 +123,8 @@ class SchedulerHalf:
         for g in geometries:
             if g.namespace != first.namespace and g.layout_fingerprint == first.layout_fingerprint:
                 mine, theirs = dict(first.identity), dict(g.identity)
-                differ = sorted(k for k in mine.keys() | theirs.keys() if k != "seconds" and mine.get(k) != theirs.get(k))
+                differ = sorted(k for k in mine.keys() | theirs.keys()
+                                if not k.endswith("seconds") and mine.get(k) != theirs.get(k))
                 raise ValueError(f"rank {g.rank} runs another model identity than rank {first.rank} (differing: "
                                  f"{', '.join(differ) or 'the fingerprint'}): every rank of one engine must load the "
                                  "same weights and config")
