@@ -32,6 +32,10 @@ CONNECTOR_MODULES = ("lmcache_npu.integration.vllm", "lmcache_npu.integration.vl
 KV_ROLES = ("kv_both", "kv_producer", "kv_consumer")
 KV_TRANSFER_CONFIG_ENV = "KV_TRANSFER_CONFIG"  # not LMCACHE_NPU_*: the connector refuses variables that are not keys
 MIN_VLLM = (0, 23)
+# vllm-ascend's 310P model runner (vllm_ascend/_310p/model_runner_310p.py) raises this at start-up whenever a KV
+# transfer config is set; read in every release from v0.20.2rc1 through v0.25.1rc1. A newer release is unknown.
+REASON_310P = "KV cache transfer is not supported for 310P"
+KV_TRANSFER_REFUSED_ON_310P_THROUGH = (0, 25)
 PYTHON_RANGE = ((3, 10), (3, 12))  # vllm-ascend 0.23 supports >=3.10,<3.13
 
 
@@ -129,6 +133,41 @@ def cann_version(home: Path) -> str:
     return ""
 
 
+def soc_name(environ: Mapping[str, str], npu_smi_report: Optional[str]) -> str:
+    """The SoC npu-smi names (Chip Name / NPU Name), else $SOC_VERSION, else ''."""
+    soc = environ.get("SOC_VERSION", "")
+    if npu_smi_report:
+        match = re.search(r"(?:Chip Name|NPU Name|Name)\s*:\s*(\S+)", npu_smi_report)
+        soc = match.group(1) if match else soc
+    return soc
+
+
+def is_310p(soc: str) -> bool:
+    """Atlas 300I Duo / 300V: npu-smi says 310P3, builds say ascend310p1."""
+    return "310p" in soc.lower()
+
+
+def check_310p_kv_transfer(soc: str, vllm_ascend_version: Optional[str]) -> Check:
+    """Whether vllm-ascend lets a KV connector start on this SoC: no release through 0.25 does on 310P."""
+    name = "310p kv transfer"
+    if not soc:
+        return Check(name, SKIP, "no Ascend SoC found")
+    if not is_310p(soc):
+        return Check(name, OK, f"SoC {soc}: vllm-ascend starts KV connectors here (the 310P refusal does not apply)")
+    kernels_only = ("310P is kernels-only: the transfer kernels build and run there for code that drives them "
+                    "directly (lmcache-npu bench --soc 310p); serve the connector on A2/A3")
+    release = _release(vllm_ascend_version)
+    if release is not None and release[:2] > KV_TRANSFER_REFUSED_ON_310P_THROUGH:
+        through = ".".join(map(str, KV_TRANSFER_REFUSED_ON_310P_THROUGH))
+        return Check(name, WARN, f"SoC {soc} with vllm-ascend {vllm_ascend_version}: every release through {through} "
+                     f"raises \"{REASON_310P}\" at start-up when a KV transfer config is set; whether this newer one "
+                     "allows connectors on 310P is unknown",
+                     "start vllm serve with the plugin once: if it raises that error, " + kernels_only)
+    which = f"vllm-ascend {vllm_ascend_version}" if vllm_ascend_version else "vllm-ascend (not installed)"
+    return Check(name, FAIL, f"SoC {soc} with {which}: vllm serve with any KV connector, this plugin included, "
+                 f"cannot start: its 310P model runner raises \"{REASON_310P}\"", kernels_only)
+
+
 def check_cann(environ: Mapping[str, str], device: str, npu_smi: Callable[[], Optional[str]]) -> list[Check]:
     home = cann_home(environ)
     if home is None:
@@ -139,10 +178,7 @@ def check_cann(environ: Mapping[str, str], device: str, npu_smi: Callable[[], Op
         version = cann_version(home)
         cann = Check("cann", OK, f"CANN at {home}" + (f", version {version}" if version else ""))
     report = npu_smi()
-    soc = environ.get("SOC_VERSION", "")
-    if report:
-        match = re.search(r"(?:Chip Name|NPU Name|Name)\s*:\s*(\S+)", report)
-        soc = match.group(1) if match else soc
+    soc = soc_name(environ, report)
     if soc:
         soc_check = Check("soc", OK, f"SoC {soc}" + (" (npu-smi)" if report else " (SOC_VERSION)"))
     else:
@@ -427,8 +463,11 @@ def run_doctor(options: DoctorOptions, environ: Optional[Mapping[str, str]] = No
     if device == "auto":
         device = "npu" if inventory["npu"] else ("cuda" if inventory["cuda"] else "cpu")
     checks = [check_python()]
-    checks += check_versions(installed_versions(), device)
-    checks += check_cann(env, device, run_npu_smi)
+    versions = installed_versions()
+    checks += check_versions(versions, device)
+    report = run_npu_smi()
+    checks += check_cann(env, device, lambda: report)
+    checks.append(check_310p_kv_transfer(soc_name(env, report), versions.get("vllm-ascend")))
     checks += check_native_modules(importlib.util.find_spec, device)
     checks += check_devices(inventory, device)
     config_checks, config = check_kv_transfer_config(options.kv_transfer_config or env.get(KV_TRANSFER_CONFIG_ENV), env)

@@ -6,6 +6,10 @@ list (DeepSeek-V4 ``as_strided`` views into shared raw storage, mamba state tens
 one or more :class:`Component`: a uint8 view ``(num_blocks, rows_per_block * row_bytes)`` whose first
 stride is the block stride in bytes, ready to be a :class:`~lmcache_npu.ops.Plane`.
 
+A view whose every byte other views of the same scope already address, block for block (vllm-ascend's A5 indexer
+registers keys, scales and a "full" view over both), is not a component of its own: `drop_covering_views` stores
+its bytes once, as the rows of the views it covers, and a load that writes those rows fills it too.
+
 A token's row must be contiguous inside a component. Where it is not, the layer becomes one component per KV head:
 token-major shapes with head-major strides (HND caches), and the attention backends whose tensors do not name their
 dims (`BACKEND_PACKINGS`: vLLM's CPU attention keeps, per block and head, the block's K rows then its V rows).
@@ -15,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections import defaultdict
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Hashable, Mapping, Optional, Sequence, Union
@@ -247,3 +252,61 @@ def collect_components(kv_caches: Mapping[str, KVValue], rows_per_block: Mapping
             else:
                 seen.layers.append(layer)
     return list(unique.values())
+
+
+@dataclass(frozen=True)
+class CoveringView:
+    """A registered view whose bytes, block for block, are exactly the bytes of other views of the same layers."""
+
+    layers: tuple[str, ...]
+    index: int  # payload position of the view in the first layer's value
+    covered_by: tuple[tuple[str, int], ...]  # (layer, payload position) of the views holding its bytes, by address
+    row_bytes: int
+    dtype: torch.dtype
+
+
+def _block_span(c: Component) -> tuple[int, int]:
+    """[first byte, one past the last byte) of block 0."""
+    start = int(c.pages.data_ptr())
+    return start, start + int(c.pages.shape[1])
+
+
+def _tiles(parts: Sequence[Component], start: int, end: int) -> bool:
+    """The parts' block-0 spans, in address order, fill [start, end) with no gap and no overlap."""
+    cursor = start
+    for part in parts:
+        first, last = _block_span(part)
+        if first != cursor:
+            return False
+        cursor = last
+    return cursor == end
+
+
+def drop_covering_views(components: Sequence[Component], scope: Optional[Mapping[str, Hashable]] = None
+                        ) -> tuple[list[Component], list[CoveringView]]:
+    """Components without the views that only re-address other components' bytes, and those views.
+
+    A view covers others when they share its storage, block stride and block count, and their blocks tile its
+    block exactly. The covered views stay: their rows are the per-token rows the attention kernels write (a covering
+    view's row i mixes several of them), so a chunk moves their rows and each byte once. Partial overlaps are left
+    for the transfer plan to refuse with the planes named.
+    """
+    buckets: dict[tuple[Hashable, int, int, int], list[Component]] = defaultdict(list)
+    for c in components:
+        key = None if scope is None else scope[c.layers[0]]
+        buckets[(key, c.pages.untyped_storage().data_ptr(), c.block_stride_bytes, c.num_blocks)].append(c)
+    dropped: set[int] = set()
+    views: list[CoveringView] = []
+    for members in buckets.values():
+        if len(members) < 3:  # a cover needs at least two views under it
+            continue
+        for c in sorted(members, key=lambda m: int(m.pages.shape[1])):  # narrowest first: nested covers all go
+            start, end = _block_span(c)
+            parts = sorted((o for o in members if o is not c and id(o) not in dropped
+                            and start <= _block_span(o)[0] and _block_span(o)[1] <= end),
+                           key=lambda o: _block_span(o)[0])
+            if len(parts) >= 2 and _tiles(parts, start, end):
+                dropped.add(id(c))
+                under = tuple((p.layers[0], p.index) for p in parts)
+                views.append(CoveringView(tuple(c.layers), c.index, under, c.row_bytes, c.dtype))
+    return [c for c in components if id(c) not in dropped], views

@@ -15,7 +15,15 @@ from typing import Any, Mapping, Optional, Sequence
 import torch
 
 from ..ops import GroupSpec, PageLayout, Plane, TransferPlan
-from .components import Component, KVPacking, KVValue, collect_components, packing_of
+from .components import (
+    Component,
+    CoveringView,
+    KVPacking,
+    KVValue,
+    collect_components,
+    drop_covering_views,
+    packing_of,
+)
 from .specs import NEVER_REUSED, LayerSpec, SpecKind, is_compressor_state_layer, layer_specs_of_group
 
 logger = logging.getLogger(__name__)
@@ -140,6 +148,7 @@ class KVLayout:
     hash_block_size: int
     aliases: Mapping[str, str] = field(default_factory=dict)  # layer -> the layer whose KV it reads
     caveats: tuple[str, ...] = ()
+    covering_views: tuple[CoveringView, ...] = ()  # views stored once, as the rows of the views they cover
 
     @property
     def bytes_per_chunk(self) -> int:
@@ -161,7 +170,7 @@ class KVLayout:
 
 
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int8: "int8",
-                torch.uint8: "uint8"}
+                torch.uint8: "uint8", torch.float8_e4m3fn: "fp8_e4m3"}
 
 
 def dtype_name(dtype: Optional[torch.dtype]) -> str:
@@ -181,8 +190,9 @@ def _component_role(kind: SpecKind, components: Sequence[Component], index: int)
         return components[0].layers[0].rsplit(".", 1)[-1]  # attn, swa_cache, k_cache, state_cache
     if kind in (SpecKind.FULL_ATTENTION, SpecKind.SLIDING_WINDOW, SpecKind.CHUNKED_LOCAL) and count == 2:
         return ("k", "v")[index]
-    if count == 2 and not components[0].dtype.is_floating_point and components[1].dtype.is_floating_point:
-        return ("k", "scale")[index]  # DeepSeek-V4 indexer: int8 keys and their scales in one page
+    first, second = components[0].dtype, components[1].dtype if count > 1 else None
+    if count == 2 and first.itemsize == 1 and second is not None and second.is_floating_point and second.itemsize > 1:
+        return ("k", "scale")[index]  # DeepSeek-V4 indexer: int8 (A5: fp8) keys and their fp16 (fp32) scales
     if 2 <= count <= 4:
         return ("nope", "rope", "indexer_k", "indexer_scale")[index]
     return f"t{index}"
@@ -408,6 +418,8 @@ def discover_layout(kv_cache_config: Any, kv_caches: Mapping[str, KVValue],
     components = collect_components({n: v for n, v in kv_caches.items() if n not in aliases},
                                     {n: s.rows_per_block for n, s in layer_specs.items()},
                                     policy.fractal_nz, scope=plan_index, packings=packings)
+    components, covering = drop_covering_views(components, scope=plan_index)
+    _note_covering_views(covering, drafts, plan_index)
     planes, infos = _planes(components, drafts, plan_index, int(kv_cache_config.num_blocks))
     for d in drafts:
         s = d.specs[0]
@@ -425,7 +437,23 @@ def discover_layout(kv_cache_config: Any, kv_caches: Mapping[str, KVValue],
     caveats = tuple(f"group {g.index}: {g.skip_reason}" for g in groups if not g.exact_restore)
     for caveat in caveats:
         logger.warning("%s (exact restores: drop 'compressor_state' from skip_spec_kinds)", caveat)
-    return KVLayout(plan, groups, hash_block, aliases, caveats)
+    return KVLayout(plan, groups, hash_block, aliases, caveats, tuple(covering))
+
+
+def _note_covering_views(covering: Sequence[CoveringView], drafts: Sequence[_Draft],
+                         plan_index: Mapping[str, int]) -> None:
+    """Says, in each plan group's note, which registered views are stored once as the views they cover."""
+    by_group: dict[int, list[CoveringView]] = {}
+    for view in covering:
+        by_group.setdefault(plan_index[view.layers[0]], []).append(view)
+    for gi, views in by_group.items():
+        first = views[0]
+        under = ", ".join(str(index) for _, index in first.covered_by)
+        text = (f"{len(views)} layer(s) register a view (payload {first.index}, {dtype_name(first.dtype)} rows of "
+                f"{first.row_bytes} B) over the same bytes as payloads {under}: stored once, as their rows; a load "
+                "fills it through them")
+        drafts[gi].note = f"{drafts[gi].note}; {text}" if drafts[gi].note else text
+        logger.info("group %d: %s (first layer %s)", gi, text, first.layers[0])
 
 
 def _same_memory(a: KVValue, b: KVValue) -> bool:

@@ -23,6 +23,7 @@ for _family in ("ascend", "cuda"):
         ("qwen3-next-80b", _family): {"max_layers": 4, "num_blocks": 64},  # 3 Gated DeltaNet + 1 full
     })
 PRESET_ENGINES[("llama3-8b-310p", "ascend")] = {"max_layers": 2, "extra_config": {"backend_options": {"soc": "310p"}}}
+PRESET_ENGINES[("deepseek-v4-flash-a5", "ascend")] = {"max_layers": 6, "num_blocks": 600}  # 950: fp8, padded pages
 
 
 def prompt(length: int, seed: int) -> list[int]:

@@ -61,6 +61,30 @@ def test_cann_and_soc(tmp_path: Path) -> None:
     assert [c.verdict for c in missing] == [FAIL, FAIL] or missing[0].detail.startswith("CANN at /usr/local")
 
 
+@pytest.mark.parametrize("soc,version,verdict", [
+    ("310P3", "0.23.0", FAIL), ("ascend310p1", "0.23.0rc1", FAIL), ("310P3", "0.25.1rc1", FAIL),
+    ("310P3", "0.20.2rc1", FAIL), ("310P3", None, FAIL),  # every release read refuses; none installed cannot serve
+    ("310P3", "0.26.0", WARN), ("310P3", "1.0.0", WARN),  # newer than any release read: unknown
+    ("910B3", "0.23.0", OK), ("Ascend910_9392", "0.23.0", OK), ("910B1", None, OK),  # A2 / A3
+    ("", "0.23.0", SKIP),
+])
+def test_310p_kv_transfer_verdicts(soc: str, version, verdict: str) -> None:
+    check = doctor.check_310p_kv_transfer(soc, version)
+    assert check.verdict == verdict
+    if verdict in (FAIL, WARN):  # vllm-ascend's own reason, and what 310P can do instead
+        assert doctor.REASON_310P in check.detail and "lmcache-npu bench --soc 310p" in check.fix
+        assert "kernels-only" in check.fix
+    if verdict == OK:
+        assert doctor.REASON_310P not in check.detail and not check.fix
+
+
+def test_the_soc_for_the_310p_check_comes_from_npu_smi_before_soc_version() -> None:
+    assert doctor.soc_name({"SOC_VERSION": "ascend910b1"}, "NPU Name : 310P3\n") == "310P3"
+    assert doctor.soc_name({"SOC_VERSION": "ascend310p1"}, None) == "ascend310p1"
+    assert doctor.soc_name({}, "no chip line here") == ""
+    assert doctor.is_310p("310P3") and doctor.is_310p("ascend310p1") and not doctor.is_310p("910B3")
+
+
 def test_native_modules() -> None:
     none = doctor.check_native_modules(lambda name: None, "npu")
     assert verdicts(none) == {"module _emu": FAIL, "module _npu": FAIL, "module _cuda": SKIP}

@@ -5,9 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from lmcache_npu.layout import collect_components, layer_components
-from lmcache_npu.layout.components import KVPacking
+from lmcache_npu.layout.components import KVPacking, drop_covering_views
 from lmcache_npu.ops import GroupSpec, PageLayout, Plane, TransferPlan, get_backend
 
 NB, BS = 6, 16
@@ -176,3 +178,64 @@ def test_components_round_trip_through_the_kernel() -> None:
         segment = objects[0, offset: offset + BS * c.row_bytes].numpy().tobytes()
         assert segment == c.pages[2].numpy().tobytes()
     assert objects[0, plan.object_offsets[3]: plan.object_offsets[3] + 2].numpy().tobytes() == as_bytes(scale[2, 0])
+
+
+def _indexer_views(nb: int, rows: int, key_dim: int, scale_bytes: int, pad: int
+                   ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """vllm-ascend's A5 indexer page: fp8 keys, fp32 scales after them, and a full fp8 view over both from 0."""
+    page = rows * (key_dim + scale_bytes) + pad
+    raw = torch.randint(-128, 128, (nb * page,), dtype=torch.int8, generator=torch.Generator().manual_seed(page))
+    fp8, fp32 = torch.float8_e4m3fn, torch.float32
+    key = torch.as_strided(raw.view(fp8), (nb, rows, 1, key_dim), (page, key_dim, key_dim, 1))
+    scale = torch.as_strided(raw.view(fp32), (nb, rows, 1, scale_bytes // 4), (page // 4, scale_bytes // 4, 1, 1),
+                             rows * key_dim // 4)
+    full = torch.as_strided(raw.view(fp8), (nb, rows, 1, key_dim + scale_bytes),
+                            (page, key_dim + scale_bytes, key_dim + scale_bytes, 1))
+    return raw, [key, scale, full]
+
+
+@settings(max_examples=25, deadline=None)
+@given(nb=st.integers(2, 5), rows=st.sampled_from([4, 8, 16, 128]), key_dim=st.sampled_from([32, 64, 128]),
+       scale_words=st.integers(1, 2), pad=st.sampled_from([0, 64, 512]))
+def test_a_view_over_other_views_is_stored_once(nb: int, rows: int, key_dim: int, scale_words: int, pad: int) -> None:
+    """The full view is dropped, keys and scales stay; a round trip through them restores every byte the full view
+    reads. Negative control: keeping the full view makes the plan refuse the overlap."""
+    raw, views = _indexer_views(nb, rows, key_dim, 4 * scale_words, pad)
+    comps = collect_components({"layers.0.indexer.k_cache": views}, {"layers.0.indexer.k_cache": rows})
+    assert [c.index for c in comps] == [0, 1, 2]
+    kept, covering = drop_covering_views(comps)
+    assert [c.index for c in kept] == [0, 1]
+    assert [(v.index, v.covered_by, v.row_bytes) for v in covering] == [
+        (2, (("layers.0.indexer.k_cache", 0), ("layers.0.indexer.k_cache", 1)), key_dim + 4 * scale_words)]
+
+    def plan_of(cs):
+        return TransferPlan([GroupSpec(rows)], [Plane(c.pages, 0, rows, c.row_bytes, dtype=c.dtype) for c in cs],
+                            rows)
+
+    with pytest.raises(ValueError, match="overlap"):
+        plan_of(comps)
+    plan = plan_of(kept)
+    slots = [np.arange(rows, 2 * rows, dtype=np.int64).reshape(1, rows)]  # block 1, whole
+    objects = torch.zeros((1, plan.object_bytes), dtype=torch.uint8)
+    backend = get_backend("torch")
+    backend.store(plan, slots, objects)
+    want = as_bytes(views[2][1])
+    raw.zero_()
+    backend.load(plan, slots, objects)
+    assert as_bytes(views[2][1]) == want
+    assert any(want[rows * key_dim:]), "negative control: the scale bytes are not all zero"
+    assert not as_bytes(views[2][0]).strip(b"\0"), "a load wrote a block outside the slots"
+
+
+def test_views_that_leave_a_gap_or_overlap_do_not_cover() -> None:
+    """A wider view is dropped only where the others tile it exactly: with a gap (half the scales) or with two views
+    over the same bytes (a tail view over the last key row and the scales) every view stays, for the plan to refuse."""
+    raw, (key, scale, full) = _indexer_views(3, 8, 64, 8, 0)
+    half_scale = torch.as_strided(raw.view(torch.float32), (3, 8, 1, 1), (576 // 4, 1, 1, 1), 8 * 64 // 4)
+    kept, covering = drop_covering_views(collect_components({"l": [key, half_scale, full]}, {"l": 8}))
+    assert (len(kept), covering) == (3, [])
+    tail = torch.as_strided(raw.view(torch.float8_e4m3fn), (3, 8, 1, 16), (8 * 72, 16, 16, 1), 7 * 64)
+    kept, covering = drop_covering_views(collect_components({"l": [key, scale, tail, full]}, {"l": 8}))
+    assert (len(kept), covering) == (4, [])
+    kept, covering = drop_covering_views(collect_components({"l": [key, scale, full]}, {"l": 8}))
+    assert [v.index for v in covering] == [2], "control: the exact tiling is found"

@@ -36,6 +36,10 @@ STORED = {
     + 21 * 4 * (8192 + 2048),
     ("deepseek-v4-flash", "cuda"): 21 * (64 * 1024 + 64 * 132) + 20 * 2 * 1024 + 43 * 128 * 1024
     + 21 * 4 * (8192 + 2048),
+    # Ascend 950: c4 64 rows x (fp8 MLA 640 + fp8 indexer 128 + fp32 scale 4 -> 256 B, 64 B aligned); the indexer's
+    # "full" view (132 B rows over the same bytes) adds nothing; c128 2 x 640; SWA 43 + 1 MTP layer, 128-row tails
+    ("deepseek-v4-flash-a5", "ascend"): 21 * (64 * 640 + 64 * 128 + 256) + 20 * 2 * 640 + 44 * 128 * 640
+    + 21 * 4 * (8192 + 2048),
     ("gemma3-27b", "ascend"): 62 * 2 * 256 * 4096,  # window 1024 > chunk: whole chunks
     ("gemma3-27b", "cuda"): 62 * 2 * 256 * 4096,
     ("gpt-oss-120b", "ascend"): 18 * 2 * 128 * 1024 + 18 * 2 * 256 * 1024,  # SW 128 tail + full
@@ -56,6 +60,8 @@ DSV4_STATE_NAIVE = 21 * 256 * (8192 + 2048) + 20 * 256 * 4096  # c4 attn + index
 NAIVE = {
     ("deepseek-v4-flash", "ascend"): 21 * 64 * (1024 + 128 + 2) + 20 * 2 * 1024 + 43 * 256 * 1024 + DSV4_STATE_NAIVE,
     ("deepseek-v4-flash", "cuda"): 21 * 64 * (1024 + 132) + 20 * 2 * 1024 + 43 * 256 * 1024 + DSV4_STATE_NAIVE,
+    ("deepseek-v4-flash-a5", "ascend"): 21 * 64 * (640 + 128 + 4) + 20 * 2 * 640 + 44 * 256 * 640
+    + DSV4_STATE_NAIVE,
     ("gpt-oss-120b", "ascend"): 36 * 2 * 256 * 1024,
     ("gpt-oss-120b", "cuda"): 36 * 2 * 256 * 1024,
     ("gpt-oss-120b", "cpu"): 36 * 2 * 256 * 1024,
@@ -98,6 +104,69 @@ def test_deepseek_v4_flash_ascend_groups() -> None:
         {"role": "scale", "count": 21, "dtype": "fp16", "row_bytes": 2, "rows_per_chunk": 64},
         {"role": "self_attn", "count": 21, "dtype": "bf16", "row_bytes": 1024, "rows_per_chunk": 64},
     ]
+
+
+def test_deepseek_v4_flash_a5_groups_dtypes_and_pages() -> None:
+    """vllm-ascend 0.23 on Ascend 950: block table [128, 128, 8, 16], padded pages [16896, 81920], fp8 caches, one MTP
+    layer (SWA only) in the sliding-window groups, and the indexer's full view stored once."""
+    layout, preset = preset_layout("deepseek-v4-flash-a5", "ascend", num_blocks=2)
+    config = preset.kv_cache_config
+    assert [g.kv_cache_spec.block_size for g in config.kv_cache_groups] == [128, 128, 128, 128, 8, 16]
+    assert sorted({t.size // config.num_blocks for t in config.kv_cache_tensors}) == [16896, 81920]
+    summary = [(g.scheduler_group, g.kind.value, len(g.layers), g.tokens_per_block, g.stored,
+                0 if g.skipped else g.rows_per_chunk) for g in layout.groups]
+    assert summary == [
+        (0, "mla", 42, 512, "all", 64),
+        (1, "mla", 20, 16384, "all", 2),
+        (2, "sliding_window_mla", 22, 128, "tail", 128),  # 43 layers + the MTP layer, split 22 + 22
+        (3, "sliding_window_mla", 22, 128, "tail", 128),
+        (4, "compressor_state", 42, 8, "boundary", 4),
+        (5, "compressor_state", 20, 16, "skipped", 0),
+    ]
+    assert any(n.startswith("mtp.0.") for g in layout.groups for n in g.layers)
+    assert layout.to_json()["groups"][0]["planes"] == [
+        {"role": "k", "count": 21, "dtype": "fp8_e4m3", "row_bytes": 128, "rows_per_chunk": 64},
+        {"role": "scale", "count": 21, "dtype": "fp32", "row_bytes": 4, "rows_per_chunk": 64},
+        {"role": "self_attn", "count": 21, "dtype": "fp8_e4m3", "row_bytes": 640, "rows_per_chunk": 64},
+    ]
+    for g in layout.groups[1:4]:
+        assert {(p.dtype, p.row_bytes) for p in g.planes} == {("fp8_e4m3", 640)}
+    indexers = [n for n in preset.kv_caches if n.endswith("indexer.k_cache")]
+    assert len(indexers) == 21 and len(layout.covering_views) == 21
+    views = {(v.index, tuple(i for _, i in v.covered_by), v.row_bytes) for v in layout.covering_views}
+    assert views == {(2, (0, 1), 132)}
+    assert "payloads 0, 1: stored once" in layout.groups[0].note
+    key, scale, full = preset.kv_caches[indexers[0]]
+    assert (key.dtype, scale.dtype, full.dtype) == (torch.float8_e4m3fn, torch.float32, torch.float8_e4m3fn)
+    assert full.data_ptr() == key.data_ptr() and full.stride(0) == key.stride(0) == 16896  # fp8: bytes
+    assert scale.data_ptr() == key.data_ptr() + 128 * 128
+
+
+def test_a5_full_view_sees_every_loaded_byte() -> None:
+    """Store the c4 indexer rows, scrub the pages, load: the full view (never a plane) reads the stored keys and
+    scales back; a load that skipped the scale plane would leave the full view's scale bytes scrubbed."""
+    layout, preset = preset_layout("deepseek-v4-flash-a5", "ascend", num_blocks=4, seed=5)
+    group = layout.groups[0]
+    slots = [np.full((1, layout.plan.rows_per_chunk[g.index]), -1, dtype=np.int64) for g in layout.groups]
+    slots[0][0] = np.arange(group.rows_per_chunk) + group.rows_per_block  # block 1, rows 0..63
+    plan = layout.plan
+    backend = get_backend("torch")
+    objects = torch.zeros((1, plan.object_bytes), dtype=torch.uint8)
+    backend.store(plan, slots, objects)
+    name = next(n for n in preset.kv_caches if n.endswith("indexer.k_cache"))
+    key, scale, full = preset.kv_caches[name]
+    want = full[1].contiguous().view(torch.uint8).clone()
+    for raw in preset.allocations:
+        raw.zero_()
+    backend.load(plan, slots, objects)
+    got = full[1].contiguous().view(torch.uint8)
+    rows = group.rows_per_chunk
+    flat_want, flat_got = want.reshape(-1), got.reshape(-1)
+    assert torch.equal(flat_got[:rows * 128], flat_want[:rows * 128])  # the keys of the chunk's rows
+    scale_start = 128 * 128
+    assert torch.equal(flat_got[scale_start:scale_start + rows * 4], flat_want[scale_start:scale_start + rows * 4])
+    assert flat_want[scale_start:scale_start + rows * 4].any(), "negative control: the scales are not all zero"
+    assert not flat_got[rows * 128:scale_start].any(), "rows outside the chunk were written"
 
 
 def test_deepseek_v4_skipping_compressor_state_is_smaller_and_says_it_is_approximate() -> None:

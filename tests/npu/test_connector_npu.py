@@ -1,6 +1,8 @@
 """The connector inside vLLM-Ascend: vllm-ascend's own spec classes size the pages as our presets do, and every
 Ascend preset runs the connector scenario of tests/integration (vLLM's real Scheduler, a simulated model writing
-and checking every row) with its KV caches on the NPU and the AscendC kernel moving the bytes."""
+and checking every row) with its KV caches on the NPU and the AscendC kernel moving the bytes. On 310P this drives
+the kernels and the connector directly (no vllm-ascend model runner): vllm-ascend refuses every KV connector on 310P
+at start-up, so 310P is kernels-only and this is not a claim that `vllm serve` with the plugin runs there."""
 
 from __future__ import annotations
 
@@ -45,7 +47,7 @@ def test_prefix_is_loaded_exactly_on_the_npu(soc: str, preset: str) -> None:
     from ..integration.engine import Engine, EngineSpec
 
     if preset.endswith("310p") != (soc == "310p"):
-        pytest.skip(f"{preset} is for {'310P' if preset.endswith('310p') else 'A2/A3'}; this is {soc}")
+        pytest.skip(f"{preset} is for {'310P (kernels-only)' if preset.endswith('310p') else 'A2/A3'}; this is {soc}")
     settings = {**PRESET_ENGINES[(preset, "ascend")]}
     settings.pop("extra_config", None)  # SoC options are the emulator's; the NPU reports its own
     engine = Engine(EngineSpec(preset=preset, family="ascend", backend="npu", device="npu:0", **settings))

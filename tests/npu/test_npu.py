@@ -27,6 +27,7 @@ def test_presets_round_trip_on_npu(backend, preset: str, chunks: int) -> None:
     from lmcache_npu.bench.runner import run_bench
 
     if preset.endswith("310p") != (backend.soc.name == "310p"):
-        pytest.skip(f"{preset} is for {'310P' if preset.endswith('310p') else 'A2/A3'}; this is {backend.soc.name}")
+        pytest.skip(f"{preset} is for {'310P (kernels-only)' if preset.endswith('310p') else 'A2/A3'}; this is "
+                    f"{backend.soc.name}")
     report = run_bench(preset, "npu", chunks=chunks, check=True, progress=False)
     assert report.check == "ok"

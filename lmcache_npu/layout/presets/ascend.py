@@ -4,7 +4,12 @@ Facts read from vllm-ascend v0.23.0 (not imported: it needs CANN):
 * `vllm_ascend/core/kv_cache_interface.py`: `AscendMLAAttentionSpec` counts a block in stored rows (a c4 block of
   128 rows covers 512 tokens) and sizes DSA / LI-C8 pages; `AscendSlidingWindowMLASpec` stores one row per token.
 * `vllm_ascend/models/deepseek_v4.py`, `models/layer/attention/layer.py`: DeepSeek-V4 block sizes at block 128 are
-  [MLA 128, SWA 128, c4 state 8, c128 state 32] and padded pages [16640, 131072].
+  [MLA 128, SWA 128, c4 state 8, c128 state 32] and padded pages [16640, 131072]. On Ascend 950 (A5) they are
+  [128, 128, 8, 16] and [16896, 81920]; the MLA and SWA caches are fp8 rows of head_dim + 128 B, the indexer keys fp8
+  with fp32 scales (`core/kv_cache_interface.py`'s A5 C8 dtypes).
+* `vllm_ascend/worker/model_runner_v1.py` `_reshape_kv_cache_tensors` / `_adjust_kv_layout`: on A5 an indexer layer
+  is registered as three views of its page: keys at 0, scales after them, and a "full" view [nb, bs, 1, head_dim +
+  4] that starts at 0 again and so covers both (`overlap_full_kv_cache`).
 * `vllm_ascend/patch/platform/patch_kv_cache_utils.py`: DeepSeek-V4 groups are [c4 MLA + indexer, c128 MLA,
   sliding-window groups by block size split into layer tuples], one raw tensor per (tuple, page size).
 * `vllm_ascend/worker/model_runner_v1.py`: dense and MLA caches are split K/V (nope/rope) allocations, LI-C8 puts the
@@ -29,6 +34,10 @@ ASCEND_BLOCK = 128
 KERNEL_BLOCK = 128  # the Ascend FlashAttention backend's supported kernel block size
 DSV4_BLOCKS = {"mla": 128, "swa": 128, "c4_state": 8, "c128_state": 32}  # at cache_config.block_size 128
 DSV4_PADDED_PAGES = (16640, 131072)  # indexer page, MLA page
+DSV4_BLOCKS_A5 = {"mla": 128, "swa": 128, "c4_state": 8, "c128_state": 16}  # Ascend 950, block_size 128
+DSV4_PADDED_PAGES_A5 = (16896, 81920)
+DSV4_A5_EXTRA_HEAD = 128  # A5 MLA/SWA rows: head_dim + 128 B (fp8)
+DSV4_FP8 = torch.float8_e4m3fn
 NZ = 16  # FRACTAL_NZ: 16 elements per unit
 
 
@@ -132,30 +141,61 @@ def ascend_specs(model: Model) -> dict[str, Any]:
     return specs
 
 
+@dataclass(frozen=True)
+class _Dsv4Device:
+    """What vllm-ascend's DeepSeek-V4 caches are on one SoC family: block sizes, padded pages, dtypes, row sizes."""
+
+    blocks: dict[str, int]
+    padded_pages: tuple[int, int]  # indexer page, MLA page
+    kv_dtype: torch.dtype  # MLA and SWA rows
+    index_dtype: torch.dtype
+    index_scale_dtype: torch.dtype
+    extra_head: int  # columns added to MLA and SWA rows (A5: 128 more fp8 bytes)
+
+
+def dsv4_device(v4: DeepseekV4) -> _Dsv4Device:
+    """A2/A3 or Ascend 950 (A5) caches of a DeepSeek-V4 model."""
+    if v4.ascend_950:
+        return _Dsv4Device(DSV4_BLOCKS_A5, DSV4_PADDED_PAGES_A5, DSV4_FP8, DSV4_FP8, torch.float32,
+                           DSV4_A5_EXTRA_HEAD)
+    return _Dsv4Device(DSV4_BLOCKS, DSV4_PADDED_PAGES, torch.bfloat16, torch.int8, torch.float16, 0)
+
+
+def _dsv4_layers(v4: DeepseekV4) -> list[tuple[str, int]]:
+    """(attention prefix, compress ratio) per layer: the model's layers, then its MTP layers (`mtp.{j}`)."""
+    main = [(f"model.layers.{i}.self_attn", r) for i, r in enumerate(v4.compress_ratios)]
+    return main + [(f"mtp.{j}.self_attn", r) for j, r in enumerate(v4.mtp_compress_ratios)]
+
+
 def _dsv4_specs(v4: DeepseekV4, mla_cls: type, swa_cls: type) -> dict[str, Any]:
-    indexer_page, mla_page = DSV4_PADDED_PAGES
+    dev = dsv4_device(v4)
+    indexer_page, mla_page = dev.padded_pages
+    cached_head = v4.head_dim + dev.extra_head
     specs: dict[str, Any] = {}
-    for i, ratio in enumerate(v4.compress_ratios):
-        attn = f"model.layers.{i}.self_attn"
+    for attn, ratio in _dsv4_layers(v4):
+        if ratio not in (0, 1, 4, 128):
+            raise ValueError(f"layer {attn}: DeepSeek-V4 compress ratio {ratio}; vllm-ascend supports 4 and 128 "
+                             "(0 or 1: SWA only)")
+        ratio = 0 if ratio == 1 else ratio
         if ratio:
-            specs[attn] = mla_cls(block_size=DSV4_BLOCKS["mla"], num_kv_heads=1, head_size=v4.head_dim,
-                                  dtype=torch.bfloat16, compress_ratio=ratio, model_version="deepseek_v4")
+            specs[attn] = mla_cls(block_size=dev.blocks["mla"], num_kv_heads=1, head_size=cached_head,
+                                  dtype=dev.kv_dtype, compress_ratio=ratio, model_version="deepseek_v4")
         if ratio == 4:
             specs[f"{attn}.indexer.k_cache"] = mla_cls(
-                block_size=DSV4_BLOCKS["mla"], num_kv_heads=1, head_size=v4.index_head_dim, dtype=torch.int8,
-                compress_ratio=4, model_version="deepseek_v4", scale_dim=1, scale_dtype=torch.float16)
+                block_size=dev.blocks["mla"], num_kv_heads=1, head_size=v4.index_head_dim, dtype=dev.index_dtype,
+                compress_ratio=4, model_version="deepseek_v4", scale_dim=1, scale_dtype=dev.index_scale_dtype)
         if ratio:
             coff = 2 if ratio == 4 else 1
             specs[f"{attn}.compressor.state_cache"] = swa_cls(
-                block_size=DSV4_BLOCKS["c4_state" if ratio == 4 else "c128_state"], num_kv_heads=1,
+                block_size=dev.blocks["c4_state" if ratio == 4 else "c128_state"], num_kv_heads=1,
                 head_size=2 * coff * v4.head_dim, dtype=torch.float32, sliding_window=coff * ratio,
                 page_size_padded=mla_page)
         if ratio == 4:
             specs[f"{attn}.indexer.compressor.state_cache"] = swa_cls(
-                block_size=DSV4_BLOCKS["c4_state"], num_kv_heads=1, head_size=2 * 2 * v4.index_head_dim,
+                block_size=dev.blocks["c4_state"], num_kv_heads=1, head_size=2 * 2 * v4.index_head_dim,
                 dtype=torch.float32, sliding_window=8, page_size_padded=indexer_page)
-        specs[f"{attn}.swa_cache"] = swa_cls(block_size=DSV4_BLOCKS["swa"], num_kv_heads=1, head_size=v4.head_dim,
-                                             dtype=torch.bfloat16, sliding_window=v4.window,
+        specs[f"{attn}.swa_cache"] = swa_cls(block_size=dev.blocks["swa"], num_kv_heads=1, head_size=cached_head,
+                                             dtype=dev.kv_dtype, sliding_window=v4.window,
                                              model_version="deepseek_v4")
     return specs
 
@@ -276,6 +316,9 @@ def ascend_kv_caches(model: Model, kv_cache_config: Any, generator: torch.Genera
                     caches[name] = [_strided(raw, key_shape, s.dtype, page),
                                     _strided(raw, (nb, s.block_size, 1, s.scale_dim), s.scale_dtype, page,
                                              s.block_size * s.head_size * s.dtype.itemsize)]
+                    if model.layers.ascend_950:  # the "full" view: keys and scales again, from the page's start
+                        full = s.head_size + s.scale_dim * s.scale_dtype.itemsize // s.dtype.itemsize
+                        caches[name].append(_strided(raw, (nb, s.block_size, 1, full), s.dtype, page))
                 else:
                     caches[name] = [_strided(raw, (nb, s.block_size, 1, s.head_size), s.dtype, page)]
             continue

@@ -43,12 +43,19 @@ Layer = Union[Attention, MLA, GatedDeltaNet]
 
 @dataclass(frozen=True)
 class DeepseekV4:
-    """DeepSeek-V4: per layer an SWA cache; c4 layers add compressed MLA + indexer, c128 layers compressed MLA."""
+    """DeepSeek-V4: per layer an SWA cache; c4 layers add compressed MLA + indexer, c128 layers compressed MLA.
+
+    `ascend_950` selects vllm-ascend's Ascend 950 (A5) caches: fp8 MLA/SWA rows of head_dim + 128 bytes, an fp8
+    indexer with fp32 scales registered as three views (keys, scales, and a "full" view over both), the A5 block
+    sizes and padded pages. `mtp_compress_ratios` adds one MTP (speculative decoding) layer per entry, named
+    `mtp.{j}` as vllm-ascend's DeepSeek-V4 MTP model names them."""
 
     compress_ratios: tuple[int, ...]  # 0: SWA only
     window: int = 128
     head_dim: int = 512
     index_head_dim: int = 128
+    ascend_950: bool = False
+    mtp_compress_ratios: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -94,12 +101,25 @@ def _qwen3_next_80b() -> Model:
                  "48 layers: 36 Gated DeltaNet (conv + recurrent state) + 12 full attention (2 KV heads x 256)")
 
 
+# HF config: 43 layers, compress_ratios [0, 0, 4, 128, 4, 128, ...]
+_FLASH_RATIOS = (0, 0) + tuple(4 if i % 2 == 0 else 128 for i in range(41))
+
+
 def _deepseek_v4_flash() -> Model:
-    # HF config: 43 layers, compress_ratios [0, 0, 4, 128, 4, 128, ...]; the MTP layer is not served here.
-    ratios = (0, 0) + tuple(4 if i % 2 == 0 else 128 for i in range(41))
-    return Model("deepseek-v4-flash", DeepseekV4(ratios),
+    # the MTP layer is not served here (the A2/A3 preset models serving without speculative decoding)
+    return Model("deepseek-v4-flash", DeepseekV4(_FLASH_RATIOS),
                  "43 layers: SWA cache (window 128) on every layer, 21 c4 (MLA + indexer) and 20 c128 MLA layers",
                  families=("ascend", "cuda"))
+
+
+def _deepseek_v4_flash_a5() -> Model:
+    # vllm-ascend 0.23 on Ascend 950 (models/deepseek_v4.py, models/layer/attention/layer.py): fp8 caches, block
+    # table [128, 128, 8, 16], padded pages [16896, 81920]. Its 950 deployment guides serve with MTP: one MTP layer,
+    # SWA only (the config's compress_ratios list stops at num_hidden_layers; vLLM and vllm-ascend read 0 past it).
+    return Model("deepseek-v4-flash-a5", DeepseekV4(_FLASH_RATIOS, ascend_950=True, mtp_compress_ratios=(0,)),
+                 "Ascend 950: 43 layers + 1 MTP layer; fp8 SWA and MLA rows of 512 + 128 B, fp8 indexer keys with "
+                 "fp32 scales (three views, the overlapping full view stored once), padded pages 16896 / 81920",
+                 families=("ascend",))
 
 
 MODELS: dict[str, Model] = {m.name: m for m in (
@@ -111,10 +131,12 @@ MODELS: dict[str, Model] = {m.name: m for m in (
           "61 MLA layers with the DSA lightning indexer (int8 keys + fp16 scale on Ascend LI-C8, fp8 on CUDA)",
           families=("ascend", "cuda")),
     _deepseek_v4_flash(),
+    _deepseek_v4_flash_a5(),
     _gemma3_27b(),
     _gpt_oss_120b(),
     _qwen3_next_80b(),
-    _dense("llama3-8b-310p", 32, 8, 128, "Atlas 300I Duo (310P): FRACTAL_NZ K/V [nb, H*hd/16, bs, 16], fp16",
+    _dense("llama3-8b-310p", 32, 8, 128, "Atlas 300I Duo (310P), kernels-only (vllm-ascend refuses KV connectors on "
+           "310P): FRACTAL_NZ K/V [nb, H*hd/16, bs, 16], fp16",
            dtype=torch.float16, families=("ascend",), fractal_nz=True),
 )}
 
