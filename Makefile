@@ -52,7 +52,7 @@ test: setup engines
 		tests/engines; done
 
 demo: .venv-vllm-$(DEMO_VLLM)/.lmcache-npu-setup
-	.venv-vllm-$(DEMO_VLLM)/bin/lmcache-npu replay
+	.venv-vllm-$(DEMO_VLLM)/bin/lmcache-npu replay --plot replay-plots
 
 bench-all: setup
 	$(BIN)/python benchmarks/all_presets.py --backend auto --json bench-all.json

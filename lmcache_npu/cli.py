@@ -239,6 +239,7 @@ def _replay_plugin_config(args: argparse.Namespace, disk_dir: Optional[str]) -> 
 
 
 def _replay(args: argparse.Namespace) -> int:
+    import dataclasses
     import os
     import tempfile
 
@@ -247,14 +248,18 @@ def _replay(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from .replay.configs import default_configs
     from .replay.engine import EngineSettings, engine_available
     from .replay.models import VOCAB, make_model, model_vocab, recipe_from_config_file, resolve_recipe
     from .replay.replay import render_report, run_replay
+    from .replay.sizing import kv_bytes_per_token, kv_memory_for, longest_request_tokens, working_set_tokens
     from .store.config import parse_bytes
 
     missing = engine_available()
     if missing:
         raise ValueError(f"replay needs a real vLLM engine: {missing}")
+    if args.repeats < 1:
+        raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
     console = Console(width=None if sys.stdout.isatty() else 200)
     if args.model_config is not None:
         recipe = recipe_from_config_file(args.model_config)
@@ -264,33 +269,47 @@ def _replay(args: argparse.Namespace) -> int:
     else:
         recipe = resolve_recipe(args.model)
         model_dir, label = str(make_model(recipe, progress=console.log)), f"{recipe.name} ({recipe.exercises})"
-    conversations, workload = _replay_workload(args, model_vocab(model_dir, VOCAB))
-    longest = max(len(c.system) + sum(len(t.user) + t.output_tokens for t in c.turns) for c in conversations)
-    overrides: dict[str, object] = {"kv_cache_memory_bytes": parse_bytes("--kv-cache-memory", args.kv_cache_memory),
-                                    "max_num_seqs": args.max_num_seqs, "max_model_len": -(-longest // 256) * 256,
-                                    "seed": args.seed}
-    if args.vllm_prefix_cache:
-        overrides["prefix_caching"] = True
+    vocab = model_vocab(model_dir, VOCAB)
+    conversations, workload = _replay_workload(args, vocab)
+    # the restart phase sends one more turn: room for the longest history plus its next message and answer
+    longest = longest_request_tokens(conversations) + max(len(c.turns[-1].user) + c.turns[-1].output_tokens
+                                                          for c in conversations)
+    overrides: dict[str, object] = {"max_num_seqs": args.max_num_seqs, "seed": args.seed,
+                                    "max_model_len": -(-longest // 256) * 256,
+                                    "prefix_caching": args.vllm_prefix_cache == "on"}
     if args.dtype is not None:
         overrides["dtype"] = args.dtype
     settings = (EngineSettings.for_recipe(recipe, model_dir, **overrides) if recipe is not None
                 else EngineSettings(model_dir=model_dir, **overrides))  # type: ignore[arg-type]
-    total = 2 * sum(len(c.turns) for c in conversations)
+    if args.kv_cache_memory == "auto":  # the working set `--working-set-ratio` times what the device holds
+        kv_bytes = kv_memory_for(conversations, args.working_set_ratio, kv_bytes_per_token(model_dir, settings.dtype),
+                                 settings.max_model_len)
+    else:
+        kv_bytes = parse_bytes("--kv-cache-memory", args.kv_cache_memory)
+    settings = dataclasses.replace(settings, kv_cache_memory_bytes=kv_bytes)
+    turns = sum(len(c.turns) for c in conversations)
+    total = args.repeats * 2 * turns + (0 if args.no_restart else 2 * len(conversations))
     with tempfile.TemporaryDirectory(prefix="lmcache-npu-replay-") as scratch:
         disk_dir = None if args.no_disk else (str(args.disk_path) if args.disk_path else scratch)
-        plugin_config = _replay_plugin_config(args, disk_dir)
+        configs = default_configs(_replay_plugin_config(args, disk_dir))
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       console=Console(stderr=True), transient=not sys.stderr.isatty()) as progress:
             task = progress.add_task("requests", total=total)
 
             def on_turn(run: str, turn) -> None:
-                progress.update(task, advance=len(turn.completions),
-                                description=f"{run} the plugin: turn {turn.turn + 1} done")
+                progress.update(task, advance=len(turn.completions), description=f"{run}: turn {turn.turn + 1} done")
 
-            report = run_replay(label, conversations, workload, settings, plugin_config, on_turn=on_turn,
-                                on_phase=lambda text: progress.update(task, description=text))
+            report = run_replay(label, conversations, workload, settings, configs, vocab, repeats=args.repeats,
+                                working_set_tokens=working_set_tokens(conversations), restart=not args.no_restart,
+                                on_turn=on_turn, on_phase=lambda text: progress.update(task, description=text))
+    report.settings["kv_cache_memory_bytes"] = kv_bytes
     for item in render_report(report):
         console.print(item)
+    if args.plot is not None:
+        from .replay.plots import write_plots
+
+        for path in write_plots(report, args.plot):
+            console.print(f"wrote {path}")
     if args.json:
         Path(args.json).write_text(json.dumps(report.to_json(), indent=2))
     return 0 if report.all_match else 1
@@ -317,8 +336,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lmcache-npu", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = parser.add_subparsers(dest="command", required=True)
-    replay = sub.add_parser("replay", help="a multi-turn workload on a real vLLM engine without the plugin, then "
-                            "with it: tokens loaded, prefill and TTFT per turn, identical tokens")
+    replay = sub.add_parser("replay", help="a multi-turn workload on a real vLLM engine, vLLM alone and with the "
+                            "plugin (prefix cache on in both), repeated: tokens by source, TTFT, prefill and wall "
+                            "time per turn, identical tokens; then a restart on the disk tier")
     replay.add_argument("--model", default="gemma3-demo",
                         help="a model recipe made on this machine (gemma3-demo, llama, gemma3, gpt-oss, qwen3-next, "
                              "deepseek-mla) or a model directory (default gemma3-demo)")
@@ -343,15 +363,24 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--chunk-tokens", type=int, help="tokens per stored chunk (default: the plugin's choice)")
     replay.add_argument("--cpu-bytes", default="2GiB", help="the plugin's host arena (default 2GiB: the workloads "
                         "here fit; the plugin's own default, 8GiB, takes seconds to touch)")
-    replay.add_argument("--disk-path", type=Path, help="the plugin's disk tier (default: a temporary directory)")
+    replay.add_argument("--disk-path", type=Path, help="the plugin's disk tier (default: a temporary directory); "
+                        "each timed run with the plugin gets an empty run-N directory under it")
     replay.add_argument("--disk-bytes", default="4GiB", help="the disk tier's capacity (default 4GiB)")
     replay.add_argument("--no-disk", action="store_true", help="host arena only")
     replay.add_argument("--config", type=Path, help="a YAML file of more plugin config keys (e.g. mooncake); "
                         "the options above override it")
-    replay.add_argument("--kv-cache-memory", default="256MiB", help="vLLM's KV cache (default 256MiB)")
+    replay.add_argument("--kv-cache-memory", default="auto", help="vLLM's device KV cache, or auto (default): "
+                        "sized so the workload's working set is --working-set-ratio times what it holds")
+    replay.add_argument("--working-set-ratio", type=float, default=4.0, help="with --kv-cache-memory auto: the "
+                        "working set over the device KV capacity (default 4: the regime offload exists for)")
     replay.add_argument("--max-num-seqs", type=int, default=16)
-    replay.add_argument("--vllm-prefix-cache", action="store_true", help="vLLM's own prefix cache on in both "
-                        "runs (default off: every hit is the plugin's)")
+    replay.add_argument("--vllm-prefix-cache", choices=["on", "off"], default="on", help="vLLM's own prefix cache "
+                        "in every run (default on, as vLLM ships; off: every hit is the plugin's)")
+    replay.add_argument("--repeats", type=int, default=3, help="runs of each configuration, the order alternating; "
+                        "tables show medians and min-max (default 3)")
+    replay.add_argument("--no-restart", action="store_true", help="skip the restart phase (the next turn on a "
+                        "fresh engine over the last run's disk tier, against a cold restart without the plugin)")
+    replay.add_argument("--plot", type=Path, help="write replay-ttft.png and replay-sources.png into this directory")
     replay.add_argument("--seed", type=int, default=0)
     replay.add_argument("--json", type=Path, help="write the report as JSON")
     replay.set_defaults(func=_replay)

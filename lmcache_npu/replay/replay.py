@@ -1,149 +1,202 @@
-"""`lmcache-npu replay`: one workload on a real vLLM engine, without the plugin and then with it, compared turn by
-turn: how much of each prompt the plugin loaded instead of computing, what that did to prefill time and TTFT, and
-whether every conversation got the same tokens."""
+"""`lmcache-npu replay`: one workload on a real vLLM engine in every configuration (vLLM alone, vLLM with the
+plugin, ...), each run on a fresh, warmed-up engine, repeated with the order alternating; per turn and in total:
+where the prompt tokens came from, TTFT p50/p90, prefill and wall time (medians, min-max), identical tokens; then a
+restart phase on the plugin's disk tier."""
 
 from __future__ import annotations
 
-import statistics
+import logging
+import os
 import time
-from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Callable, Mapping, Optional, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Optional, Sequence
 
-from .compare import compare, tolerance_for
-from .engine import Engine, EngineSettings
-from .runner import TurnRun, run_workload
+from .accounting import SOURCES
+from .compare import tolerance_for
+from .configs import RunConfig, run_order
+from .engine import EngineSettings
+from .identity import TurnReport, compare_turns
+from .restart import RestartResult, run_restart
+from .runner import TurnRun
+from .runs import RunResult, start_engine, timed_run
+from .spread import Spread, spread_of
+from .verdict import Summary, seconds, verdict_line
+from .warmup import cold_runs
 from .workload import Conversation
 
-RUNS = ("without", "with")  # the order they run in: the baseline first, so the plugin starts cold too
-COMPARED_LOGPROBS = 2  # per step, enough to tell a near tie from a difference
+logger = logging.getLogger(__name__)
 
-
-@dataclass(frozen=True)
-class TurnReport:
-    """One turn of every conversation that has it, both runs."""
-
-    turn: int
-    requests: int
-    prompt_tokens: int
-    loaded_tokens: int  # prompt tokens the plugin loaded (with vLLM's prefix cache on: its hits too)
-    computed_tokens: int
-    prefill_s: dict[str, float]  # run -> the turn's prefill: from its submission until every request had a token
-    ttft_s: dict[str, float]  # run -> median over the requests (arrival to first token, queueing included)
-    wall_s: dict[str, float]  # run -> the whole turn, every request's prefill and decode
-    identical: int  # conversations whose tokens were the same in both runs (logprobs within the tolerance)
-    first_difference: str = ""  # the first departure beyond the tolerance, when some departed
-    near_ties: int = 0  # conversations that took the other token of a near tie in the model's precision
-    first_near_tie: str = ""
-
-    @property
-    def matching(self) -> int:
-        """Conversations without a difference beyond the tolerance (near ties count as matching)."""
-        return self.identical + self.near_ties
-
-    @property
-    def hit_rate(self) -> float:
-        return self.loaded_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+TIMES = ("ttft_p50_s", "ttft_p90_s", "prefill_s", "wall_s")
 
 
 @dataclass
 class ReplayReport:
-    """Every turn's comparison, and what the runs were."""
+    """Every run of every configuration, their comparison, and the restart phase."""
 
     model: str
     workload: str
     settings: dict[str, Any]
-    turns: list[TurnReport] = field(default_factory=list)
-    plugin_stats: dict[str, float] = field(default_factory=dict)  # the connector's counters over the run with it
+    configs: list[str]  # the first is the baseline and the tokens' reference
+    runs: list[RunResult]
+    working_set_tokens: int = 0
     step_name: str = "turn"  # what a row is: a chat's turn, or a wave of concurrent requests
-    ttft_p50: dict[str, float] = field(default_factory=dict)  # run -> median TTFT over every request
+    restart: Optional[RestartResult] = None
+    identity: dict[str, list[list[TurnReport]]] = field(default_factory=dict)  # config -> per run, per turn
+
+    def runs_of(self, config: str) -> list[RunResult]:
+        found = [r for r in self.runs if r.config == config]
+        if not found:
+            raise ValueError(f"no runs of configuration {config!r}; ran: {', '.join(self.configs)}")
+        return found
+
+    @property
+    def repeats(self) -> int:
+        return min(len(self.runs_of(c)) for c in self.configs)
+
+    @property
+    def capacity_tokens(self) -> int:
+        return max((r.capacity_tokens for r in self.runs), default=0)
+
+    @property
+    def working_set_ratio(self) -> float:
+        return self.working_set_tokens / self.capacity_tokens if self.capacity_tokens else 0.0
+
+    def turn_spreads(self, config: str) -> list[dict[str, Spread]]:
+        """Per turn: each timing and each source's tokens over the configuration's runs."""
+        runs = self.runs_of(config)
+        rows = []
+        for turn in range(len(runs[0].turns)):
+            row = {name: spread_of(getattr(r.times()[turn], name) for r in runs) for name in TIMES}
+            row.update({s: spread_of(r.hits[turn].by_source()[s] for r in runs) for s in SOURCES})
+            rows.append(row)
+        return rows
+
+    def total_spreads(self, config: str) -> dict[str, Spread]:
+        runs = self.runs_of(config)
+        row = {name: spread_of(getattr(r.total_times(), name) for r in runs) for name in TIMES}
+        row.update({s: spread_of(r.total_hits().by_source()[s] for r in runs) for s in SOURCES})
+        return row
+
+    def matching(self, config: str, turn: Optional[int] = None) -> tuple[int, int, int]:
+        """(matching, requests, near ties) of every run of `config` against the reference, one turn or all."""
+        reports = [t for run in self.identity.get(config, []) for i, t in enumerate(run) if turn in (None, i)]
+        return (sum(t.matching for t in reports), sum(t.requests for t in reports),
+                sum(t.near_ties for t in reports))
 
     @property
     def all_match(self) -> bool:
-        """No conversation departed beyond its model dtype's tolerance (near ties aside)."""
-        return all(t.matching == t.requests for t in self.turns)
+        tokens = all(m == n for m, n, _ in (self.matching(c) for c in self.configs))
+        return tokens and (self.restart is None or self.restart.identity.matching == self.restart.identity.requests)
 
-    def totals(self) -> dict[str, Any]:
-        prompt = sum(t.prompt_tokens for t in self.turns)
-        loaded = sum(t.loaded_tokens for t in self.turns)
-        return {"requests": sum(t.requests for t in self.turns), "prompt_tokens": prompt, "loaded_tokens": loaded,
-                "computed_tokens": prompt - loaded, "hit_rate": loaded / prompt if prompt else 0.0,
-                "prefill_s": {run: sum(t.prefill_s[run] for t in self.turns) for run in RUNS},
-                "ttft_s": dict(self.ttft_p50) or {run: statistics.median(t.ttft_s[run] for t in self.turns)
-                                                  for run in RUNS},
-                "wall_s": {run: sum(t.wall_s[run] for t in self.turns) for run in RUNS},
-                "identical": self.all_match, "near_ties": sum(t.near_ties for t in self.turns)}
+    def first_difference(self) -> str:
+        for config, runs in self.identity.items():
+            for run, turns in zip(self.runs_of(config), runs):
+                for t in turns:
+                    if t.first_difference:
+                        return f"{run.label}, {self.step_name} {t.turn}: {t.first_difference}"
+        if self.restart is not None and self.restart.identity.first_difference:
+            return f"restart: {self.restart.identity.first_difference}"
+        return ""
+
+    def summary(self, candidate: Optional[str] = None) -> Summary:
+        """The verdict's numbers: the baseline against `candidate` (default: the second configuration)."""
+        if len(self.configs) < 2:
+            raise ValueError("a verdict needs a baseline and a candidate configuration")
+        base, cand = self.configs[0], candidate or self.configs[1]
+        b, c = self.total_spreads(base), self.total_spreads(cand)
+        return Summary(base, cand, self.repeats, (b["ttft_p50_s"], c["ttft_p50_s"]), (b["ttft_p90_s"], c["ttft_p90_s"]),
+                       (b["wall_s"], c["wall_s"]), self.runs_of(base)[0].total_hits().prompt_tokens,
+                       {s: b[s].median for s in SOURCES}, {s: c[s].median for s in SOURCES},
+                       bool(self.settings.get("prefix_caching")), self.working_set_ratio,
+                       cold_runs([(r.label, r.warmup) for r in self.runs]))
 
     def to_json(self) -> dict[str, Any]:
-        return {"model": self.model, "workload": self.workload, "settings": self.settings, "rows": self.step_name,
-                "turns": [{**asdict(t), "hit_rate": t.hit_rate} for t in self.turns], "totals": self.totals(),
-                "plugin_stats": self.plugin_stats}
-
-
-def compare_turns(without: Sequence[TurnRun], with_plugin: Sequence[TurnRun],
-                  tolerance: float = tolerance_for("float32")) -> list[TurnReport]:
-    """Turn reports from the two runs of one workload; `tolerance`: the model dtype's (`compare.tolerance_for`)."""
-    if [r.conversations for r in without] != [r.conversations for r in with_plugin]:
-        raise ValueError("the two runs did not run the same turns")
-    reports = []
-    for base, run in zip(without, with_plugin):
-        # tokens, as a user sees them (a near tie excused); the engine tests also hold logprobs and rows to account
-        verdicts = [(conv, compare(a, b, tolerance, logprobs=False))
-                    for conv, a, b in zip(run.conversations, base.completions, run.completions)]
-        differences = [f"conversation {conv}: {v.difference}" for conv, v in verdicts if v.difference]
-        ties = [f"conversation {conv} {v.near_tie}" for conv, v in verdicts if v.near_tie and not v.difference]
-        prompt = sum(c.prompt_tokens for c in run.completions)
-        loaded = sum(c.cached_tokens for c in run.completions)
-        reports.append(TurnReport(
-            turn=run.turn + 1, requests=len(run.completions), prompt_tokens=prompt, loaded_tokens=loaded,
-            computed_tokens=prompt - loaded,
-            prefill_s={name: max(c.ttft_s for c in r.completions) for name, r in zip(RUNS, (base, run))},
-            ttft_s={name: statistics.median(c.ttft_s for c in r.completions) for name, r in zip(RUNS, (base, run))},
-            wall_s={"without": base.wall_s, "with": run.wall_s},
-            identical=len(run.completions) - len(differences) - len(ties),
-            first_difference=differences[0] if differences else "", near_ties=len(ties),
-            first_near_tie=ties[0] if ties else ""))
-    return reports
+        out: dict[str, Any] = {
+            "model": self.model, "workload": self.workload, "settings": self.settings, "rows": self.step_name,
+            "configs": self.configs, "repeats": self.repeats, "working_set_tokens": self.working_set_tokens,
+            "device_capacity_tokens": self.capacity_tokens, "working_set_ratio": self.working_set_ratio,
+            "identical": self.all_match, "first_difference": self.first_difference(), "per_config": {},
+            "runs": [{"config": r.config, "repeat": r.repeat, "position": r.position,
+                      "warmup": None if r.warmup is None else r.warmup.to_json(),
+                      "turns": [{**asdict(t), "hits": h.by_source(), "prompt_tokens": h.prompt_tokens}
+                                for t, h in zip(r.times(), r.hits)],
+                      "plugin_stats": r.plugin_stats, "reloaded_tokens": r.reloaded_tokens,
+                      "accounting_mismatches": r.mismatches} for r in self.runs]}
+        for config in self.configs:
+            matching, requests, ties = self.matching(config)
+            out["per_config"][config] = {
+                "turns": [{k: v.to_json() for k, v in row.items()} for row in self.turn_spreads(config)],
+                "totals": {k: v.to_json() for k, v in self.total_spreads(config).items()},
+                "matching": matching, "requests": requests, "near_ties": ties}
+        if len(self.configs) > 1:
+            text, _ = verdict_line(self.summary())
+            out["verdict"] = text
+        if self.restart is not None:
+            out["restart"] = self.restart.to_json()
+        return out
 
 
 def run_replay(model: str, conversations: Sequence[Conversation], workload: str, settings: EngineSettings,
-               extra_config: Mapping[str, Any], on_turn: Optional[Callable[[str, TurnRun], None]] = None,
+               configs: Sequence[RunConfig], vocab: int, repeats: int = 3, working_set_tokens: int = 0,
+               restart: bool = True, warmup: bool = True,
+               on_turn: Optional[Callable[[str, TurnRun], None]] = None,
                on_phase: Optional[Callable[[str], None]] = None) -> ReplayReport:
-    """The workload without the plugin, then with it (`extra_config`: the connector's config), each on a fresh
-    engine. `on_turn(run, turn)` sees each turn as it completes; `on_phase` each engine start."""
-    tolerance = tolerance_for(settings.dtype)  # an unknown dtype fails before either run, not after both
-    runs: dict[str, list[TurnRun]] = {}
-    stats: dict[str, float] = {}
-    for name in RUNS:
+    """Every configuration `repeats` times in alternating order, each run on a fresh engine (a run with the plugin on
+    a disk directory of its own), then the restart phase on the last plugin run's disk directory."""
+    tolerance = tolerance_for(settings.dtype)  # an unknown dtype fails before any run, not after all
+    runs: list[RunResult] = []
+    order = run_order(configs, repeats)
+    last_disk = ""
+    for step, (repeat, config) in enumerate(order):
+        extra = dict(config.extra_config)
+        if config.plugin and extra.get("disk_path"):
+            extra["disk_path"] = last_disk = os.path.join(str(extra["disk_path"]), f"run-{repeat + 1}")
+            if os.path.isdir(last_disk) and os.listdir(last_disk):
+                raise ValueError(f"{last_disk} is not empty: a timed run's disk tier must start empty (choose another "
+                                 f"--disk-path or empty it)")
         if on_phase is not None:
-            on_phase(f"starting the engine {name} the plugin")
+            on_phase(f"run {step + 1}/{len(order)}: starting {config.name}")
         started = time.perf_counter()
-        plugin = name == "with"
-        engine = Engine(replace(settings, plugin=plugin, extra_config=dict(extra_config) if plugin else {}))
+        engine = start_engine(settings, config, extra)
         try:
-            if on_phase is not None:
-                on_phase(f"engine {name} the plugin up in {time.perf_counter() - started:.1f} s")
-            runs[name] = run_workload(engine, conversations,
-                                      None if on_turn is None else (lambda turn, n=name: on_turn(n, turn)),
-                                      logprobs=COMPARED_LOGPROBS)
-            if plugin:
-                stats = engine.plugin_stats()
+            logger.info("%s up in %.1f s", config.name, time.perf_counter() - started)
+            position = step - next(i for i, (r, _) in enumerate(order) if r == repeat)
+            runs.append(timed_run(engine, config, repeat, position, conversations, vocab, warmup,
+                                  None if on_turn is None else (lambda turn, n=config.name: on_turn(n, turn))))
         finally:
             engine.close()
     waves = any(c.start for c in conversations)
-    report = ReplayReport(model=model, workload=workload, settings=_settings_json(settings, extra_config),
-                          step_name="wave" if waves else "turn")
-    report.turns = compare_turns(runs["without"], runs["with"], tolerance)
-    report.ttft_p50 = {name: statistics.median(c.ttft_s for turn in runs[name] for c in turn.completions)
-                       for name in RUNS}
-    report.plugin_stats = stats
+    report = ReplayReport(model, workload, _settings_json(settings, configs), [c.name for c in configs], runs,
+                          working_set_tokens, "wave" if waves else "turn")
+    reference = report.runs_of(configs[0].name)[0]
+    for config in configs:
+        report.identity[config.name] = [compare_turns(reference.turns, r.turns, tolerance)
+                                        for r in report.runs_of(config.name)]
+    plugin = next((c for c in configs if c.plugin), None)
+    if restart and plugin is not None and last_disk and not waves:
+        last = report.runs_of(plugin.name)[-1]
+        report.restart = run_restart(settings, plugin, last_disk, conversations, last.answers(len(conversations)),
+                                     vocab, settings.seed, tolerance, on_phase)
     return report
 
 
-def _settings_json(settings: EngineSettings, extra_config: Mapping[str, Any]) -> dict[str, Any]:
+def _settings_json(settings: EngineSettings, configs: Sequence[RunConfig]) -> dict[str, Any]:
     values = asdict(settings)
     values.pop("plugin")
-    values["extra_config"] = dict(extra_config)
+    values.pop("extra_config")
+    values["configs"] = {c.name: {"connector": c.connector, "extra_config": dict(c.extra_config)} for c in configs}
+    plugin = next((c for c in configs if c.plugin), None)
+    values["extra_config"] = dict(plugin.extra_config) if plugin is not None else {}
     return values
+
+
+def _cell(spread: Spread, repeats: int, unit: str = "s") -> str:
+    value = seconds(spread.median) if unit == "s" else f"{spread.median:,.0f}"
+    if repeats < 2 or spread.low == spread.high:
+        return value
+    low, high = ((seconds(spread.low), seconds(spread.high)) if unit == "s"
+                 else (f"{spread.low:,.0f}", f"{spread.high:,.0f}"))
+    return f"{value} [{low}-{high}]"
 
 
 def _matching_cell(matching: int, requests: int, near_ties: int) -> str:
@@ -153,43 +206,74 @@ def _matching_cell(matching: int, requests: int, near_ties: int) -> str:
 
 
 def render_report(report: ReplayReport) -> list[Any]:
-    """Rich renderables: the per-turn table and a one-line verdict."""
+    """Rich renderables: the per-turn table (medians [min-max]), the restart phase, the verdict, the token check."""
     from rich.table import Table
     from rich.text import Text
 
-    table = Table(title=f"{report.workload} on {report.model}: without the plugin vs with it", title_justify="left")
-    for column in (report.step_name, "requests", "prompt tokens", "loaded", "computed", "hit rate", "prefill without",
-                   "prefill with", "TTFT p50 without", "TTFT p50 with", "identical"):
+    repeats = report.repeats
+    title = (f"{report.workload} on {report.model}: {', '.join(report.configs)}; "
+             f"{'medians [min-max] of ' + str(repeats) + ' runs each' if repeats > 1 else 'one run each'}")
+    table = Table(title=title, title_justify="left")
+    for column in (report.step_name, "run", "TTFT p50", "TTFT p90", "prefill", "wall", "vLLM cache hit",
+                   "plugin: arena", "disk", "Mooncake", "computed", "identical"):
         table.add_column(column, justify="right")
-
-    def seconds(value: float) -> str:
-        return f"{value * 1e3:.0f} ms" if value < 10 else f"{value:.1f} s"
-
-    for t in report.turns:
-        table.add_row(str(t.turn), str(t.requests), str(t.prompt_tokens), str(t.loaded_tokens),
-                      str(t.computed_tokens), f"{t.hit_rate:.0%}", seconds(t.prefill_s["without"]),
-                      seconds(t.prefill_s["with"]), seconds(t.ttft_s["without"]), seconds(t.ttft_s["with"]),
-                      _matching_cell(t.matching, t.requests, t.near_ties))
-    totals = report.totals()
-    table.add_section()
-    table.add_row("all", str(totals["requests"]), str(totals["prompt_tokens"]), str(totals["loaded_tokens"]),
-                  str(totals["computed_tokens"]), f"{totals['hit_rate']:.0%}", seconds(totals["prefill_s"]["without"]),
-                  seconds(totals["prefill_s"]["with"]), seconds(totals["ttft_s"]["without"]),
-                  seconds(totals["ttft_s"]["with"]),
-                  _matching_cell(sum(t.matching for t in report.turns), totals["requests"], totals["near_ties"]))
-    if report.all_match and not totals["near_ties"]:
-        verdict = Text("every conversation's tokens were identical with and without the plugin", style="green")
-    elif report.all_match:
-        first = next(t.first_near_tie for t in report.turns if t.first_near_tie)
-        verdict = Text(f"every conversation's tokens were identical with and without the plugin up to "
-                       f"{totals['near_ties']} near tie(s) of the model's {report.settings.get('dtype')} logits, "
-                       f"where either token is right ({first})", style="yellow")
+    spreads = {c: report.turn_spreads(c) for c in report.configs}
+    for turn in range(len(report.runs[0].turns)):
+        for config in report.configs:
+            row = spreads[config][turn]
+            table.add_row(str(turn + 1), config, *(_cell(row[t], repeats) for t in TIMES),
+                          *(_cell(row[s], repeats, "tokens") for s in SOURCES),
+                          _matching_cell(*report.matching(config, turn)))
+        table.add_section()
+    for config in report.configs:
+        row = report.total_spreads(config)
+        table.add_row("all", config, *(_cell(row[t], repeats) for t in TIMES),
+                      *(_cell(row[s], repeats, "tokens") for s in SOURCES), _matching_cell(*report.matching(config)))
+    out: list[Any] = [table]
+    context = (f"prompt tokens: {report.runs[0].total_hits().prompt_tokens:,} per run; working set "
+               f"{report.working_set_tokens:,} tokens")
+    if report.capacity_tokens:
+        context += (f", device KV cache {report.capacity_tokens:,} tokens (vLLM's count): the working set is "
+                    f"{report.working_set_ratio:.1f}x what the device holds")
+    out.append(Text(context + ". TTFT: arrival to first token; prefill: a turn's submission until each of its "
+                    "requests had its first token; identical: every run's tokens against the first run of "
+                    f"{report.configs[0]}."))
+    mismatches = [m for r in report.runs for m in r.mismatches]
+    if mismatches:
+        out.append(Text(f"hit accounting: {len(mismatches)} load(s) where the plugin's counters and the ledger "
+                        f"disagreed, first: {mismatches[0]}", style="red"))
+    if report.restart is not None:
+        out.append(render_restart(report.restart))
+    if len(report.configs) > 1:
+        text, style = verdict_line(report.summary())
+        out.append(Text(text, style=style))
+    difference = report.first_difference()
+    if difference:
+        out.append(Text(f"tokens differed: {difference}", style="red"))
     else:
-        first = next(t.first_difference for t in report.turns if t.first_difference)
-        verdict = Text(f"tokens differed with the plugin: {first}", style="red")
-    ttft, wall = totals["ttft_s"], totals["wall_s"]
-    summary = Text(f"TTFT p50 {seconds(ttft['without'])} without the plugin, {seconds(ttft['with'])} with it "
-                   f"({ttft['without'] / max(ttft['with'], 1e-9):.1f}x); the whole workload {seconds(wall['without'])} "
-                   f"without, {seconds(wall['with'])} with. Prefill: from a {report.step_name}'s submission until "
-                   f"each of its requests had its first token.")
-    return [table, summary, verdict]
+        ties = sum(report.matching(c)[2] for c in report.configs)
+        out.append(Text("every conversation's tokens were identical in every run" +
+                        (f", up to {ties} near tie(s) of the model's {report.settings.get('dtype')} logits"
+                         if ties else ""), style="green" if not ties else "yellow"))
+    return out
+
+
+def render_restart(restart: RestartResult) -> Any:
+    from rich.table import Table
+
+    table = Table(title="restart: every conversation's next turn on a fresh engine (host arena and vLLM's cache "
+                  "empty)", title_justify="left")
+    for column in ("engine", "TTFT p50", "TTFT p90", "prefill", "vLLM cache hit", "plugin: arena", "disk", "Mooncake",
+                   "computed", "identical"):
+        table.add_column(column, justify="right")
+    for name, run in (("cold restart, " + restart.cold.config, restart.cold),
+                      ("restart on the disk tier, " + restart.restarted.config, restart.restarted)):
+        times, hits = run.total_times(), run.total_hits()
+        identical = (_matching_cell(restart.identity.matching, restart.identity.requests, restart.identity.near_ties)
+                     if run is restart.restarted else "reference")
+        table.add_row(name, seconds(times.ttft_p50_s), seconds(times.ttft_p90_s), seconds(times.prefill_s),
+                      *(f"{hits.by_source()[s]:,}" for s in SOURCES), identical)
+    return table
+
+
+__all__ = ["ReplayReport", "run_replay", "render_report", "render_restart"]

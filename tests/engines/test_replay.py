@@ -1,4 +1,5 @@
-"""`lmcache-npu replay` end to end on a real engine: small workloads of each kind, the JSON report checked."""
+"""`lmcache-npu replay` end to end on a real engine: small workloads of each kind, the JSON report checked: tokens by
+source (exact: the plugin's share is what it loaded, vLLM's cache the rest), the run order, the restart phase."""
 
 from __future__ import annotations
 
@@ -8,6 +9,16 @@ import pytest
 
 from lmcache_npu.cli import main
 
+SOURCES = ("vllm", "arena", "disk", "mooncake", "computed")
+
+
+def run_of(report: dict, config: str, repeat: int = 0) -> dict:
+    return next(r for r in report["runs"] if r["config"] == config and r["repeat"] == repeat)
+
+
+def hits(report: dict, config: str, source: str) -> list[int]:
+    return [t["hits"][source] for t in run_of(report, config)["turns"]]
+
 
 @pytest.mark.parametrize("workload", [
     ["--conversations", "2", "--turns", "2", "--system-tokens", "300", "--user-tokens", "64", "--output-tokens", "8"],
@@ -15,18 +26,46 @@ from lmcache_npu.cli import main
      "--prefix-repetition-prefix-len", "300", "--prefix-repetition-suffix-len", "20",
      "--prefix-repetition-output-len", "8"],
 ], ids=["chat", "prefix-repetition"])
-def test_replay_reports_hits_and_identical_tokens(tmp_path, workload) -> None:
+def test_replay_without_vllms_cache_credits_every_hit_to_the_plugin(tmp_path, workload) -> None:
     out = tmp_path / "replay.json"
-    assert main(["replay", "--model", "gemma3", "--chunk-tokens", "128", "--json", str(out), *workload]) == 0
+    assert main(["replay", "--model", "gemma3", "--chunk-tokens", "128", "--vllm-prefix-cache", "off", "--repeats",
+                 "1", "--no-restart", "--json", str(out), *workload]) == 0
     report = json.loads(out.read_text())
-    assert report["totals"]["identical"] and report["totals"]["requests"] == 4
-    turns = report["turns"]
+    assert report["identical"] and report["per_config"]["vLLM + lmcache-npu"]["requests"] == 4
     assert report["rows"] == ("turn" if "--turns" in workload else "wave")
-    if "--turns" in workload:  # turn 2 loads turn 1's history (300 + 64 + 8 tokens: two whole 128-token chunks)
-        assert [t["loaded_tokens"] for t in turns][1] == 2 * 2 * 128
-    else:  # two waves of one prompt per prefix: the second finds both prefixes (two whole chunks of 300 tokens)
-        assert [t["loaded_tokens"] for t in turns] == [0, 2 * 2 * 128]
-    assert report["plugin_stats"]["stores"] > 0 and report["settings"]["extra_config"]["chunk_tokens"] == 128
+    plugin, alone = "vLLM + lmcache-npu", "vLLM alone"
+    # turn 2 loads turn 1's history (300 + 64 + 8 tokens: two whole 128-token chunks); the second wave finds both
+    # prefixes (two whole chunks of 300 tokens)
+    assert hits(report, plugin, "arena") == [0, 2 * 2 * 128]
+    assert hits(report, plugin, "vllm") == [0, 0] and hits(report, alone, "vllm") == [0, 0]
+    assert hits(report, alone, "arena") == [0, 0]  # negative control: no plugin, nothing credited to it
+    for run in report["runs"]:
+        assert run["warmup"]["requests"] > 0 and not run["accounting_mismatches"]
+        assert all(sum(t["hits"][s] for s in SOURCES) == t["prompt_tokens"] for t in run["turns"])
+    assert run_of(report, plugin)["plugin_stats"]["stores"] > 0
+    assert report["settings"]["extra_config"]["chunk_tokens"] == 128 and not report["settings"]["prefix_caching"]
+
+
+def test_replay_with_vllms_cache_alternates_and_restarts_on_the_disk_tier(tmp_path) -> None:
+    out = tmp_path / "replay.json"
+    assert main(["replay", "--model", "gemma3", "--chunk-tokens", "128", "--repeats", "2", "--conversations", "2",
+                 "--turns", "2", "--system-tokens", "300", "--user-tokens", "64", "--output-tokens", "8",
+                 "--plot", str(tmp_path / "plots"), "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["identical"] and report["settings"]["prefix_caching"] and report["repeats"] == 2
+    assert [(r["config"], r["position"]) for r in report["runs"]] == [
+        ("vLLM alone", 0), ("vLLM + lmcache-npu", 1), ("vLLM + lmcache-npu", 0), ("vLLM alone", 1)]
+    alone = run_of(report, "vLLM alone")["turns"]
+    assert alone[1]["hits"]["vllm"] > 0 and all(t["hits"]["arena"] == 0 for t in alone)
+    assert report["working_set_ratio"] > 0 and "verdict" in report
+    restart = report["restart"]
+    assert restart["identical"]
+    cold, restarted = restart["cold"]["hits"], restart["restarted"]["hits"]
+    assert cold["arena"] == cold["disk"] == 0  # no plugin: only vLLM's cache, and it restarted empty
+    # the first conversation's history is only on disk (the arena restarted empty): its three whole chunks at least;
+    # chunks the first promoted may be found in the arena by the second
+    assert restarted["disk"] >= 3 * 128 and restarted["computed"] < cold["computed"]
+    assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == ["replay-sources.png", "replay-ttft.png"]
 
 
 def test_replay_of_a_trace_file_on_a_model_made_from_a_config_file(tmp_path, monkeypatch) -> None:
@@ -40,8 +79,8 @@ def test_replay_of_a_trace_file_on_a_model_made_from_a_config_file(tmp_path, mon
                                for _ in range(2)))
     out = tmp_path / "replay.json"
     assert main(["replay", "--model-config", str(config), "--trace", str(trace), "--no-disk", "--chunk-tokens",
-                 "128", "--json", str(out)]) == 0
+                 "128", "--vllm-prefix-cache", "off", "--repeats", "1", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
-    assert report["workload"] == f"trace {trace}" and report["totals"]["identical"]
-    assert report["turns"][1]["loaded_tokens"] == 2 * 2 * 128  # 260 + 30 + 4 tokens: two whole chunks each
-    assert "disk_path" not in report["settings"]["extra_config"]
+    assert report["workload"] == f"trace {trace}" and report["identical"]
+    assert hits(report, "vLLM + lmcache-npu", "arena")[1] == 2 * 2 * 128  # 260 + 30 + 4 tokens: two whole chunks
+    assert "disk_path" not in report["settings"]["extra_config"] and "restart" not in report  # no disk: no restart

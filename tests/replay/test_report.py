@@ -7,9 +7,15 @@ import json
 
 import pytest
 
+from lmcache_npu.replay.spread import Spread
+
 from lmcache_npu.replay.compare import LOGPROB_TOLERANCE, compare, differences, first_difference, tolerance_for
 from lmcache_npu.replay.engine import Completion
-from lmcache_npu.replay.replay import ReplayReport, compare_turns, render_report
+from lmcache_npu.replay.accounting import TurnHits
+from lmcache_npu.replay.identity import compare_turns
+from lmcache_npu.replay.replay import ReplayReport, render_report
+from lmcache_npu.replay.runs import RunResult
+from lmcache_npu.replay.warmup import WarmUp
 from lmcache_npu.replay.runner import TurnRun
 
 
@@ -22,39 +28,82 @@ def turn(number, completions, wall=2.0) -> TurnRun:
     return TurnRun(number, tuple(range(len(completions))), tuple(completions), wall)
 
 
-def test_identical_runs_report_hits_prefill_and_ttft_per_turn():
-    without = [turn(0, [completion([1, 2], 100, 0, 2.0), completion([3, 4], 100, 0, 4.0)], 5.0),
-               turn(1, [completion([5], 150, 0, 3.0), completion([6], 150, 0, 5.0)], 6.0)]
-    with_plugin = [turn(0, [completion([1, 2], 100, 0, 2.0), completion([3, 4], 100, 64, 1.0)], 4.0),
-                   turn(1, [completion([5], 150, 128, 1.0), completion([6], 150, 128, 0.5)], 2.0)]
-    rows = compare_turns(without, with_plugin)
-    assert [(r.turn, r.requests, r.prompt_tokens, r.loaded_tokens, r.computed_tokens) for r in rows] == [
-        (1, 2, 200, 64, 136), (2, 2, 300, 256, 44)]
-    assert rows[1].hit_rate == pytest.approx(256 / 300)
-    assert rows[0].prefill_s == {"without": 4.0, "with": 2.0}  # until the turn's last first token
-    assert rows[1].ttft_s == {"without": 4.0, "with": 0.75}  # medians
-    assert all(r.identical == r.requests and not r.first_difference for r in rows)
-    report = ReplayReport("m", "w", {}, rows)
-    totals = report.totals()
-    assert totals["loaded_tokens"] == 320 and totals["identical"] and totals["wall_s"] == {"without": 11.0,
-                                                                                           "with": 6.0}
-    json.dumps(report.to_json())  # serialisable as written by --json
+WARM = WarmUp(8, 2048, 1.0)
 
 
-def test_one_changed_token_is_reported_with_its_conversation_and_step():
-    without = [turn(0, [completion([1, 2, 3]), completion([4, 5, 6])])]
-    with_plugin = [turn(0, [completion([1, 2, 3]), completion([4, 9, 6])])]
-    rows = compare_turns(without, with_plugin)
-    assert rows[0].identical == 1
-    assert rows[0].first_difference == "conversation 1: tokens differ from step 1 on"
-    report = ReplayReport("m", "w", {}, rows)
-    assert not report.all_match and not report.totals()["identical"]
+def run(config, repeat, turns, hits, warm=WARM) -> RunResult:
+    return RunResult(config, repeat, 0, warm, turns, hits, capacity_tokens=100)
+
+
+def report_of(runs, configs=("vLLM alone", "vLLM + lmcache-npu")) -> ReplayReport:
+    report = ReplayReport("m", "w", {"prefix_caching": True, "dtype": "float32"}, list(configs), runs,
+                          working_set_tokens=420)
+    reference = report.runs_of(configs[0])[0]
+    for config in configs:
+        report.identity[config] = [compare_turns(reference.turns, r.turns) for r in report.runs_of(config)]
+    return report
+
+
+def test_identical_runs_report_sources_timings_and_spreads_per_turn():
+    base_hits = [TurnHits(200, 0, 0, 0, 0, 200), TurnHits(300, 100, 0, 0, 0, 200)]
+    plug_hits = [TurnHits(200, 0, 0, 0, 0, 200), TurnHits(300, 44, 256, 0, 0, 0)]
+
+    def turns(first_ttfts, second_ttfts, walls):
+        return [turn(0, [completion([1, 2], 100, 0, t) for t in first_ttfts], walls[0]),
+                turn(1, [completion([5], 150, 0, t) for t in second_ttfts], walls[1])]
+
+    runs = [run("vLLM alone", 0, turns([2.0, 4.0], [3.0, 5.0], [5.0, 6.0]), base_hits),
+            run("vLLM + lmcache-npu", 0, turns([2.0, 1.0], [1.0, 0.5], [4.0, 2.0]), plug_hits),
+            run("vLLM + lmcache-npu", 1, turns([2.0, 2.0], [1.5, 0.5], [4.0, 3.0]), plug_hits),
+            run("vLLM alone", 1, turns([2.0, 6.0], [3.0, 7.0], [5.0, 8.0]), base_hits)]
+    report = report_of(runs)
+    assert report.repeats == 2 and report.working_set_ratio == 4.2
+    rows = report.turn_spreads("vLLM + lmcache-npu")
+    # turn 2 TTFT p50 over the requests: (1.0 + 0.5) / 2 = 0.75 and 1.0; their median 0.875
+    assert (rows[1]["ttft_p50_s"].median, rows[1]["ttft_p50_s"].low, rows[1]["ttft_p50_s"].high) == (0.875, 0.75, 1.0)
+    assert rows[1]["arena"].median == 256 and rows[1]["vllm"].median == 44
+    assert rows[0]["prefill_s"].median == 2.0  # until the turn's last first token
+    totals = report.total_spreads("vLLM alone")
+    assert totals["wall_s"] == Spread(12.0, 11.0, 13.0) and totals["vllm"].median == 100
+    assert report.all_match and report.matching("vLLM + lmcache-npu") == (8, 8, 0)
+    summary = report.summary()
+    assert summary.cold == [] and summary.candidate_hits["arena"] == 256 and summary.prompt_tokens == 500
+    data = report.to_json()
+    json.dumps(data)  # serialisable as written by --json
+    assert data["identical"] and data["per_config"]["vLLM alone"]["totals"]["wall_s"] == {"median": 12.0,
+                                                                                          "min": 11.0, "max": 13.0}
+    assert "verdict" in data
+
+
+def test_a_report_with_a_cold_run_says_not_comparable():
+    hits = [TurnHits(100, 0, 0, 0, 0, 100)]
+    runs = [run("vLLM alone", 0, [turn(0, [completion([1])])], hits, warm=None),
+            run("vLLM + lmcache-npu", 0, [turn(0, [completion([1])])], hits)]
+    report = report_of(runs)
+    assert report.summary().cold == ["vLLM alone (repeat 1)"]
+    text = export(report)
+    assert "not comparable: vLLM alone (repeat 1) ran without a warm-up" in text
+
+
+def export(report) -> str:
     from rich.console import Console
 
-    console = Console(record=True, width=200)
+    console = Console(record=True, width=250)
     for item in render_report(report):
         console.print(item)
-    assert "tokens differed with the plugin: conversation 1: tokens differ from step 1 on" in console.export_text()
+    return console.export_text()
+
+
+def test_one_changed_token_is_reported_with_its_run_conversation_and_step():
+    hits = [TurnHits(200, 0, 0, 0, 0, 200)]
+    runs = [run("vLLM alone", 0, [turn(0, [completion([1, 2, 3]), completion([4, 5, 6])])], hits),
+            run("vLLM + lmcache-npu", 0, [turn(0, [completion([1, 2, 3]), completion([4, 9, 6])])], hits)]
+    report = report_of(runs)
+    assert report.identity["vLLM + lmcache-npu"][0][0].identical == 1
+    assert not report.all_match
+    assert report.first_difference() == ("vLLM + lmcache-npu (repeat 1), turn 1: conversation 1: tokens differ "
+                                          "from step 1 on")
+    assert "tokens differed: vLLM + lmcache-npu (repeat 1), turn 1: conversation 1" in export(report)
 
 
 def test_logprobs_beyond_the_tolerance_are_a_difference_and_within_it_are_not():

@@ -1,0 +1,113 @@
+"""One timed run of a workload on a fresh engine: warm-up, every turn, and where each turn's prompt tokens came
+from (vLLM's prefix cache, the plugin's tiers, computed)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Optional, Sequence
+
+from .accounting import HitLedger, PluginHits, TurnHits, split_hits
+from .configs import RunConfig
+from .engine import Engine, EngineSettings
+from .runner import TurnRun, run_workload
+from .sizing import device_capacity_tokens
+from .spread import percentile
+from .warmup import WarmUp, shadow_first_turn, warm_up
+from .workload import Conversation
+
+logger = logging.getLogger(__name__)
+
+COMPARED_LOGPROBS = 2  # per step, enough to tell a near tie from a difference
+
+
+@dataclass(frozen=True)
+class TurnTimes:
+    """A turn's timings on one run."""
+
+    ttft_p50_s: float
+    ttft_p90_s: float
+    prefill_s: float  # from the turn's submission until every request had its first token
+    wall_s: float  # the whole turn, every request's prefill and decode
+
+    @classmethod
+    def of(cls, run: TurnRun) -> "TurnTimes":
+        ttfts = [c.ttft_s for c in run.completions]
+        return cls(percentile(ttfts, 50), percentile(ttfts, 90), max(ttfts), run.wall_s)
+
+
+@dataclass
+class RunResult:
+    """One configuration's timed run of the whole workload."""
+
+    config: str
+    repeat: int
+    position: int  # where it ran within its repeat (0: first)
+    warmup: Optional[WarmUp]
+    turns: list[TurnRun]
+    hits: list[TurnHits]
+    capacity_tokens: int = 0  # vLLM's device KV capacity in tokens
+    plugin_stats: dict[str, float] = field(default_factory=dict)
+    reloaded_tokens: int = 0  # plugin loads for preempted requests (not in `hits`: vLLM counts a request once)
+    mismatches: list[str] = field(default_factory=list)  # where the hit ledger and the plugin's counters disagreed
+
+    @property
+    def label(self) -> str:
+        return f"{self.config} (repeat {self.repeat + 1})"
+
+    def times(self) -> list[TurnTimes]:
+        return [TurnTimes.of(t) for t in self.turns]
+
+    def total_times(self) -> TurnTimes:
+        ttfts = [c.ttft_s for t in self.turns for c in t.completions]
+        return TurnTimes(percentile(ttfts, 50), percentile(ttfts, 90), sum(max(c.ttft_s for c in t.completions)
+                                                                           for t in self.turns),
+                         sum(t.wall_s for t in self.turns))
+
+    def total_hits(self) -> TurnHits:
+        return TurnHits.summed(self.hits)
+
+    def answers(self, conversations: int) -> list[list[tuple[int, ...]]]:
+        """Each conversation's answers in turn order (what its next prompt re-sends)."""
+        out: list[list[tuple[int, ...]]] = [[] for _ in range(conversations)]
+        for turn in self.turns:
+            for conversation, completion in zip(turn.conversations, turn.completions):
+                out[conversation].append(completion.token_ids)
+        return out
+
+
+def start_engine(settings: EngineSettings, config: RunConfig, extra_config: Optional[dict[str, Any]] = None) -> Engine:
+    """A fresh engine of `config` over `settings` (`extra_config` replaces the configuration's connector config)."""
+    if config.connector not in ("", "lmcache-npu"):
+        raise ValueError(f"configuration {config.name!r}: unknown connector {config.connector!r}; known: "
+                         f"'' (vLLM alone), 'lmcache-npu'")
+    connector_config = dict(config.extra_config if extra_config is None else extra_config)
+    return Engine(replace(settings, plugin=config.plugin, extra_config=connector_config if config.plugin else {}))
+
+
+def timed_run(engine: Engine, config: RunConfig, repeat: int, position: int, conversations: Sequence[Conversation],
+              vocab: int, warmup: bool = True, on_turn: Optional[Callable[[TurnRun], None]] = None) -> RunResult:
+    """Warms `engine` up (unless told not to: a cold run, which comparisons refuse), then runs every turn and
+    splits each turn's prompt tokens by source."""
+    ledger = HitLedger()
+    if config.plugin:
+        ledger.attach(engine.scheduler_connector)
+    warm = None
+    if warmup:
+        warm = warm_up(engine, shadow_first_turn(conversations, vocab))
+        ledger.take()  # the warm-up's loads are not the workload's
+    hits: list[TurnHits] = []
+    reloaded, mismatches = [0], []
+
+    def turn_done(turn: TurnRun) -> None:
+        plugin: PluginHits = ledger.take()
+        reloaded[0] += plugin.reloaded_tokens
+        mismatches.extend(plugin.mismatches)
+        hits.append(split_hits(sum(c.prompt_tokens for c in turn.completions),
+                               sum(c.cached_tokens for c in turn.completions), plugin))
+        if on_turn is not None:
+            on_turn(turn)
+
+    turns = run_workload(engine, conversations, turn_done, logprobs=COMPARED_LOGPROBS)
+    return RunResult(config.name, repeat, position, warm, turns, hits, device_capacity_tokens(engine),
+                     engine.plugin_stats() if config.plugin else {}, reloaded[0], mismatches)

@@ -1,0 +1,82 @@
+"""The replay's verdict line: the gain (or its absence) and where the prompt tokens came from, from the very numbers
+the table prints, and a refusal to compare runs that were timed cold."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from .accounting import TIERS
+from .spread import Spread
+
+TIER_NAMES = {"arena": "host arena", "disk": "disk", "mooncake": "Mooncake"}
+
+
+@dataclass(frozen=True)
+class Summary:
+    """Totals of a baseline and a candidate configuration over a replay's repeats."""
+
+    baseline: str
+    candidate: str
+    repeats: int
+    ttft_p50: tuple[Spread, Spread]  # (baseline, candidate), seconds
+    ttft_p90: tuple[Spread, Spread]
+    wall: tuple[Spread, Spread]
+    prompt_tokens: int
+    baseline_hits: Mapping[str, float]  # source -> median tokens ("vllm", tiers, "computed")
+    candidate_hits: Mapping[str, float]
+    vllm_prefix_cache: bool
+    working_set_ratio: float = 0.0  # working set / device KV capacity (0: not known)
+    cold: list[str] = field(default_factory=list)  # runs timed without a warm-up
+
+
+def seconds(value: float) -> str:
+    return f"{value * 1e3:.0f} ms" if value < 10 else f"{value:.1f} s"
+
+
+def change(base: Spread, candidate: Spread) -> str:
+    """"1.8x faster" when the candidate's whole range lies below the baseline's, "slower" above it, otherwise the
+    difference is inside the run-to-run spread and is called that."""
+    ratio = base.median / candidate.median if candidate.median > 0 else float("inf")
+    if candidate.high < base.low:
+        return f"{ratio:.2f}x faster"
+    if candidate.low > base.high:
+        return f"{1 / ratio:.2f}x slower" if ratio > 0 else "slower"
+    return f"{ratio:.2f}x, within the run-to-run spread"
+
+
+def _measure(name: str, pair: tuple[Spread, Spread], repeats: int) -> str:
+    base, cand = pair
+    ranges = (f" [{seconds(base.low)}-{seconds(base.high)} vs {seconds(cand.low)}-{seconds(cand.high)}]"
+              if repeats > 1 else "")
+    return f"{name} {seconds(base.median)} -> {seconds(cand.median)} ({change(base, cand)}){ranges}"
+
+
+def _share(tokens: float, total: int) -> str:
+    return f"{tokens:,.0f} ({tokens / total:.0%})" if total else f"{tokens:,.0f}"
+
+
+def verdict_line(summary: Summary) -> tuple[str, str]:
+    """(text, rich style) of the verdict: red when runs were cold (not comparable), green when the candidate is
+    faster beyond the spread in TTFT p50 and wall time, yellow otherwise."""
+    if summary.cold:
+        return (f"not comparable: {', '.join(summary.cold)} ran without a warm-up, so engine start-up costs are in "
+                f"its timings", "red")
+    p50, p90, wall = summary.ttft_p50, summary.ttft_p90, summary.wall
+    runs = f"medians of {summary.repeats} runs each" if summary.repeats > 1 else "one run each (no spread)"
+    cache = "vLLM's prefix cache on in both" if summary.vllm_prefix_cache else "vLLM's prefix cache off in both"
+    if summary.working_set_ratio:
+        cache += f"; the workload's working set is {summary.working_set_ratio:.1f}x the device KV cache"
+    total = summary.prompt_tokens
+    base, cand = summary.baseline_hits, summary.candidate_hits
+    tiers = ", ".join(f"{TIER_NAMES[t]} {cand.get(t, 0):,.0f}" for t in TIERS)
+    plugin = sum(cand.get(t, 0) for t in TIERS)
+    text = (f"{summary.candidate} against {summary.baseline} ({cache}), {runs}: "
+            f"{_measure('TTFT p50', p50, summary.repeats)}, {_measure('p90', p90, summary.repeats)}, "
+            f"{_measure('the workload', wall, summary.repeats)}. Of {total:,} prompt tokens, {summary.baseline} "
+            f"hit {_share(base.get('vllm', 0), total)} in vLLM's own cache and computed "
+            f"{_share(base.get('computed', 0), total)}; {summary.candidate}: vLLM's own cache "
+            f"{_share(cand.get('vllm', 0), total)}, the plugin {_share(plugin, total)} ({tiers}), computed "
+            f"{_share(cand.get('computed', 0), total)}.")
+    faster = all(c.high < b.low for b, c in (p50, wall))
+    return text, "green" if faster else "yellow"
