@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
 from .mooncake_config import MooncakeConfig
+from .policies import POLICIES
 from .sections import parse_bytes, parse_section
 
 __all__ = ["MooncakeConfig", "StoreConfig", "parse_bytes", "parse_section"]
@@ -33,6 +34,12 @@ class StoreConfig:
     mooncake: Optional[Mapping[str, Any]] = None  # L3: MooncakeConfig keys (master, metadata, ...); None: off
     put_to_remote: bool = True  # write every stored chunk through to Mooncake (how other instances find it)
     io_threads: int = 4  # per worker: promotions, puts and remote drops run on these
+    eviction_policy: str = "arc"  # the arena's eviction order: arc, lru or s3fifo (chosen in docs/performance.md)
+    # reuse gates (0: off): a chunk is put to Mooncake only once this many later requests looked it up
+    remote_admit_hits: int = 0
+    # an evicted chunk is spilled to disk only once this many later requests looked it up (write-through, when on,
+    # still writes every chunk at once)
+    disk_admit_hits: int = 0
 
     _SIZES = ("cpu_bytes", "disk_bytes", "disk_max_pending_bytes")
 
@@ -61,6 +68,13 @@ class StoreConfig:
             raise ValueError(f"disk_write_through must be true or false, got {self.disk_write_through!r}")
         if not isinstance(self.put_to_remote, bool):
             raise ValueError(f"put_to_remote must be true or false, got {self.put_to_remote!r}")
+        if not isinstance(self.eviction_policy, str) or self.eviction_policy not in POLICIES:
+            raise ValueError(f"eviction_policy must be one of {', '.join(sorted(POLICIES))}, "
+                             f"got {self.eviction_policy!r}")
+        for key in ("remote_admit_hits", "disk_admit_hits"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 1000:
+                raise ValueError(f"{key} must be an integer from 0 (no reuse gate) to 1000, got {value!r}")
         if self.mooncake is not None:
             MooncakeConfig.from_dict(self.mooncake)  # its errors name the mooncake key
 

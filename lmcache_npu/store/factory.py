@@ -74,13 +74,16 @@ def build_index(config: StoreConfig, object_bytes: int, num_ranks: int, namespac
     slots = slots_for_capacity(config.cpu_bytes, object_bytes)
     index = ChunkIndex(slots if num_slots is None else min(slots, num_slots), num_ranks, disk_chunks=disk_chunks,
                        remote_exists=remote_exists, put_to_remote=config.put_to_remote,
-                       disk_write_through=config.disk_write_through)
+                       disk_write_through=config.disk_write_through, eviction_policy=config.eviction_policy,
+                       remote_admit_hits=config.remote_admit_hits, disk_admit_hits=config.disk_admit_hits)
     if config.disk_path is not None:
         complete, partial = disk_keys_on_every_rank(config.disk_path, layout_fingerprint, namespace, num_ranks)
         adopted = index.adopt_disk(complete)
         index.drop_disk_copies(partial)
-        logger.info("store index: %d slots, %d disk chunks (%d found on disk, %d partial ones dropped)%s",
-                    index.num_slots, disk_chunks, adopted, len(partial), ", Mooncake" if remote_exists else "")
+        logger.info("store index: %d slots (%s), %d disk chunks (%d found on disk, %d partial ones dropped)%s%s",
+                    index.num_slots, index.eviction_policy, disk_chunks, adopted, len(partial),
+                    ", Mooncake" if remote_exists else "",
+                    f", reuse gates: Mooncake {config.remote_admit_hits}, disk {config.disk_admit_hits}")
     return index
 
 

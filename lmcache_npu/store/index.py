@@ -1,14 +1,20 @@
 """The scheduler-side index (DESIGN §7): which chunk is where, and the commands that move it.
 
 Only this object changes slot states. It answers lookups from its own tables (no RPC to workers), allocates arena
-slots for stores, keeps an LRU over ready slots with pins for in-flight work, spills what it evicts to disk when a
-disk tier exists (with write-through, stored chunks are written to disk at once, so they survive a restart), promotes
-disk/remote chunks into the arena before a load, and emits every byte move as a command (`commands.py`) for all
-ranks. A command's effect becomes visible here only once every rank has completed it.
+slots for stores, orders ready slots for eviction with a policy (`policies/`: LRU, ARC, S3-FIFO) while pins keep
+in-flight work, spills what it evicts to disk when a disk tier exists (with write-through, stored chunks are written
+to disk at once, so they survive a restart), promotes disk/remote chunks into the arena before a load, and emits
+every byte move as a command (`commands.py`) for all ranks. A command's effect becomes visible here only once every
+rank has completed it.
 
-Slot life: free → writing (a store or a promotion in flight) → ready (in the LRU) → reading (pinned by in-flight
+Reuse gate, per slow tier (`remote_admit_hits`, `disk_admit_hits`; N >= 1): a chunk reaches the tier only once
+lookups of N later requests asked for it (counted per key in a bounded table that outlives the chunk's slot). The
+Mooncake put is issued at that lookup (or when the chunk becomes ready after it); an evicted chunk is spilled only if
+it passed the disk gate. Write-through to disk, when on, still writes every chunk at once.
+
+Slot life: free → writing (a store or a promotion in flight) → ready (in the policy) → reading (pinned by in-flight
 loads, puts or persists) → ready. A slot that is writing, pinned or reserved by a request between its lookup and its
-load is never evicted or reused.
+load is never evicted or reused, whatever the policy proposes.
 """
 
 from __future__ import annotations
@@ -18,11 +24,12 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Callable, Iterable, Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence, Union
 
 from .commands import Command, Completion, Drop, Load, Persist, Promote, Put, Source, Spill, Store
 from .disk import HEADER_BYTES
 from .keys import ChunkKey
+from .policies import EvictionPolicy, make_policy
 from .tier import TierCounters
 
 logger = logging.getLogger(__name__)
@@ -30,6 +37,10 @@ logger = logging.getLogger(__name__)
 RemoteExists = Callable[[Sequence[ChunkKey]], Sequence[bool]]
 # A chunk whose promotion from the remote store failed on some rank is a miss for this long, then tried again.
 REMOTE_MISS_AFTER_FAILURE_S = 60.0
+# the reuse table remembers this many keys per arena slot (at least SEEN_MIN): enough to see a chunk come back
+# after it left the arena and disk
+SEEN_PER_SLOT = 2
+SEEN_MIN = 1024
 
 
 class SlotState(str, Enum):
@@ -92,14 +103,25 @@ class ChunkIndex:
     """One per scheduler; capacities are in chunks (`slots_for_capacity` and `disk_chunks_for_capacity` convert
     the configured bytes). `remote_exists` answers batch existence in the remote store (None: no remote tier).
     `disk_write_through`: every chunk stored or promoted from the remote store is also written to disk (`Persist`),
-    so a restart finds it; off, the disk only receives evicted chunks."""
+    so a restart finds it; off, the disk only receives evicted chunks. `eviction_policy` orders the arena's ready
+    chunks (a name from `policies.POLICIES` or a policy object of `num_slots`). `remote_admit_hits` /
+    `disk_admit_hits`: 0 sends every chunk to that tier (puts at store, spills at eviction); N >= 1 only chunks that
+    N later requests looked up."""
 
     def __init__(self, num_slots: int, num_ranks: int = 1, disk_chunks: int = 0,
                  remote_exists: Optional[RemoteExists] = None, put_to_remote: bool = True,
-                 disk_write_through: bool = False) -> None:
+                 disk_write_through: bool = False, eviction_policy: Union[str, EvictionPolicy] = "lru",
+                 remote_admit_hits: int = 0, disk_admit_hits: int = 0) -> None:
         if num_slots < 1 or num_ranks < 1 or disk_chunks < 0:
             raise ValueError(f"index needs num_slots >= 1, num_ranks >= 1, disk_chunks >= 0 "
                              f"(got {num_slots}, {num_ranks}, {disk_chunks})")
+        for name, value in (("remote_admit_hits", remote_admit_hits), ("disk_admit_hits", disk_admit_hits)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0 (0: no reuse gate), got {value!r}")
+        policy = make_policy(eviction_policy, num_slots) if isinstance(eviction_policy, str) else eviction_policy
+        if not isinstance(policy, EvictionPolicy) or policy.capacity != num_slots or len(policy):
+            raise ValueError(f"eviction_policy must be a policy name or an empty EvictionPolicy of {num_slots} "
+                             f"slots, got {eviction_policy!r}")
         self.num_slots = num_slots
         self.num_ranks = num_ranks
         self.disk_chunks = disk_chunks
@@ -111,7 +133,12 @@ class ChunkIndex:
         self._entries: dict[ChunkKey, _Entry] = {}
         self._slot_owner: list[Optional[ChunkKey]] = [None] * num_slots
         self._free_slots: list[int] = list(range(num_slots - 1, -1, -1))
-        self._arena_lru: OrderedDict[ChunkKey, None] = OrderedDict()  # ready slots, oldest first
+        self._arena_policy = policy  # ready slots, in eviction order
+        self._remote_admit_hits = remote_admit_hits
+        self._disk_admit_hits = disk_admit_hits
+        self._seen: OrderedDict[ChunkKey, int] = OrderedDict()  # key -> requests that looked it up, oldest first
+        self._seen_capacity = max(SEEN_MIN, SEEN_PER_SLOT * (num_slots + disk_chunks))
+        self._counted: dict[str, set[ChunkKey]] = {}  # per request: keys its lookups already counted in _seen
         self._disk_lru: OrderedDict[ChunkKey, None] = OrderedDict()  # disk copies (writing or present), oldest first
         self._reserved: dict[str, set[ChunkKey]] = {}
         self._pending: dict[int, _Pending] = {}
@@ -154,14 +181,17 @@ class ChunkIndex:
             entry = self._entries.get(key)
             if entry is not None and entry.slot is not None:
                 self._reserve(entry, request_id, reserved)
+        first_ask = self._count_requests(request_id, keys)
         remote_from, remote_present = 0, None  # asked once, for the keys from the first local miss on
         sources: list[str] = []
         for position, key in enumerate(keys):
             entry = self._entries.get(key)
             if entry is not None and entry.slot is not None:
                 if entry.slot_state is SlotState.READY:
-                    self._arena_lru.move_to_end(key)
+                    self._arena_policy.touch(key, reuse=first_ask[position])
                     ready += ready == position
+                    if first_ask[position] and self._remote_admit_hits:
+                        self._put_if_admitted(entry)
                 sources.append("cpu")
             elif entry is not None and entry.disk is DiskState.PRESENT:
                 self._reserve(entry, request_id, reserved)
@@ -218,13 +248,14 @@ class ChunkIndex:
             if key in reserved:
                 reserved.discard(key)
                 entry.reservations.discard(request_id)
-            self._arena_lru.move_to_end(key)
+            self._arena_policy.touch(key, reuse=False)
             loads.append(self._emit(Load(self._new_id(), key, entry.slot, request_id, chunk_index)))  # type: ignore
         self.counters.add("loads", len(loads))
         return loads
 
     def release(self, request_id: str) -> None:
         """The request will not load what its lookups reserved (finished, aborted or loaded)."""
+        self._counted.pop(request_id, None)
         for key in self._reserved.pop(request_id, set()):
             entry = self._entries.get(key)
             if entry is not None:
@@ -239,7 +270,7 @@ class ChunkIndex:
             entry = self._entries.get(key)
             if entry is not None and entry.has_copy:
                 if entry.slot_state is SlotState.READY:
-                    self._arena_lru.move_to_end(key)
+                    self._arena_policy.touch(key, reuse=False)  # the lookups count reuse, not re-stores
                 continue
             slot = self._take_slot()
             if slot is None:
@@ -282,6 +313,14 @@ class ChunkIndex:
         """The command still waits for some rank's completion."""
         return cmd_id in self._pending
 
+    @property
+    def eviction_policy(self) -> str:
+        return self._arena_policy.name
+
+    def reuses(self, key: ChunkKey) -> int:
+        """How many requests after the first looked `key` up, as far as the bounded reuse table remembers."""
+        return max(0, self._seen.get(key, 0) - 1)
+
     def location(self, key: ChunkKey) -> tuple[Optional[int], SlotState, DiskState]:
         entry = self._entries.get(key)
         if entry is None:
@@ -298,14 +337,17 @@ class ChunkIndex:
                 assert entry.slot not in owners, f"slot {entry.slot} has two owners"
                 owners[entry.slot] = key
                 assert self._slot_owner[entry.slot] == key
-                assert (key in self._arena_lru) == (entry.slot_state is SlotState.READY)
+                assert (key in self._arena_policy) == (entry.slot_state is SlotState.READY)
             else:
-                assert entry.slot_state is SlotState.FREE and key not in self._arena_lru
+                assert entry.slot_state is SlotState.FREE and key not in self._arena_policy
             assert (key in self._disk_lru) == (entry.disk is not DiskState.NONE)
             assert entry.readers >= 0 and entry.disk_readers >= 0
         assert len(owners) + len(self._free_slots) == self.num_slots
         assert set(self._free_slots).isdisjoint(owners)
         assert len(self._disk_lru) <= self.disk_chunks
+        ready = sum(entry.slot_state is SlotState.READY for entry in self._entries.values())
+        assert len(self._arena_policy) == ready, f"policy holds {len(self._arena_policy)} chunks, {ready} are ready"
+        assert len(self._seen) <= self._seen_capacity
 
     # ---- internals ----------------------------------------------------------------------------------------------
 
@@ -322,6 +364,33 @@ class ChunkIndex:
     def _reserve(self, entry: _Entry, request_id: str, reserved: set[ChunkKey]) -> None:
         entry.reservations.add(request_id)
         reserved.add(entry.key)
+
+    def _count_requests(self, request_id: str, keys: Sequence[ChunkKey]) -> list[bool]:
+        """Counts this request once per key in the reuse table; True where this lookup is the request's first ask."""
+        counted = self._counted.setdefault(request_id, set())
+        first = []
+        for key in keys:
+            new = key not in counted
+            first.append(new)
+            if new:
+                counted.add(key)
+                self._seen[key] = self._seen.pop(key, 0) + 1  # re-inserted: the table forgets the longest unasked
+        while len(self._seen) > self._seen_capacity:
+            self._seen.popitem(last=False)
+        return first
+
+    def _admitted(self, key: ChunkKey, gate: int) -> bool:
+        """Whether a slow tier's reuse gate of `gate` lookups lets `key` in."""
+        return gate == 0 or self.reuses(key) >= gate
+
+    def _put_if_admitted(self, entry: _Entry) -> None:
+        """A ready chunk that passes the gate and is not in the remote store yet is put there (slot pinned)."""
+        if (not self._put_to_remote or entry.remote_put or entry.slot is None
+                or entry.slot_state is not SlotState.READY or not self._admitted(entry.key, self._remote_admit_hits)):
+            return
+        entry.remote_put = True
+        entry.readers += 1
+        self._emit(Put(self._new_id(), entry.key, entry.slot))
 
     def _remote_present(self, keys: Sequence[ChunkKey]) -> list[bool]:
         """Batch existence in the remote store; a key whose promotion failed lately is a miss whatever it says (the
@@ -352,17 +421,22 @@ class ChunkIndex:
         """A free slot, or the least recently used unpinned ready one (spilled to disk first when possible)."""
         if self._free_slots:
             return self._free_slots.pop()
-        for key in self._arena_lru:
-            entry = self._entries[key]
-            if not entry.pinned:
-                return self._evict(entry)
-        return None
+        victim = self._arena_policy.victim(lambda key: not self._entries[key].pinned)
+        if victim is None:
+            return None
+        entry = self._entries[victim]
+        if entry.pinned or entry.slot_state is not SlotState.READY:
+            raise RuntimeError(f"{self._arena_policy.name} policy proposed chunk {victim.chunk_hash.hex()[:16]}, "
+                               f"which is pinned or not ready; a policy may only propose evictable chunks")
+        return self._evict(entry)
 
     def _evict(self, entry: _Entry) -> int:
         slot = entry.slot
         assert slot is not None
-        self._detach_slot(entry)
-        if self.disk_chunks and entry.disk is DiskState.NONE:
+        self._detach_slot(entry, evicted=True)
+        if self.disk_chunks and entry.disk is DiskState.NONE and not self._admitted(entry.key, self._disk_admit_hits):
+            self.counters.add("evicted_not_reused")  # the gate keeps one-off chunks off the disk
+        elif self.disk_chunks and entry.disk is DiskState.NONE:
             if self._make_disk_room():
                 entry.disk = DiskState.WRITING
                 self._disk_lru[entry.key] = None
@@ -412,10 +486,10 @@ class ChunkIndex:
         self.counters.add(f"promotions_{source.value}")
         return True
 
-    def _detach_slot(self, entry: _Entry) -> None:
-        """The entry no longer holds its slot; the caller reuses the slot or frees it."""
+    def _detach_slot(self, entry: _Entry, evicted: bool = False) -> None:
+        """The entry no longer holds its slot (`evicted`: the policy chose it); the caller reuses or frees the slot."""
         assert entry.slot is not None
-        self._arena_lru.pop(entry.key, None)
+        self._arena_policy.remove(entry.key, evicted)
         self._slot_owner[entry.slot] = None
         entry.slot = None
         entry.slot_state = SlotState.FREE
@@ -440,15 +514,15 @@ class ChunkIndex:
             return
         if isinstance(command, Store):
             self._finish_write(entry, command.slot, ok)
-            if ok and self._put_to_remote and not entry.remote_put:
-                entry.remote_put = True
-                entry.readers += 1
-                self._emit(Put(self._new_id(), entry.key, command.slot))
+            if ok and entry.slot == command.slot:
+                self._put_if_admitted(entry)
             if ok and self._write_through:
                 self._to_persist.append((entry.key, command.slot))
         elif isinstance(command, Promote):
             if command.source is Source.REMOTE and not ok:
                 self._remote_failed[command.key] = time.monotonic() + REMOTE_MISS_AFTER_FAILURE_S
+            if command.source is Source.REMOTE and ok:
+                entry.remote_put = True  # the remote store holds it: nothing to put back
             if command.source is Source.REMOTE and ok and self._write_through:
                 self._to_persist.append((entry.key, command.slot))
             if command.source is Source.DISK:
@@ -456,6 +530,8 @@ class ChunkIndex:
                 if not ok and entry.disk is DiskState.PRESENT:
                     self._drop_disk(entry)  # some rank found its file bad: the others' copies are useless alone
             self._finish_write(entry, command.slot, ok)
+            if ok and self._remote_admit_hits and entry.slot == command.slot:
+                self._put_if_admitted(entry)  # reused while on disk: the gate admits it to the remote store now
         elif isinstance(command, (Load, Put)):
             entry.readers -= 1
             if isinstance(command, Put) and not ok:
@@ -493,7 +569,7 @@ class ChunkIndex:
             return
         if ok:
             entry.slot_state = SlotState.READY
-            self._arena_lru[entry.key] = None
+            self._arena_policy.insert(entry.key)
         else:
             self._release_slot(entry)
 

@@ -5,7 +5,11 @@ draws whether stored chunks are also written through to disk (`disk_write_throug
 
 Checked after every rule: the index's own invariants; every load's bytes on every rank (a wrong byte is a
 mismatch); a lookup's ready prefix holds only chunks whose store completed; and, in the lossless machine (disk
-large enough for every chunk), a chunk once stored is found again whenever nothing pins the arena."""
+large enough for every chunk), a chunk once stored is found again whenever nothing pins the arena.
+
+Each machine runs once per arena eviction policy (LRU, ARC, S3-FIFO); the lossy one also draws the slow tiers' reuse
+gates (a chunk reaches Mooncake or, evicted, the disk only after a later lookup), which may lose chunks but never
+loads a wrong byte."""
 
 import shutil
 import tempfile
@@ -15,7 +19,8 @@ from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from lmcache_npu.store.disk import DiskTier
-from lmcache_npu.store.index import DiskState, SlotState
+from lmcache_npu.store.index import ChunkIndex, DiskState, SlotState
+from lmcache_npu.store.policies import POLICIES
 
 from .fakes import Cluster, MemoryRemote, make_key
 
@@ -26,6 +31,7 @@ OBJECT_BYTES = 3000
 
 class IndexMachine(RuleBasedStateMachine):
     lossless = True
+    policy = "lru"
 
     def __init__(self) -> None:
         super().__init__()
@@ -37,12 +43,19 @@ class IndexMachine(RuleBasedStateMachine):
         self.corrupted: set = set()  # chunks whose disk file we damaged: they may be lost, never loaded wrong
         self.lookups: dict[str, list] = {}
 
-    @initialize(write_through=st.booleans())
-    def start(self, write_through):
+    @initialize(write_through=st.booleans(), remote_gate=st.integers(0, 1), disk_gate=st.integers(0, 1))
+    def start(self, write_through, remote_gate, disk_gate):
         self.write_through = write_through
         disk_chunks = len(KEYS) if self.lossless else 1
-        self.cluster = Cluster(num_slots=3 if self.lossless else 4, object_bytes=OBJECT_BYTES, disks=self.disks,
+        num_slots = 3 if self.lossless else 4
+        self.cluster = Cluster(num_slots=num_slots, object_bytes=OBJECT_BYTES, disks=self.disks,
                                disk_chunks=disk_chunks, remote=self.remote, disk_write_through=write_through)
+        # the same index with this machine's policy and gates (a lossless disk takes every evicted chunk)
+        self.cluster.index = ChunkIndex(num_slots, 2, disk_chunks=disk_chunks,
+                                        remote_exists=self.cluster.index._remote_exists,
+                                        disk_write_through=write_through, eviction_policy=self.policy,
+                                        remote_admit_hits=remote_gate,
+                                        disk_admit_hits=0 if self.lossless else disk_gate)
         self.index = self.cluster.index
         self.stored = self.cluster.stored  # chunks whose store completed on every rank
 
@@ -142,3 +155,10 @@ TestIndexLossless = IndexMachine.TestCase
 TestIndexLossless.settings = settings(max_examples=60, stateful_step_count=40)
 TestIndexLossy = LossyIndexMachine.TestCase
 TestIndexLossy.settings = settings(max_examples=200, stateful_step_count=50)
+
+for _policy in sorted(set(POLICIES) - {"lru"}):  # the same machines under every other policy
+    for _base, _examples, _steps in ((IndexMachine, 60, 40), (LossyIndexMachine, 200, 50)):
+        _machine = type(f"{_base.__name__}_{_policy}", (_base,), {"policy": _policy})
+        _case = _machine.TestCase
+        _case.settings = settings(max_examples=_examples, stateful_step_count=_steps)
+        globals()[f"Test{_base.__name__.replace('Machine', '')}_{_policy}"] = _case
