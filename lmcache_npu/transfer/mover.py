@@ -3,12 +3,17 @@
 `run` (called by the store executor on the model's thread) only records where the model's stream is and queues
 the batch. Loads and stores each have a lane: a thread with its own backend instance (staging buffers are not
 shared) and, on NPU/CUDA, its own stream. A lane turns the commands into slot arrays (`layout/slots.py`) and runs
-the batch as one kernel launch, then reports every command. Before the next step lets the model write pages,
-`release_pages` makes the model's stream wait until every queued store has read its pages (an event after the
-store's kernel; on the host, the store's end), so blocks vLLM frees in between (sliding-window blocks out of the
-window, preempted or finished requests) are never read after their reuse. A load waits for the model's stream as it
-was when the load was queued, which by then waits for earlier stores: a load never overwrites a page a store still
-reads, and the two lanes never wait for each other otherwise.
+the batch as one kernel launch, then reports every command.
+
+The page fence (`release_pages`): before a step lets the model write pages, the model's stream waits for a queued
+store batch (an event after its kernel; on the host, the store's end) only when the step writes a page that batch
+still reads, which the scheduler names by store command (`LMCacheNPUConnectorMetadata.fenced_stores`); with no
+such list every queued store is waited for. A batch left unfenced keeps reading beside the step; a later step that
+writes its pages fences it then, and one whose lane finished is forgotten (every backend synchronizes before it
+returns). A wait is never free where the host synchronizes the model's stream before a graph replay (vllm-ascend
+does, every step), hence the narrowing. A load waits for the model's stream as it was when the load was queued;
+the scheduler counts the pages a load writes among the step's writes, so a store still reading them was fenced
+first: a load never overwrites a page a store still reads, and the two lanes never wait for each other otherwise.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import logging
 import queue
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Collection, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -46,6 +51,7 @@ class _Job:
     ready: Optional[Any]  # the model stream's position the transfer waits for
     kernel_done: threading.Event = field(default_factory=threading.Event)  # set once pages_event exists (or None)
     pages_event: Optional[Any] = None  # completes when the kernel is done with the pages
+    finished: threading.Event = field(default_factory=threading.Event)  # the lane is done: no page is read any more
 
 
 class _Lane:
@@ -70,7 +76,9 @@ class KVMover:
         self.counters = counters
         self.kit = make_kit()  # the model thread's view: events on the model's stream
         self._plans: dict[int, Plan] = {}  # this step's plans by command id; only the model's thread touches it
-        self._unreleased: list[_Job] = []  # store jobs whose pages the model must not overwrite yet
+        self._reading: list[_Job] = []  # store jobs the model's stream has not waited for, maybe still reading
+        self.fence_waits = 0  # store batches the model's stream waited for (since start; stats get the deltas)
+        self.fence_skips = 0  # in-flight store batches a fence let read on beside the step (counted per fence)
         self._lanes = {direction: _Lane(f"lmcache-npu-{direction.name.lower()}-r{rank}", make_backend(), make_kit())
                        for direction in (Direction.LOAD, Direction.STORE)}
         for lane in self._lanes.values():
@@ -100,16 +108,35 @@ class KVMover:
         plans = [self._plans.pop(c.cmd_id, None) for c in commands]
         job = _Job(direction, list(commands), list(objects), plans, report, self.kit.record())
         if direction == Direction.STORE:
-            self._unreleased.append(job)
+            self._reading.append(job)
         self._lanes[direction].jobs.put(job)
 
-    def release_pages(self) -> None:
-        """Before the model may overwrite pages: every queued store's kernel is done with them (the model's stream
-        waits for it on NPU/CUDA; the host waits on CPU, where a store's end is its kernel's end)."""
-        jobs, self._unreleased = self._unreleased, []
-        for job in jobs:
-            job.kernel_done.wait()
-            self.kit.wait(job.pages_event)
+    def release_pages(self, stores: Optional[Collection[int]] = None) -> int:
+        """Before the model may overwrite pages: the model's stream waits until each queued store batch holding a
+        command in `stores` (every queued batch when None: the step's writes are unknown) is done reading its pages
+        (on NPU/CUDA an event wait, the host does not block; on CPU the host waits for the store's end). Returns how
+        many batches were waited for."""
+        wanted = None if stores is None else frozenset(stores)
+        waits = skips = 0
+        reading: list[_Job] = []
+        for job in self._reading:
+            if job.finished.is_set():
+                continue  # its backend returned after synchronizing: nothing of it reads a page
+            if wanted is None or any(c.cmd_id in wanted for c in job.commands):
+                job.kernel_done.wait()
+                self.kit.wait(job.pages_event)
+                waits += 1  # the stream keeps its order: later work of the model is behind this batch for good
+            else:
+                reading.append(job)
+                skips += 1
+        self._reading = reading
+        self.fence_waits += waits
+        self.fence_skips += skips
+        if waits:
+            self.counters.add("fence_waits", waits)
+        if skips:
+            self.counters.add("fence_skips", skips)
+        return waits
 
     def close(self) -> None:
         for lane in self._lanes.values():
@@ -129,6 +156,7 @@ class KVMover:
             while (job := lane.jobs.get()) is not None:
                 self._report_all(job, job.commands, failure)
                 job.kernel_done.set()
+                job.finished.set()
             return
         with lane.kit.side_stream():
             while (job := lane.jobs.get()) is not None:
@@ -139,6 +167,7 @@ class KVMover:
                     self._report_all(job, job.commands, TierResult.fail(f"device: {exc}"))
                 finally:
                     job.kernel_done.set()  # a batch that never launched touched no page
+                    job.finished.set()
 
     @staticmethod
     def _after_kernel(lane: _Lane, job: _Job, event: Optional[Any]) -> None:

@@ -164,7 +164,7 @@ class Setup:
             results.append((cmd_id, result))
             done.set()
 
-        cmd_id = next(self._ids)
+        cmd_id = self.last_cmd_id = next(self._ids)
         key = ChunkKey("0" * 32, cmd_id.to_bytes(8, "little"))
         if direction == Direction.STORE:
             command, plan = Store(cmd_id, key, slot, "r", 0), StorePlan("r", (cmd_id,), self.window)
@@ -237,6 +237,29 @@ def fence_orders_the_next_forward(device: torch.device, fence: bool = True, opti
     stored = s.stored_value()
     s.close()
     return stored
+
+
+def narrow_fence(device: torch.device, names_the_store: bool, options: Optional[dict] = None) -> tuple[set, int]:
+    """A store whose gather starts late; the next step overwrites its pages with 9s right after a page fence that
+    names the store (the scheduler saw the step write its pages) or only some other store (the step writes other
+    pages, so no wait is added: the negative control, the store sees the 9s). Returns (the stored values, the waits
+    the fence added)."""
+    s = Setup(device, options=options)
+    gate = Gate(s)
+    s.warm()
+    s.mover.set_backend(Direction.STORE, Delayed(s.mover.backends[Direction.STORE], gate.hold))
+    s.fill(5)
+    s.run(Direction.STORE)
+    waits = s.mover.release_pages([s.last_cmd_id if names_the_store else s.last_cmd_id + 1000])
+    s.fill(9)
+    if not names_the_store:
+        s.module.current_stream(device).synchronize()  # the 9s are in the pages before the gather may start
+    gate.open()
+    s.pending.wait(60)
+    s.module.synchronize()
+    stored = s.stored_value()
+    s.close()
+    return stored, waits
 
 
 def load_after_the_models_earlier_writes(device: torch.device, ordered: bool = True,

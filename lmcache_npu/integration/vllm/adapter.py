@@ -13,7 +13,7 @@ import json
 import logging
 import re
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator, Optional
+from typing import Any, Iterable, Iterator, Optional, Sequence
 
 import vllm
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: F401  (re-exported for the connector)
@@ -300,3 +300,8 @@ def lora_adapter(request: Any) -> Optional[tuple[str, str]]:
         return None
     path = getattr(lora, "lora_path", None) or getattr(lora, "path", None) or ""
     return str(getattr(lora, "lora_name", "")), str(path)
+
+
+def blocks_to_zero(scheduler_output: Any) -> Sequence[int]:
+    """Blocks vLLM zeroes before this step's forward (vLLM >= 0.32 names them; earlier eras zero nothing)."""
+    return getattr(scheduler_output, "new_block_ids_to_zero", None) or ()

@@ -1,7 +1,8 @@
 """What the connector's halves tell each other: plain picklable dataclasses, no tensors.
 
 Scheduler → every worker, once per step (`LMCacheNPUConnectorMetadata`): the store index's commands in the order
-every rank runs them, and for the requests those commands move, the block ids they touch. Workers → scheduler
+every rank runs them, for the requests those commands move the block ids they touch, and the earlier stores whose
+pages this step writes (the page fence waits for those only). Workers → scheduler
 (`LMCacheNPUWorkerMetadata`): each rank's command completions, merged by vLLM across ranks with `aggregate`.
 At start-up each worker reports its plan once (`WorkerGeometry`, vLLM's handshake metadata): the scheduler builds
 its index and reads the plan groups from it, because vLLM hands the scheduler a KV-cache config whose multi-spec
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Optional
 
 from ...layout.discovery import LayoutGroup
 from ...store.commands import Command, Completion
@@ -28,6 +30,9 @@ class LMCacheNPUConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadPlan] = field(default_factory=list)
     stores: list[StorePlan] = field(default_factory=list)
     delayed_free: list[str] = field(default_factory=list)  # report finished_sending once their stores settled
+    # store cmd ids of earlier steps that read a block this step writes: the page fence waits for their batches only;
+    # None: the scheduler could not tell (a request it does not track), so the fence waits for every queued store
+    fenced_stores: Optional[list[int]] = None
 
 
 @dataclass

@@ -25,6 +25,7 @@ from ...store.identity import AdapterDigests
 from ...store.keys import ChunkKey, check_stable_hashing, chunk_keys
 from ...store.tier import TierCounters
 from . import adapter
+from .fence import StepWrites, StoreRead, StoreReads, tail_blocks
 from .metadata import (
     BlockWindow,
     LMCacheNPUConnectorMetadata,
@@ -104,6 +105,10 @@ class SchedulerHalf:
         self._owner: dict[int, _Request] = {}  # in-flight store/load cmd id -> its request
         self._loads: list[LoadPlan] = []
         self._delayed_free: list[str] = []
+        # the page fence's inputs: blocks each store read by some rank may still read (until every rank completed
+        # it), indexed by block; a step's stores join after that step's fence is decided
+        self._store_reads = StoreReads()
+        self._step_reads: list[tuple[int, StoreRead]] = []
         self._warned_idle = False
         self._adapters = AdapterDigests()
 
@@ -319,16 +324,35 @@ class SchedulerHalf:
 
     def build_connector_meta(self, scheduler_output: Any) -> LMCacheNPUConnectorMetadata:
         stores: list[StorePlan] = []
+        fencing = len(self._store_reads) > 0  # with no store in flight no write needs a fence: skip the bookkeeping
+        writes = StepWrites()
+        unknown = False  # a write the mirror cannot place: the fence must cover every store
+        block_tokens, state_groups = self._block_geometry()
         for scheduled in adapter.scheduled_requests(scheduler_output):
             state = self.requests.get(scheduled.request_id)
-            if state is None:
-                continue  # scheduled before this connector saw it: nothing of it is tracked
+            if state is None:  # scheduled before this connector saw it: nothing of it is tracked
+                if fencing and scheduled.replace and scheduled.block_ids is not None:
+                    for _, blocks in tail_blocks(scheduled.block_ids, scheduled.num_computed_tokens, block_tokens):
+                        writes.anywhere(blocks)
+                elif fencing:
+                    unknown = True  # its current block is in no output we kept
+                continue
             if scheduled.block_ids is not None:
                 if scheduled.replace or not state.blocks:
+                    unknown |= fencing and not scheduled.replace  # appended ids, no table to place them in
                     state.blocks = [list(ids) for ids in scheduled.block_ids]
                 else:
                     for table, new in zip(state.blocks, scheduled.block_ids):
                         table.extend(new)
+                    if fencing:  # freshly handed blocks (maybe freed by another request): written or zeroed now
+                        writes.anywhere(b for ids in scheduled.block_ids for b in ids)
+            if fencing:
+                whole = scheduled.replace  # a new or resumed request's blocks past its hit are all fresh
+                for sg, blocks in tail_blocks(state.blocks, scheduled.num_computed_tokens, block_tokens):
+                    if whole or sg in state_groups:
+                        writes.anywhere(blocks)
+                    else:
+                        writes.from_token(scheduled.request_id, scheduled.num_computed_tokens, blocks)
             if self.stores_enabled and self.index is not None and not state.bypass:
                 spec = len(scheduler_output.scheduled_spec_decode_tokens.get(scheduled.request_id, ()))
                 computed_after = (scheduled.num_computed_tokens
@@ -338,9 +362,52 @@ class SchedulerHalf:
                     stores.append(plan)
         meta = LMCacheNPUConnectorMetadata(
             commands=self.index.take_commands() if self.index is not None else [],
-            loads=self._loads, stores=stores, delayed_free=self._delayed_free)
-        self._loads, self._delayed_free = [], []
+            loads=self._loads, stores=stores, delayed_free=self._delayed_free,
+            fenced_stores=self._fenced_stores(scheduler_output, writes, unknown) if fencing else [])
+        for cmd_id, read in self._step_reads:  # after the fence: this step's stores run behind its forward
+            self._store_reads.add(cmd_id, read)
+        self._loads, self._delayed_free, self._step_reads = [], [], []
         return meta
+
+    def _block_geometry(self) -> tuple[list[int], set[int]]:
+        """Per scheduler group, tokens per logical block (the largest of its plan groups: the earliest block a write
+        can reach; 0 where no plan group says, so its whole table counts as written), and the groups holding a
+        recurrent state (a write replaces a whole block)."""
+        block_tokens = [0] * self.num_scheduler_groups
+        for g in self.groups:
+            if g.scheduler_group < len(block_tokens):
+                block_tokens[g.scheduler_group] = max(block_tokens[g.scheduler_group], g.tokens_per_block)
+        return block_tokens, {g.scheduler_group for g in self.groups if g.recurrent}
+
+    def _fenced_stores(self, scheduler_output: Any, writes: StepWrites, unknown: bool) -> Optional[list[int]]:
+        """The in-flight stores that read a block this step writes; None when some write could not be placed."""
+        if unknown:
+            self.counters.add("fence_unknown_steps")
+            return None
+        for plan in self._loads:  # a load writes its window (blocks vLLM just handed to the loading request)
+            writes.anywhere(b for ids in plan.window.block_ids for b in ids)
+        # vLLM zeroes these new blocks before the forward (an output field since 0.23; absent: nothing zeroed)
+        writes.anywhere(adapter.blocks_to_zero(scheduler_output))
+        writes.anywhere_blocks.discard(0)  # vLLM's null block holds nothing a store reads
+        fenced = self._store_reads.conflicting(writes)
+        if fenced:
+            self.counters.add("fenced_store_commands", len(fenced))
+        return fenced
+
+    def _read_of(self, request_id: str, window: BlockWindow, chunk_index: int) -> StoreRead:
+        """The blocks one stored chunk reads, every plan group (the null block left out)."""
+        blocks: set[int] = set()
+        states: set[int] = set()
+        for g in self.moved:
+            lo, hi = stored_block_span(g, self.chunk_tokens, chunk_index, chunk_index + 1)
+            first = window.first_block[g.scheduler_group]
+            ids = window.block_ids[g.scheduler_group][max(lo - first, 0):max(hi - first, 0)]
+            blocks.update(ids)
+            if g.recurrent:
+                states.update(ids)
+        blocks.discard(0)
+        return StoreRead(request_id, (chunk_index + 1) * self.chunk_tokens, tuple(sorted(blocks)),
+                         frozenset(states - {0}))
 
     def _plan_stores(self, state: _Request, computed_before: int, computed_after: int) -> Optional[StorePlan]:
         """Stores for the chunks this step completes (and earlier ones still safe to read), one command each."""
@@ -388,8 +455,10 @@ class SchedulerHalf:
         partial = tuple(c.cmd_id for c in commands if c.key in without_end_state)
         self.counters.add("store_chunks", len(commands))
         indices = tuple(c.chunk_index for c in commands)
-        return StorePlan(request.request_id, tuple(c.cmd_id for c in commands),
-                         self._window(state, min(indices), max(indices) + 1), partial)
+        window = self._window(state, min(indices), max(indices) + 1)
+        self._step_reads.extend((c.cmd_id, self._read_of(request.request_id, window, c.chunk_index))
+                                for c in commands)
+        return StorePlan(request.request_id, tuple(c.cmd_id for c in commands), window, partial)
 
     def request_finished(self, request: Any, block_ids: Sequence[Sequence[int]]) -> tuple[bool, Optional[dict]]:
         """Delays the free while stores of the request still read its pages (reported later as finished_sending).
@@ -435,6 +504,7 @@ class SchedulerHalf:
                 for cmd_id in [c for c in pending if not self.index.is_pending(c)]:
                     pending.discard(cmd_id)
                     self._owner.pop(cmd_id, None)
+                    self._store_reads.forget(cmd_id)  # every rank is done with its pages
             self._forget_if_settled(state)
 
     def _forget_if_settled(self, state: _Request) -> None:

@@ -36,6 +36,12 @@ METRICS: dict[str, str] = {
     "store_seconds": "seconds the store transfers took (summed over ranks)",
     "load_retries": "device loads retried after a failure",
     "transfer_failures": "device transfers that failed (each fails its commands)",
+    "fence_waits": "store batches the model's stream waited for before a step wrote pages they still read "
+                   "(summed over ranks)",
+    "fence_skips": "in-flight store batches a step let read on, since it wrote none of their pages (per step, summed "
+                   "over ranks)",
+    "fenced_store_commands": "store commands the scheduler named because the step wrote a block they read",
+    "fence_unknown_steps": "steps whose writes the scheduler could not place, so every queued store was waited for",
 }
 
 # counters the store keeps for its own tests and logs (never drained): exported name -> (own name, help text)

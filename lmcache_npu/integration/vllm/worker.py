@@ -1,11 +1,43 @@
 """The connector's worker half: registered KV caches -> layout -> plan -> transfer backend -> store executor, and
 each step's commands run without blocking the model (DESIGN §8).
 
-Per step: `handle_preemptions` holds the model's stream until earlier stores have read their pages;
-`start_load_kv` runs the tier commands in order and queues every load of the step as one transfer;
-`wait_for_save` queues every store of the step as one transfer, ordered after the forward by an event;
+Per step: `handle_preemptions` queues the stores an earlier step bound but never queued (no `wait_for_save`), then
+raises the page fence; `start_load_kv` runs the tier commands in order and queues every load of the step as one
+transfer; `wait_for_save` queues every store of the step as one transfer, ordered after the forward by an event;
 `get_finished` collects completions, reports loads done (`finished_recving`), stores of finished requests done
 (`finished_sending`) and failed loads, and the completions go back to the scheduler's index.
+
+Why the narrow page fence is safe. A queued store reads the pages of the chunks it stores until its kernel is done;
+the model's stream must not write any of them before. The scheduler half decides, because it knows both sides: the
+blocks each store reads (per chunk, from its block window, kept until every rank completed it, which is after its
+kernel on every rank: a superset of what any worker still has in flight, even with async scheduling, where step N+1
+is built before step N runs) and everything the step writes. It names the stores whose blocks meet the step's
+writes (`fenced_stores`); the worker, which alone knows which batches are still on the device, waits for those
+that are. Block ids come from one pool shared by every KV-cache group and name the same pages in every group's
+tensors (a hybrid model's groups share buffers), so reads and writes are compared as one set of ids. A step writes:
+* for every scheduled request and group, every block from the one holding its first uncomputed token to the table's
+  end: the new tokens' rows, a recurrent state (mamba align mode keeps it in the last token's block, "none" mode in
+  the table's only block), speculative and lookahead blocks. Blocks before hold computed tokens: vLLM's own prefix
+  hits (shared, never rewritten; a full-prompt hit recomputes its last token in a new block) or rows a load wrote;
+* every block newly handed to a request, and every block vLLM zeroes (`new_block_ids_to_zero`): a block freed by a
+  preempted, finished or sliding request and given to another in this step is one of these, and so is a block that
+  vLLM evicts from its prefix cache to reuse;
+* the windows of this step's loads (blocks of a request waiting for its KV, which vLLM does not schedule).
+A request's own write of a block it already held, from token t on, touches rows of tokens >= t only, so it spares
+that request's stores of chunks ending at or before t (their rows are of earlier tokens), except where the block
+holds a recurrent state, which a write replaces whole (`fence.py`); blocks new to it count whole.
+A request the scheduler half does not track, and that only appends, has a current block no output named: the
+scheduler then sends None and every queued store is fenced. Finished requests: vLLM frees their blocks only after
+`request_finished` returns False or, when it returned True (stores in flight), after the workers reported them in
+`finished_sending`, i.e. after those stores completed; a block it frees and reuses shows up as a new block of the
+request that gets it. Preempted requests: their blocks are freed at once and come back as new blocks of some
+request (or of the same one when it resumes, with the whole table in the output). A store that a step skipped
+keeps reading beside that step, and the first step that writes one of its blocks waits for it.
+
+Stores bound by a step that never reached `wait_for_save` are queued in `handle_preemptions`, before the fence and
+before vLLM's state update: their event sits right after that step's forward, so they read what it computed, and the
+fence treats them as any queued store (the scheduler counted them in flight since it built that step). Queued in
+`start_load_kv` they would read pages after vLLM's state update, which zeroes blocks handed out in the new step.
 """
 
 from __future__ import annotations
@@ -89,6 +121,7 @@ class WorkerHalf:
         self._owner: dict[int, str] = {}  # in-flight load/store cmd id -> request id
         self._outbox: list[Completion] = []
         self._load_error_blocks: set[int] = set()
+        self._fenced: Optional[Any] = None  # the metadata whose step handle_preemptions fenced
 
     # ---- start-up ---------------------------------------------------------------------------------------------
 
@@ -148,19 +181,26 @@ class WorkerHalf:
 
     # ---- per step ---------------------------------------------------------------------------------------------
 
-    def handle_preemptions(self, meta: LMCacheNPUConnectorMetadata) -> None:
-        """vLLM calls this every step before the model writes a page (preempted requests or not): earlier stores must
-        be done reading their pages, which vLLM may have handed to other requests."""
-        if self.mover is not None:
-            self.mover.release_pages()
-
-    def start_load_kv(self, meta: LMCacheNPUConnectorMetadata) -> None:
+    def handle_preemptions(self, meta: Any) -> None:
+        """vLLM calls this every step before the model writes a page (preempted requests or not), with the step's
+        metadata: stores an earlier step left unqueued are queued behind that step's forward, then the model's stream
+        waits for the queued stores that still read pages this step writes."""
+        self._fenced = meta
         if self.executor is None or self.mover is None:
             return
         if self._stores:  # a previous step bound stores but never reached wait_for_save (its plans are still expected)
             self.executor.submit(self._stores)
             self._stores = []
-        self.mover.release_pages()  # a runner that skips handle_preemptions still orders loads after old stores
+        # metadata of another kind, or from a scheduler that could not place a write, fences every queued store
+        fenced = meta.fenced_stores if isinstance(meta, LMCacheNPUConnectorMetadata) else None
+        self.mover.release_pages(fenced)
+
+    def start_load_kv(self, meta: LMCacheNPUConnectorMetadata) -> None:
+        if self.executor is None or self.mover is None:
+            return
+        if self._fenced is not meta:  # a runner that skips handle_preemptions: fence here, before any load is queued
+            self.handle_preemptions(meta)
+        self._fenced = None
         self.mover.expect([*meta.loads, *meta.stores])
         for plan in meta.loads:
             self._recv[plan.request_id] = _Recv(plan, set(plan.cmd_ids), f"refused: {plan.refused}" if plan.refused
