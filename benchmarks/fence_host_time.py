@@ -157,7 +157,7 @@ def main() -> int:
     args = parser.parse_args()
     if args.hold_ms <= 0 or args.repeats < 1:
         parser.error("--hold-ms must be > 0 and --repeats >= 1")
-    device = torch.device(args.device)
+    device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
     rows = run(device, args.hold_ms, args.repeats)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "host"
     table = Table(title=f"host time of one step's fence + load queue + pre-replay sync, store held {args.hold_ms} ms "
