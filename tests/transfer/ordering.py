@@ -217,48 +217,44 @@ def store_after_the_forwards_writes(device: torch.device, ordered: bool = True,
     return stored, run_returned_early, fence_returned_early
 
 
+def _store_then_overwrite(device: torch.device, fence: Callable[["Setup"], Optional[int]], waits_for_it: bool,
+                          options: Optional[dict]) -> tuple[set, Optional[int]]:
+    """A store whose gather starts late; `fence(setup)` runs the page fence (its waits, or None for no fence), then
+    the next step's forward overwrites the pages with 9s. Where the fence does not wait for the store
+    (`waits_for_it` False), the 9s are in the pages before the gather may start. Returns (the stored values, the
+    fence's result)."""
+    s = Setup(device, options=options)
+    gate = Gate(s)
+    s.warm()
+    s.mover.set_backend(Direction.STORE, Delayed(s.mover.backends[Direction.STORE], gate.hold))
+    s.fill(5)
+    s.run(Direction.STORE)
+    fenced = fence(s)
+    s.fill(9)  # the next step's forward writes blocks vLLM handed to another request
+    if not waits_for_it:
+        s.module.current_stream(device).synchronize()
+    gate.open()
+    s.pending.wait(60)
+    s.module.synchronize()
+    stored = s.stored_value()
+    s.close()
+    return stored, fenced
+
+
 def fence_orders_the_next_forward(device: torch.device, fence: bool = True, options: Optional[dict] = None) -> set:
     """A store whose gather starts late; the next step's forward overwrites the pages with 9s right after the page
     fence. With the fence the store holds what the step computed (5s); without it, the 9s."""
-    s = Setup(device, options=options)
-    gate = Gate(s)
-    s.warm()
-    s.mover.set_backend(Direction.STORE, Delayed(s.mover.backends[Direction.STORE], gate.hold))
-    s.fill(5)
-    s.run(Direction.STORE)
-    if fence:
-        s.mover.release_pages()
-    s.fill(9)  # the next step's forward writes blocks vLLM handed to another request
-    if not fence:
-        s.module.current_stream(device).synchronize()  # the 9s are in the pages before the gather may start
-    gate.open()
-    s.pending.wait(60)
-    s.module.synchronize()
-    stored = s.stored_value()
-    s.close()
-    return stored
+    return _store_then_overwrite(device, lambda s: s.mover.release_pages() if fence else None, fence, options)[0]
 
 
 def narrow_fence(device: torch.device, names_the_store: bool, options: Optional[dict] = None) -> tuple[set, int]:
-    """A store whose gather starts late; the next step overwrites its pages with 9s right after a page fence that
-    names the store (the scheduler saw the step write its pages) or only some other store (the step writes other
-    pages, so no wait is added: the negative control, the store sees the 9s). Returns (the stored values, the waits
-    the fence added)."""
-    s = Setup(device, options=options)
-    gate = Gate(s)
-    s.warm()
-    s.mover.set_backend(Direction.STORE, Delayed(s.mover.backends[Direction.STORE], gate.hold))
-    s.fill(5)
-    s.run(Direction.STORE)
-    waits = s.mover.release_pages([s.last_cmd_id if names_the_store else s.last_cmd_id + 1000])
-    s.fill(9)
-    if not names_the_store:
-        s.module.current_stream(device).synchronize()  # the 9s are in the pages before the gather may start
-    gate.open()
-    s.pending.wait(60)
-    s.module.synchronize()
-    stored = s.stored_value()
-    s.close()
+    """The same, after a page fence that names the store (the scheduler saw the step write its pages) or only some
+    other store (the step writes other pages, so no wait is added: the negative control, the store sees the 9s).
+    Returns (the stored values, the waits the fence added)."""
+    stored, waits = _store_then_overwrite(
+        device, lambda s: s.mover.release_pages([s.last_cmd_id if names_the_store else s.last_cmd_id + 1000]),
+        names_the_store, options)
+    assert waits is not None
     return stored, waits
 
 
