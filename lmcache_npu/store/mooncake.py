@@ -260,16 +260,17 @@ class MooncakeTier:
     def _bounce_ready(self) -> bool:
         return self._bounce is not None and self._store is not None and bool(self._registered)
 
-    def _bounce_groups(self, buffers: Sequence[memoryview]) -> list[list[int]]:
-        """Indices in runs whose sizes fit the bounce buffer together; a buffer larger than it is a run alone."""
+    def _bounce_groups(self, buffers: Sequence[memoryview]) -> list[list[tuple[int, int]]]:
+        """(index, offset in the bounce buffer) in runs whose sizes fit the bounce buffer together; a buffer larger
+        than it is a run alone (offset 0)."""
         assert self._bounce is not None
-        groups: list[list[int]] = []
+        groups: list[list[tuple[int, int]]] = []
         used = self._bounce.nbytes
         for i, buffer in enumerate(buffers):
             if used + buffer.nbytes > self._bounce.nbytes or buffer.nbytes > self._bounce.nbytes:
                 groups.append([])
                 used = 0
-            groups[-1].append(i)
+            groups[-1].append((i, used))
             used += buffer.nbytes
         return groups
 
@@ -382,19 +383,17 @@ class MooncakeTier:
         codes: list[int] = []
         base = int(self._bounce.ctypes.data)
         for group in self._bounce_groups(buffers):
+            first = group[0][0]
             with self._bounce_lock:
-                if buffers[group[0]].nbytes > self._bounce.nbytes:
-                    payload = bytes(buffers[group[0]])
-                    got = self._call("put", lambda s: [s.put(names[group[0]], payload)])
+                if buffers[first].nbytes > self._bounce.nbytes:
+                    payload = bytes(buffers[first])
+                    got = self._call("put", lambda s: [s.put(names[first], payload)])
                 else:
-                    offsets, at = [], 0
-                    for i in group:
-                        self._bounce[at:at + buffers[i].nbytes] = np.frombuffer(buffers[i], dtype=np.uint8)
-                        offsets.append(at)
-                        at += buffers[i].nbytes
+                    for i, offset in group:
+                        self._bounce[offset:offset + buffers[i].nbytes] = np.frombuffer(buffers[i], dtype=np.uint8)
                     got = self._call("put", lambda s: list(s.batch_put_from(
-                        [names[i] for i in group], [base + o for o in offsets], [buffers[i].nbytes for i in group])),
-                        touches_memory=True)
+                        [names[i] for i, _ in group], [base + o for _, o in group],
+                        [buffers[i].nbytes for i, _ in group])), touches_memory=True)
             if got is None:
                 return None
             codes.extend(got)
@@ -456,24 +455,20 @@ class MooncakeTier:
         base = int(self._bounce.ctypes.data)
         for group in self._bounce_groups(buffers):
             with self._bounce_lock:
-                if buffers[group[0]].nbytes > self._bounce.nbytes:
-                    i = group[0]
-                    got = self._call("get", lambda s: [self._copy_get(s, i, names[i], buffers[i], checks[i],
-                                                                      rejected)], touches_memory=True)
+                first = group[0][0]
+                if buffers[first].nbytes > self._bounce.nbytes:
+                    got = self._call("get", lambda s: [self._copy_get(s, first, names[first], buffers[first],
+                                                                      checks[first], rejected)], touches_memory=True)
                     if got is None:
                         return None
                     codes.extend(got)
                     continue
-                offsets, at = [], 0
-                for i in group:
-                    offsets.append(at)
-                    at += buffers[i].nbytes
                 got = self._call("get", lambda s: list(s.batch_get_into(
-                    [names[i] for i in group], [base + o for o in offsets], [buffers[i].nbytes for i in group])),
-                    touches_memory=True)
+                    [names[i] for i, _ in group], [base + o for _, o in group],
+                    [buffers[i].nbytes for i, _ in group])), touches_memory=True)
                 if got is None:
                     return None
-                for i, offset, code in zip(group, offsets, got):
+                for (i, offset), code in zip(group, got):
                     size = buffers[i].nbytes
                     if code == size:
                         landed = memoryview(self._bounce[offset:offset + size])
