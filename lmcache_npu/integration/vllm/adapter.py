@@ -166,39 +166,34 @@ def weights_source(vllm_config: Any) -> WeightsSource:
     return WeightsSource(str(mc.model), getattr(mc, "revision", None), getattr(lc, "download_dir", None), load_format)
 
 
-def kv_cache_scales(vllm_config: Any, layer_names: Iterable[str]) -> tuple[tuple[str, float, float], ...]:
-    """Each attention layer's KV-cache quantisation scales as the worker holds them (k, v), in layer order; empty
-    where no model is registered. fp8 KV bytes are the values divided by these."""
+def attention_layers(vllm_config: Any, layer_names: Iterable[str]) -> dict[str, Any]:
+    """The attention layers the worker built, by name; empty where no model is registered in the config (the
+    scheduler process, tests without a model)."""
     from vllm.config import get_layers_from_vllm_config
     from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 
-    names = sorted(layer_names)
     try:
-        layers = get_layers_from_vllm_config(vllm_config, AttentionLayerBase, names)
+        return dict(get_layers_from_vllm_config(vllm_config, AttentionLayerBase, list(layer_names)))
     except (AttributeError, KeyError, AssertionError):  # no static forward context: nothing registered
-        return ()
+        return {}
+
+
+def kv_cache_scales(vllm_config: Any, layer_names: Iterable[str]) -> tuple[tuple[str, float, float], ...]:
+    """Each attention layer's KV-cache quantisation scales as the worker holds them (k, v), in layer order; empty
+    where no model is registered. fp8 KV bytes are the values divided by these."""
+    layers = attention_layers(vllm_config, layer_names)
     scales = []
-    for name in names:
-        layer = layers.get(name)
-        k, v = getattr(layer, "_k_scale_float", None), getattr(layer, "_v_scale_float", None)
+    for name in sorted(layers):
+        k, v = getattr(layers[name], "_k_scale_float", None), getattr(layers[name], "_v_scale_float", None)
         if k is not None and v is not None:
             scales.append((name, float(k), float(v)))
     return tuple(scales)
 
 
 def attention_backends(vllm_config: Any, layer_names: Iterable[str]) -> dict[str, str]:
-    """Each attention layer's backend name (`AttentionBackend.get_name()`), from the model the worker built; empty
-    where no model is registered in the config (the scheduler process, tests without a model)."""
-    from vllm.config import get_layers_from_vllm_config
-    from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
-
-    names = list(layer_names)
-    try:
-        layers = get_layers_from_vllm_config(vllm_config, AttentionLayerBase, names)
-    except (AttributeError, KeyError, AssertionError):  # no static forward context: nothing registered
-        return {}
+    """Each attention layer's backend name (`AttentionBackend.get_name()`), from the model the worker built."""
     backends = {}
-    for name, layer in layers.items():
+    for name, layer in attention_layers(vllm_config, layer_names).items():
         try:
             backends[name] = str(layer.get_attn_backend().get_name())
         except (AttributeError, NotImplementedError):  # a layer kind without a backend (e.g. mamba mixers)
