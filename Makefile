@@ -9,7 +9,7 @@ STAMP := $(VENV)/.lmcache-npu-setup
 NATIVE_SOURCES := $(shell find csrc -type f) setup.py pyproject.toml requirements-test.txt requirements-vllm.txt
 VLLM_VERSION := 0.23.0
 
-.PHONY: setup engines test demo bench-all gpu-wheels clean
+.PHONY: setup engines test demo bench-serve bench-all gpu-wheels clean
 
 setup: $(STAMP)
 
@@ -53,6 +53,19 @@ test: setup engines
 
 demo: .venv-vllm-$(DEMO_VLLM)/.lmcache-npu-setup
 	.venv-vllm-$(DEMO_VLLM)/bin/lmcache-npu replay --plot replay-plots
+
+# vllm serve without and with the plugin (and vLLM's MooncakeStoreConnector where it runs) under `vllm bench serve`;
+# in a loopback-only network namespace where one can be made, so the peer's mooncake_master and clients reach no one
+BENCH_SERVE := .venv-vllm-$(DEMO_VLLM)/bin/lmcache-npu bench-serve --plot serve-plots --json bench-serve.json
+bench-serve: .venv-vllm-$(DEMO_VLLM)/.lmcache-npu-setup
+	@IP=$$(command -v ip || echo /usr/sbin/ip); \
+	if unshare -n $$IP link set lo up 2>/dev/null; then \
+		echo "bench-serve: in a loopback-only network namespace"; \
+		unshare -n sh -c "$$IP link set lo up && exec \"\$$@\"" sh $(BENCH_SERVE); \
+	else \
+		echo "bench-serve: no network namespace here (unshare -n refused): running on the host's network"; \
+		$(BENCH_SERVE); \
+	fi
 
 bench-all: setup
 	$(BIN)/python benchmarks/all_presets.py --backend auto --json bench-all.json

@@ -1,4 +1,4 @@
-"""`lmcache-npu`: the command line (replay, bench, inspect, store-bench, bench-scheduler, bench-connector, doctor)."""
+"""`lmcache-npu`: the command line (replay, bench, inspect, store-bench, bench-scheduler, bench-connector, doctor, bench-serve, status)."""
 
 from __future__ import annotations
 
@@ -89,6 +89,18 @@ def _quiet_vllm() -> None:
     import os
 
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+
+
+def _status(args: argparse.Namespace) -> int:
+    from .status import engine_status, fetch_metrics, parse_metrics, render, to_json
+
+    try:
+        statuses = engine_status(parse_metrics(fetch_metrics(args.url, args.timeout)))
+    except (ConnectionError, ValueError) as exc:
+        print(f"lmcache-npu status: {exc}", file=sys.stderr)
+        return 2
+    print(to_json(statuses) if args.json else render(statuses))
+    return 0
 
 
 def _doctor(args: argparse.Namespace) -> int:
@@ -248,7 +260,8 @@ def _replay(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from .replay.configs import default_configs
+    from .replay.configs import named_configs
+    from .replay.connectors import connector_services
     from .replay.engine import EngineSettings, engine_available
     from .replay.models import VOCAB, make_model, model_vocab, recipe_from_config_file, resolve_recipe
     from .replay.replay import render_report, run_replay
@@ -288,10 +301,16 @@ def _replay(args: argparse.Namespace) -> int:
         kv_bytes = parse_bytes("--kv-cache-memory", args.kv_cache_memory)
     settings = dataclasses.replace(settings, kv_cache_memory_bytes=kv_bytes)
     turns = sum(len(c.turns) for c in conversations)
-    total = args.repeats * 2 * turns + (0 if args.no_restart else 2 * len(conversations))
-    with tempfile.TemporaryDirectory(prefix="lmcache-npu-replay-") as scratch:
+    names = [n.strip() for n in args.configs.split(",") if n.strip()] + (["peer"] if args.peer else [])
+    with tempfile.TemporaryDirectory(prefix="lmcache-npu-replay-") as scratch, \
+            connector_services(named_configs(names, {})) as services:
         disk_dir = None if args.no_disk else (str(args.disk_path) if args.disk_path else scratch)
-        configs = default_configs(_replay_plugin_config(args, disk_dir))
+        configs = named_configs(names, _replay_plugin_config(args, disk_dir))
+        for name, reason in services.unavailable.items():
+            console.print(f"[yellow]{name} does not run: {reason}[/yellow]")
+        configs = services.runnable(configs)
+        restarts = not args.no_restart and any(c.plugin for c in configs)
+        total = args.repeats * len(configs) * turns + (2 * len(conversations) if restarts else 0)
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       console=Console(stderr=True), transient=not sys.stderr.isatty()) as progress:
             task = progress.add_task("requests", total=total)
@@ -301,7 +320,8 @@ def _replay(args: argparse.Namespace) -> int:
 
             report = run_replay(label, conversations, workload, settings, configs, vocab, repeats=args.repeats,
                                 working_set_tokens=working_set_tokens(conversations), restart=not args.no_restart,
-                                on_turn=on_turn, on_phase=lambda text: progress.update(task, description=text))
+                                on_turn=on_turn, on_phase=lambda text: progress.update(task, description=text),
+                                services=services)
     report.settings["kv_cache_memory_bytes"] = kv_bytes
     for item in render_report(report):
         console.print(item)
@@ -380,6 +400,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "tables show medians and min-max (default 3)")
     replay.add_argument("--no-restart", action="store_true", help="skip the restart phase (the next turn on a "
                         "fresh engine over the last run's disk tier, against a cold restart without the plugin)")
+    replay.add_argument("--configs", default="baseline,plugin", help="the configurations compared, comma-separated: "
+                        "baseline (vLLM alone, always), plugin, peer (vLLM's own MooncakeStoreConnector on a loopback "
+                        "mooncake_master); default baseline,plugin")
+    replay.add_argument("--peer", action="store_true", help="adds the peer (same as --configs ...,peer); when it "
+                        "cannot start here (no Mooncake, a vLLM without the connector) the replay says why and runs "
+                        "without it")
     replay.add_argument("--plot", type=Path, help="write replay-ttft.png and replay-sources.png into this directory")
     replay.add_argument("--seed", type=int, default=0)
     replay.add_argument("--json", type=Path, help="write the report as JSON")
@@ -409,7 +435,7 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--preset", choices=preset_names(), required=True)
     inspect.add_argument("--device-family", choices=DEVICE_FAMILIES, default="ascend")
     inspect.add_argument("--chunk-tokens", type=int, default=None,
-                         help="tokens per chunk (default 256, or the mamba state interval for recurrent models)")
+                         help="tokens per chunk (default 128 (one CPU/Ascend block), or the mamba state interval for recurrent models)")
     inspect.add_argument("--skip-spec-kinds", default=None,
                          help="comma-separated spec kinds to skip, e.g. compressor_state (default: none; state "
                               "windows are never stored whole, only the boundary rows an exact restore reads)")
@@ -447,6 +473,14 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("--json", action="store_true", help="print the checks as JSON")
     doctor.set_defaults(func=_doctor)
 
+    status = sub.add_parser("status", help="a running engine's store: tiers, capacity and use, hit rates per tier, "
+                            "namespace, arena segments (from the /metrics vLLM already serves)")
+    status.add_argument("--url", default="http://localhost:8000",
+                        help="the vLLM server (its /metrics is read; default http://localhost:8000)")
+    status.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the server (default 5)")
+    status.add_argument("--json", action="store_true", help="print the status as JSON")
+    status.set_defaults(func=_status)
+
     sched = sub.add_parser("bench-scheduler", help="host time the connector adds to vLLM's scheduler: lookups of a "
                            "128K-token prompt, connector metadata for 64 running requests")
     sched.add_argument("--repeats", type=int, default=200, help="calls per lookup measurement (default 200)")
@@ -464,6 +498,10 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--seed", type=int, default=0)
     worker.add_argument("--json", type=Path, help="write the reports as JSON")
     worker.set_defaults(func=_bench_connector)
+
+    from .servebench.command import add_bench_serve_parser  # bench-serve: vllm serve under vLLM's own load generator
+
+    add_bench_serve_parser(sub)
     return parser
 
 

@@ -48,13 +48,17 @@ def check_backend_options(backend: str, options: Mapping[str, Any]) -> None:
                          f"valid options: {', '.join(valid) or 'none'}")
 
 
+TP_SHARE_MODES = ("auto", "off")
+
+
 @dataclass(frozen=True)
 class ConnectorConfig:
     """Everything ``LMCacheNPUConnector`` reads. Store keys (``cpu_bytes``, ``disk_path``, ``mooncake``, ...) sit at
     the same level in every source and land in ``store``."""
 
-    chunk_tokens: Optional[int] = None  # tokens per chunk (keying, storing, loading); None: 256, or the smallest
-    # multiple of vLLM's hash block and every stored group's granularity above it (a mamba state interval)
+    chunk_tokens: Optional[int] = None  # tokens per chunk (keying, storing, loading); None: the smallest multiple
+    # of vLLM's hash block and every stored group's granularity that holds 256 tokens (a mamba state interval where
+    # there is one); 128 reuses as much as vLLM's block-keyed connectors on CPU/Ascend (docs/performance.md)
     backend: str = "auto"  # transfer backend; auto: npu on Ascend, cuda on NVIDIA, emu for CPU tensors
     backend_options: Mapping[str, Any] = field(default_factory=dict)  # constructor options of a named backend
     store_decode_chunks: bool = True  # also store chunks completed during decode (multi-turn chat reuses them)
@@ -65,6 +69,9 @@ class ConnectorConfig:
     model_fingerprint: Optional[str] = None
     allow_fast_block_hash: bool = False  # persistent/shared tiers with vLLM's xxhash block hashing: warn, not refuse
     load_retries: int = 1  # a failed device load is retried this often before it is reported
+    # auto: planes identical on every TP rank (MLA, indexers, one KV head) are stored once across the group, each
+    # rank keeping a 1/tp share; off: every rank stores its whole chunk (docs/storage.md "Replicated KV")
+    tp_share: str = "auto"
     store: StoreConfig = field(default_factory=StoreConfig)
 
     def __post_init__(self) -> None:
@@ -93,6 +100,8 @@ class ConnectorConfig:
             raise ValueError(f"allow_fast_block_hash must be true or false, got {self.allow_fast_block_hash!r}")
         if isinstance(self.load_retries, bool) or not isinstance(self.load_retries, int) or not 0 <= self.load_retries <= 10:
             raise ValueError(f"load_retries must be an integer from 0 to 10, got {self.load_retries!r}")
+        if self.tp_share not in TP_SHARE_MODES:
+            raise ValueError(f"tp_share must be one of {', '.join(TP_SHARE_MODES)}, got {self.tp_share!r}")
 
     @classmethod
     def connector_keys(cls) -> tuple[str, ...]:

@@ -41,6 +41,26 @@ void Launch(uint64_t stream, uint32_t block_dim, uint64_t planes, uint64_t group
   if (rc != 0) throw std::runtime_error("aclrtlaunch_lmcache_kv_transfer failed with error " + std::to_string(rc));
 }
 
+std::string AclError(const char* what, aclError rc) {
+  const char* detail = aclGetRecentErrMsg();
+  return std::string(what) + " failed with ACL error " + std::to_string(rc) + (detail ? std::string(": ") + detail : "");
+}
+
+// Maps page-aligned host memory (an arena segment) for the current device; returns the device's address of it.
+uint64_t HostRegister(uint64_t address, uint64_t size) {
+  if (address % 4096 != 0) throw std::invalid_argument("aclrtHostRegister needs a 4 KiB aligned host address");
+  if (size == 0) throw std::invalid_argument("aclrtHostRegister needs a non-empty range");
+  void* device = nullptr;
+  const aclError rc = aclrtHostRegister(Dev(address), size, ACL_HOST_REGISTER_MAPPED, &device);
+  if (rc != ACL_SUCCESS) throw std::runtime_error(AclError("aclrtHostRegister", rc));
+  return static_cast<uint64_t>(reinterpret_cast<uintptr_t>(device));
+}
+
+void HostUnregister(uint64_t address) {
+  const aclError rc = aclrtHostUnregister(Dev(address));
+  if (rc != ACL_SUCCESS) throw std::runtime_error(AclError("aclrtHostUnregister", rc));
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_npu, m) {
@@ -50,5 +70,9 @@ PYBIND11_MODULE(_npu, m) {
         py::arg("runs"), py::arg("objects"), py::arg("status"), py::arg("total_items"), py::arg("num_planes"),
         py::arg("num_groups"), py::arg("num_runs"), py::arg("num_chunks"), py::arg("direction"),
         py::arg("tile_bytes"), py::arg("zero_tile_bytes"), py::call_guard<py::gil_scoped_release>());
+  m.def("host_register", &HostRegister, "aclrtHostRegister(MAPPED) of [address, address + size); the device address",
+        py::arg("address"), py::arg("size"), py::call_guard<py::gil_scoped_release>());
+  m.def("host_unregister", &HostUnregister, "aclrtHostUnregister of a range host_register registered",
+        py::arg("address"), py::call_guard<py::gil_scoped_release>());
   m.attr("LAYOUT_VERSION") = lmcache_npu::kLayoutVersion;
 }

@@ -28,7 +28,9 @@ from .specs import NEVER_REUSED, LayerSpec, SpecKind, is_compressor_state_layer,
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_CHUNK_TOKENS = 256
+# 128: one CPU/Ascend block, the unit vLLM's block-keyed connectors reuse; measured better than 256 against the
+# peer (issue 22, docs/performance.md "The peer")
+DEFAULT_CHUNK_TOKENS = 128
 # Nothing by default: state windows are never stored whole, but the boundary rows an exact restore reads are.
 DEFAULT_SKIP_SPEC_KINDS: tuple[str, ...] = ()
 
@@ -41,6 +43,8 @@ class LayoutPolicy:
     skip_spec_kinds: tuple[str, ...] = DEFAULT_SKIP_SPEC_KINDS
     hash_block_size: Optional[int] = None  # None: the GCD of the group block sizes, as vLLM derives it
     fractal_nz: bool = False  # 310P: K/V pages are FRACTAL_NZ
+    tp_size: int = 1  # tensor-parallel ranks of the engine; > 1 lets planes be marked replicated
+    total_kv_heads: Optional[int] = None  # the model's KV heads before TP splits them (None: unknown, none shared)
 
     def __post_init__(self) -> None:
         valid = sorted(k.value for k in SpecKind)
@@ -51,6 +55,10 @@ class LayoutPolicy:
             raise ValueError(f"chunk_tokens must be >= 1, got {self.chunk_tokens}")
         if self.hash_block_size is not None and self.hash_block_size < 1:
             raise ValueError(f"hash_block_size must be >= 1, got {self.hash_block_size}")
+        if self.tp_size < 1:
+            raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
+        if self.total_kv_heads is not None and self.total_kv_heads < 1:
+            raise ValueError(f"total_kv_heads must be >= 1 or None, got {self.total_kv_heads}")
 
 
 @dataclass(frozen=True)
@@ -89,6 +97,7 @@ class LayoutGroup:
     planes: tuple[PlaneInfo, ...]
     exact_restore: bool = True
     chunk_tokens: int = 0
+    replicated: bool = False  # every TP rank holds the same bytes of this group (`replicated_across_tp`)
 
     @property
     def keeps_blocks(self) -> bool:
@@ -131,6 +140,7 @@ class LayoutGroup:
             "recurrent": self.recurrent,
             "stored": self.stored,
             "exact_restore": self.exact_restore,
+            "replicated": self.replicated,
             "rows_per_chunk": 0 if self.skipped else self.rows_per_chunk,
             "note": self.note,
             "planes": [{"role": role, "count": n, "dtype": dtype, "row_bytes": row_bytes,
@@ -318,8 +328,26 @@ def _draft_groups(kv_cache_config: Any) -> tuple[list[_Draft], dict[str, LayerSp
     return drafts, layer_specs
 
 
+# Kinds whose cache every TP rank computes whole: an MLA latent (and its rope part, DSA indexer keys and scales,
+# DeepSeek-V4's compressed, sliding and compressor caches) is not split by heads.
+_LATENT_KINDS = (SpecKind.MLA, SpecKind.SLIDING_WINDOW_MLA, SpecKind.COMPRESSOR_STATE)
+# Kinds that split KV heads across TP ranks: identical on every rank only when the model has a single KV head.
+_HEAD_SPLIT_KINDS = (SpecKind.FULL_ATTENTION, SpecKind.SLIDING_WINDOW, SpecKind.CHUNKED_LOCAL)
+
+
+def replicated_across_tp(kind: SpecKind, tp_size: int, total_kv_heads: Optional[int]) -> bool:
+    """Whether every rank of a TP group of `tp_size` holds the same bytes for a group of this kind. Head-split
+    attention with 1 < KV heads < tp_size is replicated only inside sub-groups of tp_size / heads ranks; this
+    returns False there (each rank keeps its whole chunk), as it does for recurrent states (split by heads)."""
+    if tp_size <= 1:
+        return False
+    if kind in _LATENT_KINDS:
+        return True
+    return kind in _HEAD_SPLIT_KINDS and total_kv_heads == 1
+
+
 def _planes(components: Sequence[Component], drafts: Sequence[_Draft], plan_index: Mapping[str, int],
-            num_blocks: int) -> tuple[list[Plane], list[list[PlaneInfo]]]:
+            num_blocks: int, replicated: Sequence[bool] = ()) -> tuple[list[Plane], list[list[PlaneInfo]]]:
     """One plane per component, named `layer:role`, in component order (payload order inside a layer)."""
     by_layer: dict[str, list[Component]] = {}
     for c in components:
@@ -335,7 +363,9 @@ def _planes(components: Sequence[Component], drafts: Sequence[_Draft], plan_inde
                              f"has num_blocks {num_blocks}; every paged tensor needs exactly one block per block id")
         siblings = by_layer[c.layers[0]]
         name = f"{c.layers[0]}:{_component_role(drafts[gi].specs[0].kind, siblings, siblings.index(c))}"
-        planes.append(Plane(c.pages, gi, c.rows_per_block, c.row_bytes, c.layout, c.nz_unit_bytes, c.dtype, name))
+        shared = bool(replicated[gi]) if replicated else False
+        planes.append(Plane(c.pages, gi, c.rows_per_block, c.row_bytes, c.layout, c.nz_unit_bytes, c.dtype, name,
+                            shared))
         infos[gi].append(PlaneInfo(name, tuple(c.layers), c.index, dtype_name(c.dtype), c.row_bytes,
                                    c.block_stride_bytes, "fractal_nz" if c.layout == PageLayout.FRACTAL_NZ else "nd"))
     return planes, infos
@@ -346,7 +376,8 @@ def _granularity(s: LayerSpec) -> int:
     return s.compress_ratio if s.rows_are_tokens else s.tokens_per_block
 
 
-def _finish_group(gi: int, d: _Draft, chunk_tokens: int, infos: Sequence[PlaneInfo]) -> LayoutGroup:
+def _finish_group(gi: int, d: _Draft, chunk_tokens: int, infos: Sequence[PlaneInfo],
+                  replicated: bool = False) -> LayoutGroup:
     """Checks the chunk against the group's granularity and fixes what each chunk stores of it."""
     s = d.specs[0]
     where = (f"group {gi} ({s.spec_class}, scheduler group {d.scheduler_group}, "
@@ -368,7 +399,7 @@ def _finish_group(gi: int, d: _Draft, chunk_tokens: int, infos: Sequence[PlaneIn
         rows_per_block=s.rows_per_block, compress_ratio=s.compress_ratio, sliding_window=s.sliding_window,
         stored_tokens=stored, rows_per_chunk=stored // s.compress_ratio, skipped=d.skipped,
         skip_reason=d.skip_reason, recurrent=recurrent, note=d.note, planes=tuple(infos),
-        exact_restore=d.exact_restore, chunk_tokens=chunk_tokens)
+        exact_restore=d.exact_restore, chunk_tokens=chunk_tokens, replicated=replicated and not d.skipped)
 
 
 def _decided_drafts(kv_cache_config: Any, policy: LayoutPolicy) -> tuple[list[_Draft], dict[str, LayerSpec]]:
@@ -398,6 +429,9 @@ def token_granularity(kv_cache_config: Any, policy: Optional[LayoutPolicy] = Non
 
 def default_chunk_tokens(granularity: int, hash_block_size: int = 1, target: int = DEFAULT_CHUNK_TOKENS) -> int:
     """The smallest multiple of the group granularity and vLLM's hash block that holds `target` tokens."""
+    if granularity < 1 or hash_block_size < 1 or target < 1:
+        raise ValueError(f"default_chunk_tokens needs positive sizes, got granularity={granularity}, "
+                         f"hash_block_size={hash_block_size}, target={target}")
     unit = math.lcm(granularity, hash_block_size)
     return unit * max(1, -(-target // unit))
 
@@ -420,12 +454,13 @@ def discover_layout(kv_cache_config: Any, kv_caches: Mapping[str, KVValue],
                                     policy.fractal_nz, scope=plan_index, packings=packings)
     components, covering = drop_covering_views(components, scope=plan_index)
     _note_covering_views(covering, drafts, plan_index)
-    planes, infos = _planes(components, drafts, plan_index, int(kv_cache_config.num_blocks))
+    replicated = [replicated_across_tp(d.specs[0].kind, policy.tp_size, policy.total_kv_heads) for d in drafts]
+    planes, infos = _planes(components, drafts, plan_index, int(kv_cache_config.num_blocks), replicated)
     for d in drafts:
         s = d.specs[0]
         if d.stored_window is not None and s.kind in _KEPT_WHOLE_BLOCKS and policy.chunk_tokens % s.tokens_per_block:
             d.stored_window = None  # a chunk end inside a block: the window's first block starts in earlier chunks
-    groups = tuple(_finish_group(gi, d, policy.chunk_tokens, infos[gi]) for gi, d in enumerate(drafts))
+    groups = tuple(_finish_group(gi, d, policy.chunk_tokens, infos[gi], replicated[gi]) for gi, d in enumerate(drafts))
     block_sizes = [int(g.kv_cache_spec.block_size) for g in kv_cache_config.kv_cache_groups]
     hash_block = policy.hash_block_size or math.gcd(*block_sizes)
     if policy.chunk_tokens % hash_block:

@@ -37,6 +37,33 @@ def _soc_from_name(name: str, ub_bytes: int, vector_cores: int) -> SocSpec:
     return SocSpec(family, ub_bytes, vector_cores, base.has_datacopy_pad, base.has_bf16)
 
 
+class NpuHostRegistrar:
+    """Registers host arena segments with the NPU through aclrtHostRegister / aclrtHostUnregister (our native
+    module, built only with CANN), one call per segment: no pinned allocator, so no power-of-two rounding."""
+
+    name = "aclrtHostRegister"
+
+    def __init__(self, device_index: int) -> None:
+        self.device_index = device_index
+        try:
+            from lmcache_npu import _npu  # type: ignore[attr-defined]
+        except ImportError as exc:
+            raise BackendUnavailable("registering the host arena with the NPU needs lmcache_npu._npu (reinstall with "
+                                     "CANN present)") from exc
+        self._npu: Any = _npu
+
+    def bind_thread(self) -> None:
+        import torch_npu  # noqa: F401  (registers torch.npu)
+
+        torch.npu.set_device(self.device_index)  # type: ignore[attr-defined]  # ACL calls act on the thread's device
+
+    def register(self, address: int, nbytes: int) -> int:
+        return int(self._npu.host_register(address, nbytes))
+
+    def unregister(self, address: int) -> None:
+        self._npu.host_unregister(address)
+
+
 class NpuBackend(TransferBackend):
     name = "npu"
 

@@ -114,6 +114,7 @@ class Plane:
     nz_unit_bytes: int = 0
     dtype: torch.dtype = torch.uint8
     name: str = ""
+    replicated: bool = False  # the same bytes on every tensor-parallel rank: stored once across the group
 
     @property
     def num_blocks(self) -> int:
@@ -252,11 +253,20 @@ class TransferPlan:
                              "group may address (a slot is an int32)")
         check_planes_disjoint([p.comb() for p in self.planes])
         self.moved_planes: tuple[Plane, ...] = tuple(p for p in self.planes if not self.groups[p.group].skip)
-        offsets, cursor = [], 0
-        for p in self.moved_planes:
-            cursor = align_up(cursor, OBJECT_ALIGN_BYTES)
-            offsets.append(cursor)
-            cursor += self.rows_per_chunk[p.group] * p.row_bytes
+        # the object holds the rank's own planes first, then the replicated ones, so the part a TP group shares is
+        # one contiguous tail; with no replicated plane (tp_size 1) this is plain plan order
+        offsets: list[int] = [0] * len(self.moved_planes)
+        cursor = 0
+        for replicated in (False, True):
+            if replicated:
+                cursor = align_up(cursor, OBJECT_ALIGN_BYTES)
+                self.replicated_offset: int = cursor
+            for i, p in enumerate(self.moved_planes):
+                if p.replicated != replicated:
+                    continue
+                cursor = align_up(cursor, OBJECT_ALIGN_BYTES)
+                offsets[i] = cursor
+                cursor += self.rows_per_chunk[p.group] * p.row_bytes
         self.object_offsets: tuple[int, ...] = tuple(offsets)
         self.object_bytes: int = align_up(cursor, OBJECT_ALIGN_BYTES)
 
@@ -285,11 +295,16 @@ class TransferPlan:
                         p.group, int(p.layout), p.nz_unit_bytes, (0, 0, 0, 0))
         return table
 
+    @property
+    def replicated_bytes(self) -> int:
+        """Bytes of the object's replicated tail (0 when no plane is replicated across the TP group)."""
+        return self.object_bytes - self.replicated_offset
+
     @cached_property
     def gap_free(self) -> bool:
         """Plane segments tile the object exactly (no alignment gaps): a store then writes every object byte."""
         cursor = 0
-        for p, offset in zip(self.moved_planes, self.object_offsets):
+        for offset, p in sorted(zip(self.object_offsets, self.moved_planes), key=lambda pair: pair[0]):
             if offset != cursor:
                 return False
             cursor = offset + self.rows_per_chunk[p.group] * p.row_bytes

@@ -1,10 +1,14 @@
-"""Where a request's prompt tokens came from: vLLM's own prefix cache, the plugin (per tier), or computation.
+"""Where a request's prompt tokens came from: vLLM's own prefix cache, the plugin (per tier), a peer connector, or
+computation.
 
 vLLM reports one number per request, `num_cached_tokens`: its local prefix-cache hit plus what a connector loaded.
 When both caches hit, vLLM takes its own hit first (block-aligned) and asks the connector only for what lies beyond
 it, so the plugin's share is exactly the `num_external_tokens` vLLM passes to the connector's
 `update_state_after_alloc`, and vLLM's own share is the rest. `HitLedger` records those calls in-process, per tier
-(the chunk sources the scheduler half counted), and a turn's tokens split as `split_hits` says.
+(the chunk sources the scheduler half counted), and a turn's tokens split as `split_hits` says. A peer connector
+(vLLM's MooncakeStoreConnector) is credited with what vLLM itself counted as external hits
+(`vllm:external_prefix_cache_hits`, first admissions only, whatever the connector): the plugin's ledger never sees
+them, so they can never be the plugin's.
 """
 
 from __future__ import annotations
@@ -17,7 +21,8 @@ logger = logging.getLogger(__name__)
 
 TIERS = ("arena", "disk", "mooncake")  # the plugin's tiers, in the order a lookup prefers them
 SOURCE_TIERS = {"cpu": "arena", "disk": "disk", "remote": "mooncake"}  # the scheduler half's names for them
-SOURCES = ("vllm", *TIERS, "computed")  # every place a prompt token can come from
+SOURCES = ("vllm", *TIERS, "peer", "computed")  # every place a prompt token can come from
+EXTERNAL_HITS = "vllm:external_prefix_cache_hits"  # vLLM's count of tokens any connector loaded (first admissions)
 
 
 @dataclass
@@ -49,6 +54,7 @@ class TurnHits:
     disk: int
     mooncake: int
     computed: int
+    peer: int = 0  # a connector other than this plugin (vLLM's external hits on a peer run)
 
     @property
     def plugin(self) -> int:
@@ -56,26 +62,38 @@ class TurnHits:
 
     @property
     def cached(self) -> int:
-        return self.vllm + self.plugin
+        return self.vllm + self.plugin + self.peer
+
+    @property
+    def external(self) -> int:
+        """Tokens a connector loaded, this plugin or a peer: the column that compares them."""
+        return self.plugin + self.peer
 
     def by_source(self) -> dict[str, int]:
         return {source: getattr(self, source) for source in SOURCES}
 
     @classmethod
     def summed(cls, turns: "list[TurnHits]") -> "TurnHits":
-        return cls(sum(t.prompt_tokens for t in turns), *(sum(getattr(t, s) for t in turns) for s in SOURCES))
+        return cls(sum(t.prompt_tokens for t in turns), **{s: sum(getattr(t, s) for t in turns) for s in SOURCES})
 
 
-def split_hits(prompt_tokens: int, cached_tokens: int, plugin: PluginHits) -> TurnHits:
-    """A turn's tokens by source from vLLM's `num_cached_tokens` sum (both caches) and the plugin's own ledger: the
-    plugin is credited only with what it loaded, vLLM's cache with the rest of the cached tokens."""
+def split_hits(prompt_tokens: int, cached_tokens: int, plugin: PluginHits, peer_tokens: int = 0) -> TurnHits:
+    """A turn's tokens by source from vLLM's `num_cached_tokens` sum (its cache and a connector's), the plugin's own
+    ledger and a peer connector's external hits (`peer_tokens`, vLLM's counter): the plugin is credited only with
+    what its ledger saw it load, the peer with what vLLM counted, vLLM's cache with the rest of the cached tokens."""
     if not 0 <= cached_tokens <= prompt_tokens:
         raise ValueError(f"cached tokens ({cached_tokens}) must be within [0, prompt tokens = {prompt_tokens}]")
-    if plugin.total > cached_tokens:
-        raise ValueError(f"the plugin's ledger credits it with {plugin.total} tokens but vLLM reported only "
-                         f"{cached_tokens} cached: the ledger counted loads vLLM did not use")
-    return TurnHits(prompt_tokens, cached_tokens - plugin.total, plugin.tokens["arena"], plugin.tokens["disk"],
-                    plugin.tokens["mooncake"], prompt_tokens - cached_tokens)
+    if peer_tokens < 0:
+        raise ValueError(f"a peer's external hits must be >= 0, got {peer_tokens}")
+    if plugin.total and peer_tokens:
+        raise ValueError(f"one run has one connector: the plugin's ledger has {plugin.total} tokens and a peer "
+                         f"{peer_tokens}")
+    if plugin.total + peer_tokens > cached_tokens:
+        who = "the plugin's ledger credits it" if plugin.total else "vLLM's external hits credit the peer"
+        raise ValueError(f"{who} with {plugin.total + peer_tokens} tokens but vLLM reported only {cached_tokens} "
+                         f"cached: loads counted that vLLM did not use")
+    return TurnHits(prompt_tokens, cached_tokens - plugin.total - peer_tokens, plugin.tokens["arena"],
+                    plugin.tokens["disk"], plugin.tokens["mooncake"], prompt_tokens - cached_tokens, peer_tokens)
 
 
 def attribute_chunks(first_token: int, hit_tokens: int, chunk_tokens: int, sources: Mapping[int, str]) -> dict[str,

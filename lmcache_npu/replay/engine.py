@@ -14,11 +14,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence
 
+from .configs import PLUGIN, PLUGIN_CONNECTOR, RunConfig
+from .connectors import PEER_CONNECTOR_CLASS, PLUGIN_CONNECTOR_CLASS, ConnectorServices, release_peer, transfer_config
 from .models import Recipe, resolve_recipe
 
 logger = logging.getLogger(__name__)
-
-CONNECTOR_MODULE = "lmcache_npu.integration.vllm"
 
 
 @dataclass(frozen=True)
@@ -87,7 +87,9 @@ def _in_process() -> None:
 class Engine:
     """A vLLM `LLM` over `settings`; `close()` shuts it down so the next engine starts clean."""
 
-    def __init__(self, settings: EngineSettings) -> None:
+    def __init__(self, settings: EngineSettings, transfer: Optional[Mapping[str, Any]] = None) -> None:
+        """`transfer`: a connector's whole kv_transfer_config (replay.connectors.transfer_config), for a connector
+        other than this plugin; without it the plugin runs when `settings.plugin` says so."""
         _in_process()
         from vllm import LLM
 
@@ -99,19 +101,30 @@ class Engine:
             disable_log_stats=False)
         if settings.max_num_batched_tokens is not None:
             kwargs["max_num_batched_tokens"] = settings.max_num_batched_tokens
-        if settings.plugin:
-            kwargs["kv_transfer_config"] = self._transfer_config()
+        self.transfer = self._transfer_config(settings, transfer)
+        if self.transfer is not None:
+            from vllm.config import KVTransferConfig
+
+            kwargs["kv_transfer_config"] = KVTransferConfig(**self.transfer)
         kwargs.update(settings.engine_args)
         self.llm = LLM(**kwargs)
         self._closed = False
 
-    def _transfer_config(self) -> Any:
-        from vllm.config import KVTransferConfig
+    @staticmethod
+    def _transfer_config(settings: EngineSettings, transfer: Optional[Mapping[str, Any]]) -> Optional[dict[str, Any]]:
+        """The connector's kv_transfer_config: `transfer` (a peer's, from replay.connectors) or, with
+        `settings.plugin`, this plugin's over `settings.extra_config`; the failure policy always the settings'."""
+        if transfer is None and settings.plugin:
+            transfer = transfer_config(RunConfig(PLUGIN, PLUGIN_CONNECTOR, dict(settings.extra_config)),
+                                       ConnectorServices())
+        if transfer is None:
+            return None
+        return {**transfer, "kv_load_failure_policy": settings.failure_policy}
 
-        return KVTransferConfig(kv_connector="LMCacheNPUConnector", kv_role="kv_both",
-                                kv_connector_module_path=CONNECTOR_MODULE,
-                                kv_load_failure_policy=self.settings.failure_policy,
-                                kv_connector_extra_config=dict(self.settings.extra_config))
+    @property
+    def runs_plugin(self) -> bool:
+        """Whether this engine's connector is this plugin (not vLLM alone, not a peer connector)."""
+        return self.transfer is not None and self.transfer.get("kv_connector") == PLUGIN_CONNECTOR_CLASS
 
     # ---- running ------------------------------------------------------------------------------------------------
 
@@ -149,7 +162,7 @@ class Engine:
     @property
     def scheduler_connector(self) -> Any:
         connector = self.engine_core.scheduler.connector
-        if connector is None:
+        if connector is None or not self.runs_plugin:
             raise RuntimeError("this engine runs without the plugin")
         return connector
 
@@ -157,7 +170,7 @@ class Engine:
     def worker_connector(self) -> Any:
         from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
 
-        if not has_kv_transfer_group():
+        if not has_kv_transfer_group() or not self.runs_plugin:
             raise RuntimeError("this engine runs without the plugin")
         return get_kv_transfer_group()
 
@@ -175,6 +188,10 @@ class Engine:
             return
         self._closed = True
         started = time.perf_counter()
+        if self.transfer is not None and self.transfer.get("kv_connector") == PEER_CONNECTOR_CLASS:
+            from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+            release_peer(self.engine_core.scheduler.connector, get_kv_transfer_group())
         self.llm.llm_engine.engine_core.shutdown()
         del self.llm
         gc.collect()

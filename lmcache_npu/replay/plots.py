@@ -13,9 +13,9 @@ from .replay import ReplayReport
 logger = logging.getLogger(__name__)
 
 SOURCE_LABELS = {"vllm": "vLLM prefix cache", "arena": "plugin: host arena", "disk": "plugin: disk",
-                 "mooncake": "plugin: Mooncake", "computed": "computed"}
+                 "mooncake": "plugin: Mooncake", "peer": "peer connector", "computed": "computed"}
 SOURCE_COLOURS = {"vllm": "#4c72b0", "arena": "#55a868", "disk": "#8fbc8f", "mooncake": "#c4ad66",
-                  "computed": "#c44e52"}
+                  "peer": "#8172b2", "computed": "#c44e52"}
 
 
 def _pyplot():  # type: ignore[no-untyped-def]

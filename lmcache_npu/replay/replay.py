@@ -13,7 +13,8 @@ from typing import Any, Callable, Optional, Sequence
 
 from .accounting import SOURCES
 from .compare import tolerance_for
-from .configs import RunConfig, run_order
+from .configs import PLUGIN_CONNECTOR, RunConfig, run_order
+from .connectors import ConnectorServices
 from .engine import EngineSettings
 from .identity import TurnReport, compare_turns
 from .restart import RestartResult, run_restart
@@ -98,17 +99,32 @@ class ReplayReport:
             return f"restart: {self.restart.identity.first_difference}"
         return ""
 
-    def summary(self, candidate: Optional[str] = None) -> Summary:
-        """The verdict's numbers: the baseline against `candidate` (default: the second configuration)."""
+    def connector_kind(self, config: str) -> str:
+        """"" for vLLM alone, "plugin" or "peer": how the verdict names a configuration's connector hits."""
+        connector = self.settings.get("configs", {}).get(config, {}).get("connector", "")
+        return "" if not connector else "plugin" if connector == PLUGIN_CONNECTOR else "peer"
+
+    def summary(self, candidate: Optional[str] = None, baseline: Optional[str] = None) -> Summary:
+        """The verdict's numbers: `baseline` (default: the first configuration) against `candidate` (default: the
+        second)."""
         if len(self.configs) < 2:
             raise ValueError("a verdict needs a baseline and a candidate configuration")
-        base, cand = self.configs[0], candidate or self.configs[1]
+        base, cand = baseline or self.configs[0], candidate or self.configs[1]
         b, c = self.total_spreads(base), self.total_spreads(cand)
         return Summary(base, cand, self.repeats, (b["ttft_p50_s"], c["ttft_p50_s"]), (b["ttft_p90_s"], c["ttft_p90_s"]),
                        (b["wall_s"], c["wall_s"]), self.runs_of(base)[0].total_hits().prompt_tokens,
                        {s: b[s].median for s in SOURCES}, {s: c[s].median for s in SOURCES},
                        bool(self.settings.get("prefix_caching")), self.working_set_ratio,
-                       cold_runs([(r.label, r.warmup) for r in self.runs]))
+                       cold_runs([(r.label, r.warmup) for r in self.runs]), self.connector_kind(base),
+                       self.connector_kind(cand))
+
+    def verdict_pairs(self) -> list[tuple[str, str]]:
+        """(baseline, candidate) of every verdict: each configuration against the first, then the plugin against
+        the peer when both ran (the comparison users make)."""
+        pairs = [(self.configs[0], c) for c in self.configs[1:]]
+        plugins = [c for c in self.configs[1:] if self.connector_kind(c) == "plugin"]
+        peers = [c for c in self.configs[1:] if self.connector_kind(c) == "peer"]
+        return pairs + [(peer, plugin) for plugin in plugins for peer in peers]
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -129,8 +145,9 @@ class ReplayReport:
                 "totals": {k: v.to_json() for k, v in self.total_spreads(config).items()},
                 "matching": matching, "requests": requests, "near_ties": ties}
         if len(self.configs) > 1:
-            text, _ = verdict_line(self.summary())
-            out["verdict"] = text
+            out["verdict"] = verdict_line(self.summary())[0]
+            out["verdicts"] = [{"baseline": b, "candidate": c, "text": verdict_line(self.summary(c, b))[0]}
+                               for b, c in self.verdict_pairs()]
         if self.restart is not None:
             out["restart"] = self.restart.to_json()
         return out
@@ -140,9 +157,12 @@ def run_replay(model: str, conversations: Sequence[Conversation], workload: str,
                configs: Sequence[RunConfig], vocab: int, repeats: int = 3, working_set_tokens: int = 0,
                restart: bool = True, warmup: bool = True,
                on_turn: Optional[Callable[[str, TurnRun], None]] = None,
-               on_phase: Optional[Callable[[str], None]] = None) -> ReplayReport:
+               on_phase: Optional[Callable[[str], None]] = None,
+               services: Optional[ConnectorServices] = None) -> ReplayReport:
     """Every configuration `repeats` times in alternating order, each run on a fresh engine (a run with the plugin on
-    a disk directory of its own), then the restart phase on the last plugin run's disk directory."""
+    a disk directory of its own, a peer's under a key prefix of its own, so no run finds an earlier run's KV), then
+    the restart phase on the last plugin run's disk directory. `services`: what `connector_services(configs)`
+    started (a peer configuration needs them)."""
     tolerance = tolerance_for(settings.dtype)  # an unknown dtype fails before any run, not after all
     runs: list[RunResult] = []
     order = run_order(configs, repeats)
@@ -154,10 +174,12 @@ def run_replay(model: str, conversations: Sequence[Conversation], workload: str,
             if os.path.isdir(last_disk) and os.listdir(last_disk):
                 raise ValueError(f"{last_disk} is not empty: a timed run's disk tier must start empty (choose another "
                                  f"--disk-path or empty it)")
+        if config.peer:  # the master outlives the runs: each run's objects under their own prefix
+            extra["cache_prefix"] = f"{extra.get('cache_prefix') or 'replay'}-run-{repeat + 1}"
         if on_phase is not None:
             on_phase(f"run {step + 1}/{len(order)}: starting {config.name}")
         started = time.perf_counter()
-        engine = start_engine(settings, config, extra)
+        engine = start_engine(settings, config, extra, services)
         try:
             logger.info("%s up in %.1f s", config.name, time.perf_counter() - started)
             position = step - next(i for i, (r, _) in enumerate(order) if r == repeat)
@@ -215,7 +237,7 @@ def render_report(report: ReplayReport) -> list[Any]:
              f"{'medians [min-max] of ' + str(repeats) + ' runs each' if repeats > 1 else 'one run each'}")
     table = Table(title=title, title_justify="left")
     for column in (report.step_name, "run", "TTFT p50", "TTFT p90", "prefill", "wall", "vLLM cache hit",
-                   "plugin: arena", "disk", "Mooncake", "computed", "identical"):
+                   "plugin: arena", "disk", "Mooncake", "peer connector", "computed", "identical"):
         table.add_column(column, justify="right")
     spreads = {c: report.turn_spreads(c) for c in report.configs}
     for turn in range(len(report.runs[0].turns)):
@@ -244,8 +266,8 @@ def render_report(report: ReplayReport) -> list[Any]:
                         f"disagreed, first: {mismatches[0]}", style="red"))
     if report.restart is not None:
         out.append(render_restart(report.restart))
-    if len(report.configs) > 1:
-        text, style = verdict_line(report.summary())
+    for baseline, candidate in report.verdict_pairs():
+        text, style = verdict_line(report.summary(candidate, baseline))
         out.append(Text(text, style=style))
     difference = report.first_difference()
     if difference:
@@ -264,7 +286,7 @@ def render_restart(restart: RestartResult) -> Any:
     table = Table(title="restart: every conversation's next turn on a fresh engine (host arena and vLLM's cache "
                   "empty)", title_justify="left")
     for column in ("engine", "TTFT p50", "TTFT p90", "prefill", "vLLM cache hit", "plugin: arena", "disk", "Mooncake",
-                   "computed", "identical"):
+                   "peer connector", "computed", "identical"):
         table.add_column(column, justify="right")
     for name, run in (("cold restart, " + restart.cold.config, restart.cold),
                       ("restart on the disk tier, " + restart.restarted.config, restart.restarted)):

@@ -7,8 +7,9 @@ import logging
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional, Sequence
 
-from .accounting import HitLedger, PluginHits, TurnHits, split_hits
+from .accounting import EXTERNAL_HITS, HitLedger, PluginHits, TurnHits, split_hits
 from .configs import RunConfig
+from .connectors import ConnectorServices, transfer_config
 from .engine import Engine, EngineSettings
 from .runner import TurnRun, run_workload
 from .sizing import device_capacity_tokens
@@ -76,19 +77,21 @@ class RunResult:
         return out
 
 
-def start_engine(settings: EngineSettings, config: RunConfig, extra_config: Optional[dict[str, Any]] = None) -> Engine:
-    """A fresh engine of `config` over `settings` (`extra_config` replaces the configuration's connector config)."""
-    if config.connector not in ("", "lmcache-npu"):
-        raise ValueError(f"configuration {config.name!r}: unknown connector {config.connector!r}; known: "
-                         f"'' (vLLM alone), 'lmcache-npu'")
+def start_engine(settings: EngineSettings, config: RunConfig, extra_config: Optional[dict[str, Any]] = None,
+                 services: Optional[ConnectorServices] = None) -> Engine:
+    """A fresh engine of `config` over `settings` (`extra_config` replaces the configuration's connector config),
+    its connector set up by replay.connectors (`services`: what `connector_services` started; a peer needs them)."""
     connector_config = dict(config.extra_config if extra_config is None else extra_config)
-    return Engine(replace(settings, plugin=config.plugin, extra_config=connector_config if config.plugin else {}))
+    transfer = transfer_config(replace(config, extra_config=connector_config), services or ConnectorServices())
+    return Engine(replace(settings, plugin=config.plugin, extra_config=connector_config if config.plugin else {}),
+                  transfer)
 
 
 def timed_run(engine: Engine, config: RunConfig, repeat: int, position: int, conversations: Sequence[Conversation],
               vocab: int, warmup: bool = True, on_turn: Optional[Callable[[TurnRun], None]] = None) -> RunResult:
     """Warms `engine` up (unless told not to: a cold run, which comparisons refuse), then runs every turn and
-    splits each turn's prompt tokens by source."""
+    splits each turn's prompt tokens by source: the plugin's by its ledger, a peer's by vLLM's external-hit counter
+    (which also checks the plugin's ledger and that vLLM alone had none)."""
     ledger = HitLedger()
     if config.plugin:
         ledger.attach(engine.scheduler_connector)
@@ -98,13 +101,20 @@ def timed_run(engine: Engine, config: RunConfig, repeat: int, position: int, con
         ledger.take()  # the warm-up's loads are not the workload's
     hits: list[TurnHits] = []
     reloaded, mismatches = [0], []
+    external = [engine.vllm_counter(EXTERNAL_HITS)]  # the counter so far: each turn takes its growth
 
     def turn_done(turn: TurnRun) -> None:
         plugin: PluginHits = ledger.take()
         reloaded[0] += plugin.reloaded_tokens
         mismatches.extend(plugin.mismatches)
+        now = engine.vllm_counter(EXTERNAL_HITS)
+        grown, external[0] = int(now - external[0]), now
+        if not config.peer and grown != plugin.total:
+            mismatches.append(f"turn {turn.turn + 1}: vLLM counted {grown} external hit tokens, the plugin's ledger "
+                              f"{plugin.total}")
         hits.append(split_hits(sum(c.prompt_tokens for c in turn.completions),
-                               sum(c.cached_tokens for c in turn.completions), plugin))
+                               sum(c.cached_tokens for c in turn.completions), plugin,
+                               grown if config.peer else 0))
         if on_turn is not None:
             on_turn(turn)
 

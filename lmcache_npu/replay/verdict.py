@@ -28,6 +28,8 @@ class Summary:
     vllm_prefix_cache: bool
     working_set_ratio: float = 0.0  # working set / device KV capacity (0: not known)
     cold: list[str] = field(default_factory=list)  # runs timed without a warm-up
+    baseline_connector: str = ""  # "" (vLLM alone), "plugin" or "peer": whose hits the baseline's connector had
+    candidate_connector: str = "plugin"
 
 
 def seconds(value: float) -> str:
@@ -56,6 +58,18 @@ def _share(tokens: float, total: int) -> str:
     return f"{tokens:,.0f} ({tokens / total:.0%})" if total else f"{tokens:,.0f}"
 
 
+def _connector_share(connector: str, hits: Mapping[str, float], total: int, lead: str) -> str:
+    """What a run's connector contributed: the plugin per tier, a peer's external hits, nothing for vLLM alone."""
+    if connector == "plugin":
+        tiers = ", ".join(f"{TIER_NAMES[t]} {hits.get(t, 0):,.0f}" for t in TIERS)
+        return f"{lead} the plugin {_share(sum(hits.get(t, 0) for t in TIERS), total)} ({tiers})"
+    if connector == "peer":
+        return f"{lead} the peer connector {_share(hits.get('peer', 0), total)}"
+    if connector:
+        raise ValueError(f"unknown connector kind {connector!r}; known: '', 'plugin', 'peer'")
+    return ""
+
+
 def verdict_line(summary: Summary) -> tuple[str, str]:
     """(text, rich style) of the verdict: red when runs were cold (not comparable), green when the candidate is
     faster beyond the spread in TTFT p50 and wall time, yellow otherwise."""
@@ -69,14 +83,13 @@ def verdict_line(summary: Summary) -> tuple[str, str]:
         cache += f"; the workload's working set is {summary.working_set_ratio:.1f}x the device KV cache"
     total = summary.prompt_tokens
     base, cand = summary.baseline_hits, summary.candidate_hits
-    tiers = ", ".join(f"{TIER_NAMES[t]} {cand.get(t, 0):,.0f}" for t in TIERS)
-    plugin = sum(cand.get(t, 0) for t in TIERS)
     text = (f"{summary.candidate} against {summary.baseline} ({cache}), {runs}: "
             f"{_measure('TTFT p50', p50, summary.repeats)}, {_measure('p90', p90, summary.repeats)}, "
             f"{_measure('the workload', wall, summary.repeats)}. Of {total:,} prompt tokens, {summary.baseline} "
-            f"hit {_share(base.get('vllm', 0), total)} in vLLM's own cache and computed "
+            f"hit {_share(base.get('vllm', 0), total)} in vLLM's own cache"
+            f"{_connector_share(summary.baseline_connector, base, total, ',')} and computed "
             f"{_share(base.get('computed', 0), total)}; {summary.candidate}: vLLM's own cache "
-            f"{_share(cand.get('vllm', 0), total)}, the plugin {_share(plugin, total)} ({tiers}), computed "
-            f"{_share(cand.get('computed', 0), total)}.")
+            f"{_share(cand.get('vllm', 0), total)}{_connector_share(summary.candidate_connector, cand, total, ',')}, "
+            f"computed {_share(cand.get('computed', 0), total)}.")
     faster = all(c.high < b.low for b, c in (p50, wall))
     return text, "green" if faster else "yellow"

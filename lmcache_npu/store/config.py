@@ -13,6 +13,7 @@ from typing import Any, Mapping, Optional
 from .mooncake_config import MooncakeConfig
 from .policies import POLICIES
 from .sections import parse_bytes, parse_section
+from .segments import PAGE_BYTES as SLOT_ALIGN_BYTES, parse_hugepages
 
 __all__ = ["MooncakeConfig", "StoreConfig", "parse_bytes", "parse_section"]
 
@@ -24,6 +25,8 @@ class StoreConfig:
     cpu_bytes: int = 8 << 30  # host arena (L1) per rank
     numa_node: Optional[int] = None  # bind the arena to this NUMA node (the accelerator's); None: first touch
     pinned: Optional[bool] = None  # page-lock the arena; None: when an accelerator is present
+    arena_segment_bytes: int = 2 << 30  # the arena is mapped and registered in pieces of this size (whole slots)
+    hugepages: str = "auto"  # arena pages: auto (transparent hugepages where offered), off, 2M or 1G (MAP_HUGETLB)
     disk_path: Optional[str] = None  # L2: directory for chunk files (local NVMe); None: no disk tier
     disk_bytes: int = 0  # L2 capacity per rank; required with disk_path
     disk_max_pending_bytes: int = 256 << 20  # write-behind queue; a spill beyond it is dropped and counted
@@ -41,7 +44,7 @@ class StoreConfig:
     # still writes every chunk at once)
     disk_admit_hits: int = 0
 
-    _SIZES = ("cpu_bytes", "disk_bytes", "disk_max_pending_bytes")
+    _SIZES = ("cpu_bytes", "disk_bytes", "disk_max_pending_bytes", "arena_segment_bytes")
 
     def __post_init__(self) -> None:
         if self.cpu_bytes <= 0:
@@ -51,6 +54,10 @@ class StoreConfig:
             raise ValueError(f"numa_node must be a NUMA node number (>= 0) or null, got {self.numa_node!r}")
         if self.pinned is not None and not isinstance(self.pinned, bool):
             raise ValueError(f"pinned must be true, false or null (auto), got {self.pinned!r}")
+        if self.arena_segment_bytes < SLOT_ALIGN_BYTES:
+            raise ValueError(f"arena_segment_bytes must be at least one page ({SLOT_ALIGN_BYTES} B), got "
+                             f"{self.arena_segment_bytes}")
+        parse_hugepages(self.hugepages)
         if self.disk_path is not None and (not isinstance(self.disk_path, str) or not self.disk_path):
             raise ValueError(f"disk_path must be a directory path, got {self.disk_path!r}")
         if self.disk_path is not None and self.disk_bytes <= 0:

@@ -35,6 +35,8 @@ from .tier import TierCounters
 logger = logging.getLogger(__name__)
 
 RemoteExists = Callable[[Sequence[ChunkKey]], Sequence[bool]]
+# told (key, tier, entered) when a chunk becomes readable in a tier ("cpu", "disk", "remote") or stops being so
+TierListener = Callable[[ChunkKey, str, bool], None]
 # A chunk whose promotion from the remote store failed on some rank is a miss for this long, then tried again.
 REMOTE_MISS_AFTER_FAILURE_S = 60.0
 # the reuse table remembers this many keys per arena slot (at least SEEN_MIN): enough to see a chunk come back
@@ -133,6 +135,8 @@ class ChunkIndex:
         self._entries: dict[ChunkKey, _Entry] = {}
         self._slot_owner: list[Optional[ChunkKey]] = [None] * num_slots
         self._free_slots: list[int] = list(range(num_slots - 1, -1, -1))
+        self._usable = bytearray(b"\x01") * num_slots  # slots of live arena segments on every rank (limit_slots)
+        self._withheld: set[int] = set()  # free slots outside the usable set: never handed out
         self._arena_policy = policy  # ready slots, in eviction order
         self._remote_admit_hits = remote_admit_hits
         self._disk_admit_hits = disk_admit_hits
@@ -145,6 +149,7 @@ class ChunkIndex:
         self._outbox: list[Command] = []
         self._next_cmd_id = 1
         self.counters = TierCounters()
+        self._listener: Optional[TierListener] = None  # KV events for routers; None costs one check per change
 
     # ---- what the connector calls -------------------------------------------------------------------------------
 
@@ -160,6 +165,7 @@ class ChunkIndex:
                 self._make_disk_room()
                 entry.disk = DiskState.PRESENT
                 self._disk_lru[key] = None
+                self._tell(key, "disk", True)
                 adopted += 1
         return adopted
 
@@ -282,6 +288,15 @@ class ChunkIndex:
         self.counters.add("stores", len(stores))
         return stores  # type: ignore[return-value]
 
+    def set_tier_listener(self, listener: Optional[TierListener]) -> None:
+        """`listener(key, tier, entered)` hears every chunk that becomes readable in a tier ("cpu": a store or
+        promotion completed on every rank; "disk": a spill or write-through completed, or adopted at restart;
+        "remote": a put or remote promotion completed) or stops being so ("cpu": evicted; "disk": dropped). The
+        remote store evicts on its own, so "remote" is never left. None stops the calls."""
+        if listener is not None and not callable(listener):
+            raise ValueError(f"tier listener must be callable or None, got {type(listener).__name__}")
+        self._listener = listener
+
     def take_commands(self) -> list[Command]:
         """Every command issued since the last call, in the order workers must run them."""
         commands, self._outbox = self._outbox, []
@@ -313,6 +328,36 @@ class ChunkIndex:
         """The command still waits for some rank's completion."""
         return cmd_id in self._pending
 
+    def limit_slots(self, usable: Union[int, Sequence[tuple[int, int]]]) -> None:
+        """Hands out only slots in `usable`: [first, end) slot ranges (those of the arena segments live on every
+        rank), or an int n for the first n. Slots leaving the set are withheld once free (a chunk in one keeps it
+        until it goes); slots entering it become free at once."""
+        ranges = [(0, usable)] if isinstance(usable, int) else list(usable)
+        mask = bytearray(self.num_slots)
+        for begin, end in ranges:
+            if not 0 <= begin <= end <= self.num_slots:
+                raise ValueError(f"usable slot range [{begin}, {end}) is outside the index's {self.num_slots} slots")
+            mask[begin:end] = b"\x01" * (end - begin)
+        self._usable = mask
+        back = [slot for slot in self._withheld if mask[slot]]
+        self._withheld.difference_update(back)
+        leaving = [slot for slot in self._free_slots if not mask[slot]]
+        self._withheld.update(leaving)
+        if back or leaving:  # lowest slot first, as at start
+            self._free_slots = sorted([slot for slot in self._free_slots if mask[slot]] + back, reverse=True)
+
+    @property
+    def usable_slots(self) -> int:
+        """How many slots the index may hand out (those of live arena segments)."""
+        return self._usable.count(1)
+
+    def occupancy(self) -> dict[str, tuple[int, int]]:
+        """Per local tier, (chunks held, capacity): "cpu" counts slots being written too and has the usable slots
+        (live segments) as capacity, "disk" counts files being written too (what `lmcache-npu status` shows)."""
+        held = self.num_slots - len(self._free_slots) - len(self._withheld)
+        usable = self._usable.count(1)  # C speed: the scheduler reports this every step
+        return {"cpu": (held, usable), "disk": (len(self._disk_lru), self.disk_chunks)}
+
     @property
     def eviction_policy(self) -> str:
         return self._arena_policy.name
@@ -342,14 +387,27 @@ class ChunkIndex:
                 assert entry.slot_state is SlotState.FREE and key not in self._arena_policy
             assert (key in self._disk_lru) == (entry.disk is not DiskState.NONE)
             assert entry.readers >= 0 and entry.disk_readers >= 0
-        assert len(owners) + len(self._free_slots) == self.num_slots
-        assert set(self._free_slots).isdisjoint(owners)
+        assert len(owners) + len(self._free_slots) + len(self._withheld) == self.num_slots
+        assert set(self._free_slots).isdisjoint(owners) and self._withheld.isdisjoint(owners)
+        assert all(self._usable[slot] for slot in self._free_slots)
+        assert not any(self._usable[slot] for slot in self._withheld)
         assert len(self._disk_lru) <= self.disk_chunks
         ready = sum(entry.slot_state is SlotState.READY for entry in self._entries.values())
         assert len(self._arena_policy) == ready, f"policy holds {len(self._arena_policy)} chunks, {ready} are ready"
         assert len(self._seen) <= self._seen_capacity
 
     # ---- internals ----------------------------------------------------------------------------------------------
+
+    def _tell(self, key: ChunkKey, tier: str, entered: bool) -> None:
+        """Tells the listener a chunk entered or left a tier; a failing listener never breaks the index."""
+        if self._listener is None:
+            return
+        try:
+            self._listener(key, tier, entered)
+        except Exception as exc:  # events are advisory: a router missing one must not stop serving
+            self.counters.add("listener_errors")
+            logger.warning("tier listener failed on %s %s of chunk %s: %s", "entry to" if entered else "exit from",
+                           tier, key.chunk_hash.hex()[:16], exc)
 
     def _new_id(self) -> int:
         cmd_id = self._next_cmd_id
@@ -419,16 +477,20 @@ class ChunkIndex:
 
     def _take_slot(self) -> Optional[int]:
         """A free slot, or the least recently used unpinned ready one (spilled to disk first when possible)."""
-        if self._free_slots:
-            return self._free_slots.pop()
-        victim = self._arena_policy.victim(lambda key: not self._entries[key].pinned)
-        if victim is None:
-            return None
-        entry = self._entries[victim]
-        if entry.pinned or entry.slot_state is not SlotState.READY:
-            raise RuntimeError(f"{self._arena_policy.name} policy proposed chunk {victim.chunk_hash.hex()[:16]}, "
-                               f"which is pinned or not ready; a policy may only propose evictable chunks")
-        return self._evict(entry)
+        while True:
+            if self._free_slots:
+                return self._free_slots.pop()
+            victim = self._arena_policy.victim(lambda key: not self._entries[key].pinned)
+            if victim is None:
+                return None
+            entry = self._entries[victim]
+            if entry.pinned or entry.slot_state is not SlotState.READY:
+                raise RuntimeError(f"{self._arena_policy.name} policy proposed chunk {victim.chunk_hash.hex()[:16]}, "
+                                   f"which is pinned or not ready; a policy may only propose evictable chunks")
+            slot = self._evict(entry)
+            if self._usable[slot]:
+                return slot
+            self._withheld.add(slot)  # its segment left the usable set (limit_slots): never reused
 
     def _evict(self, entry: _Entry) -> int:
         slot = entry.slot
@@ -463,6 +525,8 @@ class ChunkIndex:
         return True
 
     def _drop_disk(self, entry: _Entry) -> None:
+        if entry.disk is DiskState.PRESENT:
+            self._tell(entry.key, "disk", False)
         entry.disk = DiskState.NONE
         self._disk_lru.pop(entry.key, None)
         self._emit(Drop(self._new_id(), entry.key, Source.DISK))
@@ -489,6 +553,8 @@ class ChunkIndex:
     def _detach_slot(self, entry: _Entry, evicted: bool = False) -> None:
         """The entry no longer holds its slot (`evicted`: the policy chose it); the caller reuses or frees the slot."""
         assert entry.slot is not None
+        if entry.slot_state is SlotState.READY:
+            self._tell(entry.key, "cpu", False)
         self._arena_policy.remove(entry.key, evicted)
         self._slot_owner[entry.slot] = None
         entry.slot = None
@@ -497,7 +563,10 @@ class ChunkIndex:
     def _release_slot(self, entry: _Entry) -> None:
         slot = entry.slot
         self._detach_slot(entry)
-        self._free_slots.append(slot)  # type: ignore[arg-type]
+        if self._usable[slot]:  # type: ignore[index]
+            self._free_slots.append(slot)  # type: ignore[arg-type]
+        else:
+            self._withheld.add(slot)  # type: ignore[arg-type]
 
     def _forget_if_empty(self, entry: _Entry) -> None:
         if not entry.has_copy and not entry.pinned and self._entries.get(entry.key) is entry:
@@ -523,6 +592,7 @@ class ChunkIndex:
                 self._remote_failed[command.key] = time.monotonic() + REMOTE_MISS_AFTER_FAILURE_S
             if command.source is Source.REMOTE and ok:
                 entry.remote_put = True  # the remote store holds it: nothing to put back
+                self._tell(entry.key, "remote", True)
             if command.source is Source.REMOTE and ok and self._write_through:
                 self._to_persist.append((entry.key, command.slot))
             if command.source is Source.DISK:
@@ -534,6 +604,8 @@ class ChunkIndex:
                 self._put_if_admitted(entry)  # reused while on disk: the gate admits it to the remote store now
         elif isinstance(command, (Load, Put)):
             entry.readers -= 1
+            if isinstance(command, Put) and ok:
+                self._tell(entry.key, "remote", True)
             if isinstance(command, Put) and not ok:
                 entry.remote_put = False  # no delete: another instance may hold a good copy under the same name
         elif isinstance(command, (Spill, Persist)):
@@ -542,6 +614,7 @@ class ChunkIndex:
             if entry.disk is DiskState.WRITING and entry.disk_cmd == command.cmd_id:
                 if ok:
                     entry.disk = DiskState.PRESENT
+                    self._tell(entry.key, "disk", True)
                 else:
                     self._drop_disk(entry)
         self._forget_if_empty(entry)
@@ -570,6 +643,7 @@ class ChunkIndex:
         if ok:
             entry.slot_state = SlotState.READY
             self._arena_policy.insert(entry.key)
+            self._tell(entry.key, "cpu", True)
         else:
             self._release_slot(entry)
 

@@ -31,7 +31,7 @@ def test_bench_check_passes(args: list[str], capsys: pytest.CaptureFixture[str])
 @needs_vllm
 def test_bench_main_job_arguments(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     out = tmp_path / "report.json"
-    assert main(["bench", "--backend", "emu", "--preset", "deepseek-v4-flash", "--chunks", "4", "--check",
+    assert main(["bench", "--backend", "emu", "--preset", "deepseek-v4-flash", "--chunks", "4", "--chunk-tokens", "256", "--check",
                  "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["preset"] == "deepseek-v4-flash (ascend)" and report["check"] == "ok"

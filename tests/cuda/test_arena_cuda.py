@@ -10,7 +10,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from lmcache_npu.ops import get_backend
-from lmcache_npu.store.arena import HostArena
+from lmcache_npu.store.arena import HostArena, slot_bytes_for
 
 from ..ops.strategies import Case, cases
 from .marks import CUDA_KERNELS
@@ -76,3 +76,63 @@ def test_cuda_kernels_move_chunks_straight_into_arena_slots(case: Case, path: st
     torch.cuda.synchronize()
     for i, (rp, page) in enumerate(zip(geometry.raw_planes, cpu_pages)):
         assert torch.equal(rp.raw.cpu(), page), f"plane {i}: pages loaded from the arena differ"
+
+
+def test_every_segment_is_registered_on_its_own_and_unregistered_at_close():
+    from lmcache_npu import _cuda
+
+    arena = HostArena(5, 5_000_000, segment_bytes=2 * 5_001_216, hugepages="off")  # segments of 2, 2 and 1 slots
+    assert arena.wait_ready(60) and arena.usable_ranges() == ((0, 5),)
+    segments = arena.memory.segments
+    assert len(segments) == 3 and all(s.registered for s in segments)
+    for segment in segments:
+        assert _cuda.host_mapped(segment.address, segment.mapped_bytes), f"segment {segment.index} not registered"
+    assert arena.segment_stats()["segments_live"] == 3
+    arena.close()
+    assert not any(_cuda.host_mapped(s.address, s.mapped_bytes) for s in segments), "close() left a segment registered"
+
+
+@settings(max_examples=40, deadline=None)
+@given(case=cases(soc="a2", max_chunks=6), path=st.sampled_from(["mapped", "staging"]), data=st.data())
+def test_cuda_kernels_move_chunks_into_slots_of_different_segments(case: Case, path: str, data: st.DataObject):
+    """One transfer's chunk objects in different, separately registered segments (one slot per segment, in a
+    drawn order), against the torch backend; then one flipped byte in a slot must change what loads."""
+    geometry = case.geometry
+    cpu_plan = geometry.plan()
+    assume(cpu_plan.object_bytes > 0)
+    expected = torch.zeros((case.num_chunks, cpu_plan.object_bytes), dtype=torch.uint8)
+    torch_backend = get_backend("torch")
+    torch_backend.store(cpu_plan, case.slots, expected)
+    cpu_pages = [rp.raw for rp in geometry.raw_planes]
+    for rp in geometry.raw_planes:
+        rp.raw = rp.raw.cuda()
+    cuda_plan = geometry.plan()
+    num_slots = 2 * case.num_chunks + 1
+    arena = HostArena(num_slots, cuda_plan.object_bytes, segment_bytes=slot_bytes_for(cuda_plan.object_bytes),
+                      hugepages="off")  # one slot per segment
+    assert arena.wait_ready(60) and arena.usable_ranges() == ((0, num_slots),)
+    order = data.draw(st.permutations(list(range(num_slots))))[:case.num_chunks]
+    objects = [arena.slot(s) for s in order]
+    backend = get_backend("cuda", path=path)
+    backend.store(cuda_plan, case.slots, objects)
+    torch.cuda.synchronize()
+    for i, obj in enumerate(objects):
+        assert torch.equal(obj, expected[i]), f"chunk {i} in segment {order[i]}: stored bytes differ"
+    for rp, page in zip(geometry.raw_planes, cpu_pages):
+        rp.raw.zero_()
+        page.zero_()
+    backend.load(cuda_plan, case.slots, objects)
+    torch_backend.load(cpu_plan, case.slots, expected)
+    torch.cuda.synchronize()
+    for i, (rp, page) in enumerate(zip(geometry.raw_planes, cpu_pages)):
+        assert torch.equal(rp.raw.cpu(), page), f"plane {i}: pages loaded from the segments differ"
+    # negative control: flip every byte of the last chunk; the loaded pages must differ unless it moves no row
+    objects[-1].bitwise_not_()
+    for rp in geometry.raw_planes:
+        rp.raw.zero_()
+    backend.load(cuda_plan, case.slots, objects)
+    torch.cuda.synchronize()
+    if any(s is not None and (s[-1] >= 0).any() for s in case.slots):
+        assert any(not torch.equal(rp.raw.cpu(), page) for rp, page in zip(geometry.raw_planes, cpu_pages)), \
+            "a corrupted arena segment went unnoticed"
+    arena.close()

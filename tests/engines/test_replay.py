@@ -8,8 +8,11 @@ import json
 import pytest
 
 from lmcache_npu.cli import main
+from lmcache_npu.replay.connectors import peer_unavailable
 
-SOURCES = ("vllm", "arena", "disk", "mooncake", "computed")
+from .conftest import ENGINE_VLLM
+
+SOURCES = ("vllm", "arena", "disk", "mooncake", "peer", "computed")
 
 
 def run_of(report: dict, config: str, repeat: int = 0) -> dict:
@@ -84,3 +87,30 @@ def test_replay_of_a_trace_file_on_a_model_made_from_a_config_file(tmp_path, mon
     assert report["workload"] == f"trace {trace}" and report["identical"]
     assert hits(report, "vLLM + lmcache-npu", "arena")[1] == 2 * 2 * 128  # 260 + 30 + 4 tokens: two whole chunks
     assert "disk_path" not in report["settings"]["extra_config"] and "restart" not in report  # no disk: no restart
+
+
+PEER_MISSING = peer_unavailable() if ENGINE_VLLM is not None else "no engine"
+
+
+@pytest.mark.skipif(ENGINE_VLLM is not None and ENGINE_VLLM < (0, 32),
+                    reason="the peer (vLLM's MooncakeStoreConnector) is compared on the 0.32 era, as issue 22 measured")
+@pytest.mark.skipif(bool(PEER_MISSING), reason=f"the peer cannot start here: {PEER_MISSING}")
+def test_replay_with_the_peer_credits_its_hits_to_it_and_matches_vllm_alone(tmp_path) -> None:
+    out = tmp_path / "replay.json"
+    assert main(["replay", "--model", "gemma3", "--configs", "baseline,peer", "--vllm-prefix-cache", "off",
+                 "--repeats", "1", "--conversations", "2", "--turns", "2", "--system-tokens", "300", "--user-tokens",
+                 "64", "--output-tokens", "8", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    peer, alone = "vLLM + MooncakeStoreConnector", "vLLM alone"
+    assert report["configs"] == [alone, peer] and report["identical"]
+    assert report["per_config"][peer]["matching"] == report["per_config"][peer]["requests"] == 4
+    # turn 1 stored each prompt's whole 128-token blocks (300 + 64 = 364 tokens: two); turn 2 loads them
+    assert hits(report, peer, "peer") == [0, 2 * 2 * 128]
+    assert hits(report, alone, "peer") == [0, 0]  # negative control: vLLM alone has no external hits
+    for source in ("arena", "disk", "mooncake", "vllm"):  # the peer's hits are never the plugin's (nor vLLM's)
+        assert hits(report, peer, source) == [0, 0]
+    for run in report["runs"]:
+        assert all(sum(t["hits"][s] for s in SOURCES) == t["prompt_tokens"] for t in run["turns"])
+        assert not run["accounting_mismatches"]
+    assert "restart" not in report  # no plugin: no restart phase
+    assert any(v["candidate"] == peer and "the peer connector 512" in v["text"] for v in report["verdicts"])

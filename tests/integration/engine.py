@@ -77,6 +77,9 @@ def register_compressed_managers(kv_cache_config: Any) -> None:
                                              uniform_type_base_spec=FullAttentionSpec)
 
 
+SCENARIO_CHUNK_TOKENS = 256
+
+
 @dataclass
 class EngineSpec:
     preset: str = "llama3-8b"
@@ -170,11 +173,14 @@ class Engine:
 
     @staticmethod
     def _vllm_config(spec: EngineSpec, block_size: int, kv_cache_config: Any, rank: int) -> VllmConfig:
+        mamba = any(type(g.kv_cache_spec).__name__ == "MambaSpec" for g in kv_cache_config.kv_cache_groups)
+        # the scenarios' budgets (blocks, preemptions, fenced pages) were sized for 256-token chunks; mamba models
+        # keep their state interval's size; tests/replay/test_defaults.py and the engines cover the automatic size
+        sized = {} if mamba else {"chunk_tokens": SCENARIO_CHUNK_TOKENS}
         kt = KVTransferConfig(kv_connector="LMCacheNPUConnector", kv_connector_module_path="lmcache_npu.integration.vllm",
                               kv_role=spec.kv_role, kv_load_failure_policy=spec.failure_policy,
-                              kv_connector_extra_config={"backend": spec.backend, "cpu_bytes": "64MiB",
+                              kv_connector_extra_config={"backend": spec.backend, "cpu_bytes": "64MiB", **sized,
                                                          **spec.extra_config})
-        mamba = any(type(g.kv_cache_spec).__name__ == "MambaSpec" for g in kv_cache_config.kv_cache_groups)
         cache = CacheConfig(block_size=block_size, enable_prefix_caching=mamba,
                             mamba_cache_mode="align" if mamba else "none")
         vc = VllmConfig(

@@ -161,7 +161,7 @@ def test_model_layout(tmp_path: Path) -> None:
     path.write_text(json.dumps({"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
                                 "hidden_size": 4096}))
     check = doctor.check_model(str(path), "npu", None)
-    assert check.verdict == OK and "32.00 MiB" in check.detail, check.detail  # llama3-8b: 32 MiB per chunk
+    assert check.verdict == OK and "16.00 MiB" in check.detail, check.detail  # llama3-8b: 16 MiB per 128-token chunk
     path.write_text(json.dumps({"num_hidden_layers": 2}))
     assert doctor.check_model(str(path), "npu", None).verdict == FAIL
 

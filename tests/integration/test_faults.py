@@ -49,15 +49,17 @@ def test_a_corrupt_disk_file_is_a_miss_and_vllm_computes_the_rest(make_engine, t
         f.write(bytes([byte[0] ^ 0xFF]))
     engine.add(text + prompt(30, seed=23), max_tokens=2, request_id="again")
     engine.run()
-    assert engine.loaded_tokens["again"] == 256  # chunk 0 is good; chunk 1's file is corrupt: a miss from there on
+    # chunk 0 is good; chunk 1's file is corrupt: a miss from there on
+    assert engine.loaded_tokens["again"] == half.chunk_tokens
     assert disk.counters["corrupt"] == 1
     assert_quiescent(engine)
 
 
 def test_chunks_reserved_by_a_waiting_request_survive_eviction_pressure(make_engine):
-    engine = preset_engine(make_engine, "llama3-8b", "ascend", num_blocks=12)
+    # the scenario counts slots in 256-token chunks (not the automatic size)
+    engine = preset_engine(make_engine, "llama3-8b", "ascend", num_blocks=12, extra_config={"chunk_tokens": 256})
     engine = preset_engine(make_engine, "llama3-8b", "ascend", num_blocks=12,
-                           extra_config={"cpu_bytes": 3 * _slot_bytes(engine)})
+                           extra_config={"cpu_bytes": 3 * _slot_bytes(engine), "chunk_tokens": 256})
     index = engine.connector.scheduler_half.index
     text = prompt(2 * 256 + 10, seed=24)
     engine.add(text, max_tokens=2, request_id="a")

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from ..serve_smoke import HIT_TOKENS, SmokeResult, check
+from lmcache_npu.servebench.metrics import PLUGIN_HITS, parse_counters
+
+from ..serve_smoke import SmokeResult, check
 
 TOKENS = (5, 6, 7, 8)
 
@@ -30,4 +32,7 @@ def test_the_counter_is_read_from_prometheus_text() -> None:
             'lmcache_npu:hit_tokens_total{engine="0",model_name="m"} 1024.0\n'
             'lmcache_npu:hit_tokens_created{engine="0",model_name="m"} 1.7e+09\n'
             'lmcache_npu:hit_tokens_total{engine="1",model_name="m"} 256.0\n')
-    assert sum(float(v) for v in HIT_TOKENS.findall(text)) == 1280.0
+    counters = parse_counters(text)
+    assert counters[PLUGIN_HITS] == 1280.0  # both engines' samples summed, the _created timestamp left out
+    # negative control: one engine's sample one token off moves the sum
+    assert parse_counters(text.replace("} 256.0", "} 257.0"))[PLUGIN_HITS] == 1281.0

@@ -8,7 +8,7 @@ import pickle
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from lmcache_npu.integration.vllm import LMCacheNPUConnector
-from lmcache_npu.integration.vllm.stats import METRICS, LMCacheNPUStats
+from lmcache_npu.integration.vllm.stats import GAUGES, METRICS, STORE_INFO, LMCacheNPUStats
 
 from .conftest import preset_engine, prompt
 
@@ -59,19 +59,21 @@ def test_a_run_reports_lookups_hits_and_bytes_through_vllm(make_engine):
     engine.add(text + [1], max_tokens=2, request_id="b")
     engine.run()
     data = engine.stats.data
-    assert data["hit_tokens"] == 512 and data["hit_chunks_cpu"] == 2 and data["store_chunks"] == 2
+    chunks = 512 // engine.connector.scheduler_half.chunk_tokens  # the default chunk size sets the count
+    assert data["hit_tokens"] == 512 and data["hit_chunks_cpu"] == chunks and data["store_chunks"] == chunks
     object_bytes = engine.workers[0].worker_half.layout.plan.object_bytes
-    assert data["loaded_chunks"] == 4 and data["stored_chunks"] == 4  # two chunks on each of two ranks
-    assert data["loaded_bytes"] == data["stored_bytes"] <= 4 * object_bytes
+    assert data["loaded_chunks"] == 2 * chunks and data["stored_chunks"] == 2 * chunks  # every chunk on two ranks
+    assert data["loaded_bytes"] == data["stored_bytes"] <= 2 * chunks * object_bytes
     reduced = engine.stats.reduce()
     assert reduced["load_GBps"] > 0 and 0 < reduced["hit_rate"] < 1
 
 
 def test_the_stores_own_counters_reach_vllm_as_growth_since_the_last_report(make_engine, tmp_path):
-    engine = preset_engine(make_engine, "llama3-8b", "ascend", num_blocks=12)
+    engine = preset_engine(make_engine, "llama3-8b", "ascend", num_blocks=12, extra_config={"chunk_tokens": 256})
     slot = engine.workers[0].worker_half.executor.arena.slot_bytes
     engine = preset_engine(make_engine, "llama3-8b", "ascend", num_blocks=12,
-                           extra_config={"cpu_bytes": 2 * slot, "disk_path": str(tmp_path), "disk_bytes": "64MiB"})
+                           extra_config={"cpu_bytes": 2 * slot, "disk_path": str(tmp_path), "disk_bytes": "64MiB",
+                                         "chunk_tokens": 256})  # the arena's two slots hold one request's chunks
     first = prompt(2 * 256 + 10, seed=62)
     engine.add(first, max_tokens=2, request_id="a")
     engine.run()
@@ -89,7 +91,7 @@ def test_the_stores_own_counters_reach_vllm_as_growth_since_the_last_report(make
     assert data["promotions_disk"] == index["promotions_disk"] == 2 and data["hit_chunks_disk"] == 2
     assert data["disk_writes"] == disk["writes"] >= 2 and data["disk_reads"] == disk["reads"] >= 2
     assert data["disk_read_bytes"] == disk["read_bytes"] > 0
-    assert set(data) <= set(METRICS)  # every exported name has a Prometheus counter
+    assert set(data) <= set(METRICS) | set(GAUGES) | {STORE_INFO}  # every exported name has a Prometheus metric
 
 
 def test_a_second_engine_in_one_process_replaces_the_first_ones_counters():

@@ -13,7 +13,7 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 
 
 def test_deepseek_v4_flash_json(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["inspect", "--preset", "deepseek-v4-flash", "--json"]) == 0
+    assert main(["inspect", "--preset", "deepseek-v4-flash", "--json", "--chunk-tokens", "256"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert set(data) >= {"groups", "bytes_per_chunk", "naive_bytes_per_chunk"}
     assert (data["bytes_per_chunk"], data["naive_bytes_per_chunk"]) == (8_088_192, 88_885_888)
@@ -28,7 +28,7 @@ def test_deepseek_v4_flash_json(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_table_names_groups_reasons_and_ratio(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["inspect", "--preset", "gpt-oss-120b", "--device-family", "cuda"]) == 0
+    assert main(["inspect", "--preset", "gpt-oss-120b", "--device-family", "cuda", "--chunk-tokens", "256"]) == 0
     out = capsys.readouterr().out
     assert "SlidingWindowSpec" in out and "FullAttentionSpec" in out
     assert "14,155,776 stored vs 18,874,368 for a naive copier" in out and "1.33x" in out

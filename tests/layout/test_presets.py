@@ -6,6 +6,8 @@ import os
 
 import numpy as np
 import pytest
+
+from lmcache_npu.layout.discovery import DEFAULT_CHUNK_TOKENS
 import torch
 
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
@@ -19,7 +21,7 @@ from lmcache_npu.ops import get_backend  # noqa: E402
 from .payload_oracle import expected_object_segments, rows_of  # noqa: E402
 
 KIB = 1024
-# Bytes per chunk stored, written out from the model configs (rows x row bytes per plane, 64 B aligned segments).
+# Bytes per 256-token chunk stored, written out from the model configs (rows x row bytes per plane, 64 B aligned segments).
 STORED = {
     ("llama3-8b", "ascend"): 32 * 2 * 256 * 2048,  # K and V, 8 KV heads x 128 x bf16
     ("llama3-8b", "cuda"): 32 * 2 * 256 * 2048,
@@ -72,6 +74,8 @@ CASES = sorted(STORED)
 @pytest.mark.parametrize("name,family", CASES)
 def test_bytes_per_chunk(name: str, family: str) -> None:
     layout, _ = preset_layout(name, family, num_blocks=2)
+    if layout.groups[0].chunk_tokens == DEFAULT_CHUNK_TOKENS:  # the model does not fix the chunk: the tables are per 256 tokens
+        layout, _ = preset_layout(name, family, chunk_tokens=256, num_blocks=2)
     assert layout.bytes_per_chunk == STORED[name, family]
     assert layout.naive_bytes_per_chunk == NAIVE.get((name, family), STORED[name, family])
 
@@ -83,7 +87,7 @@ def test_every_preset_is_covered() -> None:
 
 def test_deepseek_v4_flash_ascend_groups() -> None:
     """vllm-ascend 0.23: [c4 MLA + indexer, c128 MLA, SWA x2 (22 + 21 layers), c4 state, c128 state]."""
-    layout, preset = preset_layout("deepseek-v4-flash", "ascend", num_blocks=2)
+    layout, preset = preset_layout("deepseek-v4-flash", "ascend", chunk_tokens=256, num_blocks=2)
     assert len(preset.kv_cache_config.kv_cache_groups) == 6
     data = layout.to_json()
     summary = [(g["scheduler_group"], g["kind"], g["layers"], g["tokens_per_block"], g["compress_ratio"],
@@ -109,7 +113,7 @@ def test_deepseek_v4_flash_ascend_groups() -> None:
 def test_deepseek_v4_flash_a5_groups_dtypes_and_pages() -> None:
     """vllm-ascend 0.23 on Ascend 950: block table [128, 128, 8, 16], padded pages [16896, 81920], fp8 caches, one MTP
     layer (SWA only) in the sliding-window groups, and the indexer's full view stored once."""
-    layout, preset = preset_layout("deepseek-v4-flash-a5", "ascend", num_blocks=2)
+    layout, preset = preset_layout("deepseek-v4-flash-a5", "ascend", chunk_tokens=256, num_blocks=2)
     config = preset.kv_cache_config
     assert [g.kv_cache_spec.block_size for g in config.kv_cache_groups] == [128, 128, 128, 128, 8, 16]
     assert sorted({t.size // config.num_blocks for t in config.kv_cache_tensors}) == [16896, 81920]
@@ -170,7 +174,7 @@ def test_a5_full_view_sees_every_loaded_byte() -> None:
 
 
 def test_deepseek_v4_skipping_compressor_state_is_smaller_and_says_it_is_approximate() -> None:
-    layout, _ = preset_layout("deepseek-v4-flash", "ascend", num_blocks=2, skip_spec_kinds=("compressor_state",))
+    layout, _ = preset_layout("deepseek-v4-flash", "ascend", chunk_tokens=256, num_blocks=2, skip_spec_kinds=("compressor_state",))
     c4_state, c128_state = layout.groups[4], layout.groups[5]
     assert (c4_state.skipped, c4_state.exact_restore) == (True, False)
     assert "restore is approximate" in c4_state.skip_reason and c128_state.exact_restore

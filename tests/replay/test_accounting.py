@@ -23,7 +23,7 @@ def test_hits_from_vllms_cache_are_not_credited_to_the_plugin():
 
 def test_both_caches_split_by_what_the_plugin_loaded():
     hits = split_hits(prompt_tokens=1000, cached_tokens=900, plugin=plugin_hits(arena=512, disk=128))
-    assert hits.by_source() == {"vllm": 260, "arena": 512, "disk": 128, "mooncake": 0, "computed": 100}
+    assert hits.by_source() == {"vllm": 260, "arena": 512, "disk": 128, "mooncake": 0, "peer": 0, "computed": 100}
     assert hits.cached == 900 and sum(hits.by_source().values()) == 1000
 
 
@@ -125,3 +125,17 @@ def test_the_ledger_notices_counters_that_disagree():
 def test_turn_hits_sum():
     a, b = TurnHits(10, 1, 2, 3, 0, 4), TurnHits(20, 5, 5, 0, 5, 5)
     assert TurnHits.summed([a, b]) == TurnHits(30, 6, 7, 3, 5, 9)
+
+
+def test_a_peers_hits_are_its_own_never_the_plugins():
+    hits = split_hits(prompt_tokens=1000, cached_tokens=900, plugin=PluginHits(), peer_tokens=640)
+    assert hits.by_source() == {"vllm": 260, "arena": 0, "disk": 0, "mooncake": 0, "peer": 640, "computed": 100}
+    assert hits.plugin == 0 and hits.external == 640 and hits.cached == 900
+    plugin_run = split_hits(prompt_tokens=1000, cached_tokens=900, plugin=plugin_hits(arena=640))
+    assert plugin_run.peer == 0 and plugin_run.external == 640  # negative control: the same column, the plugin's
+    with pytest.raises(ValueError, match="one run has one connector"):
+        split_hits(1000, 900, plugin_hits(arena=128), peer_tokens=128)
+    with pytest.raises(ValueError, match="external hits credit the peer with 901"):
+        split_hits(1000, 900, PluginHits(), peer_tokens=901)
+    with pytest.raises(ValueError, match="must be >= 0"):
+        split_hits(1000, 900, PluginHits(), peer_tokens=-1)

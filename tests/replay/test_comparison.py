@@ -3,6 +3,8 @@ warm-up records and a cold run detected, and a verdict that says what the number
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from hypothesis import given, strategies as st
 
@@ -149,6 +151,21 @@ def test_the_verdict_credits_the_plugin_only_with_its_own_hits():
     """Negative control: every hit in vLLM's cache, none the plugin's: the plugin's share reads 0."""
     text, _ = verdict_line(summary(cand_hits={"vllm": 8000, "arena": 0, "disk": 0, "mooncake": 0, "computed": 2000}))
     assert "vLLM's own cache 8,000 (80%), the plugin 0 (0%)" in text
+
+
+def test_the_plugin_against_the_peer_names_each_connectors_hits():
+    """The head-to-head line: the peer's hits are the peer connector's, the plugin's its tiers'; a peer candidate's
+    hits are never described as the plugin's (negative control)."""
+    base = summary(base_hits={"vllm": 3000, "arena": 0, "disk": 0, "mooncake": 0, "peer": 2500, "computed": 4500})
+    text, _ = verdict_line(dataclasses.replace(base, baseline="peer", baseline_connector="peer"))
+    assert "peer hit 3,000 (30%) in vLLM's own cache, the peer connector 2,500 (25%) and computed 4,500 (45%)" in text
+    assert "the plugin 5,000 (50%) (host arena 4,500" in text
+    peer_hits = {"vllm": 3000, "arena": 0, "disk": 0, "mooncake": 0, "peer": 5000, "computed": 2000}
+    peer_candidate = dataclasses.replace(summary(cand_hits=peer_hits), candidate_connector="peer")
+    text, _ = verdict_line(peer_candidate)
+    assert "the peer connector 5,000 (50%), computed 2,000 (20%)" in text and "the plugin" not in text
+    with pytest.raises(ValueError, match="unknown connector kind 'nixl'"):
+        verdict_line(dataclasses.replace(base, candidate_connector="nixl"))
 
 
 def test_a_cold_run_makes_the_verdict_refuse():

@@ -1,4 +1,5 @@
-"""The host arena: page-aligned slots, one allocation, views that share its bytes, bounds and NUMA checks."""
+"""The host arena: page-aligned slots, views that share its bytes (one segment here; test_segments.py covers
+many), bounds and NUMA checks."""
 
 import pytest
 import torch

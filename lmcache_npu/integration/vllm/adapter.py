@@ -201,6 +201,18 @@ def attention_backends(vllm_config: Any, layer_names: Iterable[str]) -> dict[str
     return backends
 
 
+def eagle_block_drop(vllm_config: Any) -> bool:
+    """Whether vLLM drops the last matched block of its own prefix hits because a drafter reads the target's hidden
+    states (EAGLE, EAGLE-3, MTP, DFlash: `SpeculativeConfig.use_eagle()`; 0.32+ can turn the drop off with
+    `disable_eagle_block_drop`). ngram and draft-model drafting keep no state tied to the next token: no drop."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    if spec is None:
+        return False
+    if hasattr(spec, "use_eagle_block_drop"):
+        return bool(spec.use_eagle_block_drop())
+    return bool(spec.use_eagle())
+
+
 def load_failure_policy(vllm_config: Any) -> str:
     """vLLM's `kv_load_failure_policy`: "recompute" or "fail" (the default)."""
     return str(getattr(vllm_config.kv_transfer_config, "kv_load_failure_policy", "fail"))

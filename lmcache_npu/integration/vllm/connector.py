@@ -6,7 +6,7 @@ imported in the API server and the scheduler process too.
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
 import torch
 
@@ -130,6 +130,13 @@ class LMCacheNPUConnector(KVConnectorBase_V1, SupportsHMA):
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, Optional[dict[str, Any]]]:
         return self.scheduler_half.request_finished(request, [block_ids])
+
+    def take_events(self) -> Iterable[Any]:
+        """vLLM's scheduler publishes these with its own KV events every step: the chunks that entered or left the
+        arena, the disk or Mooncake (empty unless `--kv-events-config` enables KV-cache events)."""
+        if self._scheduler is None:
+            return ()
+        return self._scheduler.take_events()
 
     def request_finished_all_groups(self, request: Any,
                                     block_ids: tuple[list[int], ...]) -> tuple[bool, Optional[dict[str, Any]]]:

@@ -20,8 +20,8 @@ from ...store.commands import Command, Completion
 from ...transfer.plans import BlockWindow, LoadPlan, StorePlan
 from .adapter import KVConnectorHandshakeMetadata, KVConnectorMetadata, KVConnectorWorkerMetadata
 
-__all__ = ["BlockWindow", "LMCacheNPUConnectorMetadata", "LMCacheNPUWorkerMetadata", "LoadPlan", "StorePlan",
-           "WorkerGeometry", "plan_group_geometry"]
+__all__ = ["BlockWindow", "LMCacheNPUConnectorMetadata", "LMCacheNPUWorkerMetadata", "LoadPlan", "SlotRanges",
+           "StorePlan", "WorkerGeometry", "plan_group_geometry"]
 
 
 @dataclass
@@ -35,14 +35,20 @@ class LMCacheNPUConnectorMetadata(KVConnectorMetadata):
     fenced_stores: Optional[list[int]] = None
 
 
+SlotRanges = tuple[tuple[int, int], ...]  # [first, end) arena slot ranges
+
+
 @dataclass
 class LMCacheNPUWorkerMetadata(KVConnectorWorkerMetadata):
     completions: list[Completion] = field(default_factory=list)
+    # rank -> the slot ranges of its live arena segments, sent when they change (segments register in the background)
+    usable_slots: dict[int, SlotRanges] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> "LMCacheNPUWorkerMetadata":
         if not isinstance(other, LMCacheNPUWorkerMetadata):
             raise TypeError(f"cannot aggregate {type(other).__name__} into LMCacheNPUWorkerMetadata")
-        return LMCacheNPUWorkerMetadata(self.completions + other.completions)
+        return LMCacheNPUWorkerMetadata(self.completions + other.completions,
+                                        {**self.usable_slots, **other.usable_slots})
 
 
 @dataclass(frozen=True)
@@ -58,6 +64,7 @@ class WorkerGeometry(KVConnectorHandshakeMetadata):
     chunk_tokens: int = 0
     object_bytes: int = 0
     num_slots: int = 0
+    usable_slots: Optional[SlotRanges] = None  # live arena segments' slot ranges at the handshake; None: all
     groups: tuple[LayoutGroup, ...] = ()  # the plan groups, planes left out: how a chunk's rows map to blocks
     backend: str = ""
     device: str = ""

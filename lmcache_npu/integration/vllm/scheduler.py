@@ -5,6 +5,20 @@ It owns the `ChunkIndex`; workers only move bytes. Per request it keeps a mirror
 scheduler output), the next chunk to consider for storing, and the commands still in flight. A chunk is keyed by
 vLLM's block hash at its last token; a chunk whose recurrent (end-state) rows vLLM did not keep is stored under
 a second key that can sit inside a hit but never end one.
+
+Speculative decoding. Draft and MTP layers' KV is stored and loaded with the rest: vLLM (and vllm-ascend) put those
+layers in KV-cache groups like any other (DeepSeek MTP layers in the target's MLA group, DeepSeek-V4's in a
+sliding-window group flagged `is_eagle_group`), and a chunk holds every group. With an EAGLE-family drafter (EAGLE,
+EAGLE-3, MTP, DFlash: `adapter.eagle_block_drop`), the drafter's row at position p is computed from the target's
+hidden state at p and the token at p + 1, so the last row of a chunk depends on a token the chunk's key does not
+name. vLLM's rule for its own prefix cache is to match one block more than it uses and drop it
+(`drop_eagle_block`); it does not trim a connector's external tokens. The rule here is the same at chunk
+granularity: a hit claims only chunks followed by one more chunk some tier holds (complete, or without its end
+state), and the extra chunk is neither reserved, promoted nor loaded; the hit thus ends one chunk earlier than
+without a drafter, as vLLM's own hits end one block earlier. Stores are unchanged: with any speculative config vLLM
+calls `wait_for_save` after drafting (`finalize_kv_connector`), so a step's stores are queued behind the draft
+model's writes too (worker.py). ngram and draft-model drafting keep no row tied to the next token: no chunk is
+dropped.
 """
 
 from __future__ import annotations
@@ -25,6 +39,7 @@ from ...store.identity import AdapterDigests
 from ...store.keys import ChunkKey, check_stable_hashing, chunk_keys
 from ...store.tier import TierCounters
 from . import adapter
+from .events import PAYLOAD_SLACK, KVEvents, kv_events_enabled
 from .fence import StepWrites, StoreRead, StoreReads, tail_blocks
 from .metadata import (
     BlockWindow,
@@ -34,7 +49,7 @@ from .metadata import (
     StorePlan,
     WorkerGeometry,
 )
-from .stats import INDEX_METRICS, CounterDeltas, LMCacheNPUStats
+from .stats import INDEX_METRICS, STORE_INFO, CounterDeltas, LMCacheNPUStats
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +101,8 @@ class SchedulerHalf:
                              f"{self.hash_block_size}: a chunk is keyed by the block hash at its last token")
         self.num_scheduler_groups = len(kv_cache_config.kv_cache_groups)
         self.failure_channel = adapter.failure_channel(self.num_scheduler_groups)
+        # an EAGLE/MTP drafter: a hit ends one chunk before the last chunk held (the module docstring says why)
+        self.eagle_block_drop = adapter.eagle_block_drop(vllm_config)
         _warn_about_failed_loads(self.failure_channel, adapter.load_failure_policy(vllm_config))
         if config.store.disk_path is not None or config.store.mooncake is not None:
             # chunks outliving this process must be named the same by the next one (and by other instances)
@@ -111,6 +128,11 @@ class SchedulerHalf:
         self._step_reads: list[tuple[int, StoreRead]] = []
         self._warned_idle = False
         self._adapters = AdapterDigests()
+        self._usable_by_rank: dict[int, tuple[tuple[int, int], ...]] = {}  # live arena slot ranges each rank told
+        self._events_enabled = kv_events_enabled(vllm_config)  # routers listen: the index reports its tier changes
+        self.events: Optional[KVEvents] = None
+        self.object_bytes = 0  # one rank's chunk object (the handshake says)
+        self._reported: dict[str, Any] = {}  # the tier gauges and store info as last reported
 
     # ---- start-up ---------------------------------------------------------------------------------------------
 
@@ -152,7 +174,14 @@ class SchedulerHalf:
         self.index = build_index(store, first.object_bytes, self.place.world, first.namespace,
                                  first.layout_fingerprint, remote_client=self._remote, num_slots=num_slots)
         self.namespace = first.namespace
+        self.object_bytes = first.object_bytes
         self.index_counters.watch(self.index.counters, INDEX_METRICS)
+        self._apply_usable_slots({g.rank: g.usable_slots for g in geometries if g.usable_slots is not None})
+        if self._events_enabled:
+            self.events = KVEvents(self.chunk_tokens, self.hash_block_size,
+                                   max_payloads=self.index.num_slots + self.index.disk_chunks + PAYLOAD_SLACK,
+                                   group_idx=0 if self.num_scheduler_groups == 1 else None)
+            self.index.set_tier_listener(self.events.on_tier_change)
         logger.info("lmcache_npu scheduler: %d ranks, %d arena slots of %d B, chunks of %d tokens, %s backend on %s, "
                     "namespace %s (weights: %s)", self.place.world, num_slots, first.object_bytes, self.chunk_tokens,
                     first.backend, first.device, first.namespace, dict(first.identity).get("weights", "?"))
@@ -233,6 +262,22 @@ class SchedulerHalf:
         end = max((c + 1 for c in range(result.hit_chunks) if chosen[c] is keys[c]), default=0)
         return LookupResult(end, min(result.ready_chunks, end), result.sources[:end]), chosen[:end]
 
+    def _before_last_held(self, state: _Request, first: int, limit: int) -> list[ChunkKey]:
+        """EAGLE/MTP: the keys of chunks [first, ...) a hit may claim, at most `limit`: every held chunk but the last
+        of the longest run that some tier holds (complete or without end state), which only proves that the token
+        after the claimed chunks' last row matches. Nothing is reserved or promoted for the proof."""
+        assert self.index is not None
+        keys = self._keys(state, first, state.request.num_tokens // self.chunk_tokens)
+        probes = keys + [k.without_end_state() for k in keys] if self.has_end_state else keys
+        present = self.index.presence(probes)
+        held = 0
+        while held < len(keys) and (present[held] or (self.has_end_state and present[len(keys) + held])):
+            held += 1
+        claimable = min(limit, max(held - 1, 0))
+        if min(limit, held) > claimable:
+            self.counters.add("eagle_dropped_chunks", min(limit, held) - claimable)
+        return keys[:claimable]
+
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[Optional[int], bool]:
         state = self._state(request)
         state.lookup = None
@@ -244,6 +289,8 @@ class SchedulerHalf:
         first = num_computed_tokens // chunk
         last = (request.num_tokens - 1) // chunk  # vLLM computes at least the last token itself
         keys = self._keys(state, first, last)
+        if self.eagle_block_drop:
+            keys = self._before_last_held(state, first, len(keys))
         if not keys:
             self.index.release(request.request_id)
             return 0, False
@@ -251,6 +298,8 @@ class SchedulerHalf:
         state.asked = num_computed_tokens
         for offset, source in enumerate(result.sources):  # a promoted chunk reads "cpu" by the time it loads
             state.found_in.setdefault(first + offset, source)
+            if source != "cpu" and self.events is not None:  # a promotion: its arrival is announced with these
+                self.events.remember(chosen[offset], request, first + offset)
         if result.pending:
             self.counters.add("lookups_pending")
             return None, False  # promotions into the arena are in flight: ask again next step
@@ -449,6 +498,9 @@ class SchedulerHalf:
         if not picked:
             return None
         commands = self.index.allocate_store(request.request_id, picked)
+        if self.events is not None:
+            for command in commands:
+                self.events.remember(command.key, request, command.chunk_index)
         if not commands:
             return None
         self._own(state, commands, state.stores)
@@ -482,9 +534,28 @@ class SchedulerHalf:
             pending.add(command.cmd_id)
             self._owner[command.cmd_id] = state
 
+    def _apply_usable_slots(self, reports: dict[int, tuple[tuple[int, int], ...]]) -> None:
+        """The index hands out only slots live on every rank: the intersection of the ranks' live segment ranges
+        (a rank that has not reported counts as fully live: its handshake said nothing)."""
+        self._usable_by_rank.update(reports)
+        if self.index is None or not reports:
+            return
+        usable = np.ones(self.index.num_slots, dtype=bool)
+        for ranges in self._usable_by_rank.values():
+            live = np.zeros(self.index.num_slots, dtype=bool)
+            for begin, end in ranges:
+                live[begin:min(end, self.index.num_slots)] = True
+            usable &= live
+        edges = np.flatnonzero(np.diff(np.concatenate(([0], usable.view(np.int8), [0]))))
+        self.index.limit_slots([(int(b), int(e)) for b, e in zip(edges[::2], edges[1::2])])
+        logger.info("lmcache_npu scheduler: %d of %d arena slots usable (live segments on every rank)",
+                    int(usable.sum()), self.index.num_slots)
+
     def update_connector_output(self, connector_output: Any) -> None:
         """Every rank's completions reach the index; a request's command counts as done once all ranks answered."""
         meta = adapter.worker_metadata(connector_output)
+        if isinstance(meta, LMCacheNPUWorkerMetadata) and meta.usable_slots:
+            self._apply_usable_slots(meta.usable_slots)
         if not isinstance(meta, LMCacheNPUWorkerMetadata) or not meta.completions or self.index is None:
             return
         self.index.on_completions(meta.completions)
@@ -513,7 +584,31 @@ class SchedulerHalf:
             del self.requests[request_id]
 
     def stats(self) -> LMCacheNPUStats:
-        return LMCacheNPUStats.of({**self.counters.drain(), **self.index_counters.take()})
+        return LMCacheNPUStats.of({**self.counters.drain(), **self.index_counters.take(), **self._changed_state()})
+
+    def _changed_state(self) -> dict[str, Any]:
+        """The tiers' use and capacity and the store's identity, only where they changed since the last report (an
+        idle engine reports nothing)."""
+        if self.index is None:
+            return {}
+        use = self.index.occupancy()
+        store = self.config.store
+        tiers = ",".join(t for t, on in (("cpu", True), ("disk", store.disk_path is not None),
+                                         ("mooncake", store.mooncake is not None)) if on)
+        state: dict[str, Any] = {
+            "cpu_used_chunks": use["cpu"][0], "cpu_capacity_chunks": use["cpu"][1],
+            "disk_used_chunks": use["disk"][0], "disk_capacity_chunks": use["disk"][1],
+            "chunk_bytes": self.object_bytes * self.place.world, "chunk_tokens": self.chunk_tokens,
+            STORE_INFO: (self.namespace, self.index.eviction_policy, tiers),
+        }
+        changed = {name: value for name, value in state.items() if self._reported.get(name) != value}
+        self._reported.update(changed)
+        return changed
+
+    def take_events(self) -> list[Any]:
+        """vLLM KV events for the chunks that entered or left a tier since the last call (empty unless vLLM's KV
+        events are enabled)."""
+        return self.events.take() if self.events is not None else []
 
     def shutdown(self) -> None:
         if self._remote is not None:

@@ -42,7 +42,25 @@ METRICS: dict[str, str] = {
                    "over ranks)",
     "fenced_store_commands": "store commands the scheduler named because the step wrote a block they read",
     "fence_unknown_steps": "steps whose writes the scheduler could not place, so every queued store was waited for",
+    "share_stored_bytes": "bytes of chunk objects stored in the arena with tp_share (own planes + a 1/tp share of the "
+                          "replicated ones; summed over ranks)",
+    "share_loaded_bytes": "bytes of stored share objects loaded with tp_share (summed over ranks)",
+    "share_exchanged_bytes": "bytes of other ranks' shares received through the TP group's exchange (summed over "
+                             "ranks)",
+    "share_load_failures": "loads refused on every rank because a share was missing or invalid on some rank",
+    "eagle_dropped_chunks": "chunks a hit did not claim because an EAGLE/MTP drafter's last row depends on the next "
+                            "chunk's first token",
 }
+# the host arena's segments, counted up as they go live (so sums over steps are the current state, summed over ranks)
+ARENA_METRICS: dict[str, str] = {
+    "arena_bytes": "bytes of host-arena slots (summed over ranks)",
+    "arena_live_bytes": "bytes of host-arena slots in live (registered) segments (summed over ranks)",
+    "segments_live": "host-arena segments live: registered with the device, or pageable (summed over ranks)",
+    "segments_total": "host-arena segments mapped (summed over ranks)",
+}
+METRICS.update(ARENA_METRICS)
+# per-rank counters, exported as `rank<r>_<name>` (e.g. rank1_stored_bytes): what each rank's tiers hold and read
+PER_RANK_METRICS = ("stored_bytes", "loaded_bytes")
 
 # counters the store keeps for its own tests and logs (never drained): exported name -> (own name, help text)
 INDEX_METRICS: dict[str, tuple[str, str]] = {
@@ -91,6 +109,20 @@ REMOTE_METRICS: dict[str, tuple[str, str]] = {
 for _table in (INDEX_METRICS, DISK_METRICS, REMOTE_METRICS):
     METRICS.update({name: text for name, (_, text) in _table.items()})
 
+# what the scheduler's index holds now, reported when it changes and exported as Prometheus gauges (set, not summed)
+GAUGES: dict[str, str] = {
+    "cpu_capacity_chunks": "chunks the host arena can hold",
+    "cpu_used_chunks": "chunks in the host arena (stored, being written or promoted)",
+    "disk_capacity_chunks": "chunk files the local disk tier can hold (0: no disk tier)",
+    "disk_used_chunks": "chunk files on the local disk tier (written or being written)",
+    "chunk_bytes": "bytes of one chunk, summed over ranks (capacity in bytes is chunks times this)",
+    "chunk_tokens": "tokens per chunk",
+}
+# `lmcache_npu:store_info{namespace=..., eviction_policy=..., tiers=...} 1`: what names this engine's chunks (a
+# digest of model content and layout, never a secret) and how it keeps them; reported as a tuple of those values
+STORE_INFO = "store_info"
+STORE_INFO_LABELS = ("namespace", "eviction_policy", "tiers")
+
 
 class CounterDeltas:
     """What long-lived counters grew by since the last `take`, under exported names (the store's counters are read
@@ -121,7 +153,7 @@ class LMCacheNPUStats(KVConnectorStats):
     """`data` is {counter name: sum}; picklable, as vLLM ships it from workers to the logger."""
 
     def __post_init__(self) -> None:
-        self.data = {k: v for k, v in (self.data or {}).items() if v}
+        self.data = {k: v for k, v in (self.data or {}).items() if v or k in GAUGES}  # a gauge's 0 is news
 
     @classmethod
     def of(cls, counts: Mapping[str, float]) -> "LMCacheNPUStats":
@@ -132,12 +164,16 @@ class LMCacheNPUStats(KVConnectorStats):
 
     def aggregate(self, other: KVConnectorStats) -> "LMCacheNPUStats":
         for name, value in (other.data or {}).items():
-            self.data[name] = self.data.get(name, 0) + value
+            if name in GAUGES or name == STORE_INFO:  # a state, not a count: the latest report wins
+                self.data[name] = value
+            else:
+                self.data[name] = self.data.get(name, 0) + value
         return self
 
     def reduce(self) -> dict[str, int | float]:
         d = self.data
         out: dict[str, int | float] = {name: d[name] for name in METRICS if d.get(name)}
+        out.update({name: value for name, value in d.items() if _per_rank(name) and value})
         if d.get("lookup_tokens"):
             out["hit_rate"] = round(d.get("hit_tokens", 0) / d["lookup_tokens"], 4)
         for kind, moved in (("load", "loaded_bytes"), ("store", "stored_bytes")):
@@ -147,6 +183,12 @@ class LMCacheNPUStats(KVConnectorStats):
 
     def is_empty(self) -> bool:
         return not self.data
+
+
+def _per_rank(name: str) -> bool:
+    """`rank<r>_<metric>` with <metric> in PER_RANK_METRICS."""
+    head, _, metric = name.partition("_")
+    return head.startswith("rank") and head[4:].isdigit() and metric in PER_RANK_METRICS
 
 
 class LMCacheNPUPromMetrics(KVConnectorPromMetrics):
@@ -160,9 +202,36 @@ class LMCacheNPUPromMetrics(KVConnectorPromMetrics):
                                                   labelnames=labelnames)
                           for name, text in METRICS.items()}
         self._bound: dict[tuple[int, str], Any] = {}
+        self._gauges = {name: self._gauge_cls(name=f"lmcache_npu:{name}", documentation=text,
+                                              multiprocess_mode="mostrecent", labelnames=labelnames)
+                        for name, text in GAUGES.items()}
+        self._info = self._gauge_cls(name=f"lmcache_npu:{STORE_INFO}", documentation="the store's namespace, "
+                                     "eviction policy and tiers (value 1)", multiprocess_mode="mostrecent",
+                                     labelnames=[*labelnames, *STORE_INFO_LABELS])
+        self._info_shown: dict[int, tuple[str, ...]] = {}
+
+    def _set_state(self, name: str, value: Any, engine_idx: int) -> None:
+        """A gauge takes the latest value; a new store_info replaces the engine's previous label set."""
+        labels = [str(v) for v in self.per_engine_labelvalues[engine_idx]]
+        if name in self._gauges:
+            self._gauges[name].labels(*labels).set(float(value))
+            return
+        info = tuple(str(v) for v in value)
+        if len(info) != len(STORE_INFO_LABELS):
+            raise ValueError(f"{STORE_INFO} needs {len(STORE_INFO_LABELS)} values {STORE_INFO_LABELS}, got {value!r}")
+        shown = self._info_shown.get(engine_idx)
+        if shown == info:
+            return
+        if shown is not None:
+            self._info.remove(*labels, *shown)
+        self._info.labels(*labels, *info).set(1)
+        self._info_shown[engine_idx] = info
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for name, value in transfer_stats_data.items():
+            if name in GAUGES or name == STORE_INFO:
+                self._set_state(name, value, engine_idx)
+                continue
             if name not in self._counters or not value:
                 continue
             bound = self._bound.get((engine_idx, name))

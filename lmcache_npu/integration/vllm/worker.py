@@ -7,6 +7,14 @@ transfer; `wait_for_save` queues every store of the step as one transfer, ordere
 `get_finished` collects completions, reports loads done (`finished_recving`), stores of finished requests done
 (`finished_sending`) and failed loads, and the completions go back to the scheduler's index.
 
+Hook order with speculative decoding. With any speculative config vLLM defers `wait_for_save` and
+`clear_connector_metadata` to `finalize_kv_connector()`, after the drafter's forward: `get_finished` then sees a step
+before its stores are queued. That is safe by construction: a store's command ids join its request's pending set
+in `start_load_kv`, before either hook, and leave it only when the executor reports them completed, so a request
+whose free vLLM delayed is reported in `finished_sending` once, after its last store took its bytes, in either
+order; a completion polled in one `get_finished` is counted in that call and never again. Queued in
+`wait_for_save`, after drafting, a step's stores also read the rows the draft (EAGLE/MTP) layers wrote in that step.
+
 Why the narrow page fence is safe. A queued store reads the pages of the chunks it stores until its kernel is done;
 the model's stream must not write any of them before. The scheduler half decides, because it knows both sides: the
 blocks each store reads (per chunk, from its block window, kept until every rank completed it, which is after its
@@ -57,7 +65,9 @@ from ...store.factory import build_executor
 from ...store.keys import layout_fingerprint, namespace_of
 from ...store.tier import TierCounters
 from ...transfer import KVMover, StreamKit
-from . import adapter
+from ...transfer.share_mover import ShareExchange, SharedMover
+from ...transfer.shares import ShareLayout
+from . import adapter, tp_share
 from .identity import EngineIdentity, engine_identity
 from .metadata import (
     LMCacheNPUConnectorMetadata,
@@ -115,11 +125,14 @@ class WorkerHalf:
         self.executor: Optional[StoreExecutor] = None
         self.geometry: Optional[WorkerGeometry] = None
         self.identity: Optional[EngineIdentity] = None
+        self.shares: Optional[ShareLayout] = None  # this rank's share of replicated planes (tp_share), or None
         self._stores: list[Command] = []
         self._recv: dict[str, _Recv] = {}
         self._sends: dict[str, _Sends] = {}
         self._owner: dict[int, str] = {}  # in-flight load/store cmd id -> request id
         self._outbox: list[Completion] = []
+        self._reported_usable: Optional[tuple[tuple[int, int], ...]] = None  # arena slot ranges last told
+        self._arena_told: dict[str, int] = {}  # the arena's segment stats as of the last stats() report
         self._load_error_blocks: set[int] = set()
         self._fenced: Optional[Any] = None  # the metadata whose step handle_preemptions fenced
 
@@ -136,6 +149,7 @@ class WorkerHalf:
     def register_kv_caches(self, kv_caches: Mapping[str, Any]) -> None:
         policy = LayoutPolicy(chunk_tokens=self.chunk_tokens(), skip_spec_kinds=self.config.skip_spec_kinds,
                               hash_block_size=self.hash_block_size, fractal_nz=_fractal_nz(kv_caches))
+        policy = tp_share.with_tp(policy, self.vllm_config, self.config.tp_share)
         self.kv_caches = kv_caches
         layout = discover_layout(self.kv_cache_config, kv_caches, policy,
                                  adapter.attention_backends(self.vllm_config, kv_caches))
@@ -155,16 +169,30 @@ class WorkerHalf:
         self.mover = KVMover(layout, lambda: self._backend(plan.device), lambda: StreamKit.for_device(plan.device),
                              self.place.rank, self.config.load_retries, self.counters)
         backend = self.mover.backends[Direction.LOAD].name
-        self.executor = build_executor(self.config.store, self.place.rank, plan.object_bytes, fingerprint, self.mover,
+        # replicated planes: this rank stores its own planes and a 1/tp share of the rest, and loads exchange shares
+        self.shares = tp_share.share_layout(plan, self.place.rank, policy.tp_size)
+        device_mover: Any = self.mover
+        object_bytes = plan.object_bytes
+        if self.shares is not None:
+            fingerprint = self.shares.fingerprint(fingerprint)
+            namespace = namespace_of(self.identity.fingerprint, fingerprint)
+            device_mover = SharedMover(self.mover, self.shares,
+                                       ShareExchange(tp_share.exchange_group(policy.tp_size)), self.counters,
+                                       pin=plan.device.type != "cpu")
+            object_bytes = self.shares.object_bytes
+            logger.info("lmcache_npu rank %d: tp_share on, %d of %d B per chunk stored here (%d own, share %d B of "
+                        "%d replicated)", self.place.rank, object_bytes, plan.object_bytes, self.shares.own_bytes,
+                        self.shares.share_bytes, self.shares.replicated_bytes)
+        self.executor = build_executor(self.config.store, self.place.rank, object_bytes, fingerprint, device_mover,
                                        namespace)
         for tier, names in ((self.executor.disk, DISK_METRICS), (self.executor.remote, REMOTE_METRICS)):
             if tier is not None:
                 self.tier_counters.watch(tier.counters, names)
         self.geometry = WorkerGeometry(
             self.place.rank, self.place.world, enabled=True, namespace=namespace, layout_fingerprint=fingerprint,
-            chunk_tokens=plan.chunk_tokens, object_bytes=plan.object_bytes, num_slots=self.executor.arena.num_slots,
-            groups=plan_group_geometry(layout.groups), backend=backend, device=str(plan.device),
-            identity=self.identity.description)
+            chunk_tokens=plan.chunk_tokens, object_bytes=object_bytes, num_slots=self.executor.arena.num_slots,
+            usable_slots=self._take_usable_change(), groups=plan_group_geometry(layout.groups), backend=backend,
+            device=str(plan.device), identity=self.identity.description)
         logger.info("lmcache_npu rank %d: %d planes in %d groups, %d B per %d-token chunk, %s backend, %d arena slots",
                     self.place.rank, len(plan.moved_planes), len(layout.groups), plan.object_bytes, plan.chunk_tokens,
                     backend, self.executor.arena.num_slots)
@@ -280,13 +308,38 @@ class WorkerHalf:
         return blocks
 
     def build_worker_meta(self) -> Optional[LMCacheNPUWorkerMetadata]:
-        if not self._outbox:
+        usable = self._take_usable_change()
+        if not self._outbox and usable is None:
             return None
         meta, self._outbox = LMCacheNPUWorkerMetadata(self._outbox), []
+        if usable is not None:
+            meta.usable_slots[self.place.rank] = usable
         return meta
 
+    def _take_usable_change(self) -> Optional[tuple[tuple[int, int], ...]]:
+        """The arena's live slot ranges when they changed since last told (segments register in the background)."""
+        if self.executor is None:
+            return None
+        usable = self.executor.arena.usable_ranges()
+        if usable == self._reported_usable:
+            return None
+        self._reported_usable = usable
+        return usable
+
     def stats(self) -> LMCacheNPUStats:
-        return LMCacheNPUStats.of({**self.counters.drain(), **self.tier_counters.take()})
+        counts = {**self.counters.drain(), **self.tier_counters.take()}
+        if self.executor is not None:  # arena gauges as counters: what grew since the last report
+            now = self.executor.arena.segment_stats()
+            counts.update({k: v - self._arena_told.get(k, 0) for k, v in now.items()
+                           if v != self._arena_told.get(k, 0)})
+            self._arena_told = now
+        if self.shares is None and self.executor is not None and self.place.world > 1:
+            # whole objects per rank: what this rank's arena took and gave, comparable with tp_share's share objects
+            for kind in ("stored", "loaded"):
+                if counts.get(f"{kind}_chunks"):
+                    counts[f"rank{self.place.rank}_{kind}_bytes"] = (counts[f"{kind}_chunks"]
+                                                                     * self.executor.arena.object_bytes)
+        return LMCacheNPUStats.of(counts)
 
     def shutdown(self) -> None:
         if self.mover is not None:

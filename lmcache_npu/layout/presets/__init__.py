@@ -50,7 +50,7 @@ def preset_names() -> list[str]:
 
 def get_model(name: "str | Model", device_family: str, max_layers: Optional[int] = None) -> Model:
     """A preset's model; `max_layers` keeps its first layers only (tests scale models down, keeping the mix of layer
-    kinds the first layers have)."""
+    kinds the first layers have), and every MTP layer."""
     if isinstance(name, Model):  # a model read from a config.json (model_from_hf_config)
         model = name
     elif name not in MODELS:
@@ -65,8 +65,10 @@ def get_model(name: "str | Model", device_family: str, max_layers: Optional[int]
         if max_layers < 1:
             raise ValueError(f"max_layers must be >= 1, got {max_layers}")
         layers = model.layers
+        mtp = layers[len(layers) - model.mtp_layers:] if not isinstance(layers, DeepseekV4) and model.mtp_layers \
+            else ()  # MTP layers are kept whole: a trimmed model still drafts
         kept = (dataclasses.replace(layers, compress_ratios=layers.compress_ratios[:max_layers])
-                if isinstance(layers, DeepseekV4) else layers[:max_layers])
+                if isinstance(layers, DeepseekV4) else layers[:min(max_layers, len(layers) - len(mtp))] + mtp)
         model = dataclasses.replace(model, layers=kept)
     return model
 

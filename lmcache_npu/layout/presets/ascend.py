@@ -253,6 +253,10 @@ def _dsv4_kv_cache_config(specs: dict[str, Any], num_blocks: int) -> Any:
     slots = max(len(v) for b in buckets for v in b.values())
     tensors = [KVCacheTensor(size=ps * num_blocks, shared_by=[b[ps][t] for b in buckets if t < len(b.get(ps, []))])
                for t in range(slots) for ps in page_sizes]
+    last = next(reversed(specs))
+    if last.startswith("mtp."):  # vLLM's DeepSeek-V4 rule: the group holding the last (MTP) layer drafts
+        for g in groups:
+            g.is_eagle_group = last in g.layer_names
     return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=tensors, kv_cache_groups=groups)
 
 

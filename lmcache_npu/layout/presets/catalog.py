@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional, Union
 
 import torch
@@ -66,6 +66,35 @@ class Model:
     dtype: torch.dtype = torch.bfloat16
     families: tuple[str, ...] = ("ascend", "cuda", "cpu")  # cpu: vLLM's CPU attention backends
     fractal_nz: bool = False  # 310P K/V pages
+    mtp_layers: int = 0  # the last entries of a layer tuple are MTP (speculative decoding) layers
+
+
+def with_mtp(model: Model, count: int = 1) -> Model:
+    """The model served with `count` MTP layers (speculative decoding with method "mtp"), as the engine registers
+    them: DeepSeek-V3/V3.2 MTP layers are decoder layers `model.layers.{n + j}` (n = num_hidden_layers) with the
+    model's own MLA spec, so they join the target's MLA group; DeepSeek-V4's are `mtp.{j}` with an SWA cache only
+    (the config's compress_ratios stop at num_hidden_layers), in a sliding-window group that vLLM flags
+    `is_eagle_group` (its DeepSeek-V4 rule: the group holding the last layer). Modelled on Ascend for DeepSeek-V4."""
+    if count < 1:
+        raise ValueError(f"with_mtp: count must be >= 1, got {count}")
+    layers = model.layers
+    if isinstance(layers, DeepseekV4):
+        if layers.mtp_compress_ratios:
+            raise ValueError(f"{model.name} already has {len(layers.mtp_compress_ratios)} MTP layer(s)")
+        return Model(f"{model.name}-mtp", replace(layers, mtp_compress_ratios=(0,) * count),
+                     f"{model.notes} + {count} MTP layer(s) (SWA only)", model.dtype, ("ascend",), model.fractal_nz)
+    if model.mtp_layers or not layers or not all(isinstance(layer, MLA) for _, layer in layers):
+        raise ValueError(f"with_mtp: {model.name} is not a DeepSeek MLA model without MTP layers (MTP layers are "
+                         "modelled for deepseek-v3, deepseek-v3.2 and deepseek-v4 only)")
+    first = _mtp_index(layers)
+    extra = tuple((f"model.layers.{first + j}.self_attn.attn", layers[-1][1]) for j in range(count))
+    return Model(f"{model.name}-mtp", layers + extra, f"{model.notes} + {count} MTP layer(s) in the MLA group",
+                 model.dtype, model.families, model.fractal_nz, mtp_layers=count)
+
+
+def _mtp_index(layers: tuple[tuple[str, Layer], ...]) -> int:
+    """num_hidden_layers of the full model: one past the highest `model.layers.{i}` index (names survive trims)."""
+    return 1 + max(int(name.split(".")[2]) for name, _ in layers)
 
 
 def _stack(prefix: str, layers: list[Layer]) -> tuple[tuple[str, Layer], ...]:

@@ -1,0 +1,181 @@
+"""The load path of replicated KV at TP=2 (docs/storage.md "Replicated KV"): each rank copies its share of the
+chunk objects host -> device and the shares are all-gathered over the device fabric ("share"), against every rank
+copying whole objects host -> device ("whole"). The scatter into KV pages that follows is the same kernel on the
+same full objects in both, so it is left out. Geometries: the deepseek-v3 and deepseek-v4-flash presets (CUDA
+layout), whose planes are all replicated across TP.
+
+    python benchmarks/tp_share_bench.py                               # 2 GPUs, NCCL
+    python benchmarks/tp_share_bench.py --backend gloo --device cpu   # the logic on CPU (tests run this)
+
+Every variant first checks that each rank ends with every byte of the whole objects, then times `--reps` rounds
+(median, after `--warmup`). Prints a table; `--json PATH` writes the rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+PRESETS = ("deepseek-v3", "deepseek-v4-flash")
+
+
+def geometry(name: str, tp_size: int) -> dict[str, int]:
+    """Bytes per chunk of the preset, and what share of them every TP rank holds identically."""
+    from lmcache_npu.layout.discovery import replicated_across_tp
+    from lmcache_npu.layout.presets import preset_layout
+    from lmcache_npu.transfer.shares import ShareLayout
+
+    layout, _ = preset_layout(name, "cuda", num_blocks=2)
+    plan = layout.plan
+    replicated = [replicated_across_tp(g.kind, tp_size, None) for g in layout.groups]
+    shared = sum(plan.rows_per_chunk[p.group] * p.row_bytes for p in plan.moved_planes if replicated[p.group])
+    whole = sum(plan.rows_per_chunk[p.group] * p.row_bytes for p in plan.moved_planes)
+    if shared != whole:
+        raise ValueError(f"{name}: only {shared} of {whole} B per chunk are replicated; the bench models all-MLA "
+                         "presets")
+    share = ShareLayout(plan.object_bytes, 0, 0, tp_size)
+    return {"object_bytes": plan.object_bytes, "share_bytes": share.share_bytes, "chunk_tokens": plan.chunk_tokens}
+
+
+def _all_gather(output: torch.Tensor, contribution: torch.Tensor) -> None:
+    """One flat all-gather (torch >= 2.13 names it all_gather_single)."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(output, contribution)
+
+
+def _timed(fn: Any, device: torch.device, reps: int, warmup: int) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        dist.barrier()
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _host(nbytes: int, device: torch.device) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+
+
+def run_rank(rank: int, size: int, args: argparse.Namespace, out: Optional[str]) -> list[dict[str, Any]]:
+    device = torch.device(f"cuda:{rank}") if args.device == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    rows = []
+    for name in args.presets:
+        g = geometry(name, size)
+        full, share, chunks = g["object_bytes"], g["share_bytes"], args.chunks
+        generator = torch.Generator().manual_seed(11)
+        whole_host = _host(chunks * full, device)
+        whole_host.copy_(torch.randint(0, 256, (chunks * full,), dtype=torch.uint8, generator=generator))
+        # rank r holds bytes [r * share, (r + 1) * share) of every chunk object, zero padded at the end
+        padded = torch.zeros(chunks, size * share, dtype=torch.uint8)
+        padded[:, :full] = whole_host.view(chunks, full)
+        share_host = _host(chunks * share, device)
+        share_host.copy_(padded[:, rank * share:(rank + 1) * share].reshape(-1))
+        whole_dev = torch.empty(chunks * full, dtype=torch.uint8, device=device)
+        share_dev = torch.empty(chunks * share, dtype=torch.uint8, device=device)
+        gathered = torch.empty(size * chunks * share, dtype=torch.uint8, device=device)
+        objects = torch.empty(chunks, full, dtype=torch.uint8, device=device)
+
+        def whole() -> None:
+            whole_dev.copy_(whole_host, non_blocking=True)
+
+        def shared() -> None:
+            share_dev.copy_(share_host, non_blocking=True)
+            _all_gather(gathered, share_dev)
+            # rank-major [rank][chunk][share] -> chunk-major objects, as the scatter kernel reads them
+            objects.copy_(gathered.view(size, chunks, share).permute(1, 0, 2).reshape(chunks, size * share)[:, :full])
+
+        whole()
+        shared()
+        if not torch.equal(whole_dev.cpu(), whole_host) or not torch.equal(objects.reshape(-1).cpu(), whole_host):
+            raise AssertionError(f"rank {rank} {name}: the loaded objects differ from the stored ones")
+        for variant, fn, pcie in (("whole", whole, chunks * full), ("share", shared, chunks * share)):
+            seconds = _timed(fn, device, args.reps, args.warmup)
+            rows.append({"preset": name, "variant": variant, "rank": rank, "tp": size, "chunks": chunks,
+                         "chunk_tokens": g["chunk_tokens"], "object_bytes": full,
+                         "stored_bytes_per_rank": chunks * (full if variant == "whole" else share),
+                         "pcie_bytes_per_rank": pcie,
+                         "fabric_bytes_per_rank": 0 if variant == "whole" else (size - 1) * chunks * share,
+                         "seconds": seconds, "GBps_per_rank": chunks * full / seconds / 1e9})
+    if out is not None:
+        with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+            json.dump(rows, f)
+    return rows
+
+
+def _spawned(rank: int, size: int, args: argparse.Namespace, init: str, out: str) -> None:
+    backend = args.backend
+    dist.init_process_group(backend, init_method=init, rank=rank, world_size=size,
+                            device_id=torch.device(f"cuda:{rank}") if args.device == "cuda" else None)
+    try:
+        run_rank(rank, size, args, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def parse(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--backend", choices=("nccl", "gloo"), default="nccl")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--tp", type=int, default=2, help="ranks (one GPU each)")
+    parser.add_argument("--presets", nargs="+", default=list(PRESETS), choices=PRESETS)
+    parser.add_argument("--chunks", type=int, default=16, help="chunks per load batch")
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--json", help="write the rows here")
+    args = parser.parse_args(argv)
+    if args.backend == "nccl" and args.device != "cuda":
+        parser.error("--backend nccl needs --device cuda")
+    if args.tp < 2 or args.chunks < 1 or args.reps < 1 or args.warmup < 0:
+        parser.error("--tp must be >= 2, --chunks and --reps >= 1, --warmup >= 0")
+    if args.device == "cuda" and torch.cuda.device_count() < args.tp:
+        parser.error(f"--tp {args.tp} needs {args.tp} GPUs, found {torch.cuda.device_count()}")
+    return args
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    lines = [f"{'preset':<18} {'variant':<6} {'chunks':>6} {'PCIe MB/rank':>12} {'fabric MB/rank':>14} "
+             f"{'ms (slowest rank)':>17} {'GB/s/rank':>9}"]
+    keyed: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for row in rows:
+        keyed.setdefault((row["preset"], row["variant"]), []).append(row)
+    for (preset, variant), group in keyed.items():
+        slowest = max(group, key=lambda r: r["seconds"])
+        lines.append(f"{preset:<18} {variant:<6} {slowest['chunks']:>6} {slowest['pcie_bytes_per_rank'] / 1e6:>12.1f} "
+                     f"{slowest['fabric_bytes_per_rank'] / 1e6:>14.1f} {slowest['seconds'] * 1e3:>17.3f} "
+                     f"{slowest['GBps_per_rank']:>9.2f}")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
+    args = parse(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_spawned, args=(args.tp, args, f"file://{tmp}/rendezvous", tmp), nprocs=args.tp, join=True)
+        rows = [row for r in range(args.tp) for row in json.load(open(os.path.join(tmp, f"rank{r}.json")))]
+    sys.stdout.write(table(rows) + "\n")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,97 @@
+"""Whether, and over which process group, an engine's ranks store replicated KV once (`tp_share`, docs/storage.md
+"Replicated KV").
+
+`tp_share: auto` turns sharing on when the engine runs with tensor_parallel_size > 1 and discovery marked planes
+replicated (MLA latents, indexers, DeepSeek-V4 caches, attention with a single KV head); `off`, tp_size 1 or no
+replicated plane leave every rank storing its whole chunk, byte for byte as before. The exchange gets a gloo group
+of its own over the TP group's ranks: vLLM's cpu_group also carries its own coordination from the model's thread,
+and two users of one group could interleave their collectives. Making a group is collective over the whole world,
+so every rank creates every TP group's, in the same order, and keeps its own.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+from typing import Any, Optional, Sequence
+
+from ...layout.discovery import LayoutPolicy
+from ...ops.plan import TransferPlan
+from ...transfer.shares import ShareLayout
+
+logger = logging.getLogger(__name__)
+
+EXCHANGE_TIMEOUT = timedelta(minutes=5)  # a rank that never joins a load's exchange fails it instead of hanging
+
+
+def tp_policy(vllm_config: Any, mode: str) -> tuple[int, Optional[int]]:
+    """(tp_size, total KV heads) that discovery marks replicated planes with; (1, None) when sharing is off."""
+    tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
+    if mode == "off" or tp_size <= 1:
+        return 1, None
+    if not exchange_available():
+        logger.info("tp_share: tensor_parallel_size %d but no TP process group in this process (ranks simulated in "
+                    "one process?): every rank stores its whole chunk", tp_size)
+        return 1, None
+    model_config = getattr(vllm_config, "model_config", None)
+    heads: Optional[int] = None
+    if model_config is not None:
+        try:
+            heads = int(model_config.get_total_num_kv_heads())
+        except (AttributeError, TypeError, ValueError):  # a model config without heads: head-split planes not shared
+            heads = None
+    return tp_size, heads
+
+
+def exchange_available() -> bool:
+    """torch.distributed and vLLM's TP group are up: the share exchange has ranks to talk to."""
+    try:
+        import torch.distributed as dist
+        from vllm.distributed import parallel_state
+    except ImportError:
+        return False
+    return dist.is_available() and dist.is_initialized() and parallel_state.model_parallel_is_initialized()
+
+
+def with_tp(policy: LayoutPolicy, vllm_config: Any, mode: str) -> LayoutPolicy:
+    """`policy` with the engine's TP size and KV heads (unchanged when sharing is off)."""
+    import dataclasses
+
+    tp_size, heads = tp_policy(vllm_config, mode)
+    return dataclasses.replace(policy, tp_size=tp_size, total_kv_heads=heads)
+
+
+def share_layout(plan: TransferPlan, rank: int, tp_size: int) -> Optional[ShareLayout]:
+    """The rank's share of the plan's replicated tail; None when there is nothing to share."""
+    if tp_size <= 1 or plan.replicated_bytes == 0:
+        return None
+    return ShareLayout(plan.object_bytes, plan.replicated_offset, rank, tp_size)
+
+
+def _tp_groups(world: int, tp_size: int, coordinator: Any) -> Sequence[Sequence[int]]:
+    """Every TP group's global ranks: vLLM's own list where it keeps one (>= 0.29), else its layout (TP innermost)."""
+    groups = getattr(coordinator, "group_ranks", None)
+    if groups:
+        return [list(map(int, g)) for g in groups]
+    if world % tp_size:
+        raise ValueError(f"tp_share: world size {world} is not a multiple of tensor_parallel_size {tp_size}")
+    return [list(range(start, start + tp_size)) for start in range(0, world, tp_size)]
+
+
+def exchange_group(tp_size: int) -> Any:
+    """A gloo process group over this rank's TP group, for the share exchange only."""
+    import torch.distributed as dist
+    from vllm.distributed.parallel_state import get_tp_group
+
+    coordinator = get_tp_group()
+    if coordinator.world_size != tp_size:
+        raise ValueError(f"tp_share: vLLM's TP group has {coordinator.world_size} ranks, the config says {tp_size}")
+    mine = None
+    for ranks in _tp_groups(dist.get_world_size(), tp_size, coordinator):
+        group = dist.new_group(list(ranks), backend="gloo", timeout=EXCHANGE_TIMEOUT)
+        if dist.get_rank() in ranks:
+            mine = group
+    if mine is None:
+        raise ValueError(f"tp_share: global rank {dist.get_rank()} is in no TP group")
+    logger.info("tp_share: exchange group over ranks %s", list(coordinator.ranks))
+    return mine

@@ -1,0 +1,571 @@
+"""Arena segments (DESIGN §7, tier L1): the host arena's memory as separately mapped, separately registered pieces.
+
+One virtual address range is reserved (PROT_NONE, nothing committed) and every segment is an anonymous private mmap
+fixed inside it, so the arena is one address range (what Mooncake registers) made of pieces the device registers one
+by one. A segment holds whole slots (a slot never straddles two), its length is rounded only to its page size (no
+power-of-two rounding), and its pages may be transparent or explicit hugepages and bound to a NUMA node.
+
+Mapping is synchronous and cheap (nothing is touched); pre-faulting and device registration run on one background
+thread, segment after segment, so the engine serves from the first segment while the rest are prepared. A segment
+that is not live yet is pre-faulted by writing into its pages from several threads (bound to the arena's NUMA node's
+CPUs), a live one (pageable arenas) by MADV_POPULATE_WRITE, which never changes its bytes. A segment
+whose registration fails is left out with a warning: the arena shrinks, and the usable slots are the union of the
+live segments' slot ranges (`usable_ranges`), not necessarily a prefix.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import logging
+import mmap
+import os
+import platform
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+from enum import Enum
+from typing import Optional, Protocol
+
+logger = logging.getLogger(__name__)
+
+PAGE_BYTES = 4096
+THP_BYTES = 2 << 20  # transparent hugepages are PMD-sized: segments start on this boundary so THP can back them whole
+HUGEPAGE_CHOICES = {"auto": 0, "off": 0, "2M": 2 << 20, "1G": 1 << 30}
+DEFAULT_SEGMENT_BYTES = 2 << 30
+PREFAULT_BY = ("write", "populate")
+
+_PROT_NONE, _PROT_RW = 0, mmap.PROT_READ | mmap.PROT_WRITE
+_MAP_PRIVATE, _MAP_ANONYMOUS, _MAP_FIXED, _MAP_NORESERVE, _MAP_HUGETLB = 0x02, 0x20, 0x10, 0x4000, 0x40000
+_MAP_HUGE_SHIFT = 26
+_MADV_HUGEPAGE, _MADV_NOHUGEPAGE, _MADV_POPULATE_WRITE = 14, 15, 23
+_MPOL_PREFERRED, _MPOL_BIND = 1, 2
+_MBIND_SYSCALL = {"x86_64": 237, "aarch64": 235}
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+
+
+class HostRegistrar(Protocol):
+    """Makes host memory addressable by one accelerator's DMA engines (cudaHostRegister, aclrtHostRegister)."""
+
+    name: str
+
+    def bind_thread(self) -> None:
+        """Makes the calling (background) thread's current device the arena's device."""
+
+    def register(self, address: int, nbytes: int) -> int:
+        """Registers [address, address + nbytes); returns the device's address of it; raises on failure."""
+
+    def unregister(self, address: int) -> None:
+        """Undoes `register` of the range starting at `address`."""
+
+
+class SegmentState(str, Enum):
+    MAPPED = "mapped"  # address space and (for hugetlb) pages reserved, nothing touched yet
+    LIVE = "live"  # its slots may be handed out: registered (or pageable), pre-faulted when asked
+    FAILED = "failed"  # registration failed: its slots are never handed out
+
+
+@dataclass
+class Segment:
+    """`num_slots` slots from `first_slot` at `address`; `mapped_bytes` is the whole mapping (page-rounded)."""
+
+    index: int
+    first_slot: int
+    num_slots: int
+    address: int
+    used_bytes: int
+    mapped_bytes: int
+    state: SegmentState = SegmentState.MAPPED
+    registered: bool = False
+    device_address: Optional[int] = None
+    error: str = ""
+    prefault_s: float = 0.0  # how long touching its pages took (benchmarks report GB/s from these)
+    prefaulted_by: str = ""  # "write" or "populate": how its pages were faulted in ("" when they were not)
+    register_s: float = 0.0  # how long the device registration took
+
+    @property
+    def slot_range(self) -> tuple[int, int]:
+        return self.first_slot, self.first_slot + self.num_slots
+
+
+def parse_hugepages(value: object) -> str:
+    """The `hugepages` key: auto (transparent hugepages where the kernel offers them), off, 2M or 1G (MAP_HUGETLB)."""
+    if not isinstance(value, str) or value not in HUGEPAGE_CHOICES:
+        raise ValueError(f"hugepages must be one of {', '.join(HUGEPAGE_CHOICES)}, got {value!r}")
+    return value
+
+
+def _thp_setting(name: str) -> str:
+    try:
+        with open(f"/sys/kernel/mm/transparent_hugepage/{name}", encoding="ascii") as f:
+            text = f.read()
+    except OSError:
+        return ""
+    return text[text.find("[") + 1:text.find("]")] if "[" in text else ""
+
+
+def transparent_hugepages_enabled() -> bool:
+    """The kernel backs madvise(MADV_HUGEPAGE) ranges with transparent hugepages without stalling a fault on
+    compaction: enabled 'always' or 'madvise', defrag 'defer' or 'never'. Where a madvised fault compacts
+    synchronously (defrag 'always', 'madvise', 'defer+madvise'), pre-faulting a fragmented host ran 10x slower
+    (0.13 vs 1.2 GB/s, docs/storage.md), so `hugepages: auto` leaves such kernels to their default."""
+    return _thp_setting("enabled") in ("always", "madvise") and _thp_setting("defrag") in ("defer", "never")
+
+
+def free_hugepages(page_bytes: int) -> Optional[int]:
+    """Free explicit hugepages of `page_bytes` in the system pool (None where the kernel does not say)."""
+    path = f"/sys/kernel/mm/hugepages/hugepages-{page_bytes // 1024}kB/free_hugepages"
+    try:
+        with open(path, encoding="ascii") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return None
+
+
+def numa_nodes() -> list[int]:
+    """NUMA nodes with memory on this host (empty where the kernel does not expose them)."""
+    try:
+        names = os.listdir("/sys/devices/system/node")
+    except OSError:
+        return []
+    return sorted(int(n[4:]) for n in names if n.startswith("node") and n[4:].isdigit())
+
+
+def pci_numa_node(bus_id: str) -> Optional[int]:
+    """The NUMA node a PCI device (e.g. '0000:1b:00.0') hangs off, None where the firmware does not say."""
+    try:
+        with open(f"/sys/bus/pci/devices/{bus_id.lower()}/numa_node", encoding="ascii") as f:
+            node = int(f.read())
+    except (OSError, ValueError):
+        return None
+    return node if node >= 0 else None
+
+
+def _check(result: int, what: str) -> None:
+    if result != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+
+
+def _mmap(address: Optional[int], nbytes: int, prot: int, flags: int) -> int:
+    result = _libc.mmap(address, nbytes, prot, flags, -1, 0)
+    if result is None or result == _MAP_FAILED:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+    return int(result)
+
+
+def _bind(address: int, nbytes: int, node: int, strict: bool) -> None:
+    """mbind the range to `node` (strict: MPOL_BIND; else MPOL_PREFERRED, which falls back when the node is full);
+    the policy sits on the mapping, so whichever thread faults a page places it there."""
+    syscall = _MBIND_SYSCALL.get(platform.machine())
+    if syscall is None:
+        raise ValueError(f"numa_node is not supported on {platform.machine()}")
+    mask = (ctypes.c_ulong * (node // 64 + 1))()
+    mask[node // 64] = 1 << (node % 64)
+    mode = _MPOL_BIND if strict else _MPOL_PREFERRED
+    _check(_libc.syscall(syscall, ctypes.c_void_p(address), ctypes.c_ulong(nbytes), mode, mask,
+                         ctypes.c_ulong(len(mask) * 64 + 1), 0), f"mbind to NUMA node {node}")
+
+
+def node_cpus(node: int) -> frozenset[int]:
+    """The CPUs of NUMA node `node` this process may run on (empty where the kernel does not say, the node has no
+    CPUs, or the process's affinity excludes them all)."""
+    try:
+        with open(f"/sys/devices/system/node/node{node}/cpulist", encoding="ascii") as f:
+            cpus = parse_cpulist(f.read())
+    except (OSError, ValueError):
+        return frozenset()
+    return cpus & frozenset(os.sched_getaffinity(0))
+
+
+def parse_cpulist(text: str) -> frozenset[int]:
+    """The CPUs of a kernel cpulist ('0-3,8,10-11'); a malformed list is a ValueError quoting it."""
+    cpus: set[int] = set()
+    try:
+        for part in filter(None, text.strip().split(",")):
+            first, _, last = part.partition("-")
+            begin, end = int(first), int(last or first)
+            if begin < 0 or end < begin:
+                raise ValueError(part)
+            cpus.update(range(begin, end + 1))
+    except ValueError as exc:
+        raise ValueError(f"a cpulist is comma-separated CPUs or ascending first-last ranges, got {text!r}") from exc
+    return frozenset(cpus)
+
+
+def prefault_threads(cpus: Optional[frozenset[int]] = None) -> int:
+    """Threads that fault one segment's pages in together: page faults scale with cores (the H100 host: torch.zeros'
+    16 threads about 18-20 GB/s), but half the CPUs we may use (`cpus`, default this process's) stay free for the
+    engine starting beside us."""
+    count = len(cpus) if cpus else len(os.sched_getaffinity(0))
+    return max(1, min(8, count // 2))
+
+
+def _prefault(address: int, nbytes: int, *, threads: int = 1, write: bool = False, piece_align: int = THP_BYTES,
+              cpus: Optional[frozenset[int]] = None) -> None:
+    """Faults every page of the range in now (zero-filled, placed by the mapping's NUMA policy), the range cut in
+    `threads` pieces of whole `piece_align` pages faulted in parallel, each by a thread of its own bound to `cpus`
+    (the node's CPUs, so the pages are first touched from their node) when given.
+
+    `write`: nothing uses the range yet, so each page is faulted by writing a zero into it (user-mode faults, which
+    scale with threads where MADV_POPULATE_WRITE did not: 2.5-3 GB/s in 8 threads on the H100 host); otherwise
+    MADV_POPULATE_WRITE, which never changes a byte. The pieces run on fresh threads even when there is one, so the
+    CPU binding never sticks to the caller."""
+    piece = nbytes if threads <= 1 or nbytes < threads * piece_align else \
+        -(nbytes // threads) % piece_align + nbytes // threads
+    errors: list[BaseException] = []
+
+    def run(begin: int) -> None:
+        try:
+            if cpus:
+                _bind_thread(cpus)
+            length = min(piece, nbytes - begin)
+            if write:
+                _write_range(address + begin, length)
+            else:
+                _populate_range(address + begin, length)
+        except BaseException as exc:  # re-raised in the caller
+            errors.append(exc)
+
+    workers = [threading.Thread(target=run, args=(begin,), name="lmcache-arena-prefault", daemon=True)
+               for begin in range(0, nbytes, piece)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    if errors:
+        raise errors[0]
+
+
+def _bind_thread(cpus: frozenset[int]) -> None:
+    """Runs the calling thread on `cpus` only (pid 0: this thread, not the process)."""
+    try:
+        os.sched_setaffinity(0, cpus)
+    except OSError as exc:  # placement still follows the mapping's policy: only the faults' locality is lost
+        logger.debug("host arena: could not bind a pre-fault thread to CPUs %s: %s", sorted(cpus), exc)
+
+
+def _write_range(address: int, nbytes: int) -> None:
+    """Writes a zero into every page (one byte each: the kernel zero-fills the page it faults in, so the rest needs
+    no second pass, and a transparent hugepage faults in whole on its first byte); numpy releases the GIL."""
+    import numpy as np
+
+    pages = (ctypes.c_uint8 * nbytes).from_address(address)
+    np.frombuffer(pages, dtype=np.uint8)[::PAGE_BYTES] = 0
+
+
+def _populate_range(address: int, nbytes: int) -> None:
+    """MADV_POPULATE_WRITE in one call (5.14+); a kernel without it is an OSError (EINVAL)."""
+    if _libc.madvise(ctypes.c_void_p(address), nbytes, _MADV_POPULATE_WRITE) == 0:
+        return
+    err = ctypes.get_errno()
+    if err != errno.EINVAL:  # the kernel has the call and refused (no memory): touching would only get us killed
+        raise OSError(err, f"MADV_POPULATE_WRITE: {os.strerror(err)}")
+    raise OSError(errno.EINVAL, "this kernel has no MADV_POPULATE_WRITE (5.14+)")
+
+
+class _Reservation:
+    """The reserved address range; unmapped (after undoing any registration left) when nothing views it any more."""
+
+    def __init__(self, nbytes: int, align: int) -> None:
+        self.raw_bytes = nbytes + align
+        self.raw_address = _mmap(None, self.raw_bytes, _PROT_NONE,
+                                 _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE)
+        self.address = -self.raw_address % align + self.raw_address
+        self.registered: dict[int, HostRegistrar] = {}  # segment address -> who registered it
+        self.lock = threading.Lock()
+        weakref.finalize(self, _release, self.raw_address, self.raw_bytes, self.registered, self.lock)
+
+    def unregister_all(self) -> None:
+        _unregister(self.registered, self.lock)
+
+
+def _unregister(registered: dict[int, HostRegistrar], lock: threading.Lock) -> None:
+    with lock:
+        items = list(registered.items())
+        registered.clear()
+    for address, registrar in items:
+        try:
+            registrar.unregister(address)
+        except Exception as exc:  # a failed unregister must not keep the memory (or the interpreter exit) hostage
+            logger.warning("host arena: %s unregister of the segment at 0x%x failed: %s", registrar.name, address, exc)
+
+
+def _release(raw_address: int, raw_bytes: int, registered: dict[int, HostRegistrar], lock: threading.Lock) -> None:
+    _unregister(registered, lock)  # the device must forget the pages before they go back to the kernel
+    _libc.munmap(ctypes.c_void_p(raw_address), raw_bytes)
+
+
+class SegmentedMemory:
+    """`num_slots` slots of `slot_bytes` in segments of at most `segment_bytes` (at least one slot each).
+
+    `registrar` (None: pageable) registers each segment with the device; `numa_node` binds the pages (strict), or
+    `preferred_node` prefers a node (the device's, found automatically); `prefault` touches every used page in the
+    background before the segment goes live, from threads bound to that node's CPUs. `prefault_by`: "write" faults a
+    segment that is not live yet by writing into its pages in parallel (fast) and a live one (pageable arenas, whose
+    slots serve at once) with MADV_POPULATE_WRITE, which never changes a byte; "populate" uses MADV_POPULATE_WRITE
+    for every segment (what benchmarks compare against). Explicit hugepages (`2M`, `1G`) are always populated: a
+    hugetlb write fault that finds no free page on the bound node kills the process with SIGBUS, where populating
+    returns the error and the segment is left out. `start()` begins the background preparation."""
+
+    def __init__(self, num_slots: int, slot_bytes: int, *, segment_bytes: int = DEFAULT_SEGMENT_BYTES,
+                 hugepages: str = "auto", registrar: Optional[HostRegistrar] = None,
+                 numa_node: Optional[int] = None, preferred_node: Optional[int] = None,
+                 prefault: bool = True, prefault_by: str = "write") -> None:
+        if prefault_by not in PREFAULT_BY:
+            raise ValueError(f"prefault_by must be one of {', '.join(PREFAULT_BY)}, got {prefault_by!r}")
+        if num_slots < 1 or slot_bytes < 1 or slot_bytes % PAGE_BYTES:
+            raise ValueError(f"segments need num_slots >= 1 and page-multiple slot_bytes, got {num_slots} x "
+                             f"{slot_bytes} B")
+        if isinstance(segment_bytes, bool) or not isinstance(segment_bytes, int) or segment_bytes < 1:
+            raise ValueError(f"arena_segment_bytes must be a positive size, got {segment_bytes!r}")
+        self.hugepages = parse_hugepages(hugepages)
+        if numa_node is not None and numa_node not in numa_nodes():
+            raise ValueError(f"numa_node {numa_node} is not a NUMA node of this host (nodes: "
+                             f"{numa_nodes() or 'none exposed'})")
+        if preferred_node is not None and preferred_node not in numa_nodes():
+            preferred_node = None  # a hint from the device's firmware, not the operator's: no placement then
+        self.num_slots = num_slots
+        self.slot_bytes = slot_bytes
+        self.slots_per_segment = max(1, segment_bytes // slot_bytes)
+        if segment_bytes < slot_bytes:
+            logger.warning("arena_segment_bytes %d is smaller than one slot (%d B): one slot per segment",
+                           segment_bytes, slot_bytes)
+        self.page_bytes = HUGEPAGE_CHOICES[self.hugepages] or PAGE_BYTES
+        self.transparent = self.hugepages == "auto" and transparent_hugepages_enabled()
+        align = self.page_bytes if self.page_bytes > PAGE_BYTES else (THP_BYTES if self.transparent else PAGE_BYTES)
+        self.registrar = registrar
+        self.numa_node = numa_node
+        self.preferred_node = None if numa_node is not None else preferred_node
+        self.prefault = prefault
+        self.prefault_by = prefault_by
+        node = numa_node if numa_node is not None else self.preferred_node
+        # pages are first touched from their node: local faults, and the node's CPUs rather than the engine's
+        self.prefault_cpus = node_cpus(node) if node is not None else frozenset()
+        if node is not None and not self.prefault_cpus:
+            logger.info("host arena: NUMA node %d has no CPU this process may use: pre-fault threads are not bound "
+                        "(the pages are still placed on it by the memory policy)", node)
+        self._prefault_threads = prefault_threads(self.prefault_cpus or None)
+        self.segments: list[Segment] = []
+        offset = 0
+        for first in range(0, num_slots, self.slots_per_segment):
+            count = min(self.slots_per_segment, num_slots - first)
+            used = count * slot_bytes
+            last = first + count == num_slots
+            mapped = -used % (self.page_bytes if last else align) + used  # whole pages; later segments stay aligned
+            self.segments.append(Segment(len(self.segments), first, count, offset, used, mapped))
+            offset += mapped
+        self.span_bytes = offset
+        self._check_hugepage_pool()
+        self._reservation = _Reservation(self.span_bytes, max(align, self.page_bytes))
+        self.base_address = self._reservation.address
+        for segment in self.segments:
+            segment.address += self.base_address
+            self._map(segment)
+        self._state_lock = threading.Condition()
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self._settled = 0  # segments the background thread has finished with
+        self.started_at: Optional[float] = None
+        self.first_live_at: Optional[float] = None
+        self.all_settled_at: Optional[float] = None
+
+    # ---- set-up -------------------------------------------------------------------------------------------------
+
+    def _check_hugepage_pool(self) -> None:
+        if self.page_bytes == PAGE_BYTES:
+            return
+        needed = self.span_bytes // self.page_bytes
+        free = free_hugepages(self.page_bytes)
+        if free is not None and free < needed:
+            raise MemoryError(f"hugepages: {self.hugepages} needs {needed} free {self.hugepages} pages for a "
+                              f"{self.span_bytes / 2**30:.2f} GiB arena, the pool has {free} (raise "
+                              f"/sys/kernel/mm/hugepages/hugepages-{self.page_bytes // 1024}kB/nr_hugepages, or set "
+                              f"hugepages: auto)")
+
+    def _map(self, segment: Segment) -> None:
+        flags = _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_FIXED
+        if self.page_bytes > PAGE_BYTES:
+            flags |= _MAP_HUGETLB | (self.page_bytes.bit_length() - 1) << _MAP_HUGE_SHIFT
+        try:
+            _mmap(segment.address, segment.mapped_bytes, _PROT_RW, flags)
+        except OSError as exc:
+            key = f"hugepages: {self.hugepages}: " if self.page_bytes > PAGE_BYTES else ""
+            raise MemoryError(f"{key}could not map arena segment {segment.index} ({segment.mapped_bytes / 2**30:.2f} "
+                              f"GiB): {exc.strerror}") from exc
+        if self.page_bytes == PAGE_BYTES:
+            advice = _MADV_HUGEPAGE if self.transparent else (_MADV_NOHUGEPAGE if self.hugepages == "off" else None)
+            if advice is not None:
+                # a hint only: a kernel that refuses it still maps the segment
+                _libc.madvise(ctypes.c_void_p(segment.address), segment.mapped_bytes, advice)
+        node = self.numa_node if self.numa_node is not None else self.preferred_node
+        if node is not None:
+            _bind(segment.address, segment.mapped_bytes, node, strict=self.numa_node is not None)
+
+    # ---- background preparation ---------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Begins pre-faulting and registering the segments on a background thread (once)."""
+        if self.started_at is not None:
+            return
+        self.started_at = time.perf_counter()
+        if self.registrar is None:
+            with self._state_lock:  # pageable: a page faults in on first use anyway, so every slot is usable at once
+                for segment in self.segments:
+                    segment.state = SegmentState.LIVE
+                self.first_live_at = self.started_at
+                if not self.prefault:
+                    self.all_settled_at = self.started_at
+                    return
+        self._thread = threading.Thread(target=self._prepare_all, name="lmcache-arena-segments", daemon=True)
+        self._thread.start()
+
+    def _prepare_all(self) -> None:
+        if self.registrar is not None:
+            try:
+                self.registrar.bind_thread()
+            except Exception as exc:
+                for segment in self.segments:
+                    self._settle(segment, f"{self.registrar.name}: could not select the device ({exc})")
+                return
+        for segment in self.segments:
+            if self._stop.is_set():
+                self._settle(segment, "the arena was closed before this segment was prepared")
+                continue
+            self._settle(segment, self._prepare(segment))
+
+    def _prepare(self, segment: Segment) -> str:
+        """Pre-faults and registers one segment; the reason it cannot be used, or "" when it can."""
+        if self.prefault:
+            began = time.perf_counter()
+            try:
+                segment.prefaulted_by = self._prefault_segment(segment)
+            except Exception as exc:
+                return f"pre-faulting failed: {exc}"
+            segment.prefault_s = time.perf_counter() - began
+        if self.registrar is None:
+            return ""
+        began = time.perf_counter()
+        try:
+            segment.device_address = self.registrar.register(segment.address, segment.mapped_bytes)
+        except Exception as exc:
+            return f"{self.registrar.name} registration failed: {exc}"
+        segment.register_s = time.perf_counter() - began
+        with self._reservation.lock:
+            self._reservation.registered[segment.address] = self.registrar
+        segment.registered = True
+        return ""
+
+    def _prefault_segment(self, segment: Segment) -> str:
+        """Faults the segment's used pages in; how ("write" or "populate")."""
+        unused = segment.state is not SegmentState.LIVE  # a live segment's bytes may be in use: never write them
+
+        def fault(write: bool) -> None:
+            _prefault(segment.address, segment.used_bytes, threads=self._prefault_threads, write=write,
+                      piece_align=max(THP_BYTES, self.page_bytes), cpus=self.prefault_cpus or None)
+
+        if unused and self.prefault_by == "write" and self.page_bytes == PAGE_BYTES:
+            fault(write=True)
+            return "write"
+        try:
+            fault(write=False)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL or not unused:
+                raise
+            # a kernel before 5.14 has no MADV_POPULATE_WRITE; an unused segment can still be faulted by writing
+            fault(write=True)
+            return "write"
+        return "populate"
+
+    def _settle(self, segment: Segment, error: str) -> None:
+        with self._state_lock:
+            if self.registrar is not None:  # pageable segments went live at start: a failed pre-fault only warns
+                segment.state = SegmentState.FAILED if error else SegmentState.LIVE
+            segment.error = error
+            now = time.perf_counter()
+            if not error and self.first_live_at is None:
+                self.first_live_at = now
+            self._settled += 1
+            if self._settled == len(self.segments):
+                self.all_settled_at = now
+            self._state_lock.notify_all()
+        if error and self.registrar is None:
+            logger.warning("host arena: pre-faulting segment %d failed (its pages fault in on first use): %s",
+                           segment.index, error)
+        elif error:
+            logger.warning("host arena: segment %d (slots %d-%d, %.2f GiB) is left out: %s", segment.index,
+                           segment.first_slot, segment.first_slot + segment.num_slots - 1,
+                           segment.used_bytes / 2**30, error)
+
+    def wait_first(self, timeout: Optional[float] = None) -> bool:
+        """Blocks until a segment is live or every one has settled; True when some segment is live."""
+        with self._state_lock:
+            self._state_lock.wait_for(lambda: self.first_live_at is not None or self.all_settled_at is not None,
+                                      timeout)
+            return self.first_live_at is not None
+
+    def wait_all(self, timeout: Optional[float] = None) -> bool:
+        """Blocks until every segment is live or failed; True when they all have."""
+        with self._state_lock:
+            return self._state_lock.wait_for(lambda: self.all_settled_at is not None, timeout)
+
+    # ---- state --------------------------------------------------------------------------------------------------
+
+    def usable_ranges(self) -> tuple[tuple[int, int], ...]:
+        """[first, end) slot ranges of the live segments, in order, adjacent ones merged."""
+        ranges: list[list[int]] = []
+        with self._state_lock:
+            for segment in self.segments:
+                if segment.state is not SegmentState.LIVE:
+                    continue
+                begin, end = segment.slot_range
+                if ranges and ranges[-1][1] == begin:
+                    ranges[-1][1] = end
+                else:
+                    ranges.append([begin, end])
+        return tuple((b, e) for b, e in ranges)
+
+    @property
+    def ready_slots(self) -> int:
+        """How many leading slots are usable (the prefix before the first segment not live)."""
+        ranges = self.usable_ranges()
+        return ranges[0][1] if ranges and ranges[0][0] == 0 else 0
+
+    @property
+    def live_bytes(self) -> int:
+        with self._state_lock:
+            return sum(s.used_bytes for s in self.segments if s.state is SegmentState.LIVE)
+
+    @property
+    def segments_live(self) -> int:
+        with self._state_lock:
+            return sum(s.state is SegmentState.LIVE for s in self.segments)
+
+    def offset(self, slot: int) -> int:
+        """Byte offset of `slot` from `base_address`."""
+        segment, within = divmod(slot, self.slots_per_segment)
+        return self.segments[segment].address - self.base_address + within * self.slot_bytes
+
+    def buffer(self) -> ctypes.Array:
+        """The whole mapped range as a ctypes byte array that keeps the memory mapped while anything views it."""
+        array = (ctypes.c_uint8 * self.span_bytes).from_address(self.base_address)
+        array._keepalive = self._reservation  # type: ignore[attr-defined]  # munmap only after the last view
+        return array
+
+    def close(self) -> None:
+        """Stops the background preparation and unregisters every registered segment now (the memory stays mapped
+        until the last view of it goes)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self._reservation.unregister_all()
+        for segment in self.segments:
+            segment.registered = False

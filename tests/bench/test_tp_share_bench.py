@@ -1,0 +1,60 @@
+"""benchmarks/tp_share_bench.py's logic on CPU with gloo (two processes): both variants leave every rank with
+every byte (the script checks it before timing), and the share variant moves half the bytes per rank host ->
+device; a gather that loses the other rank's share is caught by that check."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+from types import ModuleType
+
+import torch.multiprocessing as mp
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "tp_share_bench.py"
+ARGS = ["--backend", "gloo", "--device", "cpu", "--presets", "deepseek-v4-flash", "--chunks", "2", "--reps", "1",
+        "--warmup", "0"]
+
+
+def _bench() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("tp_share_bench", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _rank(rank: int, out: str, lose_share: bool) -> None:
+    bench = _bench()
+    if lose_share:  # the gather keeps this rank's own share and zeros where the other's belongs
+        def own_share_only(output, contribution) -> None:
+            output.zero_()
+            output.view(2, -1)[rank].copy_(contribution)
+
+        bench._all_gather = own_share_only
+    bench.dist.init_process_group("gloo", init_method=f"file://{out}/rendezvous", rank=rank, world_size=2)
+    try:
+        bench.run_rank(rank, 2, bench.parse(ARGS), out)
+    except AssertionError as exc:
+        Path(out, f"rank{rank}.error").write_text(str(exc))
+    finally:
+        bench.dist.destroy_process_group()
+
+
+def test_gloo_run_checks_bytes_and_halves_pcie(tmp_path: Path) -> None:
+    mp.spawn(_rank, args=(str(tmp_path), False), nprocs=2, join=True)
+    rows = [row for r in range(2) for row in json.loads(Path(tmp_path, f"rank{r}.json").read_text())]
+    by = {(r["variant"], r["rank"]): r for r in rows}
+    assert set(by) == {("whole", 0), ("whole", 1), ("share", 0), ("share", 1)}
+    for rank in (0, 1):
+        whole, share = by[("whole", rank)], by[("share", rank)]
+        assert whole["pcie_bytes_per_rank"] == 2 * whole["object_bytes"]
+        assert whole["pcie_bytes_per_rank"] <= 2 * share["pcie_bytes_per_rank"] <= whole["pcie_bytes_per_rank"] + 256
+        assert share["fabric_bytes_per_rank"] == share["pcie_bytes_per_rank"]
+    assert "deepseek-v4-flash" in _bench().table(rows)
+
+
+def test_a_lost_share_fails_the_byte_check(tmp_path: Path) -> None:
+    mp.spawn(_rank, args=(str(tmp_path), True), nprocs=2, join=True)
+    for rank in (0, 1):
+        assert "differ from the stored ones" in Path(tmp_path, f"rank{rank}.error").read_text()
+        assert not Path(tmp_path, f"rank{rank}.json").exists()

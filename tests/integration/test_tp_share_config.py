@@ -1,0 +1,46 @@
+"""The `tp_share` key and the decision it drives (`integration/vllm/tp_share.py`): sharing needs TP > 1, the key
+not `off`, and a TP process group in this process; otherwise discovery marks nothing replicated."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from lmcache_npu.config import ConnectorConfig
+from lmcache_npu.integration.vllm import tp_share
+from lmcache_npu.layout.discovery import LayoutPolicy
+
+
+def _vllm(tp: int, heads: int = 1) -> SimpleNamespace:
+    return SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=tp),
+                           model_config=SimpleNamespace(get_total_num_kv_heads=lambda: heads))
+
+
+def test_the_key_takes_auto_or_off_only() -> None:
+    assert ConnectorConfig().tp_share == "auto"
+    assert ConnectorConfig(tp_share="off").tp_share == "off"
+    with pytest.raises(ValueError, match="tp_share must be one of auto, off, got 'on'"):
+        ConnectorConfig(tp_share="on")
+
+
+def test_policy_follows_mode_tp_and_the_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tp_share, "exchange_available", lambda: True)
+    assert tp_share.tp_policy(_vllm(2, 1), "auto") == (2, 1)
+    assert tp_share.tp_policy(_vllm(2, 1), "off") == (1, None)
+    assert tp_share.tp_policy(_vllm(1, 1), "auto") == (1, None)
+    policy = tp_share.with_tp(LayoutPolicy(chunk_tokens=64), _vllm(4, 8), "auto")
+    assert (policy.tp_size, policy.total_kv_heads, policy.chunk_tokens) == (4, 8, 64)
+    monkeypatch.setattr(tp_share, "exchange_available", lambda: False)  # ranks simulated in one process
+    assert tp_share.tp_policy(_vllm(2, 1), "auto") == (1, None)
+
+
+def test_no_exchange_outside_torch_distributed() -> None:
+    assert tp_share.exchange_available() is False  # this test process never initialised a process group
+
+
+def test_tp_groups_fall_back_to_tp_innermost_ranges() -> None:
+    assert tp_share._tp_groups(4, 2, SimpleNamespace()) == [[0, 1], [2, 3]]
+    assert tp_share._tp_groups(4, 2, SimpleNamespace(group_ranks=[[0, 2], [1, 3]])) == [[0, 2], [1, 3]]
+    with pytest.raises(ValueError, match="world size 3 is not a multiple of tensor_parallel_size 2"):
+        tp_share._tp_groups(3, 2, SimpleNamespace())

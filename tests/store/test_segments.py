@@ -1,0 +1,363 @@
+"""Arena segments: whole slots per segment, exact (page-rounded, never power-of-two) mappings, background
+registration one segment at a time, failed segments left out of the usable ranges, and the index honouring them."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lmcache_npu.store.arena import SLOT_ALIGN_BYTES, HostArena
+from lmcache_npu.store.envelope import ENVELOPE_BYTES
+from lmcache_npu.store.index import ChunkIndex
+from lmcache_npu.store.keys import ChunkKey
+from lmcache_npu.store import segments as segments_module
+from lmcache_npu.store.segments import (PAGE_BYTES, SegmentedMemory, SegmentState, free_hugepages,
+                                        numa_nodes, parse_cpulist, parse_hugepages)
+
+
+class FakeRegistrar:
+    """Records every call; refuses the segments in `refuse`; holds segments from `hold_from` on until released."""
+
+    name = "fake-register"
+
+    def __init__(self, refuse: frozenset[int] = frozenset(), hold_from: int = 10**9) -> None:
+        self.refuse, self.hold_from = refuse, hold_from
+        self.release = threading.Event()
+        self.registered: list[tuple[int, int]] = []
+        self.unregistered: list[int] = []
+        self.thread_bound = False
+        self._calls = 0
+
+    def bind_thread(self) -> None:
+        self.thread_bound = True
+
+    def register(self, address: int, nbytes: int) -> int:
+        index, self._calls = self._calls, self._calls + 1
+        if index >= self.hold_from:
+            assert self.release.wait(30), "the test never released the held segments"
+        if index in self.refuse:
+            raise MemoryError(f"segment {index} refused by the fake")
+        self.registered.append((address, nbytes))
+        return address + 1  # a device address other than the host's, as ACL gives
+
+    def unregister(self, address: int) -> None:
+        self.unregistered.append(address)
+
+
+OBJECT = 8192 - ENVELOPE_BYTES  # one object and its trailer fill an 8 KiB slot exactly
+
+
+def _key(i: int) -> ChunkKey:
+    return ChunkKey("ns", i.to_bytes(16, "little"))
+
+
+@settings(max_examples=40, deadline=None)
+@given(num_slots=st.integers(1, 40), object_bytes=st.integers(1, 3 * PAGE_BYTES),
+       segment_pages=st.integers(1, 12), hugepages=st.sampled_from(["auto", "off"]))
+def test_segments_hold_whole_slots_and_every_slot_keeps_its_own_bytes(num_slots: int, object_bytes: int,
+                                                                     segment_pages: int, hugepages: str) -> None:
+    arena = HostArena(num_slots, object_bytes, pinned=False, segment_bytes=segment_pages * PAGE_BYTES,
+                      hugepages=hugepages)
+    memory = arena.memory
+    covered = []
+    for segment in memory.segments:
+        first, end = segment.slot_range
+        covered.extend(range(first, end))
+        assert segment.address % PAGE_BYTES == 0 and segment.mapped_bytes % PAGE_BYTES == 0
+        assert segment.used_bytes == segment.num_slots * arena.slot_bytes <= segment.mapped_bytes
+        for slot in range(first, end):  # no slot straddles: it starts and ends inside its segment
+            assert segment.address <= arena.slot_address(slot)
+            assert arena.slot_address(slot) + arena.slot_bytes <= segment.address + segment.used_bytes
+    assert covered == list(range(num_slots))
+    assert memory.span_bytes == arena.total_bytes >= num_slots * arena.slot_bytes
+    assert memory.segments[-1].mapped_bytes == memory.segments[-1].used_bytes  # the last: page-rounded, no more
+    rng = np.random.default_rng(num_slots * 7919 + object_bytes)
+    expected = [rng.integers(0, 256, arena.sealed_bytes, dtype=np.uint8) for _ in range(num_slots)]
+    for slot in range(num_slots):
+        arena.sealed_array(slot)[:] = expected[slot]
+    for slot in range(num_slots):
+        assert np.array_equal(arena.sealed_array(slot), expected[slot]), f"slot {slot} lost its bytes"
+        assert np.array_equal(arena.slot(slot).numpy(), expected[slot][:object_bytes])
+        assert arena.slot(slot).data_ptr() == arena.slot_address(slot)
+    # negative control: one wrong byte in the last slot is seen by the same comparison
+    arena.slot_array(num_slots - 1)[-1] ^= 0xFF
+    assert not np.array_equal(arena.sealed_array(num_slots - 1), expected[num_slots - 1])
+
+
+def test_a_segment_is_sized_exactly_not_rounded_to_a_power_of_two() -> None:
+    arena = HostArena(3, 5_000_000, pinned=False, segment_bytes=64 << 20)  # 3 x 5,001,216 B in one segment
+    assert len(arena.memory.segments) == 1 and arena.total_bytes == 3 * 5_001_216
+    assert arena.base_address % SLOT_ALIGN_BYTES == 0
+
+
+def test_registration_runs_in_the_background_and_the_first_segment_serves_at_once() -> None:
+    fake = FakeRegistrar(hold_from=1)
+    arena = HostArena(6, OBJECT, segment_bytes=2 * 8192, registrar=fake, hugepages="off")
+    try:
+        assert arena.pinned and fake.thread_bound
+        assert arena.ready_slots == 2 and arena.usable_ranges() == ((0, 2),)
+        assert arena.segment_stats() == {"arena_bytes": 6 * 8192, "arena_live_bytes": 2 * 8192, "segments_live": 1,
+                                         "segments_total": 3}
+        fake.release.set()
+        assert arena.wait_ready(30)
+        assert arena.usable_ranges() == ((0, 6),) and arena.ready_slots == 6
+        assert fake.registered == [(s.address, s.mapped_bytes) for s in arena.memory.segments]
+        assert [s.device_address for s in arena.memory.segments] == [s.address + 1 for s in arena.memory.segments]
+    finally:
+        fake.release.set()
+    arena.close()
+    assert sorted(fake.unregistered) == sorted(s.address for s in arena.memory.segments)
+    arena.slot(5).fill_(3)  # still mapped after close: only the registration is gone
+    assert int(arena.slot(5).sum()) == 3 * OBJECT
+    arena.close()
+    assert len(fake.unregistered) == 3, "a second close unregistered again"
+
+
+def test_a_segment_that_cannot_be_registered_is_left_out_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    fake = FakeRegistrar(refuse=frozenset({1}))
+    with caplog.at_level(logging.WARNING, logger="lmcache_npu.store.segments"):
+        arena = HostArena(7, OBJECT, segment_bytes=2 * 8192, registrar=fake, hugepages="off")
+        assert arena.wait_ready(30)
+    assert [s.state for s in arena.memory.segments] == [SegmentState.LIVE, SegmentState.FAILED, SegmentState.LIVE,
+                                                        SegmentState.LIVE]
+    assert arena.usable_ranges() == ((0, 2), (4, 7)) and arena.ready_slots == 2
+    assert arena.segment_stats()["segments_live"] == 3 and arena.segment_stats()["arena_live_bytes"] == 5 * 8192
+    assert "segment 1 (slots 2-3" in caplog.text and "refused by the fake" in caplog.text
+    # the index fed these ranges never hands out slots 2 and 3, however many chunks come
+    index = ChunkIndex(arena.num_slots)
+    index.limit_slots(arena.usable_ranges())
+    stores = index.allocate_store("r", [(i, _key(i)) for i in range(7)])
+    assert sorted(s.slot for s in stores) == [0, 1, 4, 5, 6]
+    index.check_invariants()
+    arena.close()
+
+
+def test_an_arena_no_segment_of_which_registers_is_a_clear_memory_error() -> None:
+    with pytest.raises(MemoryError, match="no segment could be registered .*refused by the fake"):
+        HostArena(2, OBJECT, segment_bytes=8192, registrar=FakeRegistrar(refuse=frozenset({0, 1})), hugepages="off")
+
+
+def test_hugepage_settings_are_checked_and_name_the_key() -> None:
+    assert parse_hugepages("1G") == "1G"
+    with pytest.raises(ValueError, match="hugepages must be one of auto, off, 2M, 1G, got '4K'"):
+        parse_hugepages("4K")
+    free = free_hugepages(2 << 20)
+    if free is None:
+        pytest.skip("this kernel exposes no 2 MiB hugepage pool")
+    needed_slots = (free + 1) * (2 << 20) // 8192 + 1  # one page more than the pool holds
+    with pytest.raises(MemoryError, match="hugepages: 2M needs .* free 2M pages"):
+        SegmentedMemory(needed_slots, 8192, hugepages="2M")
+
+
+@settings(max_examples=60, deadline=None)
+@given(num_slots=st.integers(1, 30), data=st.data())
+def test_the_index_hands_out_only_usable_slots_as_the_usable_set_grows(num_slots: int, data: st.DataObject) -> None:
+    index = ChunkIndex(num_slots)
+    usable: set[int] = set()
+    stored = 0
+    for step in range(data.draw(st.integers(1, 4))):
+        grow = data.draw(st.sets(st.integers(0, num_slots - 1)))
+        usable |= grow
+        ranges = [(s, s + 1) for s in sorted(usable)]
+        index.limit_slots(ranges)
+        assert index.usable_slots == len(usable)
+        keys = [(i, _key(1000 * step + i)) for i in range(num_slots)]
+        stores = index.allocate_store(f"r{step}", keys)
+        assert {s.slot for s in stores} <= usable, "a slot outside the usable set was handed out"
+        stored += len(stores)
+        index.check_invariants()
+    assert stored == len(usable), "a usable slot was never handed out"
+    with pytest.raises(ValueError, match=r"usable slot range \[0, 99\) is outside the index's"):
+        ChunkIndex(3).limit_slots([(0, 99)])
+
+
+# ---- background pre-fault ------------------------------------------------------------------------------------------
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+
+
+def _resident_pages(address: int, nbytes: int) -> int:
+    """How many of the range's 4 KiB pages are in memory now (mincore)."""
+    vector = (ctypes.c_ubyte * (-(-nbytes // PAGE_BYTES)))()
+    assert _libc.mincore(ctypes.c_void_p(address), nbytes, vector) == 0, os.strerror(ctypes.get_errno())
+    return sum(v & 1 for v in vector)
+
+
+def _staged(num_slots: int, registrar: FakeRegistrar, **options: object) -> SegmentedMemory:
+    """8 KiB slots in 8 MiB segments, 4 KiB pages, pre-faulted by 3 threads (2 MiB pieces: 2 per full segment)."""
+    memory = SegmentedMemory(num_slots, 8192, segment_bytes=8 << 20, hugepages="off", registrar=registrar,
+                             **options)  # type: ignore[arg-type]
+    memory._prefault_threads = 3  # this 2-core host would otherwise run one thread
+    return memory
+
+
+def test_segments_not_yet_live_are_faulted_by_parallel_writes_and_every_page_is_resident(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    written: list[tuple[int, int]] = []
+    write_range = segments_module._write_range
+
+    def record(address: int, nbytes: int) -> None:
+        written.append((address, nbytes))
+        write_range(address, nbytes)
+
+    monkeypatch.setattr(segments_module, "_write_range", record)
+    memory = _staged(2500, FakeRegistrar())  # 1024 slots a segment: 8, 8 and 3.5 MiB
+    assert all(_resident_pages(s.address, s.used_bytes) == 0 for s in memory.segments), "mapping touched pages"
+    memory.start()
+    assert memory.wait_all(30)
+    for segment in memory.segments:
+        assert segment.state is SegmentState.LIVE and segment.prefaulted_by == "write"
+        assert _resident_pages(segment.address, segment.used_bytes) == segment.used_bytes // PAGE_BYTES
+        pieces = sorted((a, n) for a, n in written if segment.address <= a < segment.address + segment.used_bytes)
+        assert len(pieces) == (2 if segment.used_bytes == 8 << 20 else 1), pieces  # in parallel pieces
+        assert pieces[0][0] == segment.address and sum(n for _, n in pieces) == segment.used_bytes
+        assert all(a + n == b for (a, n), (b, _) in zip(pieces, pieces[1:])), "the pieces overlap or leave a gap"
+    data = np.frombuffer(memory.buffer(), dtype=np.uint8)
+    assert not data.any(), "pre-faulting left a non-zero byte"
+    memory.close()
+    # negative control: without pre-fault nothing is resident, so the residency check above can fail
+    idle = _staged(2500, FakeRegistrar(), prefault=False)
+    idle.start()
+    assert idle.wait_all(30)
+    assert sum(_resident_pages(s.address, s.used_bytes) for s in idle.segments) == 0
+    assert all(s.prefaulted_by == "" for s in idle.segments)
+    idle.close()
+
+
+def _mark_pages(memory: SegmentedMemory, stride: int) -> np.ndarray:
+    """Writes a non-zero byte at the start of every `stride`-th page (a write-based pre-fault would zero it)."""
+    data = np.frombuffer(memory.buffer(), dtype=np.uint8)
+    marks = np.arange(1, data.size // (stride * PAGE_BYTES) + 1, dtype=np.uint64) % 251 + 1
+    data[::stride * PAGE_BYTES][:marks.size] = marks
+    return marks.astype(np.uint8)
+
+
+def test_a_live_segment_is_populated_and_never_written() -> None:
+    memory = SegmentedMemory(2500, 8192, segment_bytes=8 << 20, hugepages="off", prefault=True)  # pageable: live
+    memory._prefault_threads = 3
+    marks = _mark_pages(memory, 7)  # in use before the pre-fault runs, as a pageable arena's slots may be
+    memory.start()
+    assert memory.wait_all(30)
+    data = np.frombuffer(memory.buffer(), dtype=np.uint8)
+    assert np.array_equal(data[::7 * PAGE_BYTES][:marks.size], marks), "the pre-fault wrote into a live segment"
+    for segment in memory.segments:
+        assert segment.prefaulted_by == "populate"
+        assert _resident_pages(segment.address, segment.used_bytes) == segment.used_bytes // PAGE_BYTES
+    memory.close()
+    # negative control: a write-based pre-fault of the same kind of range destroys the marks, and the check sees it
+    victim = SegmentedMemory(2500, 8192, segment_bytes=8 << 20, hugepages="off", prefault=False)
+    marks = _mark_pages(victim, 7)
+    for segment in victim.segments:
+        segments_module._prefault(segment.address, segment.used_bytes, threads=3, write=True)
+    victim_data = np.frombuffer(victim.buffer(), dtype=np.uint8)
+    assert not np.array_equal(victim_data[::7 * PAGE_BYTES][:marks.size], marks)
+
+
+def test_prefault_by_populate_keeps_the_old_method_and_bad_methods_are_refused() -> None:
+    memory = _staged(1100, FakeRegistrar(), prefault_by="populate")
+    memory.start()
+    assert memory.wait_all(30)
+    assert [s.prefaulted_by for s in memory.segments] == ["populate", "populate"]
+    assert all(_resident_pages(s.address, s.used_bytes) == s.used_bytes // PAGE_BYTES for s in memory.segments)
+    memory.close()
+    with pytest.raises(ValueError, match="prefault_by must be one of write, populate, got 'memset'"):
+        SegmentedMemory(2, 8192, prefault_by="memset")
+
+
+@pytest.mark.skipif(not numa_nodes() or len(os.sched_getaffinity(0)) < 2, reason="needs a NUMA node and 2 CPUs")
+def test_pages_are_first_touched_by_threads_bound_to_the_numa_node(monkeypatch: pytest.MonkeyPatch) -> None:
+    allowed = frozenset(os.sched_getaffinity(0))
+    node_cpu = frozenset({min(allowed)})  # a node of one CPU, so a binding differs from the process's CPUs
+    monkeypatch.setattr(segments_module, "node_cpus", lambda node: node_cpu)
+    seen: list[frozenset[int]] = []
+    write_range = segments_module._write_range
+
+    def record(address: int, nbytes: int) -> None:
+        seen.append(frozenset(os.sched_getaffinity(0)))
+        write_range(address, nbytes)
+
+    monkeypatch.setattr(segments_module, "_write_range", record)
+    registrar = FakeRegistrar()
+    register = registrar.register
+    registering_on: list[frozenset[int]] = []
+
+    def register_and_record(address: int, nbytes: int) -> int:
+        registering_on.append(frozenset(os.sched_getaffinity(0)))
+        return register(address, nbytes)
+
+    registrar.register = register_and_record  # type: ignore[method-assign]
+    memory = _staged(2100, registrar, numa_node=numa_nodes()[0])
+    memory._prefault_threads = 2
+    memory.start()
+    assert memory.wait_all(30)
+    assert len(seen) >= 3 and set(seen) == {node_cpu}, seen
+    assert set(registering_on) == {allowed}, "the binding leaked into the background thread"
+    assert frozenset(os.sched_getaffinity(0)) == allowed, "the binding leaked into the test's thread"
+    memory.close()
+    # negative control: with no node set the same record shows the process's CPUs, not the node's
+    seen.clear()
+    free = _staged(2100, FakeRegistrar())
+    free.start()
+    assert free.wait_all(30)
+    assert seen and set(seen) == {allowed}
+    free.close()
+
+
+@settings(max_examples=80, deadline=None)
+@given(pages=st.integers(1, 40 * 512), threads=st.integers(1, 9), align_pages=st.sampled_from([1, 512, 1024]))
+def test_prefault_pieces_cover_the_range_exactly_on_aligned_boundaries(pages: int, threads: int,
+                                                                       align_pages: int) -> None:
+    pieces: list[tuple[int, int]] = []
+    lock = threading.Lock()
+
+    def record(address: int, nbytes: int) -> None:
+        with lock:
+            pieces.append((address, nbytes))
+
+    original = segments_module._write_range
+    segments_module._write_range = record  # nothing is mapped: the pieces are only recorded
+    try:
+        base = 1 << 40
+        segments_module._prefault(base, pages * PAGE_BYTES, threads=threads, write=True,
+                                  piece_align=align_pages * PAGE_BYTES)
+    finally:
+        segments_module._write_range = original
+    pieces.sort()
+    assert pieces[0][0] == base and all(n > 0 for _, n in pieces)
+    assert all(a + n == b for (a, n), (b, _) in zip(pieces, pieces[1:])), "the pieces overlap or leave a gap"
+    assert pieces[-1][0] + pieces[-1][1] == base + pages * PAGE_BYTES
+    assert len(pieces) <= threads
+    assert all((a - base) % (align_pages * PAGE_BYTES) == 0 for a, _ in pieces), "a piece splits a page"
+
+
+@given(st.sets(st.integers(0, 300), min_size=1))
+def test_a_cpulist_round_trips_through_its_kernel_text(cpus: set[int]) -> None:
+    ordered, parts = sorted(cpus), []
+    run_start = previous = ordered[0]
+    for cpu in ordered[1:] + [-1]:
+        if cpu != previous + 1:
+            parts.append(str(run_start) if run_start == previous else f"{run_start}-{previous}")
+            run_start = cpu
+        previous = cpu
+    assert parse_cpulist(",".join(parts) + "\n") == frozenset(cpus)
+    assert parse_cpulist(",".join(parts)) != frozenset(cpus | {301})  # negative control: one CPU more is seen
+    with pytest.raises(ValueError, match="a cpulist is comma-separated .* got '5-2'"):
+        parse_cpulist("5-2")
+
+
+@pytest.mark.skipif((free_hugepages(2 << 20) or 0) < 8, reason="needs 8 free 2 MiB hugepages")
+def test_explicit_hugepages_are_populated_never_write_faulted() -> None:
+    memory = SegmentedMemory(1024, 8192, segment_bytes=4 << 20, hugepages="2M", registrar=FakeRegistrar())
+    memory.start()
+    assert memory.wait_all(30)
+    assert [s.prefaulted_by for s in memory.segments] == ["populate", "populate"]
+    assert all(s.state is SegmentState.LIVE for s in memory.segments)
+    memory.close()

@@ -1,0 +1,129 @@
+"""Two processes, one gloo group: each stores only its share of replicated planes (plus its own head-split plane)
+and loads the whole chunk back through the exchange, byte for byte; a share missing or wrong on one rank is seen
+by both (the load fails on both, no row is written) or by the byte comparison."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from lmcache_npu.ops import ChunkBatch, Direction, GroupSpec, Plane, TransferPlan
+from lmcache_npu.ops.torch_backend import TorchBackend
+from lmcache_npu.store.commands import Load, Store
+from lmcache_npu.store.keys import ChunkKey
+from lmcache_npu.store.tier import OK, TierCounters
+from lmcache_npu.transfer.share_mover import ShareExchange, SharedMover
+from lmcache_npu.transfer.shares import ShareLayout
+
+BLOCKS, ROWS_PER_BLOCK, CHUNK = 12, 16, 32  # a chunk is two blocks
+SOURCE = [[0, 1], [2, 3]]  # blocks the two chunks are stored from
+TARGET = [[6, 7], [8, 9]]  # blocks they are loaded into
+SENTINEL = 0xA5
+
+
+class WholeObjectMover:
+    """The rank's device side: the reference backend moving whole chunk objects between pages and objects."""
+
+    def __init__(self, plan: TransferPlan, blocks: Sequence[Sequence[int]]) -> None:
+        self.plan, self.blocks, self.backend = plan, blocks, TorchBackend()
+
+    def run(self, commands: Sequence[Any], objects: Sequence[torch.Tensor], report: Any) -> None:
+        direction = Direction.STORE if isinstance(commands[0], Store) else Direction.LOAD
+        rows = np.array([[b * ROWS_PER_BLOCK + r for b in self.blocks[c.chunk_index] for r in range(ROWS_PER_BLOCK)]
+                         for c in commands], dtype=np.int64)
+        self.backend.transfer(ChunkBatch.build(self.plan, [rows], list(objects), direction))
+        for command in commands:
+            report(command.cmd_id, OK)
+
+
+def _plan(rank: int) -> TransferPlan:
+    """An MLA-like latent and rope plane (the same bytes on both ranks) and one head-split plane (rank's own)."""
+    shared = torch.Generator().manual_seed(7)
+    own = torch.Generator().manual_seed(100 + rank)
+
+    def pages(row_bytes: int, gen: torch.Generator) -> torch.Tensor:
+        return torch.randint(0, 256, (BLOCKS, ROWS_PER_BLOCK * row_bytes), dtype=torch.uint8, generator=gen)
+
+    planes = [Plane(pages(96, shared), 0, ROWS_PER_BLOCK, 96, name="latent", replicated=True),
+              Plane(pages(32, shared), 0, ROWS_PER_BLOCK, 32, name="rope", replicated=True),
+              Plane(pages(40, own), 0, ROWS_PER_BLOCK, 40, name="heads")]
+    return TransferPlan([GroupSpec(ROWS_PER_BLOCK)], planes, CHUNK)
+
+
+def _rows(plan: TransferPlan, blocks: Sequence[int]) -> list[bytes]:
+    return [bytes(p.pages[blocks].flatten().tolist()) for p in plan.moved_planes]
+
+
+def _worker(rank: int, size: int, init: str, out: str, fault: str) -> None:
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=size)
+    try:
+        plan = _plan(rank)
+        layout = ShareLayout(plan.object_bytes, plan.replicated_offset, rank, size)
+        counters = TierCounters()
+        reports: dict[int, Any] = {}
+        key = ChunkKey("0" * 32, b"k")
+        mover = SharedMover(WholeObjectMover(plan, SOURCE), layout, ShareExchange(dist.group.WORLD), counters)
+        arena = [torch.zeros(layout.object_bytes, dtype=torch.uint8) for _ in SOURCE]
+        mover.run([Store(i, key, i, "r", i) for i in range(len(SOURCE))], arena,
+                  lambda cmd_id, result: reports.__setitem__(cmd_id, result.ok))
+        for p in plan.moved_planes:
+            p.pages[sum(TARGET, [])] = SENTINEL
+        if rank == 1 and fault == "missing":
+            arena[0] = arena[0][:0]  # chunk 0's share is gone on rank 1 only
+        if rank == 1 and fault == "wrong_byte":
+            arena[0][layout.own_bytes] ^= 0xFF  # the first byte of rank 1's share of chunk 0
+        mover.inner = WholeObjectMover(plan, TARGET)
+        mover.run([Load(10 + i, key, i, "r", i) for i in range(len(TARGET))], arena,
+                  lambda cmd_id, result: reports.__setitem__(cmd_id, result.ok))
+        loaded = [_rows(plan, t) == _rows_of_source(plan, rank, s) for s, t in zip(SOURCE, TARGET)]
+        untouched = [all(set(p.pages[t].flatten().tolist()) == {SENTINEL} for p in plan.moved_planes) for t in TARGET]
+        Path(out, f"rank{rank}.json").write_text(json.dumps({
+            "reports": {str(k): v for k, v in reports.items()}, "loaded": loaded, "untouched": untouched,
+            "object_bytes": layout.object_bytes, "full_bytes": plan.object_bytes, "counters": counters.snapshot()}))
+    finally:
+        dist.destroy_process_group()
+
+
+def _rows_of_source(plan: TransferPlan, rank: int, blocks: Sequence[int]) -> list[bytes]:
+    return _rows(_plan(rank), blocks)  # the same seeds give the pages as they were before the load
+
+
+def _run(tmp_path: Path, fault: str) -> list[dict[str, Any]]:
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    mp.spawn(_worker, args=(2, f"file://{tmp_path}/rendezvous", str(tmp_path), fault), nprocs=2, join=True)
+    return [json.loads(Path(tmp_path, f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def test_shares_round_trip_byte_exact(tmp_path: Path) -> None:
+    ranks = _run(tmp_path, "none")
+    for r in ranks:
+        assert all(r["reports"].values()) and len(r["reports"]) == 4
+        assert r["loaded"] == [True, True]
+        # each rank stores its own 40 B rows whole and half of the 128 B replicated rows
+        plan = _plan(0)
+        half = -(-(plan.object_bytes - plan.replicated_offset) // 2 // 64) * 64
+        assert plan.replicated_offset == CHUNK * 40 and r["object_bytes"] == plan.replicated_offset + half
+        assert r["counters"]["share_exchanged_bytes"] > 0
+
+
+def test_share_missing_on_one_rank_fails_the_load_on_both(tmp_path: Path) -> None:
+    ranks = _run(tmp_path, "missing")
+    for r in ranks:
+        assert r["reports"]["10"] is False and r["reports"]["11"] is True
+        assert r["untouched"] == [True, False]  # chunk 0 wrote no row on either rank
+        assert r["loaded"] == [False, True]
+
+
+def test_a_wrong_byte_in_one_share_is_seen_on_every_rank(tmp_path: Path) -> None:
+    ranks = _run(tmp_path, "wrong_byte")
+    for r in ranks:
+        assert r["loaded"] == [False, True]  # the byte came from rank 1's share, rank 0 received it too
+
+
