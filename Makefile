@@ -52,7 +52,7 @@ test: setup engines
 		tests/engines; done
 
 demo: .venv-vllm-$(DEMO_VLLM)/.lmcache-npu-setup
-	.venv-vllm-$(DEMO_VLLM)/bin/lmcache-npu replay --plot replay-plots
+	.venv-vllm-$(DEMO_VLLM)/bin/lmcache-npu replay --peer --plot replay-plots
 
 # vllm serve without and with the plugin (and vLLM's MooncakeStoreConnector where it runs) under `vllm bench serve`;
 # in a loopback-only network namespace where one can be made, so the peer's mooncake_master and clients reach no one

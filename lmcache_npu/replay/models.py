@@ -12,11 +12,11 @@ import hashlib
 import json
 import logging
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
+
+from .staging import publish_directory
 
 logger = logging.getLogger(__name__)
 
@@ -150,15 +150,6 @@ def make_model(name: str | Recipe, cache_dir: Optional[Path] = None, seed: int =
     config.torch_dtype = recipe.dtype
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, torch_dtype=getattr(torch, recipe.dtype))
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
-    try:
-        model.save_pretrained(staging)
-        os.replace(staging, target)  # another process may have made it meanwhile: theirs is identical
-    except OSError:
-        if not (target / "config.json").exists():
-            raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+    publish_directory(target, model.save_pretrained, "config.json")
     logger.info("made model %s in %s", name, target)
     return target

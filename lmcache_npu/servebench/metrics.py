@@ -8,15 +8,12 @@ cache served is never credited to the plugin."""
 from __future__ import annotations
 
 import math
-import re
 import time
 from dataclasses import asdict, dataclass, fields
 from typing import Callable
 
+from ..status import parse_metrics
 from .server import http_get
-
-# one sample line of the text exposition format: name, optional {labels}, value (timestamps are not sent by vLLM)
-SAMPLE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(\{[^}]*\})?\s+(\S+)(?:\s+\d+)?$")
 
 PROMPT_TOKENS = "vllm:prompt_tokens"
 VLLM_HITS = "vllm:prefix_cache_hits"
@@ -28,26 +25,14 @@ PLUGIN_STORED = "lmcache_npu:stored_chunks"
 
 def parse_counters(text: str) -> dict[str, float]:
     """Every sample of a /metrics page summed over its label sets, by name without the `_total` suffix (counters'
-    `_created` timestamps are dropped: they are not counts)."""
+    `_created` timestamps are dropped: they are not counts; NaN samples too). A malformed line is an error naming its
+    line number (`lmcache_npu.status.parse_metrics`, the one parser of the exposition format)."""
     sums: dict[str, float] = {}
-    for number, line in enumerate(text.splitlines(), 1):
-        line = line.strip()
-        if not line or line.startswith("#"):
+    for sample in parse_metrics(text):
+        if sample.name.endswith("_created") or math.isnan(sample.value):
             continue
-        match = SAMPLE.match(line)
-        if match is None:
-            raise ValueError(f"/metrics line {number}: not a Prometheus sample: {line[:120]!r}")
-        name, _, raw = match.groups()
-        if name.endswith("_created"):
-            continue
-        try:
-            value = float(raw)
-        except ValueError as exc:
-            raise ValueError(f"/metrics line {number}: {name} has no numeric value: {raw!r}") from exc
-        if math.isnan(value):
-            continue
-        name = name.removesuffix("_total")
-        sums[name] = sums.get(name, 0.0) + value
+        name = sample.name.removesuffix("_total")
+        sums[name] = sums.get(name, 0.0) + sample.value
     return sums
 
 

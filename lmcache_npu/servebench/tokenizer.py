@@ -5,11 +5,10 @@ tokenizer; the replay's models are made from a config and have none."""
 from __future__ import annotations
 
 import logging
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Optional
+
+from ..replay.staging import publish_directory
 
 logger = logging.getLogger(__name__)
 
@@ -35,15 +34,6 @@ def tokenizer_dir(vocab: int, cache_dir: Optional[Path] = None) -> Path:
     core.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with one space, nothing else
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
                                         pad_token="<pad>")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".word-tokenizer-{vocab}-", dir=target.parent))
-    try:
-        tokenizer.save_pretrained(staging)
-        os.replace(staging, target)  # another process may have made it meanwhile: theirs is identical
-    except OSError:
-        if not (target / "tokenizer.json").exists():
-            raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+    publish_directory(target, tokenizer.save_pretrained, "tokenizer.json")
     logger.info("made a %d-word tokenizer in %s", vocab, target)
     return target

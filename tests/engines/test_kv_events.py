@@ -14,9 +14,8 @@ import zmq
 from vllm.config import KVEventsConfig
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch
 
-from lmcache_npu.integration.vllm.events import MEDIUMS, RouterView
-from lmcache_npu.store.index import SlotState
 
+from ..kv_events_view import check_against_index, ours
 from .compare import prompt
 
 RECIPE = "llama"
@@ -56,37 +55,6 @@ class Subscriber:
         self._ctx.term()
 
 
-def ours(events: list[Any]) -> list[Any]:
-    mediums = {m for m, _ in MEDIUMS.values()}
-    return [e for e in events if getattr(e, "medium", None) in mediums]
-
-
-def index_view(half: Any) -> dict[str, set[tuple[Any, ...]]]:
-    """What the plugin's index holds per medium, named by the block hashes its events carry."""
-    events, index = half.events, half.index
-    held: dict[str, set[tuple[Any, ...]]] = {"CPU": set(), "STORAGE": set()}
-    for key in list(index._entries):
-        payload = events._payloads.get(key)
-        if payload is None:
-            continue
-        chunk = tuple(payload.block_hashes)
-        _, state, disk = index.location(key)
-        if state in (SlotState.READY, SlotState.READING):
-            held["CPU"].add(chunk)
-        if disk.value == "present":
-            held["STORAGE"].add(chunk)
-    return held
-
-
-def check_stream(stream: list[Any], half: Any) -> None:
-    view = RouterView()
-    view.apply(stream)
-    for medium, chunks in index_view(half).items():
-        got = view.holds(medium)
-        assert got == chunks, (f"{medium}: the stream announces {len(got)} chunks, the index holds {len(chunks)} "
-                               f"({len(got - chunks)} extra, {len(chunks - got)} missing)")
-
-
 def test_vllms_event_stream_tells_a_router_what_the_plugin_holds(engines, model_dirs, tmp_path) -> None:
     port = free_port()
     events_config = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=f"tcp://*:{port}",
@@ -120,8 +88,8 @@ def test_vllms_event_stream_tells_a_router_what_the_plugin_holds(engines, model_
         stored_at = next(i for i, e in enumerate(stream) if isinstance(e, BlockStored) and e.medium == "CPU"
                          and tuple(e.block_hashes) == chunk_hashes)
         assert stored_at < stream.index(gone)
-    check_stream(stream, half)
+    check_against_index(stream, half)
     # negative control: the same stream without one stored chunk no longer matches the index
     missing = [e for e in stream if e is not stored_cpu[-1]]
     with pytest.raises((AssertionError, ValueError)):
-        check_stream(missing, half)
+        check_against_index(missing, half)

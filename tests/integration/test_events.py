@@ -13,10 +13,10 @@ from hypothesis import strategies as st
 from vllm.distributed.kv_events import BlockRemoved, BlockStored
 
 from lmcache_npu.integration.vllm import scheduler as scheduler_module
-from lmcache_npu.integration.vllm.events import MEDIUMS, KVEvents, RouterView, chunk_payload, kv_events_enabled
-from lmcache_npu.store.index import SlotState
+from lmcache_npu.integration.vllm.events import KVEvents, RouterView, chunk_payload, kv_events_enabled
 from lmcache_npu.store.keys import ChunkKey
 
+from ..kv_events_view import check_against_index, ours
 from .conftest import preset_engine, prompt
 
 CHUNK = 256  # pinned in every engine here: the checks count hash blocks per chunk
@@ -47,40 +47,6 @@ def events_engine(make_engine: Any, **extra: Any) -> tuple[Any, Recorder]:
     recorder = Recorder()
     engine.scheduler.kv_event_publisher = recorder
     return engine, recorder
-
-
-def ours(events: list[Any]) -> list[Any]:
-    """The connector's events (vLLM's block pool announces its device blocks with medium GPU or None)."""
-    mediums = {m for m, _ in MEDIUMS.values()}
-    return [e for e in events if getattr(e, "medium", None) in mediums]
-
-
-def expected_view(half: Any) -> dict[str, set[tuple[Any, ...]]]:
-    """What the index holds per medium, named by the block hashes its events carry."""
-    events: KVEvents = half.events
-    index = half.index
-    held: dict[str, set[tuple[Any, ...]]] = {"CPU": set(), "STORAGE": set()}
-    for key in list(index._entries):
-        payload = events._payloads.get(key)
-        if payload is None:
-            continue
-        chunk = tuple(payload.block_hashes)
-        _, state, disk = index.location(key)
-        if state in (SlotState.READY, SlotState.READING):
-            held["CPU"].add(chunk)
-        if disk.value == "present":
-            held["STORAGE"].add(chunk)
-    return held
-
-
-def check_against_index(stream: list[Any], half: Any) -> None:
-    """The stream, replayed as a router would, says exactly what the index holds in the arena and on disk."""
-    view = RouterView()
-    view.apply(stream)
-    for medium, chunks in expected_view(half).items():
-        got = view.holds(medium)
-        assert got == chunks, (f"{medium}: events announce {len(got)} chunks, the index holds {len(chunks)} "
-                               f"({len(got - chunks)} extra, {len(chunks - got)} missing)")
 
 
 def request_chunks(engine: Any, request_id: str, count: int) -> list[tuple[Any, ...]]:

@@ -1,0 +1,42 @@
+"""A router's view of the plugin's KV events checked against its index: shared by the simulated-engine tests
+(tests/integration/test_events.py) and the real-engine test (tests/engines/test_kv_events.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lmcache_npu.integration.vllm.events import MEDIUMS, RouterView
+from lmcache_npu.store.index import SlotState
+
+
+def ours(events: list[Any]) -> list[Any]:
+    """The connector's events (vLLM's block pool announces its device blocks with medium GPU or None)."""
+    mediums = {m for m, _ in MEDIUMS.values()}
+    return [e for e in events if getattr(e, "medium", None) in mediums]
+
+
+def index_view(half: Any) -> dict[str, set[tuple[Any, ...]]]:
+    """What the scheduler half's index holds per medium, named by the block hashes its events carry."""
+    events, index = half.events, half.index
+    held: dict[str, set[tuple[Any, ...]]] = {"CPU": set(), "STORAGE": set()}
+    for key in list(index._entries):
+        payload = events._payloads.get(key)
+        if payload is None:
+            continue
+        chunk = tuple(payload.block_hashes)
+        _, state, disk = index.location(key)
+        if state in (SlotState.READY, SlotState.READING):
+            held["CPU"].add(chunk)
+        if disk.value == "present":
+            held["STORAGE"].add(chunk)
+    return held
+
+
+def check_against_index(stream: list[Any], half: Any) -> None:
+    """The stream, replayed as a router would, says exactly what the index holds in the arena and on disk."""
+    view = RouterView()
+    view.apply(stream)
+    for medium, chunks in index_view(half).items():
+        got = view.holds(medium)
+        assert got == chunks, (f"{medium}: events announce {len(got)} chunks, the index holds {len(chunks)} "
+                               f"({len(got - chunks)} extra, {len(chunks - got)} missing)")
