@@ -72,3 +72,30 @@ def engines() -> Iterator[Callable[..., object]]:
     yield build
     for engine in reversed(built):
         engine.close()
+
+
+@pytest.fixture(autouse=True, scope="session")
+def scannable_llvmlite() -> Iterator[None]:
+    """vLLM 0.32's CPU worker scans every loaded module's attributes with `vars()` when it registers its Triton
+    fallbacks; ngram imports numba, whose llvmlite library wrapper answers `__dict__` with a C-function wrapper and
+    breaks that scan (AttributeError: '_lib_fn_wrapper' object has no attribute 'get') for every engine started
+    after it in the process. For the whole session the wrapper answers `__dict__` with an empty dict."""
+    try:
+        from llvmlite.binding import ffi
+    except ImportError:  # no numba here: nothing to work around
+        yield
+        return
+    base = type(ffi.lib)
+
+    class Scannable(base):  # same slots, so the instance can switch class and back
+        __slots__ = ()
+
+        @property
+        def __dict__(self) -> dict:  # type: ignore[override]
+            return {}
+
+    ffi.lib.__class__ = Scannable
+    try:
+        yield
+    finally:
+        ffi.lib.__class__ = base

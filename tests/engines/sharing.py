@@ -25,6 +25,7 @@ DECODE_STEPS = 32
 
 SECRET = "a-cluster-secret-only-the-engines-know"
 MODEL_NAME = "shared-name"
+CHUNK_TOKENS = 256  # the expected hits and promotions below count whole 256-token chunks
 
 
 def _engine(master: str, metadata: str, weights_seed: int = 0, **extra: Any) -> Any:
@@ -34,7 +35,8 @@ def _engine(master: str, metadata: str, weights_seed: int = 0, **extra: Any) -> 
     mooncake = {"master": master, "metadata": metadata, "global_segment_bytes": "256MiB",
                 "local_buffer_bytes": "64MiB", "timeout_s": 5, "retry_after_s": 2}
     return Engine(EngineSettings.for_recipe(RECIPE, str(make_model(RECIPE, seed=weights_seed)),
-                                            extra_config={"cpu_bytes": "128MiB", "mooncake": mooncake, **extra}))
+                                            extra_config={"cpu_bytes": "128MiB", "mooncake": mooncake,
+                                                          "chunk_tokens": CHUNK_TOKENS, **extra}))
 
 
 def _generate(engine: Any) -> list:

@@ -77,8 +77,9 @@ def test_an_engine_restarted_on_the_same_disk_directory_hits_from_disk(engines, 
     those the small arena evicted (spilled)."""
     recipe, model_dir = "gemma3", model_dirs("gemma3")
     prompts = [prompt(700, 300 + i) for i in range(3)]
+    # the 2 MiB arena holds one prompt's 256-token chunks of Gemma-3 but not three prompts'
     config = {"cpu_bytes": "2MiB", "disk_path": str(tmp_path / "kv"), "disk_bytes": "256MiB",
-              "disk_write_through": write_through}
+              "disk_write_through": write_through, "chunk_tokens": 256}
     first = engines(recipe, model_dir, extra_config=config)
     chunk = first.scheduler_connector.scheduler_half.chunk_tokens
     stored = [first.generate([text], 32, logprobs=5)[0] for text in prompts]  # each prompt's chunks find slots

@@ -7,9 +7,6 @@ must still be accepted (the acceptance rate read from vLLM's spec-decode counter
 from __future__ import annotations
 
 import logging
-from typing import Iterator
-
-import pytest
 
 from .compare import assert_identical, prompt
 
@@ -18,33 +15,6 @@ logger = logging.getLogger(__name__)
 PROMPT_TOKENS = 700
 DECODE_STEPS = 48
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
-
-
-@pytest.fixture(autouse=True)
-def scannable_llvmlite() -> Iterator[None]:
-    """vLLM 0.32's CPU worker scans every loaded module's attributes with `vars()` when it registers its Triton
-    fallbacks; ngram imports numba, whose llvmlite library wrapper answers `__dict__` with a C-function wrapper and
-    breaks that scan (AttributeError: '_lib_fn_wrapper' object has no attribute 'get'). For these tests the wrapper
-    answers `__dict__` with an empty dict; it is put back afterwards."""
-    try:
-        from llvmlite.binding import ffi
-    except ImportError:  # no numba here: nothing to work around
-        yield
-        return
-    base = type(ffi.lib)
-
-    class Scannable(base):  # same slots, so the instance can switch class and back
-        __slots__ = ()
-
-        @property
-        def __dict__(self) -> dict:  # type: ignore[override]
-            return {}
-
-    ffi.lib.__class__ = Scannable
-    try:
-        yield
-    finally:
-        ffi.lib.__class__ = base
 
 
 def _repetitive(seed: int) -> list[int]:

@@ -76,7 +76,7 @@ def test_a_deliberately_wrong_load_is_seen(engines, model_dirs, monkeypatch) -> 
     cold = engine.generate(prompts, DECODE_STEPS, logprobs=5)
     _load_rows_one_token_late(monkeypatch)
     warm = engine.generate(prompts, DECODE_STEPS, logprobs=5)
-    assert [w.cached_tokens for w in warm] == [512] * 3  # the wrong rows were loaded and used
+    assert [w.cached_tokens for w in warm] == [_expected_hit(engine, PROMPT_TOKENS)] * 3  # the wrong rows were used
     found = differences(cold, warm)
     assert len(found) == 3, f"a one-token shift went unnoticed for some request: {found}"
 
@@ -99,10 +99,11 @@ def test_a_deliberately_wrong_load_is_seen_in_the_rows(engines, model_dirs, monk
     else:
         mover = engine.worker_connector.worker_half.mover
         mover.set_backend(Direction.LOAD, Hollow(mover.backends[Direction.LOAD]))
-    assert engine.generate([text], 2)[0].cached_tokens == 512
+    hit = _expected_hit(engine, PROMPT_TOKENS)
+    assert engine.generate([text], 2)[0].cached_tokens == hit
     computed, loaded = rows.of(text)
     with pytest.raises(AssertionError, match="differ from the rows computing them wrote"):
-        assert_same_prefix_rows(computed, loaded, 512)
+        assert_same_prefix_rows(computed, loaded, hit)
 
 
 @pytest.mark.skipif(ENGINE_VLLM is not None and ENGINE_VLLM < (0, 29),

@@ -16,6 +16,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from lmcache_npu.layout.discovery import DEFAULT_CHUNK_TOKENS
 from lmcache_npu.replay.compare import differences
 from lmcache_npu.replay.models import HIDDEN, RECIPES, make_model
 
@@ -25,7 +26,7 @@ RECIPE = "llama"
 DTYPE = RECIPES[RECIPE].dtype
 PROMPTS = [prompt(700, 400 + i) for i in range(2)]
 STEPS = 16
-WHOLE = (700 - 1) // 256 * 256
+WHOLE = (700 - 1) // DEFAULT_CHUNK_TOKENS * DEFAULT_CHUNK_TOKENS  # the automatic chunk: one CPU block of llama
 
 
 def _weights_at(path: Path, seed: int) -> str:
