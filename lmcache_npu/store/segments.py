@@ -304,6 +304,15 @@ def _release(raw_address: int, raw_bytes: int, registered: dict[int, HostRegistr
     _libc.munmap(ctypes.c_void_p(raw_address), raw_bytes)
 
 
+@dataclass(frozen=True)
+class _LiveView:
+    """What is live, as of the last segment state change: slot ranges, bytes, segment count."""
+
+    ranges: tuple[tuple[int, int], ...]
+    live_bytes: int
+    segments_live: int
+
+
 class SegmentedMemory:
     """`num_slots` slots of `slot_bytes` in segments of at most `segment_bytes` (at least one slot each).
 
@@ -371,6 +380,7 @@ class SegmentedMemory:
             segment.address += self.base_address
             self._map(segment)
         self._state_lock = threading.Condition()
+        self._live = _LiveView((), 0, 0)  # replaced whole (one reference swap) whenever a segment changes state
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._settled = 0  # segments the background thread has finished with
@@ -421,6 +431,7 @@ class SegmentedMemory:
             with self._state_lock:  # pageable: a page faults in on first use anyway, so every slot is usable at once
                 for segment in self.segments:
                     segment.state = SegmentState.LIVE
+                self._refresh_live()
                 self.first_live_at = self.started_at
                 if not self.prefault:
                     self.all_settled_at = self.started_at
@@ -489,6 +500,7 @@ class SegmentedMemory:
         with self._state_lock:
             if self.registrar is not None:  # pageable segments went live at start: a failed pre-fault only warns
                 segment.state = SegmentState.FAILED if error else SegmentState.LIVE
+                self._refresh_live()
             segment.error = error
             now = time.perf_counter()
             if not error and self.first_live_at is None:
@@ -519,35 +531,40 @@ class SegmentedMemory:
 
     # ---- state --------------------------------------------------------------------------------------------------
 
+    def _refresh_live(self) -> None:
+        """Recomputes what is live (called under the state lock whenever a segment's state changes): the workers
+        read it every step, and segments change state only while the arena is being prepared."""
+        ranges: list[list[int]] = []
+        live_bytes = 0
+        for segment in self.segments:
+            if segment.state is not SegmentState.LIVE:
+                continue
+            live_bytes += segment.used_bytes
+            begin, end = segment.slot_range
+            if ranges and ranges[-1][1] == begin:
+                ranges[-1][1] = end
+            else:
+                ranges.append([begin, end])
+        self._live = _LiveView(tuple((b, e) for b, e in ranges), live_bytes,
+                               sum(s.state is SegmentState.LIVE for s in self.segments))
+
     def usable_ranges(self) -> tuple[tuple[int, int], ...]:
         """[first, end) slot ranges of the live segments, in order, adjacent ones merged."""
-        ranges: list[list[int]] = []
-        with self._state_lock:
-            for segment in self.segments:
-                if segment.state is not SegmentState.LIVE:
-                    continue
-                begin, end = segment.slot_range
-                if ranges and ranges[-1][1] == begin:
-                    ranges[-1][1] = end
-                else:
-                    ranges.append([begin, end])
-        return tuple((b, e) for b, e in ranges)
+        return self._live.ranges
 
     @property
     def ready_slots(self) -> int:
         """How many leading slots are usable (the prefix before the first segment not live)."""
-        ranges = self.usable_ranges()
+        ranges = self._live.ranges
         return ranges[0][1] if ranges and ranges[0][0] == 0 else 0
 
     @property
     def live_bytes(self) -> int:
-        with self._state_lock:
-            return sum(s.used_bytes for s in self.segments if s.state is SegmentState.LIVE)
+        return self._live.live_bytes
 
     @property
     def segments_live(self) -> int:
-        with self._state_lock:
-            return sum(s.state is SegmentState.LIVE for s in self.segments)
+        return self._live.segments_live
 
     def offset(self, slot: int) -> int:
         """Byte offset of `slot` from `base_address`."""
