@@ -234,7 +234,8 @@ def bench_disk(chunk_bytes: int, chunks: int, progress: _Progress, disk_path: Op
         arena = HostArena(chunks, chunk_bytes)
         written = _fill(arena, chunks, seed)
         fingerprint = b"store-bench-v1\0\0"
-        disk = DiskTier(root, fingerprint, max_pending_bytes=chunks * (chunk_bytes + HEADER_BYTES))
+        # Room for every put at once (sealed object + file header), so a slow disk never refuses one as queue full.
+        disk = DiskTier(root, fingerprint, max_pending_bytes=chunks * (arena.sealed_bytes + HEADER_BYTES))
         executor = StoreExecutor(0, arena, disk=disk)
         keys = _keys(chunks, "disk")
         dropped: list[bool] = []

@@ -3,12 +3,14 @@
 import json
 import os
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 
 from lmcache_npu.bench.store_bench import render_store_bench, run_store_bench
 from lmcache_npu.cli import main
+from lmcache_npu.store.disk import DiskTier
 from lmcache_npu.store.mooncake_local import run_in_loopback_netns
 
 from ..store.test_mooncake import _real_mooncake_reason
@@ -25,6 +27,31 @@ def test_cpu_and_disk_tiers_round_trip(tmp_path):
         assert r.to_json()["put_ops"] > 0
     assert not list((tmp_path / "kv").rglob("*.kv"))  # the bench removes what it wrote
     assert render_store_bench(results).row_count == 2
+
+
+def test_disk_queue_holds_every_put_while_the_disk_is_slow(tmp_path, monkeypatch):
+    """The writer starts only after the last put is queued (a slow CI disk): none may be refused as queue full."""
+    chunks = 12
+    queued = threading.Event()
+    calls = []
+    write_async, run_writer = DiskTier.write_async, DiskTier._run_writer
+
+    def counting_write(self, *args, **kwargs):
+        result = write_async(self, *args, **kwargs)
+        calls.append(result)
+        if len(calls) == chunks:
+            queued.set()
+        return result
+
+    def stalled_writer(self):
+        assert queued.wait(60)
+        run_writer(self)
+
+    monkeypatch.setattr(DiskTier, "write_async", counting_write)
+    monkeypatch.setattr(DiskTier, "_run_writer", stalled_writer)
+    [result] = run_store_bench(["disk"], 50_000, chunks, disk_path=str(tmp_path / "kv"))
+    assert all(r.ok for r in calls) and len(calls) == chunks
+    assert result.failed == 0 and result.check == "ok", result.notes
 
 
 def test_cli_writes_json_and_refuses_bad_arguments(tmp_path, capsys):
