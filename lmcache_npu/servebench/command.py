@@ -21,7 +21,10 @@ logger = logging.getLogger(__name__)
 RANDOM_CONCURRENCY = (1, 2)
 # vLLM's KV capacity on this CPU backend is about 0.83 of kv_bytes_per_token's estimate (847 of 1024 tokens, gemma3)
 CAPACITY_MARGIN = 0.8
-REUSE_CONCURRENCY = (4,)  # one pace for the reusing workloads keeps the default sweep near 10 minutes on 2 cores
+REUSE_CONCURRENCY = (4,)  # one pace for the reusing workloads keeps the default sweep near 12 minutes on 2 cores
+# one run of random moves a few percent either way on a 2-core VM (the peer, finding nothing, showed -10 %): the
+# verdict takes the median of three runs per pace
+RANDOM_REPEATS = 3
 
 
 def add_bench_serve_parser(sub: Any) -> None:
@@ -44,6 +47,9 @@ def add_bench_serve_parser(sub: Any) -> None:
                            f"{' '.join(map(str, RANDOM_CONCURRENCY))})")
     pace.add_argument("--request-rate", type=float, nargs="+",
                       help="request rates (req/s) every workload runs at, instead of concurrency caps")
+    p.add_argument("--random-repeats", type=int, default=RANDOM_REPEATS,
+                   help=f"runs of random at each pace, in rounds over the paces; the no-reuse verdict compares "
+                        f"their medians (default {RANDOM_REPEATS})")
     p.add_argument("--reuse-concurrency", type=int, nargs="+",
                    help=f"max-concurrency values prefix_repetition and chat run at (default "
                         f"{' '.join(map(str, REUSE_CONCURRENCY))}; not with --request-rate)")
@@ -102,6 +108,23 @@ def _paces(args: argparse.Namespace) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
             tuple(grid(args.reuse_concurrency or list(REUSE_CONCURRENCY), [])))
 
 
+def sweep_settings(args: argparse.Namespace) -> Any:
+    """The SweepSettings the arguments ask for (workloads, paces, random's repeats); bad values raise ValueError."""
+    from .sweep import SweepSettings
+
+    random_paces, reuse_paces = _paces(args)
+    return SweepSettings(_workloads(args), tuple(args.workloads), paces=random_paces,
+                         warmup_prompts=args.warmup_prompts, seed=args.seed, reuse_paces=reuse_paces,
+                         random_repeats=args.random_repeats)
+
+
+def sweep_json(sweep: Any) -> dict[str, Any]:
+    """The sweep's part of the JSON settings: which workloads ran, at which paces, random how many times per pace."""
+    return {"workloads": list(sweep.names),
+            "paces": {name: [p.label for p in sweep.paces_for(name)] for name in sweep.names},
+            "random_repeats": sweep.random_repeats}
+
+
 def random_fits(sweep: Any, device_tokens: int, block_tokens: int = 128) -> bool:
     """Whether `random` at its highest concurrency fits the device KV (whole blocks per request, vLLM's capacity
     taken as CAPACITY_MARGIN of the estimate): if not, vLLM preempts and the no-reuse verdict measures the plugin
@@ -137,7 +160,7 @@ def run_bench_serve(args: argparse.Namespace) -> int:
     from .plots import write_plots
     from .report import check_baseline, render, to_json
     from .server import ServerSettings
-    from .sweep import SweepSettings, run_sweep
+    from .sweep import run_sweep
     from .tokenizer import tokenizer_dir
 
     missing = engine_available()
@@ -150,10 +173,8 @@ def run_bench_serve(args: argparse.Namespace) -> int:
         recipe = resolve_recipe(args.model)
         model_dir, dtype = str(make_model(recipe, progress=console.log)), args.dtype or recipe.dtype
     vocab = model_vocab(model_dir, VOCAB)
-    workloads = _workloads(args)
-    random_paces, reuse_paces = _paces(args)
-    sweep = SweepSettings(workloads, tuple(args.workloads), paces=random_paces, warmup_prompts=args.warmup_prompts,
-                          seed=args.seed, reuse_paces=reuse_paces)
+    sweep = sweep_settings(args)
+    workloads = sweep.workloads
     largest, longest = workloads.sizing(sweep.names, vocab)
     max_model_len = -(-longest // 256) * 256
     if args.kv_cache_memory == "auto":
@@ -177,7 +198,7 @@ def run_bench_serve(args: argparse.Namespace) -> int:
     check_baseline(result)
     title = (f"bench-serve: {Path(model_dir).name}, vLLM prefix cache on in every configuration, device KV "
              f"{kv_bytes / 2**20:.0f} MiB (working set {largest / max(device_tokens, 1):.1f}x), {len(result.points)} "
-             f"points")
+             f"runs")
     for item in render(result, title):
         console.print(item)
     if args.plot is not None:
@@ -187,8 +208,7 @@ def run_bench_serve(args: argparse.Namespace) -> int:
         settings = {"model": model_dir, "dtype": dtype, "kv_cache_memory_bytes": kv_bytes,
                     "max_model_len": max_model_len, "max_num_seqs": args.max_num_seqs,
                     "working_set_tokens": largest, "device_tokens_estimate": device_tokens,
-                    "plugin_config": plugin_config, "workloads": list(sweep.names),
-                    "paces": {name: [p.label for p in sweep.paces_for(name)] for name in sweep.names}}
+                    "plugin_config": plugin_config, **sweep_json(sweep)}
         args.json.write_text(json.dumps(to_json(result, settings), indent=2))
         console.print(f"wrote {args.json}")
     return 0

@@ -1,5 +1,6 @@
 """The sweep's PNG plots (the replay's matplotlib style): request throughput and TTFT p99 against the pace, one
-panel per workload, one line per configuration."""
+panel per workload, one line per configuration; where a pace ran several times (random's repeats) the point is the
+median over the runs, as in the table, with whiskers from the runs' min to their max."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from pathlib import Path
 from typing import Union
 
 from ..replay.plots import _pyplot, _save
+from ..replay.spread import spread_of
 from .sweep import SweepResult
 
 METRICS = {"throughput": ("request_throughput", "requests/s"), "ttft-p99": ("ttft_p99_ms", "TTFT p99 (ms)")}
@@ -25,11 +27,14 @@ def plot_metric(result: SweepResult, metric: str, path: Union[str, Path]) -> Pat
     concurrency = result.points[0].pace.max_concurrency is not None
     for ax, workload in zip(axes[0], workloads):
         for k, config in enumerate(result.configs):
-            points = sorted((p for p in result.points if p.config == config and p.workload == workload),
-                            key=lambda p: p.pace.x)
-            if points:
-                ax.plot([p.pace.x for p in points], [getattr(p.load, field) for p in points], "-o", color=f"C{k}",
-                        label=config)
+            paces = sorted(dict.fromkeys(p.pace for p in result.points if p.config == config
+                                         and p.workload == workload), key=lambda pace: pace.x)
+            if paces:
+                spreads = [spread_of(getattr(p.load, field) for p in result.repeats(config, workload, pace))
+                           for pace in paces]
+                ax.errorbar([pace.x for pace in paces], [s.median for s in spreads],
+                            yerr=[[s.median - s.low for s in spreads], [s.high - s.median for s in spreads]],
+                            fmt="-o", capsize=3, color=f"C{k}", label=config)
         ax.set_title(workload, fontsize=10)
         ax.set_xlabel("max concurrency" if concurrency else "request rate (req/s)")
         ax.set_ylabel(label)

@@ -1,6 +1,10 @@
 """The sweep: for each configuration, one `vllm serve` (the settings every configuration shares, its own connector),
 warmed up with unrelated prompts, then every workload at every pace of the grid; per point the client's numbers
-from `vllm bench serve` and the server's counters over the point (vLLM's prefix-cache hits, the connector's)."""
+from `vllm bench serve` and the server's counters over the point (vLLM's prefix-cache hits, the connector's).
+
+`random` (the no-reuse verdict) runs `random_repeats` times at every pace, in rounds (round 1 every pace, round 2
+every pace, ...) so a slow stretch of the machine spreads over the paces instead of landing on one; every run has its
+own point index (fresh prompts, hash ids no other run uses). The reusing workloads run once per pace."""
 
 from __future__ import annotations
 
@@ -56,6 +60,18 @@ def grid(concurrencies: Sequence[int], request_rates: Sequence[float]) -> list[P
     return [Pace(request_rate=r) for r in request_rates]
 
 
+LAST_MEASURED_POINT = WARMUP_POINT - 1  # the highest point index a measured run may take
+
+
+@dataclass(frozen=True)
+class Run:
+    """One run of a workload: its pace, which repeat at that pace (0 first), and its point index (its prompts)."""
+
+    pace: Pace
+    repeat: int
+    index: int
+
+
 @dataclass(frozen=True)
 class SweepSettings:
     """What each server runs: the workloads `names`, `random` (the no-reuse verdict) at every one of `paces`, the
@@ -68,6 +84,8 @@ class SweepSettings:
     seed: int = 0
     # the reusing workloads' hits do not depend much on the pace: one pace keeps a 2-core sweep short
     reuse_paces: Optional[tuple[Pace, ...]] = (Pace(max_concurrency=4),)
+    # one run of random moves a few percent either way on a 2-core VM: the verdict takes the median of these
+    random_repeats: int = 3
 
     def __post_init__(self) -> None:
         unknown = [n for n in self.names if n not in WORKLOADS]
@@ -81,6 +99,17 @@ class SweepSettings:
                              "(a plot's x axis has one unit)")
         if self.warmup_prompts < 0:
             raise ValueError(f"warmup_prompts must be >= 0, got {self.warmup_prompts}")
+        if isinstance(self.random_repeats, bool) or not isinstance(self.random_repeats, int) \
+                or self.random_repeats < 1:
+            raise ValueError(f"random_repeats must be an integer >= 1 (runs of random per pace), got "
+                             f"{self.random_repeats!r}")
+        for name in self.names:
+            runs = len(self.paces_for(name)) * self.repeats_for(name)
+            if runs > LAST_MEASURED_POINT + 1:
+                raise ValueError(f"{name} would run {runs} times ({len(self.paces_for(name))} pace(s) x "
+                                 f"{self.repeats_for(name)} repeat(s)), but point indices stop at "
+                                 f"{LAST_MEASURED_POINT} (workloads.MAX_POINT {MAX_POINT} is the warm-up's): use "
+                                 f"fewer paces or --random-repeats")
 
     def paces_for(self, name: str) -> tuple[Pace, ...]:
         """The paces workload `name` runs at."""
@@ -89,6 +118,19 @@ class SweepSettings:
         if name == NO_REUSE or self.reuse_paces is None:
             return self.paces
         return self.reuse_paces
+
+    def repeats_for(self, name: str) -> int:
+        """How many times workload `name` runs at each of its paces."""
+        if name not in WORKLOADS:
+            raise ValueError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
+        return self.random_repeats if name == NO_REUSE else 1
+
+    def runs_of(self, name: str) -> tuple[Run, ...]:
+        """Workload `name`'s runs in the order they go: round by round, every pace in each round; index k is the
+        k-th run, so no two runs of a workload share a point index (nor prompts)."""
+        paces = self.paces_for(name)
+        return tuple(Run(pace, repeat, repeat * len(paces) + position)
+                     for repeat in range(self.repeats_for(name)) for position, pace in enumerate(paces))
 
     @property
     def all_paces(self) -> tuple[Pace, ...]:
@@ -106,10 +148,11 @@ class Point:
     pace: Pace
     load: LoadResult
     counters: ServerCounters  # the difference over the point
+    repeat: int = 0  # which run at this pace (random runs several)
 
     def to_json(self) -> dict[str, Any]:
         return {"config": self.config, "plugin": self.plugin, "workload": self.workload,
-                "max_concurrency": self.pace.max_concurrency,
+                "max_concurrency": self.pace.max_concurrency, "repeat": self.repeat,
                 "request_rate": None if math.isinf(self.pace.request_rate) else self.pace.request_rate,
                 **self.load.to_json(), **{f"server_{k}": v for k, v in self.counters.to_json().items()}}
 
@@ -120,9 +163,15 @@ class SweepResult:
     points: list[Point] = field(default_factory=list)
     unavailable: dict[str, str] = field(default_factory=dict)  # configuration -> why it did not run
 
-    def point(self, config: str, workload: str, pace: Pace) -> Optional[Point]:
-        return next((p for p in self.points if p.config == config and p.workload == workload and p.pace == pace),
-                    None)
+    def point(self, config: str, workload: str, pace: Pace, repeat: int = 0) -> Optional[Point]:
+        """The point of `config` at `workload` and `pace` (its first run unless `repeat` says which), or None."""
+        return next((p for p in self.points if p.config == config and p.workload == workload and p.pace == pace
+                     and p.repeat == repeat), None)
+
+    def repeats(self, config: str, workload: str, pace: Pace) -> list[Point]:
+        """Every run of `config` at `workload` and `pace`, by repeat ([] if it never ran there)."""
+        return sorted((p for p in self.points if p.config == config and p.workload == workload and p.pace == pace),
+                      key=lambda p: p.repeat)
 
 
 def run_sweep(configs: Sequence[RunConfig], server: ServerSettings, sweep: SweepSettings, scratch: Path,
@@ -153,10 +202,12 @@ def run_sweep(configs: Sequence[RunConfig], server: ServerSettings, sweep: Sweep
                     continue
                 _warm_up(base, server, sweep, folder)
                 for name in sweep.names:
-                    for index, pace in enumerate(sweep.paces_for(name)):
+                    repeats = sweep.repeats_for(name)
+                    for run in sweep.runs_of(name):
                         if on_phase is not None:
-                            on_phase(f"{config.name}: {name}, {pace.label}")
-                        point = _run_point(base, server, sweep, config, name, index, pace, folder)
+                            of = f" (run {run.repeat + 1} of {repeats})" if repeats > 1 else ""
+                            on_phase(f"{config.name}: {name}, {run.pace.label}{of}")
+                        point = _run_point(base, server, sweep, config, name, run, folder)
                         result.points.append(point)
                         if on_point is not None:
                             on_point(point)
@@ -182,9 +233,10 @@ def _warm_up(base: str, server: ServerSettings, sweep: SweepSettings, folder: Pa
     run_load(spec, base, server.model, server.tokenizer, folder / "warmup.json", folder / "warmup.log")
 
 
-def _run_point(base: str, server: ServerSettings, sweep: SweepSettings, config: RunConfig, name: str, index: int,
-               pace: Pace, folder: Path) -> Point:
+def _run_point(base: str, server: ServerSettings, sweep: SweepSettings, config: RunConfig, name: str, run: Run,
+               folder: Path) -> Point:
     assert server.tokenizer is not None
+    index, pace = run.index, run.pace
     dataset, prompts = sweep.workloads.dataset(name, index, folder)
     # the same seed for every configuration (the same prompts), a new one per point (no point hits another's)
     spec = LoadSpec(dataset, prompts, pace.max_concurrency, pace.request_rate, seed=sweep.seed + index)
@@ -193,6 +245,6 @@ def _run_point(base: str, server: ServerSettings, sweep: SweepSettings, config: 
     load = run_load(spec, base, server.model, server.tokenizer, folder / f"{stem}.json", folder / f"{stem}.log")
     after = settled_counters(lambda: read_counters(base))
     counters = after.minus(before)
-    logger.info("%s %s %s: %s, %s", config.name, name, pace.label, load, counters)
-    return Point(config.name, config.plugin, name, pace, load, counters)
+    logger.info("%s %s %s (repeat %d): %s, %s", config.name, name, pace.label, run.repeat, load, counters)
+    return Point(config.name, config.plugin, name, pace, load, counters, run.repeat)
 

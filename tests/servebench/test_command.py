@@ -1,5 +1,5 @@
-"""`lmcache-npu bench-serve`'s arguments: the default grid (random at concurrency 1 and 4, the reusing workloads at
-4), each override, and the combinations refused."""
+"""`lmcache-npu bench-serve`'s arguments: the default grid (random at concurrency 1 and 2, three runs each, the
+reusing workloads at 4), each override, and the combinations refused."""
 
 from __future__ import annotations
 
@@ -60,3 +60,19 @@ def test_the_default_random_grid_fits_the_default_device() -> None:
     # negative control: four 272-token requests (three blocks each) need 1536 tokens, more than vLLM has
     assert not random_fits(SweepSettings(paces=(Pace(max_concurrency=4),)), 1024)
     assert random_fits(SweepSettings(paces=(Pace(request_rate=2.0),), reuse_paces=None), 1024)
+
+
+def test_random_repeats_reach_the_sweep_and_its_json() -> None:
+    from lmcache_npu.servebench.command import RANDOM_REPEATS, sweep_json, sweep_settings
+
+    default = sweep_settings(parse())
+    assert default.random_repeats == RANDOM_REPEATS == 3
+    assert sweep_json(default)["random_repeats"] == 3
+    five = sweep_settings(parse("--random-repeats", "5", "--concurrency", "1"))
+    assert five.random_repeats == 5 and len(five.runs_of("random")) == 5  # negative control: not the default
+    assert sweep_json(five) == {"workloads": ["prefix_repetition", "chat", "random"],
+                                "paces": {"prefix_repetition": ["concurrency 4"], "chat": ["concurrency 4"],
+                                          "random": ["concurrency 1"]},
+                                "random_repeats": 5}
+    with pytest.raises(ValueError, match="random_repeats must be an integer >= 1"):
+        sweep_settings(parse("--random-repeats", "0"))
