@@ -1,6 +1,7 @@
 """Build of lmcache_npu's native modules.
 
-Always: lmcache_npu._emu, the AscendC kernel sources compiled for x86 against the emulator.
+Always: lmcache_npu._emu, the AscendC kernel sources compiled for x86 against the emulator, and
+lmcache_npu._host, the transfer contract with memcpy over host memory (csrc/host).
 When nvcc and a CUDA build of torch are present: lmcache_npu._cuda from csrc/cuda/*.cu.
 When CANN is present (ASCEND_HOME_PATH): the AscendC kernels for SOC_VERSION via CMake
 (ascendc_library) and lmcache_npu._npu, the aclrt launcher. Each optional module that is
@@ -55,6 +56,21 @@ def emu_extension() -> Pybind11Extension:
         include_dirs=["csrc", "csrc/ascendc"],
         define_macros=[("LMCACHE_NPU_EMU", "1")],
         extra_compile_args=CXX_FLAGS,
+        cxx_std=17,
+    )
+
+
+HOST_SOURCES = ["csrc/bindings/host_module.cpp", "csrc/host/kv_transfer_host.cpp"]
+
+
+def host_extension() -> Pybind11Extension:
+    return Pybind11Extension(
+        "lmcache_npu._host",
+        sources=HOST_SOURCES,
+        depends=local_includes(HOST_SOURCES),
+        include_dirs=["csrc"],
+        extra_compile_args=CXX_FLAGS + ["-pthread"],
+        extra_link_args=["-pthread"],  # std::thread splits the items when threads > 1
         cxx_std=17,
     )
 
@@ -176,7 +192,7 @@ class BuildExt(build_ext):
         subprocess.check_call(["cmake", "--build", ".", "-j", str(os.cpu_count() or 2)], cwd=build_dir)
 
 
-extensions = [emu_extension()]
+extensions = [emu_extension(), host_extension()]
 cuda = cuda_extension()
 if cuda is not None:
     extensions.append(cuda)

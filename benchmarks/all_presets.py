@@ -27,7 +27,7 @@ def main() -> int:
     reports = []
     family = args.device_family or default_family(args.backend)
     for name in track([p for p in PRESETS if family in MODELS[p].families], description="presets"):
-        options = {"soc": "310p"} if name.endswith("310p") and args.backend in ("emu", "auto") else {}
+        options = {"soc": "310p"} if name.endswith("310p") and args.backend == "emu" else {}
         reports.append(run_bench(name, args.backend, chunks=args.chunks, check=True, repeats=args.repeats,
                                  progress=False, device_family=family, **options))
     table = Table(title=f"all presets, {args.chunks} chunks each")

@@ -24,8 +24,12 @@ def _bench(args: argparse.Namespace) -> int:
     _quiet_vllm()
     source = load_geometry(args.geometry) if args.geometry else args.preset
     options: dict[str, object] = {}
-    if args.backend == "emu" or (args.backend == "auto" and args.soc):
+    if args.backend == "auto" and args.soc:  # --soc names the emulator; auto on a host would pick memcpy
+        args.backend = "emu"
+    if args.backend == "emu":
         options = {k: v for k, v in (("soc", args.soc), ("cores", args.cores), ("ub_bytes", args.ub_bytes)) if v}
+    if args.backend == "host" and args.threads:
+        options = {"threads": args.threads}
     if args.backend == "cuda":
         options = {k: v for k, v in (("path", args.path), ("blocks", args.blocks), ("threads", args.threads)) if v}
         if args.pipeline is not None:
@@ -379,7 +383,7 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--prefix-repetition-suffix-len", type=int, default=128)
     replay.add_argument("--prefix-repetition-output-len", type=int, default=32)
     replay.add_argument("--backend", choices=list(BACKEND_NAMES), help="the plugin's transfer backend "
-                        "(default auto: the kernel source under the emulator on a host-only machine)")
+                        "(default auto: memcpy, the host backend, on a host-only machine)")
     replay.add_argument("--chunk-tokens", type=int, help="tokens per stored chunk (default: the plugin's choice)")
     replay.add_argument("--cpu-bytes", default="2GiB", help="the plugin's host arena (default 2GiB: the workloads "
                         "here fit; the plugin's own default, 8GiB, takes seconds to touch)")
@@ -426,7 +430,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--pipeline", choices=["on", "off"], help="cuda staging: overlap kernel and copy engine "
                        "by slices inside the one launch (default: on for store, off for load)")
     bench.add_argument("--blocks", type=int, help="cuda: thread blocks per launch")
-    bench.add_argument("--threads", type=int, help="cuda: threads per block")
+    bench.add_argument("--threads", type=int, help="cuda: threads per block; host: copy threads (default 1)")
     bench.add_argument("--overlap", action="store_true",
                        help="cuda: matmul slowdown and transfer GB/s with transfers on a side stream")
     bench.set_defaults(func=_bench)

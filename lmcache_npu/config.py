@@ -37,7 +37,7 @@ def check_backend_options(backend: str, options: Mapping[str, Any]) -> None:
     """Option names the backend's constructor takes; an unknown one is refused with the valid ones."""
     if backend == "auto":
         if options:
-            raise ValueError("backend_options need a named backend (torch, emu, cuda or npu): with backend 'auto' the "
+            raise ValueError("backend_options need a named backend (torch, emu, host, cuda or npu): with backend 'auto' the "
                              "options would apply to whichever backend the device picks")
         return
     parameters = inspect.signature(backend_class(backend).__init__).parameters.values()
@@ -59,7 +59,7 @@ class ConnectorConfig:
     chunk_tokens: Optional[int] = None  # tokens per chunk (keying, storing, loading); None: the smallest multiple
     # of vLLM's hash block and every stored group's granularity that holds 256 tokens (a mamba state interval where
     # there is one); 128 reuses as much as vLLM's block-keyed connectors on CPU/Ascend (docs/performance.md)
-    backend: str = "auto"  # transfer backend; auto: npu on Ascend, cuda on NVIDIA, emu for CPU tensors
+    backend: str = "auto"  # transfer backend; auto: npu on Ascend, cuda on NVIDIA, host for CPU tensors
     backend_options: Mapping[str, Any] = field(default_factory=dict)  # constructor options of a named backend
     store_decode_chunks: bool = True  # also store chunks completed during decode (multi-turn chat reuses them)
     skip_spec_kinds: tuple[str, ...] = ()  # KV-cache spec kinds never offloaded (see `lmcache-npu inspect`)

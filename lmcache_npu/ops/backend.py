@@ -31,7 +31,7 @@ from .transfer_backend import (
 
 logger = logging.getLogger(__name__)
 
-BACKEND_NAMES = ("torch", "emu", "cuda", "npu", "auto")
+BACKEND_NAMES = ("torch", "emu", "host", "cuda", "npu", "auto")
 
 __all__ = [
     "BACKEND_NAMES",
@@ -78,6 +78,10 @@ def backend_class(name: str) -> type[TransferBackend]:
         from .emu_backend import EmuBackend
 
         return EmuBackend
+    if name == "host":
+        from .host_backend import HostBackend
+
+        return HostBackend
     if name == "npu":
         from .npu_backend import NpuBackend
 
@@ -91,21 +95,26 @@ def backend_class(name: str) -> type[TransferBackend]:
 
 def backend_for_device(device_type: str, requested: str = "auto") -> str:
     """The backend that moves KV pages held on `device_type`: `requested` if it can, else a ValueError; "auto" picks
-    the device's own kernels (on the host: the AscendC source built for x86 when present, else torch)."""
+    the device's own kernels (on the host: memcpy (host) when built, else the AscendC source under the emulator (emu),
+    else torch)."""
     if requested == "auto":
         if device_type in ("npu", "cuda"):
             return device_type
         if device_type == "cpu":
-            return "emu" if importlib.util.find_spec("lmcache_npu._emu") is not None else "torch"
+            for name in ("host", "emu"):
+                if importlib.util.find_spec(f"lmcache_npu._{name}") is not None:
+                    return name
+            return "torch"
         raise ValueError(f"no transfer backend moves {device_type} memory")
     backend_class(requested)  # an unknown name fails here, naming the choices
-    if (requested == "emu" and device_type != "cpu") or (requested in ("cuda", "npu") and device_type != requested):
+    host_only = requested in ("emu", "host") and device_type != "cpu"
+    if host_only or (requested in ("cuda", "npu") and device_type != requested):
         raise ValueError(f"backend {requested!r} cannot move {device_type} memory; use backend 'auto'")
     return requested
 
 
 def auto_backend_name() -> str:
-    """The backend this machine runs best: npu > cuda > emu > torch."""
+    """The backend this machine runs best: npu > cuda > host > emu > torch."""
     if npu_available():
         return backend_for_device("npu")
     if _cuda_available():
@@ -114,7 +123,7 @@ def auto_backend_name() -> str:
 
 
 def get_backend(name: str = "auto", **options: object) -> TransferBackend:
-    """Returns a backend by name: torch, emu, npu, cuda or auto (npu > cuda > emu > torch)."""
+    """Returns a backend by name: torch, emu, host, npu, cuda or auto (npu > cuda > host > emu > torch)."""
     if name == "auto":
         name = auto_backend_name()
         logger.info("auto-selected the %s transfer backend", name)

@@ -11,15 +11,35 @@ def test_auto_picks_the_devices_own_kernels(device_type: str) -> None:
     assert backend_for_device(device_type) == device_type
 
 
-def test_auto_on_the_host_runs_the_ascendc_source_built_for_x86() -> None:
-    assert backend_for_device("cpu") == "emu"  # the CI install builds lmcache_npu._emu
+def test_auto_on_the_host_runs_memcpy() -> None:
+    assert backend_for_device("cpu") == "host"  # the CI install builds lmcache_npu._host
     if torch.cuda.is_available():
         pytest.skip("a GPU machine's best backend is cuda")
-    assert auto_backend_name() == "emu"
-    assert get_backend("auto").name == "emu"
+    assert auto_backend_name() == "host"
+    assert get_backend("auto").name == "host"
 
 
-@pytest.mark.parametrize("device_type, requested", [("cuda", "emu"), ("npu", "cuda"), ("cpu", "npu"), ("cpu", "cuda")])
+def test_auto_on_the_host_falls_back_to_the_emulator_then_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    real_find_spec = importlib.util.find_spec
+    missing: set[str] = set()
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *args: None if name in missing else real_find_spec(name, *args))
+    missing.add("lmcache_npu._host")
+    assert backend_for_device("cpu") == "emu"
+    missing.add("lmcache_npu._emu")
+    assert backend_for_device("cpu") == "torch"
+
+
+def test_the_emulator_and_torch_stay_available_by_name_on_the_host() -> None:
+    assert backend_for_device("cpu", "emu") == "emu"
+    assert backend_for_device("cpu", "torch") == "torch"
+    assert backend_for_device("cpu", "host") == "host"
+
+
+@pytest.mark.parametrize("device_type, requested", [("cuda", "emu"), ("npu", "emu"), ("cuda", "host"), ("npu", "host"),
+                                                    ("npu", "cuda"), ("cpu", "npu"), ("cpu", "cuda")])
 def test_a_backend_that_cannot_reach_the_pages_is_refused_by_name(device_type: str, requested: str) -> None:
     with pytest.raises(ValueError, match=f"backend '{requested}' cannot move {device_type} memory"):
         backend_for_device(device_type, requested)

@@ -78,8 +78,21 @@ def test_emu_310p_matches_oracle(case: Case, cores: int, ub: int, order: str) ->
     run_round_trip(get_backend("emu", soc="310p", cores=cores, ub_bytes=ub, order=order, seed=case.seed), case)
 
 
+@given(case=cases(soc="a2"), threads=st.sampled_from([1, 2, 3, 8]))
+def test_host_matches_oracle(case: Case, threads: int) -> None:
+    run_round_trip(get_backend("host", threads=threads), case)
+
+
+@given(case=cases(soc="310p"), threads=st.sampled_from([1, 3]))
+def test_host_matches_oracle_on_310p_geometries(case: Case, threads: int) -> None:
+    """310P cases carry FRACTAL_NZ pages most often; host memory has no 32 B rule, the geometry is what matters."""
+    run_round_trip(get_backend("host", threads=threads), case)
+
+
 BACKENDS: dict[str, Callable[[], TransferBackend]] = {
     "torch": lambda: get_backend("torch"),
+    "host": lambda: get_backend("host"),
+    "host-4-threads": lambda: get_backend("host", threads=4),
     "emu-a2": lambda: get_backend("emu", soc="a2", cores=5),
     "emu-310p": lambda: get_backend("emu", soc="310p", cores=3),
 }

@@ -16,6 +16,8 @@ from .oracle import Geometry, RawPlane, oracle_load, oracle_store
 
 BACKENDS = {
     "torch": lambda: get_backend("torch"),
+    "host": lambda: get_backend("host"),
+    "host-3-threads": lambda: get_backend("host", threads=3),
     "emu-a2": lambda: get_backend("emu", soc="a2", cores=3, ub_bytes=196608),
     "emu-a2-small-ub": lambda: get_backend("emu", soc="a2", cores=2, ub_bytes=4096),
     "emu-310p": lambda: get_backend("emu", soc="310p", cores=2, ub_bytes=262144),

@@ -20,6 +20,7 @@ SENTINEL = 0xA5
 
 BACKENDS: dict[str, Callable[[int], TransferBackend]] = {
     "torch": lambda seed: get_backend("torch"),
+    "host": lambda seed: get_backend("host", threads=1 + seed % 3),
     "emu-a2": lambda seed: get_backend("emu", soc="a2", cores=5, order="shuffled", seed=seed),
     "emu-310p": lambda seed: get_backend("emu", soc="310p", cores=3, order="shuffled", seed=seed),
 }
@@ -84,7 +85,7 @@ def segmented_round_trip(backend: TransferBackend, case: Case, slots_per_segment
         assert np.array_equal(rp.raw.numpy(), want), f"plane {i}: the flipped byte landed in the wrong place"
 
 
-@pytest.mark.parametrize("name", ["torch", "emu-a2"])
+@pytest.mark.parametrize("name", ["torch", "emu-a2", "host"])
 @settings(max_examples=25, deadline=None)
 @given(case=cases(soc="a2", max_chunks=6), slots_per_segment=st.integers(1, 2), data=st.data())
 def test_chunks_in_different_segments_round_trip_exactly(name: str, case: Case, slots_per_segment: int,

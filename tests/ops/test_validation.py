@@ -29,7 +29,7 @@ def good_slots() -> list[np.ndarray]:
     return [np.arange(32).reshape(1, 32), np.arange(8).reshape(1, 8)]
 
 
-@pytest.fixture(params=["torch", "emu"])
+@pytest.fixture(params=["torch", "emu", "host"])
 def backend(request: pytest.FixtureRequest):
     return get_backend(request.param)
 
@@ -136,7 +136,7 @@ def test_skipped_groups_are_never_touched() -> None:
     assert [p.group for p in plan.moved_planes] == [0]
     state_before = geometry.raw_planes[1].raw.clone()
     objects = torch.zeros(1, plan.object_bytes, dtype=torch.uint8)
-    for name in ("torch", "emu"):
+    for name in ("torch", "emu", "host"):
         backend = get_backend(name)
         backend.store(plan, [np.arange(32).reshape(1, 32), None], objects)
         backend.load(plan, [np.arange(32).reshape(1, 32), None], objects)

@@ -1,0 +1,74 @@
+"""KV pages in host memory moved with memcpy (lmcache_npu._host): the fast backend of vLLM's CPU platform.
+
+It runs the same contract and the same tables as the device kernels (csrc/common/transfer_plan.h), without the
+emulator's shadow tracking, so it moves bytes at memory speed; the emu backend remains the proof of the AscendC
+kernels.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Optional
+
+import numpy as np
+
+from .batch import ChunkBatch
+from .transfer_backend import AfterKernel, BackendUnavailable, TransferBackend, TransferStats, verify_kernel_report
+
+logger = logging.getLogger(__name__)
+
+
+class HostBackend(TransferBackend):
+    """Moves every (run, plane) work item with memcpy/memset; `threads` > 1 splits the items across std::threads."""
+
+    name = "host"
+
+    def __init__(self, threads: int = 1) -> None:
+        try:
+            from lmcache_npu import _host
+        except ImportError as exc:
+            raise BackendUnavailable(f"lmcache_npu._host is not built ({exc}); reinstall with `make setup`") from exc
+        if isinstance(threads, bool) or not isinstance(threads, (int, np.integer)):
+            raise ValueError(f"threads must be an integer, got {threads!r}")
+        if not 1 <= int(threads) <= _host.MAX_THREADS:
+            raise ValueError(f"threads must be in [1, {_host.MAX_THREADS}], got {threads}")
+        self._host = _host
+        self.threads = int(threads)
+
+    def transfer(self, batch: ChunkBatch, after_kernel: Optional[AfterKernel] = None) -> TransferStats:
+        plan = batch.plan
+        if plan.device.type != "cpu" or any(o.device.type != "cpu" for o in batch.objects):
+            raise ValueError("the host backend runs on host memory: planes and chunk objects must be CPU tensors")
+        planes = plan.plane_table
+        groups = batch.group_table
+        runs = batch.runs if batch.runs.size else np.zeros(1, dtype=batch.runs.dtype)  # a valid address to pass
+        objects = batch.object_addresses()
+        start = time.perf_counter()
+        report = self._host.transfer(
+            planes=planes.ctypes.data,
+            groups=groups.ctypes.data,
+            runs=runs.ctypes.data,
+            objects=objects.ctypes.data,
+            total_items=batch.total_items,
+            num_planes=len(planes),
+            num_groups=len(groups),
+            num_runs=batch.runs.size,
+            num_chunks=batch.num_chunks,
+            object_bytes=plan.object_bytes,
+            direction=int(batch.direction),
+            threads=self.threads,
+        )
+        seconds = time.perf_counter() - start
+        if after_kernel is not None:
+            after_kernel(None)
+        verify_kernel_report(batch, report["items_done"], report["items_rejected"], report["bytes_moved"])
+        return TransferStats(
+            backend=self.name,
+            direction=batch.direction,
+            chunks=batch.num_chunks,
+            payload_bytes=batch.payload_bytes,
+            launches=1,
+            seconds=seconds,
+            dma_ops=report["dma_ops"],
+        )
