@@ -20,7 +20,7 @@ import logging
 import threading
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Optional, Protocol, Sequence, Union
+from typing import Callable, Collection, Optional, Protocol, Sequence, Union
 
 import torch
 
@@ -134,6 +134,14 @@ class StoreExecutor:
         """Whether every submitted command completed within `timeout` (completions stay for `poll`)."""
         with self._idle:
             return self._idle.wait_for(lambda: self._outstanding == 0, timeout)
+
+    def wait_for_any(self, cmd_ids: Collection[int], timeout: float) -> bool:
+        """Whether one of `cmd_ids` completed (and waits for `poll`) within `timeout` seconds; returns at once when
+        one already has. Completions stay for `poll`."""
+        if not cmd_ids:
+            return False
+        with self._idle:
+            return self._idle.wait_for(lambda: any(done.cmd_id in cmd_ids for done in self._done), timeout)
 
     def drain(self, timeout: Optional[float] = None) -> list[Completion]:
         """Waits until every submitted command completed, then polls. Raises TimeoutError naming what is left."""

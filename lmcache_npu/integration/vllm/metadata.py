@@ -33,6 +33,9 @@ class LMCacheNPUConnectorMetadata(KVConnectorMetadata):
     # store cmd ids of earlier steps that read a block this step writes: the page fence waits for their batches only;
     # None: the scheduler could not tell (a request it does not track), so the fence waits for every queued store
     fenced_stores: Optional[list[int]] = None
+    # vLLM computes nothing this step (every runnable request waits for its KV): the workers may wait for a load to
+    # finish instead of letting the engine spin through empty steps
+    idle: bool = False
 
 
 SlotRanges = tuple[tuple[int, int], ...]  # [first, end) arena slot ranges

@@ -412,7 +412,8 @@ class SchedulerHalf:
         meta = LMCacheNPUConnectorMetadata(
             commands=self.index.take_commands() if self.index is not None else [],
             loads=self._loads, stores=stores, delayed_free=self._delayed_free,
-            fenced_stores=self._fenced_stores(scheduler_output, writes, unknown) if fencing else [])
+            fenced_stores=self._fenced_stores(scheduler_output, writes, unknown) if fencing else [],
+            idle=scheduler_output.total_num_scheduled_tokens == 0)
         for cmd_id, read in self._step_reads:  # after the fence: this step's stores run behind its forward
             self._store_reads.add(cmd_id, read)
         self._loads, self._delayed_free, self._step_reads = [], [], []

@@ -5,7 +5,10 @@ Per step: `handle_preemptions` queues the stores an earlier step bound but never
 raises the page fence; `start_load_kv` runs the tier commands in order and queues every load of the step as one
 transfer; `wait_for_save` queues every store of the step as one transfer, ordered after the forward by an event;
 `get_finished` collects completions, reports loads done (`finished_recving`), stores of finished requests done
-(`finished_sending`) and failed loads, and the completions go back to the scheduler's index.
+(`finished_sending`) and failed loads, and the completions go back to the scheduler's index. On a step where vLLM
+computes nothing (metadata `idle`: every runnable request waits for its KV) it first waits, at most
+`IDLE_LOAD_WAIT_S`, for one of the pending loads: the engine would otherwise spin through empty steps, each taking
+CPU from the transfer (and, on the host, from the model), and see the load one step late.
 
 Hook order with speculative decoding. With any speculative config vLLM defers `wait_for_save` and
 `clear_connector_metadata` to `finalize_kv_connector()`, after the drafter's forward: `get_finished` then sees a step
@@ -80,6 +83,9 @@ from .stats import DISK_METRICS, REMOTE_METRICS, CounterDeltas, LMCacheNPUStats
 
 logger = logging.getLogger(__name__)
 
+# The longest an empty step waits for a load: short, so a request arriving meanwhile is scheduled almost at once.
+IDLE_LOAD_WAIT_S = 0.01
+
 class LoadFailedError(RuntimeError):
     """A load failed and this vLLM cannot be told to recompute it; the engine stops rather than serve wrong KV."""
 
@@ -135,6 +141,7 @@ class WorkerHalf:
         self._arena_told: dict[str, int] = {}  # the arena's segment stats as of the last stats() report
         self._load_error_blocks: set[int] = set()
         self._fenced: Optional[Any] = None  # the metadata whose step handle_preemptions fenced
+        self._idle_step = False  # vLLM computes nothing this step: get_finished may wait for a load
 
     # ---- start-up ---------------------------------------------------------------------------------------------
 
@@ -229,6 +236,7 @@ class WorkerHalf:
         if self._fenced is not meta:  # a runner that skips handle_preemptions: fence here, before any load is queued
             self.handle_preemptions(meta)
         self._fenced = None
+        self._idle_step = meta.idle
         self.mover.expect([*meta.loads, *meta.stores])
         for plan in meta.loads:
             self._recv[plan.request_id] = _Recv(plan, set(plan.cmd_ids), f"refused: {plan.refused}" if plan.refused
@@ -257,6 +265,9 @@ class WorkerHalf:
         """(finished_sending, finished_recving, failed_recving) since the last call."""
         if self.executor is None:
             return set(), set(), set()
+        if self._idle_step:  # nothing runs until a load lands: wait for one here rather than spin through empty steps
+            self._idle_step = False
+            self.executor.wait_for_any({c for recv in self._recv.values() for c in recv.pending}, IDLE_LOAD_WAIT_S)
         completions = self.executor.poll()
         self._outbox.extend(completions)
         for done in completions:
