@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Optional, Sequence, Union
+from typing import Mapping, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -147,6 +147,20 @@ class ChunkBatch:
 
     def object_addresses(self) -> np.ndarray:
         return np.array([t.data_ptr() for t in self.objects], dtype=np.uint64)
+
+    def native_tables(self) -> dict[str, np.ndarray]:
+        """The plane, group, run and object tables native code reads by address; the caller keeps them alive for the
+        call. An empty run table becomes one zero row, so every table has a valid address (the count stays 0)."""
+        runs = self.runs if self.runs.size else np.zeros(1, dtype=self.runs.dtype)
+        return {"planes": self.plan.plane_table, "groups": self.group_table, "runs": runs,
+                "objects": self.object_addresses()}
+
+    def native_arguments(self, tables: Mapping[str, np.ndarray]) -> dict[str, int]:
+        """The keyword arguments every native transfer entry takes: `tables`' addresses and the batch's counts."""
+        return {**{name: int(array.ctypes.data) for name, array in tables.items()},
+                "total_items": self.total_items, "num_planes": len(tables["planes"]),
+                "num_groups": len(tables["groups"]), "num_runs": int(self.runs.size), "num_chunks": self.num_chunks,
+                "direction": int(self.direction)}
 
     @classmethod
     def build(

@@ -87,35 +87,22 @@ class EmuBackend(TransferBackend):
         for plane in plan.moved_planes:
             if plane.layout == PageLayout.FRACTAL_NZ and plane.nz_unit_bytes > self.tiling["tile_bytes"]:
                 raise ValueError(f"plane {plane.label}: NZ unit {plane.nz_unit_bytes} B exceeds the UB tile")
-        planes = plan.plane_table
-        groups = batch.group_table
-        runs = batch.runs if batch.runs.size else np.zeros(1, dtype=batch.runs.dtype)
-        objects = batch.object_addresses()
+        tables = batch.native_tables()
         status = np.zeros(self.cores, dtype=CORE_STATUS_DTYPE)
         load = batch.direction == Direction.LOAD
         regions = [(p.base_addr, p.extent_bytes, load, f"pages:{p.label}") for p in plan.moved_planes]
         regions += [(o.data_ptr(), plan.object_bytes, not load, f"object:{i}") for i, o in enumerate(batch.objects)]
-        tables = {"plane table": planes, "group table": groups, "run table": runs, "object table": objects}
-        regions += [(a.ctypes.data, max(a.nbytes, 1), False, name) for name, a in tables.items()]
+        regions += [(a.ctypes.data, max(a.nbytes, 1), False, f"{name[:-1]} table") for name, a in tables.items()]
         regions.append((status.ctypes.data, status.nbytes, True, "core status"))
         start = time.perf_counter()
         self._emu.launch(
+            **batch.native_arguments(tables),
             target=self.soc.name,
             block_dim=self.cores,
             ub_bytes=self.ub_bytes,
             order=self.order,
             seed=self.seed,
-            planes=planes.ctypes.data,
-            groups=groups.ctypes.data,
-            runs=runs.ctypes.data,
-            objects=objects.ctypes.data,
             status=status.ctypes.data,
-            total_items=batch.total_items,
-            num_planes=len(planes),
-            num_groups=len(groups),
-            num_runs=batch.runs.size,
-            num_chunks=batch.num_chunks,
-            direction=int(batch.direction),
             tile_bytes=self.tiling["tile_bytes"],
             zero_tile_bytes=self.tiling["zero_tile_bytes"],
             regions=regions,

@@ -40,23 +40,11 @@ class HostBackend(TransferBackend):
         plan = batch.plan
         if plan.device.type != "cpu" or any(o.device.type != "cpu" for o in batch.objects):
             raise ValueError("the host backend runs on host memory: planes and chunk objects must be CPU tensors")
-        planes = plan.plane_table
-        groups = batch.group_table
-        runs = batch.runs if batch.runs.size else np.zeros(1, dtype=batch.runs.dtype)  # a valid address to pass
-        objects = batch.object_addresses()
+        tables = batch.native_tables()
         start = time.perf_counter()
         report = self._host.transfer(
-            planes=planes.ctypes.data,
-            groups=groups.ctypes.data,
-            runs=runs.ctypes.data,
-            objects=objects.ctypes.data,
-            total_items=batch.total_items,
-            num_planes=len(planes),
-            num_groups=len(groups),
-            num_runs=batch.runs.size,
-            num_chunks=batch.num_chunks,
+            **batch.native_arguments(tables),
             object_bytes=plan.object_bytes,
-            direction=int(batch.direction),
             threads=self.threads,
         )
         seconds = time.perf_counter() - start

@@ -26,18 +26,19 @@ def _spy_waits(engine, slow: Slow) -> list[tuple[frozenset, float]]:
     return calls
 
 
-def _loads_in_flight(engine) -> set[int]:
-    return {c for recv in engine.workers[0].worker_half._recv.values() for c in recv.pending}
-
-
-def test_an_empty_step_reports_the_load_it_waited_for(make_engine):
+def _stored_prompt_with_held_loads(make_engine, seed: int):
+    """An engine holding a two-chunk prompt, its load lane held until the first wait (spied) releases it."""
     engine = preset_engine(make_engine, "llama3-8b", "ascend")
     chunk = engine.connector.scheduler_half.chunk_tokens
-    text = prompt(2 * chunk + 20, seed=31)
+    text = prompt(2 * chunk + 20, seed=seed)
     engine.add(text, max_tokens=2, request_id="seed")
     engine.run()
     (slow,) = wrap(engine, lambda b: Slow(b, Direction.LOAD), Direction.LOAD)
-    calls = _spy_waits(engine, slow)
+    return engine, chunk, text, slow, _spy_waits(engine, slow)
+
+
+def test_an_empty_step_reports_the_load_it_waited_for(make_engine):
+    engine, chunk, text, slow, calls = _stored_prompt_with_held_loads(make_engine, 31)
     engine.add(text + [7, 7, 7], max_tokens=2, request_id="hit")
     so = engine.step()  # the only request waits for its KV: nothing is computed
     assert not so.total_num_scheduled_tokens and so.kv_connector_metadata.idle
@@ -49,13 +50,7 @@ def test_an_empty_step_reports_the_load_it_waited_for(make_engine):
 
 
 def test_a_step_that_computes_never_waits(make_engine):
-    engine = preset_engine(make_engine, "llama3-8b", "ascend")
-    chunk = engine.connector.scheduler_half.chunk_tokens
-    text = prompt(2 * chunk + 20, seed=32)
-    engine.add(text, max_tokens=2, request_id="seed")
-    engine.run()
-    (slow,) = wrap(engine, lambda b: Slow(b, Direction.LOAD), Direction.LOAD)
-    calls = _spy_waits(engine, slow)
+    engine, chunk, text, slow, calls = _stored_prompt_with_held_loads(make_engine, 32)
     engine.add(prompt(chunk, seed=33), max_tokens=chunk, request_id="busy")  # computes through every step below
     engine.step()
     engine.add(text + [5, 5], max_tokens=2, request_id="hit")

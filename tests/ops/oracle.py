@@ -64,6 +64,18 @@ class Geometry:
         return TransferPlan(self.groups, [rp.plane(n) for rp, n in zip(self.raw_planes, names)], self.chunk_tokens)
 
 
+def small_geometry() -> Geometry:
+    """Two groups (one compressed 4x), three planes with odd row widths: the validation and host tests' geometry."""
+    g = torch.Generator().manual_seed(3)
+    return Geometry([GroupSpec(16), GroupSpec(64, compress_ratio=4)],
+                    [allocate(4, 16, 132, 8, 0, g), allocate(4, 16, 2, 0, 0, g), allocate(3, 16, 64, 0, 1, g)], 32)
+
+
+def good_slots() -> list[np.ndarray]:
+    """One chunk of `small_geometry` that every check accepts."""
+    return [np.arange(32).reshape(1, 32), np.arange(8).reshape(1, 8)]
+
+
 def oracle_object_layout(geometry: Geometry) -> tuple[list[int], list[int], int]:
     """Plan order (group-major, stable), 64 B aligned segment offsets, total object bytes."""
     order = sorted(range(len(geometry.raw_planes)), key=lambda i: geometry.raw_planes[i].group)

@@ -15,18 +15,9 @@ from lmcache_npu import _emu
 from lmcache_npu.ops import ChunkBatch, Direction, GroupSpec, PageLayout, Plane, TransferPlan, get_backend
 from lmcache_npu.ops.plan import CORE_STATUS_DTYPE, RUN_DESC_DTYPE
 
-from .oracle import Geometry, allocate, oracle_load
+from .oracle import Geometry, allocate, good_slots, oracle_load, small_geometry
 from .strategies import Placement, placements
 
-
-def small_geometry() -> Geometry:
-    g = torch.Generator().manual_seed(3)
-    return Geometry([GroupSpec(16), GroupSpec(64, compress_ratio=4)],
-                    [allocate(4, 16, 132, 8, 0, g), allocate(4, 16, 2, 0, 0, g), allocate(3, 16, 64, 0, 1, g)], 32)
-
-
-def good_slots() -> list[np.ndarray]:
-    return [np.arange(32).reshape(1, 32), np.arange(8).reshape(1, 8)]
 
 
 @pytest.fixture(params=["torch", "emu", "host"])
