@@ -25,6 +25,7 @@ REUSE_CONCURRENCY = (4,)  # one pace for the reusing workloads keeps the default
 # one run of random moves a few percent either way on a 2-core VM (the peer, finding nothing, showed -10 %): the
 # verdict takes the median of three runs per pace
 RANDOM_REPEATS = 3
+REUSE_REPEATS = 3  # one run of a reusing workload moves about 5 % either way on 2 cores
 
 
 def add_bench_serve_parser(sub: Any) -> None:
@@ -50,6 +51,9 @@ def add_bench_serve_parser(sub: Any) -> None:
     p.add_argument("--random-repeats", type=int, default=RANDOM_REPEATS,
                    help=f"runs of random at each pace, in rounds over the paces; the no-reuse verdict compares "
                         f"their medians (default {RANDOM_REPEATS})")
+    p.add_argument("--reuse-repeats", type=int, default=REUSE_REPEATS,
+                   help=f"runs of prefix_repetition and chat at each of their paces, each on fresh prompts; the table "
+                        f"shows medians (default {REUSE_REPEATS})")
     p.add_argument("--reuse-concurrency", type=int, nargs="+",
                    help=f"max-concurrency values prefix_repetition and chat run at (default "
                         f"{' '.join(map(str, REUSE_CONCURRENCY))}; not with --request-rate)")
@@ -109,20 +113,20 @@ def _paces(args: argparse.Namespace) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
 
 
 def sweep_settings(args: argparse.Namespace) -> Any:
-    """The SweepSettings the arguments ask for (workloads, paces, random's repeats); bad values raise ValueError."""
+    """The SweepSettings the arguments ask for (workloads, paces, repeats); bad values raise ValueError."""
     from .sweep import SweepSettings
 
     random_paces, reuse_paces = _paces(args)
     return SweepSettings(_workloads(args), tuple(args.workloads), paces=random_paces,
                          warmup_prompts=args.warmup_prompts, seed=args.seed, reuse_paces=reuse_paces,
-                         random_repeats=args.random_repeats)
+                         random_repeats=args.random_repeats, reuse_repeats=args.reuse_repeats)
 
 
 def sweep_json(sweep: Any) -> dict[str, Any]:
-    """The sweep's part of the JSON settings: which workloads ran, at which paces, random how many times per pace."""
+    """The sweep's part of the JSON settings: which workloads ran, at which paces, how many times per pace."""
     return {"workloads": list(sweep.names),
             "paces": {name: [p.label for p in sweep.paces_for(name)] for name in sweep.names},
-            "random_repeats": sweep.random_repeats}
+            "random_repeats": sweep.random_repeats, "reuse_repeats": sweep.reuse_repeats}
 
 
 def random_fits(sweep: Any, device_tokens: int, block_tokens: int = 128) -> bool:

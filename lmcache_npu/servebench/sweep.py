@@ -2,9 +2,10 @@
 warmed up with unrelated prompts, then every workload at every pace of the grid; per point the client's numbers
 from `vllm bench serve` and the server's counters over the point (vLLM's prefix-cache hits, the connector's).
 
-`random` (the no-reuse verdict) runs `random_repeats` times at every pace, in rounds (round 1 every pace, round 2
-every pace, ...) so a slow stretch of the machine spreads over the paces instead of landing on one; every run has its
-own point index (fresh prompts, hash ids no other run uses). The reusing workloads run once per pace."""
+`random` (the no-reuse verdict) runs `random_repeats` times at every pace, and the reusing workloads `reuse_repeats`
+times at theirs, in rounds (round 1 every pace, round 2 every pace, ...) so a slow stretch of the machine spreads over
+the paces instead of landing on one; every run has its own point index (fresh prompts, hash ids no other run uses),
+so a repeat of a reusing workload finds nothing of the run before it."""
 
 from __future__ import annotations
 
@@ -86,6 +87,8 @@ class SweepSettings:
     reuse_paces: Optional[tuple[Pace, ...]] = (Pace(max_concurrency=4),)
     # one run of random moves a few percent either way on a 2-core VM: the verdict takes the median of these
     random_repeats: int = 3
+    # the reusing workloads too: with one run each, the plugin and a peer within 5 % of each other order at random
+    reuse_repeats: int = 1
 
     def __post_init__(self) -> None:
         unknown = [n for n in self.names if n not in WORKLOADS]
@@ -99,17 +102,18 @@ class SweepSettings:
                              "(a plot's x axis has one unit)")
         if self.warmup_prompts < 0:
             raise ValueError(f"warmup_prompts must be >= 0, got {self.warmup_prompts}")
-        if isinstance(self.random_repeats, bool) or not isinstance(self.random_repeats, int) \
-                or self.random_repeats < 1:
-            raise ValueError(f"random_repeats must be an integer >= 1 (runs of random per pace), got "
-                             f"{self.random_repeats!r}")
+        for key in ("random_repeats", "reuse_repeats"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                what = "random" if key == "random_repeats" else "each reusing workload"
+                raise ValueError(f"{key} must be an integer >= 1 (runs of {what} per pace), got {value!r}")
         for name in self.names:
             runs = len(self.paces_for(name)) * self.repeats_for(name)
             if runs > LAST_MEASURED_POINT + 1:
                 raise ValueError(f"{name} would run {runs} times ({len(self.paces_for(name))} pace(s) x "
                                  f"{self.repeats_for(name)} repeat(s)), but point indices stop at "
                                  f"{LAST_MEASURED_POINT} (workloads.MAX_POINT {MAX_POINT} is the warm-up's): use "
-                                 f"fewer paces or --random-repeats")
+                                 f"fewer paces or repeats")
 
     def paces_for(self, name: str) -> tuple[Pace, ...]:
         """The paces workload `name` runs at."""
@@ -123,7 +127,7 @@ class SweepSettings:
         """How many times workload `name` runs at each of its paces."""
         if name not in WORKLOADS:
             raise ValueError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
-        return self.random_repeats if name == NO_REUSE else 1
+        return self.random_repeats if name == NO_REUSE else self.reuse_repeats
 
     def runs_of(self, name: str) -> tuple[Run, ...]:
         """Workload `name`'s runs in the order they go: round by round, every pace in each round; index k is the

@@ -73,6 +73,22 @@ def test_random_repeats_reach_the_sweep_and_its_json() -> None:
     assert sweep_json(five) == {"workloads": ["prefix_repetition", "chat", "random"],
                                 "paces": {"prefix_repetition": ["concurrency 4"], "chat": ["concurrency 4"],
                                           "random": ["concurrency 1"]},
-                                "random_repeats": 5}
+                                "random_repeats": 5, "reuse_repeats": 3}
     with pytest.raises(ValueError, match="random_repeats must be an integer >= 1"):
         sweep_settings(parse("--random-repeats", "0"))
+
+
+def test_reuse_repeats_run_the_reusing_workloads_on_fresh_prompts_each_time() -> None:
+    from lmcache_npu.servebench.command import REUSE_REPEATS, sweep_json, sweep_settings
+
+    default = sweep_settings(parse())
+    assert default.reuse_repeats == REUSE_REPEATS == 3
+    for name in ("prefix_repetition", "chat"):
+        runs = default.runs_of(name)
+        assert [r.repeat for r in runs] == [0, 1, 2]
+        assert len({r.index for r in runs}) == 3  # each repeat its own point index: its own prompts and seed
+    one = sweep_settings(parse("--reuse-repeats", "1"))
+    assert len(one.runs_of("chat")) == 1 and sweep_json(one)["reuse_repeats"] == 1  # negative control
+    assert len(one.runs_of("random")) == 3 * len(one.paces)  # random keeps its own count at each of its paces
+    with pytest.raises(ValueError, match="reuse_repeats must be an integer >= 1"):
+        sweep_settings(parse("--reuse-repeats", "0"))
