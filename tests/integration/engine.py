@@ -274,8 +274,9 @@ class Engine:
             time.sleep(0.002)  # loads run on the transfer thread; let it work instead of spinning
         return so
 
-    def _execute(self, so: Any) -> Any:
-        meta = so.kv_connector_metadata
+    def _plan_step(self, so: Any) -> tuple[list, dict[str, int], dict[str, list[int]]]:
+        """The step's (request, tokens) pairs, each request's first computed token, and what each one samples (its
+        next token once the step reaches the end of what it knows, else nothing)."""
         scheduled = [(self.scheduler.requests[r], n) for r, n in so.num_scheduled_tokens.items()]
         starts = {new.req_id: new.num_computed_tokens for new in so.scheduled_new_reqs}
         cached = so.scheduled_cached_reqs
@@ -283,8 +284,21 @@ class Engine:
         samples: dict[str, list[int]] = {}
         for request, count in scheduled:
             end = starts[request.request_id] + count
-            tokens = self.tokens(request)
-            samples[request.request_id] = [self._sample(request, end)] if end >= len(tokens) else []
+            samples[request.request_id] = [self._sample(request, end)] if end >= len(self.tokens(request)) else []
+        return scheduled, starts, samples
+
+    @staticmethod
+    def _runner_output(so: Any, scheduled: list, samples: dict[str, list[int]], kvo: Any) -> Any:
+        """One rank's ModelRunnerOutput: the sampled tokens of a step that computed, else the connector output only."""
+        if not so.total_num_scheduled_tokens:
+            return ModelRunnerOutput.with_kv_conn_output_only(kvo)
+        req_ids = [request.request_id for request, _ in scheduled]
+        return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                                 sampled_token_ids=[samples[r] for r in req_ids], kv_connector_output=kvo)
+
+    def _execute(self, so: Any) -> Any:
+        meta = so.kv_connector_metadata
+        scheduled, starts, samples = self._plan_step(so)
         outputs = []
         for rank, (worker, sim, runner) in enumerate(zip(self.workers, self.sims, self.runners)):
             worker.handle_preemptions(meta)
@@ -306,13 +320,7 @@ class Engine:
                                     invalid_block_ids=worker.get_block_ids_with_load_errors())
             kvo = pickle.loads(pickle.dumps(kvo))  # it crosses a process boundary in vLLM
             worker.clear_connector_metadata()
-            if so.total_num_scheduled_tokens:
-                req_ids = [request.request_id for request, _ in scheduled]
-                outputs.append(ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                                                 sampled_token_ids=[samples[r] for r in req_ids],
-                                                 kv_connector_output=kvo))
-            else:
-                outputs.append(ModelRunnerOutput.with_kv_conn_output_only(kvo))
+            outputs.append(self._runner_output(so, scheduled, samples, kvo))
         for req_id, new in samples.items():
             self.pending.setdefault(req_id, []).extend(new)
         return self.aggregator.aggregate(outputs)

@@ -22,7 +22,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.outputs import KVConnectorOutput
 
 from lmcache_npu.integration.vllm import LMCacheNPUConnector, adapter, scheduler
 from lmcache_npu.layout.presets.catalog import MODELS, with_mtp
@@ -72,14 +72,7 @@ class DraftingEngine(Engine):
 
     def _execute(self, so: Any) -> Any:
         meta = so.kv_connector_metadata
-        scheduled = [(self.scheduler.requests[r], n) for r, n in so.num_scheduled_tokens.items()]
-        starts = {new.req_id: new.num_computed_tokens for new in so.scheduled_new_reqs}
-        cached = so.scheduled_cached_reqs
-        starts.update({r: cached.num_computed_tokens[i] for i, r in enumerate(cached.req_ids)})
-        samples: dict[str, list[int]] = {}
-        for request, count in scheduled:
-            end = starts[request.request_id] + count
-            samples[request.request_id] = [self._sample(request, end)] if end >= len(self.tokens(request)) else []
+        scheduled, starts, samples = self._plan_step(so)
         outputs = []
         flipped = self.order == FINISHED_THEN_DRAFT
         for rank, (worker, runner) in enumerate(zip(self.workers, self.runners)):
@@ -109,13 +102,7 @@ class DraftingEngine(Engine):
                 self._forward(self.drafters, rank, scheduled, starts)
                 worker.wait_for_save()
             worker.clear_connector_metadata()
-            if forward:
-                req_ids = [request.request_id for request, _ in scheduled]
-                outputs.append(ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                                                 sampled_token_ids=[samples[r] for r in req_ids],
-                                                 kv_connector_output=kvo))
-            else:
-                outputs.append(ModelRunnerOutput.with_kv_conn_output_only(kvo))
+            outputs.append(self._runner_output(so, scheduled, samples, kvo))
         for req_id, new in samples.items():
             self.pending.setdefault(req_id, []).extend(new)
         return self.aggregator.aggregate(outputs)
