@@ -260,6 +260,7 @@ def main() -> None:
         for kind, name, call in plans:
             result = _run(kind, call)
             rows.append({"round": round_number, "size_gib": size_gib, "arena": name, "note": note, **result})
+            _write_json(args.json, pinned, rows)  # after every row: a run cut short keeps what it measured
     header = (f"{'rnd':>3} {'GiB':>5} {'arena':56} {'first slot s':>12} {'full s':>8} {'prefault GB/s':>13} "
               f"{'register GB/s':>13} {'peak RSS GiB':>12} {'segments':>12}  note")
     print(header)
@@ -276,8 +277,11 @@ def main() -> None:
               f"{cell(row['full_s'], 8)} "
               f"{cell(row['prefault_gbps'], 13)} {cell(row['register_gbps'], 13)} {cell(row['rss_gib'], 12)} "
               f"{row['segments']:>12}  {row['note']}")
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
+
+
+def _write_json(path: Optional[str], pinned: bool, rows: list[dict[str, Any]]) -> None:
+    if path:
+        with open(path, "w", encoding="utf-8") as f:
             json.dump({"host": os.uname().nodename, "pinned": pinned, "rows": rows}, f, indent=1)
 
 
