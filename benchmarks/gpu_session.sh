@@ -5,7 +5,7 @@ set -uo pipefail
 what=${1:-all}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-python3 -m pip install -q --no-index --find-links .wheels pybind11 setuptools wheel pytest hypothesis rich xxhash 2>&1 | tail -2
+python3 -m pip install -q --no-index --find-links .wheels pybind11 setuptools wheel pytest hypothesis rich xxhash blake3 2>&1 | tail -2
 nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
 LMCACHE_NPU_CUDA=1 LMCACHE_NPU_CUDA_ARCHS=90 python3 setup.py build_ext --inplace > "$OUT/build.txt" 2>&1 \
   || { tail -40 "$OUT/build.txt"; exit 1; }

@@ -1,8 +1,10 @@
 """The load path of replicated KV at TP=2 (docs/storage.md "Replicated KV"): each rank copies its share of the
 chunk objects host -> device and the shares are all-gathered over the device fabric ("share"), against every rank
 copying whole objects host -> device ("whole"). The scatter into KV pages that follows is the same kernel on the
-same full objects in both, so it is left out. Geometries: the deepseek-v3 and deepseek-v4-flash presets (CUDA
-layout), whose planes are all replicated across TP.
+same full objects in both, so it is left out. Geometries: the deepseek-v3 and deepseek-v4-flash presets in CUDA
+layout, whose planes are all replicated across TP, read from benchmarks/geometries/cuda/ (written by
+`python benchmarks/export_geometry.py --device-family cuda --out benchmarks/geometries/cuda deepseek-v3
+deepseek-v4-flash`), since a GPU machine may have no vLLM to build presets from.
 
     python benchmarks/tp_share_bench.py                               # 2 GPUs, NCCL
     python benchmarks/tp_share_bench.py --backend gloo --device cpu   # the logic on CPU (tests run this)
@@ -20,6 +22,7 @@ import statistics
 import sys
 import tempfile
 import time
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
@@ -29,20 +32,24 @@ import torch.multiprocessing as mp
 PRESETS = ("deepseek-v3", "deepseek-v4-flash")
 
 
+GEOMETRIES = Path(__file__).resolve().parent / "geometries" / "cuda"
+
+
 def geometry(name: str, tp_size: int) -> dict[str, int]:
-    """Bytes per chunk of the preset, and what share of them every TP rank holds identically."""
+    """Bytes per chunk of the preset's exported CUDA geometry (a GPU machine has no vLLM to build presets;
+    tests/bench/test_tp_share_bench.py checks the files against the presets), and each rank's share of them."""
+    from lmcache_npu.bench.geometry import load_geometry, materialize
     from lmcache_npu.layout.discovery import replicated_across_tp
-    from lmcache_npu.layout.presets import preset_layout
+    from lmcache_npu.layout.specs import SpecKind
     from lmcache_npu.transfer.shares import ShareLayout
 
-    layout, _ = preset_layout(name, "cuda", num_blocks=2)
-    plan = layout.plan
-    replicated = [replicated_across_tp(g.kind, tp_size, None) for g in layout.groups]
-    shared = sum(plan.rows_per_chunk[p.group] * p.row_bytes for p in plan.moved_planes if replicated[p.group])
-    whole = sum(plan.rows_per_chunk[p.group] * p.row_bytes for p in plan.moved_planes)
-    if shared != whole:
-        raise ValueError(f"{name}: only {shared} of {whole} B per chunk are replicated; the bench models all-MLA "
-                         "presets")
+    exported = load_geometry(GEOMETRIES / f"{name}.json")
+    plan = materialize(exported, 1, torch.device("cpu")).plan
+    # exported group names are "<spec kind>#<index>" (layout discovery names them so)
+    kinds = [SpecKind(g.name.split("#")[0]) for g in exported.groups]
+    if not all(replicated_across_tp(kind, tp_size, None) for kind in kinds):
+        raise ValueError(f"{name}: groups {[k.value for k in kinds]} are not all replicated across TP; the bench "
+                         "models all-latent presets")
     share = ShareLayout(plan.object_bytes, 0, 0, tp_size)
     return {"object_bytes": plan.object_bytes, "share_bytes": share.share_bytes, "chunk_tokens": plan.chunk_tokens}
 

@@ -9,6 +9,8 @@ import json
 from pathlib import Path
 from types import ModuleType
 
+import pytest
+import torch
 import torch.multiprocessing as mp
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "tp_share_bench.py"
@@ -58,3 +60,19 @@ def test_a_lost_share_fails_the_byte_check(tmp_path: Path) -> None:
     for rank in (0, 1):
         assert "differ from the stored ones" in Path(tmp_path, f"rank{rank}.error").read_text()
         assert not Path(tmp_path, f"rank{rank}.json").exists()
+
+
+def test_the_exported_cuda_geometries_match_the_presets() -> None:
+    pytest.importorskip("vllm", reason="presets are built from vLLM's spec classes")
+    from lmcache_npu.bench.geometry import geometry_of_plan, load_geometry
+    from lmcache_npu.bench.presets import materialize_preset
+
+    bench = _bench()
+    for name in bench.PRESETS:
+        m, _, _ = materialize_preset(name, 1, torch.device("cpu"), device_family="cuda")
+        fresh = geometry_of_plan(m.plan, name).to_dict()
+        stored = load_geometry(bench.GEOMETRIES / f"{name}.json").to_dict()
+        fresh.pop("notes"), stored.pop("notes")
+        assert stored == fresh, f"{name}: re-export with benchmarks/export_geometry.py --device-family cuda"
+        tampered = dict(fresh, chunk_tokens=fresh["chunk_tokens"] * 2)
+        assert stored != tampered, "the comparison notices a changed field"
