@@ -1,7 +1,10 @@
-"""The load path of replicated KV at TP=2 (docs/storage.md "Replicated KV"): each rank copies its share of the
-chunk objects host -> device and the shares are all-gathered over the device fabric ("share"), against every rank
-copying whole objects host -> device ("whole"). The scatter into KV pages that follows is the same kernel on the
-same full objects in both, so it is left out. Geometries: the deepseek-v3 and deepseek-v4-flash presets in CUDA
+"""The load path of replicated KV at TP=2 (docs/storage.md "Replicated KV"), through the plugin's own exchange
+(`ShareExchange`, `ShareLayout.assemble`): "device", each rank copies its share of the chunk objects host -> device
+and the shares are all-gathered over the device fabric into full objects in device memory (`tp_share_exchange:
+device`); "host", the shares are all-gathered with gloo in host memory and each rank copies whole objects host ->
+device (`tp_share_exchange: host`); "whole", every rank holds whole objects and copies them (no sharing, the floor
+of "host"). The scatter into KV pages that follows is the same kernel on the same full objects in all three, so it
+is left out. Geometries: the deepseek-v3 and deepseek-v4-flash presets in CUDA
 layout, whose planes are all replicated across TP, read from benchmarks/geometries/cuda/ (written by
 `python benchmarks/export_geometry.py --device-family cuda --out benchmarks/geometries/cuda deepseek-v3
 deepseek-v4-flash`), since a GPU machine may have no vLLM to build presets from.
@@ -54,12 +57,6 @@ def geometry(name: str, tp_size: int) -> dict[str, int]:
     return {"object_bytes": plan.object_bytes, "share_bytes": share.share_bytes, "chunk_tokens": plan.chunk_tokens}
 
 
-def _all_gather(output: torch.Tensor, contribution: torch.Tensor) -> None:
-    """One flat all-gather (torch >= 2.13 names it all_gather_single)."""
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(output, contribution)
-
-
 def _timed(fn: Any, device: torch.device, reps: int, warmup: int) -> float:
     for _ in range(warmup):
         fn()
@@ -81,6 +78,9 @@ def _host(nbytes: int, device: torch.device) -> torch.Tensor:
 
 
 def run_rank(rank: int, size: int, args: argparse.Namespace, out: Optional[str]) -> list[dict[str, Any]]:
+    from lmcache_npu.transfer.share_mover import ShareExchange
+    from lmcache_npu.transfer.shares import ShareLayout
+
     device = torch.device(f"cuda:{rank}") if args.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -96,31 +96,41 @@ def run_rank(rank: int, size: int, args: argparse.Namespace, out: Optional[str])
         padded[:, :full] = whole_host.view(chunks, full)
         share_host = _host(chunks * share, device)
         share_host.copy_(padded[:, rank * share:(rank + 1) * share].reshape(-1))
+        layout = ShareLayout(full, 0, rank, size)  # all planes replicated: no own part
+        stored = list(share_host.view(chunks, share))  # the rank's stored objects: its share of each chunk
+        host_exchange = ShareExchange(dist.group.WORLD)
+        device_exchange = ShareExchange(dist.group.WORLD, dist.group.WORLD, device)
         whole_dev = torch.empty(chunks * full, dtype=torch.uint8, device=device)
-        share_dev = torch.empty(chunks * share, dtype=torch.uint8, device=device)
+        full_host = _host(chunks * full, device).view(chunks, full)
         gathered = torch.empty(size * chunks * share, dtype=torch.uint8, device=device)
         objects = torch.empty(chunks, full, dtype=torch.uint8, device=device)
 
         def whole() -> None:
             whole_dev.copy_(whole_host, non_blocking=True)
 
-        def shared() -> None:
-            share_dev.copy_(share_host, non_blocking=True)
-            _all_gather(gathered, share_dev)
-            # rank-major [rank][chunk][share] -> chunk-major objects, as the scatter kernel reads them
-            objects.copy_(gathered.view(size, chunks, share).permute(1, 0, 2).reshape(chunks, size * share)[:, :full])
+        def host() -> None:
+            layout.assemble(stored, host_exchange.gather(share_host, size), full_host)
+            whole_dev.copy_(full_host.view(-1), non_blocking=True)
 
-        whole()
-        shared()
-        if not torch.equal(whole_dev.cpu(), whole_host) or not torch.equal(objects.reshape(-1).cpu(), whole_host):
-            raise AssertionError(f"rank {rank} {name}: the loaded objects differ from the stored ones")
-        for variant, fn, pcie in (("whole", whole, chunks * full), ("share", shared, chunks * share)):
+        def on_device() -> None:
+            layout.assemble(stored, device_exchange.gather(share_host, size, out=gathered), objects)
+
+        for variant, fn, result in (("whole", whole, whole_dev), ("host", host, whole_dev),
+                                    ("device", on_device, objects)):
+            result.zero_()
+            fn()
+            if not torch.equal(result.reshape(-1).cpu(), whole_host):
+                raise AssertionError(f"rank {rank} {name} {variant}: the loaded objects differ from the stored ones")
+        for variant, fn, pcie, fabric in (("whole", whole, chunks * full, 0),
+                                          ("host", host, chunks * full, (size - 1) * chunks * share),
+                                          ("device", on_device, chunks * share, (size - 1) * chunks * share)):
             seconds = _timed(fn, device, args.reps, args.warmup)
             rows.append({"preset": name, "variant": variant, "rank": rank, "tp": size, "chunks": chunks,
                          "chunk_tokens": g["chunk_tokens"], "object_bytes": full,
                          "stored_bytes_per_rank": chunks * (full if variant == "whole" else share),
-                         "pcie_bytes_per_rank": pcie,
-                         "fabric_bytes_per_rank": 0 if variant == "whole" else (size - 1) * chunks * share,
+                         "pcie_bytes_per_rank": pcie, "exchanged_bytes_per_rank": fabric,
+                         "exchanged_over": {"whole": "", "host": "gloo (host memory)",
+                                            "device": args.backend if device.type == "cuda" else "gloo"}[variant],
                          "seconds": seconds, "GBps_per_rank": chunks * full / seconds / 1e9})
     if out is not None:
         with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
@@ -129,7 +139,8 @@ def run_rank(rank: int, size: int, args: argparse.Namespace, out: Optional[str])
 
 
 def _spawned(rank: int, size: int, args: argparse.Namespace, init: str, out: str) -> None:
-    backend = args.backend
+    # gloo for host tensors (the host exchange), the device backend for device tensors
+    backend = "cpu:gloo,cuda:nccl" if args.backend == "nccl" else "gloo"
     dist.init_process_group(backend, init_method=init, rank=rank, world_size=size,
                             device_id=torch.device(f"cuda:{rank}") if args.device == "cuda" else None)
     try:
@@ -159,15 +170,15 @@ def parse(argv: Optional[list[str]] = None) -> argparse.Namespace:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    lines = [f"{'preset':<18} {'variant':<6} {'chunks':>6} {'PCIe MB/rank':>12} {'fabric MB/rank':>14} "
+    lines = [f"{'preset':<18} {'variant':<7} {'chunks':>6} {'PCIe MB/rank':>12} {'exchanged MB/rank':>17} "
              f"{'ms (slowest rank)':>17} {'GB/s/rank':>9}"]
     keyed: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for row in rows:
         keyed.setdefault((row["preset"], row["variant"]), []).append(row)
     for (preset, variant), group in keyed.items():
         slowest = max(group, key=lambda r: r["seconds"])
-        lines.append(f"{preset:<18} {variant:<6} {slowest['chunks']:>6} {slowest['pcie_bytes_per_rank'] / 1e6:>12.1f} "
-                     f"{slowest['fabric_bytes_per_rank'] / 1e6:>14.1f} {slowest['seconds'] * 1e3:>17.3f} "
+        lines.append(f"{preset:<18} {variant:<7} {slowest['chunks']:>6} {slowest['pcie_bytes_per_rank'] / 1e6:>12.1f} "
+                     f"{slowest['exchanged_bytes_per_rank'] / 1e6:>17.1f} {slowest['seconds'] * 1e3:>17.3f} "
                      f"{slowest['GBps_per_rank']:>9.2f}")
     return "\n".join(lines)
 

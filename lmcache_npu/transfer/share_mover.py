@@ -11,8 +11,13 @@ commands in the same order (the scheduler sends one command list to all ranks an
 step's loads as one batch). Each rank checks its stored objects, all-reduces one ok flag per command (MIN: a share
 missing on any rank fails the command on every rank), all-gathers the shares of the commands still ok, rebuilds the
 full objects and queues them on the wrapped mover, which scatters them into pages. A command that failed anywhere
-is reported failed on every rank and writes no row, so vLLM recomputes it. The exchange runs over a process group
-of its own (never one vLLM's threads use), gloo on host memory.
+is reported failed on every rank and writes no row, so vLLM recomputes it. The flags go over a gloo group of its
+own (never one vLLM's threads use). The shares go either over the same group in host memory, each rank then moving
+whole objects to the device ("host" exchange), or, on NPU/CUDA, to the device first and over an HCCL/NCCL group of
+their own ("device" exchange): each rank's host-to-device bytes are then its share, the rest crosses the device
+fabric, and the full objects are rebuilt in device memory, where the transfer kernels read them. The device buffers
+are taken before the flags are agreed, and a rank that could not get them makes the whole group fall back to the
+host exchange for that batch, so no rank waits in a collective the others skip.
 """
 
 from __future__ import annotations
@@ -33,13 +38,22 @@ ShareCheck = Callable[[Load, torch.Tensor], str]  # "" when the rank's stored ob
 
 
 class ShareExchange:
-    """The collectives of a share load over one torch.distributed process group (its ranks = the TP group's)."""
+    """The collectives of a share load: per-command flags over `group` (gloo, host memory), and the shares over
+    `group` in host memory or, when `device_group` is given, over it in `device` memory (NCCL/HCCL)."""
 
-    def __init__(self, group: Any) -> None:
+    def __init__(self, group: Any, device_group: Any = None, device: Optional[torch.device] = None) -> None:
+        if (device_group is None) != (device is None):
+            raise ValueError("share exchange: a device group needs its device, and a device its group")
         self.group = group
+        self.device_group = device_group
+        self.device = device if device is not None else torch.device("cpu")
+
+    @property
+    def on_device(self) -> bool:
+        return self.device_group is not None
 
     def agree(self, ok: Sequence[bool]) -> list[bool]:
-        """Per command: ok on every rank of the group."""
+        """Per flag: true on every rank of the group."""
         import torch.distributed as dist
 
         flags = torch.tensor([1 if x else 0 for x in ok], dtype=torch.int32)
@@ -47,12 +61,19 @@ class ShareExchange:
             dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=self.group)
         return [bool(x) for x in flags.tolist()]
 
-    def gather(self, contribution: torch.Tensor, size: int) -> torch.Tensor:
-        """Every rank's `contribution` (same length on all), concatenated in rank order."""
+    def gather(self, contribution: torch.Tensor, size: int, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Every rank's `contribution` (same length on all), concatenated in rank order into `out`: a new host
+        tensor over the host group by default, or `out` on the exchange's device over the device group."""
         import torch.distributed as dist
 
-        out = torch.empty(size * contribution.numel(), dtype=torch.uint8)
-        dist.all_gather(list(out.chunk(size)), contribution.contiguous(), group=self.group)
+        device_side = out is not None and self.on_device and out.device == self.device
+        if out is None:
+            out = torch.empty(size * contribution.numel(), dtype=torch.uint8)
+        elif not device_side and out.device.type != "cpu":
+            raise ValueError(f"share exchange: a gather into {out.device} needs the device exchange of that device")
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # torch >= 2.13 renames it
+        gather(out[:size * contribution.numel()], contribution.to(out.device, non_blocking=True).contiguous(),
+               group=self.device_group if device_side else self.group)
         return out
 
 
@@ -109,6 +130,21 @@ class SharedMover:
 
         self.inner.run(commands, scratch, packed)
 
+    def _device_buffers(self, count: int) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """Gather output and full objects for `count` loads in device memory; None when the device has no room (the
+        group then exchanges this batch in host memory)."""
+        layout = self.layout
+        try:
+            gathered = torch.empty(layout.size * count * layout.share_bytes, dtype=torch.uint8,
+                                   device=self.exchange.device)
+            full = torch.empty(count, layout.full_bytes, dtype=torch.uint8, device=self.exchange.device)
+        except torch.OutOfMemoryError:
+            logger.warning("rank %d: no device memory for the share exchange of %d loads (%d B); exchanging them in "
+                           "host memory", layout.rank, count, count * (layout.full_bytes + layout.size *
+                                                                        layout.share_bytes))
+            return None
+        return gathered, full
+
     def _load(self, commands: Sequence[Load], objects: Sequence[torch.Tensor], report: Report) -> None:
         layout, rank = self.layout, self.layout.rank
         local: list[str] = []
@@ -117,9 +153,15 @@ class SharedMover:
                 local.append(self.check(command, stored))
             except Exception as exc:  # a check that raises is a failed share, and the group still hears of it
                 local.append(f"share check raised: {exc}")
-        agreed = self.exchange.agree([not why for why in local])
-        kept = [i for i, ok in enumerate(agreed) if ok]
-        for i, ok in enumerate(agreed):
+        buffers = self._device_buffers(len(commands)) if self.exchange.on_device else None
+        # the last flag: every rank has its device buffers (agreed with the shares, so all ranks take one path)
+        flags = self.exchange.agree([not why for why in local] + ([buffers is not None] if self.exchange.on_device
+                                                                  else []))
+        on_device = self.exchange.on_device and flags.pop()
+        if self.exchange.on_device and not on_device:
+            self.counters.add("share_host_fallbacks")
+        kept = [i for i, ok in enumerate(flags) if ok]
+        for i, ok in enumerate(flags):
             if not ok:
                 why = local[i] or "share missing or invalid on another rank of the TP group"
                 self.counters.add("share_load_failures")
@@ -127,17 +169,20 @@ class SharedMover:
                 report(commands[i].cmd_id, TierResult.fail(f"share: {why}"))
         if not kept:
             return
-        contribution = torch.cat([layout.share_of(objects[i]) for i in kept])
-        gathered = self.exchange.gather(contribution, layout.size)
-        per_rank = gathered.view(layout.size, len(kept), layout.share_bytes)
-        fulls = []
-        for position, i in enumerate(kept):
-            full = self._full()
-            layout.own_part(objects[i], full)
-            layout.place_gathered(per_rank[:, position, :].reshape(-1), full)
-            fulls.append(full)
+        stored = [objects[i] for i in kept]
+        if on_device:
+            assert buffers is not None
+            gathered, full = buffers[0], buffers[1][:len(kept)]
+            # pinned, so the copy to the device is asynchronous and torch keeps the buffer until it is done
+            contribution = torch.empty(len(kept) * layout.share_bytes, dtype=torch.uint8,
+                                       pin_memory=self.exchange.device.type != "cpu")
+            torch.cat([layout.share_of(obj) for obj in stored], out=contribution)
+            self.exchange.gather(contribution, layout.size, out=gathered)
+        else:
+            gathered = self.exchange.gather(torch.cat([layout.share_of(obj) for obj in stored]), layout.size)
+            full = torch.empty(len(kept), layout.full_bytes, dtype=torch.uint8, pin_memory=self.pin)
+        layout.assemble(stored, gathered, full)
         self.counters.add("share_loaded_bytes", layout.object_bytes * len(kept))
         self.counters.add(f"rank{rank}_loaded_bytes", layout.object_bytes * len(kept))
         self.counters.add("share_exchanged_bytes", layout.share_bytes * (layout.size - 1) * len(kept))
-        self.inner.run([commands[i] for i in kept], fulls, report)
-
+        self.inner.run([commands[i] for i in kept], list(full.unbind(0)), report)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
@@ -88,18 +89,28 @@ class ShareLayout:
         stored[own:own + end - begin].copy_(full[begin:end])
         stored[own + end - begin:self.object_bytes].zero_()
 
-    def own_part(self, stored: torch.Tensor, full: torch.Tensor) -> None:
-        """This rank's own planes from its stored object into the full object (the shares come from the group)."""
-        self._check(full, stored)
-        full[:self.own_bytes].copy_(stored[:self.own_bytes])
-
     def share_of(self, stored: torch.Tensor) -> torch.Tensor:
         """This rank's padded share inside its stored object (`share_bytes`, what it contributes to the gather)."""
         return stored[self.own_bytes:self.object_bytes]
 
-    def place_gathered(self, gathered: torch.Tensor, full: torch.Tensor) -> None:
-        """Every rank's padded share, rank order (`size * share_bytes`), into the full object's replicated tail."""
-        if gathered.numel() < self.size * self.share_bytes:
-            raise ValueError(f"share layout: {gathered.numel()} B gathered, {self.size} shares of {self.share_bytes} B "
-                             "expected")
-        full[self.replicated_offset:self.full_bytes].copy_(gathered[:self.replicated_bytes])
+    def assemble(self, stored: Sequence[torch.Tensor], gathered: torch.Tensor, full: torch.Tensor) -> None:
+        """Full chunk objects (`full`, one row per object, on any device) from this rank's stored objects (their own
+        parts, host memory) and every rank's padded shares of them, rank-major (`size x len(stored) x share_bytes`,
+        on `full`'s device: the gather's output)."""
+        count = len(stored)
+        if full.dim() != 2 or full.shape[0] != count or full.shape[1] < self.full_bytes:
+            raise ValueError(f"share layout: full objects of shape {tuple(full.shape)}, {count} rows of at least "
+                             f"{self.full_bytes} B expected")
+        if gathered.numel() < self.size * count * self.share_bytes:
+            raise ValueError(f"share layout: {gathered.numel()} B gathered, {self.size} x {count} shares of "
+                             f"{self.share_bytes} B expected")
+        for obj in stored:
+            if obj.numel() < self.object_bytes:
+                raise ValueError(f"share layout: stored object of {obj.numel()} B, {self.object_bytes} B expected")
+        if self.own_bytes:
+            own = torch.stack([obj[:self.own_bytes] for obj in stored])
+            # pinned, so the copy to a device is asynchronous and torch keeps the buffer until it is done
+            full[:, :self.own_bytes].copy_(own if full.device.type == "cpu" else own.pin_memory(), non_blocking=True)
+        by_rank = gathered[:self.size * count * self.share_bytes].view(self.size, count, self.share_bytes)
+        tail = by_rank.permute(1, 0, 2).reshape(count, self.size * self.share_bytes)
+        full[:, self.replicated_offset:self.full_bytes].copy_(tail[:, :self.replicated_bytes])

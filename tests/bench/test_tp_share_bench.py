@@ -27,12 +27,18 @@ def _bench() -> ModuleType:
 
 def _rank(rank: int, out: str, lose_share: bool) -> None:
     bench = _bench()
-    if lose_share:  # the gather keeps this rank's own share and zeros where the other's belongs
-        def own_share_only(output, contribution) -> None:
-            output.zero_()
-            output.view(2, -1)[rank].copy_(contribution)
+    if lose_share:  # every gather keeps this rank's own share and zeros where the other's belongs
+        from lmcache_npu.transfer.share_mover import ShareExchange
 
-        bench._all_gather = own_share_only
+        gather = ShareExchange.gather
+
+        def own_share_only(self, contribution, size, out=None):
+            result = gather(self, contribution, size, out)
+            shares = result[:size * contribution.numel()].view(size, -1)
+            shares[1 - rank].zero_()
+            return result
+
+        ShareExchange.gather = own_share_only
     bench.dist.init_process_group("gloo", init_method=f"file://{out}/rendezvous", rank=rank, world_size=2)
     try:
         bench.run_rank(rank, 2, bench.parse(ARGS), out)
@@ -46,12 +52,14 @@ def test_gloo_run_checks_bytes_and_halves_pcie(tmp_path: Path) -> None:
     mp.spawn(_rank, args=(str(tmp_path), False), nprocs=2, join=True)
     rows = [row for r in range(2) for row in json.loads(Path(tmp_path, f"rank{r}.json").read_text())]
     by = {(r["variant"], r["rank"]): r for r in rows}
-    assert set(by) == {("whole", 0), ("whole", 1), ("share", 0), ("share", 1)}
+    assert set(by) == {(v, r) for v in ("whole", "host", "device") for r in (0, 1)}
     for rank in (0, 1):
-        whole, share = by[("whole", rank)], by[("share", rank)]
-        assert whole["pcie_bytes_per_rank"] == 2 * whole["object_bytes"]
-        assert whole["pcie_bytes_per_rank"] <= 2 * share["pcie_bytes_per_rank"] <= whole["pcie_bytes_per_rank"] + 256
-        assert share["fabric_bytes_per_rank"] == share["pcie_bytes_per_rank"]
+        whole, host, device = by[("whole", rank)], by[("host", rank)], by[("device", rank)]
+        assert whole["pcie_bytes_per_rank"] == host["pcie_bytes_per_rank"] == 2 * whole["object_bytes"]
+        assert whole["pcie_bytes_per_rank"] <= 2 * device["pcie_bytes_per_rank"] <= whole["pcie_bytes_per_rank"] + 256
+        assert device["exchanged_bytes_per_rank"] == host["exchanged_bytes_per_rank"] == device["pcie_bytes_per_rank"]
+        assert whole["exchanged_bytes_per_rank"] == 0
+        assert 2 * host["stored_bytes_per_rank"] == 2 * device["stored_bytes_per_rank"] >= whole["stored_bytes_per_rank"]
     assert "deepseek-v4-flash" in _bench().table(rows)
 
 

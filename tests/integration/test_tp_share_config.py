@@ -44,3 +44,19 @@ def test_tp_groups_fall_back_to_tp_innermost_ranges() -> None:
     assert tp_share._tp_groups(4, 2, SimpleNamespace(group_ranks=[[0, 2], [1, 3]])) == [[0, 2], [1, 3]]
     with pytest.raises(ValueError, match="world size 3 is not a multiple of tensor_parallel_size 2"):
         tp_share._tp_groups(3, 2, SimpleNamespace())
+
+
+def test_the_exchange_key_and_where_auto_puts_the_shares() -> None:
+    import torch
+
+    assert ConnectorConfig().tp_share_exchange == "auto"
+    with pytest.raises(ValueError, match="tp_share_exchange must be one of auto, device, host, got 'nccl'"):
+        ConnectorConfig(tp_share_exchange="nccl")
+    # auto: the device fabric where the KV cache is on a device, gloo in host memory on CPU engines
+    assert tp_share.device_collective("auto", torch.device("cuda", 0)) == "nccl"
+    assert tp_share.device_collective("auto", SimpleNamespace(type="npu")) == "hccl"  # no torch_npu here
+    assert tp_share.device_collective("auto", torch.device("cpu")) is None
+    assert tp_share.device_collective("host", torch.device("cuda", 0)) is None
+    assert tp_share.device_collective("device", torch.device("cuda", 0)) == "nccl"
+    with pytest.raises(ValueError, match="tp_share_exchange: device needs the KV cache on NPU or CUDA; it is on cpu"):
+        tp_share.device_collective("device", torch.device("cpu"))

@@ -1,6 +1,8 @@
-"""Two processes, one gloo group: each stores only its share of replicated planes (plus its own head-split plane)
-and loads the whole chunk back through the exchange, byte for byte; a share missing or wrong on one rank is seen
-by both (the load fails on both, no row is written) or by the byte comparison."""
+"""Two processes: each stores only its share of replicated planes (plus its own head-split plane) and loads the
+whole chunk back through the exchange, byte for byte; a share missing or wrong on one rank is seen by both (the load
+fails on both, no row is written) or by the byte comparison. Every case runs with the host exchange (gloo, host
+memory) and the device exchange's code path (gloo standing in for NCCL/HCCL, the CPU for the device); with two GPUs
+the device exchange also runs for real, over NCCL into GPU memory (`cuda` marker)."""
 
 from __future__ import annotations
 
@@ -10,11 +12,13 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from lmcache_npu.ops import ChunkBatch, Direction, GroupSpec, Plane, TransferPlan
+from lmcache_npu.ops.backend import get_backend
 from lmcache_npu.ops.torch_backend import TorchBackend
 from lmcache_npu.store.commands import Load, Store
 from lmcache_npu.store.keys import ChunkKey
@@ -32,10 +36,14 @@ class WholeObjectMover:
     """The rank's device side: the reference backend moving whole chunk objects between pages and objects."""
 
     def __init__(self, plan: TransferPlan, blocks: Sequence[Sequence[int]]) -> None:
-        self.plan, self.blocks, self.backend = plan, blocks, TorchBackend()
+        # the oracle on the CPU; on a GPU the CUDA backend, which reads device objects on its own path
+        self.backend = get_backend("cuda") if plan.device.type == "cuda" else TorchBackend()
+        self.plan, self.blocks = plan, blocks
+        self.seen: list[torch.Tensor] = []  # the objects it was handed
 
     def run(self, commands: Sequence[Any], objects: Sequence[torch.Tensor], report: Any) -> None:
         direction = Direction.STORE if isinstance(commands[0], Store) else Direction.LOAD
+        self.seen.extend(objects)
         rows = np.array([[b * ROWS_PER_BLOCK + r for b in self.blocks[c.chunk_index] for r in range(ROWS_PER_BLOCK)]
                          for c in commands], dtype=np.int64)
         self.backend.transfer(ChunkBatch.build(self.plan, [rows], list(objects), direction))
@@ -43,13 +51,13 @@ class WholeObjectMover:
             report(command.cmd_id, OK)
 
 
-def _plan(rank: int) -> TransferPlan:
+def _plan(rank: int, device: torch.device = torch.device("cpu")) -> TransferPlan:
     """An MLA-like latent and rope plane (the same bytes on both ranks) and one head-split plane (rank's own)."""
     shared = torch.Generator().manual_seed(7)
     own = torch.Generator().manual_seed(100 + rank)
 
     def pages(row_bytes: int, gen: torch.Generator) -> torch.Tensor:
-        return torch.randint(0, 256, (BLOCKS, ROWS_PER_BLOCK * row_bytes), dtype=torch.uint8, generator=gen)
+        return torch.randint(0, 256, (BLOCKS, ROWS_PER_BLOCK * row_bytes), dtype=torch.uint8, generator=gen).to(device)
 
     planes = [Plane(pages(96, shared), 0, ROWS_PER_BLOCK, 96, name="latent", replicated=True),
               Plane(pages(32, shared), 0, ROWS_PER_BLOCK, 32, name="rope", replicated=True),
@@ -58,18 +66,33 @@ def _plan(rank: int) -> TransferPlan:
 
 
 def _rows(plan: TransferPlan, blocks: Sequence[int]) -> list[bytes]:
-    return [bytes(p.pages[blocks].flatten().tolist()) for p in plan.moved_planes]
+    return [bytes(p.pages[blocks].flatten().cpu().tolist()) for p in plan.moved_planes]
 
 
-def _worker(rank: int, size: int, init: str, out: str, fault: str) -> None:
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=size)
+def _exchange(kind: str, rank: int) -> ShareExchange:
+    if kind == "host":
+        return ShareExchange(dist.group.WORLD)
+    if kind == "device-cpu":  # the device exchange's path, with gloo and host memory standing in
+        return ShareExchange(dist.group.WORLD, dist.group.WORLD, torch.device("cpu"))
+    return ShareExchange(dist.group.WORLD, dist.group.WORLD, torch.device(f"cuda:{rank}"))  # NCCL routes cuda tensors
+
+
+def _worker(rank: int, size: int, init: str, out: str, fault: str, kind: str) -> None:
+    device = torch.device(f"cuda:{rank}") if kind == "device-cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo", init_method=init, rank=rank,
+                            world_size=size)
     try:
-        plan = _plan(rank)
+        plan = _plan(rank, device)
         layout = ShareLayout(plan.object_bytes, plan.replicated_offset, rank, size)
         counters = TierCounters()
         reports: dict[int, Any] = {}
         key = ChunkKey("0" * 32, b"k")
-        mover = SharedMover(WholeObjectMover(plan, SOURCE), layout, ShareExchange(dist.group.WORLD), counters)
+        exchange = _exchange(kind, rank)
+        mover = SharedMover(WholeObjectMover(plan, SOURCE), layout, exchange, counters, pin=device.type == "cuda")
+        if rank == 1 and fault == "no_device_memory":
+            mover._device_buffers = lambda count: None  # this rank's device is full: the group exchanges on the host
         arena = [torch.zeros(layout.object_bytes, dtype=torch.uint8) for _ in SOURCE]
         mover.run([Store(i, key, i, "r", i) for i in range(len(SOURCE))], arena,
                   lambda cmd_id, result: reports.__setitem__(cmd_id, result.ok))
@@ -79,14 +102,16 @@ def _worker(rank: int, size: int, init: str, out: str, fault: str) -> None:
             arena[0] = arena[0][:0]  # chunk 0's share is gone on rank 1 only
         if rank == 1 and fault == "wrong_byte":
             arena[0][layout.own_bytes] ^= 0xFF  # the first byte of rank 1's share of chunk 0
-        mover.inner = WholeObjectMover(plan, TARGET)
+        mover.inner = loads = WholeObjectMover(plan, TARGET)
         mover.run([Load(10 + i, key, i, "r", i) for i in range(len(TARGET))], arena,
                   lambda cmd_id, result: reports.__setitem__(cmd_id, result.ok))
         loaded = [_rows(plan, t) == _rows_of_source(plan, rank, s) for s, t in zip(SOURCE, TARGET)]
-        untouched = [all(set(p.pages[t].flatten().tolist()) == {SENTINEL} for p in plan.moved_planes) for t in TARGET]
+        untouched = [all(set(p.pages[t].flatten().cpu().tolist()) == {SENTINEL} for p in plan.moved_planes)
+                     for t in TARGET]
         Path(out, f"rank{rank}.json").write_text(json.dumps({
             "reports": {str(k): v for k, v in reports.items()}, "loaded": loaded, "untouched": untouched,
-            "object_bytes": layout.object_bytes, "full_bytes": plan.object_bytes, "counters": counters.snapshot()}))
+            "object_bytes": layout.object_bytes, "full_bytes": plan.object_bytes, "counters": counters.snapshot(),
+            "loaded_from": sorted({o.device.type for o in loads.seen})}))
     finally:
         dist.destroy_process_group()
 
@@ -95,14 +120,20 @@ def _rows_of_source(plan: TransferPlan, rank: int, blocks: Sequence[int]) -> lis
     return _rows(_plan(rank), blocks)  # the same seeds give the pages as they were before the load
 
 
-def _run(tmp_path: Path, fault: str) -> list[dict[str, Any]]:
+def _run(tmp_path: Path, fault: str, kind: str) -> list[dict[str, Any]]:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    mp.spawn(_worker, args=(2, f"file://{tmp_path}/rendezvous", str(tmp_path), fault), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, f"file://{tmp_path}/rendezvous", str(tmp_path), fault, kind), nprocs=2, join=True)
     return [json.loads(Path(tmp_path, f"rank{r}.json").read_text()) for r in range(2)]
 
 
-def test_shares_round_trip_byte_exact(tmp_path: Path) -> None:
-    ranks = _run(tmp_path, "none")
+two_gpus = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2
+                              or not torch.distributed.is_nccl_available(), reason="needs two CUDA GPUs and NCCL")
+KINDS = ["host", "device-cpu", pytest.param("device-cuda", marks=[pytest.mark.cuda, two_gpus])]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_shares_round_trip_byte_exact(tmp_path: Path, kind: str) -> None:
+    ranks = _run(tmp_path, "none", kind)
     for r in ranks:
         assert all(r["reports"].values()) and len(r["reports"]) == 4
         assert r["loaded"] == [True, True]
@@ -111,19 +142,31 @@ def test_shares_round_trip_byte_exact(tmp_path: Path) -> None:
         half = -(-(plan.object_bytes - plan.replicated_offset) // 2 // 64) * 64
         assert plan.replicated_offset == CHUNK * 40 and r["object_bytes"] == plan.replicated_offset + half
         assert r["counters"]["share_exchanged_bytes"] > 0
+        # the device exchange hands the scatter objects in device memory; the host one, host objects
+        assert r["loaded_from"] == (["cuda"] if kind == "device-cuda" else ["cpu"])
+        assert "share_host_fallbacks" not in r["counters"]
 
 
-def test_share_missing_on_one_rank_fails_the_load_on_both(tmp_path: Path) -> None:
-    ranks = _run(tmp_path, "missing")
+@pytest.mark.parametrize("kind", KINDS)
+def test_share_missing_on_one_rank_fails_the_load_on_both(tmp_path: Path, kind: str) -> None:
+    ranks = _run(tmp_path, "missing", kind)
     for r in ranks:
         assert r["reports"]["10"] is False and r["reports"]["11"] is True
         assert r["untouched"] == [True, False]  # chunk 0 wrote no row on either rank
         assert r["loaded"] == [False, True]
 
 
-def test_a_wrong_byte_in_one_share_is_seen_on_every_rank(tmp_path: Path) -> None:
-    ranks = _run(tmp_path, "wrong_byte")
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_wrong_byte_in_one_share_is_seen_on_every_rank(tmp_path: Path, kind: str) -> None:
+    ranks = _run(tmp_path, "wrong_byte", kind)
     for r in ranks:
         assert r["loaded"] == [False, True]  # the byte came from rank 1's share, rank 0 received it too
 
 
+@pytest.mark.parametrize("kind", KINDS[1:])
+def test_a_rank_without_device_memory_moves_the_whole_group_to_the_host_exchange(tmp_path: Path, kind: str) -> None:
+    ranks = _run(tmp_path, "no_device_memory", kind)  # a rank that skipped the device gather alone would hang
+    for r in ranks:
+        assert all(r["reports"].values()) and r["loaded"] == [True, True]
+        assert r["counters"]["share_host_fallbacks"] == 1
+        assert r["loaded_from"] == ["cpu"]

@@ -47,14 +47,13 @@ def test_pack_gather_place_round_trip(sizes: tuple[int, int], size: int, rng) ->
         assert torch.equal(obj[own:own + end - begin], full[begin:end])
         assert not obj[own + end - begin:].any()  # the padding is zeros, never a previous chunk's bytes
     gathered = torch.cat([layout.share_of(obj) for layout, obj in zip(layouts, stored)])
-    rebuilt = torch.zeros(full_bytes, dtype=torch.uint8)
-    layouts[-1].own_part(stored[-1], rebuilt)
-    layouts[-1].place_gathered(gathered, rebuilt)
-    assert torch.equal(rebuilt, full)
+    rebuilt = torch.zeros(1, full_bytes, dtype=torch.uint8)
+    layouts[-1].assemble([stored[-1]], gathered, rebuilt)
+    assert torch.equal(rebuilt[0], full)
     if full_bytes > own:  # negative control: one wrong byte in one share is a wrong byte in the rebuilt object
         gathered[0] ^= 0xFF
-        layouts[-1].place_gathered(gathered, rebuilt)
-        assert not torch.equal(rebuilt, full)
+        layouts[-1].assemble([stored[-1]], gathered, rebuilt)
+        assert not torch.equal(rebuilt[0], full)
 
 
 def test_nothing_replicated_shares_nothing() -> None:
@@ -80,3 +79,42 @@ def test_fingerprint_names_the_split_not_the_rank() -> None:
     assert a.fingerprint(base) == b.fingerprint(base)
     assert a.fingerprint(base) != ShareLayout(1024, 0, 0, 4).fingerprint(base)
     assert a.fingerprint(base) != a.fingerprint(b"\x02" * 16)
+
+
+@settings(max_examples=50, deadline=None)
+@given(objects, st.integers(2, 6), st.integers(2, 5), st.randoms(use_true_random=False))
+def test_assemble_takes_rank_major_shares_of_several_chunks(sizes: tuple[int, int], size: int, count: int,
+                                                            rng) -> None:
+    own, full_bytes = sizes
+    gen = torch.Generator().manual_seed(rng.randint(0, 2**31))
+    fulls = torch.randint(0, 256, (count, full_bytes), dtype=torch.uint8, generator=gen)
+    layouts = [ShareLayout(full_bytes, own, r, size) for r in range(size)]
+    stored = [[torch.empty(layout.object_bytes, dtype=torch.uint8) for _ in range(count)] for layout in layouts]
+    for layout, objs in zip(layouts, stored):
+        for full, obj in zip(fulls, objs):
+            layout.pack(full, obj)
+    # what the all-gather returns: rank 0's shares of every chunk, then rank 1's, ...
+    gathered = torch.cat([layout.share_of(obj) for layout, objs in zip(layouts, stored) for obj in objs])
+    for layout, objs in zip(layouts, stored):
+        rebuilt = torch.zeros(count, full_bytes, dtype=torch.uint8)
+        layout.assemble(objs, gathered, rebuilt)
+        assert torch.equal(rebuilt, fulls)
+    if full_bytes > own and layouts[0].share_bytes and fulls[0, own:].ne(fulls[1, own:]).any():
+        # negative control: chunk-major shares (the wrong order) do not rebuild the objects
+        chunk_major = torch.cat([layout.share_of(objs[c]) for c in range(count) for layout, objs in zip(layouts, stored)])
+        rebuilt = torch.zeros(count, full_bytes, dtype=torch.uint8)
+        layouts[0].assemble(stored[0], chunk_major, rebuilt)
+        assert not torch.equal(rebuilt, fulls)
+
+
+def test_assemble_refuses_short_buffers() -> None:
+    layout = ShareLayout(4096, 1024, 0, 2)
+    stored = [torch.zeros(layout.object_bytes, dtype=torch.uint8)]
+    with pytest.raises(ValueError, match="gathered"):
+        layout.assemble(stored, torch.zeros(10, dtype=torch.uint8), torch.zeros(1, 4096, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="full objects of shape"):
+        layout.assemble(stored, torch.zeros(2 * layout.share_bytes, dtype=torch.uint8),
+                        torch.zeros(2, 4096, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="stored object"):
+        layout.assemble([stored[0][:10]], torch.zeros(2 * layout.share_bytes, dtype=torch.uint8),
+                        torch.zeros(1, 4096, dtype=torch.uint8))

@@ -4,9 +4,10 @@
 `tp_share: auto` turns sharing on when the engine runs with tensor_parallel_size > 1 and discovery marked planes
 replicated (MLA latents, indexers, DeepSeek-V4 caches, attention with a single KV head); `off`, tp_size 1 or no
 replicated plane leave every rank storing its whole chunk, byte for byte as before. The exchange gets a gloo group
-of its own over the TP group's ranks: vLLM's cpu_group also carries its own coordination from the model's thread,
-and two users of one group could interleave their collectives. Making a group is collective over the whole world,
-so every rank creates every TP group's, in the same order, and keeps its own.
+of its own over the TP group's ranks, and, for the device exchange (`tp_share_exchange`), an NCCL/HCCL group of its
+own: vLLM's cpu_group and device_group also carry its own coordination from the model's thread, and two users of one
+group could interleave their collectives. Making a group is collective over the whole world, so every rank creates
+every TP group's, in the same order, and keeps its own.
 """
 
 from __future__ import annotations
@@ -15,8 +16,11 @@ import logging
 from datetime import timedelta
 from typing import Any, Optional, Sequence
 
+import torch
+
 from ...layout.discovery import LayoutPolicy
 from ...ops.plan import TransferPlan
+from ...transfer.share_mover import ShareExchange
 from ...transfer.shares import ShareLayout
 
 logger = logging.getLogger(__name__)
@@ -78,8 +82,8 @@ def _tp_groups(world: int, tp_size: int, coordinator: Any) -> Sequence[Sequence[
     return [list(range(start, start + tp_size)) for start in range(0, world, tp_size)]
 
 
-def exchange_group(tp_size: int) -> Any:
-    """A gloo process group over this rank's TP group, for the share exchange only."""
+def _group_over_tp(tp_size: int, backend: str) -> Any:
+    """A process group of `backend` over this rank's TP group (made collectively for every TP group, in order)."""
     import torch.distributed as dist
     from vllm.distributed.parallel_state import get_tp_group
 
@@ -88,10 +92,38 @@ def exchange_group(tp_size: int) -> Any:
         raise ValueError(f"tp_share: vLLM's TP group has {coordinator.world_size} ranks, the config says {tp_size}")
     mine = None
     for ranks in _tp_groups(dist.get_world_size(), tp_size, coordinator):
-        group = dist.new_group(list(ranks), backend="gloo", timeout=EXCHANGE_TIMEOUT)
+        group = dist.new_group(list(ranks), backend=backend, timeout=EXCHANGE_TIMEOUT)
         if dist.get_rank() in ranks:
             mine = group
     if mine is None:
         raise ValueError(f"tp_share: global rank {dist.get_rank()} is in no TP group")
-    logger.info("tp_share: exchange group over ranks %s", list(coordinator.ranks))
+    logger.info("tp_share: %s exchange group over ranks %s", backend, list(coordinator.ranks))
     return mine
+
+
+def exchange_group(tp_size: int) -> Any:
+    """A gloo process group over this rank's TP group, for the share exchange only."""
+    return _group_over_tp(tp_size, "gloo")
+
+
+# the collective library that moves device memory between the ranks of a device type
+DEVICE_COLLECTIVES = {"cuda": "nccl", "npu": "hccl"}
+
+
+def device_collective(mode: str, device: torch.device) -> Optional[str]:
+    """The backend of the device exchange (`tp_share_exchange`), or None for the host exchange."""
+    backend = DEVICE_COLLECTIVES.get(device.type)
+    if mode == "host" or (mode == "auto" and backend is None):
+        return None
+    if backend is None:
+        raise ValueError(f"tp_share_exchange: device needs the KV cache on NPU or CUDA; it is on {device.type}")
+    return backend
+
+
+def share_exchange(mode: str, tp_size: int, device: torch.device) -> ShareExchange:
+    """The exchange a rank's shared loads use: flags (and host shares) over gloo, device shares over NCCL/HCCL."""
+    backend = device_collective(mode, device)
+    host = exchange_group(tp_size)
+    if backend is None:
+        return ShareExchange(host)
+    return ShareExchange(host, _group_over_tp(tp_size, backend), device)

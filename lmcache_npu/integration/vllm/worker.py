@@ -68,7 +68,7 @@ from ...store.factory import build_executor
 from ...store.keys import layout_fingerprint, namespace_of
 from ...store.tier import TierCounters
 from ...transfer import KVMover, StreamKit
-from ...transfer.share_mover import ShareExchange, SharedMover
+from ...transfer.share_mover import SharedMover
 from ...transfer.shares import ShareLayout
 from . import adapter, tp_share
 from .identity import EngineIdentity, engine_identity
@@ -183,13 +183,14 @@ class WorkerHalf:
         if self.shares is not None:
             fingerprint = self.shares.fingerprint(fingerprint)
             namespace = namespace_of(self.identity.fingerprint, fingerprint)
-            device_mover = SharedMover(self.mover, self.shares,
-                                       ShareExchange(tp_share.exchange_group(policy.tp_size)), self.counters,
+            exchange = tp_share.share_exchange(self.config.tp_share_exchange, policy.tp_size, plan.device)
+            device_mover = SharedMover(self.mover, self.shares, exchange, self.counters,
                                        pin=plan.device.type != "cpu")
             object_bytes = self.shares.object_bytes
             logger.info("lmcache_npu rank %d: tp_share on, %d of %d B per chunk stored here (%d own, share %d B of "
-                        "%d replicated)", self.place.rank, object_bytes, plan.object_bytes, self.shares.own_bytes,
-                        self.shares.share_bytes, self.shares.replicated_bytes)
+                        "%d replicated), shares exchanged in %s memory", self.place.rank, object_bytes,
+                        plan.object_bytes, self.shares.own_bytes, self.shares.share_bytes,
+                        self.shares.replicated_bytes, "device" if exchange.on_device else "host")
         self.executor = build_executor(self.config.store, self.place.rank, object_bytes, fingerprint, device_mover,
                                        namespace)
         for tier, names in ((self.executor.disk, DISK_METRICS), (self.executor.remote, REMOTE_METRICS)):
