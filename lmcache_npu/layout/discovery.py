@@ -97,7 +97,7 @@ class LayoutGroup:
     planes: tuple[PlaneInfo, ...]
     exact_restore: bool = True
     chunk_tokens: int = 0
-    replicated: bool = False  # every TP rank holds the same bytes of this group (`replicated_across_tp`)
+    replicated: bool = False  # the ranks of each share group hold the same bytes of this group (`share_ranks`)
 
     @property
     def keeps_blocks(self) -> bool:
@@ -159,6 +159,8 @@ class KVLayout:
     aliases: Mapping[str, str] = field(default_factory=dict)  # layer -> the layer whose KV it reads
     caveats: tuple[str, ...] = ()
     covering_views: tuple[CoveringView, ...] = ()  # views stored once, as the rows of the views they cover
+    # consecutive TP ranks that hold identical bytes of the replicated groups and store them once (1: none)
+    share_ranks: int = 1
 
     @property
     def bytes_per_chunk(self) -> int:
@@ -176,6 +178,7 @@ class KVLayout:
             "bytes_per_chunk": self.bytes_per_chunk,
             "naive_bytes_per_chunk": self.naive_bytes_per_chunk,
             "caveats": list(self.caveats),
+            "share_ranks": self.share_ranks,
         }
 
 
@@ -335,15 +338,30 @@ _LATENT_KINDS = (SpecKind.MLA, SpecKind.SLIDING_WINDOW_MLA, SpecKind.COMPRESSOR_
 _HEAD_SPLIT_KINDS = (SpecKind.FULL_ATTENTION, SpecKind.SLIDING_WINDOW, SpecKind.CHUNKED_LOCAL)
 
 
-def replicated_across_tp(kind: SpecKind, tp_size: int, total_kv_heads: Optional[int]) -> bool:
-    """Whether every rank of a TP group of `tp_size` holds the same bytes for a group of this kind. Head-split
-    attention with 1 < KV heads < tp_size is replicated only inside sub-groups of tp_size / heads ranks; this
-    returns False there (each rank keeps its whole chunk), as it does for recurrent states (split by heads)."""
+def replication_factor(kind: SpecKind, tp_size: int, total_kv_heads: Optional[int]) -> int:
+    """How many consecutive TP ranks hold identical bytes of a group of this kind: the whole group for latent kinds;
+    for head-split attention tp_size / heads when TP exceeds the KV heads (vLLM gives rank r head r // that), else
+    1; 1 for recurrent states (split by heads) and where the heads are unknown (never guessed)."""
     if tp_size <= 1:
-        return False
+        return 1
     if kind in _LATENT_KINDS:
-        return True
-    return kind in _HEAD_SPLIT_KINDS and total_kv_heads == 1
+        return tp_size
+    if kind in _HEAD_SPLIT_KINDS and total_kv_heads is not None and total_kv_heads < tp_size \
+            and tp_size % total_kv_heads == 0:
+        return tp_size // total_kv_heads
+    return 1
+
+
+def replicated_across_tp(kind: SpecKind, tp_size: int, total_kv_heads: Optional[int]) -> bool:
+    """Whether every rank of a TP group of `tp_size` holds the same bytes for a group of this kind."""
+    return tp_size > 1 and replication_factor(kind, tp_size, total_kv_heads) == tp_size
+
+
+def share_group_ranks(factors: Sequence[int]) -> int:
+    """The share group's size for groups replicated `factors`-fold: the largest run of consecutive ranks inside
+    which every replicated group is identical (their gcd; 1 when nothing is replicated)."""
+    replicated = [f for f in factors if f > 1]
+    return math.gcd(*replicated) if replicated else 1
 
 
 def _planes(components: Sequence[Component], drafts: Sequence[_Draft], plan_index: Mapping[str, int],
@@ -454,7 +472,9 @@ def discover_layout(kv_cache_config: Any, kv_caches: Mapping[str, KVValue],
                                     policy.fractal_nz, scope=plan_index, packings=packings)
     components, covering = drop_covering_views(components, scope=plan_index)
     _note_covering_views(covering, drafts, plan_index)
-    replicated = [replicated_across_tp(d.specs[0].kind, policy.tp_size, policy.total_kv_heads) for d in drafts]
+    factors = [replication_factor(d.specs[0].kind, policy.tp_size, policy.total_kv_heads) for d in drafts]
+    share_ranks = share_group_ranks(factors)
+    replicated = [share_ranks > 1 and f % share_ranks == 0 for f in factors]
     planes, infos = _planes(components, drafts, plan_index, int(kv_cache_config.num_blocks), replicated)
     for d in drafts:
         s = d.specs[0]
@@ -472,7 +492,7 @@ def discover_layout(kv_cache_config: Any, kv_caches: Mapping[str, KVValue],
     caveats = tuple(f"group {g.index}: {g.skip_reason}" for g in groups if not g.exact_restore)
     for caveat in caveats:
         logger.warning("%s (exact restores: drop 'compressor_state' from skip_spec_kinds)", caveat)
-    return KVLayout(plan, groups, hash_block, aliases, caveats, tuple(covering))
+    return KVLayout(plan, groups, hash_block, aliases, caveats, tuple(covering), share_ranks)
 
 
 def _note_covering_views(covering: Sequence[CoveringView], drafts: Sequence[_Draft],

@@ -60,3 +60,25 @@ def test_the_exchange_key_and_where_auto_puts_the_shares() -> None:
     assert tp_share.device_collective("device", torch.device("cuda", 0)) == "nccl"
     with pytest.raises(ValueError, match="tp_share_exchange: device needs the KV cache on NPU or CUDA; it is on cpu"):
         tp_share.device_collective("device", torch.device("cpu"))
+
+
+def test_share_groups_are_consecutive_ranks_of_each_tp_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch.distributed as dist
+    from vllm.distributed import parallel_state
+
+    monkeypatch.setattr(dist, "get_world_size", lambda: 8)
+    monkeypatch.setattr(parallel_state, "get_tp_group", lambda: SimpleNamespace(world_size=4))
+    # two TP groups of 4 (TP innermost), 2 KV heads: ranks 0,1 hold head 0 and 2,3 head 1 in each
+    assert tp_share._share_groups(4, 2) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert tp_share._share_groups(4, 4) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    monkeypatch.setattr(parallel_state, "get_tp_group",
+                        lambda: SimpleNamespace(world_size=4, group_ranks=[[0, 2, 4, 6], [1, 3, 5, 7]]))
+    assert tp_share._share_groups(4, 2) == [[0, 2], [4, 6], [1, 3], [5, 7]]  # vLLM's own TP order, then pairs
+    with pytest.raises(ValueError, match="share groups of 3 ranks do not divide a TP group of 4"):
+        tp_share._share_groups(4, 3)
+    with pytest.raises(ValueError, match="vLLM's TP group has 4 ranks, the config says 2"):
+        tp_share._share_groups(2, 2)
+    plan = SimpleNamespace(object_bytes=4096, replicated_offset=1024, replicated_bytes=3072)
+    layout = tp_share.share_layout(plan, 3, 2)
+    assert (layout.rank, layout.size) == (1, 2)  # TP rank 3 is the second of its pair
+    assert tp_share.share_layout(plan, 3, 1) is None

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lmcache_npu.layout.discovery import LayoutPolicy, replicated_across_tp
+from lmcache_npu.layout.discovery import LayoutPolicy, replicated_across_tp, replication_factor, share_group_ranks
 from lmcache_npu.layout.presets import preset_layout
 from lmcache_npu.layout.specs import SpecKind
 from lmcache_npu.ops import GroupSpec, Plane, TransferPlan
@@ -73,3 +73,44 @@ def test_bad_tp_policy_is_named() -> None:
         LayoutPolicy(tp_size=0)
     with pytest.raises(ValueError, match="total_kv_heads must be >= 1"):
         LayoutPolicy(total_kv_heads=0)
+
+
+@pytest.mark.parametrize("kind, tp, heads, factor", [
+    (SpecKind.MLA, 8, None, 8),
+    (SpecKind.FULL_ATTENTION, 8, 4, 2),  # Qwen3-235B's 4 KV heads at TP=8: ranks {0,1}, {2,3}, ... hold one head each
+    (SpecKind.SLIDING_WINDOW, 16, 8, 2),
+    (SpecKind.FULL_ATTENTION, 8, 1, 8),
+    (SpecKind.FULL_ATTENTION, 8, 8, 1),  # one head per rank
+    (SpecKind.FULL_ATTENTION, 6, 4, 1),  # heads that do not divide TP: vLLM's own split, never guessed
+    (SpecKind.FULL_ATTENTION, 8, None, 1),
+    (SpecKind.MAMBA, 8, 1, 1),
+    (SpecKind.MLA, 1, None, 1),
+])
+def test_replication_factor(kind: SpecKind, tp: int, heads, factor: int) -> None:
+    assert replication_factor(kind, tp, heads) == factor
+    assert replicated_across_tp(kind, tp, heads) is (tp > 1 and factor == tp)
+
+
+def test_share_group_is_the_gcd_of_the_replicated_groups() -> None:
+    assert share_group_ranks([1, 1]) == 1
+    assert share_group_ranks([8, 1]) == 8
+    assert share_group_ranks([8, 2, 1]) == 2  # MLA (all 8) with GQA pairs: pairs hold both identically
+    assert share_group_ranks([6, 4]) == 2
+
+
+def test_gqa_with_fewer_kv_heads_than_tp_ranks_shares_within_pairs() -> None:
+    import dataclasses
+
+    from lmcache_npu.layout.discovery import discover_layout
+    from lmcache_npu.layout.presets import build_preset
+
+    preset = build_preset("llama3-8b", "cuda", 2)  # 8 KV heads
+    base = LayoutPolicy(chunk_tokens=256)
+    at = {tp: discover_layout(preset.kv_cache_config, preset.kv_caches,
+                              dataclasses.replace(base, tp_size=tp, total_kv_heads=8), preset.attention_backends)
+          for tp in (1, 8, 16, 32)}
+    assert [at[tp].share_ranks for tp in (1, 8, 16, 32)] == [1, 1, 2, 4]
+    for tp in (16, 32):
+        assert all(p.replicated for p in at[tp].plan.moved_planes)
+        assert at[tp].to_json()["share_ranks"] == tp // 8
+    assert not any(p.replicated for p in at[8].plan.moved_planes)  # one head per rank: nothing identical

@@ -51,9 +51,10 @@ class WholeObjectMover:
             report(command.cmd_id, OK)
 
 
-def _plan(rank: int, device: torch.device = torch.device("cpu")) -> TransferPlan:
-    """An MLA-like latent and rope plane (the same bytes on both ranks) and one head-split plane (rank's own)."""
-    shared = torch.Generator().manual_seed(7)
+def _plan(rank: int, device: torch.device = torch.device("cpu"), team: int = 0) -> TransferPlan:
+    """An MLA-like latent and rope plane (the same bytes on every rank of a share group, `team`) and one head-split
+    plane (the rank's own)."""
+    shared = torch.Generator().manual_seed(7 + team)
     own = torch.Generator().manual_seed(100 + rank)
 
     def pages(row_bytes: int, gen: torch.Generator) -> torch.Tensor:
@@ -69,27 +70,30 @@ def _rows(plan: TransferPlan, blocks: Sequence[int]) -> list[bytes]:
     return [bytes(p.pages[blocks].flatten().cpu().tolist()) for p in plan.moved_planes]
 
 
-def _exchange(kind: str, rank: int) -> ShareExchange:
+def _exchange(kind: str, rank: int, group: Any) -> ShareExchange:
     if kind == "host":
-        return ShareExchange(dist.group.WORLD)
+        return ShareExchange(group)
     if kind == "device-cpu":  # the device exchange's path, with gloo and host memory standing in
-        return ShareExchange(dist.group.WORLD, dist.group.WORLD, torch.device("cpu"))
-    return ShareExchange(dist.group.WORLD, dist.group.WORLD, torch.device(f"cuda:{rank}"))  # NCCL routes cuda tensors
+        return ShareExchange(group, group, torch.device("cpu"))
+    return ShareExchange(group, group, torch.device(f"cuda:{rank}"))  # NCCL routes cuda tensors
 
 
-def _worker(rank: int, size: int, init: str, out: str, fault: str, kind: str) -> None:
+def _worker(rank: int, size: int, init: str, out: str, fault: str, kind: str, share_ranks: int) -> None:
     device = torch.device(f"cuda:{rank}") if kind == "device-cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group("cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo", init_method=init, rank=rank,
                             world_size=size)
     try:
-        plan = _plan(rank, device)
-        layout = ShareLayout(plan.object_bytes, plan.replicated_offset, rank, size)
+        # share groups of consecutive ranks (every rank makes every group, in order, as torch requires)
+        groups = [dist.new_group(list(range(first, first + share_ranks))) for first in range(0, size, share_ranks)]
+        team = rank // share_ranks
+        plan = _plan(rank, device, team)
+        layout = ShareLayout(plan.object_bytes, plan.replicated_offset, rank % share_ranks, share_ranks)
         counters = TierCounters()
         reports: dict[int, Any] = {}
         key = ChunkKey("0" * 32, b"k")
-        exchange = _exchange(kind, rank)
+        exchange = _exchange(kind, rank, groups[team])
         mover = SharedMover(WholeObjectMover(plan, SOURCE), layout, exchange, counters, pin=device.type == "cuda")
         if rank == 1 and fault == "no_device_memory":
             mover._device_buffers = lambda count: None  # this rank's device is full: the group exchanges on the host
@@ -105,7 +109,7 @@ def _worker(rank: int, size: int, init: str, out: str, fault: str, kind: str) ->
         mover.inner = loads = WholeObjectMover(plan, TARGET)
         mover.run([Load(10 + i, key, i, "r", i) for i in range(len(TARGET))], arena,
                   lambda cmd_id, result: reports.__setitem__(cmd_id, result.ok))
-        loaded = [_rows(plan, t) == _rows_of_source(plan, rank, s) for s, t in zip(SOURCE, TARGET)]
+        loaded = [_rows(plan, t) == _rows(_plan(rank, torch.device("cpu"), team), s) for s, t in zip(SOURCE, TARGET)]
         untouched = [all(set(p.pages[t].flatten().cpu().tolist()) == {SENTINEL} for p in plan.moved_planes)
                      for t in TARGET]
         Path(out, f"rank{rank}.json").write_text(json.dumps({
@@ -116,14 +120,11 @@ def _worker(rank: int, size: int, init: str, out: str, fault: str, kind: str) ->
         dist.destroy_process_group()
 
 
-def _rows_of_source(plan: TransferPlan, rank: int, blocks: Sequence[int]) -> list[bytes]:
-    return _rows(_plan(rank), blocks)  # the same seeds give the pages as they were before the load
-
-
-def _run(tmp_path: Path, fault: str, kind: str) -> list[dict[str, Any]]:
+def _run(tmp_path: Path, fault: str, kind: str, size: int = 2, share_ranks: int = 2) -> list[dict[str, Any]]:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    mp.spawn(_worker, args=(2, f"file://{tmp_path}/rendezvous", str(tmp_path), fault, kind), nprocs=2, join=True)
-    return [json.loads(Path(tmp_path, f"rank{r}.json").read_text()) for r in range(2)]
+    mp.spawn(_worker, args=(size, f"file://{tmp_path}/rendezvous", str(tmp_path), fault, kind, share_ranks),
+             nprocs=size, join=True)
+    return [json.loads(Path(tmp_path, f"rank{r}.json").read_text()) for r in range(size)]
 
 
 two_gpus = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2
@@ -170,3 +171,14 @@ def test_a_rank_without_device_memory_moves_the_whole_group_to_the_host_exchange
         assert all(r["reports"].values()) and r["loaded"] == [True, True]
         assert r["counters"]["share_host_fallbacks"] == 1
         assert r["loaded_from"] == ["cpu"]
+
+
+def test_share_groups_inside_a_tp_group_exchange_apart(tmp_path: Path) -> None:
+    """TP=4 with two KV heads: ranks {0,1} and {2,3} each hold one head and share it; a share lost on rank 1 fails
+    chunk 0 in its pair only, and each pair rebuilds its own bytes, not the other pair's."""
+    ranks = _run(tmp_path, "missing", "device-cpu", size=4, share_ranks=2)
+    for r in ranks[:2]:
+        assert r["reports"]["10"] is False and r["reports"]["11"] is True and r["loaded"] == [False, True]
+    for r in ranks[2:]:
+        assert all(r["reports"].values()) and r["loaded"] == [True, True]
+        assert r["counters"]["share_exchanged_bytes"] > 0

@@ -65,11 +65,19 @@ def with_tp(policy: LayoutPolicy, vllm_config: Any, mode: str) -> LayoutPolicy:
     return dataclasses.replace(policy, tp_size=tp_size, total_kv_heads=heads)
 
 
-def share_layout(plan: TransferPlan, rank: int, tp_size: int) -> Optional[ShareLayout]:
-    """The rank's share of the plan's replicated tail; None when there is nothing to share."""
-    if tp_size <= 1 or plan.replicated_bytes == 0:
+def share_layout(plan: TransferPlan, tp_rank: int, share_ranks: int) -> Optional[ShareLayout]:
+    """The rank's share of the plan's replicated tail inside its share group (`share_ranks` consecutive TP ranks);
+    None when there is nothing to share."""
+    if share_ranks <= 1 or plan.replicated_bytes == 0:
         return None
-    return ShareLayout(plan.object_bytes, plan.replicated_offset, rank, tp_size)
+    return ShareLayout(plan.object_bytes, plan.replicated_offset, tp_rank % share_ranks, share_ranks)
+
+
+def tp_rank() -> int:
+    """This worker's rank inside its TP group (not its global rank, which pipeline stages offset)."""
+    from vllm.distributed.parallel_state import get_tp_group
+
+    return int(get_tp_group().rank_in_group)
 
 
 def _tp_groups(world: int, tp_size: int, coordinator: Any) -> Sequence[Sequence[int]]:
@@ -82,28 +90,39 @@ def _tp_groups(world: int, tp_size: int, coordinator: Any) -> Sequence[Sequence[
     return [list(range(start, start + tp_size)) for start in range(0, world, tp_size)]
 
 
-def _group_over_tp(tp_size: int, backend: str) -> Any:
-    """A process group of `backend` over this rank's TP group (made collectively for every TP group, in order)."""
+def _share_groups(tp_size: int, share_ranks: int) -> list[list[int]]:
+    """Process groups of `backend` over this rank's share group: `share_ranks` consecutive ranks of its TP group
+    (made collectively for every share group of every TP group, in order)."""
     import torch.distributed as dist
     from vllm.distributed.parallel_state import get_tp_group
 
     coordinator = get_tp_group()
     if coordinator.world_size != tp_size:
         raise ValueError(f"tp_share: vLLM's TP group has {coordinator.world_size} ranks, the config says {tp_size}")
+    if tp_size % share_ranks:
+        raise ValueError(f"tp_share: share groups of {share_ranks} ranks do not divide a TP group of {tp_size}")
+    return [list(ranks[start:start + share_ranks]) for ranks in _tp_groups(dist.get_world_size(), tp_size, coordinator)
+            for start in range(0, tp_size, share_ranks)]
+
+
+def _group_over_shares(tp_size: int, share_ranks: int, backend: str) -> Any:
+    """A process group of `backend` over this rank's share group, made like every other rank's, in the same order."""
+    import torch.distributed as dist
+
     mine = None
-    for ranks in _tp_groups(dist.get_world_size(), tp_size, coordinator):
-        group = dist.new_group(list(ranks), backend=backend, timeout=EXCHANGE_TIMEOUT)
+    for ranks in _share_groups(tp_size, share_ranks):
+        group = dist.new_group(ranks, backend=backend, timeout=EXCHANGE_TIMEOUT)
         if dist.get_rank() in ranks:
-            mine = group
+            mine, members = group, ranks
     if mine is None:
         raise ValueError(f"tp_share: global rank {dist.get_rank()} is in no TP group")
-    logger.info("tp_share: %s exchange group over ranks %s", backend, list(coordinator.ranks))
+    logger.info("tp_share: %s exchange group over ranks %s", backend, members)
     return mine
 
 
-def exchange_group(tp_size: int) -> Any:
-    """A gloo process group over this rank's TP group, for the share exchange only."""
-    return _group_over_tp(tp_size, "gloo")
+def exchange_group(tp_size: int, share_ranks: int) -> Any:
+    """A gloo process group over this rank's share group, for the share exchange only."""
+    return _group_over_shares(tp_size, share_ranks, "gloo")
 
 
 # the collective library that moves device memory between the ranks of a device type
@@ -120,10 +139,10 @@ def device_collective(mode: str, device: torch.device) -> Optional[str]:
     return backend
 
 
-def share_exchange(mode: str, tp_size: int, device: torch.device) -> ShareExchange:
+def share_exchange(mode: str, tp_size: int, share_ranks: int, device: torch.device) -> ShareExchange:
     """The exchange a rank's shared loads use: flags (and host shares) over gloo, device shares over NCCL/HCCL."""
     backend = device_collective(mode, device)
-    host = exchange_group(tp_size)
+    host = exchange_group(tp_size, share_ranks)
     if backend is None:
         return ShareExchange(host)
-    return ShareExchange(host, _group_over_tp(tp_size, backend), device)
+    return ShareExchange(host, _group_over_shares(tp_size, share_ranks, backend), device)

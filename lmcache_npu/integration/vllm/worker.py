@@ -176,14 +176,16 @@ class WorkerHalf:
         self.mover = KVMover(layout, lambda: self._backend(plan.device), lambda: StreamKit.for_device(plan.device),
                              self.place.rank, self.config.load_retries, self.counters)
         backend = self.mover.backends[Direction.LOAD].name
-        # replicated planes: this rank stores its own planes and a 1/tp share of the rest, and loads exchange shares
-        self.shares = tp_share.share_layout(plan, self.place.rank, policy.tp_size)
+        # replicated planes: this rank stores its own planes and a 1/share_ranks share of the rest, loads exchange them
+        self.shares = (tp_share.share_layout(plan, tp_share.tp_rank(), layout.share_ranks)
+                       if layout.share_ranks > 1 else None)
         device_mover: Any = self.mover
         object_bytes = plan.object_bytes
         if self.shares is not None:
             fingerprint = self.shares.fingerprint(fingerprint)
             namespace = namespace_of(self.identity.fingerprint, fingerprint)
-            exchange = tp_share.share_exchange(self.config.tp_share_exchange, policy.tp_size, plan.device)
+            exchange = tp_share.share_exchange(self.config.tp_share_exchange, policy.tp_size, layout.share_ranks,
+                                               plan.device)
             device_mover = SharedMover(self.mover, self.shares, exchange, self.counters,
                                        pin=plan.device.type != "cpu")
             object_bytes = self.shares.object_bytes
