@@ -1,9 +1,10 @@
 """`SharedMover`: the `DeviceMover` of a rank that stores only its share of replicated KV (docs/storage.md
 "Replicated KV"); it wraps the rank's `KVMover`, which still moves whole chunk objects.
 
-Store: the kernel writes the full object into scratch memory; when the batch reports, each command's own part and
-this rank's share are copied into its arena slot (`ShareLayout.pack`), so the arena, disk files and Mooncake objects
-hold `own + tail / tp` bytes per rank. No collective: a chunk counts as stored only once every rank completed it
+Store: the kernel writes the full object into scratch memory (device memory with the device exchange, so only the
+own part and the share cross PCIe; host memory otherwise); when the batch reports, each command's own part and this
+rank's share are copied into its arena slot (`ShareLayout.pack`), so the arena, disk files and Mooncake objects hold
+`own + tail / share_ranks` bytes per rank. No collective: a chunk counts as stored only once every rank completed it
 (the scheduler's index already waits for all ranks), so a hit always has every share.
 
 Load: the exchange is a collective, so it runs in `run`, on the model's thread, where every rank handles the same
@@ -91,7 +92,7 @@ class SharedMover:
     objects) and `exchange`."""
 
     def __init__(self, inner: Any, layout: ShareLayout, exchange: ShareExchange, counters: TierCounters,
-                 check: Optional[ShareCheck] = None, pin: bool = False) -> None:
+                 check: Optional[ShareCheck] = None, pin: bool = False, rank: Optional[int] = None) -> None:
         if layout.replicated_bytes == 0:
             raise ValueError("shared mover: the plan replicates no plane across the TP group; use the plain mover")
         self.inner = inner
@@ -100,6 +101,7 @@ class SharedMover:
         self.counters = counters
         self.check = check or _size_check(layout)
         self.pin = pin  # scratch objects page-locked, as the arena is, where a device copies them
+        self.rank = layout.rank if rank is None else rank  # the worker's rank, in logs and per-rank counters
 
     def run(self, commands: Sequence[Union[Store, Load]], objects: Sequence[torch.Tensor], report: Report) -> None:
         if isinstance(commands[0], Store):
@@ -107,19 +109,29 @@ class SharedMover:
         else:
             self._load(commands, objects, report)  # type: ignore[arg-type]
 
-    def _full(self) -> torch.Tensor:
-        return torch.zeros(self.layout.full_bytes, dtype=torch.uint8, pin_memory=self.pin)
+    def _scratch(self, count: int) -> list[torch.Tensor]:
+        """Zeroed full objects for the store kernel to write: in device memory with the device exchange, so only
+        the own part and the share cross to the host, else in (pinned) host memory."""
+        full_bytes = self.layout.full_bytes
+        if self.exchange.on_device:
+            try:
+                return list(torch.zeros(count, full_bytes, dtype=torch.uint8, device=self.exchange.device).unbind(0))
+            except torch.OutOfMemoryError:
+                self.counters.add("share_store_host_scratch")
+                logger.warning("rank %d: no device memory for the scratch of %d stores (%d B); using host memory",
+                               self.rank, count, count * full_bytes)
+        return list(torch.zeros(count, full_bytes, dtype=torch.uint8, pin_memory=self.pin).unbind(0))
 
     def _store(self, commands: Sequence[Union[Store, Load]], objects: Sequence[torch.Tensor], report: Report) -> None:
-        scratch = [self._full() for _ in commands]
+        scratch = self._scratch(len(commands))
         where = {c.cmd_id: (full, stored) for c, full, stored in zip(commands, scratch, objects)}
-        rank = self.layout.rank
+        rank = self.rank
 
         def packed(cmd_id: int, result: TierResult) -> None:
             if result.ok:
                 full, stored = where[cmd_id]
                 try:
-                    self.layout.pack(full, stored)
+                    self.layout.pack(full, stored)  # from device scratch: the own part and the share cross PCIe
                 except Exception as exc:  # a failed copy must fail the command, never leave a half share stored
                     logger.exception("rank %d: packing the share of store %d failed", rank, cmd_id)
                     result = TierResult.fail(f"share: {exc}")
@@ -140,13 +152,13 @@ class SharedMover:
             full = torch.empty(count, layout.full_bytes, dtype=torch.uint8, device=self.exchange.device)
         except torch.OutOfMemoryError:
             logger.warning("rank %d: no device memory for the share exchange of %d loads (%d B); exchanging them in "
-                           "host memory", layout.rank, count, count * (layout.full_bytes + layout.size *
+                           "host memory", self.rank, count, count * (layout.full_bytes + layout.size *
                                                                         layout.share_bytes))
             return None
         return gathered, full
 
     def _load(self, commands: Sequence[Load], objects: Sequence[torch.Tensor], report: Report) -> None:
-        layout, rank = self.layout, self.layout.rank
+        layout, rank = self.layout, self.rank
         local: list[str] = []
         for command, stored in zip(commands, objects):
             try:

@@ -94,7 +94,8 @@ def _worker(rank: int, size: int, init: str, out: str, fault: str, kind: str, sh
         reports: dict[int, Any] = {}
         key = ChunkKey("0" * 32, b"k")
         exchange = _exchange(kind, rank, groups[team])
-        mover = SharedMover(WholeObjectMover(plan, SOURCE), layout, exchange, counters, pin=device.type == "cuda")
+        mover = SharedMover(stores := WholeObjectMover(plan, SOURCE), layout, exchange, counters,
+                            pin=device.type == "cuda")
         if rank == 1 and fault == "no_device_memory":
             mover._device_buffers = lambda count: None  # this rank's device is full: the group exchanges on the host
         arena = [torch.zeros(layout.object_bytes, dtype=torch.uint8) for _ in SOURCE]
@@ -115,7 +116,8 @@ def _worker(rank: int, size: int, init: str, out: str, fault: str, kind: str, sh
         Path(out, f"rank{rank}.json").write_text(json.dumps({
             "reports": {str(k): v for k, v in reports.items()}, "loaded": loaded, "untouched": untouched,
             "object_bytes": layout.object_bytes, "full_bytes": plan.object_bytes, "counters": counters.snapshot(),
-            "loaded_from": sorted({o.device.type for o in loads.seen})}))
+            "loaded_from": sorted({o.device.type for o in loads.seen}),
+            "stored_from": sorted({o.device.type for o in stores.seen})}))
     finally:
         dist.destroy_process_group()
 
@@ -143,8 +145,8 @@ def test_shares_round_trip_byte_exact(tmp_path: Path, kind: str) -> None:
         half = -(-(plan.object_bytes - plan.replicated_offset) // 2 // 64) * 64
         assert plan.replicated_offset == CHUNK * 40 and r["object_bytes"] == plan.replicated_offset + half
         assert r["counters"]["share_exchanged_bytes"] > 0
-        # the device exchange hands the scatter objects in device memory; the host one, host objects
-        assert r["loaded_from"] == (["cuda"] if kind == "device-cuda" else ["cpu"])
+        # the device exchange hands the kernels objects in device memory; the host one, host objects
+        assert r["loaded_from"] == r["stored_from"] == (["cuda"] if kind == "device-cuda" else ["cpu"])
         assert "share_host_fallbacks" not in r["counters"]
 
 
@@ -182,3 +184,32 @@ def test_share_groups_inside_a_tp_group_exchange_apart(tmp_path: Path) -> None:
     for r in ranks[2:]:
         assert all(r["reports"].values()) and r["loaded"] == [True, True]
         assert r["counters"]["share_exchanged_bytes"] > 0
+
+
+def test_a_store_without_device_memory_uses_host_scratch(monkeypatch: pytest.MonkeyPatch) -> None:
+    plan = _plan(0)
+    layout = ShareLayout(plan.object_bytes, plan.replicated_offset, 0, 2)
+
+    def store() -> tuple[list[torch.Tensor], dict[int, bool], TierCounters]:
+        counters, reports = TierCounters(), {}
+        mover = SharedMover(WholeObjectMover(plan, SOURCE), layout,
+                            ShareExchange(None, object(), torch.device("cpu")), counters)
+        arena = [torch.full((layout.object_bytes,), 0xEE, dtype=torch.uint8) for _ in SOURCE]
+        mover.run([Store(i, ChunkKey("0" * 32, b"k"), i, "r", i) for i in range(len(SOURCE))], arena,
+                  lambda cmd_id, result: reports.__setitem__(cmd_id, result.ok))
+        return arena, reports, counters
+
+    expected, _, counters = store()  # the device scratch (the CPU standing in for the device)
+    assert "share_store_host_scratch" not in counters.snapshot()
+    zeros = torch.zeros
+
+    def full_device(*args: Any, **kwargs: Any) -> torch.Tensor:
+        if "device" in kwargs:
+            raise torch.OutOfMemoryError("device full")
+        return zeros(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "zeros", full_device)
+    arena, reports, counters = store()
+    assert reports == {0: True, 1: True} and counters.snapshot()["share_store_host_scratch"] == 1
+    assert all(torch.equal(a, b) for a, b in zip(arena, expected))  # the same shares, packed from host scratch
+    assert not any(set(a.tolist()) == {0xEE} for a in arena)  # control: every slot was written

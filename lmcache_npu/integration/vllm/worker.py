@@ -187,7 +187,7 @@ class WorkerHalf:
             exchange = tp_share.share_exchange(self.config.tp_share_exchange, policy.tp_size, layout.share_ranks,
                                                plan.device)
             device_mover = SharedMover(self.mover, self.shares, exchange, self.counters,
-                                       pin=plan.device.type != "cpu")
+                                       pin=plan.device.type != "cpu", rank=self.place.rank)
             object_bytes = self.shares.object_bytes
             logger.info("lmcache_npu rank %d: tp_share on, %d of %d B per chunk stored here (%d own, share %d B of "
                         "%d replicated), shares exchanged in %s memory", self.place.rank, object_bytes,
