@@ -1,6 +1,9 @@
-"""The sweep: for each configuration, one `vllm serve` (the settings every configuration shares, its own connector),
-warmed up with unrelated prompts, then every workload at every pace of the grid; per point the client's numbers
-from `vllm bench serve` and the server's counters over the point (vLLM's prefix-cache hits, the connector's).
+"""The sweep: one `vllm serve` per configuration (the settings every configuration shares, its own connector), all
+started (and warmed up with unrelated prompts) before anything is measured, then every workload at every pace of
+the grid, each run on every server in turn, one server at a time, the order rotating run by run: a slow stretch of
+the machine lands on every configuration alike instead of on whichever server ran then (one server after another,
+a VM slowing down for minutes made one configuration look 10 % slower). Per point: the client's numbers from
+`vllm bench serve` and the server's counters over the point (vLLM's prefix-cache hits, the connector's).
 
 `random` (the no-reuse verdict) runs `random_repeats` times at every pace, and the reusing workloads `reuse_repeats`
 times at theirs, in rounds (round 1 every pace, round 2 every pace, ...) so a slow stretch of the machine spreads over
@@ -181,41 +184,53 @@ class SweepResult:
 def run_sweep(configs: Sequence[RunConfig], server: ServerSettings, sweep: SweepSettings, scratch: Path,
               on_point: Optional[Callable[[Point], None]] = None,
               on_phase: Optional[Callable[[str], None]] = None) -> SweepResult:
-    """Every configuration over the whole grid, one server each, in the order given."""
+    """Every configuration over the whole grid, one server each, runs interleaved across the servers."""
     if server.tokenizer is None:
         raise ValueError("bench-serve needs a tokenizer (vLLM's datasets make text prompts): set ServerSettings."
                          "tokenizer")
     scratch.mkdir(parents=True, exist_ok=True)
-    with connector_services(configs) as services:
+    with connector_services(configs) as services, contextlib.ExitStack() as stack:
         runnable = services.runnable(configs)
         result = SweepResult([c.name for c in runnable], unavailable=dict(services.unavailable))
+        servers: list[tuple[RunConfig, str, Path]] = []
         for config in runnable:
             args = server.args(transfer_config_json(config, services))
             folder = scratch / config.name.replace(" ", "_").replace("+", "plus")
             folder.mkdir(parents=True, exist_ok=True)
             if on_phase is not None:
                 on_phase(f"{config.name}: starting vllm serve")
-            with contextlib.ExitStack() as stack:
-                try:
-                    base = stack.enter_context(vllm_server(server.model, args, folder / "serve.log",
-                                                           env={**services.env, **server.env()}))
-                except ServerStartError as exc:
-                    if config is runnable[0]:  # without the baseline nothing else can be compared
-                        raise
-                    _did_not_start(result, config.name, exc)
-                    continue
-                _warm_up(base, server, sweep, folder)
-                for name in sweep.names:
-                    repeats = sweep.repeats_for(name)
-                    for run in sweep.runs_of(name):
-                        if on_phase is not None:
-                            of = f" (run {run.repeat + 1} of {repeats})" if repeats > 1 else ""
-                            on_phase(f"{config.name}: {name}, {run.pace.label}{of}")
-                        point = _run_point(base, server, sweep, config, name, run, folder)
-                        result.points.append(point)
-                        if on_point is not None:
-                            on_point(point)
+            try:
+                base = stack.enter_context(vllm_server(server.model, args, folder / "serve.log",
+                                                       env={**services.env, **server.env()}))
+            except ServerStartError as exc:
+                if config is runnable[0]:  # without the baseline nothing else can be compared
+                    raise
+                _did_not_start(result, config.name, exc)
+                continue
+            _warm_up(base, server, sweep, folder)
+            servers.append((config, base, folder))
+        turn = 0
+        for name in sweep.names:
+            repeats = sweep.repeats_for(name)
+            for run in sweep.runs_of(name):
+                for config, base, folder in _rotated(servers, turn):
+                    if on_phase is not None:
+                        of = f" (run {run.repeat + 1} of {repeats})" if repeats > 1 else ""
+                        on_phase(f"{config.name}: {name}, {run.pace.label}{of}")
+                    point = _run_point(base, server, sweep, config, name, run, folder)
+                    result.points.append(point)
+                    if on_point is not None:
+                        on_point(point)
+                turn += 1
     return result
+
+
+def _rotated(servers: Sequence[Any], turn: int) -> list[Any]:
+    """The servers in the order of turn `turn`: each goes first once every len(servers) turns."""
+    if not servers:
+        return []
+    shift = turn % len(servers)
+    return [*servers[shift:], *servers[:shift]]
 
 
 def _did_not_start(result: SweepResult, name: str, error: ServerStartError) -> None:

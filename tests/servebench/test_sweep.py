@@ -64,7 +64,40 @@ def test_every_configuration_runs_when_all_start(monkeypatch: pytest.MonkeyPatch
     ran = _fake(monkeypatch, "no server has this argument")  # negative control: nothing fails, nothing is skipped
     result = run_sweep(CONFIGS, SERVER, SweepSettings(names=("random",), random_repeats=1), tmp_path)
     assert result.configs == [BASELINE, PLUGIN] and result.unavailable == {}
-    assert [r[0] for r in ran] == [BASELINE, BASELINE, PLUGIN, PLUGIN]
+    # each run on every server in turn, the order rotating: the baseline first at concurrency 1, second at 2
+    assert ran == [(BASELINE, "random", "concurrency 1"), (PLUGIN, "random", "concurrency 1"),
+                   (PLUGIN, "random", "concurrency 2"), (BASELINE, "random", "concurrency 2")]
+
+
+def test_every_server_is_up_before_the_first_run_and_each_goes_first_in_turn(monkeypatch: pytest.MonkeyPatch,
+                                                                             tmp_path: Path) -> None:
+    events: list[str] = []
+
+    @contextlib.contextmanager
+    def server(model: str, args: list[str], log_path: Path, env: Any = None) -> Iterator[str]:
+        events.append(f"up {log_path.parent.name}")
+        yield "http://127.0.0.1:1"
+        events.append(f"down {log_path.parent.name}")
+
+    def point(base: str, server: ServerSettings, sweep: SweepSettings, config: RunConfig, name: str, run: Run,
+              folder: Path) -> Point:
+        events.append(f"run {folder.name} {run.index}")
+        return Point(config.name, config.plugin, name, run.pace, LoadResult(1, 0, 1.0, 1.0, 1.0, 1, 1, 1, 1, 1, 1),
+                     ServerCounters(), run.repeat)
+
+    monkeypatch.setattr(sweep_module, "vllm_server", server)
+    monkeypatch.setattr(sweep_module, "_run_point", point)
+    monkeypatch.setattr(sweep_module, "_warm_up", lambda *args: None)
+    configs = [*CONFIGS, RunConfig("third", PLUGIN_CONNECTOR, {"cpu_bytes": "2GiB"})]
+    run_sweep(configs, SERVER, SweepSettings(names=("random",), random_repeats=2), tmp_path)
+    folders = ["vLLM_alone", "vLLM_plus_lmcache-npu", "third"]
+    assert events[:3] == [f"up {f}" for f in folders] and sorted(events[-3:]) == sorted(f"down {f}" for f in folders)
+    runs = [e.split()[1:] for e in events if e.startswith("run")]
+    assert len(runs) == 12  # 2 paces x 2 repeats x 3 servers
+    turns = [runs[i:i + 3] for i in range(0, 12, 3)]
+    for k, turn in enumerate(turns):
+        assert {index for _, index in turn} == {str(k)}  # one run (the same prompts) on every server
+        assert turn[0][0] == folders[k % 3]  # the order rotates: each server goes first in turn
 
 
 def test_a_baseline_that_does_not_start_stops_the_sweep(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
