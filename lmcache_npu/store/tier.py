@@ -30,17 +30,27 @@ class TierCounters:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._counts: Counter[str] = Counter()
+        # bumped by every add, so a per-step reader can skip counters that did not move without copying them
+        self.version = 0
 
     def add(self, name: str, amount: float = 1) -> None:
         with self._lock:
             self._counts[name] += amount
+            self.version += 1
 
     def snapshot(self) -> dict[str, float]:
         with self._lock:
             return dict(self._counts)
 
+    def versioned_snapshot(self) -> tuple[int, dict[str, float]]:
+        """The counts and the version they are as of (read together, so no add falls between them)."""
+        with self._lock:
+            return self.version, dict(self._counts)
+
     def drain(self) -> dict[str, float]:
         """The counts since the last drain, and a fresh start."""
+        if not self._counts:  # most steps count nothing; an add racing this check is drained by the next call
+            return {}
         with self._lock:
             counts, self._counts = dict(self._counts), Counter()
             return counts

@@ -290,8 +290,9 @@ class Engine:
     @staticmethod
     def _runner_output(so: Any, scheduled: list, samples: dict[str, list[int]], kvo: Any) -> Any:
         """One rank's ModelRunnerOutput: the sampled tokens of a step that computed, else the connector output only."""
-        if not so.total_num_scheduled_tokens:
-            return ModelRunnerOutput.with_kv_conn_output_only(kvo)
+        if not so.total_num_scheduled_tokens:  # a copy: with an empty kvo this is vLLM's shared EMPTY output, which
+            # the aggregator would write into (in vLLM each rank's output arrives unpickled, a fresh object)
+            return copy.copy(ModelRunnerOutput.with_kv_conn_output_only(kvo))
         req_ids = [request.request_id for request, _ in scheduled]
         return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
                                  sampled_token_ids=[samples[r] for r in req_ids], kv_connector_output=kvo)

@@ -88,9 +88,13 @@ class LMCacheNPUConnector(KVConnectorBase_V1, SupportsHMA):
         return self.worker_half.build_worker_meta()
 
     def get_kv_connector_stats(self) -> Optional[LMCacheNPUStats]:
+        """What either half counted since the last call; None when nothing (most steps), which vLLM skips instead of
+        shipping, merging and logging an empty object (a worker on an older vLLM still reports: adapter says why)."""
         if self._worker is not None:
-            return self._worker.stats()
-        return self.scheduler_half.stats()
+            stats = self._worker.stats()
+            return None if stats.is_empty() and adapter.WORKER_STATS_MAY_BE_NONE else stats
+        stats = self.scheduler_half.stats()
+        return None if stats.is_empty() else stats
 
     def shutdown(self) -> None:
         if self._worker is not None:

@@ -133,6 +133,9 @@ class SchedulerHalf:
         self.events: Optional[KVEvents] = None
         self.object_bytes = 0  # one rank's chunk object (the handshake says)
         self._reported: dict[str, Any] = {}  # the tier gauges and store info as last reported
+        self._reported_use: Optional[dict[str, tuple[int, int]]] = None  # the index's occupancy as last reported
+        # per scheduler group, tokens per block and the recurrent-state groups: fixed once the handshake came
+        self._block_tokens, self._state_groups = self._block_geometry()
 
     # ---- start-up ---------------------------------------------------------------------------------------------
 
@@ -167,6 +170,7 @@ class SchedulerHalf:
         self.groups = first.groups
         self.moved = [g for g in self.groups if not g.skipped]
         self.has_end_state = any(g.recurrent for g in self.moved)
+        self._block_tokens, self._state_groups = self._block_geometry()
         num_slots = min(g.num_slots for g in geometries)
         store = self.config.store
         if store.mooncake is not None and self._remote is None:
@@ -175,6 +179,7 @@ class SchedulerHalf:
                                  first.layout_fingerprint, remote_client=self._remote, num_slots=num_slots)
         self.namespace = first.namespace
         self.object_bytes = first.object_bytes
+        self._reported_use = None  # a new index: report its state afresh
         self.index_counters.watch(self.index.counters, INDEX_METRICS)
         self._apply_usable_slots({g.rank: g.usable_slots for g in geometries if g.usable_slots is not None})
         if self._events_enabled:
@@ -376,7 +381,10 @@ class SchedulerHalf:
         fencing = len(self._store_reads) > 0  # with no store in flight no write needs a fence: skip the bookkeeping
         writes = StepWrites()
         unknown = False  # a write the mirror cannot place: the fence must cover every store
-        block_tokens, state_groups = self._block_geometry()
+        block_tokens, state_groups = self._block_tokens, self._state_groups
+        storing = self.stores_enabled and self.index is not None
+        spec_tokens = scheduler_output.scheduled_spec_decode_tokens
+        num_scheduled = scheduler_output.num_scheduled_tokens
         for scheduled in adapter.scheduled_requests(scheduler_output):
             state = self.requests.get(scheduled.request_id)
             if state is None:  # scheduled before this connector saw it: nothing of it is tracked
@@ -402,10 +410,12 @@ class SchedulerHalf:
                         writes.anywhere(blocks)
                     else:
                         writes.from_token(scheduled.request_id, scheduled.num_computed_tokens, blocks)
-            if self.stores_enabled and self.index is not None and not state.bypass:
-                spec = len(scheduler_output.scheduled_spec_decode_tokens.get(scheduled.request_id, ()))
-                computed_after = (scheduled.num_computed_tokens
-                                  + scheduler_output.num_scheduled_tokens[scheduled.request_id] - spec)
+            if storing and not state.bypass:
+                computed_after = scheduled.num_computed_tokens + num_scheduled[scheduled.request_id]
+                if spec_tokens:
+                    computed_after -= len(spec_tokens.get(scheduled.request_id, ()))
+                if computed_after // self.chunk_tokens <= state.next_chunk:  # no chunk completes (most decode steps)
+                    continue
                 plan = self._plan_stores(state, scheduled.num_computed_tokens, computed_after)
                 if plan is not None:
                     stores.append(plan)
@@ -593,6 +603,9 @@ class SchedulerHalf:
         if self.index is None:
             return {}
         use = self.index.occupancy()
+        if use == self._reported_use:  # the rest is fixed once the index exists: nothing to compare
+            return {}
+        self._reported_use = use
         store = self.config.store
         tiers = ",".join(t for t, on in (("cpu", True), ("disk", store.disk_path is not None),
                                          ("mooncake", store.mooncake is not None)) if on)

@@ -131,14 +131,18 @@ class CounterDeltas:
     def __init__(self) -> None:
         self._sources: list[tuple[TierCounters, dict[str, tuple[str, str]]]] = []
         self._last: dict[tuple[int, str], float] = {}
+        self._versions: list[int] = []  # each source's version as of the last take
 
     def watch(self, counters: TierCounters, names: dict[str, tuple[str, str]]) -> None:
         self._sources.append((counters, names))
+        self._versions.append(-1)
 
     def take(self) -> dict[str, float]:
         out: dict[str, float] = {}
         for position, (counters, names) in enumerate(self._sources):
-            now = counters.snapshot()
+            if counters.version == self._versions[position]:  # nothing counted since the last take
+                continue
+            self._versions[position], now = counters.versioned_snapshot()
             for exported, (own, _) in names.items():
                 value = now.get(own, 0)
                 grown = value - self._last.get((position, own), 0)
