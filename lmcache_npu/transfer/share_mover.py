@@ -78,6 +78,11 @@ class ShareExchange:
         return out
 
 
+def _out_of_memory(exc: BaseException) -> bool:
+    """A device allocation that failed for room (CUDA raises torch.OutOfMemoryError, torch_npu a RuntimeError)."""
+    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
+
+
 def _size_check(layout: ShareLayout) -> ShareCheck:
     def check(command: Load, stored: torch.Tensor) -> str:
         if stored.numel() < layout.object_bytes:
@@ -116,7 +121,9 @@ class SharedMover:
         if self.exchange.on_device:
             try:
                 return list(torch.zeros(count, full_bytes, dtype=torch.uint8, device=self.exchange.device).unbind(0))
-            except torch.OutOfMemoryError:
+            except RuntimeError as exc:  # torch.OutOfMemoryError is one
+                if not _out_of_memory(exc):
+                    raise
                 self.counters.add("share_store_host_scratch")
                 logger.warning("rank %d: no device memory for the scratch of %d stores (%d B); using host memory",
                                self.rank, count, count * full_bytes)
@@ -150,10 +157,10 @@ class SharedMover:
             gathered = torch.empty(layout.size * count * layout.share_bytes, dtype=torch.uint8,
                                    device=self.exchange.device)
             full = torch.empty(count, layout.full_bytes, dtype=torch.uint8, device=self.exchange.device)
-        except torch.OutOfMemoryError:
-            logger.warning("rank %d: no device memory for the share exchange of %d loads (%d B); exchanging them in "
-                           "host memory", self.rank, count, count * (layout.full_bytes + layout.size *
-                                                                        layout.share_bytes))
+        except Exception as exc:  # never raise here: the other ranks would wait in the agreement for this one
+            logger.warning("rank %d: no device memory for the share exchange of %d loads (%d B: %s); exchanging them "
+                           "in host memory", self.rank, count,
+                           count * (layout.full_bytes + layout.size * layout.share_bytes), exc)
             return None
         return gathered, full
 
