@@ -341,9 +341,10 @@ class WorkerHalf:
         return usable
 
     def stats(self) -> LMCacheNPUStats:
-        counts = {**self.counters.drain(), **self.tier_counters.take()}
-        if self.executor is not None:  # arena gauges as counters: what grew since the last report
-            now = self.executor.arena.segment_stats()
+        counts = self.counters.drain()
+        counts.update(self.tier_counters.take())
+        now = self.executor.arena.segment_stats() if self.executor is not None else self._arena_told
+        if now != self._arena_told:  # arena gauges as counters: what grew since the last report (rarely anything)
             counts.update({k: v - self._arena_told.get(k, 0) for k, v in now.items()
                            if v != self._arena_told.get(k, 0)})
             self._arena_told = now
