@@ -48,6 +48,10 @@ METRICS: dict[str, str] = {
     "share_exchanged_bytes": "bytes of other ranks' shares received through the TP group's exchange (summed over "
                              "ranks)",
     "share_load_failures": "loads refused on every rank because a share was missing or invalid on some rank",
+    "share_host_fallbacks": "load batches exchanged in host memory because some rank had no device memory for the "
+                            "device exchange (per rank, summed)",
+    "share_store_host_scratch": "store batches whose full objects went to host scratch because the device had no "
+                                "memory for them (per rank, summed)",
     "eagle_dropped_chunks": "chunks a hit did not claim because an EAGLE/MTP drafter's last row depends on the next "
                             "chunk's first token",
 }
