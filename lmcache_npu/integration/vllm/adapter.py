@@ -44,8 +44,9 @@ VLLM_VERSION = _version(vllm.__version__)
 MIN_VERSION = (0, 23, 0)
 # 0.30+: the runner asks get_transfer_results, which may name requests whose load failed (failed_recving).
 HAS_TRANSFER_RESULTS = hasattr(KVConnectorBase_V1, "get_transfer_results")
-# vLLM 0.28 and 0.32 ask the scheduler's connector for stats every step (vLLM PR #43877); 0.23 only when a worker
-# reported some, so there a worker's None on a quiet step would hold back the scheduler's counts (0.24-0.27 unchecked)
+# vLLM 0.28 and 0.32 ask the scheduler's connector for stats every step (their scheduler.py); 0.23 only when a
+# worker reported some, so there a worker's None on a quiet step would hold back the scheduler's counts (0.24-0.27
+# unchecked: they keep reporting every step)
 WORKER_STATS_MAY_BE_NONE = VLLM_VERSION >= (0, 28, 0)
 
 if VLLM_VERSION < MIN_VERSION:
