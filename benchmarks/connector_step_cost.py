@@ -1,7 +1,7 @@
 """The connector's per-step CPU on the scheduler/model thread: build_connector_meta and both stats calls, timed
 over vLLM's real Scheduler (the simulated engine of tests/integration/engine.py) during a multi-turn replay.
 
-    .venv/bin/python tools/connector_step_cost.py [--conversations 8] [--turns 8] [--repeats 3] [--profile]
+    .venv/bin/python benchmarks/connector_step_cost.py [--conversations 8] [--turns 8] [--repeats 3] [--profile]
 
 Prints µs per call (median and mean over every step) for each hook; --profile adds cProfile's top entries of
 build_connector_meta.
