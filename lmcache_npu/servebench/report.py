@@ -74,8 +74,7 @@ class Overhead:
     @property
     def outcome(self) -> str:
         """missed if either target is, met if both are, else inconclusive."""
-        outcomes = {self.throughput_outcome, self.ttft_p99_outcome}
-        return MISSED if MISSED in outcomes else MET if outcomes == {MET} else INCONCLUSIVE
+        return _combined([self.throughput_outcome, self.ttft_p99_outcome])
 
     @property
     def met(self) -> bool:
@@ -120,6 +119,11 @@ def _outcome(value_pct: float, by_repeat: Spread, noise_pct: float, repeats: int
     if not over and by_repeat.high <= target:
         return MET
     return INCONCLUSIVE
+
+
+def _combined(outcomes: Sequence[str]) -> str:
+    """Several outcomes as one: missed if any is, met if all are, else inconclusive."""
+    return MISSED if MISSED in outcomes else MET if all(o == MET for o in outcomes) else INCONCLUSIVE
 
 
 def _range_pct(spread: Spread) -> float:
@@ -185,8 +189,7 @@ def verdict_line(found: Sequence[Overhead]) -> str:
         return "no-reuse overhead: not measured (random needs vLLM alone and the plugin at the same paces)"
     worst_tp = max(found, key=lambda o: o.throughput_loss_pct)
     worst_ttft = max(found, key=lambda o: o.ttft_p99_increase_pct)
-    outcomes = {o.outcome for o in found}
-    outcome = MISSED if MISSED in outcomes else MET if outcomes == {MET} else INCONCLUSIVE
+    outcome = _combined([o.outcome for o in found])
     counts = sorted({o.repeats for o in found})
     runs = f"{counts[0]}" if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
     how = f"{runs} repeat{'s' if counts[-1] > 1 else ''}" + (", medians" if counts[-1] > 1 else "")

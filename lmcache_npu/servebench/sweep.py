@@ -1,8 +1,8 @@
 """The sweep: one `vllm serve` per configuration (the settings every configuration shares, its own connector), all
 started (and warmed up with unrelated prompts) before anything is measured, then every workload at every pace of
 the grid, each run on every server in turn, one server at a time, the order rotating run by run: a slow stretch of
-the machine lands on every configuration alike instead of on whichever server ran then (one server after another,
-a VM slowing down for minutes made one configuration look 10 % slower). Per point: the client's numbers from
+the machine lands on every configuration alike instead of on whichever server ran then (measured one server after
+another, a VM slowing down for minutes lands on one configuration only). Per point: the client's numbers from
 `vllm bench serve` and the server's counters over the point (vLLM's prefix-cache hits, the connector's).
 
 `random` (the no-reuse verdict) runs `random_repeats` times at every pace, and the reusing workloads `reuse_repeats`

@@ -189,16 +189,16 @@ class SharedMover:
         if not kept:
             return
         stored = [objects[i] for i in kept]
+        shares = [layout.share_of(obj) for obj in stored]
         if on_device:
             assert buffers is not None
             gathered, full = buffers[0], buffers[1][:len(kept)]
             # pinned, so the copy to the device is asynchronous and torch keeps the buffer until it is done
             contribution = torch.empty(len(kept) * layout.share_bytes, dtype=torch.uint8,
                                        pin_memory=self.exchange.device.type != "cpu")
-            torch.cat([layout.share_of(obj) for obj in stored], out=contribution)
-            self.exchange.gather(contribution, layout.size, out=gathered)
+            self.exchange.gather(torch.cat(shares, out=contribution), layout.size, out=gathered)
         else:
-            gathered = self.exchange.gather(torch.cat([layout.share_of(obj) for obj in stored]), layout.size)
+            gathered = self.exchange.gather(torch.cat(shares), layout.size)
             full = torch.empty(len(kept), layout.full_bytes, dtype=torch.uint8, pin_memory=self.pin)
         layout.assemble(stored, gathered, full)
         self.counters.add("share_loaded_bytes", layout.object_bytes * len(kept))

@@ -91,8 +91,8 @@ def _tp_groups(world: int, tp_size: int, coordinator: Any) -> Sequence[Sequence[
 
 
 def _share_groups(tp_size: int, share_ranks: int) -> list[list[int]]:
-    """Process groups of `backend` over this rank's share group: `share_ranks` consecutive ranks of its TP group
-    (made collectively for every share group of every TP group, in order)."""
+    """Every share group's global ranks: each TP group (in vLLM's rank order) cut into runs of `share_ranks`
+    consecutive ranks, in the order every rank must make their process groups."""
     import torch.distributed as dist
     from vllm.distributed.parallel_state import get_tp_group
 
