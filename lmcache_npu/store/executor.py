@@ -143,6 +143,15 @@ class StoreExecutor:
         with self._idle:
             return self._idle.wait_for(lambda: any(done.cmd_id in cmd_ids for done in self._done), timeout)
 
+    def wait_for_all(self, cmd_ids: Collection[int], timeout: float) -> bool:
+        """Whether every one of `cmd_ids` completed (and waits for `poll`) within `timeout` seconds; returns at once
+        when they all have. Completions stay for `poll`."""
+        wanted = frozenset(cmd_ids)
+        if not wanted:
+            return True
+        with self._idle:
+            return self._idle.wait_for(lambda: wanted <= {done.cmd_id for done in self._done}, timeout)
+
     def drain(self, timeout: Optional[float] = None) -> list[Completion]:
         """Waits until every submitted command completed, then polls. Raises TimeoutError naming what is left."""
         if not self.wait_idle(timeout):

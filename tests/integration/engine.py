@@ -96,6 +96,7 @@ class EngineSpec:
     kv_role: str = "kv_both"
     check_every_step: bool = True
     async_scheduling: bool = False  # vLLM 0.23's default: step N+1 is scheduled before step N's output is applied
+    loads_after_forward: bool = False  # vLLM >= 0.30 without synchronous loads: start_load_kv after the forward
     device: str = "cpu"  # where the preset's KV caches live (the NPU suite runs the same scenarios on npu:0)
     model_dir: Optional[str] = None  # the model directory vLLM is told about (its weights name the chunks); None: tiny
 
@@ -304,7 +305,8 @@ class Engine:
         for rank, (worker, sim, runner) in enumerate(zip(self.workers, self.sims, self.runners)):
             worker.handle_preemptions(meta)
             worker.bind_connector_metadata(meta)
-            worker.start_load_kv(None)
+            if not self.spec.loads_after_forward:
+                worker.start_load_kv(None)
             runner.update(so)
             if so.total_num_scheduled_tokens:
                 if self.spec.check_every_step:
@@ -313,6 +315,9 @@ class Engine:
                 for request, count in scheduled:
                     start = starts[request.request_id]
                     sim.forward(self._hashes(request), runner.tables[request.request_id], start, start + count)
+            if self.spec.loads_after_forward:
+                worker.start_load_kv(None)
+            if so.total_num_scheduled_tokens:
                 worker.wait_for_save()
             sending, recving = worker.get_finished(so.finished_req_ids)
             kvo = KVConnectorOutput(finished_sending=sending, finished_recving=recving,

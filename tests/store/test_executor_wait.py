@@ -1,5 +1,6 @@
-"""`StoreExecutor.wait_for_any`: what an empty engine step waits on. It returns once one of the named commands has
-completed (its completion still waiting for `poll`), and not for any other command's completion."""
+"""`StoreExecutor.wait_for_any` (what an empty engine step waits on) returns once one of the named commands has
+completed (its completion still waiting for `poll`), and not for any other command's completion; `wait_for_all`
+(what a host step waits on for its own loads) only once every named one has."""
 
 from __future__ import annotations
 
@@ -57,5 +58,18 @@ def test_another_commands_completion_does_not_end_the_wait():
     assert not executor.wait_for_any(set(), 30)  # nothing named: nothing to wait for, returns at once
     mover.release.set()
     assert executor.wait_for_any({1}, 30)
+    assert sorted(c.cmd_id for c in executor.poll()) == [1, 2]
+    executor.close()
+
+
+def test_wait_for_all_needs_every_named_command():
+    executor, mover = _executor()
+    executor.submit([Store(2, make_key(2), 1, "s", 0)])  # completes at once
+    executor.submit([Load(1, make_key(1), 0, "r", 0)])
+    assert executor.wait_for_all({2}, 0.05)  # already completed: no wait
+    assert not executor.wait_for_all({1, 2}, 0.05)  # negative control: one of them is held
+    assert executor.wait_for_all(set(), 0.0)  # nothing named: nothing outstanding
+    threading.Timer(0.01, mover.release.set).start()
+    assert executor.wait_for_all({1, 2}, 30)
     assert sorted(c.cmd_id for c in executor.poll()) == [1, 2]
     executor.close()

@@ -36,6 +36,9 @@ METRICS: dict[str, str] = {
     "store_seconds": "seconds the store transfers took (summed over ranks)",
     "load_retries": "device loads retried after a failure",
     "transfer_failures": "device transfers that failed (each fails its commands)",
+    "step_load_waits": "steps where the model runs on the host that waited for their own loads to report them in "
+                       "that step (per rank, summed)",
+    "step_load_wait_misses": "of those, steps whose loads outlasted the wait (reported a step later; per rank, summed)",
     "fence_waits": "store batches the model's stream waited for before a step wrote pages they still read "
                    "(summed over ranks)",
     "fence_skips": "in-flight store batches a step let read on, since it wrote none of their pages (per step, summed "

@@ -6,9 +6,9 @@ raises the page fence; `start_load_kv` runs the tier commands in order and queue
 transfer; `wait_for_save` queues every store of the step as one transfer, ordered after the forward by an event;
 `get_finished` collects completions, reports loads done (`finished_recving`), stores of finished requests done
 (`finished_sending`) and failed loads, and the completions go back to the scheduler's index. On a step where vLLM
-computes nothing (metadata `idle`: every runnable request waits for its KV) it first waits, at most
-`IDLE_LOAD_WAIT_S`, for one of the pending loads: the engine would otherwise spin through empty steps, each taking
-CPU from the transfer (and, on the host, from the model), and see the load one step late.
+computes nothing (metadata `idle`: every runnable request waits for its KV) it first waits, briefly, for one of the
+pending loads; where the model runs on the host it also waits, at most a share of a step, for the loads its own step
+queued, so they are reported in that step (`load_wait.py` says why each wait pays and why devices do not wait).
 
 Hook order with speculative decoding. With any speculative config vLLM defers `wait_for_save` and
 `clear_connector_metadata` to `finalize_kv_connector()`, after the drafter's forward: `get_finished` then sees a step
@@ -72,6 +72,7 @@ from ...transfer.share_mover import SharedMover
 from ...transfer.shares import ShareLayout
 from . import adapter, tp_share
 from .identity import EngineIdentity, engine_identity
+from .load_wait import IDLE_WAIT_S, StepLoadWait
 from .metadata import (
     LMCacheNPUConnectorMetadata,
     LMCacheNPUWorkerMetadata,
@@ -83,8 +84,6 @@ from .stats import DISK_METRICS, REMOTE_METRICS, CounterDeltas, LMCacheNPUStats
 
 logger = logging.getLogger(__name__)
 
-# The longest an empty step waits for a load: short, so a request arriving meanwhile is scheduled almost at once.
-IDLE_LOAD_WAIT_S = 0.01
 
 class LoadFailedError(RuntimeError):
     """A load failed and this vLLM cannot be told to recompute it; the engine stops rather than serve wrong KV."""
@@ -142,6 +141,8 @@ class WorkerHalf:
         self._load_error_blocks: set[int] = set()
         self._fenced: Optional[Any] = None  # the metadata whose step handle_preemptions fenced
         self._idle_step = False  # vLLM computes nothing this step: get_finished may wait for a load
+        self._step_loads: set[int] = set()  # load commands this step queued (waited for where the model is the host)
+        self._load_wait: Optional[StepLoadWait] = None  # set where the model runs on the host (a CPU KV cache)
 
     # ---- start-up ---------------------------------------------------------------------------------------------
 
@@ -173,6 +174,7 @@ class WorkerHalf:
         fingerprint = layout_fingerprint(plan)
         namespace = namespace_of(self.identity.fingerprint, fingerprint)
         # both lanes' backends are made here: a device without one fails at start-up, before the arena exists
+        self._load_wait = StepLoadWait() if plan.device.type == "cpu" else None
         self.mover = KVMover(layout, lambda: self._backend(plan.device), lambda: StreamKit.for_device(plan.device),
                              self.place.rank, self.config.load_retries, self.counters)
         backend = self.mover.backends[Direction.LOAD].name
@@ -257,6 +259,8 @@ class WorkerHalf:
             self.executor.submit(others)  # spills, promotions, puts, drops: in the index's order
         if loads:
             self.executor.submit(loads)  # one transfer for every load of the step
+            if self._load_wait is not None:
+                self._step_loads.update(c.cmd_id for c in loads)
 
     def wait_for_save(self) -> None:
         """Queues every store of the step as one transfer behind the forward; returns at once."""
@@ -270,7 +274,14 @@ class WorkerHalf:
             return set(), set(), set()
         if self._idle_step:  # nothing runs until a load lands: wait for one here rather than spin through empty steps
             self._idle_step = False
-            self.executor.wait_for_any({c for recv in self._recv.values() for c in recv.pending}, IDLE_LOAD_WAIT_S)
+            self.executor.wait_for_any({c for recv in self._recv.values() for c in recv.pending}, IDLE_WAIT_S)
+        if self._load_wait is not None:
+            self._load_wait.tick()
+            if self._step_loads:  # reported now, the requests run next step instead of the one after
+                step_loads, self._step_loads = self._step_loads, set()
+                self.counters.add("step_load_waits")
+                if not self.executor.wait_for_all(step_loads, self._load_wait.budget()):
+                    self.counters.add("step_load_wait_misses")
         completions = self.executor.poll()
         self._outbox.extend(completions)
         for done in completions:
