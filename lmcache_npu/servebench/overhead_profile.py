@@ -2,12 +2,15 @@
 fresh random prompts without and with the plugin, and the plugin's run is profiled.
 
 Two views, because the plugin works on two kinds of thread:
-- the engine's own thread (cProfile): every call vLLM makes into the plugin (scheduler lookups, allocation updates,
-  metadata, the worker's load/save hooks), each charged with everything it calls;
+- the engine's own thread: every call vLLM makes into the plugin (scheduler lookups, allocation updates, metadata,
+  the worker's load/save hooks), each charged with everything it calls; by cProfile on the thread's CPU clock
+  (default: where the time goes inside), or with `--timers` by a wall clock around each call of the connector class
+  only (a profiler's per-call cost inflates hooks of a few microseconds several times; the timers do not);
 - the plugin's own threads (its transfer lanes, disk writers): CPU seconds from /proc, which on a small machine are
   taken from the model's threads.
 
     python -m lmcache_npu.servebench.overhead_profile --prompts 32 --rounds 3 --json profile.json
+    python -m lmcache_npu.servebench.overhead_profile --prompts 16 --rounds 3 --batch 1 --no-baseline --timers
 
 Needs a real vLLM engine (.venv-vllm-0.32.0). Timings on a loaded machine are noisy; the breakdown's shares less so.
 """
@@ -15,7 +18,10 @@ Needs a real vLLM engine (.venv-vllm-0.32.0). Timings on a loaded machine are no
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
+import functools
+import inspect
 import json
 import logging
 import os
@@ -74,6 +80,43 @@ def entries(stats: pstats.Stats, package_dir: str = PACKAGE_DIR,
     return found
 
 
+class HookTimers:
+    """Within the block, every public method of `cls` (both connector halves' entry points) adds its call's wall
+    time, callees included, under the cProfile key "file.py:function"; restored on exit."""
+
+    def __init__(self, cls: type, package_dir: str = PACKAGE_DIR) -> None:
+        self.cls = cls
+        self.prefix = os.path.relpath(inspect.getsourcefile(cls) or "", package_dir)
+        self.seconds: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+        self._saved: dict[str, Any] = {}
+
+    def _timed(self, name: str, method: Any) -> Any:
+        key = f"{self.prefix}:{name}"
+
+        @functools.wraps(method)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self.seconds[key] = self.seconds.get(key, 0.0) + time.perf_counter() - started
+                self.calls[key] = self.calls.get(key, 0) + 1
+        return timed
+
+    def __enter__(self) -> "HookTimers":
+        for name, member in vars(self.cls).items():
+            if not name.startswith("_") and inspect.isfunction(member):  # instance methods; class hooks run rarely
+                self._saved[name] = member
+                setattr(self.cls, name, self._timed(name, member))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for name, member in self._saved.items():
+            setattr(self.cls, name, member)
+        self._saved = {}
+
+
 def thread_cpu_seconds() -> dict[str, float]:
     """CPU seconds (user + system) each live Python thread of this process has used, by thread name."""
     ticks = os.sysconf("SC_CLK_TCK")
@@ -105,9 +148,10 @@ class RunProfile:
     name: str
     round_wall_s: list[float] = field(default_factory=list)
     process_cpu_s: float = 0.0
-    entries_s: dict[str, float] = field(default_factory=dict)  # engine thread CPU s, per plugin entry point
+    entries_s: dict[str, float] = field(default_factory=dict)  # engine thread seconds, per plugin entry point
     entry_calls: dict[str, int] = field(default_factory=dict)
     plugin_threads_cpu_s: dict[str, float] = field(default_factory=dict)  # the plugin's own threads
+    clock: str = "CPU"  # what entries_s counts: the engine thread's CPU (cProfile) or wall time (timers)
 
     @property
     def wall_s(self) -> float:
@@ -124,21 +168,30 @@ def random_prompts(count: int, tokens: int, vocab: int, seed: int) -> list[list[
 
 
 def _run(name: str, engine: Any, rounds: Sequence[Sequence[Sequence[int]]], batch: int, output_tokens: int,
-         profile: bool, pstats_path: Optional[Path] = None) -> RunProfile:
-    result = RunProfile(name)
+         profile: Optional[str], pstats_path: Optional[Path] = None) -> RunProfile:
+    """`profile`: None, "cprofile" or "timers" (HookTimers around the connector class)."""
+    result = RunProfile(name, clock="wall" if profile == "timers" else "CPU")
     # the engine thread's own CPU clock: time other processes take from it is not charged to the plugin
-    profiler = cProfile.Profile(time.thread_time) if profile else None
+    profiler = cProfile.Profile(time.thread_time) if profile == "cprofile" else None
+    timers = None
+    if profile == "timers":
+        from ..integration.vllm.connector import LMCacheNPUConnector
+
+        timers = HookTimers(LMCacheNPUConnector)
     own_before = {k: v for k, v in thread_cpu_seconds().items() if k.startswith("lmcache")}
     cpu_before = process_cpu_seconds()
-    for prompts in rounds:
-        started = time.perf_counter()
-        if profiler is not None:
-            profiler.enable()
-        for at in range(0, len(prompts), batch):
-            engine.generate(prompts[at:at + batch], output_tokens)
-        if profiler is not None:
-            profiler.disable()
-        result.round_wall_s.append(time.perf_counter() - started)
+    with timers if timers is not None else contextlib.nullcontext():
+        for prompts in rounds:
+            started = time.perf_counter()
+            if profiler is not None:
+                profiler.enable()
+            for at in range(0, len(prompts), batch):
+                engine.generate(prompts[at:at + batch], output_tokens)
+            if profiler is not None:
+                profiler.disable()
+            result.round_wall_s.append(time.perf_counter() - started)
+    if timers is not None:
+        result.entries_s, result.entry_calls = dict(timers.seconds), dict(timers.calls)
     result.process_cpu_s = process_cpu_seconds() - cpu_before
     own_after = {k: v for k, v in thread_cpu_seconds().items() if k.startswith("lmcache")}
     result.plugin_threads_cpu_s = {k: v - own_before.get(k, 0.0) for k, v in own_after.items()
@@ -154,9 +207,10 @@ def _run(name: str, engine: Any, rounds: Sequence[Sequence[Sequence[int]]], batc
 
 def profile_overhead(model: str, prompts: int, rounds: int, input_tokens: int, output_tokens: int, batch: int,
                      cpu_bytes: str, seed: int, baseline: bool = True,
-                     pstats_path: Optional[Path] = None) -> list[RunProfile]:
+                     pstats_path: Optional[Path] = None, profile: str = "cprofile") -> list[RunProfile]:
     """vLLM alone (unless not `baseline`), then vLLM with the plugin, each on a fresh in-process engine over the same
-    rounds of fresh random prompts (a warm-up round of other prompts first); the plugin's run is profiled."""
+    rounds of fresh random prompts (a warm-up round of other prompts first); the plugin's run is profiled
+    (`profile`: "cprofile" or "timers")."""
     from ..replay.engine import Engine, EngineSettings
     from ..replay.models import VOCAB, make_model, model_vocab, resolve_recipe
     from ..replay.sizing import kv_bytes_per_token
@@ -177,7 +231,7 @@ def profile_overhead(model: str, prompts: int, rounds: int, input_tokens: int, o
                                              kv_cache_memory_bytes=kv_bytes, max_num_seqs=16, seed=seed)
         with Engine(settings) as engine:
             engine.generate(warm, output_tokens)
-            found.append(_run(name, engine, measured, batch, output_tokens, profile=plugin,
+            found.append(_run(name, engine, measured, batch, output_tokens, profile=profile if plugin else None,
                               pstats_path=pstats_path if plugin else None))
         logger.info("%s: %.2f s over %d rounds", name, found[-1].wall_s, rounds)
     return found
@@ -198,10 +252,10 @@ def render(runs: Sequence[RunProfile], top: int = 12) -> list[str]:
                    if base else f"wall {run.wall_s:.2f} s")
         steps = run.entry_calls.get(STEP_ENTRY, 0)
         per_step = f", {engine_thread / steps * 1000:.3f} ms per scheduler step ({steps} steps)" if steps else ""
-        lines.append(f"{run.name}: {against}; engine thread in the plugin {engine_thread:.3f} CPU s "
+        lines.append(f"{run.name}: {against}; engine thread in the plugin {engine_thread:.3f} {run.clock} s "
                      f"({engine_thread / run.wall_s * 100 if run.wall_s else 0.0:.2f}% of wall{per_step}); "
                      f"the plugin's own threads {own:.3f} CPU s")
-        lines.append(f"  {'entry point (engine thread)':<58} {'calls':>7} {'CPU s':>8} {'us/call':>9} "
+        lines.append(f"  {'entry point (engine thread)':<58} {'calls':>7} {run.clock + ' s':>8} {'us/call':>9} "
                      f"{'% of wall':>10}")
         for key, seconds in sorted(run.entries_s.items(), key=lambda kv: -kv[1])[:top]:
             calls = run.entry_calls.get(key, 0)
@@ -226,13 +280,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-baseline", action="store_true", help="profile the plugin's run only")
     parser.add_argument("--pstats", type=Path, help="also dump the plugin run's whole cProfile here")
+    parser.add_argument("--timers", action="store_true",
+                        help="time each call into the connector with a wall clock instead of profiling")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     if args.rounds < 1 or args.batch < 1:
         parser.error("--rounds and --batch must be >= 1")
+    if args.timers and args.pstats is not None:
+        parser.error("--pstats needs the profiler: leave out --timers")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     runs = profile_overhead(args.model, args.prompts, args.rounds, args.input_tokens, args.output_tokens, args.batch,
-                            args.cpu_bytes, args.seed, baseline=not args.no_baseline, pstats_path=args.pstats)
+                            args.cpu_bytes, args.seed, baseline=not args.no_baseline, pstats_path=args.pstats,
+                            profile="timers" if args.timers else "cprofile")
     sys.stdout.write("\n".join(render(runs)) + "\n")
     if args.json is not None:
         args.json.write_text(json.dumps([asdict(r) for r in runs], indent=2))

@@ -1,12 +1,15 @@
 """The overhead profile's bookkeeping: a package's entry points are the functions called from outside it, each
-charged with the outside calls' cumulative time once; threads' CPU seconds come from /proc by thread name."""
+charged with the outside calls' cumulative time once; threads' CPU seconds come from /proc by thread name; the hook
+timers time a class's public methods and put them back."""
 
 from __future__ import annotations
 
 import cProfile
 import importlib.util
+import os
 import pstats
 import threading
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -122,3 +125,40 @@ def test_the_report_charges_the_plugin_against_the_baseline() -> None:
     assert "connector.py:build_connector_meta" in text and "lmcache-npu-store-r0" in text
     alone = "\n".join(render([plugin]))  # the plugin profiled without a baseline: no comparison made up
     assert "against" not in alone and "wall 21.00 s" in alone
+
+
+class _Hooks:
+    def step(self, value: int) -> int:
+        time.sleep(0.002)
+        return value + 1
+
+    def _private(self) -> int:
+        return 7
+
+
+def test_hook_timers_time_public_methods_and_restore_them() -> None:
+    from lmcache_npu.servebench.overhead_profile import HookTimers
+
+    original = _Hooks.step
+    hooks = _Hooks()
+    with HookTimers(_Hooks, package_dir=os.path.dirname(__file__)) as timers:
+        assert [hooks.step(i) for i in range(3)] == [1, 2, 3]  # the wrapped method still answers
+        hooks._private()
+    key = "test_overhead_profile.py:step"
+    assert timers.calls == {key: 3}  # negative control: the private method was not timed
+    assert timers.seconds[key] >= 3 * 0.002
+    assert _Hooks.step is original  # restored
+    hooks.step(0)
+    assert timers.calls[key] == 3  # calls after the block are not counted
+
+
+def test_the_report_names_the_clock_it_ran_on() -> None:
+    from lmcache_npu.servebench.overhead_profile import RunProfile, render
+
+    step = "integration/vllm/connector.py:build_connector_meta"
+    plugin = RunProfile("vLLM + lmcache-npu", [1.0], entries_s={step: 0.01}, entry_calls={step: 100}, clock="wall")
+    text = "\n".join(render([plugin]))
+    header = next(line for line in text.splitlines() if "entry point" in line)
+    assert "engine thread in the plugin 0.010 wall s" in text and "wall s" in header and "CPU s" not in header
+    profiled = "\n".join(render([RunProfile("p", [1.0], entries_s={step: 0.01}, entry_calls={step: 100})]))
+    assert "engine thread in the plugin 0.010 CPU s" in profiled  # negative control: cProfile's clock is CPU
