@@ -8,9 +8,9 @@ only after a step's output says the load finished. Two waits keep that step:
 * where the model runs on the host (a CPU KV cache), a step waits for the loads it queued itself, up to a share of
   the step: vLLM >= 0.30 starts loads after the forward, which on the host has already run, so without the wait
   every load would be seen a step later; an arena load of a few chunks is a memory copy of about a millisecond.
-  On an accelerator the host thread is ahead of the device, and async scheduling keeps it there: waiting would
-  hold it until the forward ended (a load is ordered after the model's stream), so loads there are seen when
-  polled.
+  On an accelerator the host thread is ahead of the device, and async scheduling keeps it there: a load waits for
+  the model's stream as it was when queued, which on vLLM >= 0.30 is after the forward, so waiting would hold the
+  host until the forward ended; loads there are seen when polled.
 
 The step's share is bounded by the step interval itself (measured between `get_finished` calls), so a load slower
 than expected costs at most that share of one step, never a stall.
