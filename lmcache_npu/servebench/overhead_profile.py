@@ -90,6 +90,7 @@ class HookTimers:
         self.seconds: dict[str, float] = {}
         self.calls: dict[str, int] = {}
         self._saved: dict[str, Any] = {}
+        self._lock = threading.Lock()  # hooks may run on several threads (a scheduler and a worker in one process)
 
     def _timed(self, name: str, method: Any) -> Any:
         key = f"{self.prefix}:{name}"
@@ -100,8 +101,10 @@ class HookTimers:
             try:
                 return method(*args, **kwargs)
             finally:
-                self.seconds[key] = self.seconds.get(key, 0.0) + time.perf_counter() - started
-                self.calls[key] = self.calls.get(key, 0) + 1
+                took = time.perf_counter() - started
+                with self._lock:
+                    self.seconds[key] = self.seconds.get(key, 0.0) + took
+                    self.calls[key] = self.calls.get(key, 0) + 1
         return timed
 
     def __enter__(self) -> "HookTimers":

@@ -135,21 +135,50 @@ class _Clock:
         return self.now
 
 
+def _step(wait: StepLoadWait, clock: _Clock, seconds: float, waited: float = 0.0) -> None:
+    """One engine step of `seconds`, then a `get_finished` that waits `waited`."""
+    clock.now += seconds
+    wait.begin()
+    clock.now += waited
+    wait.end()
+
+
 def test_the_step_budget_is_a_share_of_the_smoothed_step_capped():
     clock = _Clock()
     wait = StepLoadWait(share=0.25, cap_s=0.02, clock=clock)
     assert wait.budget() == FIRST_STEP_WAIT_S  # no step seen yet
-    wait.tick()
-    clock.now += 0.04
-    wait.tick()
+    _step(wait, clock, 0.5)  # the first get_finished: nothing before it to measure
+    assert wait.step_s is None
+    _step(wait, clock, 0.04)
     assert wait.budget() == pytest.approx(0.01)
-    clock.now += 0.08
-    wait.tick()  # smoothed: 0.04 + 0.2 * (0.08 - 0.04)
+    _step(wait, clock, 0.08)  # smoothed: 0.04 + 0.2 * (0.08 - 0.04)
     assert wait.step_s == pytest.approx(0.048) and wait.budget() == pytest.approx(0.012)
     for _ in range(40):
-        clock.now += 1.0
-        wait.tick()
+        _step(wait, clock, 1.0)
     assert wait.budget() == 0.02  # a slow step waits no longer than the cap
+
+
+def test_the_wait_is_not_part_of_the_step_it_is_a_share_of():
+    clock = _Clock()
+    wait = StepLoadWait(share=0.25, cap_s=1.0, clock=clock)
+    _step(wait, clock, 0.0)
+    for _ in range(50):
+        _step(wait, clock, 0.04, waited=wait.budget())  # every wait runs to its budget (the loads miss)
+    assert wait.step_s == pytest.approx(0.04)  # counted with the wait it would drift to 0.04 / 0.75
+
+
+def test_an_idle_gap_at_most_doubles_the_step_estimate():
+    clock = _Clock()
+    wait = StepLoadWait(share=0.25, cap_s=0.02, clock=clock)
+    _step(wait, clock, 0.0)
+    for _ in range(5):
+        _step(wait, clock, 0.01)
+    _step(wait, clock, 30.0)  # no request for half a minute: vLLM did not step
+    assert wait.step_s == pytest.approx(0.012)  # 0.01 + 0.2 * (min(30, 0.02) - 0.01)
+    assert wait.budget() == pytest.approx(0.003)
+    for _ in range(40):  # a real slowdown still registers, geometrically
+        _step(wait, clock, 0.2)
+    assert wait.step_s > 0.15
 
 
 @pytest.mark.parametrize("share, cap, rule", [(-0.1, 0.02, "share"), (1.5, 0.02, "share"), (0.25, -1.0, "cap")])

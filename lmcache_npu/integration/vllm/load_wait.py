@@ -12,8 +12,10 @@ only after a step's output says the load finished. Two waits keep that step:
   the model's stream as it was when queued, which on vLLM >= 0.30 is after the forward, so waiting would hold the
   host until the forward ended; loads there are seen when polled.
 
-The step's share is bounded by the step interval itself (measured between `get_finished` calls), so a load slower
-than expected costs at most that share of one step, never a stall.
+The step's share is bounded by the step itself: the time from the end of one `get_finished` to the start of the next
+(the wait left out, so a wait never lengthens the step it is a share of), smoothed, and a sample may at most double
+the estimate (an engine that idled for seconds between requests does not step; that gap is not a step). A load
+slower than expected costs at most that share of one step, never a stall.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ _SMOOTHING = 0.2  # weight of the newest interval in the running step estimate
 
 
 class StepLoadWait:
-    """The step interval between `get_finished` calls, and from it the wait budget for a step's own loads."""
+    """The step's length between `get_finished` calls, and from it the wait budget for a step's own loads: `begin` as
+    `get_finished` starts, `budget` for its wait, `end` once the wait is over."""
 
     def __init__(self, share: float = STEP_WAIT_SHARE, cap_s: float = STEP_WAIT_CAP_S,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -44,15 +47,22 @@ class StepLoadWait:
         self.cap_s = cap_s
         self._clock = clock
         self._last: Optional[float] = None
-        self.step_s: Optional[float] = None  # the smoothed step interval, once two calls were seen
+        self.step_s: Optional[float] = None  # the smoothed step length, once a whole step was seen
 
-    def tick(self) -> None:
-        """A `get_finished` call: one step ended since the previous call."""
+    def begin(self) -> None:
+        """`get_finished` starts: a step ran since the previous `end`."""
         now = self._clock()
         if self._last is not None:
-            interval = now - self._last
-            self.step_s = interval if self.step_s is None else self.step_s + _SMOOTHING * (interval - self.step_s)
-        self._last = now
+            sample = now - self._last
+            if self.step_s is None:
+                self.step_s = sample
+            else:  # an idle gap is no step: a sample can at most double the estimate
+                self.step_s += _SMOOTHING * (min(sample, 2 * self.step_s) - self.step_s)
+        self._last = None
+
+    def end(self) -> None:
+        """`get_finished`'s wait is over: the next step starts now."""
+        self._last = self._clock()
 
     def budget(self) -> float:
         """Seconds this step may wait for the loads it queued."""

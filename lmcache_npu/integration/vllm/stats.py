@@ -36,9 +36,10 @@ METRICS: dict[str, str] = {
     "store_seconds": "seconds the store transfers took (summed over ranks)",
     "load_retries": "device loads retried after a failure",
     "transfer_failures": "device transfers that failed (each fails its commands)",
-    "step_load_waits": "steps where the model runs on the host that waited for their own loads to report them in "
-                       "that step (per rank, summed)",
-    "step_load_wait_misses": "of those, steps whose loads outlasted the wait (reported a step later; per rank, summed)",
+    "step_load_waits": "steps where the model runs on the host that queued loads and waited for them, so they are "
+                       "reported in that step (no wait where they were already done; per rank, summed)",
+    "step_load_wait_misses": "of those, steps whose loads were not done within the wait (reported at a later step; per "
+                             "rank, summed)",
     "fence_waits": "store batches the model's stream waited for before a step wrote pages they still read "
                    "(summed over ranks)",
     "fence_skips": "in-flight store batches a step let read on, since it wrote none of their pages (per step, summed "

@@ -276,12 +276,13 @@ class WorkerHalf:
             self._idle_step = False
             self.executor.wait_for_any({c for recv in self._recv.values() for c in recv.pending}, IDLE_WAIT_S)
         if self._load_wait is not None:
-            self._load_wait.tick()
+            self._load_wait.begin()
             if self._step_loads:  # reported now, the requests run next step instead of the one after
                 step_loads, self._step_loads = self._step_loads, set()
                 self.counters.add("step_load_waits")
                 if not self.executor.wait_for_all(step_loads, self._load_wait.budget()):
                     self.counters.add("step_load_wait_misses")
+            self._load_wait.end()
         completions = self.executor.poll()
         self._outbox.extend(completions)
         for done in completions:
