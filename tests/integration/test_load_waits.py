@@ -167,7 +167,7 @@ def test_the_wait_is_not_part_of_the_step_it_is_a_share_of():
     assert wait.step_s == pytest.approx(0.04)  # counted with the wait it would drift to 0.04 / 0.75
 
 
-def test_an_idle_gap_at_most_doubles_the_step_estimate():
+def test_an_idle_gap_counts_for_at_most_twice_the_step_estimate():
     clock = _Clock()
     wait = StepLoadWait(share=0.25, cap_s=0.02, clock=clock)
     _step(wait, clock, 0.0)

@@ -13,8 +13,8 @@ only after a step's output says the load finished. Two waits keep that step:
   host until the forward ended; loads there are seen when polled.
 
 The step's share is bounded by the step itself: the time from the end of one `get_finished` to the start of the next
-(the wait left out, so a wait never lengthens the step it is a share of), smoothed, and a sample may at most double
-the estimate (an engine that idled for seconds between requests does not step; that gap is not a step). A load
+(the wait left out, so a wait never lengthens the step it is a share of), smoothed, and a sample counts for at most
+twice the estimate (an engine that idled for seconds between requests does not step; that gap is not a step). A load
 slower than expected costs at most that share of one step, never a stall.
 """
 
@@ -56,7 +56,7 @@ class StepLoadWait:
             sample = now - self._last
             if self.step_s is None:
                 self.step_s = sample
-            else:  # an idle gap is no step: a sample can at most double the estimate
+            else:  # an idle gap is no step: a sample counts for at most twice the estimate
                 self.step_s += _SMOOTHING * (min(sample, 2 * self.step_s) - self.step_s)
         self._last = None
 
