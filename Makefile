@@ -75,5 +75,16 @@ gpu-wheels: setup
 	$(BIN)/python -m pip download -q --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
 		--platform any -d .wheels pybind11 setuptools wheel pytest hypothesis rich xxhash blake3
 
+# The _npu build under CANN's real CMake rules, proven on x86 (docs/npu_build.md): csrc/ascendc against a stand-in of
+# CANN's CMake interface, real ACL/torch_npu/torch headers and libraries from their PyPI wheels (cached in
+# build/npu-toolchain); RUNPATH, NEEDED, symbol resolution and a real-header compile. tests/npu_build runs the same
+# in CI (make test).
+NPU_BUILD_CHECK := tools/npu_build/check_npu_build.py
+
+.PHONY: check-npu-build
+check-npu-build:
+	test -x $(BIN)/python || $(MAKE) setup
+	$(BIN)/python $(NPU_BUILD_CHECK)
+
 clean:
 	rm -rf build *.egg-info lmcache_npu/*.so $(STAMP)

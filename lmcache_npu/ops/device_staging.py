@@ -43,26 +43,53 @@ def pack_into(view: np.ndarray, parts: Sequence[np.ndarray], offsets: Sequence[i
         view[offset: offset + part.nbytes] = np.ascontiguousarray(part).view(np.uint8).reshape(-1)
 
 
-def pack_pinned(parts: Sequence[np.ndarray]) -> tuple[torch.Tensor, list[int]]:
-    """Per-call tables in one pinned host buffer (64 B aligned parts), so one async copy uploads them all."""
-    offsets, nbytes = packed_offsets(parts)
-    host = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=True)
-    pack_into(host.numpy(), parts, offsets)
-    return host, offsets
+class StagingLedger:
+    """Which bytes of a reused device staging buffer may hold something other than a store's output.
+
+    A store copies whole stretches of the buffer to the host, alignment gaps included, so every byte a store can copy
+    out must hold the kernel's output or zeros: never another plan's device payload, nor host bytes (another object's
+    gaps) that an earlier load copied in. A gap-free plan's store overwrites every byte, so it never zeroes; otherwise
+    the zeroing is stream-ordered before the store's kernel and covers only bytes a load or another plan dirtied.
+    Uses must be claimed in the order the device runs them."""
+
+    def __init__(self) -> None:
+        self._plan: Optional["weakref.ref[TransferPlan]"] = None
+        self._dirty = (0, 0)  # [begin, end): may hold bytes that are not a store's output
+
+    def fresh(self) -> None:
+        """The buffer is new memory (zeroed, or never read before a store writes it)."""
+        self._dirty = (0, 0)
+        self._plan = None
+
+    def claim(self, plan: TransferPlan, nbytes: int, capacity: int, direction: Direction) -> Optional[tuple[int, int]]:
+        """Records a use of the first `nbytes` of a `capacity`-byte buffer; the [begin, end) bytes the device must
+        zero before this use's kernel (a store's only), or None."""
+        if self._plan is not None and self._plan() is not plan:
+            self._dirty = (0, capacity)  # the old plan's payload sits where this plan has gaps
+        self._plan = weakref.ref(plan)
+        begin, end = self._dirty
+        if direction == Direction.LOAD:
+            if not plan.gap_free:
+                self._dirty = (0, max(end, nbytes))  # host bytes land in [0, nbytes), this plan's gaps included
+            return None
+        pending = (begin, min(end, nbytes)) if not plan.gap_free and begin < min(end, nbytes) else None
+        rest = max(begin, nbytes)  # [0, nbytes) will hold this store's output or zeros
+        self._dirty = (rest, end) if rest < end else (0, 0)
+        return pending
+
+    @property
+    def dirty(self) -> tuple[int, int]:
+        """The byte range a store would zero before use (for tests and logs)."""
+        return self._dirty
 
 
 class StagingBuffer:
-    """The device buffer host chunk objects pass through, kept across transfers and zeroed only where needed.
-
-    A store copies whole stretches of it to the host, alignment gaps included, so every byte a store can copy out
-    holds the kernel's output or zeros: never another plan's device payload, nor host bytes (another object's gaps)
-    that an earlier load copied in. A gap-free plan's store overwrites every byte, so it never zeroes; otherwise
-    the zeroing is stream-ordered before the store's kernel and covers only bytes a load or another plan dirtied."""
+    """The device buffer host chunk objects pass through (a torch tensor on the plan's device), kept across
+    transfers and zeroed only where the StagingLedger says."""
 
     def __init__(self) -> None:
         self._buffer: Optional[torch.Tensor] = None
-        self._plan: Optional["weakref.ref[TransferPlan]"] = None
-        self._dirty = (0, 0)  # [begin, end): may hold bytes that are not a store's output
+        self._ledger = StagingLedger()
         self._pending: Optional[tuple[int, int]] = None  # bytes reserve() found dirty, zeroed by zero_pending() or by the caller (take_pending())
 
     def get(self, plan: TransferPlan, nbytes: int, direction: Direction) -> torch.Tensor:
@@ -78,20 +105,8 @@ class StagingBuffer:
         buffer = self._buffer
         if buffer is None or buffer.numel() < nbytes or buffer.device != plan.device:
             buffer = self._buffer = torch.zeros(nbytes, dtype=torch.uint8, device=plan.device)
-            self._dirty = (0, 0)
-        elif self._plan is None or self._plan() is not plan:
-            self._dirty = (0, buffer.numel())  # the old plan's payload sits where this plan has gaps
-        self._plan = weakref.ref(plan)
-        begin, end = self._dirty
-        self._pending = None
-        if direction == Direction.LOAD:
-            if not plan.gap_free:
-                self._dirty = (0, max(end, nbytes))  # host bytes land in [0, nbytes), this plan's gaps included
-            return buffer[:nbytes]
-        if not plan.gap_free and begin < min(end, nbytes):
-            self._pending = (begin, min(end, nbytes))
-        rest = max(begin, nbytes)  # [0, nbytes) will hold this store's output or zeros
-        self._dirty = (rest, end) if rest < end else (0, 0)
+            self._ledger.fresh()
+        self._pending = self._ledger.claim(plan, nbytes, buffer.numel(), direction)
         return buffer[:nbytes]
 
     def zero_pending(self) -> None:
@@ -108,7 +123,7 @@ class StagingBuffer:
     @property
     def dirty(self) -> tuple[int, int]:
         """The byte range a store would zero before use (for tests and logs)."""
-        return self._dirty
+        return self._ledger.dirty
 
 
 def host_stretches(objects: Sequence[torch.Tensor], pieces: Sequence[tuple[int, int, int]],
@@ -126,13 +141,3 @@ def host_stretches(objects: Sequence[torch.Tensor], pieces: Sequence[tuple[int, 
                 continue
         merged.append([chunk, offset, length])
     return [(c, o, n) for c, o, n in merged]
-
-
-def copy_stretches(staging: torch.Tensor, objects: Sequence[torch.Tensor], stretches: Sequence[tuple[int, int, int]],
-                   object_bytes: int, to_device: bool) -> None:
-    """One non-blocking copy per stretch between host objects and the staging buffer, on the current stream."""
-    for chunk, offset, length in stretches:
-        obj = objects[chunk]
-        host = torch.as_strided(obj, (length,), (1,), obj.storage_offset() + offset)
-        device = staging[chunk * object_bytes + offset: chunk * object_bytes + offset + length]
-        (device.copy_(host, non_blocking=True) if to_device else host.copy_(device, non_blocking=True))

@@ -1,148 +1,312 @@
-"""The AscendC kernel on an Ascend NPU (lmcache_npu._npu); torch_npu is imported only here, lazily.
+"""The AscendC kernel on an Ascend NPU (lmcache_npu._npu); torch_npu is imported only by NpuRuntime.load().
 
-Chunk objects may live on the NPU (the kernel writes them directly) or in pinned host memory: the
-kernel gathers into a device staging buffer and async copies move it over PCIe/HCCS with the DMA
-engine, so no AI-core time is spent waiting on the host link. Objects adjacent in host memory (the
-arena's consecutive slots) share one copy: one per direction when a batch's slots are consecutive.
+Host chunk objects (the arena's slots) pass through a fixed device staging window: the kernel gathers into it (a
+store) or scatters from it (a load) and the copy engine crosses the host link with aclrtMemcpyAsync, so no AI-core
+time waits on PCIe. A batch larger than the window is moved in several windows, back to back on the lane's stream.
+Every device operation of a transfer (table upload, zeroing, copies, the kernel, the status read-back) is enqueued
+by the native module as tasks of torch_npu's task queue on the lane's current stream: ordered after what that stream
+already queued (the page fence's waits), without draining the device-wide queue the model's launches go through, and
+asynchronous by construction (the host side is page-locked memory we allocated or registered, never a torch_npu
+guess). The lane waits on an event at the end, never on a stream.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from typing import Any, Optional
+import weakref
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
 
 import numpy as np
 import torch
 
-from .device_staging import PlaneTables, StagingBuffer, copy_stretches, host_stretches, pack_pinned
-from .transfer_backend import (
-    AfterKernel,
-    BackendUnavailable,
-    TransferBackend,
-    TransferStats,
-    verify_kernel_report,
-    warm_up,
-)
+from ..platform.npu_budget import STAGING_WINDOW_BYTES_DEFAULT, TRANSFER_CORES_DEFAULT
+from ..platform.npu_runtime import DeviceBuffer, DeviceUnavailable, NpuRuntime, PinnedBuffer
 from .batch import ChunkBatch
+from .device_staging import StagingLedger, host_stretches, pack_into, packed_offsets
 from .emu_backend import SOCS, SocSpec, check_soc_rules
-from .plan import CORE_STATUS_DTYPE, Direction, TransferPlan
+from .plan import CORE_STATUS_DTYPE, Direction, TransferPlan, align_up
+from .transfer_backend import AfterKernel, BackendUnavailable, TransferBackend, TransferStats, verify_kernel_report, \
+    warm_up
 
 logger = logging.getLogger(__name__)
 
+COPY_DTYPE = np.dtype([("device", "<u8"), ("host", "<u8"), ("bytes", "<u8")])
+_LAUNCH_U64 = ("table_host", "table_device", "table_bytes", "planes", "groups", "runs", "objects", "status_device",
+               "status_host", "status_bytes", "zero_device", "zero_bytes", "copies_in", "num_copies_in",
+               "copies_out", "num_copies_out", "total_items")
+_LAUNCH_U32 = ("block_dim", "num_planes", "num_groups", "num_runs", "num_chunks", "direction", "tile_bytes",
+               "zero_tile_bytes")
 
-def _soc_from_name(name: str, ub_bytes: int, vector_cores: int) -> SocSpec:
+
+def soc_from_name(name: str, ub_bytes: int, vector_cores: int) -> SocSpec:
+    """The kernel's rules for a SoC name as ACL reports it (Ascend910B1, Ascend910_9391, Ascend310P3)."""
     family = "310p" if "310p" in name.lower() else ("a3" if "910_93" in name.lower() else "a2")
     base = SOCS[family]
     return SocSpec(family, ub_bytes, vector_cores, base.has_datacopy_pad, base.has_bf16)
 
 
-class NpuHostRegistrar:
-    """Registers host arena segments with the NPU through aclrtHostRegister / aclrtHostUnregister (our native
-    module, built only with CANN), one call per segment: no pinned allocator, so no power-of-two rounding."""
+def launch_dtype(native: Any) -> np.dtype:
+    """The numpy twin of the native LaunchDesc, at the offsets the built module reports (a stale build fails here)."""
+    fields = dict(native.LAUNCH_FIELDS)
+    names = _LAUNCH_U64 + _LAUNCH_U32
+    if set(fields) != set(names) or native.COPY_BYTES != COPY_DTYPE.itemsize:
+        raise BackendUnavailable(f"lmcache_npu._npu has launch fields {sorted(fields)}; this package expects "
+                                 f"{sorted(names)}: rebuild it (bash docker/install.sh, or pip install . with CANN)")
+    formats = ["<u8"] * len(_LAUNCH_U64) + ["<u4"] * len(_LAUNCH_U32)
+    return np.dtype({"names": list(names), "formats": formats, "offsets": [fields[n] for n in names],
+                     "itemsize": native.LAUNCH_BYTES})
 
-    name = "aclrtHostRegister"
 
-    def __init__(self, device_index: int) -> None:
-        self.device_index = device_index
-        try:
-            from lmcache_npu import _npu  # type: ignore[attr-defined]
-        except ImportError as exc:
-            raise BackendUnavailable("registering the host arena with the NPU needs lmcache_npu._npu (reinstall with "
-                                     "CANN present)") from exc
-        self._npu: Any = _npu
+@dataclass
+class _Grown:
+    """A device buffer and its page-locked host twin that grow (between transfers only) to what a transfer needs."""
 
-    def bind_thread(self) -> None:
-        import torch_npu  # noqa: F401  (registers torch.npu)
+    device: Optional[DeviceBuffer] = None
+    host: Optional[PinnedBuffer] = None
 
-        torch.npu.set_device(self.device_index)  # type: ignore[attr-defined]  # ACL calls act on the thread's device
+    def ensure(self, runtime: NpuRuntime, nbytes: int, what: str) -> tuple[DeviceBuffer, PinnedBuffer]:
+        if self.device is None or self.host is None or self.device.nbytes < nbytes:
+            size = max(4096, 1 << (max(nbytes, 1) - 1).bit_length())  # powers of two: few reallocations
+            self.close()
+            self.device = runtime.device_buffer(size, f"{what} (device)")
+            self.host = runtime.pinned_buffer(size, f"{what} (host)")
+        return self.device, self.host
 
-    def register(self, address: int, nbytes: int) -> int:
-        return int(self._npu.host_register(address, nbytes))
-
-    def unregister(self, address: int) -> None:
-        self._npu.host_unregister(address)
+    def close(self) -> None:
+        for buffer in (self.device, self.host):
+            if buffer is not None:
+                buffer.close()
+        self.device = self.host = None
 
 
 class NpuBackend(TransferBackend):
+    """`cores`: vector cores per launch (default platform.npu_budget.TRANSFER_CORES_DEFAULT, at most the SoC's);
+    `staging_bytes`: the device staging window each lane keeps (at least one chunk object; default
+    STAGING_WINDOW_BYTES_DEFAULT)."""
+
     name = "npu"
 
-    def __init__(self, cores: int | None = None) -> None:
+    def __init__(self, cores: Optional[int] = None, staging_bytes: Optional[int] = None) -> None:
         try:
-            import torch_npu  # noqa: F401  (registers the npu device with torch)
-        except ImportError as exc:
-            raise BackendUnavailable(
-                "the npu backend needs torch_npu (and CANN); it is not importable here: " + str(exc)
-            ) from exc
-        if not torch.npu.is_available():  # type: ignore[attr-defined]
-            raise BackendUnavailable("torch_npu is installed but no Ascend NPU is visible")
-        try:
-            from lmcache_npu import _npu  # type: ignore[attr-defined]
-        except ImportError as exc:
-            raise BackendUnavailable(
-                "lmcache_npu._npu is not built: reinstall with CANN present (ASCEND_HOME_PATH set, SOC_VERSION "
-                "or npu-smi available)"
-            ) from exc
+            runtime = NpuRuntime.load()
+        except DeviceUnavailable as exc:
+            raise BackendUnavailable(str(exc)) from exc
+        self._setup(runtime, cores, staging_bytes)
+
+    @classmethod
+    def on_runtime(cls, runtime: NpuRuntime, cores: Optional[int] = None,
+                   staging_bytes: Optional[int] = None) -> "NpuBackend":
+        """A backend over a given runtime (tests: the native code built against a fake device)."""
+        backend = cls.__new__(cls)
+        backend._setup(runtime, cores, staging_bytes)
+        return backend
+
+    def _setup(self, runtime: NpuRuntime, cores: Optional[int], staging_bytes: Optional[int]) -> None:
+        for key, value in (("cores", cores), ("staging_bytes", staging_bytes)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"backend_options.{key} must be a positive integer, got {value!r}")
         from lmcache_npu import _emu
 
-        self._npu: Any = _npu
-        info = _npu.platform()
-        self.soc = _soc_from_name(info["soc"], int(info["ub_bytes"]), int(info["vector_cores"]))
-        self.cores = int(cores) if cores is not None else self.soc.vector_cores
+        self.runtime = runtime
+        self._launch_dtype = launch_dtype(runtime.native)
+        platform = runtime.platform()
+        self.soc = soc_from_name(platform.soc, platform.ub_bytes, platform.vector_cores)
+        if cores is not None and cores > platform.vector_cores:
+            raise ValueError(f"backend_options.cores {cores} exceeds the {platform.vector_cores} vector cores of "
+                             f"{platform.soc}")
+        self.cores = cores if cores is not None else min(TRANSFER_CORES_DEFAULT, platform.vector_cores)
+        self.staging_bytes = staging_bytes if staging_bytes is not None else STAGING_WINDOW_BYTES_DEFAULT
         self.tiling = _emu.ub_tiling(self.soc.ub_bytes)  # the one tiling function (transfer_plan.h)
-        self._plane_tables = PlaneTables()
-        self._staging = StagingBuffer()
-        logger.info("npu backend on %s: %d vector cores, %d B UB, tile %d B", info["soc"], self.cores,
-                    self.soc.ub_bytes, self.tiling["tile_bytes"])
+        self.task_queue = platform.task_queue
+        self._plane_tables: "weakref.WeakKeyDictionary[TransferPlan, DeviceBuffer]" = weakref.WeakKeyDictionary()
+        self._staging: Optional[DeviceBuffer] = None
+        self._ledger = StagingLedger()
+        self._tables = _Grown()
+        self._status = _Grown()
+        self._transfer: Any = None  # the native Transfer, made on the lane's thread (its event needs the device)
+        self._lock = threading.Lock()  # one transfer at a time: the buffers are reused
+        self.last_windows = 0
+        logger.info("npu backend on %s: %d of %d vector cores per launch, %d B UB, tile %d B, staging window %d MiB, "
+                    "task queue %s", platform.soc, self.cores, platform.vector_cores, self.soc.ub_bytes,
+                    self.tiling["tile_bytes"], self.staging_bytes >> 20, "on" if self.task_queue else "off")
+
+    # ---- per plan ---------------------------------------------------------------------------------------------------
+
+    def chunks_per_window(self, plan: TransferPlan) -> int:
+        """Host chunk objects one staging window holds: as many as `staging_bytes` fits, at least one."""
+        return max(1, self.staging_bytes // max(plan.object_bytes, 1))
+
+    def staging_window_bytes(self, plan: TransferPlan) -> int:
+        return max(self.chunks_per_window(plan) * plan.object_bytes, 64)
 
     def prepare(self, plan: TransferPlan) -> None:
-        self._plane_tables.upload(plan)
-        warm_up(self, plan)
+        """Uploads the plan's plane table and sizes the staging window for it, before serving: nothing is allocated
+        or uploaded on the transfer path afterwards."""
+        with self._lock:
+            self.runtime.bind_thread()
+            self._plane_table(plan)
+            window = self.staging_window_bytes(plan)
+            if window > self.staging_bytes:
+                logger.warning("npu backend: one chunk object (%d B) is larger than the staging window (%d B); the "
+                               "window holds one chunk", plan.object_bytes, self.staging_bytes)
+            if self._staging is None or self._staging.nbytes < window:
+                if self._staging is not None:
+                    self._staging.close()
+                self._staging = self.runtime.device_buffer(window, "npu staging window")
+                self._ledger.fresh()
+        if plan.object_bytes:
+            scratch = self.runtime.pinned_buffer(plan.object_bytes, "npu warm-up object")
+            try:
+                warm_up(self, plan, torch.from_numpy(scratch.array))
+            finally:
+                scratch.close()
+
+    def _plane_table(self, plan: TransferPlan) -> DeviceBuffer:
+        table = self._plane_tables.get(plan)
+        if table is None:
+            host = np.ascontiguousarray(plan.plane_table).view(np.uint8)
+            table = self.runtime.device_buffer(max(host.nbytes, 64), "npu plane table")
+            self.runtime.native.copy_to_device(table.address, host.ctypes.data, host.nbytes)
+            self._plane_tables[plan] = table
+        return table
+
+    def close(self) -> None:
+        """Frees the device and page-locked buffers now (after the last transfer)."""
+        with self._lock:
+            for table in list(self._plane_tables.values()):
+                table.close()
+            self._plane_tables.clear()
+            if self._staging is not None:
+                self._staging.close()
+                self._staging = None
+            self._tables.close()
+            self._status.close()
+
+    # ---- a transfer -------------------------------------------------------------------------------------------------
 
     def transfer(self, batch: ChunkBatch, after_kernel: Optional[AfterKernel] = None) -> TransferStats:
+        with self._lock:
+            return self._transfer_locked(batch, after_kernel)
+
+    def _transfer_locked(self, batch: ChunkBatch, after_kernel: Optional[AfterKernel]) -> TransferStats:
         plan = batch.plan
-        device = plan.device
-        if device.type != "npu":
-            raise ValueError(f"the npu backend moves NPU pages; the plan's planes are on {device}")
+        if plan.device.type != self.runtime.device.type:
+            raise ValueError(f"the npu backend moves {self.runtime.device.type} pages; the plan's planes are on "
+                             f"{plan.device}")
         check_soc_rules(plan, self.soc)
-        on_device = all(o.device == device for o in batch.objects)
-        if not on_device and any(o.device.type != "cpu" for o in batch.objects):
-            raise ValueError("chunk objects must all be on the plan's NPU or all in host memory")
-        stream = torch.npu.current_stream(device)  # type: ignore[attr-defined]
+        on_device = [self.runtime.is_device_tensor(o) for o in batch.objects]
+        if any(on_device) and not all(on_device):
+            raise ValueError("chunk objects must all be in device memory or all in host memory")
+        staged = not on_device[0]
+        if staged and (self._staging is None or self._staging.nbytes < self.staging_window_bytes(plan)):
+            raise ValueError("the npu backend has no staging window for this plan: call prepare(plan) before "
+                             "transferring host objects")
+        windows = batch.chunk_windows(self.chunks_per_window(plan)) if staged else [batch]
+        launches, keep = self._launches(plan, windows, staged)
+        native = self._native_transfer()
         start = time.perf_counter()
-        staging: Optional[torch.Tensor] = None
-        stretches: list[tuple[int, int, int]] = []
-        if on_device:
-            object_addrs = batch.object_addresses()
-        else:
-            staging = self._staging.get(plan, batch.num_chunks * plan.object_bytes, batch.direction)
-            object_addrs = staging.data_ptr() + np.arange(batch.num_chunks, dtype=np.uint64) * np.uint64(
-                plan.object_bytes)
-            stretches = host_stretches(batch.objects, [(c, 0, plan.object_bytes) for c in range(batch.num_chunks)],
-                                       plan.object_bytes)
-            if batch.direction == Direction.LOAD:
-                copy_stretches(staging, batch.objects, stretches, plan.object_bytes, to_device=True)
-        host, offsets = pack_pinned([batch.group_table, batch.runs, object_addrs])  # one H2D copy
-        tables = host.to(device, non_blocking=True)
-        status = torch.zeros(self.cores * CORE_STATUS_DTYPE.itemsize, dtype=torch.uint8, device=device)
-        base = tables.data_ptr()
-        self._npu.launch(
-            stream=stream.npu_stream, block_dim=self.cores, planes=self._plane_tables.get(plan).data_ptr(),
-            groups=base + offsets[0], runs=base + offsets[1], objects=base + offsets[2],
-            status=status.data_ptr(), total_items=batch.total_items, num_planes=len(plan.plane_table),
-            num_groups=len(batch.group_table), num_runs=batch.runs.size, num_chunks=batch.num_chunks,
-            direction=int(batch.direction), tile_bytes=self.tiling["tile_bytes"],
-            zero_tile_bytes=self.tiling["zero_tile_bytes"],
-        )
-        if after_kernel is not None:
-            after_kernel(None)  # the stream's present position is right after the kernel: the pages are free there
-        if staging is not None and batch.direction == Direction.STORE:
-            copy_stretches(staging, batch.objects, stretches, plan.object_bytes, to_device=False)
-        stream.synchronize()
+        native.begin()
+        native.submit_windows(launches.ctypes.data, len(launches))
+        try:
+            if after_kernel is not None:
+                after_kernel(None)  # the stream's queued position is right after the last kernel: the pages are free
+        finally:
+            native.submit_tail(launches.ctypes.data, len(launches))  # whatever happened: the wait must end
+            native.wait()  # raises the first failed ACL call; the buffers are free to reuse either way
         seconds = time.perf_counter() - start
-        report = status.cpu().numpy().view(CORE_STATUS_DTYPE)
+        del keep
+        self.last_windows = len(windows)
+        assert self._status.host is not None
+        statuses = self._status.host.array[: len(windows) * self._status_stride].reshape(len(windows), -1)
+        report = np.ascontiguousarray(statuses[:, : self._status_bytes]).view(CORE_STATUS_DTYPE)
         verify_kernel_report(batch, int(report["items_done"].sum()), int(report["items_rejected"].sum()),
                              int(report["bytes_moved"].sum()))
         return TransferStats(backend=self.name, direction=batch.direction, chunks=batch.num_chunks,
-                             payload_bytes=batch.payload_bytes, launches=1, seconds=seconds,
-                             dma_ops=int(report["dma_ops"].sum()) - self.cores)
+                             payload_bytes=batch.payload_bytes, launches=len(windows), seconds=seconds,
+                             dma_ops=int(report["dma_ops"].sum()) - self.cores * len(windows))
+
+    @property
+    def _status_bytes(self) -> int:
+        """One window's core status blocks."""
+        return self.cores * CORE_STATUS_DTYPE.itemsize
+
+    @property
+    def _status_stride(self) -> int:
+        """Where consecutive windows' status blocks start: 64 B apart at least (aclrtMemcpyAsync's alignment)."""
+        return align_up(self._status_bytes, 64)
+
+    def _native_transfer(self) -> Any:
+        if self._transfer is None:
+            self.runtime.bind_thread()
+            self._transfer = self.runtime.native.Transfer()
+        return self._transfer
+
+    def _launches(self, plan: TransferPlan, windows: Sequence[ChunkBatch],
+                  staged: bool) -> tuple[np.ndarray, list[np.ndarray]]:
+        """The LaunchDesc records of a transfer's windows and the arrays they point into (kept alive by the caller
+        until the native submit has copied them)."""
+        staging = self._staging.address if staged and self._staging is not None else 0
+        capacity = self._staging.nbytes if staged and self._staging is not None else 0
+        parts_per_window = []
+        for window in windows:
+            if staged:
+                addresses = staging + np.arange(window.num_chunks, dtype=np.uint64) * np.uint64(plan.object_bytes)
+            else:
+                addresses = window.object_addresses()
+            runs = window.runs if window.runs.size else np.zeros(1, dtype=window.runs.dtype)
+            parts_per_window.append([window.group_table, runs, addresses])
+        layouts = [packed_offsets(parts) for parts in parts_per_window]
+        table_total = sum(size for _, size in layouts)
+        tables_device, tables_host = self._tables.ensure(self.runtime, table_total, "npu transfer tables")
+        status_device, status_host = self._status.ensure(self.runtime, len(windows) * self._status_stride,
+                                                         "npu transfer status")
+        launches = np.zeros(len(windows), dtype=self._launch_dtype)
+        keep: list[np.ndarray] = []
+        cursor = 0
+        plane_table = self._plane_table(plan).address
+        for w, (window, parts, (offsets, size)) in enumerate(zip(windows, parts_per_window, layouts)):
+            pack_into(tables_host.array[cursor: cursor + size], parts, offsets)
+            record = launches[w]
+            record["table_host"], record["table_device"] = tables_host.address + cursor, tables_device.address + cursor
+            record["table_bytes"] = size
+            record["planes"] = plane_table
+            for name, offset in zip(("groups", "runs", "objects"), offsets):
+                record[name] = tables_device.address + cursor + offset
+            record["status_device"] = status_device.address + w * self._status_stride
+            record["status_host"] = status_host.address + w * self._status_stride
+            record["status_bytes"] = self._status_bytes
+            if staged:
+                window_bytes = window.num_chunks * plan.object_bytes
+                zero = self._ledger.claim(plan, window_bytes, capacity, window.direction)
+                if zero is not None:
+                    record["zero_device"], record["zero_bytes"] = staging + zero[0], zero[1] - zero[0]
+                copies = self._copies(window, staging, plan.object_bytes)
+                keep.append(copies)
+                direction = "copies_in" if window.direction == Direction.LOAD else "copies_out"
+                record[direction], record[f"num_{direction}"] = copies.ctypes.data, len(copies)
+            record["total_items"] = window.total_items
+            record["block_dim"] = self.cores
+            record["num_planes"] = len(plan.plane_table)
+            record["num_groups"] = len(window.group_table)
+            record["num_runs"] = window.runs.size
+            record["num_chunks"] = window.num_chunks
+            record["direction"] = int(window.direction)
+            record["tile_bytes"] = self.tiling["tile_bytes"]
+            record["zero_tile_bytes"] = self.tiling["zero_tile_bytes"]
+            cursor = align_up(cursor + size, 64)
+        return launches, keep
+
+    @staticmethod
+    def _copies(window: ChunkBatch, staging: int, object_bytes: int) -> np.ndarray:
+        """One copy per stretch contiguous in both staging and host memory (the arena's consecutive slots merge)."""
+        if object_bytes == 0:
+            return np.zeros(0, dtype=COPY_DTYPE)  # every group skipped: the objects hold nothing
+        stretches = host_stretches(window.objects, [(c, 0, object_bytes) for c in range(window.num_chunks)],
+                                   object_bytes)
+        copies = np.zeros(len(stretches), dtype=COPY_DTYPE)
+        for i, (chunk, offset, length) in enumerate(stretches):
+            copies[i] = (staging + chunk * object_bytes + offset, window.objects[chunk].data_ptr() + offset, length)
+        return copies

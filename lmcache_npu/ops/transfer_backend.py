@@ -87,11 +87,13 @@ def verify_kernel_report(batch: ChunkBatch, done: int, rejected: int, bytes_move
         raise RuntimeError(f"kernel wrote {bytes_moved} B, the batch has {batch.payload_bytes} B of payload")
 
 
-def warm_up(backend: TransferBackend, plan: TransferPlan) -> None:
+def warm_up(backend: TransferBackend, plan: TransferPlan, scratch: Optional[torch.Tensor] = None) -> None:
     """One store of a chunk whose rows are all skipped (it writes zeros to a scratch object and reads no page):
     the device loads the kernel's module and the backend allocates what its first transfer would, before serving,
-    where a first launch can wait for every stream of the device."""
+    where a first launch can wait for every stream of the device. `scratch`: a host object of at least
+    `plan.object_bytes` the backend can reach (default: torch's pinned memory)."""
     slots = [None if g.skip else np.full((1, rows), -1, dtype=np.int64)
              for g, rows in zip(plan.groups, plan.rows_per_chunk)]
-    scratch = torch.zeros(plan.object_bytes, dtype=torch.uint8, pin_memory=True)
-    backend.store(plan, slots, [scratch])
+    if scratch is None:
+        scratch = torch.zeros(plan.object_bytes, dtype=torch.uint8, pin_memory=True)
+    backend.store(plan, slots, [scratch[:plan.object_bytes]])

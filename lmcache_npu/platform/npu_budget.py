@@ -14,5 +14,5 @@ STAGING_WINDOW_BYTES_DEFAULT = 64 << 20
 # Transfer lanes per worker (one loads, one stores), each with its own staging window.
 TRANSFER_LANES = 2
 # HCCL buffer of each communicator the TP share exchange makes (HCCL takes 2 x this per communicator; its default is
-# 200 MB). Shares of one load are a few MB, and a larger exchange is cut into several collectives.
+# 200 MB). Shares of one load are a few MB; HCCL moves a collective larger than its buffer through it in pieces.
 HCCL_SHARE_BUFFER_MB = 16

@@ -10,6 +10,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
+from ..platform.ascend_host import parse_requested
 from .mooncake_config import MooncakeConfig
 from .policies import POLICIES
 from .sections import parse_bytes, parse_section
@@ -27,6 +28,9 @@ class StoreConfig:
     pinned: Optional[bool] = None  # page-lock the arena; None: when an accelerator is present
     arena_segment_bytes: int = 2 << 30  # the arena is mapped and registered in pieces of this size (whole slots)
     hugepages: str = "auto"  # arena pages: auto (transparent hugepages where offered), off, 2M or 1G (MAP_HUGETLB)
+    # how an Ascend host makes the arena DMA-able: auto (from its driver, kernel and SoC: aclrtHostRegister ->
+    # aclrtMallocHost -> halHostRegister), or one of those three alone
+    npu_host_memory: str = "auto"
     disk_path: Optional[str] = None  # L2: directory for chunk files (local NVMe); None: no disk tier
     disk_bytes: int = 0  # L2 capacity per rank; required with disk_path
     disk_max_pending_bytes: int = 256 << 20  # write-behind queue; a spill beyond it is dropped and counted
@@ -58,6 +62,7 @@ class StoreConfig:
             raise ValueError(f"arena_segment_bytes must be at least one page ({SLOT_ALIGN_BYTES} B), got "
                              f"{self.arena_segment_bytes}")
         parse_hugepages(self.hugepages)
+        parse_requested(self.npu_host_memory)
         if self.disk_path is not None and (not isinstance(self.disk_path, str) or not self.disk_path):
             raise ValueError(f"disk_path must be a directory path, got {self.disk_path!r}")
         if self.disk_path is not None and self.disk_bytes <= 0:

@@ -69,8 +69,12 @@ class StoreExecutor:
         self._idle = threading.Condition(self._lock)
         self._closed = False
         self._submitting = 0
-        if remote is not None and not remote.register(arena.base_address, arena.total_bytes):
-            logger.info("rank %d: the arena is not registered with the remote store; puts and gets copy", rank)
+        if remote is not None:
+            registered = [remote.register(address, nbytes) for address, nbytes in arena.registration_ranges()]
+            if not arena.contiguous:  # segments the device runtime allocates later get their own registration
+                arena.add_live_listener(remote.register)
+            if not all(registered):
+                logger.info("rank %d: the arena is not registered with the remote store; puts and gets copy", rank)
 
     def submit(self, commands: Sequence[Command]) -> None:
         """Runs (or starts) every command in order; consecutive device moves and remote moves go as one batch."""

@@ -115,7 +115,8 @@ def build_executor(config: StoreConfig, rank: int, object_bytes: int, layout_fin
     this rank's files of `namespace` (every file of this rank when None) against `disk_bytes`."""
     sealer = store_sealer(config)  # first: a bad secret refuses start-up before any memory is allocated
     arena = HostArena.for_capacity(config.cpu_bytes, object_bytes, pinned=config.pinned, numa_node=config.numa_node,
-                                   segment_bytes=config.arena_segment_bytes, hugepages=config.hugepages)
+                                   segment_bytes=config.arena_segment_bytes, hugepages=config.hugepages,
+                                   npu_host_memory=config.npu_host_memory)
     disk = None
     if config.disk_path is not None:
         suffix = f"-r{rank}"

@@ -5,11 +5,12 @@ fixed inside it, so the arena is one address range (what Mooncake registers) mad
 by one. A segment holds whole slots (a slot never straddles two), its length is rounded only to its page size (no
 power-of-two rounding), and its pages may be transparent or explicit hugepages and bound to a NUMA node.
 
-Mapping is synchronous and cheap (nothing is touched); pre-faulting and device registration run on one background
+Mapping is synchronous and cheap (nothing is touched); pre-faulting and pinning (device registration, or the device
+runtime's own allocation where registering our memory cannot work: `platform/host_memory.py`) run on one background
 thread, segment after segment, so the engine serves from the first segment while the rest are prepared. A segment
 that is not live yet is pre-faulted by writing into its pages from several threads (bound to the arena's NUMA node's
 CPUs), a live one (pageable arenas) by MADV_POPULATE_WRITE, which never changes its bytes. A segment
-whose registration fails is left out with a warning: the arena shrinks, and the usable slots are the union of the
+that cannot be pinned is left out with a warning: the arena shrinks, and the usable slots are the union of the
 live segments' slot ranges (`usable_ranges`), not necessarily a prefix.
 """
 
@@ -26,7 +27,12 @@ import time
 import weakref
 from dataclasses import dataclass
 from enum import Enum
-from typing import Optional, Protocol
+from typing import Callable, Optional
+
+import numpy as np
+
+from ..platform.host_memory import HostAllocator, HostMemoryPath, HostRegistrar, SegmentPinning, allocates
+from ..platform.numa import node_cpus, numa_nodes, parse_cpulist, pci_numa_node  # noqa: F401  (re-exported)
 
 logger = logging.getLogger(__name__)
 
@@ -51,21 +57,6 @@ _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 
 
-class HostRegistrar(Protocol):
-    """Makes host memory addressable by one accelerator's DMA engines (cudaHostRegister, aclrtHostRegister)."""
-
-    name: str
-
-    def bind_thread(self) -> None:
-        """Makes the calling (background) thread's current device the arena's device."""
-
-    def register(self, address: int, nbytes: int) -> int:
-        """Registers [address, address + nbytes); returns the device's address of it; raises on failure."""
-
-    def unregister(self, address: int) -> None:
-        """Undoes `register` of the range starting at `address`."""
-
-
 class SegmentState(str, Enum):
     MAPPED = "mapped"  # address space and (for hugetlb) pages reserved, nothing touched yet
     LIVE = "live"  # its slots may be handed out: registered (or pageable), pre-faulted when asked
@@ -84,11 +75,13 @@ class Segment:
     mapped_bytes: int
     state: SegmentState = SegmentState.MAPPED
     registered: bool = False
+    allocated: bool = False  # its memory came from a HostAllocator (aclrtMallocHost), not from our mapping
+    pinned_by: str = ""  # the path that made it DMA-able
     device_address: Optional[int] = None
     error: str = ""
     prefault_s: float = 0.0  # how long touching its pages took (benchmarks report GB/s from these)
     prefaulted_by: str = ""  # "write" or "populate": how its pages were faulted in ("" when they were not)
-    register_s: float = 0.0  # how long the device registration took
+    register_s: float = 0.0  # how long the device registration (or allocation) took
 
     @property
     def slot_range(self) -> tuple[int, int]:
@@ -129,25 +122,6 @@ def free_hugepages(page_bytes: int) -> Optional[int]:
         return None
 
 
-def numa_nodes() -> list[int]:
-    """NUMA nodes with memory on this host (empty where the kernel does not expose them)."""
-    try:
-        names = os.listdir("/sys/devices/system/node")
-    except OSError:
-        return []
-    return sorted(int(n[4:]) for n in names if n.startswith("node") and n[4:].isdigit())
-
-
-def pci_numa_node(bus_id: str) -> Optional[int]:
-    """The NUMA node a PCI device (e.g. '0000:1b:00.0') hangs off, None where the firmware does not say."""
-    try:
-        with open(f"/sys/bus/pci/devices/{bus_id.lower()}/numa_node", encoding="ascii") as f:
-            node = int(f.read())
-    except (OSError, ValueError):
-        return None
-    return node if node >= 0 else None
-
-
 def _check(result: int, what: str) -> None:
     if result != 0:
         err = ctypes.get_errno()
@@ -173,32 +147,6 @@ def _bind(address: int, nbytes: int, node: int, strict: bool) -> None:
     mode = _MPOL_BIND if strict else _MPOL_PREFERRED
     _check(_libc.syscall(syscall, ctypes.c_void_p(address), ctypes.c_ulong(nbytes), mode, mask,
                          ctypes.c_ulong(len(mask) * 64 + 1), 0), f"mbind to NUMA node {node}")
-
-
-def node_cpus(node: int) -> frozenset[int]:
-    """The CPUs of NUMA node `node` this process may run on (empty where the kernel does not say, the node has no
-    CPUs, or the process's affinity excludes them all)."""
-    try:
-        with open(f"/sys/devices/system/node/node{node}/cpulist", encoding="ascii") as f:
-            cpus = parse_cpulist(f.read())
-    except (OSError, ValueError):
-        return frozenset()
-    return cpus & frozenset(os.sched_getaffinity(0))
-
-
-def parse_cpulist(text: str) -> frozenset[int]:
-    """The CPUs of a kernel cpulist ('0-3,8,10-11'); a malformed list is a ValueError quoting it."""
-    cpus: set[int] = set()
-    try:
-        for part in filter(None, text.strip().split(",")):
-            first, _, last = part.partition("-")
-            begin, end = int(first), int(last or first)
-            if begin < 0 or end < begin:
-                raise ValueError(part)
-            cpus.update(range(begin, end + 1))
-    except ValueError as exc:
-        raise ValueError(f"a cpulist is comma-separated CPUs or ascending first-last ranges, got {text!r}") from exc
-    return frozenset(cpus)
 
 
 def prefault_threads(cpus: Optional[frozenset[int]] = None) -> int:
@@ -256,8 +204,6 @@ def _bind_thread(cpus: frozenset[int]) -> None:
 def _write_range(address: int, nbytes: int) -> None:
     """Writes a zero into every page (one byte each: the kernel zero-fills the page it faults in, so the rest needs
     no second pass, and a transparent hugepage faults in whole on its first byte); numpy releases the GIL."""
-    import numpy as np
-
     pages = (ctypes.c_uint8 * nbytes).from_address(address)
     np.frombuffer(pages, dtype=np.uint8)[::PAGE_BYTES] = 0
 
@@ -273,34 +219,45 @@ def _populate_range(address: int, nbytes: int) -> None:
 
 
 class _Reservation:
-    """The reserved address range; unmapped (after undoing any registration left) when nothing views it any more."""
+    """The reserved address range, and every segment registered or allocated for it: when nothing views it any more,
+    the registrations are undone, allocated segments freed and the range unmapped."""
 
     def __init__(self, nbytes: int, align: int) -> None:
         self.raw_bytes = nbytes + align
         self.raw_address = _mmap(None, self.raw_bytes, _PROT_NONE,
                                  _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE)
         self.address = -self.raw_address % align + self.raw_address
-        self.registered: dict[int, HostRegistrar] = {}  # segment address -> who registered it
+        self.registered: dict[int, tuple[HostRegistrar, int]] = {}  # segment address -> (who registered it, bytes)
+        self.allocated: dict[int, HostAllocator] = {}  # segment address -> who allocated it
         self.lock = threading.Lock()
-        weakref.finalize(self, _release, self.raw_address, self.raw_bytes, self.registered, self.lock)
+        weakref.finalize(self, _release, self.raw_address, self.raw_bytes, self.registered, self.allocated, self.lock)
 
     def unregister_all(self) -> None:
         _unregister(self.registered, self.lock)
 
 
-def _unregister(registered: dict[int, HostRegistrar], lock: threading.Lock) -> None:
+def _unregister(registered: dict[int, tuple[HostRegistrar, int]], lock: threading.Lock) -> None:
     with lock:
         items = list(registered.items())
         registered.clear()
-    for address, registrar in items:
+    for address, (registrar, nbytes) in items:
         try:
-            registrar.unregister(address)
+            registrar.unregister(address, nbytes)
         except Exception as exc:  # a failed unregister must not keep the memory (or the interpreter exit) hostage
             logger.warning("host arena: %s unregister of the segment at 0x%x failed: %s", registrar.name, address, exc)
 
 
-def _release(raw_address: int, raw_bytes: int, registered: dict[int, HostRegistrar], lock: threading.Lock) -> None:
+def _release(raw_address: int, raw_bytes: int, registered: dict[int, tuple[HostRegistrar, int]],
+             allocated: dict[int, HostAllocator], lock: threading.Lock) -> None:
     _unregister(registered, lock)  # the device must forget the pages before they go back to the kernel
+    with lock:
+        items = list(allocated.items())
+        allocated.clear()
+    for address, allocator in items:
+        try:
+            allocator.free(address)
+        except Exception as exc:  # at interpreter exit the device runtime may be gone already
+            logger.debug("host arena: %s free of the segment at 0x%x failed: %s", allocator.name, address, exc)
     _libc.munmap(ctypes.c_void_p(raw_address), raw_bytes)
 
 
@@ -316,7 +273,10 @@ class _LiveView:
 class SegmentedMemory:
     """`num_slots` slots of `slot_bytes` in segments of at most `segment_bytes` (at least one slot each).
 
-    `registrar` (None: pageable) registers each segment with the device; `numa_node` binds the pages (strict), or
+    `pinning` (None: pageable) makes each segment DMA-able: its paths are tried in order on the first segment and
+    the first that works is kept (a path that allocates, aclrtMallocHost, replaces the segment's mapping with the
+    device runtime's memory: such segments are not one address range, see `contiguous`); `numa_node` binds the pages
+    (strict), or
     `preferred_node` prefers a node (the device's, found automatically); `prefault` touches every used page in the
     background before the segment goes live, from threads bound to that node's CPUs. `prefault_by`: "write" faults a
     segment that is not live yet by writing into its pages in parallel (fast) and a live one (pageable arenas, whose
@@ -326,7 +286,7 @@ class SegmentedMemory:
     returns the error and the segment is left out. `start()` begins the background preparation."""
 
     def __init__(self, num_slots: int, slot_bytes: int, *, segment_bytes: int = DEFAULT_SEGMENT_BYTES,
-                 hugepages: str = "auto", registrar: Optional[HostRegistrar] = None,
+                 hugepages: str = "auto", pinning: Optional[SegmentPinning] = None,
                  numa_node: Optional[int] = None, preferred_node: Optional[int] = None,
                  prefault: bool = True, prefault_by: str = "write") -> None:
         if prefault_by not in PREFAULT_BY:
@@ -351,7 +311,7 @@ class SegmentedMemory:
         self.page_bytes = HUGEPAGE_CHOICES[self.hugepages] or PAGE_BYTES
         self.transparent = self.hugepages == "auto" and transparent_hugepages_enabled()
         align = self.page_bytes if self.page_bytes > PAGE_BYTES else (THP_BYTES if self.transparent else PAGE_BYTES)
-        self.registrar = registrar
+        self.pinning = pinning
         self.numa_node = numa_node
         self.preferred_node = None if numa_node is not None else preferred_node
         self.prefault = prefault
@@ -382,6 +342,8 @@ class SegmentedMemory:
         self._state_lock = threading.Condition()
         self._live = _LiveView((), 0, 0)  # replaced whole (one reference swap) whenever a segment changes state
         self._stop = threading.Event()
+        self._live_listeners: list[Callable[[int, int], None]] = []
+        self._bound: set[int] = set()  # ids of the paths whose bind_thread ran on the background thread
         self._thread: Optional[threading.Thread] = None
         self._settled = 0  # segments the background thread has finished with
         self.started_at: Optional[float] = None
@@ -427,7 +389,7 @@ class SegmentedMemory:
         if self.started_at is not None:
             return
         self.started_at = time.perf_counter()
-        if self.registrar is None:
+        if self.pinning is None:
             with self._state_lock:  # pageable: a page faults in on first use anyway, so every slot is usable at once
                 for segment in self.segments:
                     segment.state = SegmentState.LIVE
@@ -440,13 +402,6 @@ class SegmentedMemory:
         self._thread.start()
 
     def _prepare_all(self) -> None:
-        if self.registrar is not None:
-            try:
-                self.registrar.bind_thread()
-            except Exception as exc:
-                for segment in self.segments:
-                    self._settle(segment, f"{self.registrar.name}: could not select the device ({exc})")
-                return
         for segment in self.segments:
             if self._stop.is_set():
                 self._settle(segment, "the arena was closed before this segment was prepared")
@@ -454,26 +409,79 @@ class SegmentedMemory:
             self._settle(segment, self._prepare(segment))
 
     def _prepare(self, segment: Segment) -> str:
-        """Pre-faults and registers one segment; the reason it cannot be used, or "" when it can."""
-        if self.prefault:
-            began = time.perf_counter()
-            try:
-                segment.prefaulted_by = self._prefault_segment(segment)
-            except Exception as exc:
-                return f"pre-faulting failed: {exc}"
-            segment.prefault_s = time.perf_counter() - began
-        if self.registrar is None:
+        """Pre-faults and pins one segment; the reason it cannot be used, or "" when it can."""
+        if self.pinning is None:
+            return self._prefault_once(segment)
+        errors = []
+        for path in self.pinning.candidates():
+            error = self._pin(segment, path)
+            if not error:
+                self.pinning.settle(path)
+                return ""
+            self.pinning.failed(path, error)
+            errors.append(f"{path.name}: {error}")
+        return "; ".join(errors)
+
+    def _prefault_once(self, segment: Segment) -> str:
+        if not self.prefault or segment.prefaulted_by:
             return ""
         began = time.perf_counter()
         try:
-            segment.device_address = self.registrar.register(segment.address, segment.mapped_bytes)
+            segment.prefaulted_by = self._prefault_segment(segment)
         except Exception as exc:
-            return f"{self.registrar.name} registration failed: {exc}"
-        segment.register_s = time.perf_counter() - began
-        with self._reservation.lock:
-            self._reservation.registered[segment.address] = self.registrar
-        segment.registered = True
+            return f"pre-faulting failed: {exc}"
+        segment.prefault_s = time.perf_counter() - began
         return ""
+
+    def _bind(self, path: HostMemoryPath) -> str:
+        if id(path) in self._bound:
+            return ""
+        try:
+            path.bind_thread()
+        except Exception as exc:
+            return f"could not select the device ({exc})"
+        self._bound.add(id(path))
+        return ""
+
+    def _pin(self, segment: Segment, path: HostMemoryPath) -> str:
+        """Makes `segment` DMA-able through `path`: registers our mapping, or takes the path's own memory."""
+        error = self._bind(path)
+        if error:
+            return error
+        began = time.perf_counter()
+        if allocates(path):
+            assert isinstance(path, HostAllocator)
+            try:
+                address = path.allocate(segment.mapped_bytes)
+            except Exception as exc:
+                return f"allocation failed: {exc}"
+            self._adopt(segment, address, path)
+        else:
+            assert isinstance(path, HostRegistrar)
+            error = self._prefault_once(segment)
+            if error:
+                return error
+            try:
+                segment.device_address = path.register(segment.address, segment.mapped_bytes)
+            except Exception as exc:
+                return f"registration failed: {exc}"
+            with self._reservation.lock:
+                self._reservation.registered[segment.address] = (path, segment.mapped_bytes)
+            segment.registered = True
+        segment.register_s = time.perf_counter() - began
+        segment.pinned_by = path.name
+        return ""
+
+    def _adopt(self, segment: Segment, address: int, allocator: HostAllocator) -> None:
+        """`segment` now lives at `address` (the allocator's memory); our mapping for it goes back to a reservation,
+        so pages an earlier path faulted in there are returned to the kernel."""
+        _mmap(segment.address, segment.mapped_bytes, _PROT_NONE, _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_FIXED
+              | _MAP_NORESERVE)
+        with self._reservation.lock:
+            self._reservation.allocated[address] = allocator
+        segment.address = address
+        segment.allocated = True
+        segment.prefaulted_by = ""
 
     def _prefault_segment(self, segment: Segment) -> str:
         """Faults the segment's used pages in; how ("write" or "populate")."""
@@ -497,8 +505,10 @@ class SegmentedMemory:
         return "populate"
 
     def _settle(self, segment: Segment, error: str) -> None:
+        if not error and segment.allocated:
+            self._announce(segment)  # before its slots can be handed out
         with self._state_lock:
-            if self.registrar is not None:  # pageable segments went live at start: a failed pre-fault only warns
+            if self.pinning is not None:  # pageable segments went live at start: a failed pre-fault only warns
                 segment.state = SegmentState.FAILED if error else SegmentState.LIVE
                 self._refresh_live()
             segment.error = error
@@ -509,7 +519,7 @@ class SegmentedMemory:
             if self._settled == len(self.segments):
                 self.all_settled_at = now
             self._state_lock.notify_all()
-        if error and self.registrar is None:
+        if error and self.pinning is None:
             logger.warning("host arena: pre-faulting segment %d failed (its pages fault in on first use): %s",
                            segment.index, error)
         elif error:
@@ -566,20 +576,59 @@ class SegmentedMemory:
     def segments_live(self) -> int:
         return self._live.segments_live
 
-    def offset(self, slot: int) -> int:
-        """Byte offset of `slot` from `base_address`."""
+    @property
+    def contiguous(self) -> bool:
+        """Whether every slot lies in the one reserved range [base_address, base_address + span_bytes): false once
+        the segments' memory comes from an allocator (aclrtMallocHost), each segment then an address of its own."""
+        return not any(segment.allocated for segment in self.segments)
+
+    def slot_address(self, slot: int) -> int:
+        """Where `slot` starts (its segment's address, which an allocator may have set while preparing it)."""
         segment, within = divmod(slot, self.slots_per_segment)
-        return self.segments[segment].address - self.base_address + within * self.slot_bytes
+        return self.segments[segment].address + within * self.slot_bytes
+
+    def segment_view(self, index: int) -> np.ndarray:
+        """Segment `index`'s used bytes as a uint8 array that keeps the memory alive while anything views it. Only a
+        live segment's address is final: asking for another one is an error."""
+        segment = self.segments[index]
+        if segment.state is not SegmentState.LIVE:
+            raise IndexError(f"arena segment {index} is {segment.state.value}: its slots are not in use")
+        array = (ctypes.c_uint8 * segment.used_bytes).from_address(segment.address)
+        array._keepalive = self._reservation  # type: ignore[attr-defined]  # freed or unmapped after the last view
+        return np.frombuffer(array, dtype=np.uint8)
 
     def buffer(self) -> ctypes.Array:
-        """The whole mapped range as a ctypes byte array that keeps the memory mapped while anything views it."""
+        """The whole reserved range as a ctypes byte array that keeps the memory mapped while anything views it (a
+        contiguous arena only)."""
+        if not self.contiguous:
+            raise ValueError("the arena's segments were allocated one by one (aclrtMallocHost): it has no single "
+                             "range; use segment_view() or registration_ranges()")
         array = (ctypes.c_uint8 * self.span_bytes).from_address(self.base_address)
         array._keepalive = self._reservation  # type: ignore[attr-defined]  # munmap only after the last view
         return array
 
+    def registration_ranges(self) -> list[tuple[int, int]]:
+        """(address, bytes) a remote transfer engine registers to reach every slot that is or will be live: the one
+        reserved range, or each live allocated segment (later ones are announced to `add_live_listener`)."""
+        if self.contiguous:
+            return [(self.base_address, self.span_bytes)]
+        return [(s.address, s.used_bytes) for s in self.segments if s.state is SegmentState.LIVE]
+
+    def add_live_listener(self, listener: Callable[[int, int], None]) -> None:
+        """`listener(address, bytes)` runs for every allocated segment that goes live from now on, before its slots
+        can be handed out (contiguous arenas never call it: `registration_ranges` covers them up front)."""
+        self._live_listeners.append(listener)
+
+    def _announce(self, segment: Segment) -> None:
+        for listener in list(self._live_listeners):
+            try:
+                listener(segment.address, segment.used_bytes)
+            except Exception as exc:  # a listener is an optimisation (zero-copy); the segment serves regardless
+                logger.warning("host arena: a listener for segment %d failed: %s", segment.index, exc)
+
     def close(self) -> None:
-        """Stops the background preparation and unregisters every registered segment now (the memory stays mapped
-        until the last view of it goes)."""
+        """Stops the background preparation and unregisters every registered segment now (the memory stays mapped,
+        and allocated segments allocated, until the last view of it goes)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join()

@@ -43,7 +43,7 @@ SLICING = st.fixed_dictionaries({
 })
 
 
-@settings(max_examples=250)
+@settings(max_examples=250, deadline=None)
 @given(case=cases(soc="a2"), path=st.sampled_from(sorted(PLACEMENT)), blocks=st.sampled_from([None, 1, 3, 1000]),
        threads=st.sampled_from([32, 256, 1024]), pipeline=st.booleans(), slicing=SLICING)
 def test_cuda_matches_oracle(case: Case, path: str, blocks, threads: int, pipeline: bool, slicing: dict) -> None:
@@ -52,7 +52,7 @@ def test_cuda_matches_oracle(case: Case, path: str, blocks, threads: int, pipeli
     run_round_trip(backend, to_cuda(case), PLACEMENT[path])
 
 
-@settings(max_examples=50)
+@settings(max_examples=50, deadline=None)
 @given(case=cases(soc="310p"))
 def test_cuda_fractal_nz_matches_oracle(case: Case) -> None:
     run_round_trip(get_backend("cuda", path="staging"), to_cuda(case), PLACEMENT["staging"])

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lmcache_npu.ops import ChunkBatch, Direction
@@ -40,6 +40,7 @@ def _rows(runs: np.ndarray) -> set[tuple[int, int, int]]:
     return out
 
 
+@settings(deadline=None)
 @given(case=cases(soc="a2"), piece_bytes=st.sampled_from([0, 1, 33, 1000, 1 << 16]), direction=DIRECTIONS)
 def test_pieces_name_exactly_the_batchs_rows_and_stay_small(case: Case, piece_bytes: int,
                                                            direction: Direction) -> None:
@@ -61,6 +62,7 @@ def test_pieces_name_exactly_the_batchs_rows_and_stay_small(case: Case, piece_by
     assert int(groups["run_count"].sum()) == runs.size
 
 
+@settings(deadline=None)
 @given(case=cases(soc="a2"), first=st.sampled_from([64, 1000, 1 << 16, 2 << 20]), growth=st.sampled_from([2, 4]),
        share=st.sampled_from([2, 24]), piece_bytes=st.sampled_from([0, 100, 1 << 16]), direction=DIRECTIONS,
        pipelined=st.booleans())
@@ -123,6 +125,7 @@ def _apply(copies: np.ndarray, staging: np.ndarray, staging_address: int, object
             raise AssertionError(f"copy from an address in no object: {host_at:#x}")
 
 
+@settings(deadline=None)
 @given(case=cases(soc="a2"), pipelined=st.booleans(), first=st.sampled_from([64, 1 << 20]), direction=DIRECTIONS,
        adjacent=st.booleans(), drop=st.booleans())
 def test_copies_move_every_payload_byte_between_staging_and_objects(case: Case, pipelined: bool, first: int,
@@ -174,6 +177,7 @@ def _slice_masks(order, num_chunks: int, nbytes: int) -> tuple[np.ndarray, np.nd
     return masks[0], masks[1]
 
 
+@settings(deadline=None)
 @given(case=cases(soc="a2"), share=st.sampled_from([2, 3, 24]), piece_bytes=st.sampled_from([0, 100, 1 << 16]),
        drop=st.booleans())
 def test_a_mapped_prefix_and_the_copies_write_every_stored_byte_once(case: Case, share: int, piece_bytes: int,
@@ -209,6 +213,7 @@ def test_a_mapped_prefix_and_the_copies_write_every_stored_byte_once(case: Case,
         assert ok, "a stored byte is missing, or a copy overwrote the prefix with staging's bytes"
 
 
+@settings(deadline=None)
 @given(case=cases(soc="a2"), share=st.sampled_from([2, 3, 24]), piece_bytes=st.sampled_from([0, 100, 1 << 16]),
        drop=st.booleans())
 def test_a_mapped_prefix_load_reads_every_loaded_byte_from_the_object(case: Case, share: int, piece_bytes: int,

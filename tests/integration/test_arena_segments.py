@@ -7,6 +7,8 @@ import itertools
 
 import pytest
 
+from lmcache_npu.platform.host_memory import SegmentPinning
+
 from lmcache_npu.integration.vllm.metadata import LMCacheNPUWorkerMetadata
 from lmcache_npu.store import arena as arena_module
 
@@ -25,13 +27,13 @@ def test_a_segment_one_rank_could_not_register_is_never_stored_into(make_engine,
     calls = itertools.count()
     registrars: list[FakeRegistrar] = []
 
-    def registrar_for_rank() -> tuple[FakeRegistrar, None]:
+    def pinning_for_rank(npu_host_memory: str = "auto") -> tuple[SegmentPinning, None]:
         # rank 0's arena registers every segment; rank 1's refuses its second one
         registrar = FakeRegistrar(refuse=frozenset({1}) if next(calls) == 1 else frozenset())
         registrars.append(registrar)
-        return registrar, None
+        return SegmentPinning([registrar]), None
 
-    monkeypatch.setattr(arena_module, "device_registrar", registrar_for_rank)
+    monkeypatch.setattr(arena_module, "device_pinning", pinning_for_rank)
     engine = preset_engine(make_engine, "llama3-8b", "ascend", world=2,
                            extra_config={"pinned": True, "cpu_bytes": "48MiB", "arena_segment_bytes": "8MiB"})
     arenas = [w.worker_half.executor.arena for w in engine.workers]

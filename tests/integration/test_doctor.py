@@ -15,6 +15,10 @@ import pytest
 
 from lmcache_npu import doctor
 from lmcache_npu.doctor import FAIL, OK, SKIP, WARN
+from lmcache_npu.platform.ascend_host import AscendHostFacts
+from lmcache_npu.platform.npu_budget import HCCL_SHARE_BUFFER_MB, STAGING_WINDOW_BYTES_DEFAULT, TRANSFER_LANES
+
+from ..platform.recorded import load
 
 GOOD = {"torch": "2.10.0", "vllm": "0.23.0", "vllm-ascend": "0.23.0", "torch_npu": "2.10.0.post4"}
 CONFIG = {"kv_connector": "LMCacheNPUConnector", "kv_role": "kv_both",
@@ -55,8 +59,12 @@ def test_python_range() -> None:
 def test_cann_and_soc(tmp_path: Path) -> None:
     (tmp_path / "aarch64-linux").mkdir()
     (tmp_path / "aarch64-linux" / "version.cfg").write_text("version=9.1.0\n")
-    got = doctor.check_cann({"ASCEND_HOME_PATH": str(tmp_path)}, "npu", lambda: "NPU Name : 910B3\n")
-    assert [c.verdict for c in got] == [OK, OK] and "9.1.0" in got[0].detail and "910B3" in got[1].detail
+    board = "Chip Type : Ascend\nChip Name : 910B3\n"
+    got = doctor.check_cann({"ASCEND_HOME_PATH": str(tmp_path)}, "npu", lambda: board)
+    assert [c.verdict for c in got] == [OK, OK] and "9.1.0" in got[0].detail
+    assert "Ascend910B3 (npu-smi)" in got[1].detail
+    mcu = doctor.check_cann({"SOC_VERSION": "ascend910b1"}, "npu", lambda: load("board_mcu.txt"))
+    assert "ascend910b1 (SOC_VERSION)" in mcu[1].detail  # a report naming no SoC is not credited with one
     missing = doctor.check_cann({"ASCEND_HOME_PATH": str(tmp_path / "no")}, "npu", lambda: None)
     assert [c.verdict for c in missing] == [FAIL, FAIL] or missing[0].detail.startswith("CANN at /usr/local")
 
@@ -79,10 +87,17 @@ def test_310p_kv_transfer_verdicts(soc: str, version, verdict: str) -> None:
 
 
 def test_the_soc_for_the_310p_check_comes_from_npu_smi_before_soc_version() -> None:
-    assert doctor.soc_name({"SOC_VERSION": "ascend910b1"}, "NPU Name : 310P3\n") == "310P3"
+    assert doctor.soc_name({"SOC_VERSION": "ascend910b1"}, load("board_310p3.txt")) == "Ascend310P3"
     assert doctor.soc_name({"SOC_VERSION": "ascend310p1"}, None) == "ascend310p1"
     assert doctor.soc_name({}, "no chip line here") == ""
     assert doctor.is_310p("310P3") and doctor.is_310p("ascend310p1") and not doctor.is_310p("910B3")
+
+
+@pytest.mark.parametrize("board,soc", [("board_a3_9392.txt", "Ascend910_9392"), ("board_a2_910b4.txt", "Ascend910B4"),
+                                       ("board_a5_950pr.txt", "Ascend950PR_9599")])
+def test_the_soc_is_named_by_the_rule_setup_py_builds_with(board: str, soc: str) -> None:
+    """One rule (platform/npu_smi.py): on A3 the chip name alone ("Ascend910") would be a SoC CANN refuses."""
+    assert doctor.soc_name({}, load(board)) == soc
 
 
 def test_native_modules() -> None:
@@ -94,6 +109,9 @@ def test_native_modules() -> None:
 
 def test_devices() -> None:
     assert verdicts(doctor.check_devices({"npu": [], "cuda": []}, "cpu")) == {"devices": WARN}
+    for name, words in (("host", "memcpy"), ("emu", "emulator"), ("torch", "torch indexing")):
+        detail = doctor.check_devices({"npu": [], "cuda": []}, "cpu", cpu_backend=lambda n=name: n)[0].detail
+        assert f"'auto' picks the {name} backend" in detail and words in detail, detail
     assert verdicts(doctor.check_devices({"npu": [], "cuda": []}, "npu")) == {"devices": FAIL}
     assert verdicts(doctor.check_devices({"npu": [("Ascend910B3", 60 << 30, 64 << 30)], "cuda": []}, "npu")) == \
         {"npu:0": OK}
@@ -166,6 +184,104 @@ def test_model_layout(tmp_path: Path) -> None:
     assert doctor.check_model(str(path), "npu", None).verdict == FAIL
 
 
+A2 = AscendHostFacts("Ascend910B1", (25, 0), "25.0.rc1.1", "5.15.0-91-generic", 64 << 20)
+GiB = 1 << 30
+
+
+def test_host_memory_prints_the_facts_and_the_chain() -> None:
+    check = doctor.check_host_memory(A2, "auto", "npu", 8 * GiB, False, False)
+    assert check.verdict == OK
+    assert "driver 25.0.rc1.1" in check.detail and "kernel 5.15.0-91-generic" in check.detail
+    assert "SoC Ascend910B1" in check.detail
+    assert "aclrtHostRegister -> aclrtMallocHost -> halHostRegister" in check.detail
+
+
+def test_host_memory_off_an_npu_is_a_skip_that_still_says_the_facts() -> None:
+    check = doctor.check_host_memory(A2, "auto", "cpu", 8 * GiB, False, False)
+    assert check.verdict == SKIP and "driver 25.0.rc1.1" in check.detail
+
+
+def test_host_memory_fails_when_the_requested_method_cannot_work() -> None:
+    p310 = AscendHostFacts("Ascend310P3", (25, 0), "25.0.rc1.1", "5.15.0", None)
+    check = doctor.check_host_memory(p310, "aclrtHostRegister", "npu", 8 * GiB, False, False)
+    assert check.verdict == FAIL and "310P" in check.detail and "npu_host_memory to 'auto'" in check.fix
+    assert "aclrtMallocHost" in check.fix  # what auto would do here
+    assert doctor.check_host_memory(p310, "auto", "npu", 8 * GiB, False, False).verdict == OK  # the control
+
+
+def test_host_memory_refuses_an_unknown_method_naming_the_key() -> None:
+    check = doctor.check_host_memory(A2, "pinned", "npu", 8 * GiB, False, False)
+    assert check.verdict == FAIL and "npu_host_memory" in check.detail and "aclrtMallocHost" in check.detail
+
+
+@pytest.mark.parametrize("memlock,root,cap,verdict", [
+    (8 << 20, False, False, FAIL),  # halHostRegister alone, and it cannot lock the arena
+    (None, False, False, OK), (16 * GiB, False, False, OK),  # the limit allows it
+    (8 << 20, True, False, OK), (8 << 20, False, True, OK),  # root, or CAP_IPC_LOCK
+])
+def test_hal_register_needs_mlock(memlock, root: bool, cap: bool, verdict: str) -> None:
+    old = AscendHostFacts("Ascend910B1", (24, 1), "24.1.rc1", "5.15.0", memlock)
+    check = doctor.check_host_memory(old, "halHostRegister", "npu", 8 * GiB, root, cap)
+    assert check.verdict == verdict
+    assert ("CAP_IPC_LOCK" in check.detail) == (verdict == FAIL)
+
+
+def test_a_fallback_that_cannot_lock_is_said_but_does_not_block() -> None:
+    old = AscendHostFacts("Ascend910B1", (24, 1), "24.1.rc1", "5.15.0", 8 << 20)
+    check = doctor.check_host_memory(old, "auto", "npu", 8 * GiB, False, False)
+    assert check.verdict == OK and "only that fallback would fail" in check.detail and "IPC_LOCK" in check.fix
+
+
+WINDOW_MIB = STAGING_WINDOW_BYTES_DEFAULT >> 20
+
+
+def test_device_memory_is_an_estimate_with_its_parts_and_the_fix() -> None:
+    check = doctor.check_device_memory("npu", 64 * GiB, "auto", {}, 1, "auto", "auto")
+    total = TRANSFER_LANES * (WINDOW_MIB + 1)
+    assert check.verdict == OK and check.detail.startswith("estimate per NPU")
+    assert f"{total} MiB = {TRANSFER_LANES} lanes x {WINDOW_MIB} MiB staging window" in check.detail
+    assert "HCCL" not in check.detail  # TP 1: no share exchange
+    assert f"lower gpu_memory_utilization by {total / 1024:.2f} GiB" in check.fix
+    assert "backend_options.staging_bytes" in check.fix and "of the 64 GiB card" in check.detail
+
+
+@pytest.mark.parametrize("tp,share,exchange,hccl", [
+    (4, "auto", "auto", True), (2, "auto", "device", True),
+    (1, "auto", "auto", False), (4, "off", "auto", False), (4, "auto", "host", False),  # the controls
+])
+def test_the_share_exchange_adds_one_hccl_communicator(tp: int, share: str, exchange: str, hccl: bool) -> None:
+    check = doctor.check_device_memory("npu", None, "auto", {}, tp, share, exchange)
+    total = TRANSFER_LANES * (WINDOW_MIB + 1) + (2 * HCCL_SHARE_BUFFER_MB if hccl else 0)
+    assert f"{total} MiB =" in check.detail and ("HCCL" in check.detail) == hccl
+
+
+def test_a_configured_staging_window_counts_only_for_the_npu_backend() -> None:
+    small = doctor.check_device_memory("npu", None, "npu", {"staging_bytes": "16MiB"}, 1, "auto", "auto")
+    assert f"{TRANSFER_LANES * 17} MiB = {TRANSFER_LANES} lanes x 16 MiB" in small.detail
+    ints = doctor.check_device_memory("npu", None, "npu", {"staging_bytes": 32 << 20}, 1, "auto", "auto")
+    assert f"{TRANSFER_LANES} lanes x 32 MiB" in ints.detail
+    other = doctor.check_device_memory("npu", None, "auto", {"staging_bytes": "16MiB"}, 1, "auto", "auto")
+    assert f"{TRANSFER_LANES} lanes x {WINDOW_MIB} MiB" in other.detail  # the control
+    bad = doctor.check_device_memory("npu", None, "npu", {"staging_bytes": "lots"}, 1, "auto", "auto")
+    assert bad.verdict == FAIL and "backend_options.staging_bytes" in bad.detail
+
+
+def test_device_memory_off_an_npu_is_a_skip() -> None:
+    assert doctor.check_device_memory("cuda", 80 * GiB, "auto", {}, 4, "auto", "auto").verdict == SKIP
+
+
+def test_settings_come_from_the_checked_config_else_from_the_raw_extra_config() -> None:
+    text = json.dumps({**CONFIG, "kv_connector_extra_config": {"backend": "npu", "npu_host_memory": "aclrtMallocHost",
+                                                               "backend_options": {"staging_bytes": "8MiB"}}})
+    extra = doctor.extra_config(text)
+    assert doctor._setting(None, extra, "npu_host_memory", "auto") == "aclrtMallocHost"
+    assert doctor._setting(None, extra, "tp_share", "auto") == "auto"
+    assert doctor.extra_config("{not json") == {} and doctor.extra_config(None) == {}
+    _, config = doctor.check_kv_transfer_config(json.dumps({**CONFIG, "kv_connector_extra_config":
+                                                            {"tp_share": "off"}}), {})
+    assert doctor._setting(config, {"tp_share": "auto"}, "tp_share", "auto") == "off"  # the checked config wins
+
+
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("LMCACHE_NPU_")}
     return subprocess.run([sys.executable, "-m", "lmcache_npu.cli", "doctor", *args], capture_output=True, text=True,
@@ -177,6 +293,11 @@ def test_the_command_here_says_there_is_no_npu() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
     checks = {c["name"]: c for c in json.loads(result.stdout)["checks"]}
     assert checks["devices"]["verdict"] == WARN and "no NPU or GPU" in checks["devices"]["detail"]
+    from lmcache_npu.ops.backend import backend_for_device
+
+    assert f"'auto' picks the {backend_for_device('cpu')} backend" in checks["devices"]["detail"]
+    assert checks["host memory"]["verdict"] == SKIP and "npu_host_memory:" in checks["host memory"]["detail"]
+    assert checks["device memory"]["verdict"] == SKIP
     assert checks["module _emu"]["verdict"] == OK
     npu = _cli("--device", "npu")
     assert npu.returncode == 1 and "no NPU is visible" in npu.stdout

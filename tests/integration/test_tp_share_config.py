@@ -9,6 +9,7 @@ import pytest
 
 from lmcache_npu.config import ConnectorConfig
 from lmcache_npu.integration.vllm import tp_share
+from lmcache_npu.platform.npu_budget import HCCL_SHARE_BUFFER_MB
 from lmcache_npu.layout.discovery import LayoutPolicy
 
 
@@ -82,3 +83,31 @@ def test_share_groups_are_consecutive_ranks_of_each_tp_group(monkeypatch: pytest
     layout = tp_share.share_layout(plan, 3, 2)
     assert (layout.rank, layout.size) == (1, 2)  # TP rank 3 is the second of its pair
     assert tp_share.share_layout(plan, 3, 1) is None
+
+
+def test_an_hccl_share_group_is_made_with_a_small_buffer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each HCCL communicator takes 2 x hccl_buffer_size of device memory (200 MB by default) after vLLM sized its KV
+    cache: the share groups ask for HCCL_SHARE_BUFFER_MB; other backends keep their defaults."""
+    import sys
+    import types
+
+    class Options:
+        hccl_config: dict = {}
+
+    fake = types.ModuleType("torch_npu")
+    fake._C = types.SimpleNamespace(_distributed_c10d=types.SimpleNamespace(  # type: ignore[attr-defined]
+        ProcessGroupHCCL=types.SimpleNamespace(Options=Options)))
+    monkeypatch.setitem(sys.modules, "torch_npu", fake)
+    options = tp_share.group_options("hccl")
+    assert isinstance(options, Options) and options.hccl_config == {"hccl_buffer_size": HCCL_SHARE_BUFFER_MB}
+    assert HCCL_SHARE_BUFFER_MB < 200
+    assert tp_share.group_options("nccl") is None and tp_share.group_options("gloo") is None
+
+    made: list[dict] = []
+    monkeypatch.setattr(tp_share, "_share_groups", lambda tp, share: [[0, 1]])
+    import torch.distributed as dist
+
+    monkeypatch.setattr(dist, "new_group", lambda ranks, **kwargs: made.append(kwargs) or object())
+    monkeypatch.setattr(dist, "get_rank", lambda: 0)
+    tp_share._group_over_shares(2, 2, "hccl")
+    assert made and made[0]["pg_options"].hccl_config == {"hccl_buffer_size": HCCL_SHARE_BUFFER_MB}

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 
 import pytest
-from .marks import NEEDS_NPU_MODULE, NEEDS_TORCH_NPU, NEEDS_VLLM_ASCEND
+from .marks import NEEDS_NPU_MODULE, NEEDS_TORCH_NPU, NEEDS_VLLM_ASCEND, select_device, skip_or_fail
 
 pytestmark = [pytest.mark.npu, NEEDS_TORCH_NPU, NEEDS_VLLM_ASCEND, NEEDS_NPU_MODULE]
 ASCEND_PRESETS = ["llama3-8b", "qwen3-32b", "deepseek-v3", "deepseek-v3.2-c8", "deepseek-v4-flash", "gemma3-27b",
@@ -19,10 +19,11 @@ ASCEND_PRESETS = ["llama3-8b", "qwen3-32b", "deepseek-v3", "deepseek-v3.2-c8", "
 def soc() -> str:
     from lmcache_npu.ops import BackendUnavailable, get_backend
 
+    select_device(0)
     try:
         return get_backend("npu").soc.name
     except BackendUnavailable as exc:
-        pytest.skip(str(exc))
+        skip_or_fail(str(exc))
 
 
 def test_vllm_ascends_spec_classes_size_pages_as_the_stand_ins_do() -> None:

@@ -4,19 +4,20 @@ from __future__ import annotations
 
 
 import pytest
-from .marks import NEEDS_TORCH_NPU
+from .marks import NEEDS_NPU_MODULE, NEEDS_TORCH_NPU, select_device, skip_or_fail
 
-pytestmark = [pytest.mark.npu, NEEDS_TORCH_NPU]
+pytestmark = [pytest.mark.npu, NEEDS_TORCH_NPU, NEEDS_NPU_MODULE]
 
 
 @pytest.fixture(scope="module")
 def backend():
     from lmcache_npu.ops import BackendUnavailable, get_backend
 
+    select_device(0)
     try:
         return get_backend("npu")
     except BackendUnavailable as exc:
-        pytest.skip(str(exc))
+        skip_or_fail(str(exc))
 
 
 @pytest.mark.parametrize("preset", ["llama3-8b", "qwen3-32b", "deepseek-v3", "deepseek-v3.2-c8",

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from ..serve_smoke import check, kv_transfer_config, two_identical_requests
-from .marks import NEEDS_NPU_MODULE, NEEDS_TORCH_NPU, NEEDS_VLLM_ASCEND
+from .marks import NEEDS_NPU_MODULE, NEEDS_TORCH_NPU, NEEDS_VLLM_ASCEND, select_device, skip_or_fail
 
 pytestmark = [pytest.mark.npu, NEEDS_TORCH_NPU, NEEDS_VLLM_ASCEND, NEEDS_NPU_MODULE]
 CHUNK_TOKENS = 256
@@ -22,10 +22,11 @@ def test_vllm_serve_loads_the_second_identical_request_from_the_plugin(tmp_path:
     from lmcache_npu.ops import BackendUnavailable, get_backend
     from lmcache_npu.replay.models import make_model, model_vocab
 
+    select_device(0)
     try:
         soc = get_backend("npu").soc.name
     except BackendUnavailable as exc:
-        pytest.skip(str(exc))
+        skip_or_fail(str(exc))
     if soc == "310p":
         pytest.skip("310P is kernels-only: vllm-ascend raises 'KV cache transfer is not supported for 310P' at "
                     "start-up whenever a KV transfer config is set (lmcache-npu doctor says which releases)")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 
 import pytest
-from .marks import NEEDS_NPU_MODULE, NEEDS_TORCH_NPU
+from .marks import NEEDS_NPU_MODULE, NEEDS_TORCH_NPU, select_device
 
 pytestmark = [pytest.mark.npu, NEEDS_TORCH_NPU, NEEDS_NPU_MODULE]
 
@@ -19,5 +19,6 @@ def test_a_store_after_a_load_writes_no_host_gap_bytes() -> None:
 
     if not torch.npu.is_available():
         pytest.skip("torch_npu is installed but no Ascend NPU is visible")
+    select_device(0)
     gap_bytes = gap_bytes_of_a_store_after_a_load(get_backend("npu"), torch.device("npu", 0))
     assert not (gap_bytes == HOST_GAP).any(), "a store copied another object's gap bytes out of staging"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 
 import pytest
-from .marks import NEEDS_NPU_MODULE, NEEDS_TORCH_NPU
+from .marks import NEEDS_NPU_MODULE, NEEDS_TORCH_NPU, select_device
 
 pytestmark = [pytest.mark.npu, NEEDS_TORCH_NPU, NEEDS_NPU_MODULE]
 
@@ -16,6 +16,7 @@ def npu():
 
     if not torch.npu.is_available():
         pytest.skip("torch_npu is installed but no Ascend NPU is visible")
+    select_device(0)
     return torch.device("npu", 0)
 
 

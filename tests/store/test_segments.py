@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from lmcache_npu.platform.host_memory import SegmentPinning
 from lmcache_npu.store.arena import SLOT_ALIGN_BYTES, HostArena
 from lmcache_npu.store.envelope import ENVELOPE_BYTES
 from lmcache_npu.store.index import ChunkIndex
@@ -47,7 +48,7 @@ class FakeRegistrar:
         self.registered.append((address, nbytes))
         return address + 1  # a device address other than the host's, as ACL gives
 
-    def unregister(self, address: int) -> None:
+    def unregister(self, address: int, nbytes: int) -> None:
         self.unregistered.append(address)
 
 
@@ -99,7 +100,7 @@ def test_a_segment_is_sized_exactly_not_rounded_to_a_power_of_two() -> None:
 
 def test_registration_runs_in_the_background_and_the_first_segment_serves_at_once() -> None:
     fake = FakeRegistrar(hold_from=1)
-    arena = HostArena(6, OBJECT, segment_bytes=2 * 8192, registrar=fake, hugepages="off")
+    arena = HostArena(6, OBJECT, segment_bytes=2 * 8192, pinning=SegmentPinning([fake]), hugepages="off")
     try:
         assert arena.pinned and fake.thread_bound
         assert arena.ready_slots == 2 and arena.usable_ranges() == ((0, 2),)
@@ -123,7 +124,7 @@ def test_registration_runs_in_the_background_and_the_first_segment_serves_at_onc
 def test_a_segment_that_cannot_be_registered_is_left_out_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
     fake = FakeRegistrar(refuse=frozenset({1}))
     with caplog.at_level(logging.WARNING, logger="lmcache_npu.store.segments"):
-        arena = HostArena(7, OBJECT, segment_bytes=2 * 8192, registrar=fake, hugepages="off")
+        arena = HostArena(7, OBJECT, segment_bytes=2 * 8192, pinning=SegmentPinning([fake]), hugepages="off")
         assert arena.wait_ready(30)
     assert [s.state for s in arena.memory.segments] == [SegmentState.LIVE, SegmentState.FAILED, SegmentState.LIVE,
                                                         SegmentState.LIVE]
@@ -140,8 +141,9 @@ def test_a_segment_that_cannot_be_registered_is_left_out_with_a_warning(caplog: 
 
 
 def test_an_arena_no_segment_of_which_registers_is_a_clear_memory_error() -> None:
-    with pytest.raises(MemoryError, match="no segment could be registered .*refused by the fake"):
-        HostArena(2, OBJECT, segment_bytes=8192, registrar=FakeRegistrar(refuse=frozenset({0, 1})), hugepages="off")
+    with pytest.raises(MemoryError, match="no segment could be made DMA-able .*refused by the fake"):
+        HostArena(2, OBJECT, segment_bytes=8192, pinning=SegmentPinning([FakeRegistrar(refuse=frozenset({0, 1}))]),
+                  hugepages="off")
 
 
 def test_hugepage_settings_are_checked_and_name_the_key() -> None:
@@ -193,7 +195,8 @@ def _resident_pages(address: int, nbytes: int) -> int:
 
 def _staged(num_slots: int, registrar: FakeRegistrar, **options: object) -> SegmentedMemory:
     """8 KiB slots in 8 MiB segments, 4 KiB pages, pre-faulted by 3 threads (2 MiB pieces: 2 per full segment)."""
-    memory = SegmentedMemory(num_slots, 8192, segment_bytes=8 << 20, hugepages="off", registrar=registrar,
+    memory = SegmentedMemory(num_slots, 8192, segment_bytes=8 << 20, hugepages="off",
+                             pinning=SegmentPinning([registrar]),
                              **options)  # type: ignore[arg-type]
     memory._prefault_threads = 3  # this 2-core host would otherwise run one thread
     return memory
@@ -355,7 +358,7 @@ def test_a_cpulist_round_trips_through_its_kernel_text(cpus: set[int]) -> None:
 
 @pytest.mark.skipif((free_hugepages(2 << 20) or 0) < 8, reason="needs 8 free 2 MiB hugepages")
 def test_explicit_hugepages_are_populated_never_write_faulted() -> None:
-    memory = SegmentedMemory(1024, 8192, segment_bytes=4 << 20, hugepages="2M", registrar=FakeRegistrar())
+    memory = SegmentedMemory(1024, 8192, segment_bytes=4 << 20, hugepages="2M", pinning=SegmentPinning([FakeRegistrar()]))
     memory.start()
     assert memory.wait_all(30)
     assert [s.prefaulted_by for s in memory.segments] == ["populate", "populate"]

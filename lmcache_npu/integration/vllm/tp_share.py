@@ -20,6 +20,7 @@ import torch
 
 from ...layout.discovery import LayoutPolicy
 from ...ops.plan import TransferPlan
+from ...platform.npu_budget import HCCL_SHARE_BUFFER_MB
 from ...transfer.share_mover import ShareExchange
 from ...transfer.shares import ShareLayout
 
@@ -105,13 +106,27 @@ def _share_groups(tp_size: int, share_ranks: int) -> list[list[int]]:
             for start in range(0, tp_size, share_ranks)]
 
 
+def group_options(backend: str) -> Optional[Any]:
+    """Options of a new `backend` group: an HCCL communicator's buffer (2 x hccl_buffer_size of device memory each,
+    200 MB by default) is cut to HCCL_SHARE_BUFFER_MB, since shares are a few MB and HCCL moves larger collectives
+    through its buffer in pieces; None for other backends."""
+    if backend != "hccl":
+        return None
+    import torch_npu
+
+    options = torch_npu._C._distributed_c10d.ProcessGroupHCCL.Options()
+    options.hccl_config = {"hccl_buffer_size": HCCL_SHARE_BUFFER_MB}
+    return options
+
+
 def _group_over_shares(tp_size: int, share_ranks: int, backend: str) -> Any:
     """A process group of `backend` over this rank's share group, made like every other rank's, in the same order."""
     import torch.distributed as dist
 
     mine = None
+    options = group_options(backend)
     for ranks in _share_groups(tp_size, share_ranks):
-        group = dist.new_group(ranks, backend=backend, timeout=EXCHANGE_TIMEOUT)
+        group = dist.new_group(ranks, backend=backend, timeout=EXCHANGE_TIMEOUT, pg_options=options)
         if dist.get_rank() in ranks:
             mine, members = group, ranks
     if mine is None:

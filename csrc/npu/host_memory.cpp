@@ -1,0 +1,168 @@
+#include "host_memory.h"
+
+#include <dlfcn.h>
+#include <sys/mman.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <mutex>
+#include <stdexcept>
+
+#include "acl/acl.h"
+
+// The driver library halHostRegister lives in; x86 tests build against a fake of it.
+#ifndef LMCACHE_NPU_HAL_LIBRARY
+#define LMCACHE_NPU_HAL_LIBRARY "libascend_hal.so"
+#endif
+
+namespace lmcache_npu {
+namespace npu {
+
+namespace {
+
+constexpr uint64_t kRegisterAlignBytes = 4096;  // aclrtHostRegister: 4 KiB aligned host address
+// drvRegisterTpye of the driver's ascend_hal.h: HOST_MEM_MAP_DEV_PCIE_TH, what HCCL passes on 910B and 910_93.
+constexpr uint32_t kHalHostMemMapDevPcieTh = 3;
+
+void* Ptr(uint64_t address) { return reinterpret_cast<void*>(static_cast<uintptr_t>(address)); }
+uint64_t Address(const void* ptr) { return static_cast<uint64_t>(reinterpret_cast<uintptr_t>(ptr)); }
+
+void Check(const char* call, aclError rc) {
+  if (rc != ACL_SUCCESS) throw std::runtime_error(AclErrorText(call, rc));
+}
+
+int32_t CurrentDevice() {
+  int32_t device = -1;
+  Check("aclrtGetDevice", aclrtGetDevice(&device));
+  return device;
+}
+
+// halHostRegister(void* src, UINT64 size, UINT32 flag, UINT32 devId, void** dst) and halHostUnregister(void*, UINT32),
+// both returning drvError_t (0: DRV_ERROR_NONE): loaded from the driver at run time, so nothing links against it.
+using HalRegisterFn = int (*)(void*, uint64_t, uint32_t, uint32_t, void**);
+using HalUnregisterFn = int (*)(void*, uint32_t);
+
+struct HalApi {
+  HalRegisterFn host_register = nullptr;
+  HalUnregisterFn host_unregister = nullptr;
+  std::string error;
+};
+
+const HalApi& Hal() {
+  static HalApi api;
+  static std::once_flag once;
+  std::call_once(once, [] {
+    void* handle = dlopen(LMCACHE_NPU_HAL_LIBRARY, RTLD_NOW | RTLD_LOCAL);
+    if (handle == nullptr) {
+      const char* detail = dlerror();
+      api.error = std::string("cannot load " LMCACHE_NPU_HAL_LIBRARY ": ") + (detail ? detail : "unknown error");
+      return;
+    }
+    api.host_register = reinterpret_cast<HalRegisterFn>(dlsym(handle, "halHostRegister"));
+    api.host_unregister = reinterpret_cast<HalUnregisterFn>(dlsym(handle, "halHostUnregister"));
+    if (api.host_register == nullptr || api.host_unregister == nullptr) {
+      api.error = LMCACHE_NPU_HAL_LIBRARY " has no halHostRegister/halHostUnregister (driver too old or too new)";
+    }
+  });
+  return api;
+}
+
+std::string Hex(uint64_t value) {
+  char text[24];
+  std::snprintf(text, sizeof(text), "0x%llx", static_cast<unsigned long long>(value));
+  return text;
+}
+
+void CheckRange(const char* call, uint64_t address, uint64_t bytes) {
+  if (address % kRegisterAlignBytes != 0) {
+    throw std::invalid_argument(std::string(call) + " needs a 4 KiB aligned host address, got " + Hex(address));
+  }
+  if (bytes == 0) throw std::invalid_argument(std::string(call) + " needs a non-empty range");
+}
+
+}  // namespace
+
+std::string AclErrorText(const char* call, int code) {
+  const char* detail = aclGetRecentErrMsg();
+  return std::string(call) + " failed with ACL error " + std::to_string(code) +
+         (detail != nullptr && detail[0] != '\0' ? std::string(": ") + detail : std::string());
+}
+
+uint64_t HostRegister(uint64_t address, uint64_t bytes) {
+  CheckRange("aclrtHostRegister", address, bytes);
+  void* device = nullptr;
+  Check("aclrtHostRegister", aclrtHostRegister(Ptr(address), bytes, ACL_HOST_REGISTER_MAPPED, &device));
+  return Address(device);
+}
+
+void HostUnregister(uint64_t address) { Check("aclrtHostUnregister", aclrtHostUnregister(Ptr(address))); }
+
+uint64_t MallocHost(uint64_t bytes) {
+  if (bytes == 0) throw std::invalid_argument("aclrtMallocHost needs a non-empty size");
+  void* host = nullptr;
+  Check("aclrtMallocHost", aclrtMallocHost(&host, bytes));
+  if (host == nullptr) throw std::runtime_error("aclrtMallocHost returned success and a null address");
+  return Address(host);
+}
+
+void FreeHost(uint64_t address) { Check("aclrtFreeHost", aclrtFreeHost(Ptr(address))); }
+
+uint64_t HalRegister(uint64_t address, uint64_t bytes) {
+  CheckRange("halHostRegister", address, bytes);
+  const HalApi& hal = Hal();
+  if (hal.host_register == nullptr) throw std::runtime_error("halHostRegister: " + hal.error);
+  const uint32_t device = static_cast<uint32_t>(CurrentDevice());
+  // Resident before the driver maps it: the device may DMA into any page of the segment at any time.
+  if (mlock(Ptr(address), bytes) != 0) {
+    const int err = errno;
+    throw std::runtime_error(std::string("mlock of the segment failed: ") + std::strerror(err) +
+                             " (raise the memlock limit, ulimit -l, or grant CAP_IPC_LOCK)");
+  }
+  void* mapped = nullptr;
+  const int rc = hal.host_register(Ptr(address), bytes, kHalHostMemMapDevPcieTh, device, &mapped);
+  if (rc != 0) {
+    munlock(Ptr(address), bytes);
+    throw std::runtime_error("halHostRegister failed with driver error " + std::to_string(rc));
+  }
+  return Address(mapped);
+}
+
+void HalUnregister(uint64_t address, uint64_t bytes) {
+  const HalApi& hal = Hal();
+  if (hal.host_unregister == nullptr) throw std::runtime_error("halHostUnregister: " + hal.error);
+  const int rc = hal.host_unregister(Ptr(address), static_cast<uint32_t>(CurrentDevice()));
+  munlock(Ptr(address), bytes);  // the pages stay mapped; only the lock goes
+  if (rc != 0) throw std::runtime_error("halHostUnregister failed with driver error " + std::to_string(rc));
+}
+
+uint64_t DeviceMalloc(uint64_t bytes) {
+  if (bytes == 0) throw std::invalid_argument("aclrtMalloc needs a non-empty size");
+  void* device = nullptr;
+  Check("aclrtMalloc", aclrtMalloc(&device, bytes, ACL_MEM_MALLOC_HUGE_FIRST));
+  return Address(device);
+}
+
+void DeviceFree(uint64_t address) { Check("aclrtFree", aclrtFree(Ptr(address))); }
+
+void CopyToDevice(uint64_t device, uint64_t host, uint64_t bytes) {
+  Check("aclrtMemcpy", aclrtMemcpy(Ptr(device), bytes, Ptr(host), bytes, ACL_MEMCPY_HOST_TO_DEVICE));
+}
+
+PointerInfo PointerAttributes(uint64_t address) {
+  aclrtPtrAttributes attributes;
+  std::memset(&attributes, 0, sizeof(attributes));
+  Check("aclrtPointerGetAttributes", aclrtPointerGetAttributes(Ptr(address), &attributes));
+  std::string location;
+  switch (attributes.location.type) {
+    case ACL_MEM_LOCATION_TYPE_HOST: location = "host"; break;
+    case ACL_MEM_LOCATION_TYPE_DEVICE: location = "device"; break;
+    case ACL_MEM_LOCATION_TYPE_UNREGISTERED: location = "unregistered"; break;
+    case ACL_MEM_LOCATION_TYPE_HOST_NUMA: location = "host_numa"; break;
+    default: location = "type " + std::to_string(static_cast<int>(attributes.location.type)); break;
+  }
+  return {location, attributes.location.id, attributes.pageSize};
+}
+
+}  // namespace npu
+}  // namespace lmcache_npu

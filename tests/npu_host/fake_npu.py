@@ -1,0 +1,141 @@
+"""The fake Ascend device from Python: the `_npu_fake` module (our native NPU sources on fake ACL), its knobs through
+ctypes, an NpuRuntime over it, and tensors in its device memory and page-locked host memory."""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.machinery
+import importlib.util
+import weakref
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from lmcache_npu.platform.npu_runtime import NpuRuntime
+
+from .fake_build import FakeBuild
+
+_U64 = ctypes.c_uint64
+
+
+class FakeNpu:
+    """One process-wide fake device (its state is global in the module, as a device's is); `reset()` between tests."""
+
+    def __init__(self, build: FakeBuild) -> None:
+        loader = importlib.machinery.ExtensionFileLoader("_npu_fake", str(build.module))
+        spec = importlib.util.spec_from_file_location("_npu_fake", str(build.module), loader=loader)
+        assert spec is not None
+        self.native: Any = importlib.util.module_from_spec(spec)
+        loader.exec_module(self.native)
+        self.lib = ctypes.CDLL(str(build.module))  # the same loaded object: its knobs act on the module's device
+        self.hal = ctypes.CDLL(str(build.hal))
+        self.lib.lmcache_fake_counter.restype = _U64
+        self.lib.lmcache_fake_counter.argtypes = [ctypes.c_char_p]
+        self.lib.lmcache_fake_queue_pending.restype = _U64
+        self.lib.lmcache_fake_device_log.restype = _U64
+        self.lib.lmcache_fake_device_log.argtypes = [ctypes.c_char_p, _U64]
+        self.lib.lmcache_fake_stream_error.restype = _U64
+        self.lib.lmcache_fake_stream_error.argtypes = [ctypes.c_char_p, _U64]
+        self.lib.lmcache_fake_queue_model_write.argtypes = [ctypes.c_char_p, _U64, ctypes.c_int, _U64]
+        self.lib.lmcache_fake_fail_async_copy_at.argtypes = [ctypes.c_int64]
+        self.lib.lmcache_fake_set_soc.argtypes = [ctypes.c_char_p]
+        self.lib.lmcache_fake_set_pointer_host_location.argtypes = [ctypes.c_char_p]
+        self.hal.lmcache_fake_hal_count.restype = _U64
+        self._keep: list[Any] = []
+
+    # ---- knobs ------------------------------------------------------------------------------------------------------
+
+    def fresh(self) -> None:
+        """Every knob back to its default (queue on and running, nothing failing), device 0 on this thread."""
+        self.lib.lmcache_fake_queue_set_paused(0)
+        self.lib.lmcache_fake_queue_set_enabled(1)
+        self.lib.lmcache_fake_queue_set_bypass(0)
+        self.lib.lmcache_fake_queue_drain()
+        self.lib.lmcache_fake_reset()
+        self.hal.lmcache_fake_hal_set_error(0)
+        self.select_device()
+
+    def counter(self, name: str) -> int:
+        value = int(self.lib.lmcache_fake_counter(name.encode()))
+        assert value != 2**64 - 1, f"the fake device has no counter {name!r}"
+        return value
+
+    def device_log(self) -> list[str]:
+        size = self.lib.lmcache_fake_device_log(None, 0)
+        buffer = ctypes.create_string_buffer(size + 1)
+        self.lib.lmcache_fake_device_log(buffer, size + 1)
+        return [line for line in buffer.value.decode().split("\n") if line]
+
+    def stream_error(self) -> str:
+        buffer = ctypes.create_string_buffer(4096)
+        self.lib.lmcache_fake_stream_error(buffer, 4096)
+        return buffer.value.decode()
+
+    def set_errors(self, host_register: int = 0, malloc_host: int = 0, launch: int = 0) -> None:
+        self.lib.lmcache_fake_set_errors(host_register, malloc_host, launch)
+
+    def set_hal_error(self, error: int) -> None:
+        self.hal.lmcache_fake_hal_set_error(error)
+
+    def set_soc(self, soc: Optional[str]) -> None:
+        self.lib.lmcache_fake_set_soc(None if soc is None else soc.encode())
+
+    def fail_async_copy_at(self, n: int) -> None:
+        self.lib.lmcache_fake_fail_async_copy_at(n)
+
+    def set_op_delay_us(self, us: int) -> None:
+        self.lib.lmcache_fake_set_op_delay_us(us)
+
+    def queue(self, *, enabled: Optional[bool] = None, paused: Optional[bool] = None,
+              bypass: Optional[bool] = None) -> None:
+        """torch_npu's task queue on or off, its thread paused, or our submits bypassing it (negative controls)."""
+        if enabled is not None:
+            self.lib.lmcache_fake_queue_set_enabled(int(enabled))
+        if bypass is not None:
+            self.lib.lmcache_fake_queue_set_bypass(int(bypass))
+        if paused is not None:
+            self.lib.lmcache_fake_queue_set_paused(int(paused))
+
+    def queue_pending(self) -> int:
+        return int(self.lib.lmcache_fake_queue_pending())
+
+    def queue_task_errors(self) -> int:
+        return int(self.lib.lmcache_fake_queue_task_errors())
+
+    def model_write(self, name: str, tensor: torch.Tensor, value: int) -> None:
+        """What the model's kernel writing `tensor` looks like to torch_npu: a task in the queue."""
+        self.lib.lmcache_fake_queue_model_write(name.encode(), tensor.data_ptr(), value, tensor.numel())
+
+    def drain(self) -> None:
+        """Everything queued so far has run on the device (the queue is resumed first)."""
+        self.lib.lmcache_fake_queue_set_paused(0)
+        self.lib.lmcache_fake_queue_drain()
+        self.lib.lmcache_fake_stream_drain()
+
+    # ---- memory -----------------------------------------------------------------------------------------------------
+
+    def select_device(self) -> None:
+        """aclrtSetDevice(0) on the calling thread (what torch.npu.set_device does)."""
+        self.lib.aclrtSetDevice(0)
+
+    def device_tensor(self, nbytes: int) -> torch.Tensor:
+        """A uint8 tensor over fake device memory (aclrtMalloc); freed when the tensor's storage goes."""
+        return self._tensor(int(self.native.device_malloc(nbytes)), nbytes, self.native.device_free)
+
+    def pinned_tensor(self, nbytes: int) -> torch.Tensor:
+        """A uint8 tensor over page-locked host memory (aclrtMallocHost)."""
+        return self._tensor(int(self.native.malloc_host(nbytes)), nbytes, self.native.free_host)
+
+    @staticmethod
+    def _tensor(address: int, nbytes: int, free: Any) -> torch.Tensor:
+        array = np.frombuffer((ctypes.c_uint8 * nbytes).from_address(address), dtype=np.uint8)
+        weakref.finalize(array, free, address)  # torch.from_numpy keeps the array alive as long as the tensor
+        return torch.from_numpy(array)
+
+    def is_device(self, tensor: torch.Tensor) -> bool:
+        return bool(self.native.pointer_attributes(tensor.data_ptr())["location"] == "device")
+
+    def runtime(self) -> NpuRuntime:
+        return NpuRuntime(self.native, 0, torch.device("cpu"), self.select_device, self.is_device)
+
