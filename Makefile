@@ -48,7 +48,7 @@ DEMO_VLLM := 0.32.0
 test: setup engines
 	$(BIN)/python -m pytest -q -n 2 tests
 	@# engines run in-process and use both cores: one test at a time, each era in its own venv
-	set -e; for v in $(ENGINE_VLLMS); do PYTHONHASHSEED=0 .venv-vllm-$$v/bin/python -m pytest -q -p no:cacheprovider \
+	set -e; for v in $(ENGINE_VLLMS); do PYTHONHASHSEED=20261127 .venv-vllm-$$v/bin/python -m pytest -q -p no:cacheprovider \
 		tests/engines; done
 
 demo: .venv-vllm-$(DEMO_VLLM)/.lmcache-npu-setup

@@ -18,6 +18,9 @@ what overlap could buy on this machine.
     python benchmarks/envelope_bench.py                      # llama3-8b, deepseek-v3, deepseek-v4-flash, gpt-oss-120b
     python benchmarks/envelope_bench.py --repeats 30 --json out.json
 
+The last table compares the two orders a `zero_copy: false` get can check in (issue 31): in the slot after the copy
+(what the tier does) or in the peer-writable bounce buffer before it (what it did).
+
 Everything runs inside a loopback-only network namespace (as the Mooncake tests do) with `GLOG_minloglevel=2`; where
 no namespace can be made it runs on the host's loopback (the local master binds 127.0.0.1 either way). The target is
 verify <= 5% of a get of the same chunk. Times are medians over `--repeats` runs (`--batch-repeats` for the batch).
@@ -125,8 +128,9 @@ def memcpy_gets(preset: str, size: int, repeats: int) -> dict[str, tuple[float, 
     found = {}
     with LocalMooncakeMaster() as master:
         arena = HostArena(2, size, pinned=False)
+        # zero-copy (the bench alone in a loopback-only namespace: a trusted network) measures the get itself
         tier = MooncakeTier(master.config(global_segment_bytes=len(DIGESTS) * arena.slot_bytes * 2 + (64 << 20),
-                                          timeout_s=120.0))
+                                          timeout_s=120.0, zero_copy=True, trusted_network=True))
         try:
             if not tier.register(arena.base_address, arena.total_bytes):
                 raise RuntimeError("the arena could not be registered with the same-process client")
@@ -170,7 +174,7 @@ def _remote_tier(master: Any) -> Any:
     from lmcache_npu.store.mooncake import MooncakeTier
 
     # no memory of our own: every object lives in the peer's segment, so every get crosses the TCP transport
-    return MooncakeTier(master.config(global_segment_bytes=0, timeout_s=120.0))
+    return MooncakeTier(master.config(global_segment_bytes=0, timeout_s=120.0, zero_copy=True, trusted_network=True))
 
 
 def loopback_bytes() -> int:
@@ -388,6 +392,45 @@ def machine() -> dict[str, Any]:
             "mooncake": mooncake, "loadavg_1m": round(os.getloadavg()[0], 2)}
 
 
+def bounce_orders(preset: str, size: int, repeats: int) -> dict[str, Any]:
+    """What checking a get in its slot costs against the order issue 31 removed, with `zero_copy` off: (new) copy the
+    bounce buffer's bytes into the slot, then verify the slot; (old) verify in the bounce buffer, then copy. Keyed
+    blake3; medians of `repeats` interleaved pairs, the difference the median of the pairs' ratios."""
+    sealer = sealer_for("blake3", True)
+    bounce = np.random.default_rng(3).integers(0, 256, size + 256, dtype=np.uint8)
+    seal(bounce, KEY, 0, sealer)
+    slot = np.empty_like(bounce)
+
+    def fresh() -> None:
+        bounce[:64] ^= 0  # touch: the bytes a get just wrote are in cache as far as a write leaves them
+
+    def new_order() -> None:
+        fresh()
+        slot[:] = bounce
+        if verify(slot, KEY, 0, sealer) is not None:
+            raise RuntimeError("the benchmark object did not verify")
+
+    def old_order() -> None:
+        fresh()
+        if verify(bounce, KEY, 0, sealer) is not None:
+            raise RuntimeError("the benchmark object did not verify")
+        slot[:] = bounce
+
+    new_times, old_times = [], []
+    for run in range(repeats + 1):  # interleaved pairs: load that comes and goes hits both orders alike
+        for order, times in ((new_order, new_times), (old_order, old_times)) if run % 2 else (
+                (old_order, old_times), (new_order, new_times)):
+            start = time.perf_counter()
+            order()
+            if run:
+                times.append(time.perf_counter() - start)
+    ratio = statistics.median(n / o for n, o in zip(new_times, old_times))
+    return {"preset": preset, "object_bytes": size,
+            "copy_then_verify_us": round(statistics.median(new_times) * 1e6, 1),
+            "verify_then_copy_us": round(statistics.median(old_times) * 1e6, 1),
+            "difference_pct": round(100 * (ratio - 1), 1)}
+
+
 def measure(presets: Sequence[str], repeats: int, batch_repeats: int) -> dict[str, Any]:
     """Every number of the report (run where a local master can start: inside the loopback namespace)."""
     from lmcache_npu.store.mooncake_local import LocalMooncakeMaster
@@ -432,9 +475,10 @@ def measure(presets: Sequence[str], repeats: int, batch_repeats: int) -> dict[st
                          "verify_pct_of_tcp_get": round(100 * tcp_ratio, 1),
                          "verify_pct_of_tcp_get_medians": round(100 * verify_tcp_s / tcp_get_s, 1)})
     digests = [digest_alone(preset, sizes[preset], repeats) for preset in presets]
+    orders = [bounce_orders(preset, sizes[preset], repeats) for preset in presets]
     info["loadavg_1m_end"] = round(os.getloadavg()[0], 2)
     return {"machine": info, "repeats": repeats, "batch_repeats": batch_repeats, "peer_put_s": round(peer_put_s, 2),
-            "rows": rows, "batches": batches, "overlap": probes, "digests": digests}
+            "rows": rows, "batches": batches, "overlap": probes, "digests": digests, "orders": orders}
 
 
 # ---- output -------------------------------------------------------------------------------------------------------
@@ -476,7 +520,15 @@ def render(report: dict[str, Any]) -> list[Table]:
     for d in report["digests"]:
         digests.add_row(d["preset"], f"{d['object_bytes'] / 2**20:.2f}", f"{d['xxh3_128_us']:.0f}",
                         f"{d['blake3_1_thread_us']:.0f}", f"{d['blake3_all_cores_us']:.0f}")
-    return [rows, batches, overlap, digests]
+    orders = Table(title="zero_copy off: a get checked in its slot (copy, then verify) against the old order (verify in "
+                         "the bounce buffer, then copy), keyed blake3 (medians, µs)")
+    for column in ("preset", "object MiB", "copy, then verify the slot", "verify the bounce buffer, then copy",
+                   "difference %"):
+        orders.add_column(column, justify="left" if column == "preset" else "right")
+    for o in report.get("orders", []):
+        orders.add_row(o["preset"], f"{o['object_bytes'] / 2**20:.2f}", f"{o['copy_then_verify_us']:.0f}",
+                       f"{o['verify_then_copy_us']:.0f}", f"{o['difference_pct']:+.1f}")
+    return [rows, batches, overlap, digests, orders]
 
 
 def _run_inside_netns(argv: Sequence[str]) -> dict[str, Any]:

@@ -125,7 +125,7 @@ def _serve(request: dict[str, Any]) -> int:
 
     config = MooncakeConfig(master=request["master"], metadata=request["metadata"], local_hostname="127.0.0.1",
                             global_segment_bytes=int(request["segment_bytes"]), local_buffer_bytes=16 << 20,
-                            timeout_s=120.0, retry_after_s=1.0)
+                            timeout_s=120.0, retry_after_s=1.0, zero_copy=True, trusted_network=True)
     tier = MooncakeTier(config)
     secret = bytes.fromhex(request["secret"])
     objects = [PeerObject(**fields) for fields in request["objects"]]

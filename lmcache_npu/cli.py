@@ -182,10 +182,24 @@ def _weights_fingerprint(model: str) -> dict[str, Any]:
     return {**weights.describe(), "digest": f"sha256:{weights.digest.hex()}"}
 
 
+def _store_bench_argv(args: argparse.Namespace) -> list[str]:
+    """The command line that repeats this store-bench run (in a network namespace)."""
+    argv = (["-v"] if args.verbose else []) + [
+        "store-bench", "--tiers", args.tiers, "--chunk-bytes", args.chunk_bytes, "--chunks", str(args.chunks),
+        "--mooncake-segment-bytes", args.mooncake_segment_bytes, "--mooncake-zero-copy", args.mooncake_zero_copy,
+        "--seed", str(args.seed)]
+    if args.disk_path:
+        argv += ["--disk-path", str(args.disk_path)]
+    if args.json:
+        argv += ["--json", str(args.json)]
+    return argv
+
+
 def _store_bench(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from .bench.store_bench import render_store_bench, run_store_bench
+    from .bench.store_bench import (loopback_only_network, render_store_bench, run_in_private_network,
+                                    run_store_bench)
     from .store.config import parse_bytes
 
     tiers = [t.strip() for t in args.tiers.split(",") if t.strip()]
@@ -196,6 +210,11 @@ def _store_bench(args: argparse.Namespace) -> int:
                              "mooncake_master is started on 127.0.0.1)")
         mooncake = {"master": args.mooncake_master, "metadata": args.mooncake_metadata,
                     "global_segment_bytes": parse_bytes("--mooncake-segment-bytes", args.mooncake_segment_bytes)}
+    if "mooncake" in tiers and mooncake is None and not loopback_only_network():
+        # the local client's transfer-engine ports ignore the bind address: run where nothing can reach them
+        status = run_in_private_network([sys.executable, "-m", "lmcache_npu.cli", *_store_bench_argv(args)])
+        if status is not None:
+            return status
     zero_copy = {"on": (True,), "off": (False,), "both": (True, False)}[args.mooncake_zero_copy]
     results = run_store_bench(tiers, parse_bytes("--chunk-bytes", args.chunk_bytes), args.chunks,
                               disk_path=args.disk_path, mooncake=mooncake, progress=sys.stderr.isatty(),
@@ -282,7 +301,7 @@ def _replay(args: argparse.Namespace) -> int:
     import tempfile
 
     _quiet_vllm()
-    os.environ.setdefault("PYTHONHASHSEED", "0")  # chunk keys that survive in the disk tier (vLLM reads it)
+    os.environ.setdefault("PYTHONHASHSEED", "20261127")  # disk-tier chunk keys (vLLM reads it); 0 is refused
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -476,13 +495,15 @@ def build_parser() -> argparse.ArgumentParser:
     store.add_argument("--chunks", type=int, default=256, help="chunks per tier (default 256)")
     store.add_argument("--disk-path", default=None, help="directory for the disk tier (default: a temp directory)")
     store.add_argument("--mooncake-master", default=None,
-                       help="host:port of a running mooncake_master (default: start one on 127.0.0.1)")
+                       help="host:port of a running mooncake_master (default: start one on 127.0.0.1, and run "
+                            "in a loopback-only network namespace where one can be made)")
     store.add_argument("--mooncake-metadata", default=None, help="its metadata server, e.g. http://host:8080/metadata")
     store.add_argument("--mooncake-segment-bytes", default="2GiB",
                        help="memory this client contributes to a running cluster (default 2GiB)")
-    store.add_argument("--mooncake-zero-copy", choices=("on", "off", "both"), default="on",
-                       help="mooncake.zero_copy: on registers the arena, off moves bytes through a bounce buffer, "
-                            "both prints a row each (default on)")
+    store.add_argument("--mooncake-zero-copy", choices=("on", "off", "both"), default="off",
+                       help="mooncake.zero_copy: off (the default, as in serving) moves bytes through a bounce buffer "
+                            "and checks each get in its slot, on registers the arena (a trusted network only), both "
+                            "prints a row each")
     store.add_argument("--json", type=Path, help="write the results as JSON")
     store.add_argument("--seed", type=int, default=0)
     store.set_defaults(func=_store_bench)

@@ -21,6 +21,7 @@ from typing import Any, Mapping, Optional
 
 from .ops.backend import BACKEND_NAMES, backend_class
 from .store.config import StoreConfig
+from .store.sections import check_value_shape, key_list
 
 logger = logging.getLogger(__name__)
 
@@ -42,9 +43,9 @@ def check_backend_options(backend: str, options: Mapping[str, Any]) -> None:
         return
     parameters = inspect.signature(backend_class(backend).__init__).parameters.values()
     valid = [p.name for p in parameters if p.name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
-    unknown = sorted(set(options) - set(valid))
+    unknown = set(options) - set(valid)
     if unknown:
-        raise ValueError(f"backend_options: {', '.join(map(repr, unknown))} not accepted by the {backend} backend; "
+        raise ValueError(f"backend_options: {key_list(unknown)} not accepted by the {backend} backend; "
                          f"valid options: {', '.join(valid) or 'none'}")
 
 
@@ -122,12 +123,16 @@ class ConnectorConfig:
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> "ConnectorConfig":
         """From one merged mapping (no config_file key); an unknown key is refused with the valid ones."""
+        if not isinstance(values, Mapping):
+            raise ValueError(f"the lmcache_npu config must be an object of config keys, got {type(values).__name__}")
         valid = cls.connector_keys() + StoreConfig.keys()
-        unknown = sorted(set(values) - set(valid))
+        unknown = set(values) - set(valid)
         if unknown:
-            raise ValueError(f"unknown lmcache_npu config key(s) {', '.join(map(repr, unknown))}; valid keys: "
+            raise ValueError(f"unknown lmcache_npu config key(s) {key_list(unknown)}; valid keys: "
                              f"{', '.join(valid)}")
         connector = {k: v for k, v in values.items() if k in cls.connector_keys()}
+        for key, value in connector.items():
+            check_value_shape(key, value)  # store keys are checked by StoreConfig.from_dict
         if "skip_spec_kinds" in connector:
             kinds = connector["skip_spec_kinds"]
             if isinstance(kinds, str) or not isinstance(kinds, (list, tuple)):
@@ -179,7 +184,10 @@ def _parse_env_value(key: str, name: str, text: str) -> Any:
         try:
             return json.loads(stripped)
         except json.JSONDecodeError as exc:
-            raise ValueError(f"{name}: expected JSON ({exc.msg}), got {text!r}") from None
+            raise ValueError(f"{name}: expected JSON ({exc.msg}), got {text[:200]!r}") from None
+        except (ValueError, RecursionError) as exc:  # an int past Python's digit limit; nesting past the stack
+            raise ValueError(f"{name}: expected JSON of a config object or list, got text that cannot be one "
+                             f"({type(exc).__name__}: {str(exc)[:120]})") from None
     return stripped
 
 
@@ -210,6 +218,12 @@ def read_config_file(path: str) -> dict[str, Any]:
         raise ValueError(f"config_file {path!r}: {exc.strerror or exc}") from None
     except yaml.YAMLError as exc:
         raise ValueError(f"config_file {path!r}: not valid YAML ({exc})") from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"config_file {path!r}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    except (ValueError, TypeError, OverflowError, RecursionError) as exc:  # pyyaml's constructors: an int past
+        # Python's digit limit, nesting past the stack, a NUL in the path
+        raise ValueError(f"config_file {path!r}: not a readable YAML config ({type(exc).__name__}: "
+                         f"{str(exc)[:200]})") from None
     if data is None:
         return {}
     if not isinstance(data, Mapping):
@@ -225,6 +239,9 @@ def load_config(extra_config: Optional[Mapping[str, Any]] = None,
     """The merged, checked configuration (extra_config < YAML file < environment); logs where each set key came
     from."""
     env = os.environ if environ is None else environ
+    if extra_config is not None and not isinstance(extra_config, Mapping):
+        raise ValueError(f"kv_connector_extra_config must be an object of lmcache_npu config keys, got "
+                         f"{type(extra_config).__name__}")
     merged: dict[str, tuple[Any, str]] = {k: (v, "kv_connector_extra_config") for k, v in (extra_config or {}).items()}
     file_entry = merged.pop("config_file", None)
     path = env.get(CONFIG_FILE_ENV) or (file_entry[0] if file_entry else None)

@@ -526,7 +526,19 @@ def check_weights(model: Optional[str], config: Any) -> Check:
             return Check("model identity", FAIL, f"{model_dir}: {exc}", "check the checkpoint's files")
         else:
             made_of = ", ".join(f"{k} {v}" for k, v in weights.describe().items() if k != "digest")
-            return Check("model identity", OK, f"weights sha256:{weights.digest.hex()[:32]}... ({made_of})")
+            # how much of the content the namespace really covers (finding N4): sampling has a blind spot
+            if weights.read_whole:
+                coverage = f"all {weights.files} weight files read whole"
+            else:
+                coverage = (f"{weights.hub_sha256_files} of {weights.files} weight files with a full sha256 from the "
+                            f"Hugging Face cache, {weights.sampled_files} sampled only")
+                if weights.sampled_files:
+                    coverage += (f" (the fingerprint read {weights.bytes_read / 2**20:.1f} MiB of "
+                                 f"{weights.weight_bytes / 2**20:.1f} MiB: an edit to part of a tensor that misses "
+                                 "every sampled page is not seen; name such weights with model_fingerprint, e.g. "
+                                 "their sha256, if that matters)")
+            return Check("model identity", OK, f"weights sha256:{weights.digest.hex()[:32]}...; {coverage} "
+                         f"({made_of})")
     fix = ("set model_fingerprint in kv_connector_extra_config to a name for these exact weights, or serve with the "
            "host arena alone")
     outcome = "the disk and Mooncake tiers refuse to start" if persistent else "only the host arena can run"

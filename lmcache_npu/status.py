@@ -30,7 +30,18 @@ TIER_NAMES = {"cpu": "host arena", "disk": "local disk", "remote": "Mooncake"}
 ARENA_NAMES = ("arena_bytes", "arena_live_bytes", "segments_live", "segments_total")
 REMOTE_NAMES = ("mooncake_puts", "mooncake_put_bytes", "mooncake_get_bytes", "mooncake_errors", "mooncake_timeouts")
 
+# the largest value a plugin metric can take: its counters and gauges are int64-sized counts and byte totals
+MAX_VALUE = float(2**63)
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{.*\})?\s+(\S+)(\s+\S+)?$")
+_ESCAPE = re.compile(r"\\(.)", re.DOTALL)
+
+
+def _unescape(raw: str) -> str:
+    """A label value as the exposition format escapes it (\\\\, \\n, \\"), in one left-to-right pass: "\\\\n" is a
+    backslash and an n, not a backslash and a newline."""
+    return _ESCAPE.sub(lambda m: "\n" if m.group(1) == "n" else m.group(1), raw)
+
+
 _LABEL = re.compile(r'\s*([a-zA-Z_][a-zA-Z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"\s*(,|$)')
 
 
@@ -74,7 +85,7 @@ def _parse_labels(text: str, number: int) -> tuple[tuple[str, str], ...]:
         if match is None:
             raise ValueError(f"metrics line {number}: labels {text[:120]!r} are malformed at {position}")
         raw = match.group(2)
-        labels.append((match.group(1), raw.replace("\\n", "\n").replace('\\"', '"').replace("\\\\", "\\")))
+        labels.append((match.group(1), _unescape(raw)))
         position = match.end()
     return tuple(labels)
 
@@ -151,6 +162,11 @@ def engine_status(samples: Sequence[Sample]) -> list[EngineStatus]:
         name = sample.name[len(PREFIX):]
         if name.endswith("_created"):
             continue  # prometheus_client's creation timestamps
+        if not math.isfinite(sample.value) or abs(sample.value) > MAX_VALUE:
+            # the plugin exports counts and sizes only: +Inf, NaN or 1e300 is no reading of its store
+            raise ValueError(f"metric {sample.name}{_labels_text(sample.labels)} has value {sample.value!r}: the "
+                             f"plugin's metrics are finite counts and sizes (at most 2**63); is this server running "
+                             f"a matching lmcache_npu?")
         engine = tuple((k, v) for k, v in sample.labels if k not in STORE_INFO_LABELS)
         if name == "store_info":
             if sample.value:
@@ -165,6 +181,10 @@ def engine_status(samples: Sequence[Sample]) -> list[EngineStatus]:
                          "(--kv-transfer-config with LMCacheNPUConnector) with stats on (not --disable-log-stats)?")
     return [_one_engine(dict(engine), values.get(engine, {}), info.get(engine, {}))
             for engine in sorted(set(values) | set(info))]
+
+
+def _labels_text(labels: tuple[tuple[str, str], ...]) -> str:
+    return "{" + ",".join(f"{k}={v!r}" for k, v in labels) + "}" if labels else ""
 
 
 def _one_engine(engine: dict[str, str], v: dict[str, float], info: dict[str, str]) -> EngineStatus:
@@ -187,8 +207,9 @@ def _one_engine(engine: dict[str, str], v: dict[str, float], info: dict[str, str
             tier=tier, name=name,
             capacity_chunks=None if capacity is None else int(capacity),
             used_chunks=None if used is None else int(used),
-            capacity_bytes=None if capacity is None or not status.chunk_bytes else int(capacity * status.chunk_bytes),
-            used_bytes=None if used is None or not status.chunk_bytes else int(used * status.chunk_bytes),
+            # int first: chunks x bytes in float could round, or pass 1.8e308 and become inf
+            capacity_bytes=None if capacity is None or not status.chunk_bytes else int(capacity) * status.chunk_bytes,
+            used_bytes=None if used is None or not status.chunk_bytes else int(used) * status.chunk_bytes,
             hit_chunks=hit_chunks, hit_rate=rate))
     status.arena = {n: v[n] for n in ARENA_NAMES if n in v}
     status.remote = {n: v[n] for n in REMOTE_NAMES if n in v}

@@ -12,7 +12,8 @@ torch.set_num_threads(1)
 # before any test module imports vLLM (tests/integration/vllm_cpu.py does the same when run on its own). On an
 # Ascend or CUDA box vLLM's own platform (vllm-ascend's plugin there) stays.
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-os.environ.setdefault("PYTHONHASHSEED", "0")  # block hashes that a disk or Mooncake tier may keep (vLLM reads it)
+# block hashes a disk or Mooncake tier keeps (vLLM reads it); any fixed value but 0, which those tiers refuse
+os.environ.setdefault("PYTHONHASHSEED", "20261127")
 if importlib.util.find_spec("torch_npu") is None and not torch.cuda.is_available():
     try:
         import vllm.platforms as _platforms

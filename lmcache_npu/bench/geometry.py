@@ -58,20 +58,54 @@ class Geometry:
         return asdict(self)
 
 
+# Integers of the schema: the smallest value each takes (None also allowed where the field is Optional). The upper
+# bound keeps every byte count an int64 for torch and the native backends.
+_MIN_INT = {"row_bytes": 1, "rows_per_block": 1, "block_stride_bytes": 1, "layers": 1, "num_blocks": 1,
+            "nz_unit_bytes": 0, "page_offset_bytes": 0, "tokens_per_block": 1, "compress_ratio": 1,
+            "sliding_window": 1, "chunk_tokens": 1}
+_MAX_INT = 2**62
+_OPTIONAL = {"num_blocks", "sliding_window"}
+_STRINGS = {"name", "dtype", "layout", "page", "skip_reason", "notes"}
+
+
 def _check_keys(cls: type, data: Any, where: str) -> None:
     if not isinstance(data, dict):
         raise ValueError(f"{where}: expected an object, got {type(data).__name__}")
     valid = {f.name for f in fields(cls)}
-    unknown = sorted(set(data) - valid)
+    unknown = set(data) - valid
     if unknown:
-        raise ValueError(f"{where}: unknown keys {unknown}; valid keys are {sorted(valid)}")
+        shown = sorted(map(str, unknown))  # JSON keys are strings; str() keeps a caller's odd key sortable
+        raise ValueError(f"{where}: unknown keys {shown}; valid keys are {sorted(valid)}")
     required = {f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING}
     missing = sorted(required - set(data))
     if missing:
         raise ValueError(f"{where}: missing keys {missing}")
+    for key, value in data.items():
+        if key in _MIN_INT:
+            if value is None and key in _OPTIONAL:
+                continue
+            if type(value) is not int or not _MIN_INT[key] <= value <= _MAX_INT:  # type(): true is not 1 here
+                rule = f"an integer from {_MIN_INT[key]} to 2**62" + (" or null" if key in _OPTIONAL else "")
+                raise ValueError(f"{where}: {key} must be {rule}, got {_shown(value)}")
+        elif key in _STRINGS and not isinstance(value, str):
+            raise ValueError(f"{where}: {key} must be a string, got {_shown(value)}")
+        elif key == "skip" and not isinstance(value, bool):
+            raise ValueError(f"{where}: skip must be true or false, got {_shown(value)}")
+        elif key in ("groups", "planes") and (not isinstance(value, list) or not value):
+            raise ValueError(f"{where}: {key} must be a non-empty list of objects, got {_shown(value)}")
+
+
+def _shown(value: Any) -> str:
+    """A value for an error message, cut short: a JSON file can nest deeper than repr() recurses."""
+    try:
+        text = repr(value)
+    except (ValueError, RecursionError):  # an int past Python's digit limit, nesting past the stack
+        return f"a {type(value).__name__}"
+    return text if len(text) <= 120 else f"{text[:120]}..."
 
 
 def geometry_from_dict(data: dict[str, Any], name: str = "custom") -> Geometry:
+    """A `--geometry` object checked key by key: any malformed input is a ValueError naming where and the rule."""
     _check_keys(Geometry, data, "geometry")
     groups = []
     for gi, g in enumerate(data["groups"]):
@@ -84,19 +118,25 @@ def geometry_from_dict(data: dict[str, Any], name: str = "custom") -> Geometry:
                 raise ValueError(f"groups[{gi}].planes[{pi}]: dtype {plane.dtype!r} is not one of {sorted(DTYPES)}")
             if plane.layout not in ("nd", "fractal_nz"):
                 raise ValueError(f"groups[{gi}].planes[{pi}]: layout must be 'nd' or 'fractal_nz'")
-            if plane.layers < 1:
-                raise ValueError(f"groups[{gi}].planes[{pi}]: layers must be >= 1")
             planes.append(plane)
         groups.append(GroupGeometry(**{**g, "planes": tuple(planes)}))
-    return Geometry(tuple(groups), int(data.get("chunk_tokens", 256)), data.get("name", name), data.get("notes", ""))
+    return Geometry(tuple(groups), data.get("chunk_tokens", 256), data.get("name", name), data.get("notes", ""))
 
 
 def load_geometry(path: Path) -> Geometry:
+    """A `--geometry` JSON file; an unreadable or malformed one is a ValueError naming the file."""
     try:
-        data = json.loads(Path(path).read_text())
+        data = json.loads(Path(path).read_bytes())
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot read the geometry file ({exc.strerror or exc})") from None
     except json.JSONDecodeError as exc:
         raise ValueError(f"{path}: not valid JSON ({exc})") from exc
-    return geometry_from_dict(data, name=Path(path).stem)
+    except (ValueError, RecursionError) as exc:  # not UTF-8, an int past the digit limit, nesting past the stack
+        raise ValueError(f"{path}: not a geometry JSON file ({type(exc).__name__}: {str(exc)[:120]})") from None
+    try:
+        return geometry_from_dict(data, name=Path(path).stem)
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from None
 
 
 @dataclass

@@ -4,9 +4,15 @@ Every tier is measured the way the connector drives it: commands submitted to a 
 arena, timed until every completion is in. cpu: Store/Load between host "device" buffers and arena slots (the
 index's bookkeeping included); disk: Spill (write-behind, fsync, rename) and Promote from disk (read + checksum;
 the page cache is dropped first so reads come from the device); mooncake: Put and Promote from the remote store
-(zero-copy from the registered arena, or through the bounce buffer with `zero_copy` off: row "mooncake-bounce").
+(through the bounce buffer, as served by default: row "mooncake"; zero-copy from the registered arena with
+`--mooncake-zero-copy on`: row "mooncake-zero-copy").
 Every chunk travels sealed (object + envelope) and every promotion verifies its envelope, as in serving; every chunk
 read back is compared with what was written.
+
+With its own local master (no `--mooncake-master`), the CLI runs the whole bench in a new network namespace with only
+`lo` up (`run_in_private_network`): the transfer engine's client ports listen on every interface whatever
+`local_hostname` or MC_TCP_BIND_ADDRESS say, and with zero-copy they reach the registered arena, so they must be
+reachable from nowhere. Where `unshare -n` is refused it says so and runs on the host's network.
 """
 
 from __future__ import annotations
@@ -14,6 +20,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
+import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -251,7 +260,7 @@ def bench_disk(chunk_bytes: int, chunks: int, progress: _Progress, disk_path: Op
 
 
 def bench_mooncake(chunk_bytes: int, chunks: int, progress: _Progress, mooncake: Optional[dict] = None,
-                   seed: int = 0, zero_copy: bool = True) -> TierBench:
+                   seed: int = 0, zero_copy: bool = False) -> TierBench:
     """Put (arena → Mooncake) and Promote from remote (Mooncake → arena): zero-copy on the registered arena, or
     through the tier's bounce buffer (`zero_copy` False)."""
     import dataclasses
@@ -263,11 +272,16 @@ def bench_mooncake(chunk_bytes: int, chunks: int, progress: _Progress, mooncake:
         segment = 2 * chunks * chunk_bytes + (256 << 20)  # Mooncake evicts near a full pool: leave headroom
         if mooncake is None:
             master = stack.enter_context(LocalMooncakeMaster())
-            config = master.config(global_segment_bytes=segment)
+            # zero-copy needs a trusted network: the bench's own master and client alone in a loopback-only namespace
+            config = master.config(global_segment_bytes=segment, trusted_network=loopback_only_network())
             where = f"local mooncake_master {config.master}"
         else:
             config = MooncakeConfig.from_dict(mooncake)
             where = f"mooncake_master {config.master}"
+        if zero_copy and not config.trusted_network:
+            raise ValueError(f"store-bench: zero-copy registers the arena with a transfer engine whose ports listen on "
+                             f"every interface, and {where} is on a network not known to be trusted (no loopback-only "
+                             "namespace here, or a cluster's master); use --mooncake-zero-copy off")
         config = dataclasses.replace(config, zero_copy=zero_copy,
                                      bounce_bytes=max(config.bounce_bytes, chunk_bytes + (64 << 10)))
         tier = MooncakeTier(config)
@@ -281,8 +295,39 @@ def bench_mooncake(chunk_bytes: int, chunks: int, progress: _Progress, mooncake:
                 f"bounce {config.bounce_bytes / 2**20:.0f} MiB" if tier.counters["bounce_ops"] else "copy")
         tier.delete([k.storage_name(0) for k in keys])
         executor.close()
-    return _tier_bench("mooncake" if zero_copy else "mooncake-bounce", chunks, chunk_bytes, timings,
-                       f"{where}, {config.protocol}, {path}")
+    network = "loopback-only network" if loopback_only_network() else "host network"
+    return _tier_bench("mooncake-zero-copy" if zero_copy else "mooncake", chunks, chunk_bytes, timings,
+                       f"{where}, {config.protocol}, {path}, {network}")
+
+
+def loopback_only_network() -> bool:
+    """Whether this process's network namespace has no interface but `lo`, so none of its ports is reachable from
+    another host (read from /proc/self/net/dev, which lists this namespace's interfaces)."""
+    try:
+        with open("/proc/self/net/dev") as table:
+            lines = table.read().splitlines()[2:]  # two header lines
+    except OSError:
+        return False
+    return {line.split(":", 1)[0].strip() for line in lines if ":" in line} <= {"lo"}
+
+
+def run_in_private_network(argv: Sequence[str], what: str = "store-bench") -> Optional[int]:
+    """Runs `argv` in a new network namespace with only `lo` up and MC_TCP_BIND_ADDRESS=127.0.0.1, its output not
+    captured, and returns its exit status; None, with a note on stderr, where no namespace can be made here."""
+    from ..store.mooncake_local import LOOPBACK, netns_available
+
+    ok, why = netns_available()
+    if not ok:
+        print(f"{what}: no network namespace here ({why}): running on the host's network, where the Mooncake "
+              "client's transfer-engine ports (15000-17000) listen on all interfaces while it runs; firewall them "
+              "or run it where `unshare -n` is allowed (docs/deployment.md §6)", file=sys.stderr)
+        return None
+    ip = shutil.which("ip") or "/usr/sbin/ip"
+    print(f"{what}: in a loopback-only network namespace (unshare -n): its Mooncake ports are reachable from "
+          "nowhere else", file=sys.stderr)
+    env = dict(os.environ, MC_TCP_BIND_ADDRESS=LOOPBACK)
+    return subprocess.run(["unshare", "-n", "sh", "-c", f'{ip} link set lo up && exec "$@"', "sh", *argv],
+                          env=env, check=False).returncode
 
 
 def run_store_bench(tiers: Sequence[str], chunk_bytes: int, chunks: int, disk_path: Optional[str] = None,

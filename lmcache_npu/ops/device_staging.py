@@ -90,7 +90,8 @@ class StagingBuffer:
     def __init__(self) -> None:
         self._buffer: Optional[torch.Tensor] = None
         self._ledger = StagingLedger()
-        self._pending: Optional[tuple[int, int]] = None  # bytes reserve() found dirty, zeroed by zero_pending() or by the caller (take_pending())
+        # bytes reserve() found dirty, zeroed by zero_pending() or by the caller (take_pending())
+        self._pending: Optional[tuple[int, int]] = None
 
     def get(self, plan: TransferPlan, nbytes: int, direction: Direction) -> torch.Tensor:
         """reserve() then zero_pending(): the buffer ready for this transfer's kernel."""

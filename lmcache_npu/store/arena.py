@@ -171,7 +171,10 @@ class HostArena:
         view = self._views[index]
         if view is None:
             array = self.memory.segment_view(index)
-            view = self._views[index] = (array, torch.from_numpy(array))
+            # a first use may come from a thread in vLLM's inference mode: the view must not become an inference
+            # tensor, which the io threads could then not write into
+            with torch.inference_mode(False):
+                view = self._views[index] = (array, torch.from_numpy(array))
         return within * self.slot_bytes, view
 
     def slot(self, slot: int) -> torch.Tensor:

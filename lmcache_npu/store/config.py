@@ -63,8 +63,9 @@ class StoreConfig:
                              f"{self.arena_segment_bytes}")
         parse_hugepages(self.hugepages)
         parse_requested(self.npu_host_memory)
-        if self.disk_path is not None and (not isinstance(self.disk_path, str) or not self.disk_path):
-            raise ValueError(f"disk_path must be a directory path, got {self.disk_path!r}")
+        if self.disk_path is not None and (not isinstance(self.disk_path, str) or not self.disk_path
+                                           or "\0" in self.disk_path):  # the OS refuses NUL later, unnamed
+            raise ValueError(f"disk_path must be a directory path (no NUL characters), got {self.disk_path!r}")
         if self.disk_path is not None and self.disk_bytes <= 0:
             raise ValueError(f"disk_bytes must be set (> 0) when disk_path is ({self.disk_path!r}): it caps the "
                              f"chunk files each rank keeps there")

@@ -28,6 +28,8 @@ Trust
 At start (``DiskTier`` and ``scan_disk_directory``) the root and every existing fan directory must be a real
 directory (checked with lstat, opened with O_NOFOLLOW), owned by the effective uid and writable by neither group
 nor others; anything else is refused with a ValueError that says how to fix it. A missing root is created 0700.
+With data parallelism the root is ``disk_path/dp<rank>``, and ``check_disk_parent`` (called before the root is made
+or used) holds ``disk_path`` to the same rule, except that root may own it: a sticky bit is not enough.
 After the start every operation works relative to the checked root's file descriptor; a fan directory is opened
 with O_NOFOLLOW and checked again on each use, and files are opened with O_NOFOLLOW, so a symlink or a foreign
 directory that appears later makes that one operation fail (reason "untrusted: ...", counter "untrusted") and is
@@ -224,6 +226,49 @@ def _open_root(root: str) -> int:
         os.close(fd)
         raise
     return fd
+
+
+def _parent_problem(info: os.stat_result) -> Optional[str]:
+    """Why a directory with this lstat cannot hold per-rank cache directories, or None: the root's rule, except
+    that root may own it (root can replace anything anyway). A sticky bit does not make a shared directory safe:
+    others can still create a rank's directory before its engine does."""
+    if stat_mode.S_ISLNK(info.st_mode):
+        return "is a symlink"
+    if not stat_mode.S_ISDIR(info.st_mode):
+        return "is not a directory"
+    if info.st_uid not in (os.geteuid(), 0):
+        return f"is owned by uid {info.st_uid}, neither this process's uid {os.geteuid()} nor root"
+    if info.st_mode & _UNSAFE_MODE_BITS:
+        sticky = " (sticky or not)" if info.st_mode & stat_mode.S_ISVTX else ""
+        return f"is writable by group or others{sticky}"
+    return None
+
+
+def check_disk_parent(parent: str) -> None:
+    """Refuses a `disk_path` whose per-rank directories (`disk_path/dp<rank>`, data-parallel engines) others could
+    rename away or create first; creates it 0700 when missing. Call it before a per-rank directory is made or used."""
+    try:
+        info = os.lstat(parent)
+    except FileNotFoundError:
+        try:
+            os.makedirs(parent, mode=0o700)
+        except FileExistsError:
+            pass  # another engine created it meanwhile: checked like any existing directory
+        info = os.lstat(parent)
+    problem = _parent_problem(info)
+    if problem is None:
+        return
+    if problem == "is a symlink":
+        fix = "point disk_path at the real directory instead of a link"
+    elif problem == "is not a directory":
+        fix = "choose a directory for disk_path"
+    else:
+        fix = f"run `chown {os.geteuid()} {parent} && chmod 700 {parent}` as its owner or root"
+    raise ValueError(
+        f"disk tier disk_path {parent!r} {problem} (owner uid {info.st_uid}, mode "
+        f"{stat_mode.S_IMODE(info.st_mode):04o}): with data parallelism it holds each engine's directory dp<rank>, "
+        f"so it must be a real directory owned by the service user (uid {os.geteuid()}) or root and writable by no"
+        f" one else, or other users could rename a rank's directory away or create it first; fix: {fix}")
 
 
 def _open_fan_dir(root_fd: int, fan: str) -> int:

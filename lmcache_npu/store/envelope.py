@@ -93,6 +93,11 @@ class Sealer:
     """The digest choice and the optional store-wide secret. The secret never appears in repr or str."""
 
     def __init__(self, secret: Optional[bytes] = None, digest: Optional[str] = None) -> None:
+        if secret is not None and not isinstance(secret, (bytes, bytearray)):  # a str would fail in hmac, later
+            raise ValueError(f"the store secret must be bytes, got {type(secret).__name__}")
+        if digest is not None and not isinstance(digest, str):
+            raise ValueError(f"the envelope digest must be a name ({', '.join(DIGEST_IDS)}), got "
+                             f"{type(digest).__name__}")
         if secret is not None and len(secret) < MIN_SECRET_BYTES:
             raise ValueError(f"the store secret must be at least {MIN_SECRET_BYTES} bytes, got {len(secret)}")
         name = digest or (DEFAULT_KEYED_DIGEST if secret is not None else DEFAULT_DIGEST)
@@ -101,7 +106,7 @@ class Sealer:
         if secret is not None and not DIGESTS[DIGEST_IDS[name]][2]:
             raise ValueError(f"envelope digest {name!r} is not cryptographic: with a secret use blake3, blake2b or "
                              f"sha256")
-        self._secret = secret
+        self._secret = None if secret is None else bytes(secret)
         self.digest_name = name
         self.digest_id = DIGEST_IDS[name]
 
@@ -121,35 +126,56 @@ class Sealer:
 
 def sealed_bytes(object_bytes: int) -> int:
     """Bytes of a chunk object with its envelope: what disk files and Mooncake objects hold."""
+    if isinstance(object_bytes, bool) or not isinstance(object_bytes, (int, np.integer)) or object_bytes < 0:
+        raise ValueError(f"object_bytes must be a byte count >= 0, got {object_bytes!r}")
     return object_bytes + ENVELOPE_BYTES
 
 
-def _bytes_of(view: Buffer) -> memoryview:
-    out = memoryview(view).cast("B") if not isinstance(view, np.ndarray) else memoryview(view.reshape(-1))
+def _bytes_of(view: Buffer, writable: bool = False) -> memoryview:
+    if writable and isinstance(view, np.ndarray) and not view.flags.c_contiguous:
+        raise ValueError("seal needs one contiguous buffer: reshape would write the envelope into a copy")
+    try:
+        out = memoryview(view).cast("B") if not isinstance(view, np.ndarray) else memoryview(view.reshape(-1))
+    except TypeError:  # not a buffer (a str, None), or a strided memoryview
+        raise ValueError(f"a sealed chunk must be a contiguous bytes-like buffer, got {type(view).__name__}") from None
+    if writable and out.readonly:
+        raise ValueError("seal needs a writable buffer")
     if out.nbytes < ENVELOPE_BYTES:
         raise ValueError(f"a sealed chunk needs at least {ENVELOPE_BYTES} bytes for its envelope, got {out.nbytes}")
     return out
 
 
 def _key_fields(key: ChunkKey, rank: int) -> tuple[bytes, bytes]:
+    # the public entry points take outside values: every wrong type is a ValueError, like every wrong value
+    if not isinstance(key, tuple) or len(key) != 2:
+        raise ValueError(f"a chunk key must be a ChunkKey (namespace, chunk_hash), got {type(key).__name__}")
+    namespace_text, chunk_hash = key
     try:
-        namespace = bytes.fromhex(key.namespace)
+        namespace = bytes.fromhex(namespace_text) if isinstance(namespace_text, str) else b""
     except ValueError:
         namespace = b""
     if len(namespace) != 16:
-        raise ValueError(f"chunk key namespace must be 32 hex digits, got {key.namespace!r}")
-    if len(key.chunk_hash) > MAX_CHUNK_HASH_BYTES:
-        raise ValueError(f"chunk hash of {len(key.chunk_hash)} bytes is longer than the envelope holds "
+        raise ValueError(f"chunk key namespace must be 32 hex digits, got {namespace_text!r}")
+    if not isinstance(chunk_hash, (bytes, bytearray)):
+        raise ValueError(f"chunk key chunk_hash must be bytes, got {type(chunk_hash).__name__}")
+    if len(chunk_hash) > MAX_CHUNK_HASH_BYTES:
+        raise ValueError(f"chunk hash of {len(chunk_hash)} bytes is longer than the envelope holds "
                          f"({MAX_CHUNK_HASH_BYTES} bytes)")
-    if not 0 <= rank < 2**32:
-        raise ValueError(f"rank must fit in 32 bits, got {rank}")
-    return namespace, bytes(key.chunk_hash)
+    if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or not 0 <= rank < 2**32:
+        raise ValueError(f"rank must be an integer that fits in 32 bits, got {rank!r}")
+    return namespace, bytes(chunk_hash)
+
+
+def _check_sealer(sealer: Sealer) -> None:
+    if not isinstance(sealer, Sealer):
+        raise ValueError(f"sealing and checking a chunk needs a Sealer, got {type(sealer).__name__}")
 
 
 def seal(view: Buffer, key: ChunkKey, rank: int, sealer: Sealer) -> None:
     """Writes the envelope over the last `ENVELOPE_BYTES` of `view` (the payload is everything before them)."""
-    data = _bytes_of(view)
+    data = _bytes_of(view, writable=True)
     namespace, chunk_hash = _key_fields(key, rank)
+    _check_sealer(sealer)
     payload = data[:-ENVELOPE_BYTES]
     digest = DIGESTS[sealer.digest_id][1](payload)
     fields = _FIELDS.pack(MAGIC, ENVELOPE_VERSION, ENVELOPE_BYTES, sealer.digest_id, FLAG_MAC if sealer.keyed else 0,
@@ -163,6 +189,7 @@ def verify(view: Buffer, key: ChunkKey, rank: int, sealer: Sealer) -> Optional[s
     "version", "namespace", "key", "rank", "length", "digest", "mac", "mac missing" or "unexpected mac"."""
     data = _bytes_of(view)
     namespace, chunk_hash = _key_fields(key, rank)
+    _check_sealer(sealer)
     trailer = bytes(data[-ENVELOPE_BYTES:])
     (magic, version, size, digest_id, flags, hash_len, reserved1, got_namespace, got_rank, reserved2, length,
      got_hash, digest) = _FIELDS.unpack_from(trailer)

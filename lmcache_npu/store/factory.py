@@ -87,22 +87,37 @@ def build_index(config: StoreConfig, object_bytes: int, num_ranks: int, namespac
     return index
 
 
-def scheduler_mooncake_client(config: StoreConfig) -> Any:
+def scheduler_mooncake_client(config: StoreConfig, environ: Optional[Mapping[str, str]] = None) -> Any:
     """The scheduler's Mooncake client, for existence checks only: it contributes no memory to the pool (its
-    restart must not lose workers' chunks) and waits at most a second (a lookup must not stall on a sick master)."""
+    restart must not lose workers' chunks) and waits at most a second (a lookup must not stall on a sick master).
+    The trust rule is checked here too, so the scheduler refuses to start as the workers would."""
     from .mooncake import MooncakeTier
 
     mooncake = config.mooncake_config()
-    # zero_copy on: it moves no chunk bytes, so it needs no bounce buffer (and registers nothing either way)
-    return MooncakeTier(dataclasses.replace(mooncake, global_segment_bytes=0, timeout_s=min(mooncake.timeout_s, 1.0),
-                                            zero_copy=True))
+    check_remote_trust(config, resolve_secret(mooncake.secret_file, environ) is not None)
+    return MooncakeTier(dataclasses.replace(mooncake, global_segment_bytes=0, timeout_s=min(mooncake.timeout_s, 1.0)),
+                        exists_only=True)
+
+
+def check_remote_trust(config: StoreConfig, has_secret: bool) -> None:
+    """A Mooncake tier without a store secret loads any object of the right name and length that anyone reaching the
+    cluster wrote: refused unless the operator states, in `mooncake.trusted_network`, that no such host is hostile."""
+    mooncake = config.mooncake_config()
+    if mooncake is not None and not has_secret and not mooncake.trusted_network:
+        raise ValueError("mooncake: no store secret is configured, so any host that reaches the Mooncake master or a "
+                         "transfer-engine port could plant chunks this engine would load as its own KV. Set "
+                         "mooncake.secret_file (a file of at least 16 random bytes, mode 0600, the same on every "
+                         "instance) or LMCACHE_NPU_SECRET, or set mooncake.trusted_network: true if every host that "
+                         "can reach those ports is trusted (docs/configuration.md, \"Mooncake\")")
 
 
 def store_sealer(config: StoreConfig, environ: Optional[Mapping[str, str]] = None) -> Sealer:
     """The envelope sealer of every tier of this store: keyed by the store secret (`mooncake.secret_file` or
-    LMCACHE_NPU_SECRET) when one is configured, a plain digest otherwise."""
+    LMCACHE_NPU_SECRET) when one is configured, a plain digest otherwise (a Mooncake tier then needs
+    `trusted_network`)."""
     mooncake = config.mooncake_config()
     secret = resolve_secret(mooncake.secret_file if mooncake is not None else "", environ)
+    check_remote_trust(config, secret is not None)
     if secret is None and (config.disk_path is not None or mooncake is not None):
         logger.info("secret: not configured; envelopes carry digests only (anyone who can write the disk directory "
                     "or reach the Mooncake master can forge chunks)")

@@ -14,8 +14,18 @@ under the same name. `fingerprint_weights` digests a checkpoint directory withou
 * Definition files, read whole: every `*.json` but tokenizer files and `generation_config.json` (sampling defaults
   and token ids do not change the KV bytes of a given token sequence; vLLM's block hash has the token ids), and
   every `*.py` (trust_remote_code modelling code).
+* Full content digests where they are free: a weight file of a Hugging Face cache snapshot
+  (`<repo>/snapshots/<revision>/<file>`, a symlink to `<repo>/blobs/<name>`) whose blob name is 64 hex digits
+  also gives that name, which huggingface_hub sets to the sha256 of the whole file (the Git LFS oid; non-LFS blobs
+  are named by their 40-hex git sha1 and get nothing extra). No byte is read for it, and the samples are kept: they
+  still see an in-place edit of a blob that keeps its name. Such an entry is digested under its own kind string,
+  so a snapshot's fingerprint differs from a plain copy's; plain directories' fingerprints are as they were.
 * Nothing else: not the directory's path or name, mtimes, READMEs, tokenizers, or hidden files and folders
   (`.cache/`, `.git/`: tool metadata). Moving or renaming a checkpoint keeps its fingerprint.
+
+What sampling misses: positions depend only on the file's name, size and header, so anyone can compute them, and
+an edit of part of a tensor (a few rows of an embedding, some bytes of one projection) that touches no sampled
+page is not seen. Whole-tensor fine-tunes, merged LoRA and re-quantisation change every sampled page and are.
 
 Samples are page-sized (4 KiB) and page-aligned where the tensor allows. Their positions are a deterministic
 function of the file's relative name, size and header (and the budget), never random, so every process on every
@@ -49,6 +59,8 @@ import json
 import logging
 import math
 import os
+import re
+import reprlib
 import stat
 import struct
 import threading
@@ -81,6 +93,8 @@ MAX_HEADER_BYTES = 100_000_000
 # Other weight files below this are read whole: sampling them would save little.
 WHOLE_FILE_BELOW = 1 << 20
 
+# a Hugging Face cache blob named by the sha256 of its content (huggingface_hub's REGEX_SHA256 for LFS ETags)
+_SHA256_NAME = re.compile(r"[0-9a-f]{64}")
 _WEIGHTS_DOMAIN = b"lmcache-npu model weights v%d" % FORMAT_VERSION
 _ADAPTER_DOMAIN = b"lmcache-npu lora adapter v%d" % FORMAT_VERSION
 _READ_PIECE = 1 << 20  # merged reads are cut to this so a worker never holds more than one piece in memory
@@ -112,6 +126,14 @@ class WeightsFingerprint:
     read_whole: bool = False  # the weights were small enough to read whole
     definition_files: tuple[str, ...] = ()
     max_read_bytes: int = DEFAULT_MAX_READ_BYTES
+    # weight files whose whole content is named by the sha256 a Hugging Face cache gives their blob (free: no read)
+    hub_sha256_files: int = 0
+
+    @property
+    def sampled_files(self) -> int:
+        """Weight files identified by samples alone: neither read whole nor named by a hub blob's sha256. An edit
+        of such a file that misses every sampled page is not seen."""
+        return 0 if self.read_whole else self.files - self.hub_sha256_files
 
     def describe(self) -> dict[str, Any]:
         """A JSON-able account of the fingerprint, for `doctor` and `inspect`."""
@@ -123,6 +145,8 @@ class WeightsFingerprint:
             "tensors": self.tensors,
             "definition_files": list(self.definition_files),
             "read_whole": self.read_whole,
+            "hub_sha256_files": self.hub_sha256_files,
+            "sampled_files": self.sampled_files,
             "tensor_sample_bytes": self.tensor_sample_bytes,
             "spread_samples": self.spread_samples,
             "samples": self.samples,
@@ -138,6 +162,7 @@ class _Entry:
     path: str  # the path opened (symlinks followed)
     size: int
     kind: str  # "safetensors", "weights" or "definition"
+    hub_sha256: Optional[bytes] = None  # a weight file in a Hugging Face cache snapshot: its blob's name, 32 bytes
 
 
 @dataclass
@@ -190,6 +215,30 @@ def _walk(root: str) -> list[tuple[str, str]]:
     return found
 
 
+def _hub_blob_sha256(path: str) -> Optional[bytes]:
+    """The sha256 of a weight file's whole content when `path` is (or links, through more links, to) a file of a
+    Hugging Face cache snapshot, `<repo>/snapshots/<revision>/<file>`, linking to `<repo>/blobs/<name>` with a
+    64-hex name: huggingface_hub names a blob by its ETag, the sha256 of the content for Git LFS files (every
+    safetensors or .bin weight file) and the 40-hex git blob sha1 otherwise. None for anything else (a plain file,
+    a sha1 blob, a link that does not follow that layout); costs a few readlink/stat calls, no read."""
+    current = path
+    for _ in range(40):  # the kernel's own bound on a chain of links
+        try:
+            target = os.readlink(current)
+        except OSError:  # not a link (EINVAL) or gone: no hub blob on this path
+            return None
+        blob = os.path.join(os.path.dirname(current), target)  # an absolute target replaces the join
+        blobs = os.path.realpath(os.path.dirname(blob))
+        repo = os.path.dirname(blobs)
+        link_dir = os.path.realpath(os.path.dirname(current))
+        if (os.path.basename(blobs) == "blobs" and link_dir.startswith(os.path.join(repo, "snapshots") + os.sep)
+                and os.path.isdir(os.path.join(repo, "snapshots"))):
+            name = os.path.basename(blob)
+            return bytes.fromhex(name) if _SHA256_NAME.fullmatch(name) else None
+        current = blob
+    return None
+
+
 def _list_entries(root: str) -> list[_Entry]:
     entries = []
     for name, path in _walk(root):
@@ -201,7 +250,8 @@ def _list_entries(root: str) -> list[_Entry]:
         except FileNotFoundError:
             raise ValueError(f"{name} in {root} is a broken symlink; a checkpoint file it names must exist") from None
         if stat.S_ISREG(st.st_mode):
-            entries.append(_Entry(name, path, st.st_size, kind))
+            hub = _hub_blob_sha256(path) if kind != "definition" else None  # definition files are read whole
+            entries.append(_Entry(name, path, st.st_size, kind, hub))
     return sorted(entries, key=lambda e: e.name)
 
 
@@ -232,12 +282,26 @@ def _product(shape: list) -> Any:
     return math.prod(shape)
 
 
+# header values in error messages: depth- and length-bounded, since they come from the file
+_REPR = reprlib.Repr()
+_REPR.maxstring, _REPR.maxother, _REPR.maxlist, _REPR.maxlevel = 200, 200, 16, 4
+
+
+def _shown(value: Any) -> str:
+    return _REPR.repr(value)
+
+
 def _parse_header(name: str, size: int, raw: bytes) -> list[tuple[int, int]]:
     """Validates a safetensors JSON header; returns the data ranges (relative to the data start) in header order."""
     try:
         header = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ValueError(f"{name}: the safetensors header is not valid JSON ({exc})") from None
+    except ValueError as exc:  # an integer past Python's digit limit: no offset or dimension is that long
+        raise ValueError(f"{name}: the safetensors header is not a tensor index ({exc})") from None
+    except RecursionError:  # a tensor index is two levels deep; this file nests past the interpreter's stack
+        raise ValueError(f"{name}: the safetensors header nests too deeply to be a tensor index; the file is "
+                         "corrupt or not safetensors") from None
     if not isinstance(header, dict):
         raise ValueError(f"{name}: the safetensors header must be a JSON object, not {type(header).__name__}")
     data_bytes = size - 8 - len(raw)
@@ -248,25 +312,27 @@ def _parse_header(name: str, size: int, raw: bytes) -> list[tuple[int, int]]:
                 raise ValueError(f"{name}: __metadata__ must be a JSON object of strings")
             continue
         if not isinstance(info, dict):
-            raise ValueError(f"{name}: tensor {tensor!r} must map to an object with dtype, shape and data_offsets")
+            raise ValueError(f"{name}: tensor {_shown(tensor)} must map to an object with dtype, shape and "
+                             "data_offsets")
         dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
         if type(dtype) is not str:
-            raise ValueError(f"{name}: tensor {tensor!r} has no string dtype")
+            raise ValueError(f"{name}: tensor {_shown(tensor)} has no string dtype")
         # C-level checks (prod, min) keep 90,000-tensor headers cheap; True/False as a dimension is caught by type().
         if type(shape) is not list or type(elements := _product(shape)) is not int or min(shape, default=0) < 0:
-            raise ValueError(f"{name}: tensor {tensor!r} shape must be a list of non-negative integers, got {shape!r}")
+            raise ValueError(f"{name}: tensor {_shown(tensor)} shape must be a list of non-negative integers, got "
+                             f"{_shown(shape)}")
         if (type(offsets) is not list or len(offsets) != 2 or type(offsets[0]) is not int
                 or type(offsets[1]) is not int or not 0 <= offsets[0] <= offsets[1]):
-            raise ValueError(f"{name}: tensor {tensor!r} data_offsets must be [begin, end] with 0 <= begin <= end, "
-                             f"got {offsets!r}")
+            raise ValueError(f"{name}: tensor {_shown(tensor)} data_offsets must be [begin, end] with 0 <= begin <= "
+                             f"end, got {_shown(offsets)}")
         begin, end = offsets
         if end > data_bytes:
-            raise ValueError(f"{name}: tensor {tensor!r} ends at data byte {end} but the file holds only {data_bytes} "
-                             f"data bytes: the shard is truncated")
+            raise ValueError(f"{name}: tensor {_shown(tensor)} ends at data byte {end} but the file holds only "
+                             f"{data_bytes} data bytes: the shard is truncated")
         itemsize = _DTYPE_BYTES.get(dtype)
         if itemsize is not None and elements * itemsize != end - begin:
-            raise ValueError(f"{name}: tensor {tensor!r} is {dtype} {shape} ({elements * itemsize} bytes) but "
-                             f"its data_offsets span {end - begin} bytes")
+            raise ValueError(f"{name}: tensor {_shown(tensor)} is {dtype} {_shown(shape)} ({elements * itemsize} "
+                             f"bytes) but its data_offsets span {end - begin} bytes")
         ranges.append((begin, end))
     return ranges
 
@@ -507,9 +573,13 @@ def _fingerprint(model_dir: PathLike, domain: bytes, max_read_bytes: int, whole_
     _field(total, struct.pack("<Q", len(entries)))
     header_of = {p.entry.name: p.header for p in plans}
     for e in entries:
-        _field(total, e.kind.encode())
+        # a hub blob's entry has its own kind string and one more field, so no plain entry's fields read the same;
+        # plain entries keep the fields they always had: their namespaces (and the chunks under them) stay valid
+        _field(total, e.kind.encode() if e.hub_sha256 is None else f"{e.kind}+hub-sha256".encode())
         _field(total, e.name.encode())
         _field(total, struct.pack("<Q", e.size))
+        if e.hub_sha256 is not None:
+            _field(total, e.hub_sha256)
         if e.kind == "definition":
             _field(total, contents[e.name])
         else:
@@ -519,7 +589,7 @@ def _fingerprint(model_dir: PathLike, domain: bytes, max_read_bytes: int, whole_
         digest=total.digest(), files=len(weights), weight_bytes=sum(e.size for e in weights), bytes_read=read,
         samples=sum(len(p.samples or []) for p in plans), seconds=time.perf_counter() - started,
         tensors=sum(len(p.tensors) for p in plans), tensor_sample_bytes=sample_bytes, spread_samples=spread,
-        read_whole=whole,
+        read_whole=whole, hub_sha256_files=sum(e.hub_sha256 is not None for e in weights),
         definition_files=tuple(e.name for e in definitions), max_read_bytes=max_read_bytes)
     logger.debug("fingerprinted %s: %s", root, result.describe())
     return result

@@ -27,6 +27,9 @@ CRYPTOGRAPHIC_HASH_ALGORITHMS = ("sha256", "sha256_cbor")
 # Appended to a chunk hash for the copy without end-state rows; a namespace fixes the hash algorithm (the model
 # fingerprint names it), hence the hash length, so a marked hash never equals another chunk's hash.
 _WITHOUT_END_STATE = b"\x00no-end-state"
+# The fix a refused seed names: one value per deployment, chosen like a password.
+_SEED_FIX = ("set PYTHONHASHSEED to one secret random value shared by the instances of this deployment, e.g. "
+             "`python3 -c 'import secrets; print(secrets.randbelow(2**32 - 1) + 1)'`, kept like a password")
 # Domain of a chunk hash re-keyed by a LoRA adapter's content digest.
 _ADAPTER_DOMAIN = b"lmcache-npu adapter chunk v1\x00"
 
@@ -35,7 +38,8 @@ def check_stable_hashing(algorithm: str, environ: Optional[Mapping[str, str]] = 
                          allow_fast_block_hash: bool = False) -> None:
     """Refuses a block-hash setup that would name the same prefix differently in another process or restart, or
     whose collisions can be constructed (a tier outliving the process trusts a chunk's name to mean its prefix);
-    `allow_fast_block_hash` turns the second refusal into a loud warning."""
+    `allow_fast_block_hash` turns the second refusal into a loud warning. Called only with a disk or Mooncake tier,
+    so a host-only arena runs with any PYTHONHASHSEED, `0` included."""
     env = os.environ if environ is None else environ
     if algorithm not in STABLE_HASH_ALGORITHMS:
         raise ValueError(f"prefix_caching_hash_algo {algorithm!r} is not stable across processes; a shared or "
@@ -47,11 +51,17 @@ def check_stable_hashing(algorithm: str, environ: Optional[Mapping[str, str]] = 
             raise ValueError(f"{why}. Use --prefix-caching-hash-algo {' or '.join(CRYPTOGRAPHIC_HASH_ALGORITHMS)}, or "
                              "set allow_fast_block_hash: true to accept the risk")
         logger.warning("lmcache_npu: %s (allowed by allow_fast_block_hash)", why)
-    if env.get("PYTHONHASHSEED") in (None, "", "random"):
+    seed = env.get("PYTHONHASHSEED")
+    if seed is None or seed in ("", "random"):
         raise ValueError("PYTHONHASHSEED is not set: vLLM then seeds every block-hash chain with os.urandom, so no "
                          "other process or restart can find a stored chunk; set PYTHONHASHSEED to the same value "
                          "for every vLLM instance that shares this cache (a random one, kept like a password: with "
                          "0, anyone can compute every chunk's name from a prompt)")
+    if seed.strip().isdigit() and int(seed) == 0:
+        raise ValueError(f"PYTHONHASHSEED={seed} is refused with a disk or Mooncake tier (disk_path, mooncake): 0 "
+                         "disables hash randomization, so every deployment that sets it computes the same block "
+                         "hashes and the names of its chunks are predictable across unrelated deployments sharing a "
+                         f"store; {_SEED_FIX}")
 
 
 def layout_fingerprint(plan: TransferPlan) -> bytes:

@@ -12,9 +12,11 @@ tier answers misses without calling the client, then one probe decides whether i
 -600, an unreachable master as -900 (some calls only after ~4.5 s); a put of an existing key returns 0 without
 writing; `health_check()` crashes the process once the master is gone, so it is never called.
 
-Trust (issue 21): a get runs the caller's envelope check (`verify`, one per name) on the bytes it read before it
-reports ok; with `zero_copy` off the bytes land in the tier's bounce buffer, are checked there, and only then are
-copied into the caller's slot (the arena is never registered, so no transfer-engine peer can address it). A put first
+Trust (issues 21, 31): a get runs the caller's envelope check (`verify`, one per name) on the bytes it will report,
+in the caller's own buffer (the arena slot), never on a copy of them: with `zero_copy` off the bytes land in the
+tier's bounce buffer, which transfer-engine peers can write, are copied into the slot, which no peer can address
+(the arena is never registered), and are checked there, so what verified is what the device loads. With `zero_copy`
+on (only with `trusted_network`) the slot itself is registered and peers could rewrite it after its check. A put first
 asks which names exist (one batch call): an existing object whose envelope verifies for this key counts as stored
 (`put_existing`, not written again); one that does not (another length, a forged or corrupt envelope) is removed and
 put again (`put_replaced_invalid`), and if it cannot be removed the put fails.
@@ -84,8 +86,11 @@ class MooncakeTier:
     """One Mooncake client. Worker side: `register` the arena, then `put` / `get_into`; scheduler side: `exists`."""
 
     def __init__(self, config: MooncakeConfig, store_factory: Optional[Callable[[], Any]] = None,
-                 io_threads: int = 4) -> None:
+                 io_threads: int = 4, exists_only: bool = False) -> None:
+        """`exists_only`: a client for existence checks (the scheduler's), which moves no chunk bytes, so it keeps no
+        bounce buffer and registers nothing."""
         self.config = config
+        self.exists_only = exists_only
         self.counters = TierCounters()
         self._factory = store_factory or _default_store_factory
         # the real client's setup blocks the process while it retries a dead master: probe its port first
@@ -101,7 +106,7 @@ class MooncakeTier:
         self._wanted: list[tuple[int, int]] = []  # memory the caller asked to register
         self._bounce: Optional[np.ndarray] = None
         self._bounce_lock = threading.Lock()  # one batch at a time owns the bounce buffer
-        if not config.zero_copy:  # only this buffer is ever registered: peers cannot address the arena
+        if not config.zero_copy and not exists_only:  # only this buffer is registered: peers cannot reach the arena
             raw = np.zeros(config.bounce_bytes + 4096, dtype=np.uint8)
             skip = -raw.ctypes.data % 4096
             self._bounce = raw[skip:skip + config.bounce_bytes]
@@ -471,11 +476,11 @@ class MooncakeTier:
                 for (i, offset), code in zip(group, got):
                     size = buffers[i].nbytes
                     if code == size:
-                        landed = memoryview(self._bounce[offset:offset + size])
-                        why = checks[i](landed) if checks[i] is not None else None
-                        if why is None:
-                            buffers[i][:] = landed
-                        else:
+                        # into the slot first, then check the slot: peers can rewrite the bounce buffer at any time,
+                        # the slot never, so the bytes that verify are the bytes that stay
+                        buffers[i][:] = memoryview(self._bounce[offset:offset + size])
+                        why = checks[i](buffers[i]) if checks[i] is not None else None
+                        if why is not None:
                             rejected[i] = why
                 codes.extend(got)
         return codes
@@ -487,12 +492,11 @@ class MooncakeTier:
         if not data:
             return _MISSING
         if len(data) != buffer.nbytes:
-            return len(data)
-        why = check(memoryview(data)) if check is not None else None
-        if why is not None:
-            rejected[index] = why  # checked in the copy: the buffer never sees these bytes
-            return len(data)
+            return len(data)  # a wrong length never reaches the buffer
         buffer[:] = data
+        why = check(buffer) if check is not None else None  # what is checked is what stays in the buffer
+        if why is not None:
+            rejected[index] = why
         return len(data)
 
     def exists(self, names: Sequence[str]) -> list[bool]:

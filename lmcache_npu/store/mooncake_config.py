@@ -32,12 +32,16 @@ class MooncakeConfig:
     timeout_s: float = 5.0  # one batch call; past it: misses and counter "timeouts"
     retry_after_s: float = 5.0  # after a failure, answer misses without calling the client this long
     # true: the whole host arena is registered with the transfer engine (puts and gets move bytes straight from and
-    # into slots, but every transfer-engine peer can address every slot); false: only a bounce buffer is
-    zero_copy: bool = True
+    # into slots, but every transfer-engine peer can read every slot and write one between its check and its load):
+    # only with trusted_network; false: only a bounce buffer is registered, and a get is checked in the slot
+    zero_copy: bool = False
     bounce_bytes: int = 32 << 20  # zero_copy false: the one registered buffer (batches are split to fit it)
     # a file holding the store-wide secret (>= 16 bytes): objects and disk files then carry an HMAC-SHA256 that a
-    # client without it cannot forge; "" with LMCACHE_NPU_SECRET unset: digests only, no MAC
+    # client without it cannot forge; "" with LMCACHE_NPU_SECRET unset: digests only, no MAC (trusted_network only)
     secret_file: str = ""
+    # the operator's statement that every host able to reach the Mooncake master, metadata server and transfer-engine
+    # ports is trusted: needed to run without a store secret and for zero_copy
+    trusted_network: bool = False
 
     def __post_init__(self) -> None:
         for key in ("master", "metadata", "local_hostname", "protocol", "device_name", "secret_file"):
@@ -56,8 +60,14 @@ class MooncakeConfig:
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"mooncake.{key} must be a size in bytes >= 0, got {value!r}")
-        if not isinstance(self.zero_copy, bool):
-            raise ValueError(f"mooncake.zero_copy must be true or false, got {self.zero_copy!r}")
+        for key in ("zero_copy", "trusted_network"):
+            if not isinstance(getattr(self, key), bool):
+                raise ValueError(f"mooncake.{key} must be true or false, got {getattr(self, key)!r}")
+        if self.zero_copy and not self.trusted_network:
+            raise ValueError("mooncake.zero_copy: true registers the whole host arena with the transfer engine, so any "
+                             "host that reaches its ports can read every chunk and rewrite a slot after its check; it "
+                             "needs mooncake.trusted_network: true (every such host trusted). Leave zero_copy false "
+                             "(the default: a bounce buffer, each get checked in the slot) otherwise")
         if isinstance(self.bounce_bytes, bool) or not isinstance(self.bounce_bytes, int) or self.bounce_bytes < 1 << 20:
             raise ValueError(f"mooncake.bounce_bytes must be a size in bytes >= 1 MiB, got {self.bounce_bytes!r}")
         for key in ("timeout_s", "retry_after_s"):

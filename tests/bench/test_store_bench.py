@@ -70,10 +70,11 @@ def test_cli_writes_json_and_refuses_bad_arguments(tmp_path, capsys):
 def test_all_three_tiers_with_a_local_master_exit_zero(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT), GLOG_minloglevel="2")
     done = run_in_loopback_netns([sys.executable, "-m", "lmcache_npu.cli", "store-bench", "--tiers",
-                                  "cpu,disk,mooncake", "--chunks", "24", "--chunk-bytes", "1MiB", "--json",
-                                  str(tmp_path / "out.json")], env=env, timeout=300)
+                                  "cpu,disk,mooncake", "--chunks", "24", "--chunk-bytes", "1MiB",
+                                  "--mooncake-zero-copy", "both", "--json", str(tmp_path / "out.json")],
+                                 env=env, timeout=300)
     assert done.returncode == 0, f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     data = json.loads((tmp_path / "out.json").read_text())
-    assert [r["tier"] for r in data] == ["cpu", "disk", "mooncake"]
+    assert [r["tier"] for r in data] == ["cpu", "disk", "mooncake-zero-copy", "mooncake"]
     assert all(r["check"] == "ok" and r["failed"] == 0 for r in data)
-    assert "zero-copy" in data[2]["notes"]
+    assert "zero-copy" in data[2]["notes"] and "bounce" in data[3]["notes"]

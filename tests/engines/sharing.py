@@ -3,7 +3,8 @@ there): `python -m tests.engines.sharing <result.pkl> [share|trust]`. A writer e
 stays up (its Mooncake segment holds the objects) while fresh reader engines in this process send the same
 prompts; the engines' completions and the readers' hits are pickled to `result.pkl`.
 
-`trust`: every engine has the store secret (LMCACHE_NPU_SECRET) and one `model_name`. A reader with other weights
+Every engine has the store secret (LMCACHE_NPU_SECRET): a Mooncake tier without one refuses to start unless
+`mooncake.trusted_network` says so. `trust`: the engines also share one `model_name`. A reader with other weights
 under that name finds nothing; then another client overwrites the first prompt's objects with other bytes of the
 same length and forges the second prompt's envelopes without the secret, and a reader with the writer's weights
 loads only the third prompt's chunks from Mooncake."""
@@ -16,7 +17,7 @@ import subprocess
 import sys
 from typing import Any
 
-os.environ.setdefault("PYTHONHASHSEED", "0")  # both engines must chain block hashes alike (vLLM reads it)
+os.environ.setdefault("PYTHONHASHSEED", "20261127")  # both engines chain block hashes alike; 0 is refused
 
 RECIPE = "llama"
 PROMPTS = [(700, seed) for seed in range(3)]
@@ -106,8 +107,7 @@ def _read(master: Any, weights_seed: int = 0, **extra: Any) -> dict:
 def main(out: str, mode: str) -> None:
     from lmcache_npu.store.mooncake_local import LocalMooncakeMaster
 
-    if mode == "trust":
-        os.environ["LMCACHE_NPU_SECRET"] = SECRET  # the writer child inherits it
+    os.environ["LMCACHE_NPU_SECRET"] = SECRET  # the writer child inherits it
     with LocalMooncakeMaster() as master:
         written = out + ".writer"
         child = subprocess.Popen([sys.executable, "-m", "tests.engines.sharing", "--writer", master.master,

@@ -5,12 +5,17 @@ share one Mooncake store; each prints one JSON line of findings last and exits n
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 from lmcache_npu.store.mooncake_local import LocalMooncakeMaster
 
 from .conftest import prompt
 from .engine import Engine, EngineSpec
+
+
+# a Mooncake tier needs a store secret (or mooncake.trusted_network): these engines share one, as a cluster would
+os.environ.setdefault("LMCACHE_NPU_SECRET", "a-secret-the-two-test-instances-share")
 
 
 def _engine(master: LocalMooncakeMaster, put_to_remote: bool = True) -> Engine:

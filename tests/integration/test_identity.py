@@ -155,3 +155,69 @@ def test_a_worker_side_kv_dtype_rewrite_does_not_split_the_halves(make_engine, t
     assert identity["kv_cache_dtype"] == "fp8_e4m3"
     assert rewritten.connector.scheduler_half.namespace == rewritten.workers[0].get_handshake_metadata().namespace
     assert rewritten.connector.scheduler_half.namespace != plain.connector.scheduler_half.namespace  # control
+
+
+def _stored(half, request, digest: bytes) -> int:
+    """How many of `request`'s whole chunks the index holds under the adapter digest `digest`."""
+    from lmcache_npu.store.keys import chunk_keys
+
+    keys = chunk_keys(request.block_hashes, half.hash_block_size, half.chunk_tokens, half.namespace,
+                      adapter_digest=digest)
+    return sum(half.index.presence(keys, remote=False))
+
+
+def _in_place_update(make_engine, tmp_path, adapters=None):  # type: ignore[no-untyped-def]
+    """One engine: request a with the adapter, the adapter rewritten in place, request b (vLLM keeps the first
+    weights loaded for the id), then request c with load_inplace (vLLM reloads). Returns what the index holds."""
+    from vllm.lora.request import LoRARequest
+
+    from lmcache_npu.store.identity import adapter_digest
+
+    path = _adapter_dir(tmp_path / "adapter", seed=1)
+    engine = make_engine(model_dir=_model_dir(tmp_path / "model", weights_seed=1))
+    half = engine.connector.scheduler_half
+    if adapters is not None:
+        half._adapters = adapters
+    first = adapter_digest(path)
+    engine.add(PROMPT, max_tokens=2, request_id="a", lora_request=LoRARequest("tenant", 1, path))
+    engine.run()
+    _adapter_dir(tmp_path / "adapter", seed=2)  # updated in place: same name, id and path
+    second = adapter_digest(path)
+    assert second != first
+    engine.add(prompt(3 * 256 + 40, seed=6), max_tokens=2, request_id="b", lora_request=LoRARequest("tenant", 1, path))
+    engine.run()
+    found = {"a_first": _stored(half, engine.requests["a"], first),
+             "b_first": _stored(half, engine.requests["b"], first),
+             "b_second": _stored(half, engine.requests["b"], second)}
+    engine.add(prompt(3 * 256 + 40, seed=7), max_tokens=2, request_id="c",
+               lora_request=LoRARequest("tenant", 1, path, load_inplace=True))
+    engine.run()
+    found["c_second"] = _stored(half, engine.requests["c"], second)
+    found["bypassed"] = engine.stats.data.get("lora_bypassed_requests", 0)
+    engine.close()
+    return found
+
+
+def test_an_adapter_updated_in_place_never_files_the_old_weights_kv_under_the_new_digest(make_engine, tmp_path):
+    """Issue 31, finding N2: vLLM keeps the weights it loaded for a lora_int_id; a request after the files changed
+    may run either version, so it stores nothing (not under the new digest, not under the old); a load_inplace
+    request (vLLM reloads) stores under the new files' digest."""
+    found = _in_place_update(make_engine, tmp_path)
+    assert found["a_first"] == 3, found  # control: the first request's chunks are filed under the loaded weights
+    assert found["b_second"] == 0 and found["b_first"] == 0 and found["bypassed"] == 1, found
+    assert found["c_second"] == 3, found
+
+
+def test_keys_that_follow_the_files_would_file_old_weights_kv_under_the_new_digest(make_engine, tmp_path):
+    """Negative control of the test above: a digest taken from the files at each request (the old behaviour) files
+    request b, computed with the weights vLLM still holds (the first), under the second digest."""
+    from lmcache_npu.store.identity import AdapterDigests
+
+    class FollowTheFiles:
+        def __init__(self) -> None:
+            self.digests = AdapterDigests()
+
+        def digest(self, lora):  # type: ignore[no-untyped-def]
+            return self.digests.get(lora.path)
+
+    assert _in_place_update(make_engine, tmp_path, FollowTheFiles())["b_second"] == 3

@@ -5,6 +5,7 @@ one JSON line of findings last, and exits non-zero on any failed check."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -14,6 +15,7 @@ import numpy as np
 from lmcache_npu.store import executor as executor_module
 from lmcache_npu.store.arena import HostArena
 from lmcache_npu.store.commands import Promote, Put, Source
+from lmcache_npu.store.envelope import verify
 from lmcache_npu.store.executor import StoreExecutor
 from lmcache_npu.store.keys import ChunkKey
 from lmcache_npu.store.mooncake import MooncakeConfig, MooncakeTier
@@ -33,7 +35,8 @@ def _names(prefix: str, count: int) -> list[str]:
 def roundtrip() -> dict:
     count = 500
     with LocalMooncakeMaster() as master:
-        tier = MooncakeTier(master.config(global_segment_bytes=count * CHUNK + (64 << 20)))
+        tier = MooncakeTier(master.config(global_segment_bytes=count * CHUNK + (64 << 20), zero_copy=True,
+                                          trusted_network=True))
         arena = HostArena(count, CHUNK, pinned=False)
         assert tier.register(arena.base_address, arena.total_bytes), "arena registration failed"
         for slot in range(count):
@@ -80,7 +83,7 @@ def roundtrip() -> dict:
 def reader(master: str, metadata: str, count: int) -> dict:
     """A second instance: its scheduler-side client (no memory contributed) sees the chunks, its worker reads them."""
     config = MooncakeConfig(master=master, metadata=metadata, local_hostname="127.0.0.1",
-                            global_segment_bytes=0, local_buffer_bytes=16 << 20)
+                            global_segment_bytes=0, local_buffer_bytes=16 << 20, zero_copy=True, trusted_network=True)
     scheduler = MooncakeTier(config)
     names = _names("sh", count)
     assert scheduler.exists(names) == [True] * count, "the second instance does not see the chunks"
@@ -99,7 +102,8 @@ def reader(master: str, metadata: str, count: int) -> dict:
 def share() -> dict:
     count = 100
     with LocalMooncakeMaster() as master:
-        writer = MooncakeTier(master.config(global_segment_bytes=count * CHUNK + (64 << 20)))
+        writer = MooncakeTier(master.config(global_segment_bytes=count * CHUNK + (64 << 20), zero_copy=True,
+                                            trusted_network=True))
         arena = HostArena(count, CHUNK, pinned=False)
         writer.register(arena.base_address, arena.total_bytes)
         for slot in range(count):
@@ -143,14 +147,33 @@ def master_killed() -> dict:
     return {"timings": {k: round(v, 2) for k, v in timings.items()}, "counters": counters}
 
 
+def _interfaces() -> list[str]:
+    """This process's network namespace's interfaces (/proc/self/net/dev lists those of the reader's namespace)."""
+    with open("/proc/self/net/dev") as table:
+        return sorted(line.split(":", 1)[0].strip() for line in table.read().splitlines()[2:] if ":" in line)
+
+
 def loopback() -> dict:
-    """Every TCP socket the master and its metadata server listen on (checked by the test: loopback only)."""
+    """Every TCP socket the master, its metadata server and the client (this process) listen on. The master's are
+    returned for the test (loopback only); the client's are checked here: its transfer-engine ports listen on all
+    interfaces whatever MC_TCP_BIND_ADDRESS and local_hostname say (docs/deployment.md §6), which is why this runs
+    in a namespace whose only interface is lo."""
+    assert _interfaces() == ["lo"], f"not a loopback-only network namespace: {_interfaces()}"
+    assert listening_addresses(os.getpid()) == [], "this process listened before the client joined"
     with LocalMooncakeMaster() as master:
-        tier = MooncakeTier(master.config())  # a client joined: the master has whatever sockets serving needs
+        config = master.config()
+        assert config.local_hostname == "127.0.0.1" and os.environ.get("MC_TCP_BIND_ADDRESS") == "127.0.0.1"
+        tier = MooncakeTier(config)  # a client joined: the master has whatever sockets serving needs
         time.sleep(0.5)
         listening = {str(pid): listening_addresses(pid) for pid in master.pids()}
+        client = listening_addresses(os.getpid())
         tier.close()
-    return {"listening": listening}
+    # a check that sees no client socket proves nothing; one that sees only loopback means Mooncake now honours the
+    # bind address, and the docs (deployment §6, storage §5) should say so instead of asking for a firewall
+    assert client, "the client listens on no TCP port"
+    assert [a for a in client if a[0] not in ("0.0.0.0", "::", "127.0.0.1", "::1")] == [], client
+    assert [a for a in client if a[0] in ("0.0.0.0", "::")], f"the client now binds loopback only: {client}"
+    return {"listening": listening, "client_listening": {str(os.getpid()): client}, "interfaces": _interfaces()}
 
 
 KEY_COUNT = 4
@@ -258,18 +281,127 @@ def bounce() -> dict:
         found = {"registered": registered, "arena": [arena.base_address, arena.total_bytes],
                  "bounce_bytes": bounce_bytes, "wrong": wrong, "bounce_ops": tier.counters["bounce_ops"],
                  "zero_copy_ops": tier.counters["zero_copy_ops"], "forged": forged.reason,
-                 "slot_untouched": bool((arena.slot_array(3) == 0x5A).all())}
+                 "forged_slot_verifies": verify(arena.sealed_view(3), keys[3], 0, executor.sealer) is None}
+        executor.close()
+    return found
+
+
+class CheckThenCopyTier(MooncakeTier):
+    """The order issue 31 removed (the negative control of `bounce_race`): a get checked the object inside the bounce
+    buffer, which transfer-engine peers can write, and then copied it into the slot."""
+
+    def _bounce_get(self, names, buffers, checks, rejected):  # type: ignore[no-untyped-def]
+        assert self._bounce is not None
+        codes: list[int] = []
+        base = int(self._bounce.ctypes.data)
+        for group in self._bounce_groups(buffers):
+            with self._bounce_lock:
+                got = self._call("get", lambda s: list(s.batch_get_into(
+                    [names[i] for i, _ in group], [base + o for _, o in group],
+                    [buffers[i].nbytes for i, _ in group])), touches_memory=True)
+                if got is None:
+                    return None
+                for (i, offset), code in zip(group, got):
+                    if code == buffers[i].nbytes:
+                        landed = memoryview(self._bounce[offset:offset + code])
+                        why = checks[i](landed) if checks[i] is not None else None
+                        if why is None:
+                            buffers[i][:] = landed
+                        else:
+                            rejected[i] = why
+                codes.extend(got)
+        return codes
+
+
+def peer_writer(metadata: str, segment: str, address: int, length: int, stop_file: str) -> dict:
+    """Another transfer-engine client of the cluster: rewrites random 4 KiB pages of `segment`'s registered range
+    [address, address + length) until `stop_file` exists (what any host reaching the ports can do)."""
+    import os
+
+    from mooncake.engine import TransferEngine
+
+    engine = TransferEngine()
+    assert engine.initialize("127.0.0.1", metadata, "tcp", "") == 0
+    page = np.full(4096, 0x99, dtype=np.uint8)
+    assert engine.register_memory(page.ctypes.data, page.nbytes) == 0
+    rng = np.random.default_rng(7)
+    writes = 0
+    print("ready", flush=True)
+    while not os.path.exists(stop_file):
+        offset = int(rng.integers(0, length // 4096)) * 4096
+        if engine.transfer_sync_write(segment, page.ctypes.data, address + offset, 4096) == 0:
+            writes += 1
+    return {"writes": writes}
+
+
+def bounce_race(order: str = "slot", gets: int = 2048) -> dict:
+    """zero_copy false, a store secret, and a peer rewriting the bounce buffer in a loop while `gets` promotions run:
+    every promotion that reports ok must leave a slot that verifies. `order` "bounce" runs the old check-then-copy
+    order (the negative control). Each check is held 1 ms after it passed, the window a busy host gives a peer."""
+    import os
+    import tempfile
+
+    from lmcache_npu.store.envelope import Sealer
+
+    count, chunk = 32, 192 << 10
+    with LocalMooncakeMaster() as master:
+        kind = CheckThenCopyTier if order == "bounce" else MooncakeTier
+        tier = kind(master.config(bounce_bytes=4 << 20, global_segment_bytes=count * 2 * chunk + (64 << 20)))
+        arena = HostArena(count, chunk, pinned=False)
+        executor = StoreExecutor(0, arena, remote=tier, io_threads=2, sealer=Sealer(b"s" * 32))
+        keys = [ChunkKey("a" * 32, i.to_bytes(4, "little") * 8) for i in range(count)]
+        for slot in range(count):
+            arena.slot_array(slot)[:] = _data(slot, chunk)
+        assert all(c.ok for c in _run(executor, [Put(i, k, i) for i, k in enumerate(keys)]))
+        (address, length), = tier.registered()
+        stop_file = os.path.join(tempfile.mkdtemp(prefix="lmcache-race-"), "stop")
+        peer = subprocess.Popen([sys.executable, "-m", "tests.store.mooncake_scenarios", "peer_writer",
+                                 master.metadata, tier._store.get_hostname(), str(address), str(length), stop_file],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert peer.stdout is not None and peer.stdout.readline().strip() == "ready", peer.stderr.read()[-2000:]
+        real_verify = executor_module.verify
+
+        def held_verify(*args):  # type: ignore[no-untyped-def]
+            why = real_verify(*args)
+            time.sleep(0.001)  # between the check and whatever comes after it
+            return why
+
+        executor_module.verify = held_verify
+        found = {"gets": 0, "ok": 0, "rejected": 0, "unverified_ok": 0}
+        try:
+            command_id = 1000
+            while found["gets"] < gets:
+                batch = [Promote(command_id + i, k, i, Source.REMOTE) for i, k in enumerate(keys)]
+                command_id += len(batch)
+                for answer in _run(executor, batch):
+                    found["gets"] += 1
+                    slot = answer.cmd_id - (command_id - len(batch))
+                    if answer.ok:
+                        found["ok"] += 1
+                        if real_verify(arena.sealed_view(slot), keys[slot], 0, executor.sealer) is not None:
+                            found["unverified_ok"] += 1  # reported loadable, yet its bytes never verified
+                    elif answer.reason.startswith("rejected"):
+                        found["rejected"] += 1
+        finally:
+            executor_module.verify = real_verify
+            open(stop_file, "w").close()
+            out, err = peer.communicate(timeout=60)
+        found["peer_writes"] = json.loads(out.strip().splitlines()[-1])["writes"] if out.strip() else -1
         executor.close()
     return found
 
 
 SCENARIOS = {"roundtrip": roundtrip, "share": share, "master_killed": master_killed, "loopback": loopback,
-             "envelope": envelope, "bounce": bounce}
+             "envelope": envelope, "bounce": bounce, "bounce_race": bounce_race,
+             "bounce_race_old_order": lambda: bounce_race("bounce", gets=512)}
 
 
 def main(argv: list[str]) -> int:
     if argv[0] == "reader":
         print(json.dumps(reader(argv[1], argv[2], int(argv[3]))))
+        return 0
+    if argv[0] == "peer_writer":
+        print(json.dumps(peer_writer(argv[1], argv[2], int(argv[3]), int(argv[4]), argv[5])))
         return 0
     print(json.dumps(SCENARIOS[argv[0]]()))
     return 0

@@ -159,8 +159,10 @@ def test_the_secret_comes_from_a_file_or_the_environment_and_is_never_logged(tmp
     assert resolve_secret("", {}) is None
     assert f"secret: configured (from file {path})" in caplog.text and f"from {SECRET_ENV}" in caplog.text
     assert SECRET.decode() not in caplog.text and "group or others" not in caplog.text
-    os.chmod(path, 0o644)
-    assert resolve_secret(str(path), {}) == SECRET and "group or others" in caplog.text
+    os.chmod(path, 0o644)  # refused since issue 31 (tests/security/test_secret_file.py has the other rules)
+    with pytest.raises(ValueError, match="accessible to group or others .*chmod 600"):
+        resolve_secret(str(path), {})
+    os.chmod(path, 0o600)
     with pytest.raises(ValueError, match="mooncake.secret_file .* cannot be read"):
         resolve_secret(str(tmp_path / "absent"), {})
     path.write_bytes(b"  short \n")

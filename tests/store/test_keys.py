@@ -115,21 +115,21 @@ def test_an_adapter_digest_rekeys_every_chunk_and_only_its_content_matters():
 
 def test_a_fast_block_hash_is_refused_for_shared_tiers_unless_the_operator_opts_in(caplog):
     for algo in CRYPTOGRAPHIC_HASH_ALGORITHMS:
-        check_stable_hashing(algo, {"PYTHONHASHSEED": "0"})
+        check_stable_hashing(algo, {"PYTHONHASHSEED": "20261127"})
     for algo in set(STABLE_HASH_ALGORITHMS) - set(CRYPTOGRAPHIC_HASH_ALGORITHMS):
         with pytest.raises(ValueError, match=f"{algo!r} is not cryptographic.*allow_fast_block_hash"):
-            check_stable_hashing(algo, {"PYTHONHASHSEED": "0"})
+            check_stable_hashing(algo, {"PYTHONHASHSEED": "20261127"})
         with caplog.at_level(logging.WARNING, logger="lmcache_npu.store.keys"):
-            check_stable_hashing(algo, {"PYTHONHASHSEED": "0"}, allow_fast_block_hash=True)
+            check_stable_hashing(algo, {"PYTHONHASHSEED": "20261127"}, allow_fast_block_hash=True)
         assert f"{algo!r} is not cryptographic" in caplog.text
         caplog.clear()
 
 
 def test_unstable_hashing_is_refused_with_the_reason():
     for algo in CRYPTOGRAPHIC_HASH_ALGORITHMS:
-        check_stable_hashing(algo, {"PYTHONHASHSEED": "0"})
+        check_stable_hashing(algo, {"PYTHONHASHSEED": "20261127"})
     with pytest.raises(ValueError, match="'builtin' is not stable across processes"):
-        check_stable_hashing("builtin", {"PYTHONHASHSEED": "0"})
+        check_stable_hashing("builtin", {"PYTHONHASHSEED": "20261127"})
     for env in ({}, {"PYTHONHASHSEED": ""}, {"PYTHONHASHSEED": "random"}):
         with pytest.raises(ValueError, match="PYTHONHASHSEED is not set"):
             check_stable_hashing("sha256", env)

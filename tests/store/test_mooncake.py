@@ -99,7 +99,26 @@ def test_zero_copy_off_registers_only_the_bounce_buffer_and_round_trips_byte_for
     start, size = found["arena"]
     assert not start <= found["registered"][0][0] < start + size  # the arena itself is not registered
     assert found["wrong"] == [] and found["zero_copy_ops"] == 0 and found["bounce_ops"] >= 80
-    assert found["forged"] == "rejected: magic" and found["slot_untouched"]
+    # the forged bytes land in the slot, are checked there and rejected: the promotion never reports them loadable
+    assert found["forged"] == "rejected: magic" and not found["forged_slot_verifies"]
+
+
+@needs_master
+def test_a_peer_rewriting_the_bounce_buffer_never_gets_unverified_bytes_loaded():
+    """Issue 31, finding N1: another transfer-engine client rewrites the registered bounce buffer in a loop while
+    thousands of gets run (a store secret set); no get that reports ok leaves a slot that does not verify."""
+    found = _scenario("bounce_race")
+    assert found["gets"] >= 2048 and found["peer_writes"] > 1000, found
+    assert found["unverified_ok"] == 0, found
+    assert found["ok"] > 0, found  # the check is not vacuous: most gets still succeed
+
+
+@needs_master
+def test_the_old_check_then_copy_order_loads_unverified_bytes_under_the_same_peer():
+    """Negative control of the test above: checking inside the bounce buffer and copying afterwards lets the peer's
+    writes through, and the same count sees them."""
+    found = _scenario("bounce_race_old_order")
+    assert found["unverified_ok"] > 0, found
 
 
 MASTER = {"master": "10.0.0.5:50051", "metadata": "http://10.0.0.5:8080/metadata"}
@@ -119,6 +138,30 @@ def test_config_takes_sizes_and_refuses_bad_values_by_name():
     for values, message in cases:
         with pytest.raises(ValueError, match=message):
             MooncakeConfig.from_dict(values)
+
+
+def test_a_mooncake_tier_is_secure_by_default(tmp_path):
+    """Issue 31: no store secret refuses a Mooncake tier unless mooncake.trusted_network says so (workers and the
+    scheduler alike), and zero_copy, off by default, needs that same statement."""
+    from lmcache_npu.store.config import StoreConfig
+    from lmcache_npu.store.factory import scheduler_mooncake_client, store_sealer
+
+    default = MooncakeConfig.from_dict(MASTER)
+    assert default.zero_copy is False and default.trusted_network is False
+    with pytest.raises(ValueError, match="mooncake.zero_copy: true .* needs mooncake.trusted_network: true"):
+        MooncakeConfig.from_dict({**MASTER, "zero_copy": True})
+    assert MooncakeConfig.from_dict({**MASTER, "zero_copy": True, "trusted_network": True}).zero_copy
+    bare = StoreConfig.from_dict({"mooncake": MASTER})
+    for start in (lambda: store_sealer(bare, {}), lambda: scheduler_mooncake_client(bare, {})):
+        with pytest.raises(ValueError, match="no store secret .*mooncake.secret_file .*mooncake.trusted_network: true"):
+            start()
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"s" * 32)
+    secret.chmod(0o600)
+    assert store_sealer(StoreConfig.from_dict({"mooncake": {**MASTER, "secret_file": str(secret)}}), {}).keyed
+    assert store_sealer(bare, {"LMCACHE_NPU_SECRET": "s" * 32}).keyed
+    trusted = StoreConfig.from_dict({"mooncake": {**MASTER, "trusted_network": True}})
+    assert not store_sealer(trusted, {}).keyed  # the operator's statement: digests only, no refusal
 
 
 def test_store_config_checks_its_mooncake_object():
@@ -209,7 +252,9 @@ class FakeStore:
 
 
 def _tier(store: FakeStore, **overrides) -> MooncakeTier:
-    values = {**MASTER, "local_hostname": "127.0.0.1", "timeout_s": 0.3, "retry_after_s": 0.5, **overrides}
+    """Zero-copy unless a test says otherwise (these tests are about the client's calls, not the trust defaults)."""
+    values = {**MASTER, "local_hostname": "127.0.0.1", "timeout_s": 0.3, "retry_after_s": 0.5, "zero_copy": True,
+              "trusted_network": True, **overrides}
     return MooncakeTier(MooncakeConfig.from_dict(values), store_factory=lambda: store)
 
 
@@ -404,17 +449,24 @@ def test_a_put_over_an_invalid_object_that_cannot_be_removed_fails():
     tier.close()
 
 
-def test_a_get_whose_check_fails_is_a_rejected_miss_and_the_copy_path_leaves_the_buffer_alone():
+def test_a_get_whose_check_fails_is_a_rejected_miss_checked_in_the_buffer_it_landed_in():
     from lmcache_npu.store.keys import ChunkKey
 
     key, other = ChunkKey("c" * 32, b"\x03" * 32), ChunkKey("c" * 32, b"\x04" * 32)
     store = FakeStore({key.storage_name(0): _sealed_chunk(other, 4).tobytes()})  # another chunk's bytes
-    store.register_buffer = lambda address, size: -1  # copy path: the check runs before the buffer is written
+    store.register_buffer = lambda address, size: -1  # copy path: the bytes land in the buffer, are checked there
     tier = _tier(store)
     out = np.full(1024 + 256, 0x5A, dtype=np.uint8)
-    assert tier.get_into([key.storage_name(0)], [memoryview(out)], verify=[_check_for(key)]) == [
+    checked: list[bytes] = []
+
+    def check(view: memoryview):  # type: ignore[no-untyped-def]
+        checked.append(bytes(view))
+        assert np.frombuffer(view, dtype=np.uint8).ctypes.data == out.ctypes.data, "the check must read the buffer"
+        return _check_for(key)(view)
+
+    assert tier.get_into([key.storage_name(0)], [memoryview(out)], verify=[check]) == [
         TierResult.fail("rejected: key")]
-    assert (out == 0x5A).all() and tier.counters["rejected"] == 1 and tier.counters["gets"] == 0
+    assert tier.counters["rejected"] == 1 and tier.counters["gets"] == 0 and checked == [out.tobytes()]
     # control: the right key's check accepts the same bytes and they arrive
     assert tier.get_into([key.storage_name(0)], [memoryview(out)], verify=[_check_for(other)]) == [OK]
     assert out.tobytes() == store.objects[key.storage_name(0)]

@@ -358,9 +358,26 @@ def test_a_cpulist_round_trips_through_its_kernel_text(cpus: set[int]) -> None:
 
 @pytest.mark.skipif((free_hugepages(2 << 20) or 0) < 8, reason="needs 8 free 2 MiB hugepages")
 def test_explicit_hugepages_are_populated_never_write_faulted() -> None:
-    memory = SegmentedMemory(1024, 8192, segment_bytes=4 << 20, hugepages="2M", pinning=SegmentPinning([FakeRegistrar()]))
+    memory = SegmentedMemory(1024, 8192, segment_bytes=4 << 20, hugepages="2M",
+                             pinning=SegmentPinning([FakeRegistrar()]))
     memory.start()
     assert memory.wait_all(30)
     assert [s.prefaulted_by for s in memory.segments] == ["populate", "populate"]
     assert all(s.state is SegmentState.LIVE for s in memory.segments)
     memory.close()
+
+
+def test_a_slot_first_used_in_inference_mode_stays_writable_outside_it() -> None:
+    """Segment views are made on first use, which may be a model step inside vLLM's inference mode; the io threads
+    write the same slots outside it (a tensor made in inference mode would refuse them)."""
+    import torch
+
+    arena = HostArena(2, OBJECT, pinned=False, hugepages="off")
+    with torch.inference_mode():
+        first = arena.slot(0)
+    arena.slot(0).fill_(7)
+    assert int(first[0]) == 7
+    with torch.inference_mode():  # negative control: what the arena must not hand out
+        inference = torch.from_numpy(np.zeros(4, dtype=np.uint8))
+    with pytest.raises(RuntimeError, match="inference tensor"):
+        inference.fill_(1)

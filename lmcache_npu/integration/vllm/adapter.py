@@ -303,14 +303,24 @@ def first_live_window_token(num_computed_tokens: int, sliding_window: int, block
     return skipped // block_size * block_size
 
 
-def lora_adapter(request: Any) -> Optional[tuple[str, str]]:
-    """(name, local path) of the LoRA adapter a request runs with, None without one; the path is "" when vLLM did
-    not say where the adapter's files are."""
+@dataclass(frozen=True)
+class LoraRef:
+    """The LoRA adapter a request runs with, as vLLM's LoRARequest names it (every era has these fields)."""
+
+    name: str
+    int_id: int  # vLLM's id: one loaded adapter per id
+    path: str  # "" when vLLM did not say where the adapter's files are
+    load_inplace: bool  # vLLM reloads the files for this request
+
+
+def lora_adapter(request: Any) -> Optional[LoraRef]:
+    """The LoRA adapter a request runs with, None without one."""
     lora = getattr(request, "lora_request", None)
     if lora is None:
         return None
     path = getattr(lora, "lora_path", None) or getattr(lora, "path", None) or ""
-    return str(getattr(lora, "lora_name", "")), str(path)
+    return LoraRef(str(getattr(lora, "lora_name", "")), int(getattr(lora, "lora_int_id", 0) or 0), str(path),
+                   bool(getattr(lora, "load_inplace", False)))
 
 
 def blocks_to_zero(scheduler_output: Any) -> Sequence[int]:

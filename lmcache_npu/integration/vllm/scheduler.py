@@ -35,11 +35,11 @@ from ...layout.slots import chunk_slots, row_tokens, stored_block_span
 from ...store.commands import Load, Store
 from ...store.factory import build_index, scheduler_mooncake_client
 from ...store.index import ChunkIndex, LookupResult
-from ...store.identity import AdapterDigests
 from ...store.keys import ChunkKey, check_stable_hashing, chunk_keys
 from ...store.tier import TierCounters
 from . import adapter
 from .events import PAYLOAD_SLACK, KVEvents, kv_events_enabled
+from .lora_identity import LoadedAdapters
 from .fence import StepWrites, StoreRead, StoreReads, tail_blocks
 from .metadata import (
     BlockWindow,
@@ -77,7 +77,7 @@ class _Request:
     finished: bool = False
     no_hits: bool = False  # a load of this request failed: it recomputes, and never loads again
     adapter_digest: Optional[bytes] = None  # the content of the request's LoRA adapter: re-keys its chunks
-    bypass: bool = False  # a LoRA adapter whose files cannot be read: nothing names its KV, so no loads or stores
+    bypass: bool = False  # a LoRA adapter nothing may name (lora_identity.py): no loads or stores, vLLM computes
 
 
 def _warn_about_failed_loads(channel: str, policy: str) -> None:
@@ -127,7 +127,7 @@ class SchedulerHalf:
         self._store_reads = StoreReads()
         self._step_reads: list[tuple[int, StoreRead]] = []
         self._warned_idle = False
-        self._adapters = AdapterDigests()
+        self._adapters = LoadedAdapters()
         self._usable_by_rank: dict[int, tuple[tuple[int, int], ...]] = {}  # live arena slot ranges each rank told
         self._events_enabled = kv_events_enabled(vllm_config)  # routers listen: the index reports its tier changes
         self.events: Optional[KVEvents] = None
@@ -208,21 +208,17 @@ class SchedulerHalf:
         return state
 
     def _new_state(self, request: Any) -> _Request:
-        """A LoRA request's chunks are keyed by its adapter's content (vLLM's hash knows only the adapter's name);
-        one whose adapter files cannot be read bypasses the plugin."""
+        """A LoRA request's chunks are keyed by the content of its adapter as vLLM loaded it (vLLM's hash knows only
+        the adapter's name, lora_identity.py); one whose adapter nothing may name (unreadable files, files changed
+        under the loaded weights) bypasses the plugin."""
         state = _Request(request)
-        if adapter.lora_adapter(request) is not None:
-            state.adapter_digest = self._adapter_digest(request)
+        lora = adapter.lora_adapter(request)
+        if lora is not None:
+            state.adapter_digest = self._adapters.digest(lora)
             if state.adapter_digest is None:
                 state.bypass = True
                 self.counters.add("lora_bypassed_requests")
         return state
-
-    def _adapter_digest(self, request: Any) -> Optional[bytes]:
-        """The content digest of the request's LoRA adapter; None without an adapter or when its files are
-        unreadable."""
-        lora = adapter.lora_adapter(request)
-        return self._adapters.get(lora[1]) if lora is not None and lora[1] else None
 
     def loaded_group_ids(self) -> tuple[int, ...]:
         """The scheduler groups a load writes rows into (every group the plan moves)."""
@@ -232,9 +228,14 @@ class SchedulerHalf:
         self._state(request)
 
     def chunk_keys(self, request: Any) -> list[ChunkKey]:
-        """Keys of every chunk of the request whose last hash block vLLM has hashed."""
+        """Keys of every chunk of the request whose last hash block vLLM has hashed (under the adapter digest its
+        state holds, or the one its adapter would get now)."""
+        state = self.requests.get(request.request_id)
+        lora = adapter.lora_adapter(request)
+        digest = state.adapter_digest if state is not None else (
+            self._adapters.digest(lora) if lora is not None else None)
         return chunk_keys(request.block_hashes, self.hash_block_size, self.chunk_tokens, self.namespace,
-                          adapter_digest=self._adapter_digest(request))
+                          adapter_digest=digest)
 
     def _keys(self, state: _Request, first: int, end: int) -> list[ChunkKey]:
         """Keys of chunks [first, end) that exist yet; kept per request, since a block hash never changes."""

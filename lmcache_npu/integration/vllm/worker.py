@@ -63,6 +63,7 @@ from ...layout.discovery import KVLayout, LayoutPolicy, default_chunk_tokens, di
 from ...ops import BackendUnavailable, Direction, TransferBackend, get_backend
 from ...ops.backend import backend_for_device
 from ...store.commands import Command, Completion, Load, Store
+from ...store.disk import check_disk_parent
 from ...store.executor import StoreExecutor
 from ...store.factory import build_executor
 from ...store.keys import layout_fingerprint, namespace_of
@@ -376,9 +377,11 @@ class WorkerHalf:
 
 
 def engine_store_config(config: ConnectorConfig, vllm_config: Any) -> ConnectorConfig:
-    """Data-parallel engines on one host each manage their own chunk files: `disk_path/dp<rank>`."""
+    """Data-parallel engines on one host each manage their own chunk files: `disk_path/dp<rank>`, under a
+    `disk_path` checked first (others must not be able to rename a rank's directory away or create it first)."""
     dp_rank = adapter.data_parallel_rank(vllm_config)
     if dp_rank is None or config.store.disk_path is None:
         return config
+    check_disk_parent(config.store.disk_path)
     store = dataclasses.replace(config.store, disk_path=f"{config.store.disk_path.rstrip('/')}/dp{dp_rank}")
     return dataclasses.replace(config, store=store)
