@@ -27,7 +27,7 @@ from rich.table import Table
 
 from lmcache_npu.layout.discovery import LayoutPolicy, discover_layout
 from lmcache_npu.ops import ChunkBatch, Direction, TransferStats, get_backend
-from lmcache_npu.ops.backend import AfterKernel
+from lmcache_npu.ops.transfer_backend import AfterKernel
 from lmcache_npu.store.arena import HostArena
 from lmcache_npu.store.commands import Load, Store
 from lmcache_npu.store.keys import ChunkKey

@@ -93,7 +93,7 @@ class _Bench:
         from ..integration.vllm.metadata import WorkerGeometry, plan_group_geometry
         from ..integration.vllm.scheduler import SchedulerHalf
         from ..layout.presets import preset_layout
-        from ..store.keys import layout_fingerprint, model_fingerprint, namespace_of
+        from ..store.keys import model_fingerprint, namespace_of
 
         layout, kv = preset_layout(preset, device_family, num_blocks=2)
         groups = kv.kv_cache_config.kv_cache_groups
@@ -113,7 +113,7 @@ class _Bench:
         self.vllm_config.cache_config.num_gpu_blocks = 1 << 20
         scheduler_config = generate_scheduler_kv_cache_config([kv.kv_cache_config])
         self.half = SchedulerHalf(load_config(extra, environ={}), self.vllm_config, scheduler_config)
-        fingerprint = layout_fingerprint(layout.plan)
+        fingerprint = layout.plan.fingerprint
         from ..integration.vllm import adapter
 
         namespace = namespace_of(model_fingerprint(**adapter.model_facts(self.vllm_config, None)), fingerprint)

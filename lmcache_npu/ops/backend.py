@@ -1,8 +1,5 @@
-"""How a transfer backend is chosen: the registry of backend names and the dispatch to their classes.
-
-The interface lives in transfer_backend.py and the device helpers in device_staging.py, which the backends import;
-their names are re-exported here so `lmcache_npu.ops.backend` keeps every name it ever had.
-"""
+"""How a transfer backend is chosen: the registry of backend names and the dispatch to their classes (the
+interface is in transfer_backend.py, the device staging helpers in device_staging.py)."""
 
 from __future__ import annotations
 
@@ -11,54 +8,12 @@ import logging
 
 import torch
 
-from .device_staging import (
-    PlaneTables,
-    StagingBuffer,
-    host_stretches,
-    pack_into,
-    packed_offsets,
-)
-from .transfer_backend import (
-    AfterKernel,
-    BackendUnavailable,
-    TransferBackend,
-    TransferStats,
-    verify_kernel_report,
-    warm_up,
-)
+from ..platform.npu_runtime import npu_available
+from .transfer_backend import BackendUnavailable, TransferBackend
 
 logger = logging.getLogger(__name__)
 
 BACKEND_NAMES = ("torch", "emu", "host", "cuda", "npu", "auto")
-
-__all__ = [
-    "BACKEND_NAMES",
-    "AfterKernel",
-    "BackendUnavailable",
-    "PlaneTables",
-    "StagingBuffer",
-    "TransferBackend",
-    "TransferStats",
-    "auto_backend_name",
-    "backend_class",
-    "backend_for_device",
-    "get_backend",
-    "host_stretches",
-    "npu_available",
-    "pack_into",
-    "packed_offsets",
-    "verify_kernel_report",
-    "warm_up",
-]
-
-
-def npu_available() -> bool:
-    if importlib.util.find_spec("torch_npu") is None:
-        return False
-    import torch_npu  # noqa: F401  (registers torch.npu)
-
-    return bool(torch.npu.is_available())
-
 
 def _cuda_available() -> bool:
     return torch.cuda.is_available() and importlib.util.find_spec("lmcache_npu._cuda") is not None

@@ -4,48 +4,16 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
-import torch
 
 from .transfer_backend import AfterKernel, BackendUnavailable, TransferBackend, TransferStats, verify_kernel_report
 from .batch import ChunkBatch
-from .plan import CORE_STATUS_DTYPE, UB_BLOCK_BYTES, Direction, PageLayout, TransferPlan
+from .plan import CORE_STATUS_DTYPE, Direction, PageLayout
+from .soc import SOCS, check_soc_rules
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class SocSpec:
-    """What the host launcher reads from the platform on a real device."""
-
-    name: str
-    ub_bytes: int
-    vector_cores: int
-    has_datacopy_pad: bool
-    has_bf16: bool
-
-
-SOCS = {
-    "a2": SocSpec("a2", 196608, 48, True, True),  # Ascend910B1/B2: 24 AI cores x 2 AIV
-    "a3": SocSpec("a3", 196608, 48, True, True),  # Ascend910_93xx
-    "310p": SocSpec("310p", 262144, 8, False, False),  # Ascend310P3: 8 AI cores
-}
-
-
-def check_soc_rules(plan: TransferPlan, soc: SocSpec) -> None:
-    """Rules of the target SoC that the kernel cannot express, raised before launch."""
-    for plane in plan.moved_planes:
-        where = f"plane {plane.label} (group {plane.group})"
-        if not soc.has_bf16 and plane.dtype == torch.bfloat16:
-            raise ValueError(f"{where}: {soc.name} has no bf16")
-        if plane.layout == PageLayout.ND and not soc.has_datacopy_pad and plane.row_bytes % UB_BLOCK_BYTES:
-            raise ValueError(
-                f"{where}: row_bytes {plane.row_bytes} is not a multiple of 32 B; {soc.name} has no DataCopyPad, so "
-                "ND rows must be whole 32 B units"
-            )
 
 
 class EmuBackend(TransferBackend):

@@ -26,8 +26,8 @@ from ..platform.npu_budget import STAGING_WINDOW_BYTES_DEFAULT, TRANSFER_CORES_D
 from ..platform.npu_runtime import DeviceBuffer, DeviceUnavailable, NpuRuntime, PinnedBuffer
 from .batch import ChunkBatch
 from .device_staging import StagingLedger, host_stretches, pack_into, packed_offsets
-from .emu_backend import SOCS, SocSpec, check_soc_rules
 from .plan import CORE_STATUS_DTYPE, Direction, TransferPlan, align_up
+from .soc import check_soc_rules, soc_from_name
 from .transfer_backend import AfterKernel, BackendUnavailable, TransferBackend, TransferStats, verify_kernel_report, \
     warm_up
 
@@ -39,13 +39,6 @@ _LAUNCH_U64 = ("table_host", "table_device", "table_bytes", "planes", "groups", 
                "copies_out", "num_copies_out", "total_items")
 _LAUNCH_U32 = ("block_dim", "num_planes", "num_groups", "num_runs", "num_chunks", "direction", "tile_bytes",
                "zero_tile_bytes")
-
-
-def soc_from_name(name: str, ub_bytes: int, vector_cores: int) -> SocSpec:
-    """The kernel's rules for a SoC name as ACL reports it (Ascend910B1, Ascend910_9391, Ascend310P3)."""
-    family = "310p" if "310p" in name.lower() else ("a3" if "910_93" in name.lower() else "a2")
-    base = SOCS[family]
-    return SocSpec(family, ub_bytes, vector_cores, base.has_datacopy_pad, base.has_bf16)
 
 
 def launch_dtype(native: Any) -> np.dtype:

@@ -7,6 +7,7 @@ structs. A plan is built once (at ``register_kv_caches``) and reused for every t
 from __future__ import annotations
 
 import enum
+import hashlib
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Optional, Sequence
@@ -281,6 +282,19 @@ class TransferPlan:
         """(first index, count) of the group's planes in ``moved_planes``."""
         indices = [i for i, p in enumerate(self.moved_planes) if p.group == group]
         return (indices[0], len(indices)) if indices else (0, 0)
+
+    @cached_property
+    def fingerprint(self) -> bytes:
+        """16 bytes over the geometry and the format version: the same model laid out the same way matches across
+        processes and device families; addresses and block counts do not enter it."""
+        h = hashlib.sha256(f"lmcache-npu layout v{LAYOUT_VERSION} chunk {self.chunk_tokens}".encode())
+        for g in self.groups:
+            h.update(repr((g.tokens_per_block, g.compress_ratio, g.sliding_window, g.skip)).encode())
+        for p, offset in zip(self.moved_planes, self.object_offsets):
+            h.update(repr((p.group, p.rows_per_block, p.row_bytes, int(p.layout), p.nz_unit_bytes, str(p.dtype),
+                           offset)).encode())
+        h.update(str(self.object_bytes).encode())
+        return h.digest()[:16]
 
     @cached_property
     def page_spans(self) -> PlaneSpans:

@@ -9,6 +9,7 @@ runs in CI. torch_npu is imported only inside `load()`.
 from __future__ import annotations
 
 import ctypes
+import importlib.util
 import logging
 import threading
 import weakref
@@ -19,6 +20,15 @@ import numpy as np
 import torch
 
 logger = logging.getLogger(__name__)
+
+
+def npu_available() -> bool:
+    """True when torch_npu is installed and sees an Ascend NPU (importing it registers `torch.npu`)."""
+    if importlib.util.find_spec("torch_npu") is None:
+        return False
+    import torch_npu  # noqa: F401  (registers torch.npu)
+
+    return bool(torch.npu.is_available())
 
 
 class DeviceUnavailable(RuntimeError):

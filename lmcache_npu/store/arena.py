@@ -17,19 +17,15 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
-from ..ops.backend import npu_available
+from ..platform.npu_runtime import npu_available
 from ..ops.plan import align_up
 from ..platform.host_memory import SegmentPinning
 from .envelope import ENVELOPE_BYTES
-from .segments import DEFAULT_SEGMENT_BYTES, SegmentedMemory, numa_nodes
+from .segments import DEFAULT_SEGMENT_BYTES, SegmentedMemory
 
 logger = logging.getLogger(__name__)
 
 SLOT_ALIGN_BYTES = 4096  # page-aligned slots: DMA engines and O_DIRECT-style readers like whole pages
-
-__all__ = ["HostArena", "SLOT_ALIGN_BYTES", "accelerator_present", "device_pinning", "numa_nodes",
-           "slot_bytes_for", "slots_for_capacity"]
-
 
 def accelerator_present() -> bool:
     """True when a CUDA GPU or an Ascend NPU can page-lock host memory for this process."""

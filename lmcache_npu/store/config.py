@@ -14,7 +14,7 @@ from ..platform.ascend_host import parse_requested
 from .mooncake_config import MooncakeConfig
 from .policies import POLICIES
 from .sections import parse_bytes, parse_section
-from .segments import PAGE_BYTES as SLOT_ALIGN_BYTES, parse_hugepages
+from ..platform.vm import PAGE_BYTES as SLOT_ALIGN_BYTES, parse_hugepages
 
 __all__ = ["MooncakeConfig", "StoreConfig", "parse_bytes", "parse_section"]
 

@@ -14,10 +14,10 @@ from typing import Any, Mapping, Optional, Sequence
 
 from .arena import HostArena, slots_for_capacity
 from .config import StoreConfig
-from .disk import HEADER_BYTES, DiskTier, scan_disk_directory
+from .disk import HEADER_BYTES, DiskTier, disk_chunks_for_capacity, scan_disk_directory
 from .envelope import Sealer, sealed_bytes
 from .executor import DeviceMover, StoreExecutor
-from .index import ChunkIndex, disk_chunks_for_capacity
+from .index import ChunkIndex
 from .keys import ChunkKey
 from .secret import resolve_secret
 
@@ -62,7 +62,7 @@ def build_index(config: StoreConfig, object_bytes: int, num_ranks: int, namespac
     `num_slots` caps the arena slots the index hands out (the smallest arena any rank reported)."""
     disk_chunks = 0
     if config.disk_path is not None:
-        disk_chunks = disk_chunks_for_capacity(config.disk_bytes, sealed_bytes(object_bytes), HEADER_BYTES)
+        disk_chunks = disk_chunks_for_capacity(config.disk_bytes, sealed_bytes(object_bytes))
         if disk_chunks == 0:
             raise ValueError(f"disk_bytes {config.disk_bytes} holds no chunk file of "
                              f"{sealed_bytes(object_bytes) + HEADER_BYTES} B")

@@ -27,7 +27,6 @@ from enum import Enum
 from typing import Callable, Iterable, Optional, Sequence, Union
 
 from .commands import Command, Completion, Drop, Load, Persist, Promote, Put, Source, Spill, Store
-from .disk import HEADER_BYTES
 from .keys import ChunkKey
 from .policies import EvictionPolicy, make_policy
 from .tier import TierCounters
@@ -102,8 +101,8 @@ class LookupResult:
 
 
 class ChunkIndex:
-    """One per scheduler; capacities are in chunks (`slots_for_capacity` and `disk_chunks_for_capacity` convert
-    the configured bytes). `remote_exists` answers batch existence in the remote store (None: no remote tier).
+    """One per scheduler; capacities are in chunks (`arena.slots_for_capacity` and `disk.disk_chunks_for_capacity`
+    convert the configured bytes). `remote_exists` answers batch existence in the remote store (None: no remote tier).
     `disk_write_through`: every chunk stored or promoted from the remote store is also written to disk (`Persist`),
     so a restart finds it; off, the disk only receives evicted chunks. `eviction_policy` orders the arena's ready
     chunks (a name from `policies.POLICIES` or a policy object of `num_slots`). `remote_admit_hits` /
@@ -646,8 +645,3 @@ class ChunkIndex:
             self._tell(entry.key, "cpu", True)
         else:
             self._release_slot(entry)
-
-
-def disk_chunks_for_capacity(disk_bytes: int, object_bytes: int, header_bytes: int = HEADER_BYTES) -> int:
-    """How many chunk files `disk_bytes` (per rank) holds."""
-    return max(0, disk_bytes // (object_bytes + header_bytes))

@@ -4,7 +4,8 @@ A chunk is named by the block hash vLLM computed for the hash block that ends wh
 name, multimodal inputs and cache salt (all inside vLLM's hash) are already part of it; a LoRA request's hash is
 re-keyed by its adapter's content digest, since vLLM's hash sees only the adapter's name. The namespace adds what
 vLLM's hash does not see: which model produced the bytes (its weights' content, effective config, dtypes, TP
-size: `model_fingerprint` over the workers' facts) and how they are laid out (plan geometry and format version).
+size: `model_fingerprint` over the workers' facts) and how they are laid out (`TransferPlan.fingerprint`: plan
+geometry and format version).
 Each parallel rank stores its own shard under its own storage name.
 """
 
@@ -14,8 +15,6 @@ import hashlib
 import logging
 import os
 from typing import Any, Mapping, NamedTuple, Optional, Sequence
-
-from ..ops import LAYOUT_VERSION, TransferPlan
 
 logger = logging.getLogger(__name__)
 
@@ -62,19 +61,6 @@ def check_stable_hashing(algorithm: str, environ: Optional[Mapping[str, str]] = 
                          "disables hash randomization, so every deployment that sets it computes the same block "
                          "hashes and the names of its chunks are predictable across unrelated deployments sharing a "
                          f"store; {_SEED_FIX}")
-
-
-def layout_fingerprint(plan: TransferPlan) -> bytes:
-    """16 bytes over the plan's geometry and the format version: the same model laid out the same way matches
-    across processes and device families; addresses and block counts do not enter it."""
-    h = hashlib.sha256(f"lmcache-npu layout v{LAYOUT_VERSION} chunk {plan.chunk_tokens}".encode())
-    for g in plan.groups:
-        h.update(repr((g.tokens_per_block, g.compress_ratio, g.sliding_window, g.skip)).encode())
-    for p, offset in zip(plan.moved_planes, plan.object_offsets):
-        h.update(repr((p.group, p.rows_per_block, p.row_bytes, int(p.layout), p.nz_unit_bytes, str(p.dtype),
-                       offset)).encode())
-    h.update(str(plan.object_bytes).encode())
-    return h.digest()[:16]
 
 
 def model_fingerprint(**facts: Any) -> bytes:

@@ -32,13 +32,12 @@ from typing import Callable, Optional
 import numpy as np
 
 from ..platform.host_memory import HostAllocator, HostMemoryPath, HostRegistrar, SegmentPinning, allocates
-from ..platform.numa import node_cpus, numa_nodes, parse_cpulist, pci_numa_node  # noqa: F401  (re-exported)
+from ..platform.numa import node_cpus, numa_nodes
+from ..platform.vm import (HUGEPAGE_CHOICES, PAGE_BYTES, THP_BYTES, free_hugepages, parse_hugepages,
+                           transparent_hugepages_enabled)
 
 logger = logging.getLogger(__name__)
 
-PAGE_BYTES = 4096
-THP_BYTES = 2 << 20  # transparent hugepages are PMD-sized: segments start on this boundary so THP can back them whole
-HUGEPAGE_CHOICES = {"auto": 0, "off": 0, "2M": 2 << 20, "1G": 1 << 30}
 DEFAULT_SEGMENT_BYTES = 2 << 30
 PREFAULT_BY = ("write", "populate")
 
@@ -86,40 +85,6 @@ class Segment:
     @property
     def slot_range(self) -> tuple[int, int]:
         return self.first_slot, self.first_slot + self.num_slots
-
-
-def parse_hugepages(value: object) -> str:
-    """The `hugepages` key: auto (transparent hugepages where the kernel offers them), off, 2M or 1G (MAP_HUGETLB)."""
-    if not isinstance(value, str) or value not in HUGEPAGE_CHOICES:
-        raise ValueError(f"hugepages must be one of {', '.join(HUGEPAGE_CHOICES)}, got {value!r}")
-    return value
-
-
-def _thp_setting(name: str) -> str:
-    try:
-        with open(f"/sys/kernel/mm/transparent_hugepage/{name}", encoding="ascii") as f:
-            text = f.read()
-    except OSError:
-        return ""
-    return text[text.find("[") + 1:text.find("]")] if "[" in text else ""
-
-
-def transparent_hugepages_enabled() -> bool:
-    """The kernel backs madvise(MADV_HUGEPAGE) ranges with transparent hugepages without stalling a fault on
-    compaction: enabled 'always' or 'madvise', defrag 'defer' or 'never'. Where a madvised fault compacts
-    synchronously (defrag 'always', 'madvise', 'defer+madvise'), pre-faulting a fragmented host ran 10x slower
-    (0.13 vs 1.2 GB/s, docs/storage.md), so `hugepages: auto` leaves such kernels to their default."""
-    return _thp_setting("enabled") in ("always", "madvise") and _thp_setting("defrag") in ("defer", "never")
-
-
-def free_hugepages(page_bytes: int) -> Optional[int]:
-    """Free explicit hugepages of `page_bytes` in the system pool (None where the kernel does not say)."""
-    path = f"/sys/kernel/mm/hugepages/hugepages-{page_bytes // 1024}kB/free_hugepages"
-    try:
-        with open(path, encoding="ascii") as f:
-            return int(f.read())
-    except (OSError, ValueError):
-        return None
 
 
 def _check(result: int, what: str) -> None:

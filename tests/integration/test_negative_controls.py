@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from lmcache_npu.ops import ChunkBatch, Direction, TransferStats
-from lmcache_npu.ops.backend import AfterKernel
+from lmcache_npu.ops.transfer_backend import AfterKernel
 from lmcache_npu.transfer import mover as mover_module
 
 from .conftest import preset_engine, prompt

@@ -7,7 +7,7 @@ import time
 from typing import Callable, Optional
 
 from lmcache_npu.ops import ChunkBatch, Direction, TransferBackend, TransferStats
-from lmcache_npu.ops.backend import AfterKernel
+from lmcache_npu.ops.transfer_backend import AfterKernel
 
 
 class Wrapped(TransferBackend):

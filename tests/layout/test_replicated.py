@@ -10,7 +10,6 @@ from lmcache_npu.layout.discovery import LayoutPolicy, replicated_across_tp, rep
 from lmcache_npu.layout.presets import preset_layout
 from lmcache_npu.layout.specs import SpecKind
 from lmcache_npu.ops import GroupSpec, Plane, TransferPlan
-from lmcache_npu.store.keys import layout_fingerprint
 
 
 @pytest.mark.parametrize("kind, tp, heads, expected", [
@@ -46,7 +45,7 @@ def test_replicated_planes_form_the_objects_tail_and_tp1_is_unchanged() -> None:
     assert split.object_offsets == (960, 0) and split.replicated_offset == 960
     assert split.replicated_bytes == split.object_bytes - 960 == 3200
     assert split.object_bytes == whole.object_bytes and split.gap_free and whole.gap_free
-    assert layout_fingerprint(split) != layout_fingerprint(whole)
+    assert split.fingerprint != whole.fingerprint
 
 
 @pytest.mark.parametrize("name", ["deepseek-v3", "deepseek-v4-flash"])

@@ -26,7 +26,7 @@ def _warm_up(backend) -> None:
     import torch
 
     from lmcache_npu.ops import GroupSpec
-    from lmcache_npu.ops.backend import warm_up
+    from lmcache_npu.ops.transfer_backend import warm_up
 
     from ..ops.oracle import Geometry, allocate
 

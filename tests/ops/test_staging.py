@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from lmcache_npu.ops import Direction, GroupSpec
-from lmcache_npu.ops.backend import StagingBuffer, host_stretches
+from lmcache_npu.ops.device_staging import StagingBuffer, host_stretches
 
 from .oracle import Geometry, allocate, payload_mask
 

@@ -4,7 +4,8 @@ many), bounds and NUMA checks."""
 import pytest
 import torch
 
-from lmcache_npu.store.arena import SLOT_ALIGN_BYTES, HostArena, numa_nodes, slots_for_capacity
+from lmcache_npu.platform.numa import numa_nodes
+from lmcache_npu.store.arena import SLOT_ALIGN_BYTES, HostArena, slots_for_capacity
 
 
 def test_slots_are_page_aligned_views_of_one_allocation():

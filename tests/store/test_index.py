@@ -10,7 +10,8 @@ from lmcache_npu.store import index as index_module
 from lmcache_npu.store.commands import Completion, Drop, Load, Promote, Put, Source, Spill, Store
 from lmcache_npu.store.disk import DiskTier
 from lmcache_npu.store.envelope import sealed_bytes
-from lmcache_npu.store.index import ChunkIndex, DiskState, SlotState, disk_chunks_for_capacity
+from lmcache_npu.store.disk import disk_chunks_for_capacity
+from lmcache_npu.store.index import ChunkIndex, DiskState, SlotState
 from lmcache_npu.store.keys import ChunkKey
 from lmcache_npu.store.tier import TierResult
 

@@ -14,7 +14,6 @@ from lmcache_npu.store.keys import (
     ChunkKey,
     check_stable_hashing,
     chunk_keys,
-    layout_fingerprint,
     model_fingerprint,
     namespace_of,
 )
@@ -141,13 +140,13 @@ def test_namespaces_separate_models_and_layouts():
     llama = preset_layout("llama3-8b", device_family="ascend")[0].plan
     qwen = preset_layout("qwen3-32b", device_family="ascend")[0].plan
     llama_512 = preset_layout("llama3-8b", device_family="ascend", chunk_tokens=512)[0].plan
-    fingerprints = {layout_fingerprint(p) for p in (llama, qwen, llama_512)}
+    fingerprints = {p.fingerprint for p in (llama, qwen, llama_512)}
     assert len(fingerprints) == 3 and all(len(f) == 16 for f in fingerprints)
-    assert layout_fingerprint(llama) == layout_fingerprint(preset_layout("llama3-8b", device_family="ascend")[0].plan)
+    assert llama.fingerprint == preset_layout("llama3-8b", device_family="ascend")[0].plan.fingerprint
     m1 = model_fingerprint(name="m", dtype="bf16", tp=2)
     assert m1 == model_fingerprint(tp=2, dtype="bf16", name="m") != model_fingerprint(name="m", dtype="bf16", tp=4)
-    ns = namespace_of(m1, layout_fingerprint(llama))
-    assert len(ns) == 32 and ns != namespace_of(m1, layout_fingerprint(qwen))
+    ns = namespace_of(m1, llama.fingerprint)
+    assert len(ns) == 32 and ns != namespace_of(m1, qwen.fingerprint)
 
 
 def test_storage_names_round_trip_and_reject_strangers():

@@ -19,8 +19,9 @@ from lmcache_npu.store.envelope import ENVELOPE_BYTES
 from lmcache_npu.store.index import ChunkIndex
 from lmcache_npu.store.keys import ChunkKey
 from lmcache_npu.store import segments as segments_module
-from lmcache_npu.store.segments import (PAGE_BYTES, SegmentedMemory, SegmentState, free_hugepages,
-                                        numa_nodes, parse_cpulist, parse_hugepages)
+from lmcache_npu.platform.numa import numa_nodes, parse_cpulist
+from lmcache_npu.platform.vm import PAGE_BYTES, free_hugepages, parse_hugepages
+from lmcache_npu.store.segments import SegmentedMemory, SegmentState
 
 
 class FakeRegistrar:

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lmcache_npu.ops import ChunkBatch, Direction, TransferStats
-from lmcache_npu.ops.backend import AfterKernel
+from lmcache_npu.ops.transfer_backend import AfterKernel
 
 from . import ordering
 

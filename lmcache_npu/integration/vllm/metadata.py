@@ -17,12 +17,8 @@ from typing import Optional
 
 from ...layout.discovery import LayoutGroup
 from ...store.commands import Command, Completion
-from ...transfer.plans import BlockWindow, LoadPlan, StorePlan
+from ...transfer.plans import LoadPlan, StorePlan
 from .adapter import KVConnectorHandshakeMetadata, KVConnectorMetadata, KVConnectorWorkerMetadata
-
-__all__ = ["BlockWindow", "LMCacheNPUConnectorMetadata", "LMCacheNPUWorkerMetadata", "LoadPlan", "SlotRanges",
-           "StorePlan", "WorkerGeometry", "plan_group_geometry"]
-
 
 @dataclass
 class LMCacheNPUConnectorMetadata(KVConnectorMetadata):

@@ -41,14 +41,8 @@ from . import adapter
 from .events import PAYLOAD_SLACK, KVEvents, kv_events_enabled
 from .lora_identity import LoadedAdapters
 from .fence import StepWrites, StoreRead, StoreReads, tail_blocks
-from .metadata import (
-    BlockWindow,
-    LMCacheNPUConnectorMetadata,
-    LMCacheNPUWorkerMetadata,
-    LoadPlan,
-    StorePlan,
-    WorkerGeometry,
-)
+from ...transfer.plans import BlockWindow, LoadPlan, StorePlan
+from .metadata import LMCacheNPUConnectorMetadata, LMCacheNPUWorkerMetadata, WorkerGeometry
 from .stats import INDEX_METRICS, STORE_INFO, CounterDeltas, LMCacheNPUStats
 
 logger = logging.getLogger(__name__)

@@ -66,21 +66,16 @@ from ...store.commands import Command, Completion, Load, Store
 from ...store.disk import check_disk_parent
 from ...store.executor import StoreExecutor
 from ...store.factory import build_executor
-from ...store.keys import layout_fingerprint, namespace_of
+from ...store.keys import namespace_of
 from ...store.tier import TierCounters
 from ...transfer import KVMover, StreamKit
+from ...transfer.plans import LoadPlan
 from ...transfer.share_mover import SharedMover
 from ...transfer.shares import ShareLayout
 from . import adapter, tp_share
 from .identity import EngineIdentity, engine_identity
 from .load_wait import IDLE_WAIT_S, StepLoadWait
-from .metadata import (
-    LMCacheNPUConnectorMetadata,
-    LMCacheNPUWorkerMetadata,
-    LoadPlan,
-    WorkerGeometry,
-    plan_group_geometry,
-)
+from .metadata import LMCacheNPUConnectorMetadata, LMCacheNPUWorkerMetadata, WorkerGeometry, plan_group_geometry
 from .stats import DISK_METRICS, REMOTE_METRICS, CounterDeltas, LMCacheNPUStats
 
 logger = logging.getLogger(__name__)
@@ -172,7 +167,7 @@ class WorkerHalf:
         store = self.config.store
         self.identity = engine_identity(self.config, self.vllm_config, kv_caches,
                                         persistent_tiers=store.disk_path is not None or store.mooncake is not None)
-        fingerprint = layout_fingerprint(plan)
+        fingerprint = plan.fingerprint
         namespace = namespace_of(self.identity.fingerprint, fingerprint)
         # both lanes' backends are made here: a device without one fails at start-up, before the arena exists
         self._load_wait = StepLoadWait() if plan.device.type == "cpu" else None
