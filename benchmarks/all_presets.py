@@ -10,9 +10,9 @@ from rich.console import Console
 from rich.progress import track
 from rich.table import Table
 
-from lmcache_npu.bench.presets import PRESETS
-from lmcache_npu.bench.runner import default_family, run_bench
-from lmcache_npu.layout.presets.catalog import MODELS
+from lmcache_npu.tools.bench.presets import PRESETS
+from lmcache_npu.tools.bench.runner import default_family, run_bench
+from lmcache_npu.tools.presets.catalog import MODELS
 
 
 def main() -> int:

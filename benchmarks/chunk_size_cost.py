@@ -56,7 +56,7 @@ def index_bytes_per_entry(entries: int = INDEX_ENTRIES) -> float:
 
 
 def measure(targets: list[int], repeats: int) -> list[dict[str, Any]]:
-    from lmcache_npu.bench.scheduler_bench import run_scheduler_bench
+    from lmcache_npu.tools.bench.scheduler_bench import run_scheduler_bench
 
     per_entry = index_bytes_per_entry()
     rows = []

@@ -12,8 +12,8 @@ from pathlib import Path
 import torch
 from rich.console import Console
 
-from lmcache_npu.bench.cuda_baselines import overlap
-from lmcache_npu.bench.runner import materialize_source, render, run_bench
+from lmcache_npu.tools.bench.cuda_baselines import overlap
+from lmcache_npu.tools.bench.runner import materialize_source, render, run_bench
 from lmcache_npu.ops import ChunkBatch, Direction, get_backend
 
 PRESETS = ["llama3-8b", "deepseek-v3", "deepseek-v4-flash", "gpt-oss-120b"]

@@ -20,9 +20,9 @@ from rich.console import Console
 from rich.table import Table
 from torch.profiler import ProfilerActivity, profile
 
-from lmcache_npu.bench.cuda_baselines import pinned_copy_gbps, queue_gpu_work
-from lmcache_npu.bench.geometry import load_geometry
-from lmcache_npu.bench.runner import materialize_source
+from lmcache_npu.tools.bench.cuda_baselines import pinned_copy_gbps, queue_gpu_work
+from lmcache_npu.tools.bench.geometry import load_geometry
+from lmcache_npu.tools.bench.runner import materialize_source
 from lmcache_npu.ops import ChunkBatch, Direction, get_backend
 
 

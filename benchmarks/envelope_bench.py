@@ -66,7 +66,7 @@ INSIDE_FLAG = "--inside-netns"
 
 
 def object_bytes_of(preset: str) -> int:
-    from lmcache_npu.layout.presets import preset_layout
+    from lmcache_npu.tools.presets import preset_layout
 
     layout, _ = preset_layout(preset, "ascend", None)
     return int(layout.plan.object_bytes)
@@ -123,7 +123,7 @@ def _key(preset: str, digest: str, index: int) -> ChunkKey:
 def memcpy_gets(preset: str, size: int, repeats: int) -> dict[str, tuple[float, float, float]]:
     """digest -> (get s, verify-after-get s, median verify/get ratio) with the object in this process's own segment."""
     from lmcache_npu.store.mooncake import MooncakeTier
-    from lmcache_npu.store.mooncake_local import LocalMooncakeMaster
+    from lmcache_npu.tools.mooncake_local import LocalMooncakeMaster
 
     found = {}
     with LocalMooncakeMaster() as master:
@@ -433,7 +433,7 @@ def bounce_orders(preset: str, size: int, repeats: int) -> dict[str, Any]:
 
 def measure(presets: Sequence[str], repeats: int, batch_repeats: int) -> dict[str, Any]:
     """Every number of the report (run where a local master can start: inside the loopback namespace)."""
-    from lmcache_npu.store.mooncake_local import LocalMooncakeMaster
+    from lmcache_npu.tools.mooncake_local import LocalMooncakeMaster
 
     info = machine()
     sizes = {preset: object_bytes_of(preset) for preset in presets}
@@ -533,7 +533,7 @@ def render(report: dict[str, Any]) -> list[Table]:
 
 def _run_inside_netns(argv: Sequence[str]) -> dict[str, Any]:
     """Runs this script again inside a loopback-only network namespace and returns its report."""
-    from lmcache_npu.store.mooncake_local import run_in_loopback_netns
+    from lmcache_npu.tools.mooncake_local import run_in_loopback_netns
 
     env = dict(os.environ, GLOG_minloglevel="2")
     done = run_in_loopback_netns([sys.executable, os.path.abspath(__file__), *argv, INSIDE_FLAG], env=env,
@@ -561,7 +561,7 @@ def main() -> int:
     if args.inside_netns:  # the namespace's half: measure, answer one JSON line
         print(json.dumps(measure(presets, args.repeats, args.batch_repeats)))
         return 0
-    from lmcache_npu.store.mooncake_local import netns_available
+    from lmcache_npu.tools.mooncake_local import netns_available
 
     ok, why = netns_available()
     forwarded = [f"--presets={','.join(presets)}", f"--repeats={args.repeats}",

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import torch
 
-from lmcache_npu.bench.geometry import geometry_of_plan
-from lmcache_npu.bench.presets import materialize_preset
+from lmcache_npu.tools.bench.geometry import geometry_of_plan
+from lmcache_npu.tools.bench.presets import materialize_preset
 
 
 def main() -> int:

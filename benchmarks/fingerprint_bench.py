@@ -28,7 +28,7 @@ from typing import Any, Optional
 from rich.console import Console
 from rich.table import Table
 
-from lmcache_npu.store.identity import DEFAULT_MAX_READ_BYTES, DEFAULT_THREADS, fingerprint_weights
+from lmcache_npu.identity.weights import DEFAULT_MAX_READ_BYTES, DEFAULT_THREADS, fingerprint_weights
 
 
 @dataclass(frozen=True)

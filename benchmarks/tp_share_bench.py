@@ -41,7 +41,7 @@ GEOMETRIES = Path(__file__).resolve().parent / "geometries" / "cuda"
 def geometry(name: str, tp_size: int) -> dict[str, int]:
     """Bytes per chunk of the preset's exported CUDA geometry (a GPU machine has no vLLM to build presets;
     tests/bench/test_tp_share_bench.py checks the files against the presets), and each rank's share of them."""
-    from lmcache_npu.bench.geometry import load_geometry, materialize
+    from lmcache_npu.tools.bench.geometry import load_geometry, materialize
     from lmcache_npu.layout.discovery import replicated_across_tp
     from lmcache_npu.layout.specs import SpecKind
     from lmcache_npu.transfer.shares import ShareLayout

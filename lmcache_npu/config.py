@@ -59,8 +59,8 @@ class ConnectorConfig:
     the same level in every source and land in ``store``."""
 
     chunk_tokens: Optional[int] = None  # tokens per chunk (keying, storing, loading); None: the smallest multiple
-    # of vLLM's hash block and every stored group's granularity that holds 256 tokens (a mamba state interval where
-    # there is one); 128 reuses as much as vLLM's block-keyed connectors on CPU/Ascend (docs/performance.md)
+    # of vLLM's hash block and every stored group's granularity that holds 128 tokens (`DEFAULT_CHUNK_TOKENS`: one
+    # block on CPU/Ascend, reusing as much as vLLM's block-keyed connectors; docs/performance.md "The peer")
     backend: str = "auto"  # transfer backend; auto: npu on Ascend, cuda on NVIDIA, host for CPU tensors
     backend_options: Mapping[str, Any] = field(default_factory=dict)  # constructor options of a named backend
     store_decode_chunks: bool = True  # also store chunks completed during decode (multi-turn chat reuses them)

@@ -1,7 +1,7 @@
 """`vllm serve` with the plugin, end to end: two identical long requests, the second one's prefill served from the
 plugin (its Prometheus counters say how many tokens), identical outputs. The CPU engine tests, the NPU suite and
 the CUDA suite run the same check on their device. The server's life and the HTTP calls live in
-lmcache_npu.servebench (the serving benchmark uses the same ones)."""
+lmcache_npu.tools.servebench (the serving benchmark uses the same ones)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Optional, Sequence
 
-from lmcache_npu.servebench.metrics import read_counters
-from lmcache_npu.servebench.server import CONNECTOR, complete, kv_transfer_config, vllm_server
+from lmcache_npu.tools.servebench.metrics import read_counters
+from lmcache_npu.tools.servebench.server import CONNECTOR, complete, kv_transfer_config, vllm_server
 
 __all__ = ["CONNECTOR", "SmokeResult", "check", "complete", "hit_tokens", "kv_transfer_config",
            "two_identical_requests", "vllm_server", "wait_for_hits"]

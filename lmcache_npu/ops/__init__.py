@@ -1,6 +1,7 @@
 """The transfer contract's Python face: plans, batches, backends."""
 
-from .backend import BACKEND_NAMES, BackendUnavailable, TransferBackend, TransferStats, get_backend
+from .backend import BACKEND_NAMES, get_backend
+from .transfer_backend import BackendUnavailable, TransferBackend, TransferStats
 from .batch import ChunkBatch
 from .plan import (
     LAYOUT_VERSION,

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from lmcache_npu.bench.geometry import geometry_from_dict
-from lmcache_npu.cli import main
+from lmcache_npu.tools.bench.geometry import geometry_from_dict
+from lmcache_npu.tools.cli import main
 from lmcache_npu.ops import emu_backend
 
 # presets are built from vLLM's spec classes; --geometry files need no vLLM (the GPU machines have none)

@@ -9,9 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lmcache_npu.bench.connector_path import run_connector_path
-from lmcache_npu.bench.geometry import geometry_from_dict
-from lmcache_npu.cli import main
+from lmcache_npu.tools.bench.connector_path import run_connector_path
+from lmcache_npu.tools.bench.geometry import geometry_from_dict
+from lmcache_npu.tools.cli import main
 
 # a full-attention group (two layers, K and V) and a windowed one whose 64-token tails sit inside 128-token blocks
 GEOMETRY = {

@@ -8,14 +8,14 @@ import json
 import pytest
 import torch
 
-from lmcache_npu.bench.geometry import geometry_from_dict, geometry_of_plan, materialize
+from lmcache_npu.tools.bench.geometry import geometry_from_dict, geometry_of_plan, materialize
 
 pytest.importorskip("vllm", reason="presets are built from vLLM's spec classes")
 
 
 @pytest.mark.parametrize("preset", ["llama3-8b", "deepseek-v4-flash", "llama3-8b-310p", "qwen3-next-80b"])
 def test_an_exported_preset_materialises_to_the_same_plan(preset: str) -> None:
-    from lmcache_npu.bench.presets import materialize_preset
+    from lmcache_npu.tools.bench.presets import materialize_preset
 
     m, _, _ = materialize_preset(preset, 1, torch.device("cpu"))
     geometry = geometry_from_dict(json.loads(json.dumps(geometry_of_plan(m.plan, preset).to_dict())), preset)

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from lmcache_npu.cli import main
+from lmcache_npu.tools.cli import main
 
 pytest.importorskip("vllm", reason="bench-scheduler drives vLLM's own objects: vLLM is not installed")
 

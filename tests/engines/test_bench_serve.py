@@ -10,12 +10,16 @@ import time
 import urllib.request
 from pathlib import Path
 
-from lmcache_npu.replay.models import model_vocab
-from lmcache_npu.servebench.load import LoadSpec, run_load
-from lmcache_npu.servebench.metrics import read_counters, settled_counters
-from lmcache_npu.servebench.server import ServerSettings, complete, kv_transfer_config, vllm_server
-from lmcache_npu.servebench.tokenizer import tokenizer_dir
-from lmcache_npu.servebench.workloads import PrefixShape, Workloads
+import pytest
+
+from lmcache_npu.tools.replay.models import model_vocab
+from lmcache_npu.tools.servebench.load import LoadSpec, run_load
+from lmcache_npu.tools.servebench.metrics import read_counters, settled_counters
+from lmcache_npu.tools.servebench.server import ServerSettings, complete, kv_transfer_config, vllm_server
+from lmcache_npu.tools.servebench.tokenizer import tokenizer_dir
+from lmcache_npu.tools.servebench.workloads import PrefixShape, Workloads
+
+pytestmark = pytest.mark.newest_era  # tests/engines/conftest.py: era-neutral, runs once
 
 CHUNK_TOKENS = 256
 

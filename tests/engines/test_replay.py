@@ -7,10 +7,12 @@ import json
 
 import pytest
 
-from lmcache_npu.cli import main
-from lmcache_npu.replay.connectors import peer_unavailable
+from lmcache_npu.tools.cli import main
+from lmcache_npu.tools.replay.connectors import peer_unavailable
 
 from .conftest import ENGINE_VLLM
+
+pytestmark = pytest.mark.newest_era  # tests/engines/conftest.py: era-neutral, runs once
 
 SOURCES = ("vllm", "arena", "disk", "mooncake", "peer", "computed")
 

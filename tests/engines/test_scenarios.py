@@ -9,9 +9,9 @@ import os
 import pytest
 
 from lmcache_npu.ops import Direction
-from lmcache_npu.replay.models import VOCAB
-from lmcache_npu.replay.runner import run_workload
-from lmcache_npu.replay.workload import multi_turn_chat, prefix_repetition
+from lmcache_npu.tools.replay.models import VOCAB
+from lmcache_npu.tools.replay.runner import run_workload
+from lmcache_npu.tools.replay.workload import multi_turn_chat, prefix_repetition
 
 from ..integration.wrappers import Failing
 from .compare import assert_identical, prompt

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from lmcache_npu.replay.models import model_vocab
+from lmcache_npu.tools.replay.models import model_vocab
 
 from ..serve_smoke import check, kv_transfer_config, two_identical_requests
 

@@ -21,9 +21,10 @@ def _mooncake_reason() -> str:
     return _real_mooncake_reason()
 
 
+@pytest.mark.newest_era
 @pytest.mark.skipif(bool(_mooncake_reason()), reason=_mooncake_reason() or "ok")
 def test_a_second_engine_hits_what_the_first_stored_in_mooncake(tmp_path) -> None:
-    from lmcache_npu.replay.models import RECIPES
+    from lmcache_npu.tools.replay.models import RECIPES
 
     from .sharing import DECODE_STEPS, PROMPTS, RECIPE
 
@@ -37,7 +38,7 @@ def test_a_second_engine_hits_what_the_first_stored_in_mooncake(tmp_path) -> Non
 
 
 def _scenario(tmp_path, mode: str) -> dict:
-    from lmcache_npu.store.mooncake_local import run_in_loopback_netns
+    from lmcache_npu.tools.mooncake_local import run_in_loopback_netns
 
     out = tmp_path / f"{mode}.pkl"
     env = dict(os.environ, PYTHONPATH=str(ROOT), GLOG_minloglevel="2")
@@ -47,13 +48,14 @@ def _scenario(tmp_path, mode: str) -> dict:
     return pickle.loads(out.read_bytes())
 
 
+@pytest.mark.newest_era
 @pytest.mark.skipif(bool(_mooncake_reason()), reason=_mooncake_reason() or "ok")
 def test_mooncake_objects_of_other_weights_overwritten_or_forged_are_never_loaded(tmp_path) -> None:
     """Other weights under the writer's model_name find nothing; an object another client overwrote with other
     bytes of the same length, or re-sealed without the secret, is a counted miss; the untouched prompt still
     loads from Mooncake (the control), and every completion is the writer's."""
-    from lmcache_npu.replay.compare import differences
-    from lmcache_npu.replay.models import RECIPES
+    from lmcache_npu.tools.replay.compare import differences
+    from lmcache_npu.tools.replay.models import RECIPES
 
     from .sharing import PROMPTS, RECIPE
 

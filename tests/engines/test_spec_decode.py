@@ -64,7 +64,7 @@ def test_ngram_tokens_match_an_engine_without_the_plugin_and_hits_load(engines, 
 def test_a_wrong_load_under_speculative_decoding_is_seen(engines, model_dirs, monkeypatch) -> None:
     """Negative control of the comparison above: with ngram on, loads that put every row one token late must
     change the warm run's tokens or logprobs beyond the tolerance."""
-    from lmcache_npu.replay.compare import differences
+    from lmcache_npu.tools.replay.compare import differences
 
     from .test_tokens import _load_rows_one_token_late
 

@@ -9,14 +9,18 @@ import sys
 import time
 from pathlib import Path
 
-from lmcache_npu.replay.models import model_vocab
-from lmcache_npu.servebench.server import complete, kv_transfer_config, vllm_server
+import pytest
+
+from lmcache_npu.tools.replay.models import model_vocab
+from lmcache_npu.tools.servebench.server import complete, kv_transfer_config, vllm_server
+
+pytestmark = pytest.mark.newest_era  # tests/engines/conftest.py: era-neutral, runs once
 
 CHUNK_TOKENS = 256
 
 
 def status_json(base: str) -> dict:
-    done = subprocess.run([sys.executable, "-m", "lmcache_npu.cli", "status", "--url", base, "--json"],
+    done = subprocess.run([sys.executable, "-m", "lmcache_npu.tools.cli", "status", "--url", base, "--json"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     (engine,) = json.loads(done.stdout)["engines"]

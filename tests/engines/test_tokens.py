@@ -1,6 +1,6 @@
 """Cold then warm: the same prompts computed, then loaded from the plugin, hold byte-identical full-attention rows
 and give the same greedy tokens and top-5 logprobs (within 1e-4 for fp32 models; the bf16 MoE models within their
-rounding, near ties aside: `lmcache_npu.replay.compare`), for every model the CPU engine runs, through the AscendC
+rounding, near ties aside: `lmcache_npu.tools.replay.compare`), for every model the CPU engine runs, through the AscendC
 kernel source (emu) and the torch backend. vLLM's own prefix cache is off, or emptied before the warm run, so every
 hit is the plugin's."""
 
@@ -69,7 +69,7 @@ def test_a_deliberately_wrong_load_is_seen(engines, model_dirs, monkeypatch) -> 
     """Negative control: loads that put every row one token late (row t gets token t-1's bytes, the chunk's last
     row goes to its first) must change the tokens or the logprobs beyond the tolerance: the comparison above would
     catch a wrong load."""
-    from lmcache_npu.replay.compare import differences
+    from lmcache_npu.tools.replay.compare import differences
 
     engine = engines("llama", model_dirs("llama"), extra_config={"cpu_bytes": "256MiB"})
     prompts = [prompt(PROMPT_TOKENS, seed) for seed in range(3)]

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from lmcache_npu.replay.models import HIDDEN, VOCAB, Recipe, make_model
+from lmcache_npu.tools.replay.models import HIDDEN, VOCAB, Recipe, make_model
 
 from . import tp_probe
 from .compare import assert_identical, prompt

@@ -16,8 +16,8 @@ import torch
 from safetensors.torch import save_file
 
 from lmcache_npu.layout.discovery import DEFAULT_CHUNK_TOKENS
-from lmcache_npu.replay.compare import differences
-from lmcache_npu.replay.models import HIDDEN, RECIPES, make_model
+from lmcache_npu.tools.replay.compare import differences
+from lmcache_npu.tools.replay.models import HIDDEN, RECIPES, make_model
 
 from .compare import assert_identical, prompt
 
@@ -125,7 +125,7 @@ def test_a_lora_adapter_replaced_under_its_name_loads_nothing(engines, tmp_path)
 
 _REFUSED_START = """
 import json, sys
-from lmcache_npu.replay.engine import Engine, EngineSettings
+from lmcache_npu.tools.replay.engine import Engine, EngineSettings
 try:
     Engine(EngineSettings.for_recipe(sys.argv[1], sys.argv[2], extra_config=json.loads(sys.argv[3]),
                                      engine_args={"load_format": "dummy"}))

@@ -19,7 +19,7 @@ OPS = ("ops", *PLATFORM)
 STORE_SCHEDULER = ("store.scheduler", *OPS)
 STORE = ("store", *STORE_SCHEDULER)
 LAYOUT = ("layout", *OPS)
-RUNTIME = ("config", "integration", "transfer", *STORE, "layout")
+RUNTIME = ("config", "integration", "transfer", "identity", *STORE, "layout")
 
 # a layer's modules (dotted prefixes under lmcache_npu; the longest prefix names a module's layer) and what it may
 # import besides itself
@@ -34,9 +34,9 @@ LAYERS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "store": (("store",), STORE_SCHEDULER),
     "transfer": (("transfer",), (*STORE, "layout")),
     "config": (("config",), (*STORE, "layout")),
-    "integration": (("integration",), (*RUNTIME,)),
-    "tools": (("cli", "doctor", "status", "selftest", "bench", "servebench", "replay", "layout.presets",
-               "store.mooncake_local"), ("tools", "root", *RUNTIME)),
+    "integration": (("integration",), RUNTIME),
+    "identity": (("identity",), OPS),
+    "tools": (("tools",), ("root", *RUNTIME)),
 }
 
 
@@ -61,13 +61,13 @@ def test_the_check_sees_imports_at_any_depth() -> None:
     ("ops/backend.py", "def f():\n    from ..store import segments\n", "lmcache_npu.store.segments"),
     ("store/keys.py", "from ..ops import TransferPlan\n", None),  # downward: allowed
     ("platform/numa.py", "import lmcache_npu.ops.plan\n", "lmcache_npu.ops.plan"),
-    ("transfer/mover.py", "from ..replay import runner\n", "lmcache_npu.replay.runner"),
+    ("transfer/mover.py", "from ..tools.replay import runner\n", "lmcache_npu.tools.replay.runner"),
 ])
 def test_negative_control_an_upward_import_is_found(tmp_path: Path, source: str, text: str,
                                                      expected: str | None) -> None:
     package = tmp_path / "lmcache_npu"
     for module in ("store/index.py", "store/keys.py", "store/disk/__init__.py", "store/segments.py", "ops/backend.py",
-                   "ops/plan.py", "platform/numa.py", "transfer/mover.py", "replay/runner.py"):
+                   "ops/plan.py", "platform/numa.py", "transfer/mover.py", "tools/replay/runner.py"):
         path = package / module
         path.parent.mkdir(parents=True, exist_ok=True)
         for parent in [path.parent, *path.parent.parents]:

@@ -46,7 +46,7 @@ from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
 from lmcache_npu.integration.vllm import LMCacheNPUConnector  # noqa: E402
 from lmcache_npu.integration.vllm.stats import LMCacheNPUStats  # noqa: E402
-from lmcache_npu.layout.presets import PresetKV, build_preset  # noqa: E402
+from lmcache_npu.tools.presets import PresetKV, build_preset  # noqa: E402
 
 from . import vllm_cpu  # noqa: F401  (forces the CPU platform before vLLM is used)
 from .sim import SimModel, prefix_hashes  # noqa: E402

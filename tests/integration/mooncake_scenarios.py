@@ -8,7 +8,7 @@ import json
 import os
 import sys
 
-from lmcache_npu.store.mooncake_local import LocalMooncakeMaster
+from lmcache_npu.tools.mooncake_local import LocalMooncakeMaster
 
 from .conftest import prompt
 from .engine import Engine, EngineSpec

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from lmcache_npu import doctor
-from lmcache_npu.doctor import FAIL, OK, SKIP, WARN
+from lmcache_npu.tools.doctor import FAIL, OK, SKIP, WARN
 from lmcache_npu.platform.ascend_host import AscendHostFacts
 from lmcache_npu.platform.npu_budget import HCCL_SHARE_BUFFER_MB, STAGING_WINDOW_BYTES_DEFAULT, TRANSFER_LANES
 
@@ -284,7 +284,7 @@ def test_settings_come_from_the_checked_config_else_from_the_raw_extra_config() 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("LMCACHE_NPU_")}
-    return subprocess.run([sys.executable, "-m", "lmcache_npu.cli", "doctor", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "lmcache_npu.tools.cli", "doctor", *args], capture_output=True, text=True,
                           timeout=300, env=env)
 
 

@@ -151,7 +151,7 @@ def _mooncake_reason() -> str:
 @pytest.mark.skipif(bool(_mooncake_reason()), reason=_mooncake_reason() or "ok")
 @pytest.mark.parametrize("scenario", ["share", "master_killed"])
 def test_two_engines_and_one_mooncake_store(scenario):
-    from lmcache_npu.store.mooncake_local import run_in_loopback_netns
+    from lmcache_npu.tools.mooncake_local import run_in_loopback_netns
 
     env = dict(os.environ, PYTHONPATH=str(ROOT), GLOG_minloglevel="2")
     done = run_in_loopback_netns([sys.executable, "-m", "tests.integration.mooncake_scenarios", scenario], env=env,

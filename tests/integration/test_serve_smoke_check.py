@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from lmcache_npu.servebench.metrics import PLUGIN_HITS, parse_counters
+from lmcache_npu.tools.servebench.metrics import PLUGIN_HITS, parse_counters
 
 from ..serve_smoke import SmokeResult, check
 

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from vllm.v1.outputs import KVConnectorOutput
 
 from lmcache_npu.integration.vllm import LMCacheNPUConnector, adapter, scheduler
-from lmcache_npu.layout.presets.catalog import MODELS, with_mtp
+from lmcache_npu.tools.presets.catalog import MODELS, with_mtp
 
 from lmcache_npu.ops import Direction
 

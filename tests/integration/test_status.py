@@ -13,10 +13,10 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from lmcache_npu.cli import main
+from lmcache_npu.tools.cli import main
 from lmcache_npu.integration.vllm import LMCacheNPUConnector
 from lmcache_npu.integration.vllm.stats import GAUGES, STORE_INFO, LMCacheNPUStats
-from lmcache_npu.status import engine_status, metrics_url, parse_metrics, render, to_json
+from lmcache_npu.tools.status import engine_status, metrics_url, parse_metrics, render, to_json
 
 from .conftest import preset_engine, prompt
 

@@ -12,7 +12,7 @@ import vllm.v1.kv_cache_interface as kvi  # noqa: E402
 
 from lmcache_npu.layout import LayoutPolicy, discover_layout  # noqa: E402
 from lmcache_npu.layout.discovery import kept_window_tokens  # noqa: E402
-from lmcache_npu.layout.presets.ascend import ascend_spec_classes  # noqa: E402
+from lmcache_npu.tools.presets.ascend import ascend_spec_classes  # noqa: E402
 from lmcache_npu.layout.slots import chunk_slots  # noqa: E402
 
 BF16 = torch.bfloat16

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from lmcache_npu.layout.presets import preset_layout
-from lmcache_npu.layout.presets.catalog import model_from_hf_config
+from lmcache_npu.tools.presets import preset_layout
+from lmcache_npu.tools.presets.catalog import model_from_hf_config
 
 pytest.importorskip("vllm", reason="presets are built from vLLM's spec classes")
 

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from lmcache_npu.cli import main
+from lmcache_npu.tools.cli import main
 
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 

@@ -7,8 +7,8 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from lmcache_npu.layout.presets import build_preset, get_model, preset_layout  # noqa: E402
-from lmcache_npu.layout.presets.catalog import MODELS, with_mtp  # noqa: E402
+from lmcache_npu.tools.presets import build_preset, get_model, preset_layout  # noqa: E402
+from lmcache_npu.tools.presets.catalog import MODELS, with_mtp  # noqa: E402
 
 from .test_presets import _round_trip  # noqa: E402
 

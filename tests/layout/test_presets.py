@@ -12,9 +12,9 @@ import torch
 
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 
-from lmcache_npu.bench.presets import block_tables, blocks_for  # noqa: E402
-from lmcache_npu.layout.presets import preset_layout  # noqa: E402
-from lmcache_npu.layout.presets.catalog import MODELS  # noqa: E402
+from lmcache_npu.tools.bench.presets import block_tables, blocks_for  # noqa: E402
+from lmcache_npu.tools.presets import preset_layout  # noqa: E402
+from lmcache_npu.tools.presets.catalog import MODELS  # noqa: E402
 from lmcache_npu.layout.slots import layout_slots  # noqa: E402
 from lmcache_npu.ops import get_backend  # noqa: E402
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from lmcache_npu.layout.discovery import LayoutPolicy, replicated_across_tp, replication_factor, share_group_ranks
-from lmcache_npu.layout.presets import preset_layout
+from lmcache_npu.tools.presets import preset_layout
 from lmcache_npu.layout.specs import SpecKind
 from lmcache_npu.ops import GroupSpec, Plane, TransferPlan
 
@@ -54,7 +54,7 @@ def test_presets_at_tp2_replicate_every_stored_group(name: str) -> None:
     base = LayoutPolicy(chunk_tokens=layout.plan.chunk_tokens)
     assert not any(p.replicated for p in layout.plan.planes)
     from lmcache_npu.layout.discovery import discover_layout
-    from lmcache_npu.layout.presets import build_preset
+    from lmcache_npu.tools.presets import build_preset
 
     preset = build_preset(name, "cuda", 2)
     import dataclasses
@@ -101,7 +101,7 @@ def test_gqa_with_fewer_kv_heads_than_tp_ranks_shares_within_pairs() -> None:
     import dataclasses
 
     from lmcache_npu.layout.discovery import discover_layout
-    from lmcache_npu.layout.presets import build_preset
+    from lmcache_npu.tools.presets import build_preset
 
     preset = build_preset("llama3-8b", "cuda", 2)  # 8 KV heads
     base = LayoutPolicy(chunk_tokens=256)

@@ -12,7 +12,7 @@ import torch
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 import vllm.v1.kv_cache_interface as kvi  # noqa: E402
 
-from lmcache_npu.layout.presets.ascend import ascend_spec_classes  # noqa: E402
+from lmcache_npu.tools.presets.ascend import ascend_spec_classes  # noqa: E402
 from lmcache_npu.layout.specs import SpecKind, read_layer_spec  # noqa: E402
 
 BF16 = torch.bfloat16

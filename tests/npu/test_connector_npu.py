@@ -27,7 +27,7 @@ def soc() -> str:
 
 
 def test_vllm_ascends_spec_classes_size_pages_as_the_stand_ins_do() -> None:
-    from lmcache_npu.layout.presets.ascend import _stand_in_classes, ascend_spec_classes
+    from lmcache_npu.tools.presets.ascend import _stand_in_classes, ascend_spec_classes
 
     real, stand_in = ascend_spec_classes(), _stand_in_classes()
     assert [c.__module__.split(".")[0] for c in real] == ["vllm_ascend", "vllm_ascend"], \

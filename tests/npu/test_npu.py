@@ -25,7 +25,7 @@ def backend():
                                     "llama3-8b-310p"])
 @pytest.mark.parametrize("chunks", [1, 16])
 def test_presets_round_trip_on_npu(backend, preset: str, chunks: int) -> None:
-    from lmcache_npu.bench.runner import run_bench
+    from lmcache_npu.tools.bench.runner import run_bench
 
     if preset.endswith("310p") != (backend.soc.name == "310p"):
         pytest.skip(f"{preset} is for {'310P (kernels-only)' if preset.endswith('310p') else 'A2/A3'}; this is "

@@ -20,7 +20,7 @@ CHUNK_TOKENS = 256
 
 def test_vllm_serve_loads_the_second_identical_request_from_the_plugin(tmp_path: Path) -> None:
     from lmcache_npu.ops import BackendUnavailable, get_backend
-    from lmcache_npu.replay.models import make_model, model_vocab
+    from lmcache_npu.tools.replay.models import make_model, model_vocab
 
     select_device(0)
     try:

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 from hypothesis import given, strategies as st
 
-from lmcache_npu.replay.accounting import HitLedger, PluginHits, TurnHits, attribute_chunks, split_hits
+from lmcache_npu.tools.replay.accounting import HitLedger, PluginHits, TurnHits, attribute_chunks, split_hits
 
 
 def plugin_hits(arena=0, disk=0, mooncake=0) -> PluginHits:

@@ -8,12 +8,12 @@ import dataclasses
 import pytest
 from hypothesis import given, strategies as st
 
-from lmcache_npu.replay.configs import BASELINE, PLUGIN, RunConfig, default_configs, run_order
-from lmcache_npu.replay.sizing import kv_memory_for, longest_request_tokens, working_set_tokens
-from lmcache_npu.replay.spread import Spread, percentile, spread_of
-from lmcache_npu.replay.verdict import Summary, change, verdict_line
-from lmcache_npu.replay.warmup import WarmUp, cold_runs, shadow_first_turn, warm_up, warmup_prompts
-from lmcache_npu.replay.workload import multi_turn_chat
+from lmcache_npu.tools.replay.configs import BASELINE, PLUGIN, RunConfig, default_configs, run_order
+from lmcache_npu.tools.replay.sizing import kv_memory_for, longest_request_tokens, working_set_tokens
+from lmcache_npu.tools.replay.spread import Spread, percentile, spread_of
+from lmcache_npu.tools.replay.verdict import Summary, change, verdict_line
+from lmcache_npu.tools.replay.warmup import WarmUp, cold_runs, shadow_first_turn, warm_up, warmup_prompts
+from lmcache_npu.tools.replay.workload import multi_turn_chat
 
 
 def test_percentiles_match_a_hand_computation():
@@ -177,7 +177,7 @@ def test_a_cold_run_makes_the_verdict_refuse():
 def test_kv_bytes_per_token_from_a_config(tmp_path):
     import json
 
-    from lmcache_npu.replay.sizing import kv_bytes_per_token
+    from lmcache_npu.tools.replay.sizing import kv_bytes_per_token
 
     (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 6, "num_key_value_heads": 2,
                                                       "head_dim": 64, "hidden_size": 1024,

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-from lmcache_npu.replay.accounting import TurnHits
-from lmcache_npu.replay.engine import Completion
-from lmcache_npu.replay.identity import compare_turns
-from lmcache_npu.replay.plots import write_plots
-from lmcache_npu.replay.replay import ReplayReport
-from lmcache_npu.replay.restart import RestartResult
-from lmcache_npu.replay.runner import TurnRun
-from lmcache_npu.replay.runs import RunResult
-from lmcache_npu.replay.warmup import WarmUp
+from lmcache_npu.tools.replay.accounting import TurnHits
+from lmcache_npu.tools.replay.engine import Completion
+from lmcache_npu.tools.replay.turns import compare_turns
+from lmcache_npu.tools.replay.plots import write_plots
+from lmcache_npu.tools.replay.replay import ReplayReport
+from lmcache_npu.tools.replay.restart import RestartResult
+from lmcache_npu.tools.replay.runner import TurnRun
+from lmcache_npu.tools.replay.runs import RunResult
+from lmcache_npu.tools.replay.warmup import WarmUp
 
 
 def report(ttft: float) -> ReplayReport:

@@ -7,16 +7,16 @@ import json
 
 import pytest
 
-from lmcache_npu.replay.spread import Spread
+from lmcache_npu.tools.replay.spread import Spread
 
-from lmcache_npu.replay.compare import LOGPROB_TOLERANCE, compare, differences, first_difference, tolerance_for
-from lmcache_npu.replay.engine import Completion
-from lmcache_npu.replay.accounting import TurnHits
-from lmcache_npu.replay.identity import compare_turns
-from lmcache_npu.replay.replay import ReplayReport, render_report
-from lmcache_npu.replay.runs import RunResult
-from lmcache_npu.replay.warmup import WarmUp
-from lmcache_npu.replay.runner import TurnRun
+from lmcache_npu.tools.replay.compare import LOGPROB_TOLERANCE, compare, differences, first_difference, tolerance_for
+from lmcache_npu.tools.replay.engine import Completion
+from lmcache_npu.tools.replay.accounting import TurnHits
+from lmcache_npu.tools.replay.turns import compare_turns
+from lmcache_npu.tools.replay.replay import ReplayReport, render_report
+from lmcache_npu.tools.replay.runs import RunResult
+from lmcache_npu.tools.replay.warmup import WarmUp
+from lmcache_npu.tools.replay.runner import TurnRun
 
 
 def completion(tokens, prompt=100, cached=0, ttft=1.0, logprobs=None) -> Completion:
@@ -184,3 +184,25 @@ def test_nan_logprobs_and_missing_steps_are_differences_and_replay_compares_toke
     assert compare(reference, drifted, logprobs=False).identical  # the replay's verdict: tokens
     row = compare_turns([turn(0, [reference])], [turn(0, [drifted])])[0]
     assert (row.identical, row.first_difference) == (1, "")
+
+
+def test_sources_nothing_came_from_are_left_out_and_named():
+    alone = [TurnHits(200, 0, 0, 0, 0, 200)]
+    plugin = [TurnHits(200, 0, 128, 0, 0, 72)]
+    runs = [run("vLLM alone", 0, [turn(0, [completion([1])])], alone),
+            run("vLLM + lmcache-npu", 0, [turn(0, [completion([1])])], plugin)]
+    header = export(report_of(runs)).splitlines()
+    columns = next(line for line in header if "TTFT p50" in line)
+    assert "plugin: arena" in columns and "computed" in columns
+    assert "disk" not in columns and "Mooncake" not in columns and "peer connector" not in columns
+    assert any("no tokens came from: vLLM cache hit, disk, Mooncake, peer connector (columns left out)" in line
+               for line in header)
+
+
+def test_a_source_one_run_drew_from_keeps_its_column():  # the control of the test above
+    plugin = [TurnHits(200, 0, 64, 64, 0, 72)]
+    runs = [run("vLLM alone", 0, [turn(0, [completion([1])])], [TurnHits(200, 0, 0, 0, 0, 200)]),
+            run("vLLM + lmcache-npu", 0, [turn(0, [completion([1])])], plugin)]
+    text = export(report_of(runs))
+    columns = next(line for line in text.splitlines() if "TTFT p50" in line)
+    assert "disk" in columns and "Mooncake" not in columns

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from lmcache_npu.replay.staging import publish_directory
+from lmcache_npu.tools.replay.staging import publish_directory
 
 
 def _writer(content: bytes):

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from lmcache_npu.replay.workload import load_trace, multi_turn_chat, prefix_repetition, prompt_of
+from lmcache_npu.tools.replay.workload import load_trace, multi_turn_chat, prefix_repetition, prompt_of
 
 
 def test_a_turn_resends_the_system_prompt_and_the_whole_history():

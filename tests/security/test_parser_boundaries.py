@@ -20,9 +20,9 @@ import yaml
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from lmcache_npu.bench.geometry import geometry_from_dict, load_geometry
+from lmcache_npu.tools.bench.geometry import geometry_from_dict, load_geometry
 from lmcache_npu.config import ENV_PREFIX, ConnectorConfig, load_config
-from lmcache_npu.status import engine_status, parse_metrics, render, to_json
+from lmcache_npu.tools.status import engine_status, parse_metrics, render, to_json
 from lmcache_npu.store import identity
 from lmcache_npu.store.config import StoreConfig
 from lmcache_npu.store.disk import HEADER_BYTES, DiskTier, scan_disk_directory
@@ -345,7 +345,7 @@ _headers = (st.binary(max_size=200)
 
 @FUZZ
 @given(_headers, st.integers(0, 2**70))
-@example(b"[" * 100_000, 100)  # N5: RecursionError at identity.py:238 (a stray deeply nested shard)
+@example(b"[" * 100_000, 100)  # N5: RecursionError at the old store/identity.py:238 (a stray deeply nested shard)
 @example(b'{"w": {"dtype": "F32", "shape": [' + b"1" * 5000 + b'], "data_offsets": [0, 4]}}', 10)
 def test_safetensors_headers_fail_only_with_value_error(raw: bytes, extra: int) -> None:
     ranges = _only_value_error(identity._parse_header, "model.safetensors", 8 + len(raw) + extra, raw)
@@ -397,7 +397,7 @@ _lines = st.builds(lambda n, l, v: f"{n}{l} {v}", _METRIC_NAMES, _labels, _value
 
 @FUZZ
 @given(st.lists(_lines, max_size=8))
-@example(["lmcache_npu:lookups_total +Inf"])  # N5: OverflowError at status.py:172-174
+@example(["lmcache_npu:lookups_total +Inf"])  # N5: OverflowError at the old status.py:172-174
 @example(["lmcache_npu:cpu_capacity_chunks 1e300", "lmcache_npu:chunk_bytes 1e300"])  # capacity x size: inf
 @example(['lmcache_npu:store_info{tiers="disk"} NaN'])
 def test_metrics_fail_only_with_value_error(lines: list[str]) -> None:

@@ -7,8 +7,8 @@ import argparse
 
 import pytest
 
-from lmcache_npu.servebench.command import _paces, add_bench_serve_parser
-from lmcache_npu.servebench.workloads import ChatShape, PrefixShape, RandomShape
+from lmcache_npu.tools.servebench.command import _paces, add_bench_serve_parser
+from lmcache_npu.tools.servebench.workloads import ChatShape, PrefixShape, RandomShape
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -52,8 +52,8 @@ def test_the_shapes_defaults_are_the_commands() -> None:
 
 
 def test_the_default_random_grid_fits_the_default_device() -> None:
-    from lmcache_npu.servebench.command import random_fits
-    from lmcache_npu.servebench.sweep import Pace, SweepSettings
+    from lmcache_npu.tools.servebench.command import random_fits
+    from lmcache_npu.tools.servebench.sweep import Pace, SweepSettings
 
     default = SweepSettings(paces=(Pace(max_concurrency=1), Pace(max_concurrency=2)))
     assert random_fits(default, 1024)  # the default sweep's device estimate (vLLM counts about 847 tokens of it)
@@ -63,7 +63,7 @@ def test_the_default_random_grid_fits_the_default_device() -> None:
 
 
 def test_random_repeats_reach_the_sweep_and_its_json() -> None:
-    from lmcache_npu.servebench.command import RANDOM_REPEATS, sweep_json, sweep_settings
+    from lmcache_npu.tools.servebench.command import RANDOM_REPEATS, sweep_json, sweep_settings
 
     default = sweep_settings(parse())
     assert default.random_repeats == RANDOM_REPEATS == 3
@@ -79,7 +79,7 @@ def test_random_repeats_reach_the_sweep_and_its_json() -> None:
 
 
 def test_reuse_repeats_run_the_reusing_workloads_on_fresh_prompts_each_time() -> None:
-    from lmcache_npu.servebench.command import REUSE_REPEATS, sweep_json, sweep_settings
+    from lmcache_npu.tools.servebench.command import REUSE_REPEATS, sweep_json, sweep_settings
 
     default = sweep_settings(parse())
     assert default.reuse_repeats == REUSE_REPEATS == 3

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lmcache_npu.servebench.load import LoadSpec, parse_result
+from lmcache_npu.tools.servebench.load import LoadSpec, parse_result
 
 
 def result(ttfts: list[float], latencies: list[float], output_lens: list[int], errors: list[str] | None = None,

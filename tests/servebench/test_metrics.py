@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lmcache_npu.servebench.metrics import ServerCounters, parse_counters
+from lmcache_npu.tools.servebench.metrics import ServerCounters, parse_counters
 
 PAGE = ('# HELP lmcache_npu:hit_tokens_total tokens loaded\n'
         '# TYPE lmcache_npu:hit_tokens_total counter\n'

@@ -17,7 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lmcache_npu.servebench.overhead_profile import Entry, entries, random_prompts, thread_cpu_seconds
+from lmcache_npu.tools.servebench.overhead_profile import Entry, entries, random_prompts, thread_cpu_seconds
 
 MODULE = '''
 def helper(n):
@@ -112,7 +112,7 @@ def test_random_prompts_refuse_bad_sizes() -> None:
 
 
 def test_the_report_charges_the_plugin_against_the_baseline() -> None:
-    from lmcache_npu.servebench.overhead_profile import RunProfile, render
+    from lmcache_npu.tools.servebench.overhead_profile import RunProfile, render
 
     base = RunProfile("vLLM alone", [10.0, 10.0])
     step = "integration/vllm/connector.py:build_connector_meta"
@@ -137,7 +137,7 @@ class _Hooks:
 
 
 def test_hook_timers_time_public_methods_and_restore_them() -> None:
-    from lmcache_npu.servebench.overhead_profile import HookTimers
+    from lmcache_npu.tools.servebench.overhead_profile import HookTimers
 
     original = _Hooks.step
     hooks = _Hooks()
@@ -153,7 +153,7 @@ def test_hook_timers_time_public_methods_and_restore_them() -> None:
 
 
 def test_the_report_names_the_clock_it_ran_on() -> None:
-    from lmcache_npu.servebench.overhead_profile import RunProfile, render
+    from lmcache_npu.tools.servebench.overhead_profile import RunProfile, render
 
     step = "integration/vllm/connector.py:build_connector_meta"
     plugin = RunProfile("vLLM + lmcache-npu", [1.0], entries_s={step: 0.01}, entry_calls={step: 100}, clock="wall")

@@ -7,10 +7,10 @@ from typing import Any
 
 import pytest
 
-from lmcache_npu.servebench import plots
-from lmcache_npu.servebench.load import LoadResult
-from lmcache_npu.servebench.metrics import ServerCounters
-from lmcache_npu.servebench.sweep import Pace, Point, SweepResult
+from lmcache_npu.tools.servebench import plots
+from lmcache_npu.tools.servebench.load import LoadResult
+from lmcache_npu.tools.servebench.metrics import ServerCounters
+from lmcache_npu.tools.servebench.sweep import Pace, Point, SweepResult
 
 BASE = "vLLM alone"
 ONE, TWO = Pace(max_concurrency=1), Pace(max_concurrency=2)

@@ -10,11 +10,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lmcache_npu.servebench.load import LoadResult
-from lmcache_npu.servebench.metrics import ServerCounters
-from lmcache_npu.servebench.report import COLUMNS, connector_hits, check_baseline, overheads, table_rows, \
+from lmcache_npu.tools.servebench.load import LoadResult
+from lmcache_npu.tools.servebench.metrics import ServerCounters
+from lmcache_npu.tools.servebench.report import COLUMNS, connector_hits, check_baseline, overheads, table_rows, \
     to_json, verdict_line
-from lmcache_npu.servebench.sweep import Pace, Point, SweepResult, SweepSettings, grid
+from lmcache_npu.tools.servebench.sweep import Pace, Point, SweepResult, SweepSettings, grid
 
 BASE, PLUGIN, PEER = "vLLM alone", "vLLM + lmcache-npu", "vLLM + MooncakeStoreConnector"
 PACE = Pace(max_concurrency=4)

@@ -13,13 +13,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lmcache_npu.replay.configs import BASELINE, PLUGIN, PLUGIN_CONNECTOR, RunConfig
-from lmcache_npu.servebench import sweep as sweep_module
-from lmcache_npu.servebench.load import LoadResult, LoadSpec
-from lmcache_npu.servebench.metrics import ServerCounters
-from lmcache_npu.servebench.server import ServerSettings, ServerStartError
-from lmcache_npu.servebench.sweep import LAST_MEASURED_POINT, Pace, Point, Run, SweepSettings, run_sweep
-from lmcache_npu.servebench.workloads import MAX_POINT, RandomShape
+from lmcache_npu.tools.replay.configs import BASELINE, PLUGIN, PLUGIN_CONNECTOR, RunConfig
+from lmcache_npu.tools.servebench import sweep as sweep_module
+from lmcache_npu.tools.servebench.load import LoadResult, LoadSpec
+from lmcache_npu.tools.servebench.metrics import ServerCounters
+from lmcache_npu.tools.servebench.server import ServerSettings, ServerStartError
+from lmcache_npu.tools.servebench.sweep import LAST_MEASURED_POINT, Pace, Point, Run, SweepSettings, run_sweep
+from lmcache_npu.tools.servebench.workloads import MAX_POINT, RandomShape
 
 CONFIGS = [RunConfig(BASELINE), RunConfig(PLUGIN, PLUGIN_CONNECTOR, {"cpu_bytes": "1GiB"})]
 SERVER = ServerSettings("model", tokenizer="tok")

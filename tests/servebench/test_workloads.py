@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lmcache_npu.servebench.workloads import BLOCK, ChatShape, PrefixShape, RandomShape, Workloads
+from lmcache_npu.tools.servebench.workloads import BLOCK, ChatShape, PrefixShape, RandomShape, Workloads
 
 SHAPE = ChatShape(conversations=3, turns=3, system_tokens=64, user_tokens=32, output_tokens=16)
 
@@ -72,7 +72,7 @@ def test_the_word_tokenizer_round_trips(ids: list[int]) -> None:
     pytest.importorskip("transformers")
     from transformers import AutoTokenizer
 
-    from lmcache_npu.servebench.tokenizer import tokenizer_dir
+    from lmcache_npu.tools.servebench.tokenizer import tokenizer_dir
 
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir(2048)))
     text = tokenizer.decode(ids)
@@ -81,7 +81,7 @@ def test_the_word_tokenizer_round_trips(ids: list[int]) -> None:
 
 
 def test_the_default_sweep_keeps_the_offload_regime() -> None:
-    from lmcache_npu.replay.sizing import kv_memory_for, working_set_tokens
+    from lmcache_npu.tools.replay.sizing import kv_memory_for, working_set_tokens
 
     workloads, names = Workloads(), ("prefix_repetition", "chat", "random")
     largest, longest = workloads.sizing(names, 2048)

@@ -19,7 +19,7 @@ from lmcache_npu.store.envelope import verify
 from lmcache_npu.store.executor import StoreExecutor
 from lmcache_npu.store.keys import ChunkKey
 from lmcache_npu.store.mooncake import MooncakeConfig, MooncakeTier
-from lmcache_npu.store.mooncake_local import LocalMooncakeMaster, listening_addresses
+from lmcache_npu.tools.mooncake_local import LocalMooncakeMaster, listening_addresses
 
 CHUNK = 64 << 10
 

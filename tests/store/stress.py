@@ -62,7 +62,7 @@ def run(chunks: int, remote_kind: str, seed: int = 0, object_bytes: int = 4096) 
     disks = [DiskTier(root, fingerprint) for _ in range(2)]
     if remote_kind == "mooncake":
         from lmcache_npu.store.mooncake import MooncakeTier
-        from lmcache_npu.store.mooncake_local import LocalMooncakeMaster
+        from lmcache_npu.tools.mooncake_local import LocalMooncakeMaster
 
         master = LocalMooncakeMaster()
         master.__enter__()

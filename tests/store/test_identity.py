@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lmcache_npu.store.identity import (
+from lmcache_npu.identity.weights import (
     PAGE_BYTES,
     AdapterDigests,
     NoWeightsFound,
@@ -472,7 +472,7 @@ def test_adapter_cache_recomputes_after_a_rewrite(tmp_path: Path, caplog: pytest
     second = cache.get(a)
     assert cache.computed == 2 and second is not None and second != first
     assert cache.get(a) == second and cache.computed == 2
-    with caplog.at_level(logging.WARNING, logger="lmcache_npu.store.identity"):
+    with caplog.at_level(logging.WARNING, logger="lmcache_npu.identity.weights"):
         assert cache.get(tmp_path / "missing") is None
         assert cache.get(tmp_path / "missing") is None
         empty = tmp_path / "empty"

@@ -135,7 +135,7 @@ def test_unstable_hashing_is_refused_with_the_reason():
 
 
 def test_namespaces_separate_models_and_layouts():
-    from lmcache_npu.layout.presets import preset_layout
+    from lmcache_npu.tools.presets import preset_layout
 
     llama = preset_layout("llama3-8b", device_family="ascend")[0].plan
     qwen = preset_layout("qwen3-32b", device_family="ascend")[0].plan

@@ -14,7 +14,7 @@ import pytest
 
 from lmcache_npu.store.mooncake import MooncakeConfig, MooncakeTier
 from lmcache_npu.store.tier import OK, TierResult
-from lmcache_npu.store.mooncake_local import netns_available, run_in_loopback_netns
+from lmcache_npu.tools.mooncake_local import netns_available, run_in_loopback_netns
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -70,7 +70,7 @@ def test_listening_addresses_notices_a_wildcard_bind():
     """Negative control for the check above: a socket bound to 0.0.0.0 is reported as such."""
     import socket
 
-    from lmcache_npu.store.mooncake_local import listening_addresses
+    from lmcache_npu.tools.mooncake_local import listening_addresses
 
     with socket.socket() as wild, socket.socket() as loop:
         wild.bind(("0.0.0.0", 0))
@@ -381,7 +381,7 @@ def test_a_master_that_refuses_connections_is_never_handed_to_the_clients_blocki
     """The real client's setup retries a dead master for ~90 s without releasing the GIL: the tier probes the port
     first and opens its circuit instead."""
     from lmcache_npu.store import mooncake as mooncake_module
-    from lmcache_npu.store.mooncake_local import free_port
+    from lmcache_npu.tools.mooncake_local import free_port
 
     calls = []
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from lmcache_npu.store.mooncake_local import run_in_loopback_netns
+from lmcache_npu.tools.mooncake_local import run_in_loopback_netns
 
 from . import stress
 from .test_mooncake import _real_mooncake_reason

@@ -73,7 +73,7 @@ from ...transfer.plans import LoadPlan
 from ...transfer.share_mover import SharedMover
 from ...transfer.shares import ShareLayout
 from . import adapter, tp_share
-from .identity import EngineIdentity, engine_identity
+from .engine_identity import EngineIdentity, engine_identity
 from .load_wait import IDLE_WAIT_S, StepLoadWait
 from .metadata import LMCacheNPUConnectorMetadata, LMCacheNPUWorkerMetadata, WorkerGeometry, plan_group_geometry
 from .stats import DISK_METRICS, REMOTE_METRICS, CounterDeltas, LMCacheNPUStats
@@ -143,8 +143,8 @@ class WorkerHalf:
     # ---- start-up ---------------------------------------------------------------------------------------------
 
     def chunk_tokens(self) -> int:
-        """The configured chunk size, or the automatic one: 256 tokens, rounded up to a multiple of vLLM's hash block
-        and of every stored group's granularity."""
+        """The configured chunk size, or the automatic one: `DEFAULT_CHUNK_TOKENS` (128) rounded up to a multiple of
+        vLLM's hash block and of every stored group's granularity."""
         if self.config.chunk_tokens is not None:
             return self.config.chunk_tokens
         granularity = token_granularity(self.kv_cache_config, LayoutPolicy(skip_spec_kinds=self.config.skip_spec_kinds))

@@ -8,9 +8,9 @@ from typing import Optional
 import numpy as np
 import torch
 
-from ..layout.discovery import KVLayout
-from ..layout.presets import PresetKV, preset_layout, preset_names
-from ..layout.slots import layout_slots
+from ...layout.discovery import KVLayout
+from ..presets import PresetKV, preset_layout, preset_names
+from ...layout.slots import layout_slots
 from .geometry import Materialized
 
 PRESETS = tuple(preset_names())

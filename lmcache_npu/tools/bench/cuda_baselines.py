@@ -8,8 +8,8 @@ from typing import Callable
 
 import torch
 
-from ..ops import ChunkBatch, Direction
-from ..ops.torch_backend import row_view
+from ...ops import ChunkBatch, Direction
+from ...ops.torch_backend import row_view
 
 QUEUE_CYCLES = 2_000_000  # ~1 ms of GPU sleep ahead of a queued transfer: longer than its host preparation
 

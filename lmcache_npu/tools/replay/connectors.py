@@ -78,7 +78,7 @@ def _module_present(name: str) -> bool:
 def peer_unavailable() -> str:
     """Why vLLM's MooncakeStoreConnector cannot start here ("" when it can): it needs vLLM >= 0.32 (the connector's
     module), the Mooncake wheel's store client and its `mooncake_master` binary."""
-    from ..store.mooncake_local import find_master_binary
+    from ..mooncake_local import find_master_binary
 
     if not _module_present("vllm"):
         return "vLLM is not installed"
@@ -126,7 +126,7 @@ def connector_services(configs: Sequence[RunConfig],
         services.unavailable.update({c.name: reason for c in peers})
         yield services
         return
-    from ..store.mooncake_local import LocalMooncakeMaster
+    from ..mooncake_local import LocalMooncakeMaster
 
     with contextlib.ExitStack() as stack:
         try:

@@ -22,17 +22,17 @@ from typing import Callable, Optional, Sequence, Union
 import numpy as np
 import torch
 
-from ..layout.discovery import KVLayout, LayoutGroup
-from ..layout.slots import layout_slots, stored_block_span
-from ..layout.specs import SpecKind
-from ..ops import ChunkBatch, Direction, TransferPlan, TransferStats, get_backend
-from ..ops.torch_backend import TorchBackend
-from ..store.arena import HostArena
-from ..store.commands import Load, Store
-from ..store.executor import StoreExecutor
-from ..store.keys import ChunkKey
-from ..store.tier import TierCounters
-from ..transfer import BlockWindow, KVMover, LoadPlan, StorePlan, StreamKit
+from ...layout.discovery import KVLayout, LayoutGroup
+from ...layout.slots import layout_slots, stored_block_span
+from ...layout.specs import SpecKind
+from ...ops import ChunkBatch, Direction, TransferPlan, TransferStats, get_backend
+from ...ops.torch_backend import TorchBackend
+from ...store.arena import HostArena
+from ...store.commands import Load, Store
+from ...store.executor import StoreExecutor
+from ...store.keys import ChunkKey
+from ...store.tier import TierCounters
+from ...transfer import BlockWindow, KVMover, LoadPlan, StorePlan, StreamKit
 from .cuda_baselines import queue_gpu_work
 from .geometry import Geometry, materialize
 from .presets import materialize_preset

@@ -1,4 +1,4 @@
-"""`lmcache-npu bench-serve`: its arguments and what it does (the subcommand in lmcache_npu/cli.py is these two
+"""`lmcache-npu bench-serve`: its arguments and what it does (the subcommand in lmcache_npu/tools/cli.py is these two
 functions)."""
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def add_bench_serve_parser(sub: Any) -> None:
     p = sub.add_parser("bench-serve", help="vllm serve without and with the plugin (and vLLM's MooncakeStoreConnector "
                                            "where it runs), driven by vLLM's `vllm bench serve`: prefix_repetition, a "
                                            "multi-turn chat trace, random")
-    p.add_argument("--model", default="gemma3-demo", help="a model recipe (lmcache_npu.replay.models) or a model "
+    p.add_argument("--model", default="gemma3-demo", help="a model recipe (lmcache_npu.tools.replay.models) or a model "
                                                           "directory (default gemma3-demo, the replay's model)")
     p.add_argument("--dtype", help="the server's dtype (default: the recipe's, else float32)")
     p.add_argument("--configs", nargs="+", default=["baseline", "plugin", "peer"],
@@ -160,7 +160,7 @@ def run_bench_serve(args: argparse.Namespace) -> int:
     from ..replay.engine import engine_available
     from ..replay.models import VOCAB, make_model, model_vocab, resolve_recipe
     from ..replay.sizing import kv_bytes_per_token, kv_memory_for
-    from ..store.config import parse_bytes
+    from ...store.config import parse_bytes
     from .plots import write_plots
     from .report import check_baseline, render, to_json
     from .server import ServerSettings

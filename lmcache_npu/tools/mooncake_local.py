@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
-from .mooncake import MooncakeConfig
+from ..store.mooncake import MooncakeConfig
 
 LOOPBACK = "127.0.0.1"
 

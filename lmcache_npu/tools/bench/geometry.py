@@ -11,7 +11,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from ..ops import GroupSpec, PageLayout, Plane, TransferPlan, rows_per_chunk
+from ...ops import GroupSpec, PageLayout, Plane, TransferPlan, rows_per_chunk
 
 DTYPES = {
     "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "int8": torch.int8,

@@ -32,12 +32,12 @@ import numpy as np
 import torch
 import xxhash
 
-from ..store.arena import HostArena
-from ..store.commands import Command, Completion, Promote, Put, Source, Spill, Store
-from ..store.executor import Report, StoreExecutor
-from ..store.index import ChunkIndex
-from ..store.keys import ChunkKey
-from ..store.tier import OK
+from ...store.arena import HostArena
+from ...store.commands import Command, Completion, Promote, Put, Source, Spill, Store
+from ...store.executor import Report, StoreExecutor
+from ...store.index import ChunkIndex
+from ...store.keys import ChunkKey
+from ...store.tier import OK
 
 logger = logging.getLogger(__name__)
 
@@ -236,7 +236,7 @@ def _drop_page_cache(paths: Sequence[str]) -> bool:
 def bench_disk(chunk_bytes: int, chunks: int, progress: _Progress, disk_path: Optional[str] = None,
                seed: int = 0) -> TierBench:
     """Spill (arena → file, write-behind, fsync, rename) and Promote (file → arena, checksum verified)."""
-    from ..store.disk import HEADER_BYTES, DiskTier
+    from ...store.disk import HEADER_BYTES, DiskTier
 
     with contextlib.ExitStack() as stack:
         root = disk_path or stack.enter_context(tempfile.TemporaryDirectory(prefix="lmcache-npu-store-bench-"))
@@ -265,8 +265,8 @@ def bench_mooncake(chunk_bytes: int, chunks: int, progress: _Progress, mooncake:
     through the tier's bounce buffer (`zero_copy` False)."""
     import dataclasses
 
-    from ..store.mooncake import MooncakeConfig, MooncakeTier
-    from ..store.mooncake_local import LocalMooncakeMaster
+    from ...store.mooncake import MooncakeConfig, MooncakeTier
+    from ..mooncake_local import LocalMooncakeMaster
 
     with contextlib.ExitStack() as stack:
         segment = 2 * chunks * chunk_bytes + (256 << 20)  # Mooncake evicts near a full pool: leave headroom
@@ -314,7 +314,7 @@ def loopback_only_network() -> bool:
 def run_in_private_network(argv: Sequence[str], what: str = "store-bench") -> Optional[int]:
     """Runs `argv` in a new network namespace with only `lo` up and MC_TCP_BIND_ADDRESS=127.0.0.1, its output not
     captured, and returns its exit status; None, with a note on stderr, where no namespace can be made here."""
-    from ..store.mooncake_local import LOOPBACK, netns_available
+    from ..mooncake_local import LOOPBACK, netns_available
 
     ok, why = netns_available()
     if not ok:

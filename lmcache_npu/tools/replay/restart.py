@@ -9,7 +9,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from .configs import BASELINE, RunConfig
 from .engine import EngineSettings
-from .identity import TurnReport, compare_turns
+from .turns import TurnReport, compare_turns
 from .runs import RunResult, start_engine, timed_run
 from .workload import Conversation, Turn, _Tokens, prompt_of
 

@@ -9,8 +9,8 @@ Two views, because the plugin works on two kinds of thread:
 - the plugin's own threads (its transfer lanes, disk writers): CPU seconds from /proc, which on a small machine are
   taken from the model's threads.
 
-    python -m lmcache_npu.servebench.overhead_profile --prompts 32 --rounds 3 --json profile.json
-    python -m lmcache_npu.servebench.overhead_profile --prompts 16 --rounds 3 --batch 1 --no-baseline --timers
+    python -m lmcache_npu.tools.servebench.overhead_profile --prompts 32 --rounds 3 --json profile.json
+    python -m lmcache_npu.tools.servebench.overhead_profile --prompts 16 --rounds 3 --batch 1 --no-baseline --timers
 
 Needs a real vLLM engine (.venv-vllm-0.32.0). Timings on a loaded machine are noisy; the breakdown's shares less so.
 """
@@ -178,7 +178,7 @@ def _run(name: str, engine: Any, rounds: Sequence[Sequence[Sequence[int]]], batc
     profiler = cProfile.Profile(time.thread_time) if profile == "cprofile" else None
     timers = None
     if profile == "timers":
-        from ..integration.vllm.connector import LMCacheNPUConnector
+        from ...integration.vllm.connector import LMCacheNPUConnector
 
         timers = HookTimers(LMCacheNPUConnector)
     own_before = {k: v for k, v in thread_cpu_seconds().items() if k.startswith("lmcache")}
@@ -271,7 +271,7 @@ def render(runs: Sequence[RunProfile], top: int = 12) -> list[str]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m lmcache_npu.servebench.overhead_profile",
+    parser = argparse.ArgumentParser(prog="python -m lmcache_npu.tools.servebench.overhead_profile",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="gemma3-demo")
     parser.add_argument("--prompts", type=int, default=32, help="prompts per round")

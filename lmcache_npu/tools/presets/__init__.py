@@ -14,7 +14,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from ..discovery import (
+from ...layout.discovery import (
     DEFAULT_SKIP_SPEC_KINDS,
     KVLayout,
     LayoutPolicy,

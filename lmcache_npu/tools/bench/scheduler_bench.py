@@ -89,11 +89,11 @@ class _Bench:
             init_none_hash,
         )
 
-        from ..config import load_config
-        from ..integration.vllm.metadata import WorkerGeometry, plan_group_geometry
-        from ..integration.vllm.scheduler import SchedulerHalf
-        from ..layout.presets import preset_layout
-        from ..store.keys import model_fingerprint, namespace_of
+        from ...config import load_config
+        from ...integration.vllm.metadata import WorkerGeometry, plan_group_geometry
+        from ...integration.vllm.scheduler import SchedulerHalf
+        from ..presets import preset_layout
+        from ...store.keys import model_fingerprint, namespace_of
 
         layout, kv = preset_layout(preset, device_family, num_blocks=2)
         groups = kv.kv_cache_config.kv_cache_groups
@@ -114,7 +114,7 @@ class _Bench:
         scheduler_config = generate_scheduler_kv_cache_config([kv.kv_cache_config])
         self.half = SchedulerHalf(load_config(extra, environ={}), self.vllm_config, scheduler_config)
         fingerprint = layout.plan.fingerprint
-        from ..integration.vllm import adapter
+        from ...integration.vllm import adapter
 
         namespace = namespace_of(model_fingerprint(**adapter.model_facts(self.vllm_config, None)), fingerprint)
         self.half.set_worker_geometry([WorkerGeometry(
@@ -149,8 +149,8 @@ class _Bench:
 
     def settle(self) -> None:
         """Every rank completes every command (the worker side is not part of this bench)."""
-        from ..integration.vllm.metadata import LMCacheNPUWorkerMetadata
-        from ..store.commands import Completion
+        from ...integration.vllm.metadata import LMCacheNPUWorkerMetadata
+        from ...store.commands import Completion
 
         index = self.half.index
         while index.in_flight:

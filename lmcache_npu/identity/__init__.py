@@ -1,0 +1,1 @@
+"""Content identity of model weights and adapters: what a namespace says the KV was computed with."""
