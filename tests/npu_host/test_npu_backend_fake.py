@@ -200,6 +200,7 @@ def test_bad_copies_are_refused_before_anything_is_queued(fake_npu: FakeNpu) -> 
     backend = backend_for(fake_npu, plan)
     whole = fake_npu.pinned_tensor(2 * plan.object_bytes + 4096)
     misaligned = whole[32: 32 + 2 * plan.object_bytes].view(2, -1)  # 32 B off: aclrtMemcpyAsync refuses
+    fake_npu.drain()  # the backend's start-up uploads run on the queue's thread; only what the refusal queues counts
     launches = fake_npu.counter("launches")
     with pytest.raises(ValueError, match="64 B aligned"):
         backend.store(plan, SLOTS, misaligned)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from lmcache_npu import selftest
+from lmcache_npu.tools import selftest
 from lmcache_npu.platform.host_memory import SegmentPinning
 from lmcache_npu.platform.ascend_memory import AclMallocHost
 from lmcache_npu.ops.npu_backend import NpuBackend

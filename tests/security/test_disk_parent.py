@@ -99,11 +99,10 @@ def test_a_file_as_parent_is_refused(tmp_path):
 def test_a_parent_owned_by_another_user_is_refused_and_one_owned_by_root_accepted(tmp_path, monkeypatch):
     """Ownership without root: the directory is ours, so a service running as another uid (geteuid patched) must
     refuse it, unless that directory belongs to root."""
-    from lmcache_npu.store import disk as disk_module
 
     parent = _parent(tmp_path, 0o755)
     owner = os.stat(parent).st_uid
-    monkeypatch.setattr(disk_module.os, "geteuid", lambda: owner + 1000)
+    monkeypatch.setattr(os, "geteuid", lambda: owner + 1000)
     if owner == 0:
         check_disk_parent(str(parent))  # root's directory, not writable by others: accepted
     else:

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from lmcache_npu import doctor
-from lmcache_npu.store import identity
+from lmcache_npu.tools import doctor
+from lmcache_npu.identity import weights as identity
 from lmcache_npu.identity.weights import fingerprint_weights
 
 SAMPLED = 256 << 10  # a budget whose whole-read share (32 KiB) is below the 1.3 MB of weights: the sampling path

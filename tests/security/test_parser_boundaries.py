@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from lmcache_npu.tools.bench.geometry import geometry_from_dict, load_geometry
 from lmcache_npu.config import ENV_PREFIX, ConnectorConfig, load_config
 from lmcache_npu.tools.status import engine_status, parse_metrics, render, to_json
-from lmcache_npu.store import identity
+from lmcache_npu.identity import weights as identity
 from lmcache_npu.store.config import StoreConfig
 from lmcache_npu.store.disk import HEADER_BYTES, DiskTier, scan_disk_directory
 from lmcache_npu.store.envelope import ENVELOPE_BYTES, Sealer, seal, sealed_bytes, verify

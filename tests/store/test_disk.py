@@ -22,10 +22,11 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+import xxhash
 
-from lmcache_npu.store import disk as disk_module
 from lmcache_npu.store.disk import DISK_FORMAT_VERSION, HEADER_BYTES, DiskTier, scan_disk_directory
-from lmcache_npu.store.tier import OK, TierResult
+from lmcache_npu.store.disk import tier as disk_tier
+from lmcache_npu.store.tier import OK, TierCounters, TierResult
 
 FP = bytes(range(16))
 OTHER_FP = bytes(range(16, 32))
@@ -79,7 +80,7 @@ def fsync_gate(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[threading.Even
         release.wait(10)
         real_fsync(fd)
 
-    monkeypatch.setattr(disk_module.os, "fsync", gated)
+    monkeypatch.setattr(os, "fsync", gated)
     yield release, entered
     release.set()
 
@@ -111,7 +112,7 @@ def test_header_layout_on_disk(tier: DiskTier) -> None:
     raw = file_of(Path(tier._root), name_of(1)).read_bytes()
     magic, version, header, fp, length, checksum, digest, reserved = struct.unpack("<8sII16sQQ12s4s", raw[:64])
     assert (magic, version, header, fp, length) == (b"LMCNPUKV", DISK_FORMAT_VERSION, 64, FP, 1000)
-    assert checksum == disk_module.xxhash.xxh3_64_intdigest(data) and reserved == bytes(4)
+    assert checksum == xxhash.xxh3_64_intdigest(data) and reserved == bytes(4)
     assert digest == hashlib.sha256(name_of(1).encode()).digest()[:12] and raw[64:] == data
 
 
@@ -333,7 +334,7 @@ def test_write_errors_are_reported_and_the_service_continues(tier: DiskTier, mon
     def failing_write(fd: int, data: object) -> int:
         raise OSError(code, os.strerror(code))
 
-    monkeypatch.setattr(disk_module.os, "write", failing_write)
+    monkeypatch.setattr(os, "write", failing_write)
     done = Results()
     assert tier.write_async(name_of(1), payload(5000, seed=1), done) == OK
     assert tier.flush(10) and done.items == [TierResult.fail(reason)] and tier.counters[counter] == 1
@@ -788,10 +789,10 @@ def make_temp(root: Path, name: str, pid: int, incarnation: str, age: float = 0.
 def plant_temps(root: Path) -> dict[str, Path]:
     """Temp files of rank 0's names (ours) and rank 1's (foreign), fresh and old, with live and dead writer pids."""
     return {
-        "own fresh, live pid": make_temp(root, name_of(1), os.getpid(), disk_module._INCARNATION),
+        "own fresh, live pid": make_temp(root, name_of(1), os.getpid(), disk_tier._INCARNATION),
         "own fresh, dead pid": make_temp(root, name_of(2), 2 ** 22 + 7, "00000000"),
         "own old": make_temp(root, name_of(3), os.getpid(), "00000000", age=3600),
-        "foreign fresh, live pid": make_temp(root, name_of(4, rank=1), os.getpid(), disk_module._INCARNATION),
+        "foreign fresh, live pid": make_temp(root, name_of(4, rank=1), os.getpid(), disk_tier._INCARNATION),
         "foreign fresh, dead pid": make_temp(root, name_of(5, rank=1), 2 ** 22 + 7, "00000000"),
         "foreign old": make_temp(root, name_of(6, rank=1), os.getppid(), "12345678", age=3600),
     }
@@ -805,7 +806,7 @@ def rank0(name: str) -> bool:
 def test_temp_files_own_ones_go_under_the_lock_foreign_ones_only_by_age(tmp_path: Path, holder: str) -> None:
     root = make_root(tmp_path)
     temps = plant_temps(root)
-    counters = disk_module.TierCounters()
+    counters = TierCounters()
     if holder == "scheduler scan":
         assert scan_disk_directory(root, FP, counters, owns=rank0) == []
     else:

@@ -210,7 +210,7 @@ def test_kv_scale_change_is_seen(tmp_path: Path) -> None:
 def test_cached_and_device_reads_give_one_digest(many: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Batches whose pages are cached are read on the calling thread (RWF_NOWAIT), the rest on the pool: the
     digest must not depend on which path a batch took, and both paths see a changed byte."""
-    from lmcache_npu.store import identity
+    from lmcache_npu.identity import weights as identity
 
     cached = fingerprint_weights(many, max_read_bytes=SAMPLED, threads=4).digest
     monkeypatch.setattr(identity, "_NOWAIT", None)  # every batch through the blocking reads of the pool
