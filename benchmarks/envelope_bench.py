@@ -255,7 +255,7 @@ def executor_batch(master: Any, preset: str, size: int, digest: str, keyed: bool
                    repeats: int) -> dict[str, Any]:
     """BATCH chunks promoted as one batch through StoreExecutor from the peer's segment: wall time with verification
     (and the time verification took inside it) and without."""
-    from lmcache_npu.store.commands import Promote, Source
+    from lmcache_npu.store.commands import Promote, Tier
     from lmcache_npu.store.executor import StoreExecutor
 
     keys = [_key(preset, digest, i) for i in range(BATCH)]
@@ -270,7 +270,7 @@ def executor_batch(master: Any, preset: str, size: int, digest: str, keyed: bool
             for run in range(repeats + 1):
                 for enabled in ((True, False) if run % 2 else (False, True)):  # alternate: drift hits both alike
                     clock.enabled, clock.spent = enabled, []
-                    commands = [Promote(next_id + i, k, i, Source.REMOTE) for i, k in enumerate(keys)]
+                    commands = [Promote(next_id + i, k, i, Tier.REMOTE) for i, k in enumerate(keys)]
                     next_id += BATCH
                     start = time.perf_counter()
                     executor.submit(commands)

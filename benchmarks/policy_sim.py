@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Optional, Sequence
 
-from lmcache_npu.store.commands import Command, Completion, Drop, Persist, Promote, Put, Source, Spill
+from lmcache_npu.store.commands import Command, Completion, Drop, Persist, Promote, Put, Spill, Tier
 from lmcache_npu.store.index import ChunkIndex
 from lmcache_npu.store.keys import ChunkKey
 from lmcache_npu.store.policies import POLICIES
@@ -178,9 +178,9 @@ class InstantExecutor:
         elif isinstance(command, (Spill, Persist)):
             self.counts["spill" if isinstance(command, Spill) else "persist"] += 1
         elif isinstance(command, Promote):
-            ok = command.source is Source.DISK or command.key in self.remote
+            ok = command.source is Tier.DISK or command.key in self.remote
             self.counts[f"promote_{command.source.value}"] += 1
-        elif isinstance(command, Drop) and command.tier is Source.REMOTE:
+        elif isinstance(command, Drop) and command.tier is Tier.REMOTE:
             self.remote.discard(command.key)
         return Completion(command.cmd_id, 0, ok)
 

@@ -14,11 +14,19 @@ from typing import Union
 from .keys import ChunkKey
 
 
-class Source(str, Enum):
-    """A tier behind the arena."""
+class Tier(str, Enum):
+    """Where a chunk is held. The values are the names metrics, KV events and `lmcache-npu status` use, and a tier
+    formats as its value (`f"promotions_{tier}"` is "promotions_disk" on every Python)."""
 
+    ARENA = "cpu"
     DISK = "disk"
     REMOTE = "remote"
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
 
 
 @dataclass(frozen=True)
@@ -59,7 +67,7 @@ class Promote:
     cmd_id: int
     key: ChunkKey
     slot: int
-    source: Source
+    source: Tier
 
 
 @dataclass(frozen=True)
@@ -86,7 +94,7 @@ class Drop:
 
     cmd_id: int
     key: ChunkKey
-    tier: Source
+    tier: Tier
 
 
 Command = Union[Store, Load, Spill, Promote, Put, Persist, Drop]

@@ -25,7 +25,7 @@ from typing import Callable, Collection, Optional, Protocol, Sequence, Union
 import torch
 
 from .arena import HostArena
-from .commands import Command, Completion, Drop, Load, Persist, Promote, Put, Source, Spill, Store
+from .commands import Command, Completion, Drop, Load, Persist, Promote, Put, Spill, Store, Tier
 from .envelope import RejectionLog, Sealer, seal, verify
 from .keys import ChunkKey
 from .tier import OK, TierResult
@@ -256,7 +256,7 @@ class StoreExecutor:
 
     def _drop(self, command: Drop) -> None:
         name = command.key.storage_name(self.rank)
-        if command.tier is Source.DISK:
+        if command.tier is Tier.DISK:
             if self.disk is not None:
                 self.disk.delete(name)
             self._report(command.cmd_id, OK)
@@ -341,7 +341,7 @@ def _batch_kind(command: Command) -> str:
         return "store"
     if isinstance(command, Load):
         return "load"
-    if isinstance(command, Promote) and command.source is Source.REMOTE:
+    if isinstance(command, Promote) and command.source is Tier.REMOTE:
         return "remote_get"
     if isinstance(command, Put):
         return "remote_put"

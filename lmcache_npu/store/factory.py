@@ -18,7 +18,7 @@ from .disk import HEADER_BYTES, DiskTier, disk_chunks_for_capacity, scan_disk_di
 from .envelope import Sealer, sealed_bytes
 from .executor import DeviceMover, StoreExecutor
 from .index import ChunkIndex
-from .keys import ChunkKey
+from .keys import ChunkKey, storage_names_of
 from .secret import resolve_secret
 
 logger = logging.getLogger(__name__)
@@ -30,7 +30,7 @@ def disk_keys_on_every_rank(path: str, layout_fingerprint: bytes, namespace: str
     restarted scheduler adopts), and those only some ranks have (a crash mid-spill: useless, to be dropped)."""
     newest: dict[ChunkKey, float] = {}
     ranks: dict[ChunkKey, set[int]] = {}
-    for entry in scan_disk_directory(path, layout_fingerprint, owns=lambda name: name.startswith(namespace + "-")):
+    for entry in scan_disk_directory(path, layout_fingerprint, owns=storage_names_of(namespace)):
         try:
             key, rank = ChunkKey.from_storage_name(entry.name)
         except ValueError:
@@ -134,14 +134,10 @@ def build_executor(config: StoreConfig, rank: int, object_bytes: int, layout_fin
                                    npu_host_memory=config.npu_host_memory)
     disk = None
     if config.disk_path is not None:
-        suffix = f"-r{rank}"
-
-        def owns(name: str) -> bool:
-            return name.endswith(suffix) and (namespace is None or name.startswith(namespace + "-"))
-
         disk = DiskTier(config.disk_path, layout_fingerprint, capacity_bytes=config.disk_bytes,
                         max_pending_bytes=config.disk_max_pending_bytes, writer_threads=config.disk_writer_threads,
-                        owns=owns, lock_name=None if namespace is None else f"{namespace}-r{rank}")
+                        owns=storage_names_of(namespace, rank),
+                        lock_name=None if namespace is None else f"{namespace}-r{rank}")
     remote = None
     if config.mooncake is not None:
         from .mooncake import MooncakeTier

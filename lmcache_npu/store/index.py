@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Callable, Iterable, Optional, Sequence, Union
 
-from .commands import Command, Completion, Drop, Load, Persist, Promote, Put, Source, Spill, Store
+from .commands import Command, Completion, Drop, Load, Persist, Promote, Put, Spill, Store, Tier
 from .keys import ChunkKey
 from .policies import EvictionPolicy, make_policy
 from .tier import TierCounters
@@ -34,8 +34,8 @@ from .tier import TierCounters
 logger = logging.getLogger(__name__)
 
 RemoteExists = Callable[[Sequence[ChunkKey]], Sequence[bool]]
-# told (key, tier, entered) when a chunk becomes readable in a tier ("cpu", "disk", "remote") or stops being so
-TierListener = Callable[[ChunkKey, str, bool], None]
+# told (key, tier, entered) when a chunk becomes readable in a tier (arena, disk, remote) or stops being so
+TierListener = Callable[[ChunkKey, Tier, bool], None]
 # A chunk whose promotion from the remote store failed on some rank is a miss for this long, then tried again.
 REMOTE_MISS_AFTER_FAILURE_S = 60.0
 # the reuse table remembers this many keys per arena slot (at least SEEN_MIN): enough to see a chunk come back
@@ -89,11 +89,11 @@ class _Pending:
 class LookupResult:
     """`hit_chunks`: the longest prefix present in some tier (being promoted or stored counts); `ready_chunks`:
     the prefix loadable from the arena now. `pending` means the caller should ask again after promotions land.
-    `sources` names, per hit chunk, the tier it was found in: "cpu" (the arena), "disk" or "remote"."""
+    `sources` names, per hit chunk, the tier it was found in."""
 
     hit_chunks: int
     ready_chunks: int
-    sources: tuple[str, ...] = ()
+    sources: tuple[Tier, ...] = ()
 
     @property
     def pending(self) -> bool:
@@ -164,7 +164,7 @@ class ChunkIndex:
                 self._make_disk_room()
                 entry.disk = DiskState.PRESENT
                 self._disk_lru[key] = None
-                self._tell(key, "disk", True)
+                self._tell(key, Tier.DISK, True)
                 adopted += 1
         return adopted
 
@@ -173,7 +173,7 @@ class ChunkIndex:
         for key in keys:
             entry = self._entries.get(key)
             if entry is None or entry.disk is DiskState.NONE:
-                self._emit(Drop(self._new_id(), key, Source.DISK))
+                self._emit(Drop(self._new_id(), key, Tier.DISK))
 
     def lookup(self, request_id: str, keys: Sequence[ChunkKey]) -> LookupResult:
         """The longest prefix of `keys` held by some tier. Chunks found on disk or remote are promoted into the
@@ -188,7 +188,7 @@ class ChunkIndex:
                 self._reserve(entry, request_id, reserved)
         first_ask = self._count_requests(request_id, keys)
         remote_from, remote_present = 0, None  # asked once, for the keys from the first local miss on
-        sources: list[str] = []
+        sources: list[Tier] = []
         for position, key in enumerate(keys):
             entry = self._entries.get(key)
             if entry is not None and entry.slot is not None:
@@ -197,12 +197,12 @@ class ChunkIndex:
                     ready += ready == position
                     if first_ask[position] and self._remote_admit_hits:
                         self._put_if_admitted(entry)
-                sources.append("cpu")
+                sources.append(Tier.ARENA)
             elif entry is not None and entry.disk is DiskState.PRESENT:
                 self._reserve(entry, request_id, reserved)
-                if not self._promote(entry, Source.DISK):
+                if not self._promote(entry, Tier.DISK):
                     break
-                sources.append("disk")
+                sources.append(Tier.DISK)
             else:
                 if remote_present is None:
                     remote_from, remote_present = position, self._remote_present(keys[position:])
@@ -210,9 +210,9 @@ class ChunkIndex:
                     break
                 entry = self._entries.setdefault(key, _Entry(key))
                 self._reserve(entry, request_id, reserved)  # kept while its own promotion may evict and drop
-                if not self._promote(entry, Source.REMOTE):
+                if not self._promote(entry, Tier.REMOTE):
                     break
-                sources.append("remote")
+                sources.append(Tier.REMOTE)
             hit += 1
         for key in keys[hit:]:  # what lies past the hit prefix is not this request's to hold
             entry = self._entries.get(key)
@@ -288,10 +288,10 @@ class ChunkIndex:
         return stores  # type: ignore[return-value]
 
     def set_tier_listener(self, listener: Optional[TierListener]) -> None:
-        """`listener(key, tier, entered)` hears every chunk that becomes readable in a tier ("cpu": a store or
-        promotion completed on every rank; "disk": a spill or write-through completed, or adopted at restart;
-        "remote": a put or remote promotion completed) or stops being so ("cpu": evicted; "disk": dropped). The
-        remote store evicts on its own, so "remote" is never left. None stops the calls."""
+        """`listener(key, tier, entered)` hears every chunk that becomes readable in a tier (ARENA: a store or
+        promotion completed on every rank; DISK: a spill or write-through completed, or adopted at restart; REMOTE: a
+        put or remote promotion completed) or stops being so (ARENA: evicted; DISK: dropped). The remote store evicts
+        on its own, so REMOTE is never left. None stops the calls."""
         if listener is not None and not callable(listener):
             raise ValueError(f"tier listener must be callable or None, got {type(listener).__name__}")
         self._listener = listener
@@ -350,12 +350,12 @@ class ChunkIndex:
         """How many slots the index may hand out (those of live arena segments)."""
         return self._usable.count(1)
 
-    def occupancy(self) -> dict[str, tuple[int, int]]:
-        """Per local tier, (chunks held, capacity): "cpu" counts slots being written too and has the usable slots
-        (live segments) as capacity, "disk" counts files being written too (what `lmcache-npu status` shows)."""
+    def occupancy(self) -> dict[Tier, tuple[int, int]]:
+        """Per local tier, (chunks held, capacity): the arena counts slots being written too and has the usable slots
+        (live segments) as capacity, the disk counts files being written too (what `lmcache-npu status` shows)."""
         held = self.num_slots - len(self._free_slots) - len(self._withheld)
         usable = self._usable.count(1)  # C speed: the scheduler reports this every step
-        return {"cpu": (held, usable), "disk": (len(self._disk_lru), self.disk_chunks)}
+        return {Tier.ARENA: (held, usable), Tier.DISK: (len(self._disk_lru), self.disk_chunks)}
 
     @property
     def eviction_policy(self) -> str:
@@ -397,7 +397,7 @@ class ChunkIndex:
 
     # ---- internals ----------------------------------------------------------------------------------------------
 
-    def _tell(self, key: ChunkKey, tier: str, entered: bool) -> None:
+    def _tell(self, key: ChunkKey, tier: Tier, entered: bool) -> None:
         """Tells the listener a chunk entered or left a tier; a failing listener never breaks the index."""
         if self._listener is None:
             return
@@ -525,25 +525,25 @@ class ChunkIndex:
 
     def _drop_disk(self, entry: _Entry) -> None:
         if entry.disk is DiskState.PRESENT:
-            self._tell(entry.key, "disk", False)
+            self._tell(entry.key, Tier.DISK, False)
         entry.disk = DiskState.NONE
         self._disk_lru.pop(entry.key, None)
-        self._emit(Drop(self._new_id(), entry.key, Source.DISK))
+        self._emit(Drop(self._new_id(), entry.key, Tier.DISK))
 
-    def _promote(self, entry: _Entry, source: Source) -> bool:
+    def _promote(self, entry: _Entry, source: Tier) -> bool:
         """Starts moving a disk or remote copy into a slot; False when no slot can be had."""
-        if source is Source.DISK and entry.disk is not DiskState.PRESENT:
+        if source is Tier.DISK and entry.disk is not DiskState.PRESENT:
             return False  # a spill still being written is not readable by every rank yet
-        if source is Source.DISK:
+        if source is Tier.DISK:
             entry.disk_readers += 1  # before _take_slot: making disk room for its spill must not drop this file
         slot = self._take_slot()
         if slot is None:
-            if source is Source.DISK:
+            if source is Tier.DISK:
                 entry.disk_readers -= 1
             self.counters.add("promote_no_slot")
             return False
         self._occupy(entry, slot)
-        if source is Source.DISK:
+        if source is Tier.DISK:
             self._disk_lru.move_to_end(entry.key)
         self._emit(Promote(self._new_id(), entry.key, slot, source))
         self.counters.add(f"promotions_{source.value}")
@@ -553,7 +553,7 @@ class ChunkIndex:
         """The entry no longer holds its slot (`evicted`: the policy chose it); the caller reuses or frees the slot."""
         assert entry.slot is not None
         if entry.slot_state is SlotState.READY:
-            self._tell(entry.key, "cpu", False)
+            self._tell(entry.key, Tier.ARENA, False)
         self._arena_policy.remove(entry.key, evicted)
         self._slot_owner[entry.slot] = None
         entry.slot = None
@@ -587,14 +587,14 @@ class ChunkIndex:
             if ok and self._write_through:
                 self._to_persist.append((entry.key, command.slot))
         elif isinstance(command, Promote):
-            if command.source is Source.REMOTE and not ok:
+            if command.source is Tier.REMOTE and not ok:
                 self._remote_failed[command.key] = time.monotonic() + REMOTE_MISS_AFTER_FAILURE_S
-            if command.source is Source.REMOTE and ok:
+            if command.source is Tier.REMOTE and ok:
                 entry.remote_put = True  # the remote store holds it: nothing to put back
-                self._tell(entry.key, "remote", True)
-            if command.source is Source.REMOTE and ok and self._write_through:
+                self._tell(entry.key, Tier.REMOTE, True)
+            if command.source is Tier.REMOTE and ok and self._write_through:
                 self._to_persist.append((entry.key, command.slot))
-            if command.source is Source.DISK:
+            if command.source is Tier.DISK:
                 entry.disk_readers -= 1
                 if not ok and entry.disk is DiskState.PRESENT:
                     self._drop_disk(entry)  # some rank found its file bad: the others' copies are useless alone
@@ -604,7 +604,7 @@ class ChunkIndex:
         elif isinstance(command, (Load, Put)):
             entry.readers -= 1
             if isinstance(command, Put) and ok:
-                self._tell(entry.key, "remote", True)
+                self._tell(entry.key, Tier.REMOTE, True)
             if isinstance(command, Put) and not ok:
                 entry.remote_put = False  # no delete: another instance may hold a good copy under the same name
         elif isinstance(command, (Spill, Persist)):
@@ -613,7 +613,7 @@ class ChunkIndex:
             if entry.disk is DiskState.WRITING and entry.disk_cmd == command.cmd_id:
                 if ok:
                     entry.disk = DiskState.PRESENT
-                    self._tell(entry.key, "disk", True)
+                    self._tell(entry.key, Tier.DISK, True)
                 else:
                     self._drop_disk(entry)
         self._forget_if_empty(entry)
@@ -642,6 +642,6 @@ class ChunkIndex:
         if ok:
             entry.slot_state = SlotState.READY
             self._arena_policy.insert(entry.key)
-            self._tell(entry.key, "cpu", True)
+            self._tell(entry.key, Tier.ARENA, True)
         else:
             self._release_slot(entry)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-from typing import Any, Mapping, NamedTuple, Optional, Sequence
+from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +97,18 @@ class ChunkKey(NamedTuple):
             return cls(parts[0], bytes.fromhex(parts[1])), int(parts[2][1:])
         except ValueError as exc:
             raise ValueError(f"{name!r} is not a chunk storage name: {exc}") from None
+
+
+def storage_names_of(namespace: Optional[str] = None, rank: Optional[int] = None) -> Callable[[str], bool]:
+    """A test of storage names (`ChunkKey.storage_name`) for those of `namespace` and `rank` (None: any); a tier
+    scanning a directory other models and ranks share judges only the names it owns."""
+    prefix = None if namespace is None else f"{namespace}-"
+    suffix = None if rank is None else f"-r{rank}"
+
+    def owns(name: str) -> bool:
+        return (prefix is None or name.startswith(prefix)) and (suffix is None or name.endswith(suffix))
+
+    return owns
 
 
 def namespace_of(model: bytes, layout: bytes) -> str:

@@ -67,5 +67,6 @@ def violations(package_root: Path, prefixes: Mapping[str, str], below: Mapping[s
     for arrow in arrows(package_root):
         source, target = layer_of(arrow.source, prefixes), layer_of(arrow.target, prefixes)
         if source != target and target not in below[source]:
-            bad.append(f"{arrow} (layer {source} -> {target}; {source} may import {', '.join(below[source]) or 'nothing'})")
+            allowed = ", ".join(below[source]) or "nothing"
+            bad.append(f"{arrow} (layer {source} -> {target}; {source} may import {allowed})")
     return bad

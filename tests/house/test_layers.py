@@ -93,7 +93,8 @@ def vllm_imports(package_root: Path) -> list[str]:
         for node in ast.walk(ast.parse(path.read_text())):
             names = ([node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level
                      else [a.name for a in node.names] if isinstance(node, ast.Import) else [])
-            found += [f"{module}:{node.lineno} imports {n}" for n in names if n.split(".")[0] in ("vllm", "vllm_ascend")]
+            found += [f"{module}:{node.lineno} imports {n}" for n in names
+                      if n.split(".")[0] in ("vllm", "vllm_ascend")]
     return found
 
 

@@ -284,8 +284,8 @@ def test_settings_come_from_the_checked_config_else_from_the_raw_extra_config() 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("LMCACHE_NPU_")}
-    return subprocess.run([sys.executable, "-m", "lmcache_npu.tools.cli", "doctor", *args], capture_output=True, text=True,
-                          timeout=300, env=env)
+    return subprocess.run([sys.executable, "-m", "lmcache_npu.tools.cli", "doctor", *args], capture_output=True,
+                          text=True, timeout=300, env=env)
 
 
 def test_the_command_here_says_there_is_no_npu() -> None:

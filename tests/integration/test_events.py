@@ -13,10 +13,10 @@ from hypothesis import strategies as st
 from vllm.distributed.kv_events import BlockRemoved, BlockStored
 
 from lmcache_npu.integration.vllm import scheduler as scheduler_module
-from lmcache_npu.integration.vllm.events import KVEvents, RouterView, chunk_payload, kv_events_enabled
+from lmcache_npu.integration.vllm.events import KVEvents, chunk_payload, kv_events_enabled
 from lmcache_npu.store.keys import ChunkKey
 
-from ..kv_events_view import check_against_index, ours
+from ..kv_events_view import RouterView, check_against_index, ours
 from .conftest import preset_engine, prompt
 
 CHUNK = 256  # pinned in every engine here: the checks count hash blocks per chunk

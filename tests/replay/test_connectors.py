@@ -12,9 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lmcache_npu.tools.replay.configs import (BASELINE, PEER, PLUGIN, RunConfig, default_configs, named_configs,
-                                        peer_config)
-from lmcache_npu.tools.replay.connectors import (ConnectorServices, connector_services, peer_client_config, release_peer,
-                                           transfer_config, transfer_config_json)
+                                              peer_config)
+from lmcache_npu.tools.replay.connectors import (ConnectorServices, connector_services, peer_client_config,
+                                                 release_peer, transfer_config, transfer_config_json)
 
 PEER_SERVICES = ConnectorServices(mooncake_master="127.0.0.1:5", mooncake_config_path="/tmp/mooncake.json")
 

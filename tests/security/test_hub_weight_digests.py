@@ -20,7 +20,8 @@ from lmcache_npu.identity.weights import fingerprint_weights
 
 SAMPLED = 256 << 10  # a budget whose whole-read share (32 KiB) is below the 1.3 MB of weights: the sampling path
 WHOLE = 512 << 20  # the default budget: these weights are read whole
-# fingerprints of `_files("v1")` in a plain directory, computed by store/identity.py (now identity/weights.py) before this change (git 8eafdf7):
+# fingerprints of `_files("v1")` in a plain directory, computed by identity/weights.py (then store/identity.py) before
+# this change (git 8eafdf7):
 # plain directories must keep them, or every existing cache of a plain checkpoint would be orphaned
 PLAIN_BEFORE = {SAMPLED: "8fd086ba86a5c1c29730397dd1e5873e72edbf407d5c83d3dcad37932e383c73",
                 WHOLE: "04d4411f05869319151632b67e23f1716ffd4cd3e890cff8d1ef17cd6b3a8ec2"}

@@ -14,7 +14,7 @@ import numpy as np
 
 from lmcache_npu.store import executor as executor_module
 from lmcache_npu.store.arena import HostArena
-from lmcache_npu.store.commands import Promote, Put, Source
+from lmcache_npu.store.commands import Promote, Put, Tier
 from lmcache_npu.store.envelope import verify
 from lmcache_npu.store.executor import StoreExecutor
 from lmcache_npu.store.keys import ChunkKey
@@ -196,7 +196,7 @@ def _run(executor: StoreExecutor, commands: list) -> list:
 def _promote_all(executor: StoreExecutor, first_id: int) -> list:
     for slot in range(KEY_COUNT):
         executor.arena.slot_array(slot)[:] = 0x5A  # a sentinel: a rejected chunk must leave no byte of its own
-    return _run(executor, [Promote(first_id + i, key, i, Source.REMOTE) for i, key in enumerate(_keys())])
+    return _run(executor, [Promote(first_id + i, key, i, Tier.REMOTE) for i, key in enumerate(_keys())])
 
 
 def _forge(master: LocalMooncakeMaster, name: str, size: int) -> None:
@@ -272,12 +272,12 @@ def bounce() -> dict:
         assert all(c.ok for c in _run(executor, [Put(i, k, i) for i, k in enumerate(keys)]))
         for slot in range(count):
             arena.slot_array(slot)[:] = 0
-        answers = _run(executor, [Promote(100 + i, k, i, Source.REMOTE) for i, k in enumerate(keys)])
+        answers = _run(executor, [Promote(100 + i, k, i, Tier.REMOTE) for i, k in enumerate(keys)])
         assert all(c.ok for c in answers), [c.reason for c in answers if not c.ok][:3]
         wrong = [s for s in range(count) if not np.array_equal(arena.slot_array(s), _data(s))]
         _forge(master, keys[3].storage_name(0), arena.sealed_bytes)
         arena.slot_array(3)[:] = 0x5A
-        (forged,) = _run(executor, [Promote(200, keys[3], 3, Source.REMOTE)])
+        (forged,) = _run(executor, [Promote(200, keys[3], 3, Tier.REMOTE)])
         found = {"registered": registered, "arena": [arena.base_address, arena.total_bytes],
                  "bounce_bytes": bounce_bytes, "wrong": wrong, "bounce_ops": tier.counters["bounce_ops"],
                  "zero_copy_ops": tier.counters["zero_copy_ops"], "forged": forged.reason,
@@ -371,7 +371,7 @@ def bounce_race(order: str = "slot", gets: int = 2048) -> dict:
         try:
             command_id = 1000
             while found["gets"] < gets:
-                batch = [Promote(command_id + i, k, i, Source.REMOTE) for i, k in enumerate(keys)]
+                batch = [Promote(command_id + i, k, i, Tier.REMOTE) for i, k in enumerate(keys)]
                 command_id += len(batch)
                 for answer in _run(executor, batch):
                     found["gets"] += 1

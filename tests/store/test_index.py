@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from lmcache_npu.store import index as index_module
-from lmcache_npu.store.commands import Completion, Drop, Load, Promote, Put, Source, Spill, Store
+from lmcache_npu.store.commands import Completion, Drop, Load, Promote, Put, Spill, Store, Tier
 from lmcache_npu.store.disk import DiskTier
 from lmcache_npu.store.envelope import sealed_bytes
 from lmcache_npu.store.disk import disk_chunks_for_capacity
@@ -148,7 +148,7 @@ def test_eviction_spills_to_disk_before_the_slot_is_reused_and_promotion_brings_
     result = cluster.index.lookup("b", keys[:2])
     assert (result.hit_chunks, result.ready_chunks) == (2, 0)
     promotes = [c for c in cluster.index._outbox if isinstance(c, Promote)]
-    assert [p.source for p in promotes] == [Source.DISK, Source.DISK]
+    assert [p.source for p in promotes] == [Tier.DISK, Tier.DISK]
     cluster.index.release("b")
     cluster.settle()
     assert cluster.load("b", keys[:2]) == 2
@@ -162,7 +162,7 @@ def test_disk_capacity_drops_the_oldest_copies(disks):
     for key in keys:
         cluster.store("a", [key])
     drops = [c for c in cluster.issued if isinstance(c, Drop)]
-    assert [d.key for d in drops] == keys[:2] and all(d.tier is Source.DISK for d in drops)
+    assert [d.key for d in drops] == keys[:2] and all(d.tier is Tier.DISK for d in drops)
     for disk in disks:
         disk.flush(10)
         assert not disk.exists(keys[0].storage_name(0 if disk is disks[0] else 1))
@@ -232,7 +232,7 @@ def test_stored_chunks_are_put_to_the_remote_store_and_another_instance_finds_th
     assert (result.hit_chunks, result.ready_chunks) == (3, 0)
     second.index.release("b")
     assert second.load("b", keys) == 3
-    assert all(p.source is Source.REMOTE for p in second.issued if isinstance(p, Promote))
+    assert all(p.source is Tier.REMOTE for p in second.issued if isinstance(p, Promote))
     assert not second.mismatches
     first.close()
     second.close()
@@ -298,8 +298,8 @@ def test_executor_reports_every_command_even_without_tiers():
     cluster = Cluster(num_slots=2, object_bytes=OBJECT_BYTES, num_ranks=1)
     key = make_key(3)
     executor = cluster.executors[0]
-    executor.submit([Spill(1, key, 0), Promote(2, key, 1, Source.DISK), Promote(3, key, 1, Source.REMOTE),
-                     Put(4, key, 0), Drop(5, key, Source.DISK), Drop(6, key, Source.REMOTE)])
+    executor.submit([Spill(1, key, 0), Promote(2, key, 1, Tier.DISK), Promote(3, key, 1, Tier.REMOTE),
+                     Put(4, key, 0), Drop(5, key, Tier.DISK), Drop(6, key, Tier.REMOTE)])
     done = {c.cmd_id: c for c in executor.drain(10)}
     assert sorted(done) == [1, 2, 3, 4, 5, 6]
     assert done[1].reason == "no disk tier" and done[3].reason == "no remote tier" and done[5].ok

@@ -157,3 +157,15 @@ def test_storage_names_round_trip_and_reject_strangers():
     for bad in ("x", "a" * 32 + "-zz-r1", "a" * 31 + "-00-r1", "a" * 32 + "-00-rx", "a" * 32 + "-00-1"):
         with pytest.raises(ValueError, match="not a chunk storage name"):
             ChunkKey.from_storage_name(bad)
+
+
+def test_storage_names_of_a_namespace_and_a_rank():
+    from lmcache_npu.store.keys import storage_names_of
+
+    ns, other = "a" * 32, "b" * 32
+    mine = ChunkKey(ns, b"\x01" * 32)
+    owns = storage_names_of(ns, 1)
+    assert owns(mine.storage_name(1))
+    assert not owns(mine.storage_name(0)) and not owns(mine.storage_name(11))  # -r11 does not end in -r1
+    assert not owns(ChunkKey(other, b"\x01" * 32).storage_name(1))
+    assert storage_names_of(ns)(mine.storage_name(7)) and storage_names_of()(ChunkKey(other, b"\x02").storage_name(3))

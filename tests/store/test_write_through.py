@@ -11,7 +11,7 @@ from typing import Callable, Optional
 
 import pytest
 
-from lmcache_npu.store.commands import Command, Drop, Persist, Promote, Put, Source, Spill
+from lmcache_npu.store.commands import Command, Drop, Persist, Promote, Put, Spill, Tier
 from lmcache_npu.store.config import StoreConfig
 from lmcache_npu.store.disk import HEADER_BYTES, DiskTier
 from lmcache_npu.store.envelope import ENVELOPE_BYTES, Sealer, verify
@@ -193,7 +193,7 @@ def test_evicting_a_written_through_chunk_spills_nothing_and_it_comes_back_from_
     assert [cluster.index.location(k)[2] for k in keys[:4]] == [DiskState.PRESENT] * 4
     result = cluster.index.lookup("b", keys[:2])
     assert (result.hit_chunks, result.ready_chunks) == (2, 0)
-    assert [p.source for p in cluster.index._outbox if isinstance(p, Promote)] == [Source.DISK] * 2
+    assert [p.source for p in cluster.index._outbox if isinstance(p, Promote)] == [Tier.DISK] * 2
     cluster.index.release("b")
     cluster.settle()
     assert cluster.load("b", keys[:2]) == 2 and not cluster.mismatches
@@ -209,7 +209,7 @@ def test_a_persist_that_fails_on_one_rank_drops_every_ranks_copy(disks):
     cluster.step()  # the store; its persist goes out with the next step
     cluster.step()  # the persist: written on rank 0, failed on rank 1
     assert cluster.index.counters["persist_failed"] == 1
-    assert [(type(c), c.key, c.tier) for c in cluster.index._outbox] == [(Drop, a, Source.DISK)]
+    assert [(type(c), c.key, c.tier) for c in cluster.index._outbox] == [(Drop, a, Tier.DISK)]
     assert cluster.index.location(a)[1:] == (SlotState.READY, DiskState.NONE)
     assert file_payload(disks[0], a, 0) is not None  # rank 0's copy landed: the drop below has something to remove
     cluster.step()
@@ -245,7 +245,7 @@ def test_a_chunk_promoted_from_the_remote_store_is_written_through(tmp_path):
     reader = Cluster(num_slots=4, object_bytes=OBJECT_BYTES, disks=tiers, disk_chunks=8, remote=MemoryRemote(shared),
                      disk_write_through=True)
     assert reader.load("b", keys) == 2 and not reader.mismatches
-    assert [p.source for p in reader.issued if isinstance(p, Promote)] == [Source.REMOTE] * 2
+    assert [p.source for p in reader.issued if isinstance(p, Promote)] == [Tier.REMOTE] * 2
     assert [p.key for p in reader.issued if isinstance(p, Persist)] == keys
     assert not any(isinstance(c, Put) for c in reader.issued)  # it came from there
     for tier in tiers:

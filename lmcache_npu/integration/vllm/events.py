@@ -30,19 +30,20 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+from ...store.commands import Tier
 from ...store.keys import ChunkKey
 from ...store.tier import TierCounters
 
 logger = logging.getLogger(__name__)
 
-# tier name as the index says it -> (vLLM event medium, locality where vLLM's events carry one)
-MEDIUMS: dict[str, tuple[str, str]] = {
-    "cpu": ("CPU", "LOCAL"),
-    "disk": ("STORAGE", "LOCAL"),
-    "remote": ("MOONCAKE", "REMOTE"),
+# a tier -> (vLLM event medium, locality where vLLM's events carry one)
+MEDIUMS: dict[Tier, tuple[str, str]] = {
+    Tier.ARENA: ("CPU", "LOCAL"),
+    Tier.DISK: ("STORAGE", "LOCAL"),
+    Tier.REMOTE: ("MOONCAKE", "REMOTE"),
 }
 # tiers whose departures the index reports: a chunk announced there keeps its payload until it leaves
-LOCAL_TIERS = ("cpu", "disk")
+LOCAL_TIERS = (Tier.ARENA, Tier.DISK)
 DEFAULT_MAX_EVENTS = 100_000
 _LOW_64_BITS = (1 << 64) - 1
 # payloads kept beyond the chunks the tiers can hold: room for stores and promotions in flight
@@ -116,7 +117,7 @@ class KVEvents:
         self.group_idx = group_idx
         self.max_payloads = max_payloads
         self._payloads: OrderedDict[ChunkKey, ChunkPayload] = OrderedDict()  # oldest remembered first
-        self._announced: dict[ChunkKey, set[str]] = {}  # key -> local tiers a BlockStored told routers of
+        self._announced: dict[ChunkKey, set[Tier]] = {}  # key -> local tiers a BlockStored told routers of
         self._remote_announced: OrderedDict[ChunkKey, None] = OrderedDict()  # never removed, so kept bounded
         self._queue: deque[Any] = deque()
         self._max_events = max_events
@@ -132,11 +133,12 @@ class KVEvents:
                                             self._convert)
         self._trim_payloads()
 
-    def on_tier_change(self, key: ChunkKey, tier: str, entered: bool) -> None:
+    def on_tier_change(self, key: ChunkKey, tier: Tier, entered: bool) -> None:
         """The index's listener: one event per change of an announced chunk."""
         if tier not in MEDIUMS:
             raise ValueError(f"unknown tier {tier!r}; the index names one of {', '.join(MEDIUMS)}")
-        if tier == "remote":
+        tier = Tier(tier)
+        if tier is Tier.REMOTE:
             if entered:
                 self._announce_remote(key)
             return
@@ -165,10 +167,10 @@ class KVEvents:
         self._queue.clear()
         return events
 
-    def announced(self, key: ChunkKey) -> frozenset[str]:
+    def announced(self, key: ChunkKey) -> frozenset[Tier]:
         """The tiers routers were told hold `key` and not told it left."""
         local = self._announced.get(key, set())
-        return frozenset(local | ({"remote"} if key in self._remote_announced else set()))
+        return frozenset(local | ({Tier.REMOTE} if key in self._remote_announced else set()))
 
     @property
     def remembered(self) -> int:
@@ -187,7 +189,7 @@ class KVEvents:
         self._remote_announced[key] = None
         while len(self._remote_announced) > self.max_payloads:
             self._remote_announced.popitem(last=False)  # forgotten: announced again if put again
-        self._push(self._stored(payload, "remote"))
+        self._push(self._stored(payload, Tier.REMOTE))
 
     def _trim_payloads(self) -> None:
         """Forgets the oldest payloads of chunks no local tier announced (an announced one is needed for its
@@ -211,7 +213,7 @@ class KVEvents:
         self._queue.append(event)
         self.counters.add("published")
 
-    def _stored(self, payload: ChunkPayload, tier: str) -> Any:
+    def _stored(self, payload: ChunkPayload, tier: Tier) -> Any:
         medium, locality = MEDIUMS[tier]
         fields = dict(
             block_hashes=list(payload.block_hashes),
@@ -226,7 +228,7 @@ class KVEvents:
         )
         return self._stored_cls(**{k: v for k, v in fields.items() if k in self._stored_fields})
 
-    def _removed(self, payload: ChunkPayload, tier: str) -> Any:
+    def _removed(self, payload: ChunkPayload, tier: Tier) -> Any:
         medium, locality = MEDIUMS[tier]
         fields = dict(block_hashes=list(payload.block_hashes), medium=medium,
                       group_idx=self.group_idx, locality=locality)
@@ -246,38 +248,3 @@ def _hash_converter() -> Callable[[bytes], Any]:
     if not as_int:
         return bytes
     return lambda block_hash: int.from_bytes(block_hash, "big") & _LOW_64_BITS
-
-
-class RouterView:
-    """What a router reading an event stream believes this instance holds: per medium, each announced chunk (its
-    block hashes) with a count, since vLLM asks consumers to reference-count repeated announcements. Replaying a
-    stream here checks it: a removal of something never stored is an error naming it."""
-
-    def __init__(self) -> None:
-        self._held: dict[str, dict[tuple[Any, ...], int]] = {}
-
-    def apply(self, events: Any) -> None:
-        """Replays vLLM `BlockStored` / `BlockRemoved` / `AllBlocksCleared` events in order."""
-        for event in events:
-            kind = type(event).__name__
-            if kind == "AllBlocksCleared":
-                self._held.clear()
-                continue
-            if kind not in ("BlockStored", "BlockRemoved"):
-                raise ValueError(f"not a vLLM KV event: {kind}")
-            medium = event.medium or ""
-            chunk = tuple(event.block_hashes)
-            held = self._held.setdefault(medium, {})
-            if kind == "BlockStored":
-                held[chunk] = held.get(chunk, 0) + 1
-            elif held.get(chunk, 0) <= 0:
-                raise ValueError(f"BlockRemoved on {medium} of {len(chunk)} blocks ending {chunk[-1]!r} that no "
-                                 f"earlier BlockStored announced")
-            elif held[chunk] == 1:
-                del held[chunk]
-            else:
-                held[chunk] -= 1
-
-    def holds(self, medium: str) -> set[tuple[Any, ...]]:
-        """The chunks (tuples of block hashes) announced on `medium` and not removed since."""
-        return set(self._held.get(medium, {}))

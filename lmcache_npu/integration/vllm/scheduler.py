@@ -32,7 +32,7 @@ import numpy as np
 from ...config import ConnectorConfig
 from ...layout.discovery import LayoutGroup
 from ...layout.slots import chunk_slots, row_tokens, stored_block_span
-from ...store.commands import Load, Store
+from ...store.commands import Load, Store, Tier
 from ...store.factory import build_index, scheduler_mooncake_client
 from ...store.index import ChunkIndex, LookupResult
 from ...store.keys import ChunkKey, check_stable_hashing, chunk_keys
@@ -65,7 +65,7 @@ class _Request:
     stores: set[int] = field(default_factory=set)  # store cmd ids not yet completed by every rank
     loads: set[int] = field(default_factory=set)
     lookup: Optional[_Lookup] = None
-    found_in: dict[int, str] = field(default_factory=dict)  # chunk -> the tier its first lookup found it in
+    found_in: dict[int, Tier] = field(default_factory=dict)  # chunk -> the tier its first lookup found it in
     keys: list[ChunkKey] = field(default_factory=list)  # of chunks 0.. whose hashes exist
     asked: Optional[int] = None  # tokens vLLM had computed when it last asked for a hit (counted at allocation)
     finished: bool = False
@@ -296,9 +296,9 @@ class SchedulerHalf:
             return 0, False
         result, chosen = self._lookup(request.request_id, keys)
         state.asked = num_computed_tokens
-        for offset, source in enumerate(result.sources):  # a promoted chunk reads "cpu" by the time it loads
+        for offset, source in enumerate(result.sources):  # a promoted chunk is in the arena by the time it loads
             state.found_in.setdefault(first + offset, source)
-            if source != "cpu" and self.events is not None:  # a promotion: its arrival is announced with these
+            if source is not Tier.ARENA and self.events is not None:  # a promotion: its arrival is announced with these
                 self.events.remember(chosen[offset], request, first + offset)
         if result.pending:
             self.counters.add("lookups_pending")
@@ -339,7 +339,7 @@ class SchedulerHalf:
         self._own(state, loads, state.loads)
         self.counters.add("hit_tokens", num_external_tokens)
         for chunk_index, _ in chunks:
-            self.counters.add(f"hit_chunks_{state.found_in.get(chunk_index, 'cpu')}")
+            self.counters.add(f"hit_chunks_{state.found_in.get(chunk_index, Tier.ARENA)}")
         self._loads.append(LoadPlan(
             request_id=request.request_id, cmd_ids=cmd_ids, window=self._window(state, lookup.first_chunk, lookup.first_chunk + count),
             first_token=first_token, end_token=end_token,
@@ -605,8 +605,8 @@ class SchedulerHalf:
         tiers = ",".join(t for t, on in (("cpu", True), ("disk", store.disk_path is not None),
                                          ("mooncake", store.mooncake is not None)) if on)
         state: dict[str, Any] = {
-            "cpu_used_chunks": use["cpu"][0], "cpu_capacity_chunks": use["cpu"][1],
-            "disk_used_chunks": use["disk"][0], "disk_capacity_chunks": use["disk"][1],
+            "cpu_used_chunks": use[Tier.ARENA][0], "cpu_capacity_chunks": use[Tier.ARENA][1],
+            "disk_used_chunks": use[Tier.DISK][0], "disk_capacity_chunks": use[Tier.DISK][1],
             "chunk_bytes": self.object_bytes * self.place.world, "chunk_tokens": self.chunk_tokens,
             STORE_INFO: (self.namespace, self.index.eviction_policy, tiers),
         }

@@ -33,7 +33,7 @@ import torch
 import xxhash
 
 from ...store.arena import HostArena
-from ...store.commands import Command, Completion, Promote, Put, Source, Spill, Store
+from ...store.commands import Command, Completion, Promote, Put, Spill, Store, Tier
 from ...store.executor import Report, StoreExecutor
 from ...store.index import ChunkIndex
 from ...store.keys import ChunkKey
@@ -250,7 +250,7 @@ def bench_disk(chunk_bytes: int, chunks: int, progress: _Progress, disk_path: Op
         dropped: list[bool] = []
         timings = _put_then_get(
             "disk", executor, arena, keys, lambda i, k: Spill(i + 1, k, i),
-            lambda i, k: Promote(chunks + i + 1, k, i, Source.DISK), progress, written,
+            lambda i, k: Promote(chunks + i + 1, k, i, Tier.DISK), progress, written,
             between=lambda: dropped.append(_drop_page_cache([disk.file_path(k.storage_name(0)) for k in keys])))
         for key in keys:
             disk.delete(key.storage_name(0))
@@ -290,7 +290,7 @@ def bench_mooncake(chunk_bytes: int, chunks: int, progress: _Progress, mooncake:
         executor = StoreExecutor(0, arena, remote=tier)
         keys = _keys(chunks, "mooncake")
         timings = _put_then_get("mooncake", executor, arena, keys, lambda i, k: Put(i + 1, k, i),
-                                lambda i, k: Promote(chunks + i + 1, k, i, Source.REMOTE), progress, written)
+                                lambda i, k: Promote(chunks + i + 1, k, i, Tier.REMOTE), progress, written)
         path = ("zero-copy" if tier.counters["zero_copy_ops"] else
                 f"bounce {config.bounce_bytes / 2**20:.0f} MiB" if tier.counters["bounce_ops"] else "copy")
         tier.delete([k.storage_name(0) for k in keys])

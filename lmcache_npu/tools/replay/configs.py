@@ -1,8 +1,8 @@
 """The configurations a replay compares, and the order their runs go in.
 
 A configuration is one engine setup over the same workload: vLLM alone, vLLM with this plugin, and vLLM with a peer
-connector, its own MooncakeStoreConnector (tools/replay/connectors.py builds each one's kv_transfer_config). The first is
-the reference every other run's tokens are checked against and the baseline its gains are measured from.
+connector, its own MooncakeStoreConnector (tools/replay/connectors.py builds each one's kv_transfer_config). The
+first is the reference every other run's tokens are checked against and the baseline its gains are measured from.
 """
 
 from __future__ import annotations
