@@ -18,7 +18,7 @@ from lmcache_npu.ops.cuda_backend import (
     work_order,
 )
 
-from ..ops.strategies import Case, cases
+from .strategies import Case, cases
 
 DIRECTIONS = st.sampled_from([Direction.STORE, Direction.LOAD])
 
