@@ -19,7 +19,7 @@ from lmcache_npu.tools.servebench.server import ServerSettings, complete, kv_tra
 from lmcache_npu.tools.servebench.tokenizer import tokenizer_dir
 from lmcache_npu.tools.servebench.workloads import PrefixShape, Workloads
 
-pytestmark = pytest.mark.newest_era  # tests/engines/conftest.py: era-neutral, runs once
+pytestmark = pytest.mark.one_era(0, 32)  # tests/engines/conftest.py: era-neutral, runs once (the demo's era)
 
 CHUNK_TOKENS = 256
 

@@ -12,8 +12,6 @@ from lmcache_npu.tools.replay.connectors import peer_unavailable
 
 from .conftest import ENGINE_VLLM
 
-pytestmark = pytest.mark.newest_era  # tests/engines/conftest.py: era-neutral, runs once
-
 SOURCES = ("vllm", "arena", "disk", "mooncake", "peer", "computed")
 
 
@@ -25,6 +23,7 @@ def hits(report: dict, config: str, source: str) -> list[int]:
     return [t["hits"][source] for t in run_of(report, config)["turns"]]
 
 
+@pytest.mark.one_era(0, 28)  # tests/engines/conftest.py: era-neutral, runs once
 @pytest.mark.parametrize("workload", [
     ["--conversations", "2", "--turns", "2", "--system-tokens", "300", "--user-tokens", "64", "--output-tokens", "8"],
     ["--workload", "prefix-repetition", "--num-prompts", "4", "--prefix-repetition-num-prefixes", "2",
@@ -51,6 +50,7 @@ def test_replay_without_vllms_cache_credits_every_hit_to_the_plugin(tmp_path, wo
     assert report["settings"]["extra_config"]["chunk_tokens"] == 128 and not report["settings"]["prefix_caching"]
 
 
+@pytest.mark.one_era(0, 28)
 def test_replay_with_vllms_cache_alternates_and_restarts_on_the_disk_tier(tmp_path) -> None:
     out = tmp_path / "replay.json"
     assert main(["replay", "--model", "gemma3", "--chunk-tokens", "128", "--repeats", "2", "--conversations", "2",
@@ -73,6 +73,7 @@ def test_replay_with_vllms_cache_alternates_and_restarts_on_the_disk_tier(tmp_pa
     assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == ["replay-sources.png", "replay-ttft.png"]
 
 
+@pytest.mark.one_era(0, 28)
 def test_replay_of_a_trace_file_on_a_model_made_from_a_config_file(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("LMCACHE_NPU_MODEL_CACHE", str(tmp_path / "models"))
     config = tmp_path / "tiny-qwen2.json"

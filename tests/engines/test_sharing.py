@@ -21,7 +21,7 @@ def _mooncake_reason() -> str:
     return _real_mooncake_reason()
 
 
-@pytest.mark.newest_era
+@pytest.mark.one_era(0, 28)  # tests/engines/conftest.py: era-neutral, runs once
 @pytest.mark.skipif(bool(_mooncake_reason()), reason=_mooncake_reason() or "ok")
 def test_a_second_engine_hits_what_the_first_stored_in_mooncake(tmp_path) -> None:
     from lmcache_npu.tools.replay.models import RECIPES
@@ -48,7 +48,7 @@ def _scenario(tmp_path, mode: str) -> dict:
     return pickle.loads(out.read_bytes())
 
 
-@pytest.mark.newest_era
+@pytest.mark.one_era(0, 28)  # tests/engines/conftest.py: era-neutral, runs once
 @pytest.mark.skipif(bool(_mooncake_reason()), reason=_mooncake_reason() or "ok")
 def test_mooncake_objects_of_other_weights_overwritten_or_forged_are_never_loaded(tmp_path) -> None:
     """Other weights under the writer's model_name find nothing; an object another client overwrote with other

@@ -14,7 +14,7 @@ import pytest
 from lmcache_npu.tools.replay.models import model_vocab
 from lmcache_npu.tools.servebench.server import complete, kv_transfer_config, vllm_server
 
-pytestmark = pytest.mark.newest_era  # tests/engines/conftest.py: era-neutral, runs once
+pytestmark = pytest.mark.one_era(0, 28)  # tests/engines/conftest.py: era-neutral, runs once
 
 CHUNK_TOKENS = 256
 
