@@ -62,7 +62,7 @@ class _NoRegistration:
     def register(self, address: int, nbytes: int) -> int:
         return address
 
-    def unregister(self, address: int) -> None:
+    def unregister(self, address: int, nbytes: int) -> None:
         """Nothing was registered."""
 
 
@@ -71,20 +71,21 @@ def _segmented(size: int, mode: str, prefault: bool, prefault_by: str, segment_b
     """`mode`: "pinned" (the device's registrar), "staged" (no-op registration) or "pageable"."""
     import torch  # noqa: F401  (CUDA context set up before the clock starts, as an engine has it)
 
-    from lmcache_npu.store.arena import device_registrar, slot_bytes_for, slots_for_capacity
+    from lmcache_npu.platform.host_memory import SegmentPinning
+    from lmcache_npu.store.arena import device_pinning, slot_bytes_for, slots_for_capacity
     from lmcache_npu.store.segments import SegmentedMemory
 
-    registrar: Any = None
+    pinning: Any = None
     device_node = None
     if mode == "pinned":
         torch.cuda.init()
-        registrar, device_node = device_registrar()
+        pinning, device_node = device_pinning()
     elif mode == "staged":
-        registrar = _NoRegistration()
+        pinning = SegmentPinning([_NoRegistration()])
     began = time.perf_counter()
     # what HostArena does, with the pre-fault method (which HostArena leaves at its default) chosen
     memory = SegmentedMemory(slots_for_capacity(size, SLOT_OBJECT_BYTES), slot_bytes_for(SLOT_OBJECT_BYTES),
-                             segment_bytes=segment_bytes, hugepages=hugepages, registrar=registrar,
+                             segment_bytes=segment_bytes, hugepages=hugepages, pinning=pinning,
                              preferred_node=device_node, prefault=prefault, prefault_by=prefault_by)
     if threads:
         memory._prefault_threads = threads  # the benchmark's override of the half-the-CPUs policy

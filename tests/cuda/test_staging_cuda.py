@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lmcache_npu.ops import get_backend
-from lmcache_npu.ops import backend as backend_module
+from lmcache_npu.ops import device_staging
 from lmcache_npu.ops import cuda_backend
 
 from ..ops.staging_cases import CHUNKS, HOST_GAP, gap_bytes_of_a_store_after_a_load, two_group_geometry, two_group_slots
@@ -28,7 +28,7 @@ def test_a_store_after_a_load_writes_no_host_gap_bytes(pipeline: bool) -> None:
 
 
 def test_negative_control_staging_that_is_not_rezeroed_leaks_gap_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(backend_module.StagingBuffer, "take_pending", lambda self: None)
+    monkeypatch.setattr(device_staging.StagingBuffer, "take_pending", lambda self: None)
     backend = get_backend("cuda", path="staging", pipeline=False)
     assert (gap_bytes_of_a_store_after_a_load(backend, CUDA) == HOST_GAP).any()
 
