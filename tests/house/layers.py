@@ -24,9 +24,10 @@ def module_name(package_root: Path, path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def arrows(package_root: Path) -> list[Arrow]:
-    """Every import inside `package_root` of a module of the same package. `from X import name` is an arrow to the
-    module `X.name` where that is a module (a native one included), else to `X`."""
+def all_arrows(package_root: Path) -> list[Arrow]:
+    """Every import inside `package_root`, of any module (this package's, the standard library's, vLLM's).
+    `from X import name` is an arrow to the module `X.name` where that is one of the package's modules (a native one
+    included), else to `X`."""
     package = package_root.name
     paths = sorted(package_root.rglob("*.py"))
     modules = {module_name(package_root, path) for path in paths}
@@ -48,9 +49,14 @@ def arrows(package_root: Path) -> list[Arrow]:
                 targets = [alias.name for alias in node.names]
             else:
                 continue
-            found += [Arrow(module, node.lineno, t) for t in dict.fromkeys(targets)
-                      if t == package or t.startswith(package + ".")]
+            found += [Arrow(module, node.lineno, t) for t in dict.fromkeys(targets)]
     return found
+
+
+def arrows(package_root: Path) -> list[Arrow]:
+    """Every import inside `package_root` of a module of the same package."""
+    package = package_root.name
+    return [a for a in all_arrows(package_root) if a.target == package or a.target.startswith(package + ".")]
 
 
 def layer_of(module: str, prefixes: Mapping[str, str]) -> str:
