@@ -124,7 +124,7 @@ class KvTransfer {
     if (num_groups_ > 0) group = ReadDesc<GroupDesc>(groups_, 0);
     for (uint64_t item = core; item < total_items_; item += cores) {
       // Items are grouped in table order; a core only ever moves the cursor forward.
-      while (g < num_groups_ && item >= group.item_begin + static_cast<uint64_t>(group.plane_count) * group.run_count) {
+      while (g < num_groups_ && item >= group.item_begin + GroupItemCount(group)) {
         if (++g < num_groups_) group = ReadDesc<GroupDesc>(groups_, g);
       }
       if (g >= num_groups_ || item < group.item_begin) {
@@ -141,7 +141,7 @@ class KvTransfer {
 
  private:
   __aicore__ inline void MoveItem(uint32_t g, const GroupDesc& group, uint32_t plane_index, uint32_t run_index) {
-    if (plane_index >= num_planes_ || run_index >= num_runs_) {
+    if (!ContractItemInTables(plane_index, num_planes_, run_index, num_runs_)) {
       ++items_rejected_;
       return;
     }
@@ -152,7 +152,7 @@ class KvTransfer {
       cached_plane_index_ = plane_index;
     }
     const RunDesc run = ReadDesc<RunDesc>(runs_, run_index);
-    if (!Admissible(g, group, plane_, run)) {
+    if (!Admissible(g, group, plane_index, plane_, run_index, run)) {
       ++items_rejected_;
       return;
     }
@@ -178,24 +178,13 @@ class KvTransfer {
     ++items_done_;
   }
 
-  // The kernel's own copy of the host's rules: anything outside them is skipped, never moved.
-  __aicore__ inline bool Admissible(uint32_t g, const GroupDesc& group, const PlaneDesc& plane,
-                                    const RunDesc& run) const {
-    if (run.chunk >= num_chunks_ || run.num_rows == 0) return false;
-    if (static_cast<uint64_t>(run.first_row) + run.num_rows > group.rows_per_chunk) return false;
-    if (plane.group_index != g || plane.rows_per_block == 0 || plane.rows_per_block != group.rows_per_block) {
-      return false;
-    }
-    if (plane.row_bytes == 0) return false;
-    if (run.first_slot >= 0) {
-      const uint32_t slot = static_cast<uint32_t>(run.first_slot);
-      if (slot / plane.rows_per_block >= plane.num_blocks) return false;
-      if (static_cast<uint64_t>(slot % plane.rows_per_block) + run.num_rows > plane.rows_per_block) return false;
-    }
+  // The contract's rules, then this SoC's: row widths DataCopy can move, NZ units that fit a tile and DMA strides.
+  __aicore__ inline bool Admissible(uint32_t g, const GroupDesc& group, uint32_t plane_index, const PlaneDesc& plane,
+                                    uint32_t run_index, const RunDesc& run) const {
+    if (!ContractAdmissible(g, group, plane_index, plane, run_index, run, num_chunks_)) return false;
     if (plane.layout == kPageND) return kHasDataCopyPad || plane.row_bytes % kUbBlockBytes == 0;
-    if (plane.layout != kPageFractalNZ) return false;
     const uint32_t unit = plane.nz_unit_bytes;
-    return unit >= kUbBlockBytes && unit % kUbBlockBytes == 0 && unit <= tile_bytes_ && plane.row_bytes % unit == 0 &&
+    return unit >= kUbBlockBytes && unit % kUbBlockBytes == 0 && unit <= tile_bytes_ &&
            static_cast<uint64_t>(plane.rows_per_block) * unit / kUbBlockBytes <= kMaxStrideUnits &&
            plane.row_bytes / kUbBlockBytes <= kMaxStrideUnits;
   }

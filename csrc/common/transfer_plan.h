@@ -10,10 +10,30 @@
 // slots inside one block); a kernel work item is one (run, plane) pair. All structs are
 // POD with fixed widths so Python (numpy structured dtypes), AscendC, CUDA and the
 // emulator read the same bytes. Changing any of them bumps kLayoutVersion.
+//
+// Admissibility: a kernel moves a work item only if ContractItemInTables and ContractAdmissible (below) hold:
+//   * its plane and run indices lie inside the tables it was given;
+//   * the plane names the item's group (group_index) and both indices lie in that group's plane and run ranges;
+//   * the run's chunk is < num_chunks, num_rows > 0, first_row + num_rows <= rows_per_chunk;
+//   * the plane has rows_per_block > 0 equal to the group's and row_bytes > 0;
+//   * a live run's slot lies in the plane (slot / rows_per_block < num_blocks) and the run in one block;
+//   * the layout is ND, or FRACTAL_NZ with a unit > 0 that divides row_bytes.
+// A backend may only add rules on top (host: the object-size bound; AscendC: SoC row alignment, DMA and UB limits).
+// An item that fails is counted in items_rejected and moves no byte; a backend never loosens these rules.
 #ifndef LMCACHE_NPU_TRANSFER_PLAN_H_
 #define LMCACHE_NPU_TRANSFER_PLAN_H_
 
 #include <stdint.h>
+
+// Function qualifier for code every backend runs: device-callable under nvcc, an AI-core function under the AscendC
+// headers (real or emulated; both define __aicore__ and are included before this header), plain inline elsewhere.
+#if defined(__CUDACC__)
+#define LMCACHE_FN __host__ __device__ __forceinline__
+#elif defined(__aicore__) || defined(__CCE_AICORE__)
+#define LMCACHE_FN __aicore__ inline
+#else
+#define LMCACHE_FN inline
+#endif
 
 namespace lmcache_npu {
 
@@ -119,6 +139,36 @@ inline constexpr UbTiling ComputeUbTiling(uint32_t ub_bytes) {
   const uint32_t half = (usable - zero) / 2;
   t.tile_bytes = half >= 4096u ? AlignDown(half, 512u) : AlignDown(half, kUbBlockBytes);
   return t;
+}
+
+// Work items of a group (plane-major, see GroupDesc).
+LMCACHE_FN uint64_t GroupItemCount(const GroupDesc& group) {
+  return static_cast<uint64_t>(group.plane_count) * group.run_count;
+}
+
+// Whether a work item's plane and run indices lie inside the tables; checked before either descriptor is read.
+LMCACHE_FN bool ContractItemInTables(uint64_t plane_index, uint32_t num_planes, uint64_t run_index, uint32_t num_runs) {
+  return plane_index < num_planes && run_index < num_runs;
+}
+
+// The rules of the contract every backend applies to work item (run_index, plane_index) of group g, in 64-bit
+// arithmetic so no forged field can wrap a bound (see the header comment); backends add theirs after this one.
+LMCACHE_FN bool ContractAdmissible(uint32_t g, const GroupDesc& group, uint64_t plane_index, const PlaneDesc& plane,
+                                   uint64_t run_index, const RunDesc& run, uint32_t num_chunks) {
+  // Pairing: a plane and a run of different groups would move one group's rows with another's geometry.
+  if (plane.group_index != g) return false;
+  if (plane_index < group.plane_begin || plane_index - group.plane_begin >= group.plane_count) return false;
+  if (run_index < group.run_begin || run_index - group.run_begin >= group.run_count) return false;
+  if (run.chunk >= num_chunks || run.num_rows == 0) return false;
+  if (static_cast<uint64_t>(run.first_row) + run.num_rows > group.rows_per_chunk) return false;
+  if (plane.rows_per_block == 0 || plane.rows_per_block != group.rows_per_block || plane.row_bytes == 0) return false;
+  if (run.first_slot >= 0) {  // a zero run (kSkipSlot) touches no page
+    const uint32_t slot = static_cast<uint32_t>(run.first_slot);
+    if (slot / plane.rows_per_block >= plane.num_blocks) return false;
+    if (static_cast<uint64_t>(slot % plane.rows_per_block) + run.num_rows > plane.rows_per_block) return false;
+  }
+  if (plane.layout == kPageND) return true;
+  return plane.layout == kPageFractalNZ && plane.nz_unit_bytes > 0 && plane.row_bytes % plane.nz_unit_bytes == 0;
 }
 
 }  // namespace lmcache_npu

@@ -64,41 +64,21 @@ __device__ __forceinline__ void ZeroSpan(uint8_t* dst, uint64_t bytes, unsigned 
   for (uint64_t i = head + count * 16 + lane; i < bytes; i += lanes) dst[i] = 0;
 }
 
-// The kernel's own copy of the host's rules: an item outside them is skipped and counted.
-__device__ __forceinline__ bool Admissible(const PlaneDesc& plane, const GroupDesc& group, const RunDesc& run,
-                                           uint32_t num_chunks) {
-  if (run.chunk >= num_chunks || run.num_rows == 0) return false;
-  if (static_cast<uint64_t>(run.first_row) + run.num_rows > group.rows_per_chunk) return false;
-  if (plane.rows_per_block == 0 || plane.rows_per_block != group.rows_per_block || plane.row_bytes == 0) return false;
-  if (run.first_slot >= 0) {
-    const uint32_t slot = static_cast<uint32_t>(run.first_slot);
-    if (slot / plane.rows_per_block >= plane.num_blocks) return false;
-    if (static_cast<uint64_t>(slot % plane.rows_per_block) + run.num_rows > plane.rows_per_block) return false;
-  }
-  if (plane.layout == kPageND) return true;
-  return plane.layout == kPageFractalNZ && plane.nz_unit_bytes > 0 && plane.row_bytes % plane.nz_unit_bytes == 0;
-}
-
-// Work items come from the host, not from arithmetic as on AscendC: the run and the plane must both lie in the
-// plane's group, or a mis-paired item would move another group's rows.
-__device__ __forceinline__ bool Paired(const GroupDesc& group, const uint4& work) {
-  return work.x >= group.run_begin && work.x - group.run_begin < group.run_count &&
-         work.y >= group.plane_begin && work.y - group.plane_begin < group.plane_count;
-}
-
 __device__ __forceinline__ void MoveItem(const PlaneDesc* __restrict__ planes, const GroupDesc* __restrict__ groups,
                                          const RunDesc* __restrict__ runs, const uint64_t* __restrict__ objects,
                                          const uint4& work, uint32_t num_planes, uint32_t num_groups,
                                          uint32_t num_runs, uint32_t num_chunks, bool store, unsigned lane,
                                          unsigned lanes, LmcacheCudaStatus* status) {
-  if (work.x >= num_runs || work.y >= num_planes) {
+  if (!ContractItemInTables(work.y, num_planes, work.x, num_runs)) {
     if (lane == 0) atomicAdd(&status->items_rejected, 1ull);
     return;
   }
   const PlaneDesc plane = planes[work.y];
   const RunDesc run = runs[work.x];
-  if (plane.group_index >= num_groups || !Paired(groups[plane.group_index], work) ||
-      !Admissible(plane, groups[plane.group_index], run, num_chunks)) {
+  // Work items come from the host, not from arithmetic as on AscendC: the plane names the item's group, and the
+  // contract then requires the run and the plane to lie in that group's ranges.
+  if (plane.group_index >= num_groups ||
+      !ContractAdmissible(plane.group_index, groups[plane.group_index], work.y, plane, work.x, run, num_chunks)) {
     if (lane == 0) atomicAdd(&status->items_rejected, 1ull);
     return;
   }

@@ -13,27 +13,13 @@ namespace {
 
 uint8_t* Ptr(uint64_t addr) { return reinterpret_cast<uint8_t*>(static_cast<uintptr_t>(addr)); }
 
-// The device kernel's Admissible() rules plus the object bound, which the host can check because it knows the
-// object size: an item passes only if every byte it would touch lies inside its plane's blocks and its object.
-bool Admissible(const HostTables& t, uint32_t g, const GroupDesc& group, const PlaneDesc& plane, const RunDesc& run) {
-  if (run.chunk >= t.num_chunks || run.num_rows == 0) return false;
-  if (static_cast<uint64_t>(run.first_row) + run.num_rows > group.rows_per_chunk) return false;
-  if (plane.group_index != g || plane.rows_per_block == 0 || plane.rows_per_block != group.rows_per_block) {
-    return false;
-  }
-  if (plane.row_bytes == 0) return false;
+// The contract's rules plus the object bound, which only the host can check because it knows the object size: an
+// item passes only if every byte it would touch lies inside its plane's blocks and its object.
+bool Admissible(const HostTables& t, uint32_t g, const GroupDesc& group, uint64_t plane_index, const PlaneDesc& plane,
+                uint64_t run_index, const RunDesc& run) {
+  if (!ContractAdmissible(g, group, plane_index, plane, run_index, run, t.num_chunks)) return false;
   const uint64_t segment_bytes = static_cast<uint64_t>(group.rows_per_chunk) * plane.row_bytes;
-  if (plane.object_offset_bytes > t.object_bytes || segment_bytes > t.object_bytes - plane.object_offset_bytes) {
-    return false;
-  }
-  if (run.first_slot >= 0) {
-    const uint32_t slot = static_cast<uint32_t>(run.first_slot);
-    if (static_cast<uint64_t>(slot) >= static_cast<uint64_t>(plane.num_blocks) * plane.rows_per_block) return false;
-    if (static_cast<uint64_t>(slot % plane.rows_per_block) + run.num_rows > plane.rows_per_block) return false;
-  }
-  if (plane.layout == kPageND) return true;
-  if (plane.layout != kPageFractalNZ) return false;
-  return plane.nz_unit_bytes > 0 && plane.row_bytes % plane.nz_unit_bytes == 0;
+  return plane.object_offset_bytes <= t.object_bytes && segment_bytes <= t.object_bytes - plane.object_offset_bytes;
 }
 
 void Copy(uint8_t* dst, const uint8_t* src, uint64_t bytes, HostReport& report) {
@@ -66,13 +52,13 @@ void MoveNzRows(const PlaneDesc& plane, uint8_t* block, uint32_t row_in_block, u
 
 void MoveItem(const HostTables& t, uint32_t g, const GroupDesc& group, uint64_t plane_index, uint64_t run_index,
               bool store, HostReport& report) {
-  if (plane_index >= t.num_planes || run_index >= t.num_runs) {
+  if (!ContractItemInTables(plane_index, t.num_planes, run_index, t.num_runs)) {
     ++report.items_rejected;
     return;
   }
   const PlaneDesc& plane = t.planes[plane_index];
   const RunDesc& run = t.runs[run_index];
-  if (!Admissible(t, g, group, plane, run)) {
+  if (!Admissible(t, g, group, plane_index, plane, run_index, run)) {
     ++report.items_rejected;
     return;
   }
@@ -104,10 +90,6 @@ void MoveItem(const HostTables& t, uint32_t g, const GroupDesc& group, uint64_t 
   ++report.items_done;
 }
 
-uint64_t GroupItems(const GroupDesc& group) {
-  return static_cast<uint64_t>(group.plane_count) * group.run_count;
-}
-
 }  // namespace
 
 HostReport TransferItems(const HostTables& t, Direction direction, uint64_t begin, uint64_t end) {
@@ -116,7 +98,7 @@ HostReport TransferItems(const HostTables& t, Direction direction, uint64_t begi
   uint32_t g = 0;
   for (uint64_t item = begin; item < end; ++item) {
     // Items are grouped in table order; the cursor only moves forward, as on a device core.
-    while (g < t.num_groups && item >= t.groups[g].item_begin + GroupItems(t.groups[g])) ++g;
+    while (g < t.num_groups && item >= t.groups[g].item_begin + GroupItemCount(t.groups[g])) ++g;
     if (g >= t.num_groups || item < t.groups[g].item_begin) {
       ++report.items_rejected;
       continue;
