@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from lmcache_npu.integration.vllm.events import MEDIUMS
-from lmcache_npu.store.index import SlotState
+from lmcache_npu.store.index.contract import SlotState
 
 
 
@@ -56,7 +56,7 @@ def index_view(half: Any) -> dict[str, set[tuple[Any, ...]]]:
     """What the scheduler half's index holds per medium, named by the block hashes its events carry."""
     events, index = half.events, half.index
     held: dict[str, set[tuple[Any, ...]]] = {"CPU": set(), "STORAGE": set()}
-    for key in list(index._entries):
+    for key in [chunk.key for chunk in index.chunks()]:
         payload = events._payloads.get(key)
         if payload is None:
             continue

@@ -29,6 +29,29 @@ class Tier(str, Enum):
         return format(self.value, spec)
 
 
+class Medium(str, Enum):
+    """An end of a byte move: the device's KV pages or one of the tiers (same names as `Tier`)."""
+
+    DEVICE = "device"
+    ARENA = "cpu"
+    DISK = "disk"
+    REMOTE = "remote"
+
+    @classmethod
+    def of(cls, tier: Tier) -> "Medium":
+        return cls(tier.value)
+
+
+# (source, destination) of a command's bytes: the executor dispatches on it, as vLLM's OffloadingWorker does
+Route = tuple[Medium, Medium]
+DEVICE_TO_ARENA: Route = (Medium.DEVICE, Medium.ARENA)
+ARENA_TO_DEVICE: Route = (Medium.ARENA, Medium.DEVICE)
+ARENA_TO_DISK: Route = (Medium.ARENA, Medium.DISK)
+DISK_TO_ARENA: Route = (Medium.DISK, Medium.ARENA)
+ARENA_TO_REMOTE: Route = (Medium.ARENA, Medium.REMOTE)
+REMOTE_TO_ARENA: Route = (Medium.REMOTE, Medium.ARENA)
+
+
 @dataclass(frozen=True)
 class Store:
     """Device → arena: write the chunk `key` (the request's chunk number `chunk_index`) into `slot`."""
@@ -38,6 +61,10 @@ class Store:
     slot: int
     request_id: str
     chunk_index: int
+
+    @property
+    def route(self) -> Route:
+        return DEVICE_TO_ARENA
 
 
 @dataclass(frozen=True)
@@ -50,6 +77,10 @@ class Load:
     request_id: str
     chunk_index: int
 
+    @property
+    def route(self) -> Route:
+        return ARENA_TO_DEVICE
+
 
 @dataclass(frozen=True)
 class Spill:
@@ -58,6 +89,10 @@ class Spill:
     cmd_id: int
     key: ChunkKey
     slot: int
+
+    @property
+    def route(self) -> Route:
+        return ARENA_TO_DISK
 
 
 @dataclass(frozen=True)
@@ -69,6 +104,10 @@ class Promote:
     slot: int
     source: Tier
 
+    @property
+    def route(self) -> Route:
+        return (Medium.of(self.source), Medium.ARENA)
+
 
 @dataclass(frozen=True)
 class Put:
@@ -78,6 +117,10 @@ class Put:
     key: ChunkKey
     slot: int
 
+    @property
+    def route(self) -> Route:
+        return ARENA_TO_REMOTE
+
 
 @dataclass(frozen=True)
 class Persist:
@@ -86,6 +129,10 @@ class Persist:
     cmd_id: int
     key: ChunkKey
     slot: int
+
+    @property
+    def route(self) -> Route:
+        return ARENA_TO_DISK
 
 
 @dataclass(frozen=True)
@@ -98,6 +145,7 @@ class Drop:
 
 
 Command = Union[Store, Load, Spill, Promote, Put, Persist, Drop]
+Transfer = Union[Store, Load, Spill, Promote, Put, Persist]  # the commands that move bytes: each has a `route`
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,8 @@
 """The worker side of the store: runs the index's commands against this rank's arena and tiers.
 
-Commands run in the order given. Spills copy the slot into the disk tier's write-behind queue before the next
+Commands run in the order given, each by the handler of its route (source, destination: `commands.Route`), the way
+vLLM's OffloadingWorker dispatches by medium pair; consecutive device moves, and consecutive remote gets or puts, go
+as one batch. Spills copy the slot into the disk tier's write-behind queue before the next
 command, so a slot evicted and reused in the same step is safe. Persists queue the slot itself (no copy: the index
 pins it until every rank completes) for the disk tier's writer threads. Promotions and puts run on background
 threads (the slot is writing or pinned in the index until every rank completes). Stores and loads move bytes between the
@@ -25,7 +27,9 @@ from typing import Callable, Collection, Optional, Protocol, Sequence, Union
 import torch
 
 from .arena import HostArena
-from .commands import Command, Completion, Drop, Load, Persist, Promote, Put, Spill, Store, Tier
+from .commands import (ARENA_TO_DEVICE, ARENA_TO_DISK, ARENA_TO_REMOTE, DEVICE_TO_ARENA, DISK_TO_ARENA,
+                       REMOTE_TO_ARENA, Command, Completion, Drop, Load, Persist, Promote, Put, Route, Spill, Store,
+                       Tier, Transfer)
 from .envelope import RejectionLog, Sealer, seal, verify
 from .keys import ChunkKey
 from .tier import OK, TierResult
@@ -33,6 +37,9 @@ from .tier import OK, TierResult
 logger = logging.getLogger(__name__)
 
 Report = Callable[[int, TierResult], None]
+RouteHandler = Callable[[Sequence[Transfer]], None]
+# routes whose consecutive commands go as one batch (one device transfer, one remote round trip)
+_BATCHED = frozenset({DEVICE_TO_ARENA, ARENA_TO_DEVICE, REMOTE_TO_ARENA, ARENA_TO_REMOTE})
 _SEAL_STRIPES = 64  # locks over slots: two io threads never seal one slot at once, unrelated slots never wait
 
 
@@ -69,6 +76,13 @@ class StoreExecutor:
         self._idle = threading.Condition(self._lock)
         self._closed = False
         self._submitting = 0
+        # one handler per (source, destination); a batch is a run of consecutive commands of one batched route
+        self._handlers: dict[Route, RouteHandler] = {
+            DEVICE_TO_ARENA: self._run_device, ARENA_TO_DEVICE: self._run_device,
+            REMOTE_TO_ARENA: lambda batch: self._io.submit(self._run_remote, batch, True),
+            ARENA_TO_REMOTE: lambda batch: self._io.submit(self._run_remote, batch, False),
+            DISK_TO_ARENA: self._promote_from_disk_async, ARENA_TO_DISK: self._write_to_disk_async,
+        }
         if remote is not None:
             registered = [remote.register(address, nbytes) for address, nbytes in arena.registration_ranges()]
             if not arena.contiguous:  # segments the device runtime allocates later get their own registration
@@ -106,21 +120,20 @@ class StoreExecutor:
         position = 0
         while position < len(commands):
             command = commands[position]
-            kind = _batch_kind(command)
+            route = None if isinstance(command, Drop) else command.route
             end = position + 1
-            while kind and end < len(commands) and _batch_kind(commands[end]) == kind:
-                end += 1
+            if route in _BATCHED:
+                while end < len(commands) and not isinstance(commands[end], Drop) and commands[end].route == route:
+                    end += 1
             batch = commands[position:end]
             for written in batch:
                 if isinstance(written, (Store, Promote)):  # new bytes are coming: the old trailer seals nothing
                     self._forget_seal(written.slot)
             try:
-                if kind in ("store", "load"):
-                    self._run_device(batch)  # type: ignore[arg-type]
-                elif kind in ("remote_get", "remote_put"):
-                    self._io.submit(self._run_remote, kind, batch)
+                if isinstance(command, Drop):
+                    self._drop(command)
                 else:
-                    self._run_one(command)
+                    self._handlers[command.route](batch)  # type: ignore[arg-type]
             except Exception as exc:  # nothing of this batch ran or answered: fail it, keep going with the rest
                 logger.exception("rank %d: store commands %s refused", self.rank, [c.cmd_id for c in batch])
                 for failed in batch:
@@ -206,23 +219,25 @@ class StoreExecutor:
         with self._seal_locks[slot % len(self._seal_locks)]:
             self._sealed[slot] = key
 
-    def _run_one(self, command: Command) -> None:
-        if isinstance(command, Spill):
-            try:  # here, on the model's thread: the slot may be reused by the very next command
-                self._seal(command.slot, command.key)
-            except Exception as exc:  # a key the envelope cannot hold: this chunk is not spilled, the others are
-                logger.exception("rank %d: sealing spill %d failed", self.rank, command.cmd_id)
-                self._report(command.cmd_id, TierResult.fail(f"error: {exc}"))
-                return
-            self._write_to_disk(command, copy=True)
-        elif isinstance(command, Persist):  # pinned until every rank answers: writers read the slot in place, no copy
-            self._io.submit(self._persist, command)
-        elif isinstance(command, Drop):
-            self._drop(command)
-        elif isinstance(command, Promote):  # from disk; remote promotions are batched
+    def _write_to_disk_async(self, batch: Sequence[Union[Spill, Persist]]) -> None:
+        for command in batch:
+            if isinstance(command, Spill):
+                self._spill(command)
+            else:  # pinned until every rank answers: writers read the slot in place, no copy
+                self._io.submit(self._persist, command)
+
+    def _promote_from_disk_async(self, batch: Sequence[Promote]) -> None:
+        for command in batch:
             self._io.submit(self._guarded, command.cmd_id, self._promote_from_disk, command)
-        else:
-            self._report(command.cmd_id, TierResult.fail(f"unknown command {type(command).__name__}"))
+
+    def _spill(self, command: Spill) -> None:
+        try:  # here, on the model's thread: the slot may be reused by the very next command
+            self._seal(command.slot, command.key)
+        except Exception as exc:  # a key the envelope cannot hold: this chunk is not spilled, the others are
+            logger.exception("rank %d: sealing spill %d failed", self.rank, command.cmd_id)
+            self._report(command.cmd_id, TierResult.fail(f"error: {exc}"))
+            return
+        self._write_to_disk(command, copy=True)
 
     def _guarded(self, cmd_id: int, work: Callable[..., TierResult], *args: object) -> None:
         """Background work always answers, even when a tier raises (a bug there must not hang the index)."""
@@ -285,7 +300,8 @@ class StoreExecutor:
         self._mark_sealed(command.slot, command.key)
         return OK
 
-    def _run_remote(self, kind: str, batch: Sequence[Union[Promote, Put]]) -> None:
+    def _run_remote(self, batch: Sequence[Union[Promote, Put]], get: bool) -> None:
+        """On an io thread: one batch of remote gets (promotions into the arena) or puts."""
         try:
             if self.remote is None:
                 results = [TierResult.fail("no remote tier")] * len(batch)
@@ -293,7 +309,7 @@ class StoreExecutor:
                 names = [c.key.storage_name(self.rank) for c in batch]
                 views = [self.arena.sealed_view(c.slot) for c in batch]
                 checks = [self._verified(c.key) for c in batch]
-                if kind == "remote_get":
+                if get:
                     results = list(self.remote.get_into(names, views, verify=checks))
                 else:
                     for command in batch:  # here, on an io thread, never on the model's
@@ -301,7 +317,7 @@ class StoreExecutor:
                     results = list(self.remote.put(names, views, verify=checks))
                 if len(results) != len(batch):
                     raise RuntimeError(f"remote tier answered {len(results)} results for {len(batch)} chunks")
-                if kind == "remote_get":
+                if get:
                     for name, command, result in zip(names, batch, results):
                         if result.ok:
                             self._mark_sealed(command.slot, command.key)
@@ -331,18 +347,7 @@ class StoreExecutor:
         try:
             self.mover.run(batch, objects, report_once)
         except Exception as exc:  # a refused transfer fails its commands; the index frees their slots
-            logger.exception("rank %d: device %s of %d chunks raised", self.rank, _batch_kind(batch[0]), len(batch))
+            logger.exception("rank %d: device %s of %d chunks raised", self.rank,
+                             "store" if isinstance(batch[0], Store) else "load", len(batch))
             for command in batch:
                 report_once(command.cmd_id, TierResult.fail(f"device: {exc}"))
-
-
-def _batch_kind(command: Command) -> str:
-    if isinstance(command, Store):
-        return "store"
-    if isinstance(command, Load):
-        return "load"
-    if isinstance(command, Promote) and command.source is Tier.REMOTE:
-        return "remote_get"
-    if isinstance(command, Put):
-        return "remote_put"
-    return ""

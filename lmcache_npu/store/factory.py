@@ -17,7 +17,7 @@ from .config import StoreConfig
 from .disk import HEADER_BYTES, DiskTier, disk_chunks_for_capacity, scan_disk_directory
 from .envelope import Sealer, sealed_bytes
 from .executor import DeviceMover, StoreExecutor
-from .index import ChunkIndex
+from .index.chunk_index import ChunkIndex
 from .keys import ChunkKey, storage_names_of
 from .secret import resolve_secret
 

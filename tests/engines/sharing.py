@@ -55,9 +55,9 @@ def writer(master: str, metadata: str, out: str, mode: str) -> None:
     index = engine.scheduler_connector.scheduler_half.index
     completions, names = [], []
     for length, seed in PROMPTS:
-        before = set(index._entries)
+        before = {chunk.key for chunk in index.chunks()}
         completions += engine.generate([prompt(length, seed)], DECODE_STEPS, logprobs=5)
-        names.append(sorted(key.storage_name(0) for key in set(index._entries) - before))
+        names.append(sorted(key.storage_name(0) for key in {chunk.key for chunk in index.chunks()} - before))
     engine.generate([[1, 2, 3]], 1)  # one more step issues the puts of the last stores
     if not engine.worker_connector.worker_half.executor.wait_idle(60):
         raise RuntimeError("the writer's puts to Mooncake did not finish in 60 s")

@@ -45,14 +45,15 @@ def assert_quiescent(engine: Engine) -> None:
     index = half.index
     assert index is not None
     index.check_invariants()
-    assert index.in_flight == 0 and not index._outbox
-    assert not any(index._reserved.values()), "reservations left"
-    assert all(e.readers == 0 and not e.reservations for e in index._entries.values()), "pinned chunks left"
-    from lmcache_npu.store.index import SlotState
+    assert index.in_flight == 0 and not index.queued_commands()
+    chunks = index.chunks()
+    assert not any(c.reservations for c in chunks), "reservations left"
+    assert all(c.readers == 0 for c in chunks), "pinned chunks left"
+    from lmcache_npu.store.index.contract import SlotState
 
-    states = [index.location(k)[1] for k in list(index._entries)]
+    states = [c.slot_state for c in chunks]
     assert SlotState.WRITING not in states and SlotState.READING not in states
-    assert len(index._free_slots) + sum(s is SlotState.READY for s in states) == index.num_slots
+    assert index.free_slots + sum(s is SlotState.READY for s in states) == index.num_slots
     for worker in engine.workers:
         wh = worker.worker_half
         assert not wh._recv and not wh._sends and not wh._owner and not wh._stores, "worker still tracks transfers"

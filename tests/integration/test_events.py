@@ -242,7 +242,7 @@ def test_router_view_refuses_a_removal_before_its_store():
 
 def test_the_index_tells_its_listener_every_tier_transition():
     from lmcache_npu.store.commands import Completion
-    from lmcache_npu.store.index import ChunkIndex
+    from lmcache_npu.store.index.chunk_index import ChunkIndex
 
     index = ChunkIndex(num_slots=1, num_ranks=1, disk_chunks=1, remote_exists=lambda keys: [False] * len(keys))
     heard: list[tuple[bytes, str, bool]] = []
@@ -252,13 +252,13 @@ def test_the_index_tells_its_listener_every_tier_transition():
         index.on_completions([Completion(c.cmd_id, 0, True) for c in index.take_commands()])
 
     a, b = ChunkKey("0" * 32, b"a" * 32), ChunkKey("0" * 32, b"b" * 32)
-    index.allocate_store("r1", [(0, a)])
+    index.prepare_store("r1", [(0, a)])
     complete()  # stored, then put to the remote store
     complete()
-    index.allocate_store("r2", [(0, b)])  # evicts a: spilled to disk
+    index.prepare_store("r2", [(0, b)])  # evicts a: spilled to disk
     complete()
     complete()
-    index.allocate_store("r3", [(0, ChunkKey("0" * 32, b"c" * 32))])  # evicts b; its spill drops a's file
+    index.prepare_store("r3", [(0, ChunkKey("0" * 32, b"c" * 32))])  # evicts b; its spill drops a's file
     complete()
     assert heard[:6] == [(b"a" * 32, "cpu", True), (b"a" * 32, "remote", True), (b"a" * 32, "cpu", False),
                          (b"a" * 32, "disk", True), (b"b" * 32, "cpu", True), (b"b" * 32, "remote", True)]
@@ -271,7 +271,7 @@ def test_the_index_tells_its_listener_every_tier_transition():
 
 def test_a_failing_listener_never_breaks_the_index():
     from lmcache_npu.store.commands import Completion
-    from lmcache_npu.store.index import ChunkIndex
+    from lmcache_npu.store.index.chunk_index import ChunkIndex
 
     index = ChunkIndex(num_slots=2)
 
@@ -279,7 +279,7 @@ def test_a_failing_listener_never_breaks_the_index():
         raise RuntimeError("router gone")
 
     index.set_tier_listener(broken)
-    index.allocate_store("r1", [(0, ChunkKey("0" * 32, b"a" * 32))])
+    index.prepare_store("r1", [(0, ChunkKey("0" * 32, b"a" * 32))])
     index.on_completions([Completion(c.cmd_id, 0, True) for c in index.take_commands()])
     assert index.counters["listener_errors"] == 1
     assert index.lookup("r2", [ChunkKey("0" * 32, b"a" * 32)]).ready_chunks == 1

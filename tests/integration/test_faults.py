@@ -82,13 +82,13 @@ def test_a_refused_load_makes_vllm_recompute(make_engine, world):
     text = prompt(2 * 256 + 10, seed=27)
     engine.add(text, max_tokens=3, request_id="a")
     engine.run()
-    original = index.begin_load
+    original = index.prepare_load
 
     def refuse(request_id, chunks):  # as if the reserved chunk had been evicted after all
-        index.begin_load = original
+        index.prepare_load = original
         raise ValueError("chunk evicted between lookup and load (injected)")
 
-    index.begin_load = refuse
+    index.prepare_load = refuse
     engine.add(text + [5, 6, 7], max_tokens=3, request_id="b")
     engine.run()
     assert len(engine.output_tokens("b")) == 3

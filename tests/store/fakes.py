@@ -14,7 +14,7 @@ from lmcache_npu.store.arena import HostArena
 from lmcache_npu.store.commands import Command, Completion, Load, Store
 from lmcache_npu.store.executor import Report, StoreExecutor
 from lmcache_npu.store.factory import remote_exists_for
-from lmcache_npu.store.index import ChunkIndex
+from lmcache_npu.store.index.chunk_index import ChunkIndex
 from lmcache_npu.store.keys import ChunkKey
 from lmcache_npu.store.tier import OK, TierCounters, TierResult
 
@@ -112,8 +112,8 @@ class Cluster:
                           disk=None if disks is None else disks[rank], remote=remote, io_threads=2)
             for rank in range(num_ranks)
         ]
-        remote_exists = None if remote is None else remote_exists_for(remote, num_ranks)
-        self.index = ChunkIndex(num_slots, num_ranks, disk_chunks=disk_chunks, remote_exists=remote_exists,
+        self.remote_exists = None if remote is None else remote_exists_for(remote, num_ranks)
+        self.index = ChunkIndex(num_slots, num_ranks, disk_chunks=disk_chunks, remote_exists=self.remote_exists,
                                 disk_write_through=disk_write_through)
         self.issued: list[Command] = []
         self.stored: set[ChunkKey] = set()  # chunks whose store completed on every rank
@@ -140,12 +140,12 @@ class Cluster:
         """Steps until no command is in flight (a completion may issue follow-ups such as puts)."""
         for _ in range(max_steps):
             self.step()
-            if self.index.in_flight == 0 and not self.index._outbox:
+            if self.index.in_flight == 0 and not self.index.queued_commands():
                 return
         raise AssertionError(f"{self.index.in_flight} commands still in flight after {max_steps} steps")
 
     def store(self, request_id: str, keys: Sequence[ChunkKey], first_chunk: int = 0) -> list[Store]:
-        stores = self.index.allocate_store(request_id, list(enumerate(keys, first_chunk)))
+        stores = self.index.prepare_store(request_id, list(enumerate(keys, first_chunk)))
         self.settle()
         return stores
 
@@ -156,7 +156,7 @@ class Cluster:
             if not result.pending:
                 break
             self.settle()
-        loads = self.index.begin_load(request_id, list(enumerate(keys[:result.ready_chunks])))
+        loads = self.index.prepare_load(request_id, list(enumerate(keys[:result.ready_chunks])))
         self.settle()
         self.index.release(request_id)
         return len(loads)

@@ -100,9 +100,9 @@ def run(chunks: int, remote_kind: str, seed: int = 0, object_bytes: int = 4096) 
                 if not result.pending:
                     break
                 cluster.settle()
-            cluster.index.begin_load(request, list(enumerate(replay[:result.ready_chunks])))
+            cluster.index.prepare_load(request, list(enumerate(replay[:result.ready_chunks])))
             cluster.index.release(request)
-            cluster.index.allocate_store(request, list(enumerate(replay[result.ready_chunks:], result.ready_chunks)))
+            cluster.index.prepare_store(request, list(enumerate(replay[result.ready_chunks:], result.ready_chunks)))
             cluster.settle()
     counters = cluster.index.counters.snapshot()
     totals = {

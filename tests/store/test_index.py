@@ -6,12 +6,13 @@ from pathlib import Path
 
 import pytest
 
-from lmcache_npu.store import index as index_module
+from lmcache_npu.store.index import remote_presence as index_module
 from lmcache_npu.store.commands import Completion, Drop, Load, Promote, Put, Spill, Store, Tier
 from lmcache_npu.store.disk import DiskTier
 from lmcache_npu.store.envelope import sealed_bytes
 from lmcache_npu.store.disk import disk_chunks_for_capacity
-from lmcache_npu.store.index import ChunkIndex, DiskState, SlotState
+from lmcache_npu.store.index.chunk_index import ChunkIndex
+from lmcache_npu.store.index.contract import DiskState, SlotState
 from lmcache_npu.store.keys import ChunkKey
 from lmcache_npu.store.tier import TierResult
 
@@ -52,7 +53,7 @@ def test_lookup_is_a_prefix_and_a_gap_ends_it():
 def test_chunk_is_visible_only_after_every_rank_completed_its_store():
     index = ChunkIndex(num_slots=4, num_ranks=3)
     key = make_key(1)
-    (store,) = index.allocate_store("a", [(0, key)])
+    (store,) = index.prepare_store("a", [(0, key)])
     assert index.take_commands() == [store]
     assert index.lookup("b", [key]) == (index.lookup("b", [key]))
     assert index.lookup("b", [key]).pending  # being written counts as a hit that is not ready yet
@@ -66,7 +67,7 @@ def test_chunk_is_visible_only_after_every_rank_completed_its_store():
 def test_one_failing_rank_fails_the_store_and_frees_the_slot():
     index = ChunkIndex(num_slots=1, num_ranks=2)
     key = make_key(1)
-    (store,) = index.allocate_store("a", [(0, key)])
+    (store,) = index.prepare_store("a", [(0, key)])
     index.on_completions([Completion(store.cmd_id, 0, True), Completion(store.cmd_id, 1, False, "device")])
     assert index.location(key) == (None, SlotState.FREE, DiskState.NONE)
     assert index.lookup("b", [key]).hit_chunks == 0
@@ -76,7 +77,7 @@ def test_one_failing_rank_fails_the_store_and_frees_the_slot():
 
 def test_unknown_and_duplicate_completions_are_ignored_and_counted():
     index = ChunkIndex(num_slots=2, num_ranks=1)
-    (store,) = index.allocate_store("a", [(0, make_key(1))])
+    (store,) = index.prepare_store("a", [(0, make_key(1))])
     index.on_completions([Completion(store.cmd_id, 0, True), Completion(store.cmd_id, 0, True),
                           Completion(12345, 0, True)])
     assert index.counters["unexpected_completions"] == 2
@@ -99,16 +100,16 @@ def test_lru_evicts_the_least_recently_used_unpinned_chunk():
 def test_pinned_and_reserved_slots_are_never_evicted():
     index = ChunkIndex(num_slots=2, num_ranks=1)
     a, b, c = (make_key(i) for i in range(3))
-    stores = index.allocate_store("r", [(0, a), (1, b)])
+    stores = index.prepare_store("r", [(0, a), (1, b)])
     index.on_completions([Completion(s.cmd_id, 0, True) for s in stores])
-    (load,) = index.begin_load("x", [(0, a)])  # a: a load is reading it
+    (load,) = index.prepare_load("x", [(0, a)])  # a: a load is reading it
     assert index.location(a)[1] is SlotState.READING
     index.lookup("y", [b])  # b: reserved between lookup and load
     index.take_commands()
-    assert index.allocate_store("r", [(2, c)]) == []
+    assert index.prepare_store("r", [(2, c)]) == []
     assert index.counters["store_no_slot"] == 1
     index.on_completions([Completion(load.cmd_id, 0, True)])
-    (store_c,) = index.allocate_store("r", [(2, c)])
+    (store_c,) = index.prepare_store("r", [(2, c)])
     assert store_c.slot == stores[0].slot  # a was unpinned by its load's completion and is now the victim
     index.release("y")
     index.check_invariants()
@@ -116,18 +117,18 @@ def test_pinned_and_reserved_slots_are_never_evicted():
 
 def test_writing_slots_are_never_reused():
     index = ChunkIndex(num_slots=1, num_ranks=1)
-    index.allocate_store("r", [(0, make_key(0))])
-    assert index.allocate_store("r", [(1, make_key(1))]) == []
+    index.prepare_store("r", [(0, make_key(0))])
+    assert index.prepare_store("r", [(1, make_key(1))]) == []
 
 
 def test_begin_load_of_a_chunk_that_is_not_ready_names_it():
     index = ChunkIndex(num_slots=2, num_ranks=1)
     key = make_key(7)
     with pytest.raises(ValueError, match=f"request 'q' chunk 3: key {key.chunk_hash.hex()} is absent"):
-        index.begin_load("q", [(3, key)])
-    index.allocate_store("r", [(0, key)])
+        index.prepare_load("q", [(3, key)])
+    index.prepare_store("r", [(0, key)])
     with pytest.raises(ValueError, match="is writing in the arena"):
-        index.begin_load("q", [(0, key)])
+        index.prepare_load("q", [(0, key)])
 
 
 def test_eviction_spills_to_disk_before_the_slot_is_reused_and_promotion_brings_it_back(disks):
@@ -147,7 +148,7 @@ def test_eviction_spills_to_disk_before_the_slot_is_reused_and_promotion_brings_
     # the first two chunks come back from disk through promotions, bytes checked on both ranks
     result = cluster.index.lookup("b", keys[:2])
     assert (result.hit_chunks, result.ready_chunks) == (2, 0)
-    promotes = [c for c in cluster.index._outbox if isinstance(c, Promote)]
+    promotes = [c for c in cluster.index.queued_commands() if isinstance(c, Promote)]
     assert [p.source for p in promotes] == [Tier.DISK, Tier.DISK]
     cluster.index.release("b")
     cluster.settle()
@@ -339,7 +340,7 @@ def test_a_prefix_mixing_remote_and_local_chunks_keeps_every_slot_accounted_for(
     local.store("b", [keys[1], keys[3]])  # held here; 0 and 2 only in the remote store
     result = local.index.lookup("c", keys)
     assert (result.hit_chunks, result.ready_chunks) == (4, 0)
-    assert [p.key for p in local.index._outbox if isinstance(p, Promote)] == [keys[0], keys[2]]
+    assert [p.key for p in local.index.queued_commands() if isinstance(p, Promote)] == [keys[0], keys[2]]
     local.index.check_invariants()
     local.index.release("c")
     assert local.load("c", keys) == 4 and not local.mismatches
@@ -357,10 +358,10 @@ def test_a_remote_promotion_whose_eviction_drops_its_own_disk_copy_keeps_the_slo
     present: set = set()
     index = ChunkIndex(num_slots=1, num_ranks=1, disk_chunks=1, remote_exists=lambda ks: [k in present for k in ks])
     a, b = make_key(1), make_key(2)
-    index.allocate_store("r1", [(0, a)])
+    index.prepare_store("r1", [(0, a)])
     _complete_all(index, present)
     _complete_all(index, present)  # store A, then put A
-    index.allocate_store("r2", [(0, b)])  # evicts A: its spill stays in flight
+    index.prepare_store("r2", [(0, b)])  # evicts A: its spill stays in flight
     spill, store_b = index.take_commands()
     index.on_completions([Completion(store_b.cmd_id, 0, True)])
     _complete_all(index, present)  # put B
@@ -372,7 +373,7 @@ def test_a_remote_promotion_whose_eviction_drops_its_own_disk_copy_keeps_the_slo
     assert index.location(a)[1] is SlotState.READY
     index.release("r3")
     index.check_invariants()
-    assert len(index.allocate_store("r4", [(0, make_key(9))])) == 1  # the slot is usable again
+    assert len(index.prepare_store("r4", [(0, make_key(9))])) == 1  # the slot is usable again
 
 
 def test_a_lookup_never_evicts_its_own_later_hits(disks):
@@ -391,22 +392,22 @@ def test_a_lookup_never_evicts_its_own_later_hits(disks):
 def test_lookup_does_not_keep_reservations_past_its_hit_prefix():
     index = ChunkIndex(num_slots=3, num_ranks=1)
     keys = [make_key(i) for i in range(3)]
-    stores = index.allocate_store("s", [(0, keys[0]), (2, keys[2])])
+    stores = index.prepare_store("s", [(0, keys[0]), (2, keys[2])])
     index.on_completions([Completion(s.cmd_id, 0, True) for s in stores])
     assert index.lookup("q", keys).hit_chunks == 1
-    assert index._reserved["q"] == {keys[0]}  # keys[2] lies past the gap: not held for this request
+    assert {c.key for c in index.chunks() if "q" in c.reservations} == {keys[0]}  # keys[2] lies past the gap: not held for this request
     index.check_invariants()
 
 
 def test_begin_load_issues_nothing_when_any_chunk_is_not_ready():
     index = ChunkIndex(num_slots=2, num_ranks=1)
     ready, writing = make_key(1), make_key(2)
-    (store,) = index.allocate_store("s", [(0, ready)])
+    (store,) = index.prepare_store("s", [(0, ready)])
     index.on_completions([Completion(store.cmd_id, 0, True)])
-    index.allocate_store("s", [(1, writing)])
+    index.prepare_store("s", [(1, writing)])
     index.take_commands()
     with pytest.raises(ValueError, match="is writing in the arena"):
-        index.begin_load("q", [(0, ready), (1, writing)])
+        index.prepare_load("q", [(0, ready), (1, writing)])
     assert index.take_commands() == [] and index.in_flight == 1  # only the store still in flight
 
 
@@ -430,7 +431,7 @@ def test_restart_counts_each_ranks_own_files_and_drops_partial_chunks(tmp_path):
             target.on_completions([c for w in workers for c in w.drain(30)])
 
     for key in keys:  # 2 slots, disk for 4: the disk fills up
-        index.allocate_store("w", [(0, key)])
+        index.prepare_store("w", [(0, key)])
         settle()
     assert [w.disk.used_bytes // (sealed_bytes(OBJECT_BYTES) + 64) for w in workers] == [4, 4]
     for w in workers:
@@ -448,7 +449,7 @@ def test_restart_counts_each_ranks_own_files_and_drops_partial_chunks(tmp_path):
     settle(restarted)  # the stray is dropped by the first step's commands
     assert [w.disk.used_bytes // (sealed_bytes(OBJECT_BYTES) + 64) for w in workers] == [4, 4]
     for i in range(6, 10):  # the disk keeps working after a restart with a full disk
-        restarted.allocate_store("w", [(0, make_key(i, namespace))])
+        restarted.prepare_store("w", [(0, make_key(i, namespace))])
         settle(restarted)
     assert restarted.counters["spill_failed"] == 0
     for w in workers:

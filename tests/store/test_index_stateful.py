@@ -19,7 +19,8 @@ from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from lmcache_npu.store.disk import DiskTier
-from lmcache_npu.store.index import ChunkIndex, DiskState, SlotState
+from lmcache_npu.store.index.chunk_index import ChunkIndex
+from lmcache_npu.store.index.contract import DiskState, SlotState
 from lmcache_npu.store.policies import POLICIES
 
 from .fakes import Cluster, MemoryRemote, make_key
@@ -52,7 +53,7 @@ class IndexMachine(RuleBasedStateMachine):
                                disk_chunks=disk_chunks, remote=self.remote, disk_write_through=write_through)
         # the same index with this machine's policy and gates (a lossless disk takes every evicted chunk)
         self.cluster.index = ChunkIndex(num_slots, 2, disk_chunks=disk_chunks,
-                                        remote_exists=self.cluster.index._remote_exists,
+                                        remote_exists=self.cluster.remote_exists,
                                         disk_write_through=write_through, eviction_policy=self.policy,
                                         remote_admit_hits=remote_gate,
                                         disk_admit_hits=0 if self.lossless else disk_gate)
@@ -69,7 +70,7 @@ class IndexMachine(RuleBasedStateMachine):
     @rule(request=st.sampled_from(REQUESTS), picks=st.lists(st.sampled_from(KEYS), min_size=1, max_size=4,
                                                             unique=True))
     def store(self, request, picks):
-        self.index.allocate_store(request, list(enumerate(picks)))
+        self.index.prepare_store(request, list(enumerate(picks)))
 
     @rule()
     def step(self):
@@ -93,7 +94,7 @@ class IndexMachine(RuleBasedStateMachine):
     def load(self, request):
         loadable = (SlotState.READY, SlotState.READING)
         keys = [k for k in self.lookups.pop(request, []) if self.index.location(k)[1] in loadable]
-        self.index.begin_load(request, list(enumerate(keys)))
+        self.index.prepare_load(request, list(enumerate(keys)))
 
     @rule(request=st.sampled_from(REQUESTS))
     def release(self, request):
@@ -127,7 +128,7 @@ class IndexMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.lossless and self.write_through)
     @invariant()
     def every_stored_chunk_is_on_disk_once_quiet(self):
-        if self.index.in_flight or self.index._outbox:
+        if self.index.in_flight or self.index.queued_commands():
             return
         for key in sorted(self.stored - self.corrupted):
             assert self.index.location(key)[2] is DiskState.PRESENT, f"{key.chunk_hash.hex()[:12]} not written through"
@@ -135,9 +136,9 @@ class IndexMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.lossless)
     @invariant()
     def nothing_stored_vanishes(self):
-        if self.index.in_flight or self.index._outbox or any(self.index._reserved.values()):
+        if self.index.in_flight or self.index.queued_commands() or any(c.reservations for c in self.index.chunks()):
             return
-        if any(e.readers for e in self.index._entries.values()):
+        if any(c.readers for c in self.index.chunks()):
             return
         for key in sorted(self.stored - self.corrupted):
             self.cluster.settle()  # a probe's promotion may evict (and spill) the previous probe's chunk

@@ -9,7 +9,7 @@ import pytest
 
 from lmcache_npu.store.config import StoreConfig
 from lmcache_npu.store.factory import build_index
-from lmcache_npu.store.index import DiskState
+from lmcache_npu.store.index.contract import DiskState
 
 from .fakes import make_key, serve_rank
 
@@ -69,7 +69,7 @@ def test_index_drives_worker_processes_and_a_restart_keeps_the_disk_cache(tmp_pa
     workers = Workers(config)
     try:
         for start in range(0, 12, 3):  # 12 chunks through 4 slots: 8 are evicted on the way
-            index.allocate_store("writer", list(enumerate(keys[start:start + 3], start)))
+            index.prepare_store("writer", list(enumerate(keys[start:start + 3], start)))
             workers.settle(index)
         # with write-through every chunk is on disk, evicted or not; without, the 8 spilled ones
         assert sum(index.location(k)[2] is DiskState.PRESENT for k in keys) == (12 if write_through else 8)
@@ -78,7 +78,7 @@ def test_index_drives_worker_processes_and_a_restart_keeps_the_disk_cache(tmp_pa
             assert result.hit_chunks == 4
             workers.settle(index)
             assert index.lookup("reader", keys[start:start + 4]).ready_chunks == 4
-            index.begin_load("reader", list(enumerate(keys[start:start + 4], start)))
+            index.prepare_load("reader", list(enumerate(keys[start:start + 4], start)))
             workers.settle(index)
             index.release("reader")
         assert workers.loaded == [12, 12] and not workers.mismatches
@@ -97,7 +97,7 @@ def test_index_drives_worker_processes_and_a_restart_keeps_the_disk_cache(tmp_pa
     try:
         assert restarted.lookup("again", on_disk[:4]).hit_chunks == 4
         workers.settle(restarted)
-        restarted.begin_load("again", list(enumerate(on_disk[:4])))
+        restarted.prepare_load("again", list(enumerate(on_disk[:4])))
         workers.settle(restarted)
         assert workers.loaded == [4, 4] and not workers.mismatches
     finally:

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 
 from lmcache_npu.store.commands import Completion, Put, Spill
 from lmcache_npu.store.config import StoreConfig
-from lmcache_npu.store.index import ChunkIndex
+from lmcache_npu.store.index.chunk_index import ChunkIndex
 from lmcache_npu.store.policies import POLICIES, ArcPolicy, LruPolicy, S3FifoPolicy, make_policy
 
 from .fakes import Cluster, MemoryRemote, make_key
@@ -110,13 +110,13 @@ def test_policies_refuse_bad_capacity_and_unknown_names():
 def test_a_scan_of_one_off_chunks_evicts_the_hot_set_only_under_lru(policy, hot_kept):
     index = ChunkIndex(10, eviction_policy=policy)
     hot = [make_key(i) for i in range(4)]
-    index.allocate_store("w", list(enumerate(hot)))
+    index.prepare_store("w", list(enumerate(hot)))
     settle(index)
     for reader in ("a", "b"):  # the hot set is looked up again by two requests
         assert index.lookup(reader, hot).ready_chunks == 4
         index.release(reader)
     for i in range(20):  # a burst of one-off prompts, each stored once
-        index.allocate_store(f"scan{i}", [(0, make_key(100 + i))])
+        index.prepare_store(f"scan{i}", [(0, make_key(100 + i))])
         settle(index)
     kept = sum(index.location(key)[0] is not None for key in hot)
     assert kept == hot_kept
@@ -135,15 +135,15 @@ def test_pinned_and_writing_slots_survive_every_policy(policy, ops):
     looked: dict[str, list] = {}
     for op, request, picks in ops:
         keys = [make_key(i) for i in picks]
-        held = {k: e.slot for k, e in index._entries.items()
-                if e.slot is not None and (e.pinned or e.slot_state.value == "writing")}
+        held = {c.key: c.slot for c in index.chunks()
+                if c.slot is not None and (c.readers or c.reservations or c.slot_state.value == "writing")}
         if op == "store":
-            index.allocate_store(request, list(enumerate(keys)))
+            index.prepare_store(request, list(enumerate(keys)))
         elif op == "lookup":
             looked[request] = keys[:index.lookup(request, keys).ready_chunks]
         elif op == "load" and looked.get(request):
             ready = [k for k in looked.pop(request) if index.location(k)[1].value in ("ready", "reading")]
-            index.begin_load(request, list(enumerate(ready)))
+            index.prepare_load(request, list(enumerate(ready)))
         elif op == "release":
             index.release(request)
             looked.pop(request, None)
@@ -151,8 +151,7 @@ def test_pinned_and_writing_slots_survive_every_policy(policy, ops):
             settle(index)
         if op == "store":  # the only step that evicts here: whatever the policy proposed, held chunks kept slots
             for key, slot in held.items():
-                entry = index._entries.get(key)
-                assert entry is not None and entry.slot == slot, f"{policy} evicted a pinned or writing chunk"
+                assert index.location(key)[0] == slot, f"{policy} evicted a pinned or writing chunk"
         index.check_invariants()
 
 
@@ -198,7 +197,7 @@ def test_the_gate_writes_nothing_for_one_off_chunks(gate, puts, spills):
         key = make_key(i)
         index.lookup(f"q{i}", [key])
         issued += settle(index, remote)
-        index.allocate_store(f"q{i}", [(0, key)])
+        index.prepare_store(f"q{i}", [(0, key)])
         issued += settle(index, remote)
         index.release(f"q{i}")
     kinds = [type(c) for c in issued]
@@ -212,7 +211,7 @@ def test_the_gate_puts_a_chunk_when_it_is_found_again_and_spills_it_when_evicted
     index = gated_index(1, remote)
     key = make_key(1)
     index.lookup("first", [key])
-    index.allocate_store("first", [(0, key)])
+    index.prepare_store("first", [(0, key)])
     assert not [c for c in settle(index, remote) if isinstance(c, Put)]
     assert index.lookup("first", [key]).ready_chunks == 1  # the same request asking again is not a reuse
     assert index.reuses(key) == 0 and not index.take_commands()
@@ -223,7 +222,7 @@ def test_the_gate_puts_a_chunk_when_it_is_found_again_and_spills_it_when_evicted
     index.on_completions([Completion(put.cmd_id, 0, True)])
     index.release("second")
     for i in (2, 3):  # two more chunks evict the reused one: it is spilled, the gate let it in
-        index.allocate_store("w", [(0, make_key(i))])
+        index.prepare_store("w", [(0, make_key(i))])
         spilled = [c for c in settle(index, remote) if isinstance(c, Spill)]
         if spilled:
             assert [c.key for c in spilled] == [key]
@@ -236,7 +235,7 @@ def test_a_chunk_admitted_by_reuse_loads_byte_exact_on_another_instance():
     writer = Cluster(num_slots=4, object_bytes=OBJECT_BYTES, num_ranks=2, remote=MemoryRemote(objects))
     reader = Cluster(num_slots=4, object_bytes=OBJECT_BYTES, num_ranks=2, remote=MemoryRemote(objects))
     for cluster in (writer, reader):  # the same index with the Mooncake gate on
-        cluster.index = ChunkIndex(4, 2, remote_exists=cluster.index._remote_exists, remote_admit_hits=1)
+        cluster.index = ChunkIndex(4, 2, remote_exists=cluster.remote_exists, remote_admit_hits=1)
     try:
         once, twice = make_key(10), make_key(11)
         for key in (once, twice):

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from lmcache_npu.platform.host_memory import SegmentPinning
 from lmcache_npu.store.arena import SLOT_ALIGN_BYTES, HostArena
 from lmcache_npu.store.envelope import ENVELOPE_BYTES
-from lmcache_npu.store.index import ChunkIndex
+from lmcache_npu.store.index.chunk_index import ChunkIndex
 from lmcache_npu.store.keys import ChunkKey
 from lmcache_npu.store import segments as segments_module
 from lmcache_npu.platform.numa import numa_nodes, parse_cpulist
@@ -135,7 +135,7 @@ def test_a_segment_that_cannot_be_registered_is_left_out_with_a_warning(caplog: 
     # the index fed these ranges never hands out slots 2 and 3, however many chunks come
     index = ChunkIndex(arena.num_slots)
     index.limit_slots(arena.usable_ranges())
-    stores = index.allocate_store("r", [(i, _key(i)) for i in range(7)])
+    stores = index.prepare_store("r", [(i, _key(i)) for i in range(7)])
     assert sorted(s.slot for s in stores) == [0, 1, 4, 5, 6]
     index.check_invariants()
     arena.close()
@@ -172,7 +172,7 @@ def test_the_index_hands_out_only_usable_slots_as_the_usable_set_grows(num_slots
         index.limit_slots(ranges)
         assert index.usable_slots == len(usable)
         keys = [(i, _key(1000 * step + i)) for i in range(num_slots)]
-        stores = index.allocate_store(f"r{step}", keys)
+        stores = index.prepare_store(f"r{step}", keys)
         assert {s.slot for s in stores} <= usable, "a slot outside the usable set was handed out"
         stored += len(stores)
         index.check_invariants()

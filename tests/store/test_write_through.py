@@ -17,7 +17,8 @@ from lmcache_npu.store.disk import HEADER_BYTES, DiskTier
 from lmcache_npu.store.envelope import ENVELOPE_BYTES, Sealer, verify
 from lmcache_npu.store.executor import StoreExecutor
 from lmcache_npu.store.factory import build_executor, build_index
-from lmcache_npu.store.index import ChunkIndex, DiskState, SlotState
+from lmcache_npu.store.index.chunk_index import ChunkIndex
+from lmcache_npu.store.index.contract import DiskState, SlotState
 from lmcache_npu.store.keys import ChunkKey
 from lmcache_npu.store.tier import OK, TierResult
 
@@ -97,7 +98,7 @@ def settle_past(cluster: Cluster, held: Callable[[Command], bool]) -> None:
     """Steps until nothing but `held` commands is in flight."""
     for _ in range(10):
         step_past(cluster, held)
-        if not cluster.index._outbox and not any(cluster.index.is_pending(c.cmd_id) and not held(c)
+        if not cluster.index.queued_commands() and not any(cluster.index.is_pending(c.cmd_id) and not held(c)
                                                  for c in cluster.issued):
             return
     raise AssertionError("commands still in flight")
@@ -147,19 +148,19 @@ def test_the_slot_stays_pinned_while_its_persist_is_in_flight(tmp_path):
     def persist_of_a(command: Command) -> bool:
         return isinstance(command, Persist) and command.key == a
 
-    index.allocate_store("r", [(0, a)])
+    index.prepare_store("r", [(0, a)])
     settle_past(cluster, persist_of_a)
     (persist,) = [x for x in cluster.issued if persist_of_a(x)]
     slot_a = persist.slot
     assert index.is_pending(persist.cmd_id)
     assert index.location(a) == (slot_a, SlotState.READING, DiskState.WRITING)
-    index.allocate_store("r", [(1, b)])
+    index.prepare_store("r", [(1, b)])
     settle_past(cluster, persist_of_a)
     assert index.location(b)[1:] == (SlotState.READY, DiskState.PRESENT)
     # a is the least recently used chunk, yet its persist pins it: c takes b's slot (b is on disk: no spill)
-    (store_c,) = index.allocate_store("r", [(2, c)])
+    (store_c,) = index.prepare_store("r", [(2, c)])
     assert store_c.slot != slot_a and index.location(b) == (None, SlotState.FREE, DiskState.PRESENT)
-    assert index.allocate_store("r", [(3, d)]) == []  # a pinned, c being written: no slot at all
+    assert index.prepare_store("r", [(3, d)]) == []  # a pinned, c being written: no slot at all
     assert index.counters["store_no_slot"] == 1
     settle_past(cluster, persist_of_a)
     assert index.is_pending(persist.cmd_id) and index.location(a)[:2] == (slot_a, SlotState.READING)
@@ -168,7 +169,7 @@ def test_the_slot_stays_pinned_while_its_persist_is_in_flight(tmp_path):
     cluster.settle()
     assert index.location(a) == (slot_a, SlotState.READY, DiskState.PRESENT)
     assert not any(isinstance(x, Spill) for x in cluster.issued)
-    (store_d,) = index.allocate_store("r", [(3, d)])  # control: unpinned, a is the LRU victim it was not before
+    (store_d,) = index.prepare_store("r", [(3, d)])  # control: unpinned, a is the LRU victim it was not before
     assert store_d.slot == slot_a
     cluster.settle()
     for key in (a, b, c, d):  # a and b come back from their files (a's written from the slot while it was pinned)
@@ -193,7 +194,7 @@ def test_evicting_a_written_through_chunk_spills_nothing_and_it_comes_back_from_
     assert [cluster.index.location(k)[2] for k in keys[:4]] == [DiskState.PRESENT] * 4
     result = cluster.index.lookup("b", keys[:2])
     assert (result.hit_chunks, result.ready_chunks) == (2, 0)
-    assert [p.source for p in cluster.index._outbox if isinstance(p, Promote)] == [Tier.DISK] * 2
+    assert [p.source for p in cluster.index.queued_commands() if isinstance(p, Promote)] == [Tier.DISK] * 2
     cluster.index.release("b")
     cluster.settle()
     assert cluster.load("b", keys[:2]) == 2 and not cluster.mismatches
@@ -205,11 +206,11 @@ def test_a_persist_that_fails_on_one_rank_drops_every_ranks_copy(disks):
     cluster = Cluster(num_slots=1, object_bytes=OBJECT_BYTES, disks=[disks[0], FailingWrites(disks[1])],
                       disk_chunks=4, disk_write_through=True)
     a, b = make_key(1), make_key(2)
-    cluster.index.allocate_store("s", [(0, a)])
+    cluster.index.prepare_store("s", [(0, a)])
     cluster.step()  # the store; its persist goes out with the next step
     cluster.step()  # the persist: written on rank 0, failed on rank 1
     assert cluster.index.counters["persist_failed"] == 1
-    assert [(type(c), c.key, c.tier) for c in cluster.index._outbox] == [(Drop, a, Tier.DISK)]
+    assert [(type(c), c.key, c.tier) for c in cluster.index.queued_commands()] == [(Drop, a, Tier.DISK)]
     assert cluster.index.location(a)[1:] == (SlotState.READY, DiskState.NONE)
     assert file_payload(disks[0], a, 0) is not None  # rank 0's copy landed: the drop below has something to remove
     cluster.step()
@@ -226,9 +227,9 @@ def test_the_persists_of_a_batch_follow_its_puts(disks):
     cluster = Cluster(num_slots=4, object_bytes=OBJECT_BYTES, disks=disks, disk_chunks=8, remote=MemoryRemote(),
                       disk_write_through=True)
     keys = [make_key(i) for i in range(3)]
-    cluster.index.allocate_store("a", list(enumerate(keys)))
+    cluster.index.prepare_store("a", list(enumerate(keys)))
     cluster.step()  # three stores answered in one batch
-    assert [(type(c), c.key) for c in cluster.index._outbox] == [(Put, k) for k in keys] + [(Persist, k) for k in keys]
+    assert [(type(c), c.key) for c in cluster.index.queued_commands()] == [(Put, k) for k in keys] + [(Persist, k) for k in keys]
     cluster.settle()
     assert [cluster.index.location(k)[1:] for k in keys] == [(SlotState.READY, DiskState.PRESENT)] * 3
     assert len(cluster.remote.objects) == 6
@@ -273,7 +274,7 @@ def _settle(index: ChunkIndex, workers: list[StoreExecutor]) -> None:
             worker.submit(commands)
         index.on_completions([c for worker in workers for c in worker.drain(30)])
         index.check_invariants()
-        if index.in_flight == 0 and not index._outbox:
+        if index.in_flight == 0 and not index.queued_commands():
             return
     raise AssertionError("commands still in flight")
 
@@ -288,7 +289,7 @@ def test_a_restart_finds_every_stored_chunk_including_those_never_evicted(tmp_pa
     index, workers = _start(config, namespace)
     assert index.num_slots == 2
     for key in keys:
-        index.allocate_store("w", [(0, key)])
+        index.prepare_store("w", [(0, key)])
         _settle(index, workers)
     never_evicted = [k for k in keys if index.location(k)[0] is not None]
     assert len(never_evicted) == 2
@@ -304,7 +305,7 @@ def test_a_restart_finds_every_stored_chunk_including_those_never_evicted(tmp_pa
     for key in found:  # two slots: one chunk at a time, each promoted from its files
         assert index.lookup("r", [key]).hit_chunks == 1
         _settle(index, workers)
-        index.begin_load("r", [(0, key)])
+        index.prepare_load("r", [(0, key)])
         _settle(index, workers)
         index.release("r")
     assert index.lookup("r", never_evicted).hit_chunks == (2 if write_through else 0)

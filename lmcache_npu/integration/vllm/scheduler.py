@@ -34,7 +34,8 @@ from ...layout.discovery import LayoutGroup
 from ...layout.slots import chunk_slots, row_tokens, stored_block_span
 from ...store.commands import Load, Store, Tier
 from ...store.factory import build_index, scheduler_mooncake_client
-from ...store.index import ChunkIndex, LookupResult
+from ...store.index.chunk_index import ChunkIndex
+from ...store.index.contract import LookupResult
 from ...store.keys import ChunkKey, check_stable_hashing, chunk_keys
 from ...store.tier import TierCounters
 from . import adapter
@@ -330,7 +331,7 @@ class SchedulerHalf:
         chunks = [(lookup.first_chunk + i, lookup.keys[i]) for i in range(count)]
         refused = ""
         try:
-            loads = self.index.begin_load(request.request_id, chunks)
+            loads = self.index.prepare_load(request.request_id, chunks)
         except ValueError as exc:  # a reserved chunk is not ready: a bug, reported as a failed load, never loaded
             loads, refused = [], str(exc)
             logger.error("lmcache_npu: request %s: %s", request.request_id, exc)
@@ -503,7 +504,7 @@ class SchedulerHalf:
         without_end_state = {key for (_, key), whole in zip(picked, complete[storable]) if not whole}
         if not picked:
             return None
-        commands = self.index.allocate_store(request.request_id, picked)
+        commands = self.index.prepare_store(request.request_id, picked)
         if self.events is not None:
             for command in commands:
                 self.events.remember(command.key, request, command.chunk_index)

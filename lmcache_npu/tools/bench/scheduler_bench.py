@@ -155,14 +155,14 @@ class _Bench:
         index = self.half.index
         while index.in_flight:
             index.take_commands()
-            done = [Completion(cmd_id, 0, True) for cmd_id in list(index._pending)]
+            done = [Completion(cmd_id, 0, True) for cmd_id in index.pending_command_ids()]
             self.half.update_connector_output(type("Output", (), {
                 "kv_connector_worker_meta": LMCacheNPUWorkerMetadata(done)})())
 
     def store_prompt(self, request: Any) -> None:
         """The request's prompt chunks stored and ready, as a first request would leave them."""
         half = self.half
-        half.index.allocate_store("warm", list(enumerate(half.chunk_keys(request))))
+        half.index.prepare_store("warm", list(enumerate(half.chunk_keys(request))))
         self.settle()
 
 

@@ -35,7 +35,7 @@ import xxhash
 from ...store.arena import HostArena
 from ...store.commands import Command, Completion, Promote, Put, Spill, Store, Tier
 from ...store.executor import Report, StoreExecutor
-from ...store.index import ChunkIndex
+from ...store.index.chunk_index import ChunkIndex
 from ...store.keys import ChunkKey
 from ...store.tier import OK
 
@@ -205,12 +205,12 @@ def bench_cpu(chunk_bytes: int, chunks: int, progress: _Progress, seed: int = 0)
     index = ChunkIndex(chunks, 1)
     keys = _keys(chunks, "cpu")
     with progress.phase("cpu put", chunks) as advance:
-        index.allocate_store("bench", list(enumerate(keys)))
+        index.prepare_store("bench", list(enumerate(keys)))
         put_s, put_done = _run(executor, index.take_commands(), advance)
         index.on_completions(put_done)
     with progress.phase("cpu get", chunks) as advance:
         ready = index.lookup("bench", keys).ready_chunks
-        index.begin_load("bench", list(enumerate(keys[:ready])))
+        index.prepare_load("bench", list(enumerate(keys[:ready])))
         get_s, get_done = _run(executor, index.take_commands(), advance)
         index.on_completions(get_done)
     loaded_ok = ready == chunks and all(torch.equal(a, b) for a, b in zip(sources, sinks))

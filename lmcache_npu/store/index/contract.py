@@ -1,0 +1,154 @@
+"""What a scheduler half asks of the node's chunk manager (DESIGN §7), in the spirit of vLLM's `OffloadingManager`.
+
+Every verb takes and returns plain values (keys, ints, commands, `LookupResult`) so that a manager living in another
+process (the node cache) can implement the same contract over a socket. The verbs, in the order a request uses them:
+
+- `lookup(request, keys)`: the longest held prefix; reserves it for the request, promotes disk/remote copies.
+- `prepare_load(request, chunks)` / `release(request)`: turn reservations into `Load` commands, or give them up.
+- `prepare_store(request, chunks)`: slots and `Store` commands for computed chunks.
+- `take_commands()` / `on_completions(answers)`: the commands for the workers, and every rank's answers; a command's
+  effect is visible only once every rank answered.
+The rest says what the manager holds (`occupancy`, `location`, `chunks`, `queued_commands`) and adapts it to the
+workers (`limit_slots`, `adopt_disk`, `drop_disk_copies`) and to routers (`set_tier_listener`).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from enum import Enum
+from typing import Callable, Iterable, Optional, Sequence, Union
+
+from ..commands import Command, Completion, Load, Store, Tier
+from ..keys import ChunkKey
+from ..tier import TierCounters
+
+# told (key, tier, entered) when a chunk becomes readable in a tier (arena, disk, remote) or stops being so
+TierListener = Callable[[ChunkKey, Tier, bool], None]
+# batch existence of keys in the remote store
+RemoteExists = Callable[[Sequence[ChunkKey]], Sequence[bool]]
+# (chunk number in the request, key)
+NumberedChunks = Sequence[tuple[int, ChunkKey]]
+
+
+class SlotState(str, Enum):
+    FREE = "free"
+    WRITING = "writing"
+    READY = "ready"
+    READING = "reading"  # ready and pinned by in-flight loads, puts, persists (reported, never stored)
+
+
+class DiskState(str, Enum):
+    NONE = "none"
+    WRITING = "writing"
+    PRESENT = "present"
+
+
+@dataclass(frozen=True)
+class LookupResult:
+    """`hit_chunks`: the longest prefix present in some tier (being promoted or stored counts); `ready_chunks`:
+    the prefix loadable from the arena now. `pending` means the caller should ask again after promotions land.
+    `sources` names, per hit chunk, the tier it was found in."""
+
+    hit_chunks: int
+    ready_chunks: int
+    sources: tuple[Tier, ...] = ()
+
+    @property
+    def pending(self) -> bool:
+        return self.ready_chunks < self.hit_chunks
+
+
+@dataclass(frozen=True)
+class ChunkView:
+    """One chunk as the manager holds it (a snapshot, for status pages and tests)."""
+
+    key: ChunkKey
+    slot: Optional[int]
+    slot_state: SlotState
+    disk: DiskState
+    readers: int  # in-flight loads, puts and persists reading the slot
+    reservations: frozenset[str]  # requests between lookup and load
+    disk_readers: int  # in-flight promotions reading the disk copy
+
+
+class ChunkManager(ABC):
+    """The scheduler side's contract; `ChunkIndex` implements it in process."""
+
+    num_slots: int
+    counters: TierCounters
+
+    @abstractmethod
+    def lookup(self, request_id: str, keys: Sequence[ChunkKey]) -> LookupResult:
+        """The longest prefix of `keys` held by some tier, reserved for `request_id` until `prepare_load` or
+        `release`; disk and remote copies start moving into the arena. Asking again issues nothing twice."""
+
+    @abstractmethod
+    def presence(self, keys: Sequence[ChunkKey], remote: bool = True) -> list[bool]:
+        """Whether some tier holds each key, without reserving or moving anything."""
+
+    @abstractmethod
+    def prepare_load(self, request_id: str, chunks: NumberedChunks) -> list[Load]:
+        """Loads of ready chunks (a lookup said so); all are checked before any is issued."""
+
+    @abstractmethod
+    def release(self, request_id: str) -> None:
+        """The request gives up what its lookups reserved (finished, aborted or loaded)."""
+
+    @abstractmethod
+    def prepare_store(self, request_id: str, chunks: NumberedChunks) -> list[Store]:
+        """Stores of computed chunks no tier holds yet, as far as slots can be had."""
+
+    @abstractmethod
+    def take_commands(self) -> list[Command]:
+        """Every command issued since the last call, in the order the workers must run them."""
+
+    @abstractmethod
+    def on_completions(self, completions: Iterable[Completion]) -> None:
+        """Workers' answers; a command takes effect once every rank answered (one failure fails it)."""
+
+    @abstractmethod
+    def is_pending(self, cmd_id: int) -> bool:
+        """The command still waits for some rank's answer."""
+
+    @property
+    @abstractmethod
+    def in_flight(self) -> int:
+        """Commands issued and not answered by every rank."""
+
+    @property
+    @abstractmethod
+    def eviction_policy(self) -> str:
+        """The arena's eviction policy's name."""
+
+    @abstractmethod
+    def limit_slots(self, usable: Union[int, Sequence[tuple[int, int]]]) -> None:
+        """Hand out only slots of `usable` ([first, end) ranges live on every rank, or the first n)."""
+
+    @abstractmethod
+    def occupancy(self) -> dict[Tier, tuple[int, int]]:
+        """Per local tier, (chunks held, capacity)."""
+
+    @abstractmethod
+    def location(self, key: ChunkKey) -> tuple[Optional[int], SlotState, DiskState]:
+        """Where one chunk is: its slot, the slot's state, its disk copy's state."""
+
+    @abstractmethod
+    def chunks(self) -> list[ChunkView]:
+        """Every chunk the manager tracks, as a snapshot."""
+
+    @abstractmethod
+    def queued_commands(self) -> tuple[Command, ...]:
+        """The commands `take_commands` would hand out now, without taking them."""
+
+    @abstractmethod
+    def adopt_disk(self, keys: Iterable[ChunkKey]) -> int:
+        """Restart: chunks every rank has on disk, oldest first; returns how many were adopted."""
+
+    @abstractmethod
+    def drop_disk_copies(self, keys: Iterable[ChunkKey]) -> None:
+        """Restart: chunks only some ranks have on disk; every rank deletes its file of them."""
+
+    @abstractmethod
+    def set_tier_listener(self, listener: Optional[TierListener]) -> None:
+        """`listener(key, tier, entered)` hears every chunk entering or leaving a tier; None stops the calls."""

@@ -1,0 +1,81 @@
+"""The arena's slot table: which key owns each slot, which slots are free, which are withheld (their segment left
+the usable set, `limit_slots`), and the eviction policy that orders the ready ones. It knows nothing of pins or tiers:
+the index decides what may be evicted and what happens to an evicted chunk."""
+
+from __future__ import annotations
+
+from typing import Hashable, Optional, Sequence, Union
+
+from ..policies import EvictionPolicy
+
+
+class SlotTable:
+    def __init__(self, num_slots: int, policy: EvictionPolicy) -> None:
+        self.num_slots = num_slots
+        self.policy = policy  # the ready slots' keys, in eviction order
+        self._owner: list[Optional[Hashable]] = [None] * num_slots
+        self._free: list[int] = list(range(num_slots - 1, -1, -1))  # lowest slot handed out first
+        self._usable = bytearray(b"\x01") * num_slots  # slots of live arena segments on every rank
+        self._withheld: set[int] = set()  # free slots outside the usable set: never handed out
+
+    def pop_free(self) -> Optional[int]:
+        return self._free.pop() if self._free else None
+
+    def occupy(self, slot: int, key: Hashable) -> None:
+        self._owner[slot] = key
+
+    def vacate(self, slot: int) -> None:
+        """`slot` has no owner any more; the caller reuses it, or frees it with `give_back`."""
+        self._owner[slot] = None
+
+    def give_back(self, slot: int) -> None:
+        """A vacated slot becomes free, or withheld when its segment is not usable."""
+        if self._usable[slot]:
+            self._free.append(slot)
+        else:
+            self._withheld.add(slot)
+
+    def is_usable(self, slot: int) -> bool:
+        return bool(self._usable[slot])
+
+    def withhold(self, slot: int) -> None:
+        self._withheld.add(slot)
+
+    def limit(self, usable: Union[int, Sequence[tuple[int, int]]]) -> None:
+        """Hands out only slots in `usable` ([first, end) ranges, or an int n for the first n). Free slots leaving
+        the set are withheld; withheld slots entering it become free at once."""
+        ranges = [(0, usable)] if isinstance(usable, int) else list(usable)
+        mask = bytearray(self.num_slots)
+        for begin, end in ranges:
+            if not 0 <= begin <= end <= self.num_slots:
+                raise ValueError(f"usable slot range [{begin}, {end}) is outside the index's {self.num_slots} slots")
+            mask[begin:end] = b"\x01" * (end - begin)
+        self._usable = mask
+        back = [slot for slot in self._withheld if mask[slot]]
+        self._withheld.difference_update(back)
+        leaving = [slot for slot in self._free if not mask[slot]]
+        self._withheld.update(leaving)
+        if back or leaving:  # lowest slot first, as at start
+            self._free = sorted([slot for slot in self._free if mask[slot]] + back, reverse=True)
+
+    @property
+    def usable_count(self) -> int:
+        return self._usable.count(1)  # C speed: the scheduler reports this every step
+
+    @property
+    def free_count(self) -> int:
+        return len(self._free)
+
+    @property
+    def held(self) -> int:
+        """Slots owned by a chunk (being written, ready or read)."""
+        return self.num_slots - len(self._free) - len(self._withheld)
+
+    def check_invariants(self, owners: dict[int, Hashable]) -> None:
+        """Raises AssertionError unless `owners` (slot -> key, from the index's entries) matches this table."""
+        for slot, key in owners.items():
+            assert self._owner[slot] == key, f"slot {slot} is owned by {self._owner[slot]!r}, the index says {key!r}"
+        assert len(owners) + len(self._free) + len(self._withheld) == self.num_slots
+        assert set(self._free).isdisjoint(owners) and self._withheld.isdisjoint(owners)
+        assert all(self._usable[slot] for slot in self._free)
+        assert not any(self._usable[slot] for slot in self._withheld)

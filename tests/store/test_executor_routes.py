@@ -1,0 +1,59 @@
+"""The executor dispatches by route (source, destination): every kind of byte move has one, the device mover sees
+each run of consecutive same-route commands as one batch, and a run is cut where the route changes."""
+
+from __future__ import annotations
+
+import pytest
+
+from lmcache_npu.store.arena import HostArena
+from lmcache_npu.store.commands import (ARENA_TO_DEVICE, ARENA_TO_DISK, ARENA_TO_REMOTE, DEVICE_TO_ARENA,
+                                        DISK_TO_ARENA, REMOTE_TO_ARENA, Load, Persist, Promote, Put, Spill, Store,
+                                        Tier)
+from lmcache_npu.store.executor import StoreExecutor
+from lmcache_npu.store.tier import OK
+
+from .fakes import make_key
+
+
+class RecordingMover:
+    def __init__(self) -> None:
+        self.batches: list[list[int]] = []
+
+    def run(self, commands, objects, report) -> None:
+        self.batches.append([c.cmd_id for c in commands])
+        for command in commands:
+            report(command.cmd_id, OK)
+
+
+@pytest.mark.parametrize("command, route", [
+    (Store(1, make_key(1), 0, "r", 0), DEVICE_TO_ARENA),
+    (Load(1, make_key(1), 0, "r", 0), ARENA_TO_DEVICE),
+    (Spill(1, make_key(1), 0), ARENA_TO_DISK),
+    (Persist(1, make_key(1), 0), ARENA_TO_DISK),
+    (Promote(1, make_key(1), 0, Tier.DISK), DISK_TO_ARENA),
+    (Promote(1, make_key(1), 0, Tier.REMOTE), REMOTE_TO_ARENA),
+    (Put(1, make_key(1), 0), ARENA_TO_REMOTE),
+])
+def test_every_byte_move_has_its_route(command, route):
+    assert command.route == route
+
+
+def test_consecutive_device_moves_of_one_route_are_one_batch_and_a_route_change_cuts_it():
+    mover = RecordingMover()
+    executor = StoreExecutor(0, HostArena(8, 4096, pinned=False), mover, io_threads=1)
+    commands = [Store(1, make_key(1), 0, "r", 0), Store(2, make_key(2), 1, "r", 1), Load(3, make_key(3), 2, "q", 0),
+                Load(4, make_key(4), 3, "q", 1), Store(5, make_key(5), 4, "r", 2)]
+    executor.submit(commands)
+    done = executor.drain(30)
+    executor.close()
+    assert mover.batches == [[1, 2], [3, 4], [5]]
+    assert sorted((c.cmd_id, c.ok) for c in done) == [(i, True) for i in range(1, 6)]
+
+
+def test_a_route_without_its_tier_answers_every_command_with_the_reason():
+    executor = StoreExecutor(0, HostArena(4, 4096, pinned=False), RecordingMover(), io_threads=1)
+    executor.submit([Promote(1, make_key(1), 0, Tier.DISK), Put(2, make_key(2), 1), Spill(3, make_key(3), 2)])
+    done = {c.cmd_id: c for c in executor.drain(30)}
+    executor.close()
+    assert {cmd_id: (c.ok, c.reason) for cmd_id, c in done.items()} == {
+        1: (False, "no disk tier"), 2: (False, "no remote tier"), 3: (False, "no disk tier")}
