@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 import weakref
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -25,14 +24,7 @@ import numpy as np
 import torch
 
 from .device_staging import PlaneTables, StagingBuffer, host_stretches, pack_into, packed_offsets
-from .transfer_backend import (
-    AfterKernel,
-    BackendUnavailable,
-    TransferBackend,
-    TransferStats,
-    verify_kernel_report,
-    warm_up,
-)
+from .transfer_backend import AfterKernel, BackendUnavailable, KernelReport, TransferBackend, warm_up
 from .batch import ChunkBatch
 from .plan import Direction, TransferPlan
 
@@ -370,9 +362,9 @@ class CudaBackend(TransferBackend):
         self._plane_tables.upload(plan)
         warm_up(self, plan)
 
-    def transfer(self, batch: ChunkBatch, after_kernel: Optional[AfterKernel] = None) -> TransferStats:
+    def _launch(self, batch: ChunkBatch, after_kernel: Optional[AfterKernel]) -> KernelReport:
         with self._lock:
-            return self._transfer(batch, after_kernel)
+            return self._launch_locked(batch, after_kernel)
 
     def last_phases_ms(self) -> dict[str, float]:
         """Where the last transfer's device window went, from its events (valid until the next transfer): start to
@@ -394,7 +386,7 @@ class CudaBackend(TransferBackend):
             self._native = _Native(self._cuda, device)
         return self._native
 
-    def _transfer(self, batch: ChunkBatch, after_kernel: Optional[AfterKernel]) -> TransferStats:
+    def _launch_locked(self, batch: ChunkBatch, after_kernel: Optional[AfterKernel]) -> KernelReport:
         plan = batch.plan
         device = plan.device
         if device.type != "cuda":
@@ -475,7 +467,6 @@ class CudaBackend(TransferBackend):
             pages_free.record(stream)  # creates the event; the native call records it again right after the kernel
         record["events"][0, EVENT_PAGES_FREE] = 0 if pages_free is None else pages_free.cuda_event
         address = state.record.ctypes.data
-        start = time.perf_counter()
         try:
             # One GIL-free call: no host step (nor a wait for the GIL) between the kernel and a store's copies.
             self._cuda.transfer(address)
@@ -490,7 +481,6 @@ class CudaBackend(TransferBackend):
             stream.synchronize()  # nothing enqueued may still read the reused buffers when the next transfer starts
             state.copy_stream.synchronize()
             raise
-        seconds = time.perf_counter() - start
         window_ms = state.elapsed_ms(EVENT_FIRST, EVENT_LAST)
         if pipelined:
             window_ms = max(window_ms, state.elapsed_ms(EVENT_FIRST, EVENT_COPIES_DONE))
@@ -498,7 +488,6 @@ class CudaBackend(TransferBackend):
         self._last_pipelined = pipelined
         self.last_mapped_prefix = prefix is not None
         status = host_tables.numpy()[offsets[6]: offsets[6] + 24].view(np.uint64)
-        verify_kernel_report(batch, int(status[0]), int(status[1]), int(status[2]), items=len(order.items))
-        return TransferStats(backend=self.name, direction=batch.direction, chunks=batch.num_chunks,
-                             payload_bytes=batch.payload_bytes, launches=1, seconds=seconds,
-                             device_seconds=window_ms / 1e3)
+        return KernelReport(bytes_moved=int(status[2]), launches=1, items_done=int(status[0]),
+                            items_rejected=int(status[1]), items_launched=len(order.items),
+                            device_seconds=window_ms / 1e3)
