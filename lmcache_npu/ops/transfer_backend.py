@@ -29,7 +29,7 @@ class TransferStats:
     chunks: int
     payload_bytes: int
     launches: int
-    seconds: float
+    seconds: float  # host wall time of the backend's whole call (planning, launch, waits)
     dma_ops: Optional[int] = None  # DMA calls issued by the kernel, where the backend can count them
     device_seconds: Optional[float] = None  # GPU time from the first enqueued op to the last (CUDA events)
 
