@@ -4,6 +4,7 @@ for the plot, and the overlap benchmark. Writes one JSON file."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import subprocess
@@ -59,8 +60,7 @@ def main() -> int:
         batch = ChunkBatch.build(m.plan, m.slots, objects, direction)
         for name, options in variants.items():
             for priority in (0, -1):
-                backend.blocks = None
-                backend.pipeline = options.get("pipeline")
+                backend.tuning = dataclasses.replace(backend.tuning, blocks=None, pipeline=options.get("pipeline"))
                 r = overlap(batch, backend, options["path"], priority=priority)
                 row = {"preset": args.overlap_preset, "direction": direction.name.lower(),
                        **r.__dict__, "variant": name, "slowdown_percent": r.slowdown_percent}

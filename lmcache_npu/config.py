@@ -12,7 +12,6 @@ named, before the connector allocates or registers anything.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import json
 import logging
 import os
@@ -41,8 +40,7 @@ def check_backend_options(backend: str, options: Mapping[str, Any]) -> None:
             raise ValueError("backend_options need a named backend (torch, emu, host, cuda or npu): with backend 'auto' the "
                              "options would apply to whichever backend the device picks")
         return
-    parameters = inspect.signature(backend_class(backend).__init__).parameters.values()
-    valid = [p.name for p in parameters if p.name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    valid = backend_class(backend).option_names()
     unknown = set(options) - set(valid)
     if unknown:
         raise ValueError(f"backend_options: {key_list(unknown)} not accepted by the {backend} backend; "

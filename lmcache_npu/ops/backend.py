@@ -38,7 +38,7 @@ def backend_class(name: str) -> type[TransferBackend]:
 
         return NpuBackend
     if name == "cuda":
-        from .cuda_backend import CudaBackend
+        from .cuda.backend import CudaBackend
 
         return CudaBackend
     raise ValueError(f"unknown transfer backend {name!r}; expected one of {', '.join(BACKEND_NAMES)}")

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import logging
-import time
 from typing import Optional
 
 import numpy as np
 
-from .transfer_backend import AfterKernel, BackendUnavailable, TransferBackend, TransferStats, verify_kernel_report
+from .transfer_backend import AfterKernel, BackendUnavailable, KernelReport, TransferBackend
 from .batch import ChunkBatch
 from .plan import CORE_STATUS_DTYPE, Direction, PageLayout
 from .soc import SOCS, check_soc_rules
@@ -47,7 +46,7 @@ class EmuBackend(TransferBackend):
         self.order = order
         self.seed = seed
 
-    def transfer(self, batch: ChunkBatch, after_kernel: Optional[AfterKernel] = None) -> TransferStats:
+    def _launch(self, batch: ChunkBatch, after_kernel: Optional[AfterKernel]) -> KernelReport:
         plan = batch.plan
         if plan.device.type != "cpu" or any(o.device.type != "cpu" for o in batch.objects):
             raise ValueError("the emu backend runs on host memory: planes and chunk objects must be CPU tensors")
@@ -62,7 +61,6 @@ class EmuBackend(TransferBackend):
         regions += [(o.data_ptr(), plan.object_bytes, not load, f"object:{i}") for i, o in enumerate(batch.objects)]
         regions += [(a.ctypes.data, max(a.nbytes, 1), False, f"{name[:-1]} table") for name, a in tables.items()]
         regions.append((status.ctypes.data, status.nbytes, True, "core status"))
-        start = time.perf_counter()
         self._emu.launch(
             **batch.native_arguments(tables),
             target=self.soc.name,
@@ -75,17 +73,10 @@ class EmuBackend(TransferBackend):
             zero_tile_bytes=self.tiling["zero_tile_bytes"],
             regions=regions,
         )
-        seconds = time.perf_counter() - start
-        if after_kernel is not None:
-            after_kernel(None)
-        verify_kernel_report(batch, int(status["items_done"].sum()), int(status["items_rejected"].sum()),
-                             int(status["bytes_moved"].sum()))
-        return TransferStats(
-            backend=self.name,
-            direction=batch.direction,
-            chunks=batch.num_chunks,
-            payload_bytes=batch.payload_bytes,
+        return KernelReport(
+            bytes_moved=int(status["bytes_moved"].sum()),
             launches=1,
-            seconds=seconds,
+            items_done=int(status["items_done"].sum()),
+            items_rejected=int(status["items_rejected"].sum()),
             dma_ops=int(status["dma_ops"].sum()) - self.cores,  # less one status write per core
         )

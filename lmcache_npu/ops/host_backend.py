@@ -8,13 +8,12 @@ kernels.
 from __future__ import annotations
 
 import logging
-import time
 from typing import Optional
 
 import numpy as np
 
 from .batch import ChunkBatch
-from .transfer_backend import AfterKernel, BackendUnavailable, TransferBackend, TransferStats, verify_kernel_report
+from .transfer_backend import AfterKernel, BackendUnavailable, KernelReport, TransferBackend
 
 logger = logging.getLogger(__name__)
 
@@ -36,27 +35,15 @@ class HostBackend(TransferBackend):
         self._host = _host
         self.threads = int(threads)
 
-    def transfer(self, batch: ChunkBatch, after_kernel: Optional[AfterKernel] = None) -> TransferStats:
+    def _launch(self, batch: ChunkBatch, after_kernel: Optional[AfterKernel]) -> KernelReport:
         plan = batch.plan
         if plan.device.type != "cpu" or any(o.device.type != "cpu" for o in batch.objects):
             raise ValueError("the host backend runs on host memory: planes and chunk objects must be CPU tensors")
         tables = batch.native_tables()
-        start = time.perf_counter()
         report = self._host.transfer(
             **batch.native_arguments(tables),
             object_bytes=plan.object_bytes,
             threads=self.threads,
         )
-        seconds = time.perf_counter() - start
-        if after_kernel is not None:
-            after_kernel(None)
-        verify_kernel_report(batch, report["items_done"], report["items_rejected"], report["bytes_moved"])
-        return TransferStats(
-            backend=self.name,
-            direction=batch.direction,
-            chunks=batch.num_chunks,
-            payload_bytes=batch.payload_bytes,
-            launches=1,
-            seconds=seconds,
-            dma_ops=report["dma_ops"],
-        )
+        return KernelReport(bytes_moved=report["bytes_moved"], launches=1, items_done=report["items_done"],
+                            items_rejected=report["items_rejected"], dma_ops=report["dma_ops"])

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 import weakref
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
@@ -28,8 +27,7 @@ from .batch import ChunkBatch
 from .device_staging import StagingLedger, host_stretches, pack_into, packed_offsets
 from .plan import CORE_STATUS_DTYPE, Direction, TransferPlan, align_up
 from .soc import check_soc_rules, soc_from_name
-from .transfer_backend import AfterKernel, BackendUnavailable, TransferBackend, TransferStats, verify_kernel_report, \
-    warm_up
+from .transfer_backend import AfterKernel, BackendUnavailable, KernelReport, TransferBackend, warm_up
 
 logger = logging.getLogger(__name__)
 
@@ -180,11 +178,11 @@ class NpuBackend(TransferBackend):
 
     # ---- a transfer -------------------------------------------------------------------------------------------------
 
-    def transfer(self, batch: ChunkBatch, after_kernel: Optional[AfterKernel] = None) -> TransferStats:
+    def _launch(self, batch: ChunkBatch, after_kernel: Optional[AfterKernel]) -> KernelReport:
         with self._lock:
-            return self._transfer_locked(batch, after_kernel)
+            return self._launch_locked(batch, after_kernel)
 
-    def _transfer_locked(self, batch: ChunkBatch, after_kernel: Optional[AfterKernel]) -> TransferStats:
+    def _launch_locked(self, batch: ChunkBatch, after_kernel: Optional[AfterKernel]) -> KernelReport:
         plan = batch.plan
         if plan.device.type != self.runtime.device.type:
             raise ValueError(f"the npu backend moves {self.runtime.device.type} pages; the plan's planes are on "
@@ -200,7 +198,6 @@ class NpuBackend(TransferBackend):
         windows = batch.chunk_windows(self.chunks_per_window(plan)) if staged else [batch]
         launches, keep = self._launches(plan, windows, staged)
         native = self._native_transfer()
-        start = time.perf_counter()
         native.begin()
         native.submit_windows(launches.ctypes.data, len(launches))
         try:
@@ -209,17 +206,15 @@ class NpuBackend(TransferBackend):
         finally:
             native.submit_tail(launches.ctypes.data, len(launches))  # whatever happened: the wait must end
             native.wait()  # raises the first failed ACL call; the buffers are free to reuse either way
-        seconds = time.perf_counter() - start
         del keep
         self.last_windows = len(windows)
         assert self._status.host is not None
         statuses = self._status.host.array[: len(windows) * self._status_stride].reshape(len(windows), -1)
         report = np.ascontiguousarray(statuses[:, : self._status_bytes]).view(CORE_STATUS_DTYPE)
-        verify_kernel_report(batch, int(report["items_done"].sum()), int(report["items_rejected"].sum()),
-                             int(report["bytes_moved"].sum()))
-        return TransferStats(backend=self.name, direction=batch.direction, chunks=batch.num_chunks,
-                             payload_bytes=batch.payload_bytes, launches=len(windows), seconds=seconds,
-                             dma_ops=int(report["dma_ops"].sum()) - self.cores * len(windows))
+        return KernelReport(bytes_moved=int(report["bytes_moved"].sum()), launches=len(windows),
+                            items_done=int(report["items_done"].sum()),
+                            items_rejected=int(report["items_rejected"].sum()),
+                            dma_ops=int(report["dma_ops"].sum()) - self.cores * len(windows))
 
     @property
     def _status_bytes(self) -> int:

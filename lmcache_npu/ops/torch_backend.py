@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import time
 from typing import Optional
 
 import torch
 
-from .transfer_backend import AfterKernel, TransferBackend, TransferStats
+from .transfer_backend import AfterKernel, KernelReport, TransferBackend
 from .batch import ChunkBatch
 from .plan import Direction, PageLayout, Plane
 
@@ -26,11 +25,13 @@ def row_view(plane: Plane) -> torch.Tensor:
 
 
 class TorchBackend(TransferBackend):
+    """No kernel: its report counts the bytes its gathers and scatters moved, and it works in no (run, plane) items."""
+
     name = "torch"
 
-    def transfer(self, batch: ChunkBatch, after_kernel: Optional[AfterKernel] = None) -> TransferStats:
+    def _launch(self, batch: ChunkBatch, after_kernel: Optional[AfterKernel]) -> KernelReport:
         plan = batch.plan
-        start = time.perf_counter()
+        bytes_moved = 0
         for plane, offset in zip(plan.moved_planes, plan.object_offsets):
             matrix = torch.from_numpy(batch.slots[plane.group])
             rows = matrix.shape[1]
@@ -44,6 +45,7 @@ class TorchBackend(TransferBackend):
                 gathered[~live.to(gathered.device)] = 0
                 for c, obj in enumerate(batch.objects):
                     obj[segment].view(rows, plane.row_bytes).copy_(gathered[c], non_blocking=True)
+                    bytes_moved += gathered[c].numel()
             else:
                 for c, obj in enumerate(batch.objects):
                     keep = live[c].to(plane.pages.device)
@@ -51,15 +53,7 @@ class TorchBackend(TransferBackend):
                         continue
                     src = obj[segment].view(rows, plane.row_bytes).to(plane.pages.device)[keep]
                     view[blocks[c][keep], within[c][keep]] = src.reshape((src.shape[0],) + tuple(view.shape[2:]))
+                    bytes_moved += src.numel()
         if plan.device.type == "cuda":
             torch.cuda.current_stream(plan.device).synchronize()
-        if after_kernel is not None:
-            after_kernel(None)
-        return TransferStats(
-            backend=self.name,
-            direction=batch.direction,
-            chunks=batch.num_chunks,
-            payload_bytes=batch.payload_bytes,
-            launches=0,
-            seconds=time.perf_counter() - start,
-        )
+        return KernelReport(bytes_moved=bytes_moved, launches=0)

@@ -6,6 +6,8 @@ Backends import this module; the registry that picks one (backend.py) imports th
 from __future__ import annotations
 
 import abc
+import inspect
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence, Union
 
@@ -27,13 +29,39 @@ class TransferStats:
     chunks: int
     payload_bytes: int
     launches: int
-    seconds: float
+    seconds: float  # host wall time of the backend's whole call (planning, launch, waits)
     dma_ops: Optional[int] = None  # DMA calls issued by the kernel, where the backend can count them
     device_seconds: Optional[float] = None  # GPU time from the first enqueued op to the last (CUDA events)
 
 
+@dataclass(frozen=True)
+class KernelReport:
+    """What one backend call did, as its kernel counted it (the torch backend: as its gathers and scatters did)."""
+
+    bytes_moved: int
+    launches: int
+    items_done: Optional[int] = None  # None: the backend does not work in (run, plane) items
+    items_rejected: int = 0
+    items_launched: Optional[int] = None  # the work items launched where the backend cut the batch's runs finer
+    dma_ops: Optional[int] = None
+    device_seconds: Optional[float] = None
+
+
 # Told that the kernel is done with the pages: a device event that completes then, or None (see transfer()).
 AfterKernel = Callable[[Optional[Any]], None]
+
+
+class _PagesFreeNotice:
+    """The caller's after_kernel, remembering whether the backend has called it: a backend that does not (its pages
+    are free once _launch returns) is covered by transfer()."""
+
+    def __init__(self, after_kernel: AfterKernel) -> None:
+        self._after_kernel = after_kernel
+        self.sent = False
+
+    def __call__(self, event: Optional[Any]) -> None:
+        self.sent = True
+        self._after_kernel(event)
 
 
 class TransferBackend(abc.ABC):
@@ -41,15 +69,37 @@ class TransferBackend(abc.ABC):
 
     name: str = ""
 
-    @abc.abstractmethod
+    @classmethod
+    def option_names(cls) -> list[str]:
+        """The backend_options this backend takes, in order: its constructor's keyword parameters."""
+        parameters = inspect.signature(cls.__init__).parameters.values()
+        return [p.name for p in parameters if p.name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+
     def transfer(self, batch: ChunkBatch, after_kernel: Optional[AfterKernel] = None) -> TransferStats:
-        """Runs one validated batch; raises before touching memory if the backend cannot run it.
+        """Runs one validated batch; raises before touching memory if the backend cannot run it, and raises if its
+        kernel reports anything but the whole batch moved.
 
         `after_kernel(event)` is called once the kernel is done with the pages, before the transfer's host copy
         ends: with a device event recorded right after the kernel, or with None where the current stream's present
         position is right after the launch (an event recorded there completes when every page row has been read or
         written) or, on host backends, once the copy has finished. The connector uses it to let the model overwrite
-        pages as early as possible."""
+        pages as early as possible. `seconds` in the stats is the host's wall time of the backend's whole call."""
+        notice = None if after_kernel is None else _PagesFreeNotice(after_kernel)
+        start = time.perf_counter()
+        report = self._launch(batch, notice)
+        seconds = time.perf_counter() - start
+        if notice is not None and not notice.sent:
+            notice(None)  # the backend returned with its copy finished: the pages are free now
+        verify_kernel_report(batch, report)
+        return TransferStats(backend=self.name, direction=batch.direction, chunks=batch.num_chunks,
+                             payload_bytes=batch.payload_bytes, launches=report.launches, seconds=seconds,
+                             dma_ops=report.dma_ops, device_seconds=report.device_seconds)
+
+    @abc.abstractmethod
+    def _launch(self, batch: ChunkBatch, after_kernel: Optional[AfterKernel]) -> KernelReport:
+        """Moves the batch and reports what the kernel did. A device backend calls `after_kernel` (when given) as
+        transfer() describes, before it waits for its copies; a backend whose pages are free only once it returns
+        leaves that call to transfer()."""
 
     def prepare(self, plan: TransferPlan) -> None:
         """Readies what every transfer of `plan` reuses, once, before serving (device backends upload the plane
@@ -73,18 +123,17 @@ class TransferBackend(abc.ABC):
         return self.transfer(ChunkBatch.build(plan, slots, objects, Direction.LOAD))
 
 
-def verify_kernel_report(batch: ChunkBatch, done: int, rejected: int, bytes_moved: int,
-                         items: Optional[int] = None) -> None:
-    """Every kernel reports what it did; anything but the whole batch is an error, never a silent loss. `items`:
-    the work items launched when the backend cut the batch's runs finer (default: the batch's own)."""
-    expected = batch.total_items if items is None else items
-    if rejected or done != expected:
+def verify_kernel_report(batch: ChunkBatch, report: KernelReport) -> None:
+    """Every kernel reports what it did; anything but the whole batch is an error, never a silent loss."""
+    expected = batch.total_items if report.items_launched is None else report.items_launched
+    done = expected if report.items_done is None else report.items_done
+    if report.items_rejected or done != expected:
         raise RuntimeError(
-            f"kernel moved {done} of {expected} work items and rejected {rejected}: the host "
+            f"kernel moved {done} of {expected} work items and rejected {report.items_rejected}: the host "
             "validation and the kernel disagree about this batch"
         )
-    if bytes_moved != batch.payload_bytes:
-        raise RuntimeError(f"kernel wrote {bytes_moved} B, the batch has {batch.payload_bytes} B of payload")
+    if report.bytes_moved != batch.payload_bytes:
+        raise RuntimeError(f"kernel wrote {report.bytes_moved} B, the batch has {batch.payload_bytes} B of payload")
 
 
 def warm_up(backend: TransferBackend, plan: TransferPlan, scratch: Optional[torch.Tensor] = None) -> None:

@@ -10,7 +10,7 @@ import torch
 
 from lmcache_npu.ops import get_backend
 from lmcache_npu.ops import device_staging
-from lmcache_npu.ops import cuda_backend
+from lmcache_npu.ops.cuda import work_order as planner
 
 from ..ops.staging_cases import CHUNKS, HOST_GAP, gap_bytes_of_a_store_after_a_load, two_group_geometry, two_group_slots
 from .marks import CUDA_KERNELS
@@ -33,7 +33,7 @@ def test_negative_control_staging_that_is_not_rezeroed_leaks_gap_bytes(monkeypat
     assert (gap_bytes_of_a_store_after_a_load(backend, CUDA) == HOST_GAP).any()
 
 
-def _mispair(order: cuda_backend.WorkOrder) -> cuda_backend.WorkOrder:
+def _mispair(order: planner.WorkOrder) -> planner.WorkOrder:
     """Pairs every plane of group 1 with a run of group 0: rows the kernel must refuse to move."""
     groups = order.group_table
     items = order.items.copy()
@@ -49,7 +49,7 @@ def test_a_mis_paired_work_item_is_rejected_not_moved(monkeypatch: pytest.Monkey
     backend = get_backend("cuda", path=path, pipeline=False)
     objects = torch.zeros((CHUNKS, plan.object_bytes), dtype=torch.uint8).pin_memory()
     backend.store(plan, two_group_slots(), objects)  # the control: the honest order moves every item
-    original = cuda_backend.work_order
-    monkeypatch.setattr(cuda_backend, "work_order", lambda *a, **k: _mispair(original(*a, **k)))
+    original = planner.work_order  # the backend and prefix_order both call it through the planner module
+    monkeypatch.setattr(planner, "work_order", lambda *a, **k: _mispair(original(*a, **k)))
     with pytest.raises(RuntimeError, match="rejected"):
         backend.store(plan, two_group_slots(), objects)

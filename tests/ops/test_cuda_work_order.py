@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lmcache_npu.ops import ChunkBatch, Direction
-from lmcache_npu.ops.cuda_backend import (
+from lmcache_npu.ops.cuda.work_order import (
     MAX_SLICES,
     copy_table,
     prefix_order,

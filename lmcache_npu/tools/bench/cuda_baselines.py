@@ -3,7 +3,7 @@ a naive torch transfer (per-plane gather + one copy), and the slowdown transfers
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -134,7 +134,7 @@ def overlap(batch: ChunkBatch, backend, path: str, matmuls: int = 150, size: int
             priority: int = 0) -> OverlapResult:
     """The matmul loop's slowdown while `batch` is transferred again and again on a side stream (`priority` < 0: a
     high-priority stream, whose blocks the scheduler places first as SMs free up)."""
-    backend.path = path
+    backend.tuning = replace(backend.tuning, path=path)
 
     def step() -> tuple[int, float, float]:
         stats = backend.transfer(batch)

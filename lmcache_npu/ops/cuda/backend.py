@@ -1,0 +1,244 @@
+"""The CUDA kernel (lmcache_npu._cuda): the same contract on NVIDIA GPUs.
+
+Two ways to reach host chunk objects (CudaPath):
+* ``mapped``: the kernel reads/writes pinned host memory directly through UVA (zero-copy);
+* ``staging``: the kernel gathers into (scatters from) a device buffer and the copy engine moves the
+  contiguous bytes with cudaMemcpyAsync.
+``path="auto"`` picks per direction from ``AUTO_PATH`` (measured, see docs/performance.md). Staging transfers from
+``AUTO_PIPELINE_MIN_BYTES`` on pipeline the kernel with the copy engine (slice flags); below it the kernel moves a
+prefix of the bytes straight to (a store) or from (a load) the pinned host objects while it gathers or scatters the
+rest through staging, so PCIe is busy during the kernel too.
+Either way a transfer is exactly one kernel launch, and one native call enqueues everything around it (table
+upload, staging zeroing, copies, events) so the GPU never waits for Python between them.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from ..batch import ChunkBatch
+from ..device_staging import PlaneTables, StagingBuffer, pack_into, packed_offsets
+from ..plan import Direction, TransferPlan
+from ..transfer_backend import AfterKernel, BackendUnavailable, KernelReport, TransferBackend, warm_up
+from . import work_order as planner
+from .native import NativeResources, Pipeline, TransferEvent, load_cuda_module, stream_memops_supported
+from .tuning import AUTO_PATH, AUTO_PIPELINE_MIN_BYTES, CudaPath, CudaTuning
+
+logger = logging.getLogger(__name__)
+
+_STATUS_WORDS = 3  # items done, items rejected, bytes moved: the LmcacheCudaStatus counters the host reads
+
+
+class CudaBackend(TransferBackend):
+    """`options`: the CudaTuning knobs by name; `tuning` may be replaced between transfers."""
+
+    name = "cuda"
+
+    def __init__(self, **options: object) -> None:
+        self.tuning = CudaTuning.from_options(options)
+        if not torch.cuda.is_available():
+            raise BackendUnavailable("the cuda backend needs a visible CUDA device")
+        self._cuda: Any = load_cuda_module()
+        self.multiprocessors = self._cuda.multiprocessors(torch.cuda.current_device())
+        self._plane_tables = PlaneTables()
+        self._staging = StagingBuffer()
+        self._staging_address = 0
+        self._native: Optional[NativeResources] = None
+        self._lock = threading.Lock()  # one transfer at a time: the record and buffers are reused
+        self._memops = stream_memops_supported(self._cuda)
+        if not self._memops:
+            logger.warning("cuStreamWaitValue32 is unavailable: the staging path runs kernel and copy back to back")
+        self.last_kernel_ms: Optional[float] = None
+        self.last_mapped_prefix = False  # whether the last transfer's kernel moved a prefix straight to/from the host
+        self._last_pipelined = False
+
+    @classmethod
+    def option_names(cls) -> list[str]:
+        return CudaTuning.option_names()
+
+    def __del__(self) -> None:
+        native = getattr(self, "_native", None)
+        if native is not None:
+            try:
+                native.close()
+            except Exception:  # the CUDA context may already be gone at interpreter exit
+                logger.debug("cuda events not destroyed", exc_info=True)
+
+    def path_for(self, batch: ChunkBatch) -> CudaPath:
+        if all(o.device.type == "cuda" for o in batch.objects):
+            return CudaPath.DEVICE
+        return AUTO_PATH[batch.direction] if self.tuning.path == CudaPath.AUTO else self.tuning.path
+
+    def pipelined(self, batch: ChunkBatch) -> bool:
+        """Whether a staging transfer of `batch` overlaps its kernel with the copy engine."""
+        if not self._memops or self.path_for(batch) != CudaPath.STAGING:
+            return False
+        if self.tuning.pipeline is not None:
+            return self.tuning.pipeline
+        return batch.payload_bytes >= AUTO_PIPELINE_MIN_BYTES[batch.direction]
+
+    def _host_mapped(self, obj: torch.Tensor) -> bool:
+        """Page-locked and addressable by kernels: torch's pinned memory, or a cudaHostRegister'ed arena (torch's
+        is_pinned() does not see registrations it did not make)."""
+        return obj.is_pinned() or bool(self._cuda.host_mapped(obj.data_ptr(), obj.numel() * obj.element_size()))
+
+    def prepare(self, plan: TransferPlan) -> None:
+        self._plane_tables.upload(plan)
+        warm_up(self, plan)
+
+    def last_phases_ms(self) -> dict[str, float]:
+        """Where the last transfer's device window went, from its events (valid until the next transfer): start to
+        kernel (table upload, zeroing, a load's copies), the kernel, kernel end to the end of the window."""
+        state = self._native
+        if state is None:
+            return {}
+        phases = {"to_kernel": state.elapsed_ms(TransferEvent.FIRST, TransferEvent.KERNEL_BEGIN),
+                  "kernel": state.elapsed_ms(TransferEvent.KERNEL_BEGIN, TransferEvent.KERNEL_END),
+                  "after_kernel": state.elapsed_ms(TransferEvent.KERNEL_END, TransferEvent.LAST)}
+        if self._last_pipelined:
+            phases["copies_done"] = state.elapsed_ms(TransferEvent.FIRST, TransferEvent.COPIES_DONE)
+        return phases
+
+    def _state(self, device: torch.device) -> NativeResources:
+        if self._native is None or self._native.device != device:
+            if self._native is not None:
+                self._native.close()
+            self._native = NativeResources(self._cuda, device)
+        return self._native
+
+    def _launch(self, batch: ChunkBatch, after_kernel: Optional[AfterKernel]) -> KernelReport:
+        with self._lock:
+            return self._launch_locked(batch, after_kernel)
+
+    def _check_objects(self, batch: ChunkBatch, path: CudaPath) -> None:
+        if batch.plan.device.type != "cuda":
+            raise ValueError(f"the cuda backend moves CUDA pages; the plan's planes are on {batch.plan.device}")
+        for i, obj in enumerate(batch.objects):
+            if path == CudaPath.MAPPED and not (obj.device.type == "cpu" and self._host_mapped(obj)):
+                raise ValueError(f"chunk {i}: the mapped path needs pinned host objects (pin_memory=True or "
+                                 f"cudaHostRegister, e.g. the store's host arena)")
+            if path == CudaPath.STAGING and obj.device.type != "cpu":
+                raise ValueError(f"chunk {i}: the staging path moves host objects; this one is on {obj.device}")
+
+    def _mapped_prefix_order(self, batch: ChunkBatch, path: CudaPath,
+                             pipelined: bool) -> Optional[planner.WorkOrder]:
+        """An unpipelined staging transfer's order with a mapped prefix, where the objects and the plan allow one
+        (a store's kernel writes items, never the gaps between them: gap-free plans only)."""
+        share = self.tuning.mapped_prefix_share(batch.direction)
+        if (path != CudaPath.STAGING or pipelined or share <= 0
+                or (batch.direction == Direction.STORE and not batch.plan.gap_free)
+                or not all(self._host_mapped(o) for o in batch.objects)):
+            return None
+        return planner.prefix_order(batch, self.tuning.piece_bytes, share)
+
+    def _blocks(self, batch: ChunkBatch, path: CudaPath, pipelined: bool) -> int:
+        tuning = self.tuning
+        if pipelined:
+            return tuning.blocks or tuning.pipelined_blocks or (
+                self.multiprocessors if batch.direction == Direction.STORE else 4 * self.multiprocessors)
+        return tuning.blocks or (self.multiprocessors if path == CudaPath.MAPPED else 4 * self.multiprocessors)
+
+    @staticmethod
+    def _pipeline_mode(batch: ChunkBatch, mapped_prefix: bool, pipelined: bool) -> Pipeline:
+        if mapped_prefix:
+            return Pipeline.MAPPED_PREFIX
+        if not pipelined:
+            return Pipeline.NO_PIPELINE
+        return Pipeline.RELEASE_SLICES if batch.direction == Direction.STORE else Pipeline.ACQUIRE_SLICES
+
+    def _launch_locked(self, batch: ChunkBatch, after_kernel: Optional[AfterKernel]) -> KernelReport:
+        plan, tuning = batch.plan, self.tuning
+        device = plan.device
+        path = self.path_for(batch)
+        self._check_objects(batch, path)
+        staging_path = path == CudaPath.STAGING
+        pipelined = self.pipelined(batch)
+        object_bytes = plan.object_bytes
+        total = batch.num_chunks * object_bytes
+        prefix = self._mapped_prefix_order(batch, path, pipelined)
+        if prefix is None:
+            bounds = planner.slice_bounds(total, batch.direction, pipelined, tuning.store_first_slice_bytes,
+                                          tuning.store_slice_growth, tuning.load_tail_bytes, tuning.load_tail_share)
+            order = planner.work_order(batch, pipelined, tuning.piece_bytes, bounds)
+        else:
+            order = prefix
+        pipelined = pipelined and order.slice_items.size > 1  # one slice: nothing to overlap
+        slices = order.slice_items.size
+        state = self._state(device)
+        stream = torch.cuda.current_stream(device)
+        zero = None
+        copies = np.zeros((0, 4), dtype=np.uint64)
+        if staging_path:
+            staging = self._staging.reserve(plan, total, batch.direction)
+            if staging.data_ptr() != self._staging_address:  # new memory: its zeroing done before any stream uses it
+                stream.synchronize()
+                self._staging_address = staging.data_ptr()
+            zero = self._staging.take_pending()
+            addresses = staging.data_ptr() + np.arange(batch.num_chunks, dtype=np.uint64) * np.uint64(object_bytes)
+            copies = planner.copy_table(staging.data_ptr(), batch.objects, order, object_bytes, pipelined,
+                                        from_slice=0 if prefix is None else 1)
+        else:
+            addresses = batch.object_addresses()
+        parts = [order.group_table, order.runs, addresses, order.items, order.slice_items,
+                 np.zeros(slices, dtype=np.uint32),  # per-slice counters
+                 np.zeros(self._cuda.STATUS_BYTES, dtype=np.uint8),  # the kernel's status starts at zero
+                 batch.object_addresses() if prefix is not None else np.zeros(0, dtype=np.uint64)]
+        offsets, table_bytes = packed_offsets(parts)
+        host_tables, device_tables = state.tables(table_bytes)
+        pack_into(host_tables.numpy(), parts, offsets)
+        host, base = host_tables.data_ptr(), device_tables.data_ptr()
+        fields = {
+            "stream": stream.cuda_stream, "planes": self._plane_tables.get(plan).data_ptr(),
+            "groups": base + offsets[0], "runs": base + offsets[1], "objects": base + offsets[2],
+            "host_objects": 0 if prefix is None else base + offsets[7],
+            "items": base + offsets[3], "slice_items": base + offsets[4],
+            "slice_counters": base + offsets[5], "slice_flags": state.flags.data_ptr(),
+            "status": base + offsets[6], "num_items": len(order.items), "num_planes": len(plan.plane_table),
+            "num_groups": len(order.group_table), "num_runs": order.runs.size,
+            "num_chunks": batch.num_chunks, "kernel_direction": int(batch.direction),
+            "blocks": self._blocks(batch, path, pipelined), "threads": tuning.threads, "num_slices": slices,
+            "epoch": state.next_epoch(), "pipeline": self._pipeline_mode(batch, prefix is not None, pipelined),
+            "copy_stream": state.copy_stream.cuda_stream if pipelined else 0, "table_host": host,
+            "table_device": base, "table_bytes": table_bytes,
+            "zero_address": 0 if zero is None else staging.data_ptr() + zero[0],
+            "zero_bytes": 0 if zero is None else zero[1] - zero[0],
+            "copies": copies.ctypes.data, "num_copies": len(copies), "direction": int(batch.direction),
+            "status_host": host + offsets[6],
+        }
+        record = state.record
+        for name, value in fields.items():
+            record[name] = value
+        pages_free = None
+        if after_kernel is not None:
+            pages_free = torch.cuda.Event()
+            pages_free.record(stream)  # creates the event; the native call records it again right after the kernel
+        record["events"][0, TransferEvent.PAGES_FREE] = 0 if pages_free is None else pages_free.cuda_event
+        try:
+            # One GIL-free call: no host step (nor a wait for the GIL) between the kernel and a store's copies.
+            self._cuda.transfer(record.ctypes.data)
+            if after_kernel is not None:
+                after_kernel(pages_free)  # completes once the kernel is done with the pages
+            # The host waits on events, never on a synchronous copy: that would hold the driver while a stream is
+            # held and block other threads' CUDA calls.
+            self._cuda.event_synchronize(state.events[TransferEvent.RETURNED])
+            if pipelined:
+                self._cuda.event_synchronize(state.events[TransferEvent.COPIES_DONE])
+        except BaseException:
+            stream.synchronize()  # nothing enqueued may still read the reused buffers when the next transfer starts
+            state.copy_stream.synchronize()
+            raise
+        window_ms = state.elapsed_ms(TransferEvent.FIRST, TransferEvent.LAST)
+        if pipelined:
+            window_ms = max(window_ms, state.elapsed_ms(TransferEvent.FIRST, TransferEvent.COPIES_DONE))
+        self.last_kernel_ms = state.elapsed_ms(TransferEvent.KERNEL_BEGIN, TransferEvent.KERNEL_END)
+        self._last_pipelined = pipelined
+        self.last_mapped_prefix = prefix is not None
+        status = host_tables.numpy()[offsets[6]: offsets[6] + 8 * _STATUS_WORDS].view(np.uint64)
+        return KernelReport(bytes_moved=int(status[2]), launches=1, items_done=int(status[0]),
+                            items_rejected=int(status[1]), items_launched=len(order.items),
+                            device_seconds=window_ms / 1e3)

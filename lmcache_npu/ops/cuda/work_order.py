@@ -1,0 +1,181 @@
+"""The CUDA kernel's work order, planned on the host in numpy: the batch's runs cut into pieces, (run, plane) items in
+staging-byte order, byte-balanced slices for the copy engine, and the copy engine's steps (no GPU needed)."""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+
+from ..batch import ChunkBatch
+from ..device_staging import host_stretches
+from ..plan import Direction, TransferPlan
+
+PIECE_BYTES = 64 << 10  # runs are cut so one block gathers about this much: slices complete in staging order
+STORE_FIRST_SLICE_BYTES = 1 << 20  # a store's copy engine starts once this much is gathered...
+STORE_SLICE_GROWTH = 4  # ...and its later slices grow by this factor, so few handshakes remain
+# A load's tail: what still crosses PCIe once the kernel starts. It must outlast the kernel's start (~20 µs after the
+# first slice lands) and the first slice's scatter (~1/20 of its PCIe time), or the kernel runs after PCIe is done.
+LOAD_TAIL_BYTES = 2 << 20
+LOAD_TAIL_SHARE = 12
+MAX_SLICES = 256
+
+
+@dataclass(frozen=True)
+class WorkOrder:
+    """The kernel's work: the batch's runs cut into pieces, and (run, plane) items in staging-byte order, cut into
+    byte-balanced slices for the copy engine."""
+
+    runs: np.ndarray  # RUN_DESC_DTYPE: the batch's runs, each cut into pieces of about PIECE_BYTES per plane
+    group_table: np.ndarray  # GROUP_DESC_DTYPE over `runs`
+    items: np.ndarray  # (n, 4) uint32: run, plane, slice, 0
+    slice_items: np.ndarray  # uint32 per slice
+    pieces: list[list[tuple[int, int, int]]]  # per slice: (chunk, offset in object, length)
+
+
+_WIDEST_ROWS: "weakref.WeakKeyDictionary[TransferPlan, list[int]]" = weakref.WeakKeyDictionary()
+
+
+def widest_rows(plan: TransferPlan) -> list[int]:
+    """Per group, the widest row its moved planes hold (0 for a skipped group); computed once per plan."""
+    widest = _WIDEST_ROWS.get(plan)
+    if widest is None:
+        widest = [0] * len(plan.groups)
+        for p in plan.moved_planes:
+            widest[p.group] = max(widest[p.group], p.row_bytes)
+        _WIDEST_ROWS[plan] = widest
+    return widest
+
+
+def split_runs(batch: ChunkBatch, piece_bytes: int) -> tuple[np.ndarray, np.ndarray]:
+    """The batch's runs cut so no piece holds more than `piece_bytes` on its group's widest plane (at least one row),
+    and the group table over them. Pieces are runs too (consecutive rows and slots inside one block)."""
+    runs_out, table = [], batch.group_table.copy()
+    run_cursor = item_cursor = 0
+    for g, (group, widest) in enumerate(zip(batch.group_table, widest_rows(batch.plan))):
+        begin, count = int(group["run_begin"]), int(group["run_count"])
+        runs = batch.runs[begin: begin + count]
+        plane_count = int(group["plane_count"])
+        if count and widest and piece_bytes > 0:
+            rows = max(1, piece_bytes // widest)
+            num_rows = runs["num_rows"].astype(np.int64)
+            counts = -(-num_rows // rows)
+            pieces = np.repeat(runs, counts)
+            offset = (np.arange(pieces.size, dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)) * rows
+            pieces["first_row"] += offset.astype(np.uint32)
+            live = pieces["first_slot"] >= 0
+            pieces["first_slot"][live] += offset[live].astype(np.int32)
+            pieces["num_rows"] = np.minimum(rows, np.repeat(num_rows, counts) - offset).astype(np.uint32)
+            runs = pieces
+        table[g]["run_begin"], table[g]["run_count"], table[g]["item_begin"] = run_cursor, runs.size, item_cursor
+        runs_out.append(runs)
+        run_cursor += runs.size
+        item_cursor += runs.size * plane_count
+    return (np.concatenate(runs_out) if runs_out else batch.runs), table
+
+
+def slice_bounds(total: int, direction: Direction, pipelined: bool, first: int = STORE_FIRST_SLICE_BYTES,
+                 growth: int = STORE_SLICE_GROWTH, tail_bytes: int = LOAD_TAIL_BYTES,
+                 tail_share: int = LOAD_TAIL_SHARE) -> np.ndarray:
+    """End offsets of the copy engine's slices of `total` staging bytes.
+
+    Not pipelined: one. A store's grow from `first` by `growth`: the copy engine starts once the first is gathered
+    and never waits long for the next. A load's kernel starts once its first slice (all but a tail of `tail_bytes` +
+    1/`tail_share` of the bytes) is in and scatters it while the tail crosses PCIe in halving slices, so only the
+    last, smallest slice's scatter remains once PCIe is done."""
+    if not pipelined or total <= 0:
+        return np.array([max(total, 0)], dtype=np.int64)
+    if direction == Direction.LOAD:
+        tail = min(total // 2, max(0, tail_bytes) + total // max(1, tail_share))
+        if tail == 0:
+            return np.array([total], dtype=np.int64)
+        bounds, position, rest = [total - tail], total - tail, tail
+        for part in (tail // 2, tail // 4, tail // 8):  # the last slice is what rest leaves: about tail / 8
+            if 0 < part < rest:
+                position, rest = position + part, rest - part
+                bounds.append(position)
+        bounds.append(total)
+        return np.array(bounds, dtype=np.int64)
+    bounds, position, size = [], 0, max(1, first)
+    while position < total and len(bounds) < MAX_SLICES - 1:
+        position = min(position + size, total)
+        bounds.append(position)
+        size *= max(2, growth)
+    if bounds[-1] < total:
+        bounds.append(total)
+    return np.array(bounds, dtype=np.int64)
+
+
+def work_order(batch: ChunkBatch, pipelined: bool = False, piece_bytes: int = PIECE_BYTES,
+               bounds: Optional[np.ndarray] = None) -> WorkOrder:
+    """The kernel's items for `batch` in staging-byte order, with the slice each belongs to (`bounds`: slice end
+    offsets; default slice_bounds for the batch's direction)."""
+    plan = batch.plan
+    runs, group_table = split_runs(batch, piece_bytes)
+    plane_offsets = np.array(plan.object_offsets, dtype=np.int64)
+    plane_rows = np.array([p.row_bytes for p in plan.moved_planes], dtype=np.int64)
+    run_ids, plane_ids = [], []
+    for group in group_table:
+        r = np.arange(group["run_begin"], group["run_begin"] + group["run_count"], dtype=np.int64)
+        p = np.arange(group["plane_begin"], group["plane_begin"] + group["plane_count"], dtype=np.int64)
+        if r.size and p.size:
+            rr, pp = np.meshgrid(r, p, indexing="ij")
+            run_ids.append(rr.reshape(-1))
+            plane_ids.append(pp.reshape(-1))
+    if not run_ids:
+        return WorkOrder(runs, group_table, np.zeros((0, 4), dtype=np.uint32), np.zeros(0, dtype=np.uint32), [])
+    run_id, plane_id = np.concatenate(run_ids), np.concatenate(plane_ids)
+    chunk = runs["chunk"][run_id].astype(np.int64)
+    offset = plane_offsets[plane_id] + runs["first_row"][run_id].astype(np.int64) * plane_rows[plane_id]
+    length = runs["num_rows"][run_id].astype(np.int64) * plane_rows[plane_id]
+    start = chunk * plan.object_bytes + offset
+    order = np.argsort(start, kind="stable")
+    run_id, plane_id, start, length = run_id[order], plane_id[order], start[order], length[order]
+    total = batch.num_chunks * plan.object_bytes
+    if bounds is None:
+        bounds = slice_bounds(total, batch.direction, pipelined)
+    _, slice_id = np.unique(np.searchsorted(bounds, start, side="right"), return_inverse=True)
+    slice_items = np.bincount(slice_id).astype(np.uint32)
+    pieces: list[list[tuple[int, int, int]]] = []
+    ends = np.cumsum(slice_items)
+    for k in range(slice_items.size):
+        first, last = int(ends[k] - slice_items[k]), int(ends[k] - 1)
+        lo, hi = int(start[first]), int(start[last] + length[last])
+        pieces.append([(c, max(lo, c * plan.object_bytes) - c * plan.object_bytes,
+                        min(hi, (c + 1) * plan.object_bytes) - max(lo, c * plan.object_bytes))
+                       for c in range(lo // plan.object_bytes, (hi - 1) // plan.object_bytes + 1)])
+    items = np.zeros((len(order), 4), dtype=np.uint32)
+    items[:, 0], items[:, 1], items[:, 2] = run_id, plane_id, slice_id
+    return WorkOrder(runs, group_table, items, slice_items, pieces)
+
+
+def copy_table(staging_address: int, objects: tuple[torch.Tensor, ...], order: WorkOrder, object_bytes: int,
+               pipelined: bool, from_slice: int = 0) -> np.ndarray:
+    """The copy engine's steps as LmcacheCudaCopy rows (staging address, host address, bytes, slice): one per
+    stretch contiguous on both sides, per slice when pipelined, else merged across slices. Slices before
+    `from_slice` are not copied (a mapped prefix: the kernel wrote them into the objects itself)."""
+    if pipelined:
+        per_slice = [(k, host_stretches(objects, pieces, object_bytes)) for k, pieces in enumerate(order.pieces)
+                     if k >= from_slice]
+    else:
+        per_slice = [(0, host_stretches(objects, [p for pieces in order.pieces[from_slice:] for p in pieces],
+                                        object_bytes))]
+    rows = [(staging_address + chunk * object_bytes + offset, objects[chunk].data_ptr() + offset, length, k)
+            for k, stretches in per_slice for chunk, offset, length in stretches]
+    return np.array(rows, dtype=np.uint64).reshape(-1, 4)
+
+
+def prefix_order(batch: ChunkBatch, piece_bytes: int, share: int) -> Optional[WorkOrder]:
+    """An unpipelined transfer's work order split in two: slice 0, the items in the first 1/`share` of the staging
+    bytes, which the kernel moves straight to (store) or from (load) the host objects; slice 1, the rest, through
+    staging: gathered and copied after the kernel, or copied in before it and scattered. None where either side
+    would be empty."""
+    total = batch.num_chunks * batch.plan.object_bytes
+    prefix = total // share if share > 0 else 0
+    if prefix <= 0 or prefix >= total:
+        return None
+    order = work_order(batch, True, piece_bytes, np.array([prefix, total], dtype=np.int64))
+    return order if order.slice_items.size == 2 else None
