@@ -20,8 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
 from .ops.backend import BACKEND_NAMES, backend_class
-from .store.config import StoreConfig
-from .store.sections import check_value_shape, key_list
+from .store.config import StoreConfig, check_value_shape, key_list
 
 logger = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ LAYERS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "ops": (("ops",), PLATFORM),
     "layout": (("layout",), OPS),
     "store.scheduler": (("store.index", "store.keys", "store.commands", "store.policies", "store.tier",
-                         "store.config", "store.sections", "store.mooncake_config"), OPS),
+                         "store.config"), OPS),
     "store": (("store",), STORE_SCHEDULER),
     "transfer": (("transfer",), (*STORE, "layout")),
     "config": (("config",), (*STORE, "layout")),

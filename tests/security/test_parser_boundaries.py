@@ -26,12 +26,10 @@ from lmcache_npu.tools.status import engine_status, parse_metrics, render, to_js
 from lmcache_npu.identity import weights as identity
 from lmcache_npu.identity.adapters import AdapterDigests
 from lmcache_npu.identity.safetensors_header import parse_header
-from lmcache_npu.store.config import StoreConfig
+from lmcache_npu.store.config import MAX_SIZE_BYTES, MooncakeConfig, StoreConfig, parse_bytes
 from lmcache_npu.store.disk import HEADER_BYTES, DiskTier, scan_disk_directory
 from lmcache_npu.store.envelope import ENVELOPE_BYTES, Sealer, seal, sealed_bytes, verify
 from lmcache_npu.store.keys import ChunkKey
-from lmcache_npu.store.mooncake_config import MooncakeConfig
-from lmcache_npu.store.sections import MAX_SIZE_BYTES, parse_bytes
 
 FUZZ = settings(max_examples=200, deadline=None)
 FUZZ_FS = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow,
