@@ -60,7 +60,7 @@ def free_hugepages(page_bytes: int) -> Optional[int]:
         return None
 
 
-# ---- the libc calls the arena's segments are made of --------------------------------------------------------------
+# ---- the libc calls the arena's segments are made of -----------------------------------------------------------------
 
 PROT_NONE, PROT_RW = 0, mmap.PROT_READ | mmap.PROT_WRITE
 _MAP_PRIVATE, _MAP_ANONYMOUS, _MAP_FIXED, _MAP_NORESERVE, _MAP_HUGETLB = 0x02, 0x20, 0x10, 0x4000, 0x40000
@@ -125,7 +125,7 @@ def bind_to_node(address: int, nbytes: int, node: int, strict: bool) -> None:
                          ctypes.c_ulong(len(mask) * 64 + 1), 0), f"mbind to NUMA node {node}")
 
 
-# ---- pre-faulting ---------------------------------------------------------------------------------------------------
+# ---- pre-faulting ----------------------------------------------------------------------------------------------------
 
 def prefault_threads(cpus: Optional[frozenset[int]] = None) -> int:
     """Threads that fault one segment's pages in together: page faults scale with cores (the H100 host: torch.zeros'
@@ -196,7 +196,7 @@ def populate_range(address: int, nbytes: int) -> None:
     raise OSError(errno.EINVAL, "this kernel has no MADV_POPULATE_WRITE (5.14+)")
 
 
-# ---- the reservation ------------------------------------------------------------------------------------------------
+# ---- the reservation -------------------------------------------------------------------------------------------------
 
 class Reservation:
     """A reserved address range (PROT_NONE, `align`-aligned), and every piece of memory registered or allocated for
