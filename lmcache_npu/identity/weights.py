@@ -43,6 +43,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
+from ..checks import check_int
 from .checkpoint_files import WEIGHT_PATTERNS, FileKind, list_checkpoint_files
 from .safetensors_header import read_header
 from .sample_reads import digest_samples, pread_exact
@@ -109,10 +110,6 @@ class WeightsFingerprint:
         }
 
 
-def _is_int(value: Any) -> bool:
-    return type(value) is int  # bool is an int subclass and never a valid size
-
-
 def _field(h: "hashlib._Hash", value: bytes) -> None:
     h.update(struct.pack("<Q", len(value)))  # length-prefixed, so no two field sequences feed the same bytes
     h.update(value)
@@ -123,10 +120,8 @@ def fingerprint_directory(model_dir: PathLike, domain: bytes, max_read_bytes: in
     """The fingerprint of the checkpoint in `model_dir` under `domain` (weights or adapters), its weights read whole
     when they fit `whole_read_bytes`."""
     started = time.perf_counter()
-    if not _is_int(max_read_bytes) or max_read_bytes <= 0:
-        raise ValueError(f"max_read_bytes must be a positive integer, got {max_read_bytes!r}")
-    if not _is_int(threads) or threads < 1:
-        raise ValueError(f"threads must be a positive integer, got {threads!r}")
+    check_int("max_read_bytes", max_read_bytes, lo=1)
+    check_int("threads", threads, lo=1)
     root = os.fspath(model_dir)
     if not os.path.isdir(root):
         raise ValueError(f"{root} is not a directory; a model or adapter fingerprint needs a checkpoint directory")

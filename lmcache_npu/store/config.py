@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, Iterable, Mapping, Optional
 
+from ..checks import check_int
 from ..platform.ascend_host import parse_requested
 from ..platform.vm import PAGE_BYTES as SLOT_ALIGN_BYTES, parse_hugepages
 from .policies import POLICIES
@@ -155,9 +156,7 @@ class MooncakeConfig:
         if self.protocol not in PROTOCOLS:
             raise ValueError(f"mooncake.protocol must be one of {', '.join(PROTOCOLS)}, got {self.protocol!r}")
         for key in ("global_segment_bytes", "local_buffer_bytes"):
-            value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"mooncake.{key} must be a size in bytes >= 0, got {value!r}")
+            check_int(f"mooncake.{key}", getattr(self, key), lo=0)
         for key in ("zero_copy", "trusted_network"):
             if not isinstance(getattr(self, key), bool):
                 raise ValueError(f"mooncake.{key} must be true or false, got {getattr(self, key)!r}")
@@ -166,8 +165,7 @@ class MooncakeConfig:
                              "host that reaches its ports can read every chunk and rewrite a slot after its check; it "
                              "needs mooncake.trusted_network: true (every such host trusted). Leave zero_copy false "
                              "(the default: a bounce buffer, each get checked in the slot) otherwise")
-        if isinstance(self.bounce_bytes, bool) or not isinstance(self.bounce_bytes, int) or self.bounce_bytes < 1 << 20:
-            raise ValueError(f"mooncake.bounce_bytes must be a size in bytes >= 1 MiB, got {self.bounce_bytes!r}")
+        check_int("mooncake.bounce_bytes", self.bounce_bytes, lo=1 << 20)  # 1 MiB
         for key in ("timeout_s", "retry_after_s"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 3600:
@@ -233,9 +231,8 @@ class StoreConfig:
     def __post_init__(self) -> None:
         if self.cpu_bytes <= 0:
             raise ValueError(f"cpu_bytes must be positive (the host arena is the first tier), got {self.cpu_bytes}")
-        if self.numa_node is not None and (isinstance(self.numa_node, bool) or not isinstance(self.numa_node, int)
-                                           or self.numa_node < 0):
-            raise ValueError(f"numa_node must be a NUMA node number (>= 0) or null, got {self.numa_node!r}")
+        if self.numa_node is not None:  # null: first touch places the pages
+            check_int("numa_node", self.numa_node, lo=0)
         if self.pinned is not None and not isinstance(self.pinned, bool):
             raise ValueError(f"pinned must be true, false or null (auto), got {self.pinned!r}")
         if self.arena_segment_bytes < SLOT_ALIGN_BYTES:
@@ -252,9 +249,7 @@ class StoreConfig:
         if self.disk_path is None and self.disk_bytes:
             raise ValueError("disk_bytes is set but disk_path is not: name the directory for chunk files")
         for key in ("disk_writer_threads", "io_threads"):
-            value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 64:
-                raise ValueError(f"{key} must be an integer from 1 to 64, got {value!r}")
+            check_int(key, getattr(self, key), 1, 64)
         if self.disk_max_pending_bytes <= 0:
             raise ValueError(f"disk_max_pending_bytes must be positive, got {self.disk_max_pending_bytes}")
         if not isinstance(self.disk_write_through, bool):
@@ -265,9 +260,7 @@ class StoreConfig:
             raise ValueError(f"eviction_policy must be one of {', '.join(sorted(POLICIES))}, "
                              f"got {self.eviction_policy!r}")
         for key in ("remote_admit_hits", "disk_admit_hits"):
-            value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 1000:
-                raise ValueError(f"{key} must be an integer from 0 (no reuse gate) to 1000, got {value!r}")
+            check_int(key, getattr(self, key), 0, 1000)  # 0: no reuse gate
         if self.mooncake is not None:
             MooncakeConfig.from_dict(self.mooncake)  # its errors name the mooncake key
 

@@ -28,6 +28,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
+from ..checks import check_int
 from ..platform.host_memory import HostAllocator, HostMemoryPath, HostRegistrar, SegmentPinning, allocates
 from ..platform.numa import node_cpus, numa_nodes
 from ..platform.vm import (HUGEPAGE_CHOICES, MADV_HUGEPAGE, MADV_NOHUGEPAGE, PAGE_BYTES, THP_BYTES, Reservation,
@@ -104,8 +105,7 @@ class SegmentedMemory:
         if num_slots < 1 or slot_bytes < 1 or slot_bytes % PAGE_BYTES:
             raise ValueError(f"segments need num_slots >= 1 and page-multiple slot_bytes, got {num_slots} x "
                              f"{slot_bytes} B")
-        if isinstance(segment_bytes, bool) or not isinstance(segment_bytes, int) or segment_bytes < 1:
-            raise ValueError(f"arena_segment_bytes must be a positive size, got {segment_bytes!r}")
+        check_int("arena_segment_bytes", segment_bytes, lo=1)
         self.hugepages = parse_hugepages(hugepages)
         if numa_node is not None and numa_node not in numa_nodes():
             raise ValueError(f"numa_node {numa_node} is not a NUMA node of this host (nodes: "

@@ -391,9 +391,9 @@ def test_budget_too_small_is_refused(crowded: Path) -> None:
     with pytest.raises(ValueError, match="max_read_bytes 1000 is too small"):
         fingerprint_weights(crowded, max_read_bytes=1000)
     for bad in (0, -1, 1.5, True):
-        with pytest.raises(ValueError, match="max_read_bytes must be a positive integer"):
+        with pytest.raises(ValueError, match="max_read_bytes must be an integer >= 1"):
             fingerprint_weights(crowded, max_read_bytes=bad)
-    with pytest.raises(ValueError, match="threads must be a positive integer"):
+    with pytest.raises(ValueError, match="threads must be an integer >= 1"):
         fingerprint_weights(crowded, threads=0)
 
 
