@@ -147,16 +147,16 @@ def _write_method(size: int, method: str, hugepages: str, threads: Optional[int]
     import numpy as np
     import torch
 
-    from lmcache_npu.store import segments
+    from lmcache_npu.platform import vm
 
     region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hugepages in ("auto", "off"):
-        region.madvise(mmap.MADV_HUGEPAGE if hugepages == "auto" and segments.transparent_hugepages_enabled()
+        region.madvise(mmap.MADV_HUGEPAGE if hugepages == "auto" and vm.transparent_hugepages_enabled()
                        else mmap.MADV_NOHUGEPAGE)
     view = (ctypes.c_uint8 * size).from_buffer(region)
     address = ctypes.addressof(view)
-    threads = threads or segments.prefault_threads()
-    piece = -(size // threads) % segments.THP_BYTES + size // threads
+    threads = threads or vm.prefault_threads()
+    piece = -(size // threads) % vm.THP_BYTES + size // threads
 
     def in_pieces(fill: Any) -> None:
         workers = [threading.Thread(target=fill, args=(begin, min(piece, size - begin)))
@@ -168,7 +168,7 @@ def _write_method(size: int, method: str, hugepages: str, threads: Optional[int]
 
     began = time.perf_counter()
     if method in ("byte per page", "populate"):
-        segments._prefault(address, size, threads=threads, write=method == "byte per page")
+        vm.prefault(address, size, threads=threads, write=method == "byte per page")
     elif method == "memset":
         in_pieces(lambda begin, n: ctypes.memset(address + begin, 0, n))  # ctypes releases the GIL
     elif method == "numpy fill":

@@ -18,9 +18,9 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
+from .checks import check_int
 from .ops.backend import BACKEND_NAMES, backend_class
-from .store.config import StoreConfig
-from .store.sections import check_value_shape, key_list
+from .store.config import StoreConfig, check_value_shape, key_list
 
 logger = logging.getLogger(__name__)
 
@@ -78,9 +78,8 @@ class ConnectorConfig:
     store: StoreConfig = field(default_factory=StoreConfig)
 
     def __post_init__(self) -> None:
-        if self.chunk_tokens is not None and (isinstance(self.chunk_tokens, bool)
-                                              or not isinstance(self.chunk_tokens, int) or self.chunk_tokens < 1):
-            raise ValueError(f"chunk_tokens must be a positive integer or null (automatic), got {self.chunk_tokens!r}")
+        if self.chunk_tokens is not None:  # null: automatic
+            check_int("chunk_tokens", self.chunk_tokens, lo=1)
         if self.backend not in BACKEND_NAMES:
             raise ValueError(f"backend must be one of {', '.join(BACKEND_NAMES)}, got {self.backend!r}")
         if not isinstance(self.backend_options, Mapping):
@@ -101,8 +100,7 @@ class ConnectorConfig:
                              f"(e.g. a checkpoint's sha256 or a release tag), or null, got {self.model_fingerprint!r}")
         if not isinstance(self.allow_fast_block_hash, bool):
             raise ValueError(f"allow_fast_block_hash must be true or false, got {self.allow_fast_block_hash!r}")
-        if isinstance(self.load_retries, bool) or not isinstance(self.load_retries, int) or not 0 <= self.load_retries <= 10:
-            raise ValueError(f"load_retries must be an integer from 0 to 10, got {self.load_retries!r}")
+        check_int("load_retries", self.load_retries, 0, 10)
         if self.tp_share not in TP_SHARE_MODES:
             raise ValueError(f"tp_share must be one of {', '.join(TP_SHARE_MODES)}, got {self.tp_share!r}")
         if self.tp_share_exchange not in TP_SHARE_EXCHANGES:

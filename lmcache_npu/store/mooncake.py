@@ -34,7 +34,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
-from .mooncake_config import PROTOCOLS, MooncakeConfig
+from .config import PROTOCOLS, MooncakeConfig
 from .tier import OK, TierCounters, TierResult
 
 __all__ = ["PROTOCOLS", "MooncakeConfig", "MooncakeTier", "Check"]

@@ -11,7 +11,8 @@ thread, segment after segment, so the engine serves from the first segment while
 that is not live yet is pre-faulted by writing into its pages from several threads (bound to the arena's NUMA node's
 CPUs), a live one (pageable arenas) by MADV_POPULATE_WRITE, which never changes its bytes. A segment
 that cannot be pinned is left out with a warning: the arena shrinks, and the usable slots are the union of the
-live segments' slot ranges (`usable_ranges`), not necessarily a prefix.
+live segments' slot ranges (`usable_ranges`), not necessarily a prefix. The libc calls underneath (reservation,
+fixed mappings, mbind, the pre-fault threads) are `platform/vm.py`'s; this module is the segments' state machine.
 """
 
 from __future__ import annotations
@@ -19,41 +20,25 @@ from __future__ import annotations
 import ctypes
 import errno
 import logging
-import mmap
-import os
-import platform
 import threading
 import time
-import weakref
 from dataclasses import dataclass
 from enum import Enum
 from typing import Callable, Optional
 
 import numpy as np
 
+from ..checks import check_int
 from ..platform.host_memory import HostAllocator, HostMemoryPath, HostRegistrar, SegmentPinning, allocates
 from ..platform.numa import node_cpus, numa_nodes
-from ..platform.vm import (HUGEPAGE_CHOICES, PAGE_BYTES, THP_BYTES, free_hugepages, parse_hugepages,
-                           transparent_hugepages_enabled)
+from ..platform.vm import (HUGEPAGE_CHOICES, MADV_HUGEPAGE, MADV_NOHUGEPAGE, PAGE_BYTES, THP_BYTES, Reservation,
+                           advise, bind_to_node, free_hugepages, map_fixed, parse_hugepages, prefault,
+                           prefault_threads, transparent_hugepages_enabled, unmap_to_reservation)
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_SEGMENT_BYTES = 2 << 30
 PREFAULT_BY = ("write", "populate")
-
-_PROT_NONE, _PROT_RW = 0, mmap.PROT_READ | mmap.PROT_WRITE
-_MAP_PRIVATE, _MAP_ANONYMOUS, _MAP_FIXED, _MAP_NORESERVE, _MAP_HUGETLB = 0x02, 0x20, 0x10, 0x4000, 0x40000
-_MAP_HUGE_SHIFT = 26
-_MADV_HUGEPAGE, _MADV_NOHUGEPAGE, _MADV_POPULATE_WRITE = 14, 15, 23
-_MPOL_PREFERRED, _MPOL_BIND = 1, 2
-_MBIND_SYSCALL = {"x86_64": 237, "aarch64": 235}
-_MAP_FAILED = ctypes.c_void_p(-1).value
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 
 
 class SegmentState(str, Enum):
@@ -85,145 +70,6 @@ class Segment:
     @property
     def slot_range(self) -> tuple[int, int]:
         return self.first_slot, self.first_slot + self.num_slots
-
-
-def _check(result: int, what: str) -> None:
-    if result != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"{what}: {os.strerror(err)}")
-
-
-def _mmap(address: Optional[int], nbytes: int, prot: int, flags: int) -> int:
-    result = _libc.mmap(address, nbytes, prot, flags, -1, 0)
-    if result is None or result == _MAP_FAILED:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err))
-    return int(result)
-
-
-def _bind(address: int, nbytes: int, node: int, strict: bool) -> None:
-    """mbind the range to `node` (strict: MPOL_BIND; else MPOL_PREFERRED, which falls back when the node is full);
-    the policy sits on the mapping, so whichever thread faults a page places it there."""
-    syscall = _MBIND_SYSCALL.get(platform.machine())
-    if syscall is None:
-        raise ValueError(f"numa_node is not supported on {platform.machine()}")
-    mask = (ctypes.c_ulong * (node // 64 + 1))()
-    mask[node // 64] = 1 << (node % 64)
-    mode = _MPOL_BIND if strict else _MPOL_PREFERRED
-    _check(_libc.syscall(syscall, ctypes.c_void_p(address), ctypes.c_ulong(nbytes), mode, mask,
-                         ctypes.c_ulong(len(mask) * 64 + 1), 0), f"mbind to NUMA node {node}")
-
-
-def prefault_threads(cpus: Optional[frozenset[int]] = None) -> int:
-    """Threads that fault one segment's pages in together: page faults scale with cores (the H100 host: torch.zeros'
-    16 threads about 18-20 GB/s), but half the CPUs we may use (`cpus`, default this process's) stay free for the
-    engine starting beside us."""
-    count = len(cpus) if cpus else len(os.sched_getaffinity(0))
-    return max(1, min(8, count // 2))
-
-
-def _prefault(address: int, nbytes: int, *, threads: int = 1, write: bool = False, piece_align: int = THP_BYTES,
-              cpus: Optional[frozenset[int]] = None) -> None:
-    """Faults every page of the range in now (zero-filled, placed by the mapping's NUMA policy), the range cut in
-    `threads` pieces of whole `piece_align` pages faulted in parallel, each by a thread of its own bound to `cpus`
-    (the node's CPUs, so the pages are first touched from their node) when given.
-
-    `write`: nothing uses the range yet, so each page is faulted by writing a zero into it (user-mode faults, which
-    scale with threads where MADV_POPULATE_WRITE did not: 2.5-3 GB/s in 8 threads on the H100 host); otherwise
-    MADV_POPULATE_WRITE, which never changes a byte. The pieces run on fresh threads even when there is one, so the
-    CPU binding never sticks to the caller."""
-    piece = nbytes if threads <= 1 or nbytes < threads * piece_align else \
-        -(nbytes // threads) % piece_align + nbytes // threads
-    errors: list[BaseException] = []
-
-    def run(begin: int) -> None:
-        try:
-            if cpus:
-                _bind_thread(cpus)
-            length = min(piece, nbytes - begin)
-            if write:
-                _write_range(address + begin, length)
-            else:
-                _populate_range(address + begin, length)
-        except BaseException as exc:  # re-raised in the caller
-            errors.append(exc)
-
-    workers = [threading.Thread(target=run, args=(begin,), name="lmcache-arena-prefault", daemon=True)
-               for begin in range(0, nbytes, piece)]
-    for worker in workers:
-        worker.start()
-    for worker in workers:
-        worker.join()
-    if errors:
-        raise errors[0]
-
-
-def _bind_thread(cpus: frozenset[int]) -> None:
-    """Runs the calling thread on `cpus` only (pid 0: this thread, not the process)."""
-    try:
-        os.sched_setaffinity(0, cpus)
-    except OSError as exc:  # placement still follows the mapping's policy: only the faults' locality is lost
-        logger.debug("host arena: could not bind a pre-fault thread to CPUs %s: %s", sorted(cpus), exc)
-
-
-def _write_range(address: int, nbytes: int) -> None:
-    """Writes a zero into every page (one byte each: the kernel zero-fills the page it faults in, so the rest needs
-    no second pass, and a transparent hugepage faults in whole on its first byte); numpy releases the GIL."""
-    pages = (ctypes.c_uint8 * nbytes).from_address(address)
-    np.frombuffer(pages, dtype=np.uint8)[::PAGE_BYTES] = 0
-
-
-def _populate_range(address: int, nbytes: int) -> None:
-    """MADV_POPULATE_WRITE in one call (5.14+); a kernel without it is an OSError (EINVAL)."""
-    if _libc.madvise(ctypes.c_void_p(address), nbytes, _MADV_POPULATE_WRITE) == 0:
-        return
-    err = ctypes.get_errno()
-    if err != errno.EINVAL:  # the kernel has the call and refused (no memory): touching would only get us killed
-        raise OSError(err, f"MADV_POPULATE_WRITE: {os.strerror(err)}")
-    raise OSError(errno.EINVAL, "this kernel has no MADV_POPULATE_WRITE (5.14+)")
-
-
-class _Reservation:
-    """The reserved address range, and every segment registered or allocated for it: when nothing views it any more,
-    the registrations are undone, allocated segments freed and the range unmapped."""
-
-    def __init__(self, nbytes: int, align: int) -> None:
-        self.raw_bytes = nbytes + align
-        self.raw_address = _mmap(None, self.raw_bytes, _PROT_NONE,
-                                 _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE)
-        self.address = -self.raw_address % align + self.raw_address
-        self.registered: dict[int, tuple[HostRegistrar, int]] = {}  # segment address -> (who registered it, bytes)
-        self.allocated: dict[int, HostAllocator] = {}  # segment address -> who allocated it
-        self.lock = threading.Lock()
-        weakref.finalize(self, _release, self.raw_address, self.raw_bytes, self.registered, self.allocated, self.lock)
-
-    def unregister_all(self) -> None:
-        _unregister(self.registered, self.lock)
-
-
-def _unregister(registered: dict[int, tuple[HostRegistrar, int]], lock: threading.Lock) -> None:
-    with lock:
-        items = list(registered.items())
-        registered.clear()
-    for address, (registrar, nbytes) in items:
-        try:
-            registrar.unregister(address, nbytes)
-        except Exception as exc:  # a failed unregister must not keep the memory (or the interpreter exit) hostage
-            logger.warning("host arena: %s unregister of the segment at 0x%x failed: %s", registrar.name, address, exc)
-
-
-def _release(raw_address: int, raw_bytes: int, registered: dict[int, tuple[HostRegistrar, int]],
-             allocated: dict[int, HostAllocator], lock: threading.Lock) -> None:
-    _unregister(registered, lock)  # the device must forget the pages before they go back to the kernel
-    with lock:
-        items = list(allocated.items())
-        allocated.clear()
-    for address, allocator in items:
-        try:
-            allocator.free(address)
-        except Exception as exc:  # at interpreter exit the device runtime may be gone already
-            logger.debug("host arena: %s free of the segment at 0x%x failed: %s", allocator.name, address, exc)
-    _libc.munmap(ctypes.c_void_p(raw_address), raw_bytes)
 
 
 @dataclass(frozen=True)
@@ -259,8 +105,7 @@ class SegmentedMemory:
         if num_slots < 1 or slot_bytes < 1 or slot_bytes % PAGE_BYTES:
             raise ValueError(f"segments need num_slots >= 1 and page-multiple slot_bytes, got {num_slots} x "
                              f"{slot_bytes} B")
-        if isinstance(segment_bytes, bool) or not isinstance(segment_bytes, int) or segment_bytes < 1:
-            raise ValueError(f"arena_segment_bytes must be a positive size, got {segment_bytes!r}")
+        check_int("arena_segment_bytes", segment_bytes, lo=1)
         self.hugepages = parse_hugepages(hugepages)
         if numa_node is not None and numa_node not in numa_nodes():
             raise ValueError(f"numa_node {numa_node} is not a NUMA node of this host (nodes: "
@@ -299,7 +144,7 @@ class SegmentedMemory:
             offset += mapped
         self.span_bytes = offset
         self._check_hugepage_pool()
-        self._reservation = _Reservation(self.span_bytes, max(align, self.page_bytes))
+        self._reservation = Reservation(self.span_bytes, max(align, self.page_bytes))
         self.base_address = self._reservation.address
         for segment in self.segments:
             segment.address += self.base_address
@@ -329,23 +174,19 @@ class SegmentedMemory:
                               f"hugepages: auto)")
 
     def _map(self, segment: Segment) -> None:
-        flags = _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_FIXED
-        if self.page_bytes > PAGE_BYTES:
-            flags |= _MAP_HUGETLB | (self.page_bytes.bit_length() - 1) << _MAP_HUGE_SHIFT
         try:
-            _mmap(segment.address, segment.mapped_bytes, _PROT_RW, flags)
+            map_fixed(segment.address, segment.mapped_bytes, self.page_bytes)
         except OSError as exc:
             key = f"hugepages: {self.hugepages}: " if self.page_bytes > PAGE_BYTES else ""
             raise MemoryError(f"{key}could not map arena segment {segment.index} ({segment.mapped_bytes / 2**30:.2f} "
                               f"GiB): {exc.strerror}") from exc
         if self.page_bytes == PAGE_BYTES:
-            advice = _MADV_HUGEPAGE if self.transparent else (_MADV_NOHUGEPAGE if self.hugepages == "off" else None)
+            advice = MADV_HUGEPAGE if self.transparent else (MADV_NOHUGEPAGE if self.hugepages == "off" else None)
             if advice is not None:
-                # a hint only: a kernel that refuses it still maps the segment
-                _libc.madvise(ctypes.c_void_p(segment.address), segment.mapped_bytes, advice)
+                advise(segment.address, segment.mapped_bytes, advice)
         node = self.numa_node if self.numa_node is not None else self.preferred_node
         if node is not None:
-            _bind(segment.address, segment.mapped_bytes, node, strict=self.numa_node is not None)
+            bind_to_node(segment.address, segment.mapped_bytes, node, strict=self.numa_node is not None)
 
     # ---- background preparation ---------------------------------------------------------------------------------
 
@@ -430,8 +271,7 @@ class SegmentedMemory:
                 segment.device_address = path.register(segment.address, segment.mapped_bytes)
             except Exception as exc:
                 return f"registration failed: {exc}"
-            with self._reservation.lock:
-                self._reservation.registered[segment.address] = (path, segment.mapped_bytes)
+            self._reservation.add_registered(segment.address, segment.mapped_bytes, path)
             segment.registered = True
         segment.register_s = time.perf_counter() - began
         segment.pinned_by = path.name
@@ -440,10 +280,8 @@ class SegmentedMemory:
     def _adopt(self, segment: Segment, address: int, allocator: HostAllocator) -> None:
         """`segment` now lives at `address` (the allocator's memory); our mapping for it goes back to a reservation,
         so pages an earlier path faulted in there are returned to the kernel."""
-        _mmap(segment.address, segment.mapped_bytes, _PROT_NONE, _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_FIXED
-              | _MAP_NORESERVE)
-        with self._reservation.lock:
-            self._reservation.allocated[address] = allocator
+        unmap_to_reservation(segment.address, segment.mapped_bytes)
+        self._reservation.add_allocated(address, allocator)
         segment.address = address
         segment.allocated = True
         segment.prefaulted_by = ""
@@ -453,7 +291,7 @@ class SegmentedMemory:
         unused = segment.state is not SegmentState.LIVE  # a live segment's bytes may be in use: never write them
 
         def fault(write: bool) -> None:
-            _prefault(segment.address, segment.used_bytes, threads=self._prefault_threads, write=write,
+            prefault(segment.address, segment.used_bytes, threads=self._prefault_threads, write=write,
                       piece_align=max(THP_BYTES, self.page_bytes), cpus=self.prefault_cpus or None)
 
         if unused and self.prefault_by == "write" and self.page_bytes == PAGE_BYTES:

@@ -320,7 +320,7 @@ TABLE_BYTES_PER_LANE = 1 << 20  # a lane's per-batch table buffer (groups, runs,
 
 def staging_window_bytes(backend: str, backend_options: Mapping[str, Any]) -> int:
     """A lane's device staging window: backend_options.staging_bytes when the npu backend is named with it."""
-    from ..store.sections import parse_bytes
+    from ..store.config import parse_bytes
 
     if backend == "npu" and backend_options.get("staging_bytes") is not None:
         return parse_bytes("backend_options.staging_bytes", backend_options["staging_bytes"])

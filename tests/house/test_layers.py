@@ -12,7 +12,7 @@ from .layers import Arrow, all_arrows, arrows, layer_of, violations
 
 ROOT = Path(__file__).resolve().parents[2] / "lmcache_npu"
 
-NATIVE = ("native",)
+NATIVE = ("native", "checks")
 PLATFORM = ("platform", *NATIVE)
 OPS = ("ops", *PLATFORM)
 STORE_SCHEDULER = ("store.scheduler", *OPS)
@@ -23,13 +23,14 @@ RUNTIME = ("config", "integration", "transfer", "identity", *STORE, "layout")
 # a layer's modules (dotted prefixes under lmcache_npu; the longest prefix names a module's layer) and what it may
 # import besides itself
 LAYERS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
-    "native": (("_emu", "_host", "_npu", "_cuda"), ()),
-    "root": (("",), ("ops",)),
+    "checks": (("checks",), ()),
+    "native": (("_emu", "_host", "_npu", "_cuda"), ("checks",)),
+    "root": (("",), ("ops", "checks")),
     "platform": (("platform",), NATIVE),
     "ops": (("ops",), PLATFORM),
     "layout": (("layout",), OPS),
     "store.scheduler": (("store.index", "store.keys", "store.commands", "store.policies", "store.tier",
-                         "store.config", "store.sections", "store.mooncake_config"), OPS),
+                         "store.config"), OPS),
     "store": (("store",), STORE_SCHEDULER),
     "transfer": (("transfer",), (*STORE, "layout")),
     "config": (("config",), (*STORE, "layout")),
@@ -61,6 +62,7 @@ def test_the_check_sees_imports_at_any_depth() -> None:
     ("store/keys.py", "from ..ops import TransferPlan\n", None),  # downward: allowed
     ("platform/numa.py", "import lmcache_npu.ops.plan\n", "lmcache_npu.ops.plan"),
     ("transfer/mover.py", "from ..tools.replay import runner\n", "lmcache_npu.tools.replay.runner"),
+    ("checks.py", "from .store import keys\n", "lmcache_npu.store.keys"),  # the lowest layer imports nothing
 ])
 def test_negative_control_an_upward_import_is_found(tmp_path: Path, source: str, text: str,
                                                      expected: str | None) -> None:

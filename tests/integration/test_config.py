@@ -66,7 +66,7 @@ def test_environment_connector_keys():
     ({}, {"LMCACHE_NPU_CHUNK_TOKENS": "many"}, "LMCACHE_NPU_CHUNK_TOKENS: expected an integer, got 'many'"),
     ({}, {"LMCACHE_NPU_PINNED": "maybe"}, "LMCACHE_NPU_PINNED: expected true or false"),
     ({}, {"LMCACHE_NPU_MOONCAKE": "{master"}, "LMCACHE_NPU_MOONCAKE: expected JSON"),
-    ({"chunk_tokens": 0}, {}, "chunk_tokens must be a positive integer or null"),
+    ({"chunk_tokens": 0}, {}, "chunk_tokens must be an integer >= 1"),
     ({"backend": "gpu"}, {}, "backend must be one of torch, emu, host, cuda, npu, auto, got 'gpu'"),
     ({"backend": "emu", "backend_options": {"socc": "a2"}}, {},
      "backend_options: 'socc' not accepted by the emu backend; valid options: soc, cores, ub_bytes, order, seed"),

@@ -171,7 +171,7 @@ def _in_place_update(make_engine, tmp_path, adapters=None):  # type: ignore[no-u
     weights loaded for the id), then request c with load_inplace (vLLM reloads). Returns what the index holds."""
     from vllm.lora.request import LoRARequest
 
-    from lmcache_npu.identity.weights import adapter_digest
+    from lmcache_npu.identity.adapters import adapter_digest
 
     path = _adapter_dir(tmp_path / "adapter", seed=1)
     engine = make_engine(model_dir=_model_dir(tmp_path / "model", weights_seed=1))
@@ -211,7 +211,7 @@ def test_an_adapter_updated_in_place_never_files_the_old_weights_kv_under_the_ne
 def test_keys_that_follow_the_files_would_file_old_weights_kv_under_the_new_digest(make_engine, tmp_path):
     """Negative control of the test above: a digest taken from the files at each request (the old behaviour) files
     request b, computed with the weights vLLM still holds (the first), under the second digest."""
-    from lmcache_npu.identity.weights import AdapterDigests
+    from lmcache_npu.identity.adapters import AdapterDigests
 
     class FollowTheFiles:
         def __init__(self) -> None:

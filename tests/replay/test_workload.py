@@ -43,7 +43,7 @@ def test_a_trace_takes_token_ids_or_lengths(tmp_path):
     ("not json", r"trace.jsonl:1: not JSON"),
     (json.dumps({"system": 3}), r"trace.jsonl:1: expected \{\"system\""),
     (json.dumps({"turns": [{"output": 3}]}), r"turn 0 needs a \"user\""),
-    (json.dumps({"turns": [{"user": 2, "output": 0}]}), r"turn 0: \"output\" must be a positive token count"),
+    (json.dumps({"turns": [{"user": 2, "output": 0}]}), r"turn 0: \"output\" \(tokens\) must be an integer >= 1"),
     (json.dumps({"turns": [{"user": [5, 99]}]}), r"token ids \[99\] are outside the model's vocabulary of 64"),
     (json.dumps({"turns": [{"user": "hello"}]}), r"expected a list of token ids or a length, got str"),
 ])

@@ -24,12 +24,12 @@ from lmcache_npu.tools.bench.geometry import geometry_from_dict, load_geometry
 from lmcache_npu.config import ENV_PREFIX, ConnectorConfig, load_config
 from lmcache_npu.tools.status import engine_status, parse_metrics, render, to_json
 from lmcache_npu.identity import weights as identity
-from lmcache_npu.store.config import StoreConfig
+from lmcache_npu.identity.adapters import AdapterDigests
+from lmcache_npu.identity.safetensors_header import parse_header
+from lmcache_npu.store.config import MAX_SIZE_BYTES, MooncakeConfig, StoreConfig, parse_bytes
 from lmcache_npu.store.disk import HEADER_BYTES, DiskTier, scan_disk_directory
 from lmcache_npu.store.envelope import ENVELOPE_BYTES, Sealer, seal, sealed_bytes, verify
 from lmcache_npu.store.keys import ChunkKey
-from lmcache_npu.store.mooncake_config import MooncakeConfig
-from lmcache_npu.store.sections import MAX_SIZE_BYTES, parse_bytes
 
 FUZZ = settings(max_examples=200, deadline=None)
 FUZZ_FS = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow,
@@ -348,7 +348,7 @@ _headers = (st.binary(max_size=200)
 @example(b"[" * 100_000, 100)  # N5: RecursionError at the old store/identity.py:238 (a stray deeply nested shard)
 @example(b'{"w": {"dtype": "F32", "shape": [' + b"1" * 5000 + b'], "data_offsets": [0, 4]}}', 10)
 def test_safetensors_headers_fail_only_with_value_error(raw: bytes, extra: int) -> None:
-    ranges = _only_value_error(identity._parse_header, "model.safetensors", 8 + len(raw) + extra, raw)
+    ranges = _only_value_error(parse_header, "model.safetensors", 8 + len(raw) + extra, raw)
     assert ranges is None or all(0 <= b <= e for b, e in ranges)
 
 
@@ -366,14 +366,14 @@ def test_checkpoint_directories_fail_only_with_value_error(scratch: Path, raw: b
     fp = _only_value_error(identity.fingerprint_weights, model)
     assert fp is None or len(fp.digest) == 32
     # where a file that is no checkpoint means "no digest" (LoRA adapters), it stays that, never an exception
-    adapter = identity.AdapterDigests().get(model)
+    adapter = AdapterDigests().get(model)
     assert adapter is None or len(adapter) == 32
 
 
 def test_valid_safetensors_still_fingerprint(tmp_path: Path) -> None:
     (tmp_path / "model.safetensors").write_bytes(_shard(json.dumps({"w": _TENSOR}).encode(), bytes(16)))
     fp = identity.fingerprint_weights(tmp_path)
-    assert fp.files == 1 and fp.tensors == 1 and identity.AdapterDigests().get(tmp_path) is not None
+    assert fp.files == 1 and fp.tensors == 1 and AdapterDigests().get(tmp_path) is not None
     (tmp_path / "model.safetensors").write_bytes(_shard(b"[" * 100_000))
     with pytest.raises(ValueError, match="model.safetensors: the safetensors header nests too deeply"):
         identity.fingerprint_weights(tmp_path)

@@ -33,8 +33,8 @@ def test_unknown_keys_are_listed_with_the_valid_ones():
 
 @pytest.mark.parametrize("values,message", [
     ({"cpu_bytes": 0}, "cpu_bytes must be positive"),
-    ({"numa_node": -1}, "numa_node must be a NUMA node number"),
-    ({"numa_node": "0"}, "numa_node must be a NUMA node number"),
+    ({"numa_node": -1}, "numa_node must be an integer >= 0"),
+    ({"numa_node": "0"}, "numa_node must be an integer >= 0"),
     ({"pinned": "yes"}, "pinned must be true, false or null"),
     ({"disk_path": "/mnt/kv"}, r"disk_bytes must be set \(> 0\) when disk_path is \('/mnt/kv'\)"),
     ({"disk_bytes": "1GiB"}, "disk_bytes is set but disk_path is not"),

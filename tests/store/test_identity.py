@@ -13,14 +13,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lmcache_npu.identity.weights import (
-    PAGE_BYTES,
-    AdapterDigests,
-    NoWeightsFound,
-    adapter_digest,
-    find_model_dir,
-    fingerprint_weights,
-)
+from lmcache_npu.identity.adapters import AdapterDigests, adapter_digest
+from lmcache_npu.identity.sampling import PAGE_BYTES
+from lmcache_npu.identity.weights import NoWeightsFound, find_model_dir, fingerprint_weights
 
 torch = pytest.importorskip("torch")
 safetensors_torch = pytest.importorskip("safetensors.torch", reason="safetensors is not installed (make setup)")
@@ -210,10 +205,10 @@ def test_kv_scale_change_is_seen(tmp_path: Path) -> None:
 def test_cached_and_device_reads_give_one_digest(many: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Batches whose pages are cached are read on the calling thread (RWF_NOWAIT), the rest on the pool: the
     digest must not depend on which path a batch took, and both paths see a changed byte."""
-    from lmcache_npu.identity import weights as identity
+    from lmcache_npu.identity import sample_reads
 
     cached = fingerprint_weights(many, max_read_bytes=SAMPLED, threads=4).digest
-    monkeypatch.setattr(identity, "_NOWAIT", None)  # every batch through the blocking reads of the pool
+    monkeypatch.setattr(sample_reads, "RWF_NOWAIT", None)  # every batch through the blocking reads of the pool
     assert fingerprint_weights(many, max_read_bytes=SAMPLED, threads=4).digest == cached
     assert fingerprint_weights(many, max_read_bytes=SAMPLED, threads=1).digest == cached
     shard = many / "model-00001-of-00002.safetensors"
@@ -396,9 +391,9 @@ def test_budget_too_small_is_refused(crowded: Path) -> None:
     with pytest.raises(ValueError, match="max_read_bytes 1000 is too small"):
         fingerprint_weights(crowded, max_read_bytes=1000)
     for bad in (0, -1, 1.5, True):
-        with pytest.raises(ValueError, match="max_read_bytes must be a positive integer"):
+        with pytest.raises(ValueError, match="max_read_bytes must be an integer >= 1"):
             fingerprint_weights(crowded, max_read_bytes=bad)
-    with pytest.raises(ValueError, match="threads must be a positive integer"):
+    with pytest.raises(ValueError, match="threads must be an integer >= 1"):
         fingerprint_weights(crowded, threads=0)
 
 
@@ -472,7 +467,7 @@ def test_adapter_cache_recomputes_after_a_rewrite(tmp_path: Path, caplog: pytest
     second = cache.get(a)
     assert cache.computed == 2 and second is not None and second != first
     assert cache.get(a) == second and cache.computed == 2
-    with caplog.at_level(logging.WARNING, logger="lmcache_npu.identity.weights"):
+    with caplog.at_level(logging.WARNING, logger="lmcache_npu.identity.adapters"):
         assert cache.get(tmp_path / "missing") is None
         assert cache.get(tmp_path / "missing") is None
         empty = tmp_path / "empty"

@@ -90,7 +90,7 @@ def test_s3fifo_probation_main_and_ghost_by_hand():
 
 
 def test_policies_refuse_bad_capacity_and_unknown_names():
-    with pytest.raises(ValueError, match="capacity must be a slot count >= 1, got 0"):
+    with pytest.raises(ValueError, match=r"capacity \(slots\) must be an integer >= 1, got 0"):
         ArcPolicy(0)
     with pytest.raises(ValueError, match="eviction_policy must be one of arc, lru, s3fifo, got 'mru'"):
         make_policy("mru", 4)

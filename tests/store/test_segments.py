@@ -18,6 +18,7 @@ from lmcache_npu.store.arena import SLOT_ALIGN_BYTES, HostArena
 from lmcache_npu.store.envelope import ENVELOPE_BYTES
 from lmcache_npu.store.index.chunk_index import ChunkIndex
 from lmcache_npu.store.keys import ChunkKey
+from lmcache_npu.platform import vm
 from lmcache_npu.store import segments as segments_module
 from lmcache_npu.platform.numa import numa_nodes, parse_cpulist
 from lmcache_npu.platform.vm import PAGE_BYTES, free_hugepages, parse_hugepages
@@ -206,13 +207,13 @@ def _staged(num_slots: int, registrar: FakeRegistrar, **options: object) -> Segm
 def test_segments_not_yet_live_are_faulted_by_parallel_writes_and_every_page_is_resident(
         monkeypatch: pytest.MonkeyPatch) -> None:
     written: list[tuple[int, int]] = []
-    write_range = segments_module._write_range
+    write_range = vm.write_range
 
     def record(address: int, nbytes: int) -> None:
         written.append((address, nbytes))
         write_range(address, nbytes)
 
-    monkeypatch.setattr(segments_module, "_write_range", record)
+    monkeypatch.setattr(vm, "write_range", record)
     memory = _staged(2500, FakeRegistrar())  # 1024 slots a segment: 8, 8 and 3.5 MiB
     assert all(_resident_pages(s.address, s.used_bytes) == 0 for s in memory.segments), "mapping touched pages"
     memory.start()
@@ -260,7 +261,7 @@ def test_a_live_segment_is_populated_and_never_written() -> None:
     victim = SegmentedMemory(2500, 8192, segment_bytes=8 << 20, hugepages="off", prefault=False)
     marks = _mark_pages(victim, 7)
     for segment in victim.segments:
-        segments_module._prefault(segment.address, segment.used_bytes, threads=3, write=True)
+        vm.prefault(segment.address, segment.used_bytes, threads=3, write=True)
     victim_data = np.frombuffer(victim.buffer(), dtype=np.uint8)
     assert not np.array_equal(victim_data[::7 * PAGE_BYTES][:marks.size], marks)
 
@@ -282,13 +283,13 @@ def test_pages_are_first_touched_by_threads_bound_to_the_numa_node(monkeypatch: 
     node_cpu = frozenset({min(allowed)})  # a node of one CPU, so a binding differs from the process's CPUs
     monkeypatch.setattr(segments_module, "node_cpus", lambda node: node_cpu)
     seen: list[frozenset[int]] = []
-    write_range = segments_module._write_range
+    write_range = vm.write_range
 
     def record(address: int, nbytes: int) -> None:
         seen.append(frozenset(os.sched_getaffinity(0)))
         write_range(address, nbytes)
 
-    monkeypatch.setattr(segments_module, "_write_range", record)
+    monkeypatch.setattr(vm, "write_range", record)
     registrar = FakeRegistrar()
     register = registrar.register
     registering_on: list[frozenset[int]] = []
@@ -326,14 +327,13 @@ def test_prefault_pieces_cover_the_range_exactly_on_aligned_boundaries(pages: in
         with lock:
             pieces.append((address, nbytes))
 
-    original = segments_module._write_range
-    segments_module._write_range = record  # nothing is mapped: the pieces are only recorded
+    original = vm.write_range
+    vm.write_range = record  # nothing is mapped: the pieces are only recorded
     try:
         base = 1 << 40
-        segments_module._prefault(base, pages * PAGE_BYTES, threads=threads, write=True,
-                                  piece_align=align_pages * PAGE_BYTES)
+        vm.prefault(base, pages * PAGE_BYTES, threads=threads, write=True, piece_align=align_pages * PAGE_BYTES)
     finally:
-        segments_module._write_range = original
+        vm.write_range = original
     pieces.sort()
     assert pieces[0][0] == base and all(n > 0 for _, n in pieces)
     assert all(a + n == b for (a, n), (b, _) in zip(pieces, pieces[1:])), "the pieces overlap or leave a gap"

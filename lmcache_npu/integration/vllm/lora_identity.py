@@ -22,7 +22,7 @@ import threading
 from dataclasses import dataclass
 from typing import Optional
 
-from ...identity.weights import AdapterDigests
+from ...identity.adapters import AdapterDigests
 from .adapter import LoraRef
 
 logger = logging.getLogger(__name__)

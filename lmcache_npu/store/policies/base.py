@@ -11,6 +11,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Callable, Hashable, Iterator, Optional, TypeVar
 
+from ...checks import check_int
+
 Key = TypeVar("Key", bound=Hashable)
 Evictable = Callable[[Hashable], bool]
 
@@ -22,9 +24,7 @@ class EvictionPolicy(ABC):
     name: str = ""
 
     def __init__(self, capacity: int) -> None:
-        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
-            raise ValueError(f"{type(self).__name__} capacity must be a slot count >= 1, got {capacity!r}")
-        self.capacity = capacity
+        self.capacity = check_int(f"{type(self).__name__} capacity (slots)", capacity, lo=1)
 
     @abstractmethod
     def insert(self, key: Hashable) -> None:

@@ -14,6 +14,8 @@ from typing import Any, Sequence, Union
 
 import numpy as np
 
+from ...checks import check_int
+
 FIRST_TOKEN = 10  # ids below it are left to special tokens
 
 
@@ -101,9 +103,7 @@ def _conversation(record: Any, tokens: _Tokens, where: str) -> Conversation:
     for i, turn in enumerate(record["turns"]):
         if not isinstance(turn, dict) or "user" not in turn:
             raise ValueError(f"{where}: turn {i} needs a \"user\" (token ids or a length)")
-        output = turn.get("output", 64)
-        if isinstance(output, bool) or not isinstance(output, int) or output < 1:
-            raise ValueError(f"{where}: turn {i}: \"output\" must be a positive token count, got {output!r}")
+        output = check_int(f"{where}: turn {i}: \"output\" (tokens)", turn.get("output", 64), lo=1)
         turns.append(Turn(_tokens_of(turn["user"], tokens, f"{where}: turn {i} \"user\""), output))
     return Conversation(_tokens_of(record.get("system", 0), tokens, f"{where}: \"system\""), tuple(turns))
 

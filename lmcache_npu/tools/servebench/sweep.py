@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
+from ...checks import check_int
 from ..replay.configs import RunConfig
 from ..replay.connectors import connector_services, transfer_config_json
 from .load import LoadResult, LoadSpec, run_load
@@ -106,10 +107,7 @@ class SweepSettings:
         if self.warmup_prompts < 0:
             raise ValueError(f"warmup_prompts must be >= 0, got {self.warmup_prompts}")
         for key in ("random_repeats", "reuse_repeats"):
-            value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                what = "random" if key == "random_repeats" else "each reusing workload"
-                raise ValueError(f"{key} must be an integer >= 1 (runs of {what} per pace), got {value!r}")
+            check_int(key, getattr(self, key), lo=1)  # runs of each workload per pace
         for name in self.names:
             runs = len(self.paces_for(name)) * self.repeats_for(name)
             if runs > LAST_MEASURED_POINT + 1:
