@@ -21,6 +21,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import torch
 
+from ..checks import check_int
 from ..platform.npu_budget import STAGING_WINDOW_BYTES_DEFAULT, TRANSFER_CORES_DEFAULT
 from ..platform.npu_runtime import DeviceBuffer, DeviceUnavailable, NpuRuntime, PinnedBuffer
 from .batch import ChunkBatch
@@ -97,8 +98,8 @@ class NpuBackend(TransferBackend):
 
     def _setup(self, runtime: NpuRuntime, cores: Optional[int], staging_bytes: Optional[int]) -> None:
         for key, value in (("cores", cores), ("staging_bytes", staging_bytes)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ValueError(f"backend_options.{key} must be a positive integer, got {value!r}")
+            if value is not None:
+                check_int(f"backend_options.{key}", value, lo=1)
         from lmcache_npu import _emu
 
         self.runtime = runtime

@@ -260,7 +260,7 @@ def _capture(errors: list[BaseException], call) -> None:  # type: ignore[no-unty
 
 
 def test_backend_options_are_checked(fake_npu: FakeNpu) -> None:
-    with pytest.raises(ValueError, match="backend_options.cores must be a positive integer"):
+    with pytest.raises(ValueError, match="backend_options.cores must be an integer >= 1"):
         NpuBackend.on_runtime(fake_npu.runtime(), cores=0)
     with pytest.raises(ValueError, match="exceeds the 48 vector cores"):
         NpuBackend.on_runtime(fake_npu.runtime(), cores=49)

@@ -22,6 +22,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Iterable, Optional, Sequence, Union
 
+from ...checks import check_int
 from ..commands import Command, Completion, Drop, Load, Persist, Promote, Put, Spill, Store, Tier
 from ..keys import ChunkKey
 from ..policies import EvictionPolicy, make_policy
@@ -74,9 +75,8 @@ class ChunkIndex(ChunkManager):
         if num_slots < 1 or num_ranks < 1 or disk_chunks < 0:
             raise ValueError(f"index needs num_slots >= 1, num_ranks >= 1, disk_chunks >= 0 "
                              f"(got {num_slots}, {num_ranks}, {disk_chunks})")
-        for name, value in (("remote_admit_hits", remote_admit_hits), ("disk_admit_hits", disk_admit_hits)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name} must be an integer >= 0 (0: no reuse gate), got {value!r}")
+        check_int("remote_admit_hits", remote_admit_hits, lo=0)  # 0: no reuse gate
+        check_int("disk_admit_hits", disk_admit_hits, lo=0)
         policy = make_policy(eviction_policy, num_slots) if isinstance(eviction_policy, str) else eviction_policy
         if not isinstance(policy, EvictionPolicy) or policy.capacity != num_slots or len(policy):
             raise ValueError(f"eviction_policy must be a policy name or an empty EvictionPolicy of {num_slots} "
