@@ -28,7 +28,7 @@ from .arena import HostArena
 from .commands import Command, Completion, Drop, Load, Persist, Promote, Put, Spill, Store, Tier
 from .envelope import RejectionLog, Sealer, seal, verify
 from .keys import ChunkKey
-from .tier import OK, TierResult
+from .tier import OK, Failure, TierResult
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +100,7 @@ class StoreExecutor:
                 logger.error("rank %d: command %d names arena slot %d of %d", self.rank, command.cmd_id, slot,
                              self.arena.num_slots)
                 self._report(command.cmd_id, TierResult.fail(
-                    f"error: arena slot {slot} out of range (the arena has {self.arena.num_slots}; index and "
+                    Failure.ERROR, f"arena slot {slot} out of range (the arena has {self.arena.num_slots}; index and "
                     f"workers disagree on cpu_bytes?)"))
         commands = valid
         position = 0
@@ -124,7 +124,7 @@ class StoreExecutor:
             except Exception as exc:  # nothing of this batch ran or answered: fail it, keep going with the rest
                 logger.exception("rank %d: store commands %s refused", self.rank, [c.cmd_id for c in batch])
                 for failed in batch:
-                    self._report(failed.cmd_id, TierResult.fail(f"error: {exc}"))
+                    self._report(failed.cmd_id, TierResult.fail(Failure.ERROR, str(exc)))
             position = end
 
     def poll(self) -> list[Completion]:
@@ -212,7 +212,7 @@ class StoreExecutor:
                 self._seal(command.slot, command.key)
             except Exception as exc:  # a key the envelope cannot hold: this chunk is not spilled, the others are
                 logger.exception("rank %d: sealing spill %d failed", self.rank, command.cmd_id)
-                self._report(command.cmd_id, TierResult.fail(f"error: {exc}"))
+                self._report(command.cmd_id, TierResult.fail(Failure.ERROR, str(exc)))
                 return
             self._write_to_disk(command, copy=True)
         elif isinstance(command, Persist):  # pinned until every rank answers: writers read the slot in place, no copy
@@ -222,7 +222,7 @@ class StoreExecutor:
         elif isinstance(command, Promote):  # from disk; remote promotions are batched
             self._io.submit(self._guarded, command.cmd_id, self._promote_from_disk, command)
         else:
-            self._report(command.cmd_id, TierResult.fail(f"unknown command {type(command).__name__}"))
+            self._report(command.cmd_id, TierResult.fail(Failure.UNKNOWN_COMMAND, type(command).__name__))
 
     def _guarded(self, cmd_id: int, work: Callable[..., TierResult], *args: object) -> None:
         """Background work always answers, even when a tier raises (a bug there must not hang the index)."""
@@ -230,7 +230,7 @@ class StoreExecutor:
             result = work(*args)
         except Exception as exc:  # the serving path turns any tier fault into a failed command
             logger.exception("rank %d: store command %d raised", self.rank, cmd_id)
-            result = TierResult.fail(f"error: {exc}")
+            result = TierResult.fail(Failure.ERROR, str(exc))
         self._report(cmd_id, result)
 
     def _persist(self, command: Persist) -> None:
@@ -240,13 +240,13 @@ class StoreExecutor:
             self._write_to_disk(command, copy=False)
         except Exception as exc:  # the command must still answer exactly once
             logger.exception("rank %d: persist %d raised", self.rank, command.cmd_id)
-            self._report(command.cmd_id, TierResult.fail(f"error: {exc}"))
+            self._report(command.cmd_id, TierResult.fail(Failure.ERROR, str(exc)))
 
     def _write_to_disk(self, command: Union[Spill, Persist], copy: bool) -> None:
         """Queues the slot for the disk tier's writer threads (the write, checksum and fsync never run here, on the
         model's thread); `done` answers the command, or the refusal does at once."""
         if self.disk is None:
-            self._report(command.cmd_id, TierResult.fail("no disk tier"))
+            self._report(command.cmd_id, TierResult.fail(Failure.NO_DISK_TIER))
             return
         name = command.key.storage_name(self.rank)
         queued = self.disk.write_async(name, self.arena.sealed_view(command.slot),
@@ -271,7 +271,7 @@ class StoreExecutor:
 
     def _promote_from_disk(self, command: Promote) -> TierResult:
         if self.disk is None:
-            return TierResult.fail("no disk tier")
+            return TierResult.fail(Failure.NO_DISK_TIER)
         name = command.key.storage_name(self.rank)
         view = self.arena.sealed_view(command.slot)
         result = self.disk.read_into(name, view)
@@ -281,14 +281,14 @@ class StoreExecutor:
         if why is not None:
             self.disk.counters.add("rejected")
             self._disk_rejections.record(name, why)
-            return TierResult.fail(f"rejected: {why}")
+            return TierResult.fail(Failure.REJECTED, why)
         self._mark_sealed(command.slot, command.key)
         return OK
 
     def _run_remote(self, kind: str, batch: Sequence[Union[Promote, Put]]) -> None:
         try:
             if self.remote is None:
-                results = [TierResult.fail("no remote tier")] * len(batch)
+                results = [TierResult.fail(Failure.NO_REMOTE_TIER)] * len(batch)
             else:
                 names = [c.key.storage_name(self.rank) for c in batch]
                 views = [self.arena.sealed_view(c.slot) for c in batch]
@@ -309,14 +309,14 @@ class StoreExecutor:
                             self._remote_rejections.record(name, result.reason[len("rejected: "):])
         except Exception as exc:  # the serving path turns any tier fault into failed commands
             logger.exception("rank %d: remote batch of %d raised", self.rank, len(batch))
-            results = [TierResult.fail(f"error: {exc}")] * len(batch)
+            results = [TierResult.fail(Failure.ERROR, str(exc))] * len(batch)
         for command, result in zip(batch, results):
             self._report(command.cmd_id, result)
 
     def _run_device(self, batch: Sequence[Union[Store, Load]]) -> None:
         if self.mover is None:
             for command in batch:
-                self._report(command.cmd_id, TierResult.fail("no device mover"))
+                self._report(command.cmd_id, TierResult.fail(Failure.NO_DEVICE_MOVER))
             return
         objects = [self.arena.slot(c.slot) for c in batch]
         unanswered = {c.cmd_id for c in batch}
@@ -333,7 +333,7 @@ class StoreExecutor:
         except Exception as exc:  # a refused transfer fails its commands; the index frees their slots
             logger.exception("rank %d: device %s of %d chunks raised", self.rank, _batch_kind(batch[0]), len(batch))
             for command in batch:
-                report_once(command.cmd_id, TierResult.fail(f"device: {exc}"))
+                report_once(command.cmd_id, TierResult.fail(Failure.DEVICE, str(exc)))
 
 
 def _batch_kind(command: Command) -> str:

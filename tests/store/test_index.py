@@ -13,7 +13,7 @@ from lmcache_npu.store.envelope import sealed_bytes
 from lmcache_npu.store.disk import disk_chunks_for_capacity
 from lmcache_npu.store.index import ChunkIndex, DiskState, SlotState
 from lmcache_npu.store.keys import ChunkKey
-from lmcache_npu.store.tier import TierResult
+from lmcache_npu.store.tier import Failure, TierResult
 
 from .fakes import Cluster, MemoryRemote, PatternDevice, make_key
 
@@ -272,7 +272,7 @@ def test_a_remote_chunk_that_fails_to_promote_is_a_miss_for_a_while_then_tried_a
     remote = MemoryRemote(shared)
     reader = Cluster(num_slots=2, object_bytes=OBJECT_BYTES, remote=remote)
     listed_but_unreadable = remote.get_into
-    remote.get_into = lambda names, buffers: [TierResult.fail("corrupt")] * len(names)
+    remote.get_into = lambda names, buffers: [TierResult.fail(Failure.CORRUPT)] * len(names)
     assert reader.index.lookup("b", [make_key(1)]).hit_chunks == 1
     reader.settle()
     reader.index.release("b")

@@ -40,7 +40,7 @@ from typing import Any, Callable, Optional
 
 import xxhash
 
-from ..tier import OK, TierCounters, TierResult
+from ..tier import OK, Failure, TierCounters, TierResult
 from .format import (FILE_SUFFIX, FOREIGN_PROBLEMS, HEADER_BYTES, TEMP_SUFFIX, Header, check_fingerprint,
                      check_lock_name, check_name, fan_of, read_header)
 from .lock import acquire_lock, release_lock
@@ -53,7 +53,8 @@ logger = logging.getLogger(__name__)
 _DIR_SYNC_BATCH = 32
 # Keeps temp names of two processes with the same pid (other PID namespaces, a pid reused) apart.
 _INCARNATION = secrets.token_hex(4)
-_REFUSAL_COUNTERS = {"closed": "closed_refused", "queue full": "queue_full", "capacity": "capacity_refused"}
+_REFUSAL_COUNTERS = {Failure.CLOSED: "closed_refused", Failure.QUEUE_FULL: "queue_full",
+                     Failure.CAPACITY: "capacity_refused"}
 
 
 def _byte_view(buffer: Any, writable: bool) -> memoryview:
@@ -72,7 +73,7 @@ class _PendingWrite:
     data: Optional[bytes | memoryview]  # a copy, or the caller's buffer (copy=False); None once cancelled
     file_bytes: int
     done: Optional[Callable[[TierResult], None]]
-    cancel_reason: str = ""  # "cancelled" (deleted) or "superseded" (written again) once it must not land
+    cancel_reason: Optional[Failure] = None  # CANCELLED (deleted) or SUPERSEDED (written again): it must not land
     counted: bool = True  # its bytes still count as pending
 
 
@@ -179,15 +180,15 @@ class DiskTier:
             self._warned_untrusted.add(path)
         if first:
             logger.warning("disk tier: refusing %s: %s; it is never followed", path, untrusted.reason)
-        return TierResult.fail(f"untrusted: {untrusted.reason}")
+        return TierResult.fail(Failure.UNTRUSTED, untrusted.reason)
 
     # ---- writes -------------------------------------------------------------------------------------------------
 
     def write_async(self, name: str, data: Any, done: Optional[Callable[[TierResult], None]] = None,
                     copy: bool = True) -> TierResult:
-        """Copies `data` and queues it; OK when queued. `done` runs exactly once (writer thread) for queued writes
-        only: OK, "disk full", "io: ...", "untrusted: ...", or "cancelled"/"superseded" when a delete or a newer
-        write overtook it.
+        """Copies `data` and queues it; OK when queued, else CLOSED, QUEUE_FULL or CAPACITY. `done` runs exactly once
+        (writer thread) for queued writes only: OK, DISK_FULL, IO, UNTRUSTED, or CANCELLED/SUPERSEDED when a delete
+        or a newer write overtook it.
 
         `copy=False` queues a reference to `data` instead of a copy: the caller must keep those bytes unchanged
         until `done` has run (no writer reads them after that). It still counts against `max_pending_bytes`,
@@ -206,26 +207,26 @@ class DiskTier:
         self.counters.add(_REFUSAL_COUNTERS[refusal])
         return TierResult.fail(refusal)
 
-    def _refusal(self, file_bytes: int) -> Optional[str]:
+    def _refusal(self, file_bytes: int) -> Optional[Failure]:
         if self._closed:
-            return "closed"
+            return Failure.CLOSED
         if self._pending_bytes + file_bytes > self._max_pending:
-            return "queue full"
+            return Failure.QUEUE_FULL
         if self._capacity is not None and self._used + self._pending_bytes + file_bytes > self._capacity:
-            return "capacity"
+            return Failure.CAPACITY
         return None
 
     def _enqueue(self, item: _PendingWrite) -> None:
         previous = self._pending.get(item.name)
         if previous is not None:
-            self._cancel(previous, "superseded")
+            self._cancel(previous, Failure.SUPERSEDED)
         self._pending[item.name] = item
         self._queue.append(item)
         self._pending_bytes += item.file_bytes
         self._unfinished += 1
         self._work.notify()
 
-    def _cancel(self, item: _PendingWrite, reason: str) -> None:
+    def _cancel(self, item: _PendingWrite, reason: Failure) -> None:
         """Under the lock: the write must not land; a writer already holding its bytes discards its temp file."""
         item.cancel_reason = reason
         item.data = None
@@ -263,6 +264,7 @@ class DiskTier:
 
     def _write_one(self, item: _PendingWrite, payload: Optional[bytes | memoryview]) -> TierResult:
         if payload is None:
+            assert item.cancel_reason is not None  # `_cancel` sets it as it takes the bytes away
             return TierResult.fail(item.cancel_reason)
         temp = f"{item.name}.{os.getpid()}-{_INCARNATION}.{next(self._temp_seq)}{TEMP_SUFFIX}"
         fan_fd: Optional[int] = None
@@ -281,12 +283,13 @@ class DiskTier:
                 os.close(fd)
             with self._lock:
                 # Checked and renamed under the lock that delete() holds while it unlinks: no resurrection.
-                if not item.cancel_reason:
+                if item.cancel_reason is None:
                     os.replace(temp, item.name + FILE_SUFFIX, src_dir_fd=fan_fd, dst_dir_fd=fan_fd)
                     created = False
                     self._land(item)
             if created:
                 remove_quietly(temp, fan_fd)
+                assert item.cancel_reason is not None  # only a cancel keeps the rename from happening
                 return TierResult.fail(item.cancel_reason)
             return OK
         except Exception as error:  # nothing may escape a writer thread
@@ -316,13 +319,13 @@ class DiskTier:
             if not self._disk_full:
                 logger.warning("disk tier %s is full; writes fail until space frees up", self._root)
             self._disk_full = True
-            return TierResult.fail("disk full")
+            return TierResult.fail(Failure.DISK_FULL)
         self.counters.add("io_errors")
         if isinstance(error, OSError):
             logger.warning("disk tier: writing %s failed: %s", name, error)
-            return TierResult.fail(f"io: {error.strerror or error}")
+            return TierResult.fail(Failure.IO, str(error.strerror or error))
         logger.exception("disk tier: unexpected error writing %s", name)
-        return TierResult.fail(f"io: {error!r}")
+        return TierResult.fail(Failure.IO, repr(error))
 
     def _report_landed(self, landed: list[_PendingWrite], dirty_fans: set[str]) -> None:
         for fan in dirty_fans:
@@ -364,7 +367,7 @@ class DiskTier:
             pending = item.data if item is not None else None
         if pending is not None:
             if len(pending) != view.nbytes:
-                return TierResult.fail("corrupt: length")  # the caller's size is wrong; the pending write stands
+                return TierResult.fail(Failure.CORRUPT, "length")  # the caller's size is wrong; the write stands
             view[:] = pending
             self.counters.add("reads")
             self.counters.add("pending_reads")
@@ -380,13 +383,13 @@ class DiskTier:
             self.counters.add("misses")
             with self._lock:
                 self._forget(name)
-            return TierResult.fail("miss")
+            return TierResult.fail(Failure.MISS)
         except Untrusted as untrusted:
             return self._untrusted(name, untrusted)
         except OSError as error:
             self.counters.add("io_errors")
             logger.warning("disk tier: reading %s failed: %s", self.file_path(name), error)
-            return TierResult.fail(f"io: {error.strerror or error}")
+            return TierResult.fail(Failure.IO, str(error.strerror or error))
         finally:
             if fd is not None:
                 os.close(fd)
@@ -424,7 +427,7 @@ class DiskTier:
         if problem in FOREIGN_PROBLEMS:
             self.counters.add("foreign")
             logger.warning("disk tier: %s belongs to another layout or format version; left in place", path)
-            return TierResult.fail(f"corrupt: {problem}")
+            return TierResult.fail(Failure.CORRUPT, problem)
         self.counters.add("corrupt")
         logger.warning("disk tier: removing corrupt cache file %s (%s)", path, problem)
         with self._lock:
@@ -437,7 +440,7 @@ class DiskTier:
             except OSError as error:
                 self.counters.add("io_errors")
                 logger.warning("disk tier: cannot remove %s: %s", path, error)
-        return TierResult.fail(f"corrupt: {problem}")
+        return TierResult.fail(Failure.CORRUPT, problem)
 
     def _forget(self, name: str) -> None:
         self._used -= self._on_disk.pop(name, 0)
@@ -469,7 +472,7 @@ class DiskTier:
         with self._lock:
             item = self._pending.get(name)
             if item is not None:
-                self._cancel(item, "cancelled")
+                self._cancel(item, Failure.CANCELLED)
             removed = self._unlink_locked(name)  # under the lock, so no writer renames between the cancel and this
             if removed:
                 self._forget(name)
