@@ -1,5 +1,6 @@
-"""The local-disk tier stores exactly the bytes it was given, survives restarts, refuses damaged files, and trusts
-no directory, link or lock it did not check."""
+"""The local-disk tier stores exactly the bytes it was given, survives restarts, refuses files whose header or
+length is wrong (a flipped payload byte is the envelope's to name), and trusts no directory, link or lock it did not
+check."""
 
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ import xxhash
 
 from lmcache_npu.store.disk import DISK_FORMAT_VERSION, HEADER_BYTES, DiskTier, scan_disk_directory
 from lmcache_npu.store.disk import tier as disk_tier
+from lmcache_npu.store.envelope import Sealer, seal, sealed_bytes, verify
+from lmcache_npu.store.keys import ChunkKey
 from lmcache_npu.store.tier import OK, Failure, TierCounters, TierResult, TierStore
 
 FP = bytes(range(16))
@@ -110,9 +113,9 @@ def test_header_layout_on_disk(tier: DiskTier) -> None:
     tier.write_async(name_of(1), data)
     tier.flush()
     raw = file_of(Path(tier._root), name_of(1)).read_bytes()
-    magic, version, header, fp, length, checksum, digest, reserved = struct.unpack("<8sII16sQQ12s4s", raw[:64])
+    magic, version, header, fp, length, digest, reserved = struct.unpack("<8sII16sQ12s12s", raw[:64])
     assert (magic, version, header, fp, length) == (b"LMCNPUKV", DISK_FORMAT_VERSION, 64, FP, 1000)
-    assert checksum == xxhash.xxh3_64_intdigest(data) and reserved == bytes(4)
+    assert DISK_FORMAT_VERSION == 2 and reserved == bytes(12)  # no payload checksum: the envelope is the digest
     assert digest == hashlib.sha256(name_of(1).encode()).digest()[:12] and raw[64:] == data
 
 
@@ -177,7 +180,6 @@ def tiny(path: Path) -> None:
 
 
 CORRUPTIONS = {
-    "checksum": flip_payload_byte,
     "short": truncate,
     "size": append_byte,
     "magic": patch_header(0, b"XXXXXXXX"),
@@ -202,19 +204,62 @@ def test_read_of_damaged_file_is_corrupt_and_removes_it(tier: DiskTier, reason: 
 
 
 @pytest.mark.parametrize("reason", list(CORRUPTIONS))
-def test_scan_removes_damaged_files_except_checksum_which_reads_catch(tmp_path: Path, reason: str) -> None:
+def test_scan_removes_damaged_files(tmp_path: Path, reason: str) -> None:
     root = tmp_path / "cache"
     tier = DiskTier(root, FP)
     tier.write_async(name_of(1), payload(4000, seed=9))
     tier.close()
     CORRUPTIONS[reason](file_of(root, name_of(1)))
     restarted = DiskTier(root, FP)
-    if reason == "checksum":  # not verified at startup, only on read
-        assert restarted.used_bytes == HEADER_BYTES + 4000
-        assert read(restarted, name_of(1), 4000)[0] == TierResult.fail(Failure.CORRUPT, "checksum")
-    else:
-        assert restarted.counters["corrupt"] == 1 and restarted.used_bytes == 0
+    assert restarted.counters["corrupt"] == 1 and restarted.used_bytes == 0
     assert not file_of(root, name_of(1)).exists()
+    restarted.close()
+
+
+def sealed_object(key: ChunkKey, size: int = 4000) -> np.ndarray:
+    data = np.random.default_rng(9).integers(0, 256, sealed_bytes(size), dtype=np.uint8)
+    seal(data, key, 0, Sealer())
+    return data
+
+
+@pytest.mark.parametrize("restart", [False, True], ids=["read", "scan-then-read"])
+def test_a_flipped_payload_byte_passes_the_tier_and_fails_the_envelope(tmp_path: Path, restart: bool) -> None:
+    """The tier hashes no payload (format 2): a flipped byte comes back as stored, and the envelope digest, which the
+    executor verifies on every promotion, names it."""
+    key = ChunkKey("ab" * 16, bytes(range(32)))
+    name, stored = key.storage_name(0), sealed_object(key)
+    root = tmp_path / "cache"
+    tier = DiskTier(root, FP)
+    tier.write_async(name, stored)
+    assert tier.flush(10)
+    out = np.zeros_like(stored)
+    assert tier.read_into(name, out) == OK and verify(out, key, 0, Sealer()) is None  # control: untouched, it verifies
+    flip_payload_byte(file_of(root, name))
+    if restart:
+        tier.close()
+        tier = DiskTier(root, FP)  # the header is intact: the scan keeps the file
+        assert tier.counters["corrupt"] == 0 and tier.used_bytes == HEADER_BYTES + stored.nbytes
+    assert tier.read_into(name, out) == OK and out.tobytes() != stored.tobytes()
+    assert verify(out, key, 0, Sealer()) == "digest"
+    tier.close()
+
+
+def test_format_version_1_files_are_another_versions_skipped_and_refused(tmp_path: Path) -> None:
+    root = tmp_path / "cache"
+    DiskTier(root, FP).close()
+    data = payload(4000, seed=9)
+    path = file_of(root, name_of(1))
+    path.parent.mkdir(mode=0o700)
+    # byte for byte what version 1 wrote: an xxh3-64 checksum at 40, the name digest at 48
+    path.write_bytes(struct.pack("<8sII16sQQ12s4x", b"LMCNPUKV", 1, 64, FP, len(data), xxhash.xxh3_64_intdigest(data),
+                                 hashlib.sha256(name_of(1).encode()).digest()[:12]) + data)
+    restarted = DiskTier(root, FP)
+    assert restarted.used_bytes == 0 and restarted.counters["foreign"] == 1 and restarted.counters["corrupt"] == 0
+    assert read(restarted, name_of(1), 4000)[0] == TierResult.fail(Failure.CORRUPT, "version")
+    assert path.exists()
+    # control: the same payload written by this version reads
+    restarted.write_async(name_of(2), data)
+    assert restarted.flush(10) and read(restarted, name_of(2), 4000) == (OK, data)
     restarted.close()
 
 

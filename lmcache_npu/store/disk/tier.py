@@ -21,7 +21,12 @@ Restart: the scan validates every header and the file length, removes invalid fi
 of another layout fingerprint or format version (another model or build may share the directory), and returns
 the rest oldest first. Temp files: one whose final name this tier owns, found while the tier holds its lock, is a
 crashed earlier holder's leftover and is removed; any other is removed only once older than ten minutes (writer
-pids prove nothing across containers and PID namespaces). Checksums are verified on every read, not at startup.
+pids prove nothing across containers and PID namespaces).
+
+Integrity: the tier stores and returns bytes; it hashes none. Its payloads are sealed chunk objects, and the
+envelope (`envelope.verify`, run by the executor on every promotion before a device load or a remote put) is the one
+check of their bytes. The header checks here (magic, version, fingerprint, name, length) decide only whether a file
+may be this chunk at all.
 """
 
 from __future__ import annotations
@@ -37,8 +42,6 @@ import weakref
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
-
-import xxhash
 
 from ..tier import OK, Failure, TierCounters, TierResult
 from .format import (FILE_SUFFIX, FOREIGN_PROBLEMS, HEADER_BYTES, TEMP_SUFFIX, Header, check_fingerprint,
@@ -271,7 +274,7 @@ class DiskTier:
         created = False
         try:
             fan_fd = self._open_fan(fan_of(item.name), create=True)
-            header = Header.describe(item.name, self._fingerprint, payload).pack()
+            header = Header.describe(item.name, self._fingerprint, len(payload)).pack()
             fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
                          dir_fd=fan_fd)
             created = True
@@ -357,9 +360,10 @@ class DiskTier:
     # ---- reads and the rest -------------------------------------------------------------------------------------
 
     def read_into(self, name: str, out: Any) -> TierResult:
-        """Fills `out` (its length must equal the stored payload's) from the pending copy or the file, checksum
-        verified. On failure `out` holds garbage. A file of another layout is refused but left in place; a symlink
-        or a foreign fan directory is refused ("untrusted: ...") and never followed."""
+        """Fills `out` (its length must equal the stored payload's) from the pending copy or the file whose header
+        fits `name`. The bytes are not hashed here: the caller verifies their envelope before using them. On failure
+        `out` holds garbage. A file of another layout is refused but left in place; a symlink or a foreign fan
+        directory is refused (UNTRUSTED) and never followed."""
         check_name(name)
         view = _byte_view(out, writable=True)
         with self._lock:
@@ -410,8 +414,6 @@ class DiskTier:
                 filled += got
             if filled < view.nbytes:
                 problem = "short"
-            elif xxhash.xxh3_64_intdigest(view) != header.checksum:
-                problem = "checksum"
         if problem is not None:
             return self._reject(name, fan_fd, stat, problem)
         with self._lock:
