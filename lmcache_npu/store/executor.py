@@ -22,7 +22,7 @@ import logging
 import threading
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Collection, Optional, Protocol, Sequence, Union
+from typing import TYPE_CHECKING, Callable, Collection, Optional, Protocol, Sequence, Union
 
 import torch
 
@@ -32,7 +32,11 @@ from .commands import (ARENA_TO_DEVICE, ARENA_TO_DISK, ARENA_TO_REMOTE, DEVICE_T
                        Tier, Transfer)
 from .envelope import RejectionLog, Sealer, seal, verify
 from .keys import ChunkKey
-from .tier import OK, TierResult
+from .tier import OK, Failure, TierResult, TierStore
+
+if TYPE_CHECKING:  # the executor is handed the tiers; the factory builds them
+    from .disk.tier import DiskTier
+    from .mooncake import MooncakeTier
 
 logger = logging.getLogger(__name__)
 
@@ -57,8 +61,8 @@ class StoreExecutor:
     """One per worker process (rank). `disk` is a `DiskTier`, `remote` a `MooncakeTier`; either may be None.
     `sealer` seals and verifies envelopes (digest only when None: no store secret)."""
 
-    def __init__(self, rank: int, arena: HostArena, mover: Optional[DeviceMover] = None, disk: object = None,
-                 remote: object = None, io_threads: int = 4, sealer: Optional[Sealer] = None) -> None:
+    def __init__(self, rank: int, arena: HostArena, mover: Optional[DeviceMover] = None,
+                 disk: Optional[DiskTier] = None, remote: Optional[MooncakeTier] = None, io_threads: int = 4, sealer: Optional[Sealer] = None) -> None:
         self.rank = rank
         self.arena = arena
         self.mover = mover
@@ -114,7 +118,7 @@ class StoreExecutor:
                 logger.error("rank %d: command %d names arena slot %d of %d", self.rank, command.cmd_id, slot,
                              self.arena.num_slots)
                 self._report(command.cmd_id, TierResult.fail(
-                    f"error: arena slot {slot} out of range (the arena has {self.arena.num_slots}; index and "
+                    Failure.ERROR, f"arena slot {slot} out of range (the arena has {self.arena.num_slots}; index and "
                     f"workers disagree on cpu_bytes?)"))
         commands = valid
         position = 0
@@ -137,7 +141,7 @@ class StoreExecutor:
             except Exception as exc:  # nothing of this batch ran or answered: fail it, keep going with the rest
                 logger.exception("rank %d: store commands %s refused", self.rank, [c.cmd_id for c in batch])
                 for failed in batch:
-                    self._report(failed.cmd_id, TierResult.fail(f"error: {exc}"))
+                    self._report(failed.cmd_id, TierResult.fail(Failure.ERROR, str(exc)))
             position = end
 
     def poll(self) -> list[Completion]:
@@ -185,7 +189,7 @@ class StoreExecutor:
             self._idle.wait_for(lambda: self._submitting == 0)  # a submit in progress finishes first
         self._io.shutdown(wait=True)
         for tier in (self.disk, self.remote):
-            if tier is not None and hasattr(tier, "close"):
+            if isinstance(tier, TierStore):
                 tier.close()
 
     # ---- running commands ---------------------------------------------------------------------------------------
@@ -235,7 +239,7 @@ class StoreExecutor:
             self._seal(command.slot, command.key)
         except Exception as exc:  # a key the envelope cannot hold: this chunk is not spilled, the others are
             logger.exception("rank %d: sealing spill %d failed", self.rank, command.cmd_id)
-            self._report(command.cmd_id, TierResult.fail(f"error: {exc}"))
+            self._report(command.cmd_id, TierResult.fail(Failure.ERROR, str(exc)))
             return
         self._write_to_disk(command, copy=True)
 
@@ -245,7 +249,7 @@ class StoreExecutor:
             result = work(*args)
         except Exception as exc:  # the serving path turns any tier fault into a failed command
             logger.exception("rank %d: store command %d raised", self.rank, cmd_id)
-            result = TierResult.fail(f"error: {exc}")
+            result = TierResult.fail(Failure.ERROR, str(exc))
         self._report(cmd_id, result)
 
     def _persist(self, command: Persist) -> None:
@@ -255,13 +259,13 @@ class StoreExecutor:
             self._write_to_disk(command, copy=False)
         except Exception as exc:  # the command must still answer exactly once
             logger.exception("rank %d: persist %d raised", self.rank, command.cmd_id)
-            self._report(command.cmd_id, TierResult.fail(f"error: {exc}"))
+            self._report(command.cmd_id, TierResult.fail(Failure.ERROR, str(exc)))
 
     def _write_to_disk(self, command: Union[Spill, Persist], copy: bool) -> None:
         """Queues the slot for the disk tier's writer threads (the write, checksum and fsync never run here, on the
         model's thread); `done` answers the command, or the refusal does at once."""
         if self.disk is None:
-            self._report(command.cmd_id, TierResult.fail("no disk tier"))
+            self._report(command.cmd_id, TierResult.fail(Failure.NO_DISK_TIER))
             return
         name = command.key.storage_name(self.rank)
         queued = self.disk.write_async(name, self.arena.sealed_view(command.slot),
@@ -286,7 +290,7 @@ class StoreExecutor:
 
     def _promote_from_disk(self, command: Promote) -> TierResult:
         if self.disk is None:
-            return TierResult.fail("no disk tier")
+            return TierResult.fail(Failure.NO_DISK_TIER)
         name = command.key.storage_name(self.rank)
         view = self.arena.sealed_view(command.slot)
         result = self.disk.read_into(name, view)
@@ -296,7 +300,7 @@ class StoreExecutor:
         if why is not None:
             self.disk.counters.add("rejected")
             self._disk_rejections.record(name, why)
-            return TierResult.fail(f"rejected: {why}")
+            return TierResult.fail(Failure.REJECTED, why)
         self._mark_sealed(command.slot, command.key)
         return OK
 
@@ -304,7 +308,7 @@ class StoreExecutor:
         """On an io thread: one batch of remote gets (promotions into the arena) or puts."""
         try:
             if self.remote is None:
-                results = [TierResult.fail("no remote tier")] * len(batch)
+                results = [TierResult.fail(Failure.NO_REMOTE_TIER)] * len(batch)
             else:
                 names = [c.key.storage_name(self.rank) for c in batch]
                 views = [self.arena.sealed_view(c.slot) for c in batch]
@@ -321,18 +325,18 @@ class StoreExecutor:
                     for name, command, result in zip(names, batch, results):
                         if result.ok:
                             self._mark_sealed(command.slot, command.key)
-                        elif result.reason.startswith("rejected: "):  # the tier counted it
-                            self._remote_rejections.record(name, result.reason[len("rejected: "):])
+                        elif result.kind is Failure.REJECTED:  # the tier counted it
+                            self._remote_rejections.record(name, result.detail)
         except Exception as exc:  # the serving path turns any tier fault into failed commands
             logger.exception("rank %d: remote batch of %d raised", self.rank, len(batch))
-            results = [TierResult.fail(f"error: {exc}")] * len(batch)
+            results = [TierResult.fail(Failure.ERROR, str(exc))] * len(batch)
         for command, result in zip(batch, results):
             self._report(command.cmd_id, result)
 
     def _run_device(self, batch: Sequence[Union[Store, Load]]) -> None:
         if self.mover is None:
             for command in batch:
-                self._report(command.cmd_id, TierResult.fail("no device mover"))
+                self._report(command.cmd_id, TierResult.fail(Failure.NO_DEVICE_MOVER))
             return
         objects = [self.arena.slot(c.slot) for c in batch]
         unanswered = {c.cmd_id for c in batch}
@@ -350,4 +354,4 @@ class StoreExecutor:
             logger.exception("rank %d: device %s of %d chunks raised", self.rank,
                              "store" if isinstance(batch[0], Store) else "load", len(batch))
             for command in batch:
-                report_once(command.cmd_id, TierResult.fail(f"device: {exc}"))
+                report_once(command.cmd_id, TierResult.fail(Failure.DEVICE, str(exc)))

@@ -35,7 +35,7 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 
 from .config import PROTOCOLS, MooncakeConfig
-from .tier import OK, TierCounters, TierResult
+from .tier import OK, Failure, TierCounters, TierResult
 
 __all__ = ["PROTOCOLS", "MooncakeConfig", "MooncakeTier", "Check"]
 
@@ -302,7 +302,7 @@ class MooncakeTier:
         checks = list(verify) if verify is not None else [None] * len(names)
         present = self._call("exists", lambda s: list(s.batch_is_exist(list(names))))
         if present is None:
-            return [TierResult.fail("unavailable")] * len(names)
+            return [TierResult.fail(Failure.UNAVAILABLE)] * len(names)
         results: list[Optional[TierResult]] = [None] * len(names)
         existing = [i for i, code in enumerate(present) if code == _EXISTS]
         to_write = [i for i, code in enumerate(present) if code != _EXISTS]
@@ -315,13 +315,13 @@ class MooncakeTier:
                 else:
                     logger.warning("Mooncake tier: %s exists with other contents and could not be removed (%s)",
                                    names[i], code)
-                    results[i] = TierResult.fail("put: name exists with other contents")
+                    results[i] = TierResult.fail(Failure.PUT, "name exists with other contents")
         written = self._write([names[i] for i in to_write], [buffers[i] for i in to_write])
         for i, result in zip(to_write, written):
             results[i] = result
             if result.ok and i in replacing:
                 self.counters.add("put_replaced_invalid")
-        return [r if r is not None else TierResult.fail("unavailable") for r in results]
+        return [r if r is not None else TierResult.fail(Failure.UNAVAILABLE) for r in results]
 
     def _check_existing(self, names: Sequence[str], buffers: Sequence[memoryview], checks: Sequence[Optional[Check]],
                         existing: Sequence[int], results: list[Optional[TierResult]]) -> list[int]:
@@ -349,7 +349,7 @@ class MooncakeTier:
                 results[i] = OK
                 self.counters.add("put_existing")
             elif problem == "unavailable":
-                results[i] = TierResult.fail("unavailable")
+                results[i] = TierResult.fail(Failure.UNAVAILABLE)
             else:
                 if problem != "gone":
                     logger.warning("Mooncake tier: %s exists with an object that does not verify (%s); replacing "
@@ -375,8 +375,8 @@ class MooncakeTier:
                 codes = self._call("put", lambda s: [s.put(n, p) for n, p in zip(names, payloads)])  # owns its copies
                 self.counters.add("copy_ops", len(names))
         if codes is None:
-            return [TierResult.fail("unavailable")] * len(names)
-        results = [OK if code == 0 else TierResult.fail(f"put error {code}") for code in codes]
+            return [TierResult.fail(Failure.UNAVAILABLE)] * len(names)
+        results = [OK if code == 0 else TierResult.fail(Failure.PUT_ERROR, str(code)) for code in codes]
         done = sum(r.ok for r in results)
         self.counters.add("puts", done)
         self.counters.add("put_bytes", sum(b.nbytes for b, r in zip(buffers, results) if r.ok))
@@ -432,24 +432,24 @@ class MooncakeTier:
                                    touches_memory=True)
                 self.counters.add("copy_ops", len(names))
         if codes is None:
-            return [TierResult.fail("unavailable")] * len(names)
+            return [TierResult.fail(Failure.UNAVAILABLE)] * len(names)
         results = []
         for i, (code, buffer) in enumerate(zip(codes, buffers)):
             if i in rejected:
-                results.append(TierResult.fail(f"rejected: {rejected[i]}"))
+                results.append(TierResult.fail(Failure.REJECTED, rejected[i]))
                 self.counters.add("rejected")  # the caller logs it: it knows which chunk it asked for
             elif code == buffer.nbytes:
                 results.append(OK)
             elif code == _MISSING:
-                results.append(TierResult.fail("miss"))
+                results.append(TierResult.fail(Failure.MISS))
             elif code >= 0 or code == _BUFFER_TOO_SMALL:
-                results.append(TierResult.fail("corrupt: length"))
+                results.append(TierResult.fail(Failure.CORRUPT, "length"))
             else:
-                results.append(TierResult.fail(f"get error {code}"))
+                results.append(TierResult.fail(Failure.GET_ERROR, str(code)))
         done = sum(r.ok for r in results)
         self.counters.add("gets", done)
         self.counters.add("get_bytes", sum(b.nbytes for b, r in zip(buffers, results) if r.ok))
-        self.counters.add("misses", sum(r.reason == "miss" for r in results))
+        self.counters.add("misses", sum(r.kind is Failure.MISS for r in results))
         return results
 
     def _bounce_get(self, names: Sequence[str], buffers: Sequence[memoryview], checks: Sequence[Optional[Check]],

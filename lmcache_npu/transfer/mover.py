@@ -32,7 +32,7 @@ from ..layout.slots import chunk_slots, row_tokens
 from ..ops import SKIP_SLOT, ChunkBatch, Direction, TransferBackend
 from ..store.commands import Load, Store
 from ..store.executor import Report
-from ..store.tier import OK, TierCounters, TierResult
+from ..store.tier import OK, Failure, TierCounters, TierResult
 from .plans import LoadPlan, StorePlan
 from .streams import StreamKit
 
@@ -152,7 +152,7 @@ class KVMover:
             lane.kit.bind_thread()
         except Exception as exc:  # no stream on this thread: every batch fails (and is recomputed), none hangs
             logger.exception("rank %d: the %s thread has no device stream", self.rank, lane.name)
-            failure = TierResult.fail(f"device: the {lane.name} thread could not bind its device: {exc}")
+            failure = TierResult.fail(Failure.DEVICE, f"the {lane.name} thread could not bind its device: {exc}")
             while (job := lane.jobs.get()) is not None:
                 self._report_all(job, job.commands, failure)
                 job.kernel_done.set()
@@ -164,7 +164,7 @@ class KVMover:
                     self._execute(lane, job)
                 except Exception as exc:  # a bug here must fail the batch, never stop the thread or hang the index
                     logger.exception("rank %d: transfer thread error", self.rank)
-                    self._report_all(job, job.commands, TierResult.fail(f"device: {exc}"))
+                    self._report_all(job, job.commands, TierResult.fail(Failure.DEVICE, str(exc)))
                 finally:
                     job.kernel_done.set()  # a batch that never launched touched no page
                     job.finished.set()
@@ -187,7 +187,7 @@ class KVMover:
         except ValueError as exc:  # validation refused it before any kernel ran: nothing was touched
             logger.error("rank %d: %s of %d chunks refused: %s", self.rank, job.direction.name.lower(),
                          len(commands), exc)
-            self._report_all(job, commands, TierResult.fail(f"device: {exc}"))
+            self._report_all(job, commands, TierResult.fail(Failure.DEVICE, str(exc)))
             return
         attempts = 1 + (self.load_retries if loads else 0)
         for attempt in range(attempts):
@@ -199,7 +199,7 @@ class KVMover:
                 logger.exception("rank %d: %s of %d chunks failed (attempt %d of %d)", self.rank,
                                  job.direction.name.lower(), len(commands), attempt + 1, attempts)
                 if attempt + 1 == attempts:
-                    self._report_all(job, commands, TierResult.fail(f"device: {exc}"))
+                    self._report_all(job, commands, TierResult.fail(Failure.DEVICE, str(exc)))
                     return
                 self.counters.add("load_retries")
         kind = "loaded" if loads else "stored"
@@ -220,11 +220,12 @@ class KVMover:
         keep_commands, keep_objects = [], []
         for command, obj, plan in zip(job.commands, job.objects, job.plans):
             if plan is None:
-                job.report(command.cmd_id, TierResult.fail("device: no block window for this command"))
+                job.report(command.cmd_id, TierResult.fail(Failure.DEVICE, "no block window for this command"))
                 continue
             per_group = self._command_slots(command, plan, chunk)
             if per_group is None:
-                job.report(command.cmd_id, TierResult.fail("device: the chunk's rows are not all in live blocks"))
+                job.report(command.cmd_id,
+                           TierResult.fail(Failure.DEVICE, "the chunk's rows are not all in live blocks"))
                 continue
             for g, matrix in enumerate(per_group):
                 rows[g].append(matrix)

@@ -30,7 +30,7 @@ import torch
 
 from ..store.commands import Load, Store
 from ..store.executor import Report
-from ..store.tier import TierCounters, TierResult
+from ..store.tier import Failure, TierCounters, TierResult
 from .shares import ShareLayout
 
 logger = logging.getLogger(__name__)
@@ -141,7 +141,7 @@ class SharedMover:
                     self.layout.pack(full, stored)  # from device scratch: the own part and the share cross PCIe
                 except Exception as exc:  # a failed copy must fail the command, never leave a half share stored
                     logger.exception("rank %d: packing the share of store %d failed", rank, cmd_id)
-                    result = TierResult.fail(f"share: {exc}")
+                    result = TierResult.fail(Failure.SHARE, str(exc))
                 else:
                     self.counters.add("share_stored_bytes", self.layout.object_bytes)
                     self.counters.add(f"rank{rank}_stored_bytes", self.layout.object_bytes)
@@ -185,7 +185,7 @@ class SharedMover:
                 why = local[i] or "share missing or invalid on another rank of the TP group"
                 self.counters.add("share_load_failures")
                 logger.warning("rank %d: load %d refused: %s", rank, commands[i].cmd_id, why)
-                report(commands[i].cmd_id, TierResult.fail(f"share: {why}"))
+                report(commands[i].cmd_id, TierResult.fail(Failure.SHARE, why))
         if not kept:
             return
         stored = [objects[i] for i in kept]

@@ -275,8 +275,17 @@ def test_valid_envelopes_still_verify() -> None:
 # ---- 4. disk headers (a read of a damaged file, and the restart scan) ---------------------------------------------
 
 FP = bytes(range(16))
-NAME = f"{'cd' * 16}-{1:016x}-r0"
-PAYLOAD = bytes(range(256)) * 16
+NAME = KEY.storage_name(0)
+
+
+def _sealed_payload() -> bytes:
+    """What the disk tier stores: a chunk object sealed for KEY, rank 0 (its envelope is the payload's digest)."""
+    data = np.frombuffer(bytes(range(256)) * 16 + bytes(ENVELOPE_BYTES), dtype=np.uint8).copy()
+    seal(data, KEY, 0, Sealer())
+    return data.tobytes()
+
+
+PAYLOAD = _sealed_payload()
 
 
 @pytest.fixture(scope="module")
@@ -309,7 +318,8 @@ def test_damaged_disk_files_are_misses_never_exceptions(disk_root: Path, edits: 
         path.write_bytes(bytes(raw))
         out = np.zeros(len(PAYLOAD), dtype=np.uint8)
         result = tier.read_into(NAME, out)  # a TierResult whatever the bytes: never an exception
-        assert not result.ok or bytes(out) == PAYLOAD  # and a read that passed returned the bytes written
+        # and a read that passed, checked as every promotion checks it, returned the bytes written
+        assert not result.ok or verify(out, KEY, 0, Sealer()) is not None or bytes(out) == PAYLOAD
     finally:
         tier.close()
     path.write_bytes(bytes(raw))
@@ -322,7 +332,7 @@ def test_valid_disk_files_still_read_and_scan(tmp_path: Path) -> None:
     tier.write_async(NAME, PAYLOAD)
     assert tier.flush(10)
     out = np.zeros(len(PAYLOAD), dtype=np.uint8)
-    assert tier.read_into(NAME, out).ok and bytes(out) == PAYLOAD
+    assert tier.read_into(NAME, out).ok and bytes(out) == PAYLOAD and verify(out, KEY, 0, Sealer()) is None
     tier.close()
     assert [e.name for e in scan_disk_directory(tmp_path / "cache", FP)] == [NAME]
 

@@ -16,7 +16,7 @@ from lmcache_npu.store.executor import Report, StoreExecutor
 from lmcache_npu.store.factory import remote_exists_for
 from lmcache_npu.store.index.chunk_index import ChunkIndex
 from lmcache_npu.store.keys import ChunkKey
-from lmcache_npu.store.tier import OK, TierCounters, TierResult
+from lmcache_npu.store.tier import OK, Failure, TierCounters, TierResult
 
 
 def chunk_payload(key: ChunkKey, rank: int, nbytes: int) -> np.ndarray:
@@ -49,7 +49,7 @@ class PatternDevice:
                 report(command.cmd_id, OK)
             else:
                 self.mismatches.append(command.key)
-                report(command.cmd_id, TierResult.fail("mismatch"))
+                report(command.cmd_id, TierResult.fail(Failure.DEVICE, "mismatch"))
 
 
 class MemoryRemote:
@@ -66,7 +66,7 @@ class MemoryRemote:
 
     def put(self, names: Sequence[str], buffers: Sequence[memoryview], verify=None) -> list[TierResult]:
         if self.down:
-            return [TierResult.fail("unavailable")] * len(names)
+            return [TierResult.fail(Failure.UNAVAILABLE)] * len(names)
         with self._lock:
             for name, buffer in zip(names, buffers):
                 self.objects[name] = bytes(buffer)
@@ -79,12 +79,12 @@ class MemoryRemote:
             data = None if self.down else self.objects.get(name)
             why = None if data is None or verify is None or len(data) != buffer.nbytes else verify[i](memoryview(data))
             if data is None:
-                results.append(TierResult.fail("unavailable" if self.down else "miss"))
+                results.append(TierResult.fail(Failure.UNAVAILABLE if self.down else Failure.MISS))
             elif len(data) != buffer.nbytes:
-                results.append(TierResult.fail("corrupt: length"))
+                results.append(TierResult.fail(Failure.CORRUPT, "length"))
             elif why is not None:
                 self.counters.add("rejected")
-                results.append(TierResult.fail(f"rejected: {why}"))
+                results.append(TierResult.fail(Failure.REJECTED, why))
             else:
                 buffer[:] = data
                 results.append(OK)

@@ -27,7 +27,7 @@ import xxhash
 from lmcache_npu.store.commands import Load, Store
 from lmcache_npu.store.disk import DiskTier
 from lmcache_npu.store.executor import Report
-from lmcache_npu.store.tier import OK, TierResult
+from lmcache_npu.store.tier import OK, Failure, TierResult
 
 from .fakes import Cluster, chunk_payload, make_key
 
@@ -52,7 +52,7 @@ class ChecksumDevice:
             good = expected == xxhash.xxh3_64_intdigest(obj.numpy()) and torch.equal(
                 obj, torch.from_numpy(chunk_payload(command.key, self.rank, obj.numel())))
             (self.loaded if good else self.mismatches).append(command.key)
-            report(command.cmd_id, OK if good else TierResult.fail("checksum mismatch"))
+            report(command.cmd_id, OK if good else TierResult.fail(Failure.DEVICE, "checksum mismatch"))
 
 
 def run(chunks: int, remote_kind: str, seed: int = 0, object_bytes: int = 4096) -> dict:

@@ -1,5 +1,6 @@
-"""The local-disk tier stores exactly the bytes it was given, survives restarts, refuses damaged files, and trusts
-no directory, link or lock it did not check."""
+"""The local-disk tier stores exactly the bytes it was given, survives restarts, refuses files whose header or
+length is wrong (a flipped payload byte is the envelope's to name), and trusts no directory, link or lock it did not
+check."""
 
 from __future__ import annotations
 
@@ -26,7 +27,9 @@ import xxhash
 
 from lmcache_npu.store.disk import DISK_FORMAT_VERSION, HEADER_BYTES, DiskTier, scan_disk_directory
 from lmcache_npu.store.disk import tier as disk_tier
-from lmcache_npu.store.tier import OK, TierCounters, TierResult
+from lmcache_npu.store.envelope import Sealer, seal, sealed_bytes, verify
+from lmcache_npu.store.keys import ChunkKey
+from lmcache_npu.store.tier import OK, Failure, TierCounters, TierResult, TierStore
 
 FP = bytes(range(16))
 OTHER_FP = bytes(range(16, 32))
@@ -110,9 +113,9 @@ def test_header_layout_on_disk(tier: DiskTier) -> None:
     tier.write_async(name_of(1), data)
     tier.flush()
     raw = file_of(Path(tier._root), name_of(1)).read_bytes()
-    magic, version, header, fp, length, checksum, digest, reserved = struct.unpack("<8sII16sQQ12s4s", raw[:64])
+    magic, version, header, fp, length, digest, reserved = struct.unpack("<8sII16sQ12s12s", raw[:64])
     assert (magic, version, header, fp, length) == (b"LMCNPUKV", DISK_FORMAT_VERSION, 64, FP, 1000)
-    assert checksum == xxhash.xxh3_64_intdigest(data) and reserved == bytes(4)
+    assert DISK_FORMAT_VERSION == 2 and reserved == bytes(12)  # no payload checksum: the envelope is the digest
     assert digest == hashlib.sha256(name_of(1).encode()).digest()[:12] and raw[64:] == data
 
 
@@ -177,7 +180,6 @@ def tiny(path: Path) -> None:
 
 
 CORRUPTIONS = {
-    "checksum": flip_payload_byte,
     "short": truncate,
     "size": append_byte,
     "magic": patch_header(0, b"XXXXXXXX"),
@@ -194,27 +196,70 @@ def test_read_of_damaged_file_is_corrupt_and_removes_it(tier: DiskTier, reason: 
     tier.flush()
     path = file_of(Path(tier._root), name_of(1))
     CORRUPTIONS[reason](path)
-    assert read(tier, name_of(1), 4000)[0] == TierResult.fail(f"corrupt: {reason.strip()}")
+    assert read(tier, name_of(1), 4000)[0] == TierResult.fail(Failure.CORRUPT, reason.strip())
     assert not path.exists() and tier.counters["corrupt"] == 1
     assert tier.used_bytes == HEADER_BYTES + 4000
-    assert read(tier, name_of(1), 4000)[0] == TierResult.fail("miss") and tier.counters["misses"] == 1
+    assert read(tier, name_of(1), 4000)[0] == TierResult.fail(Failure.MISS) and tier.counters["misses"] == 1
     assert read(tier, name_of(2), 4000) == (OK, good)
 
 
 @pytest.mark.parametrize("reason", list(CORRUPTIONS))
-def test_scan_removes_damaged_files_except_checksum_which_reads_catch(tmp_path: Path, reason: str) -> None:
+def test_scan_removes_damaged_files(tmp_path: Path, reason: str) -> None:
     root = tmp_path / "cache"
     tier = DiskTier(root, FP)
     tier.write_async(name_of(1), payload(4000, seed=9))
     tier.close()
     CORRUPTIONS[reason](file_of(root, name_of(1)))
     restarted = DiskTier(root, FP)
-    if reason == "checksum":  # not verified at startup, only on read
-        assert restarted.used_bytes == HEADER_BYTES + 4000
-        assert read(restarted, name_of(1), 4000)[0] == TierResult.fail("corrupt: checksum")
-    else:
-        assert restarted.counters["corrupt"] == 1 and restarted.used_bytes == 0
+    assert restarted.counters["corrupt"] == 1 and restarted.used_bytes == 0
     assert not file_of(root, name_of(1)).exists()
+    restarted.close()
+
+
+def sealed_object(key: ChunkKey, size: int = 4000) -> np.ndarray:
+    data = np.random.default_rng(9).integers(0, 256, sealed_bytes(size), dtype=np.uint8)
+    seal(data, key, 0, Sealer())
+    return data
+
+
+@pytest.mark.parametrize("restart", [False, True], ids=["read", "scan-then-read"])
+def test_a_flipped_payload_byte_passes_the_tier_and_fails_the_envelope(tmp_path: Path, restart: bool) -> None:
+    """The tier hashes no payload (format 2): a flipped byte comes back as stored, and the envelope digest, which the
+    executor verifies on every promotion, names it."""
+    key = ChunkKey("ab" * 16, bytes(range(32)))
+    name, stored = key.storage_name(0), sealed_object(key)
+    root = tmp_path / "cache"
+    tier = DiskTier(root, FP)
+    tier.write_async(name, stored)
+    assert tier.flush(10)
+    out = np.zeros_like(stored)
+    assert tier.read_into(name, out) == OK and verify(out, key, 0, Sealer()) is None  # control: untouched, it verifies
+    flip_payload_byte(file_of(root, name))
+    if restart:
+        tier.close()
+        tier = DiskTier(root, FP)  # the header is intact: the scan keeps the file
+        assert tier.counters["corrupt"] == 0 and tier.used_bytes == HEADER_BYTES + stored.nbytes
+    assert tier.read_into(name, out) == OK and out.tobytes() != stored.tobytes()
+    assert verify(out, key, 0, Sealer()) == "digest"
+    tier.close()
+
+
+def test_format_version_1_files_are_another_versions_skipped_and_refused(tmp_path: Path) -> None:
+    root = tmp_path / "cache"
+    DiskTier(root, FP).close()
+    data = payload(4000, seed=9)
+    path = file_of(root, name_of(1))
+    path.parent.mkdir(mode=0o700)
+    # byte for byte what version 1 wrote: an xxh3-64 checksum at 40, the name digest at 48
+    path.write_bytes(struct.pack("<8sII16sQQ12s4x", b"LMCNPUKV", 1, 64, FP, len(data), xxhash.xxh3_64_intdigest(data),
+                                 hashlib.sha256(name_of(1).encode()).digest()[:12]) + data)
+    restarted = DiskTier(root, FP)
+    assert restarted.used_bytes == 0 and restarted.counters["foreign"] == 1 and restarted.counters["corrupt"] == 0
+    assert read(restarted, name_of(1), 4000)[0] == TierResult.fail(Failure.CORRUPT, "version")
+    assert path.exists()
+    # control: the same payload written by this version reads
+    restarted.write_async(name_of(2), data)
+    assert restarted.flush(10) and read(restarted, name_of(2), 4000) == (OK, data)
     restarted.close()
 
 
@@ -226,7 +271,7 @@ def test_file_copied_to_another_name_fails_the_name_check(tier: DiskTier) -> Non
     target = file_of(root, name_of(2))
     target.parent.mkdir(mode=0o700, exist_ok=True)
     shutil.copyfile(file_of(root, name_of(1)), target)
-    assert read(tier, name_of(2), 3000)[0] == TierResult.fail("corrupt: name")
+    assert read(tier, name_of(2), 3000)[0] == TierResult.fail(Failure.CORRUPT, "name")
     assert not target.exists() and tier.counters["corrupt"] == 1
     assert read(tier, name_of(1), 3000) == (OK, data)
     shutil.copyfile(file_of(root, name_of(1)), target)
@@ -254,7 +299,7 @@ def test_other_format_versions_are_skipped_and_never_removed(tmp_path: Path) -> 
     patch_header(8, struct.pack("<I", DISK_FORMAT_VERSION + 1))(file_of(root, name_of(1)))
     restarted = DiskTier(root, FP)
     assert restarted.used_bytes == 0 and restarted.counters["foreign"] == 1 and restarted.counters["corrupt"] == 0
-    assert read(restarted, name_of(1), 4000)[0] == TierResult.fail("corrupt: version")
+    assert read(restarted, name_of(1), 4000)[0] == TierResult.fail(Failure.CORRUPT, "version")
     assert file_of(root, name_of(1)).exists()
     restarted.close()
 
@@ -267,7 +312,7 @@ def test_other_layout_files_are_skipped_and_never_removed(tmp_path: Path) -> Non
     owner.flush()
     other = DiskTier(root, OTHER_FP)
     assert other.used_bytes == 0 and other.counters["foreign"] == 1 and other.counters["corrupt"] == 0
-    assert read(other, name_of(1), 2000)[0] == TierResult.fail("corrupt: fingerprint")
+    assert read(other, name_of(1), 2000)[0] == TierResult.fail(Failure.CORRUPT, "fingerprint")
     assert other.counters["foreign"] == 2 and other.counters["corrupt"] == 0
     assert file_of(root, name_of(1)).exists()
     assert read(owner, name_of(1), 2000) == (OK, data)
@@ -279,7 +324,7 @@ def test_other_layout_files_are_skipped_and_never_removed(tmp_path: Path) -> Non
 def test_wrong_length_buffer_is_corrupt_length(tier: DiskTier) -> None:
     tier.write_async(name_of(1), payload(1000, seed=1))
     tier.flush()
-    assert read(tier, name_of(1), 999)[0] == TierResult.fail("corrupt: length")
+    assert read(tier, name_of(1), 999)[0] == TierResult.fail(Failure.CORRUPT, "length")
     assert not file_of(Path(tier._root), name_of(1)).exists() and tier.used_bytes == 0
 
 
@@ -303,7 +348,7 @@ def test_queue_full_refusal(tmp_path: Path, fsync_gate: tuple[threading.Event, .
     done = Results()
     for i in range(3):
         assert tier.write_async(name_of(i), payload(1000, seed=i), done) == OK
-    assert tier.write_async(name_of(3), payload(1000, seed=3), done) == TierResult.fail("queue full")
+    assert tier.write_async(name_of(3), payload(1000, seed=3), done) == TierResult.fail(Failure.QUEUE_FULL)
     assert tier.counters["queue_full"] == 1 and not tier.exists(name_of(3))
     fsync_gate[0].set()
     assert tier.flush(10) and done.items == [OK, OK, OK]  # the refusal never called done
@@ -315,7 +360,7 @@ def test_capacity_refusal_counts_pending_and_frees_on_delete(tmp_path: Path) -> 
     tier = DiskTier(tmp_path, FP, capacity_bytes=2 * (HEADER_BYTES + 1000))
     assert tier.write_async(name_of(0), payload(1000, seed=0)) == OK
     assert tier.write_async(name_of(1), payload(1000, seed=1)) == OK  # may still be pending: counted as well
-    assert tier.write_async(name_of(2), b"x") == TierResult.fail("capacity")
+    assert tier.write_async(name_of(2), b"x") == TierResult.fail(Failure.CAPACITY)
     assert tier.counters["capacity_refused"] == 1
     tier.flush()
     assert tier.used_bytes == 2 * (HEADER_BYTES + 1000)
@@ -323,21 +368,22 @@ def test_capacity_refusal_counts_pending_and_frees_on_delete(tmp_path: Path) -> 
     assert tier.write_async(name_of(2), payload(1000, seed=2)) == OK
     tier.close()
     restarted = DiskTier(tmp_path, FP, capacity_bytes=10)  # files found at start count against capacity
-    assert restarted.write_async(name_of(3), b"x") == TierResult.fail("capacity")
+    assert restarted.write_async(name_of(3), b"x") == TierResult.fail(Failure.CAPACITY)
     restarted.close()
 
 
-@pytest.mark.parametrize("code, reason, counter", [(errno.ENOSPC, "disk full", "disk_full"),
-                                                   (errno.EIO, "io: Input/output error", "io_errors")])
+@pytest.mark.parametrize("code, failure, counter", [
+    (errno.ENOSPC, TierResult.fail(Failure.DISK_FULL), "disk_full"),
+    (errno.EIO, TierResult.fail(Failure.IO, "Input/output error"), "io_errors")])
 def test_write_errors_are_reported_and_the_service_continues(tier: DiskTier, monkeypatch: pytest.MonkeyPatch,
-                                                             code: int, reason: str, counter: str) -> None:
+                                                             code: int, failure: TierResult, counter: str) -> None:
     def failing_write(fd: int, data: object) -> int:
         raise OSError(code, os.strerror(code))
 
     monkeypatch.setattr(os, "write", failing_write)
     done = Results()
     assert tier.write_async(name_of(1), payload(5000, seed=1), done) == OK
-    assert tier.flush(10) and done.items == [TierResult.fail(reason)] and tier.counters[counter] == 1
+    assert tier.flush(10) and done.items == [failure] and tier.counters[counter] == 1
     assert not tier.exists(name_of(1)) and tier.used_bytes == 0 and tier.pending_bytes == 0
     assert list(Path(tier._root).rglob("*.tmp")) == []
     monkeypatch.undo()
@@ -354,7 +400,7 @@ def test_delete_cancels_a_queued_write(tier: DiskTier, fsync_gate: tuple[threadi
     assert tier.delete(name_of(2)) and not tier.exists(name_of(2)) and tier.pending_bytes == HEADER_BYTES + 1000
     fsync_gate[0].set()
     assert tier.flush(10)
-    assert first.items == [OK] and second.items == [TierResult.fail("cancelled")]
+    assert first.items == [OK] and second.items == [TierResult.fail(Failure.CANCELLED)]
     assert not file_of(Path(tier._root), name_of(2)).exists() and read(tier, name_of(2), 1000)[0].reason == "miss"
 
 
@@ -364,7 +410,7 @@ def test_delete_during_the_write_itself_leaves_nothing(tier: DiskTier, fsync_gat
     assert fsync_gate[1].wait(5)  # the temp file is written, the rename not yet done
     assert tier.delete(name_of(1)) and tier.counters["deleted"] == 1
     fsync_gate[0].set()
-    assert tier.flush(10) and done.items == [TierResult.fail("cancelled")]
+    assert tier.flush(10) and done.items == [TierResult.fail(Failure.CANCELLED)]
     assert not tier.exists(name_of(1)) and list(Path(tier._root).rglob("*.*")) == [] and tier.used_bytes == 0
     assert not tier.delete(name_of(1)) and tier.counters["deleted"] == 1
 
@@ -383,7 +429,7 @@ def test_newer_write_supersedes_a_pending_one(tmp_path: Path, fsync_gate: tuple[
     assert read(tier, name_of(1), 900) == (OK, payload(900, seed=2))
     fsync_gate[0].set()
     assert tier.flush(10)
-    assert old.items == [TierResult.fail("superseded")] and new.items == [OK]
+    assert old.items == [TierResult.fail(Failure.SUPERSEDED)] and new.items == [OK]
     assert read(tier, name_of(1), 900) == (OK, payload(900, seed=2)) and tier.used_bytes == HEADER_BYTES + 900
     tier.close()
 
@@ -398,6 +444,10 @@ def test_file_and_directory_modes(tmp_path: Path) -> None:
     assert path.stat().st_mode & 0o777 == 0o600
 
 
+def test_the_disk_tier_is_a_tier_store(tier: DiskTier) -> None:
+    assert isinstance(tier, TierStore)
+
+
 def test_close_is_idempotent_and_refuses_later_writes(tmp_path: Path) -> None:
     tier = DiskTier(tmp_path, FP, writer_threads=3)
     done = Results()
@@ -405,7 +455,7 @@ def test_close_is_idempotent_and_refuses_later_writes(tmp_path: Path) -> None:
         tier.write_async(name_of(i), payload(100, seed=i), done)
     tier.close()
     assert len(done.items) == 20 and all(r.ok for r in done.items)  # close flushed them
-    assert tier.write_async(name_of(99), b"x", done) == TierResult.fail("closed") and len(done.items) == 20
+    assert tier.write_async(name_of(99), b"x", done) == TierResult.fail(Failure.CLOSED) and len(done.items) == 20
     tier.close()
     assert read(tier, name_of(7), 100) == (OK, payload(100, seed=7))
 
@@ -479,7 +529,8 @@ def test_random_operations_match_a_dict_model(ops: list[tuple], writer_threads: 
                 elif op[0] == "read":
                     expected = model.get(op[1])
                     result, got = read(tier, op[1], 0 if expected is None else len(expected))
-                    assert (result, got) == ((OK, expected) if expected is not None else (TierResult.fail("miss"), b""))
+                    missed = (TierResult.fail(Failure.MISS), b"")
+                    assert (result, got) == ((OK, expected) if expected is not None else missed)
                 elif op[0] == "delete":
                     assert tier.delete(op[1]) == (op[1] in model)
                     model.pop(op[1], None)
@@ -628,7 +679,7 @@ def test_symlinked_chunk_file_is_never_read_or_removed(tmp_path: Path) -> None:
     link.symlink_to(target)
     # negative control: the target is a valid file for this very name, so following the link would be a hit
     assert read(elsewhere, name_of(2), 3000) == (OK, secret)
-    assert read(tier, name_of(2), 3000)[0] == TierResult.fail("untrusted: symlink")
+    assert read(tier, name_of(2), 3000)[0] == TierResult.fail(Failure.UNTRUSTED, "symlink")
     assert tier.counters["untrusted"] == 1 and tier.counters["reads"] == 0 and not tier.exists(name_of(2))
     tier.close()
     restarted = DiskTier(root, FP)  # the scan skips the link: neither an entry nor removed
@@ -648,7 +699,7 @@ def test_a_fifo_under_a_chunk_name_is_refused_without_blocking(tier: DiskTier) -
     path = file_of(Path(tier.root), name_of(1))
     path.parent.mkdir(mode=0o700)
     os.mkfifo(path)
-    assert read(tier, name_of(1), 10)[0] == TierResult.fail("untrusted: not a regular file")
+    assert read(tier, name_of(1), 10)[0] == TierResult.fail(Failure.UNTRUSTED, "not a regular file")
     assert tier.counters["untrusted"] == 1 and not tier.exists(name_of(1))
 
 
@@ -664,11 +715,11 @@ def test_fan_directory_untrusted_later_fails_each_access_and_is_never_followed(t
     fan.symlink_to(decoy, target_is_directory=True)
     decoy_file = decoy / file_of(root, name_of(1)).name
     os.utime(decoy_file, (1_000_000, 1_000_000))
-    reason = f"untrusted: fan directory {fan.name} is a symlink"
-    assert read(tier, name_of(1), 2000)[0] == TierResult.fail(reason)
+    failure = TierResult.fail(Failure.UNTRUSTED, f"fan directory {fan.name} is a symlink")
+    assert read(tier, name_of(1), 2000)[0] == failure
     done = Results()
     assert tier.write_async(name_of(1), payload(2000, seed=4), done) == OK
-    assert tier.flush(10) and done.items == [TierResult.fail(reason)]
+    assert tier.flush(10) and done.items == [failure]
     assert not tier.exists(name_of(1)) and not tier.delete(name_of(1))
     assert tier.counters["untrusted"] == 4 and tier.counters["reads"] == 0
     assert sorted(p.name for p in decoy.iterdir()) == [decoy_file.name]  # no temp file was made through the link
@@ -678,11 +729,12 @@ def test_fan_directory_untrusted_later_fails_each_access_and_is_never_followed(t
     assert read(tier, name_of(1), 2000) == (OK, data)
     os.chown(fan, FOREIGN_UID, -1)
     assert read(tier, name_of(1), 2000)[0] == TierResult.fail(
-        f"untrusted: fan directory {fan.name} is owned by uid {FOREIGN_UID}, not by this process's uid {os.geteuid()}")
+        Failure.UNTRUSTED,
+        f"fan directory {fan.name} is owned by uid {FOREIGN_UID}, not by this process's uid {os.geteuid()}")
     os.chown(fan, os.geteuid(), -1)
     os.chmod(fan, 0o770)
     assert read(tier, name_of(1), 2000)[0] == TierResult.fail(
-        f"untrusted: fan directory {fan.name} is writable by group or others")
+        Failure.UNTRUSTED, f"fan directory {fan.name} is writable by group or others")
     os.chmod(fan, 0o700)
     assert read(tier, name_of(1), 2000) == (OK, data)
     tier.close()

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lmcache_npu.store import executor as executor_module
-from lmcache_npu.store.disk import DiskTier
+from lmcache_npu.store.disk import HEADER_BYTES, DiskTier
 from lmcache_npu.store.envelope import ENVELOPE_BYTES, MAX_CHUNK_HASH_BYTES, Sealer, seal, sealed_bytes, verify
 from lmcache_npu.store.keys import ChunkKey
 from lmcache_npu.store.secret import SECRET_ENV, resolve_secret
@@ -272,7 +272,7 @@ def test_a_disk_file_with_a_bad_envelope_is_rejected_counted_and_dropped(tmp_pat
     for disk in disks:
         disk.close()
     # rank 1's file of chunk 1 now claims rank 0 (a file renamed or copied from another rank: its disk header,
-    # which covers only the name digest and checksum, is recomputed so the disk tier itself accepts it)
+    # which covers only the name digest, is recomputed so the disk tier itself accepts it)
     source = DiskTier(tmp_path / "kv", b"E" * 16)
     out = np.zeros(sealed_bytes(OBJECT_BYTES), dtype=np.uint8)
     assert source.read_into(keys[1].storage_name(0), memoryview(out)).ok
@@ -287,6 +287,58 @@ def test_a_disk_file_with_a_bad_envelope_is_rejected_counted_and_dropped(tmp_pat
     assert f"disk: chunk {keys[1].storage_name(1)} rejected: rank" in caplog.text
     reader.settle()
     assert not disks[1].exists(keys[1].storage_name(1))  # the index dropped the useless copies
+    reader.close()
+    for disk in disks:
+        disk.close()
+
+
+def _disk_pair_with_a_flipped_payload_byte(tmp_path):
+    """A writer instance writes two chunks through to disk; one payload byte of rank 1's file of chunk 1 is flipped
+    (the header stays valid: the disk tier hashes no payload); a reader instance adopts the files."""
+    disks = [DiskTier(tmp_path / "kv", b"E" * 16) for _ in range(2)]
+    writer = Cluster(num_slots=4, object_bytes=OBJECT_BYTES, disks=disks, disk_chunks=8, disk_write_through=True)
+    keys = [make_key(i) for i in range(2)]
+    writer.store("w", keys)
+    for disk in disks:
+        assert disk.flush(10)
+    writer.close()
+    path = disks[1].file_path(keys[1].storage_name(1))
+    for disk in disks:
+        disk.close()
+    with open(path, "r+b") as file:
+        file.seek(HEADER_BYTES + 17)
+        byte = file.read(1)[0]
+        file.seek(HEADER_BYTES + 17)
+        file.write(bytes([byte ^ 0x40]))
+    disks = [DiskTier(tmp_path / "kv", b"E" * 16) for _ in range(2)]
+    reader = Cluster(num_slots=4, object_bytes=OBJECT_BYTES, disks=disks, disk_chunks=8)
+    reader.index.adopt_disk(keys)
+    return reader, keys, disks
+
+
+def test_a_flipped_payload_byte_in_a_disk_file_is_a_refused_load(tmp_path, caplog):
+    caplog.set_level(logging.WARNING)
+    reader, keys, disks = _disk_pair_with_a_flipped_payload_byte(tmp_path)
+    assert disks[1].counters["corrupt"] == 0  # the scan judged the header only, and it is intact
+    assert reader.load("r", keys) == 1 and not reader.mismatches  # chunk 1 refused on every rank, never loaded
+    loaded = {c.key for c in reader.issued if type(c).__name__ == "Load"}
+    assert keys[1] not in loaded and keys[0] in loaded
+    assert reader.index.counters["promote_failed"] == 1
+    assert disks[1].counters["rejected"] == 1 and disks[0].counters["rejected"] == 0
+    assert f"disk: chunk {keys[1].storage_name(1)} rejected: digest" in caplog.text
+    reader.settle()
+    assert not disks[1].exists(keys[1].storage_name(1))  # the index dropped the bad copy
+    reader.close()
+    for disk in disks:
+        disk.close()
+
+
+def test_negative_control_without_the_envelope_check_the_flipped_disk_byte_reaches_the_device(tmp_path, monkeypatch):
+    monkeypatch.setattr(executor_module, "verify", lambda *args: None)
+    reader, keys, disks = _disk_pair_with_a_flipped_payload_byte(tmp_path)
+    reader.load("r", keys)
+    assert reader.mismatches == [keys[1]]  # the disk tier served the wrong byte: only the envelope stops it
+    assert disks[1].counters["rejected"] == 0
     reader.close()
     for disk in disks:
         disk.close()

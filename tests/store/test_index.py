@@ -14,7 +14,7 @@ from lmcache_npu.store.disk import disk_chunks_for_capacity
 from lmcache_npu.store.index.chunk_index import ChunkIndex
 from lmcache_npu.store.index.contract import DiskState, SlotState
 from lmcache_npu.store.keys import ChunkKey
-from lmcache_npu.store.tier import TierResult
+from lmcache_npu.store.tier import Failure, TierResult
 
 from .fakes import Cluster, MemoryRemote, PatternDevice, make_key
 
@@ -188,7 +188,7 @@ def test_a_corrupt_file_on_one_rank_is_a_miss_never_a_load(disks):
     assert cluster.load("r", [a]) == 0
     assert cluster.index.counters["promote_failed"] == 1
     assert cluster.index.location(a) == (None, SlotState.FREE, DiskState.NONE)
-    assert disks[1].counters["corrupt"] == 1
+    assert disks[1].counters["rejected"] == 1  # the envelope names the damage (disk format 2 hashes no payload)
     assert not disks[0].exists(a.storage_name(0))  # the healthy rank's copy is dropped too: useless alone
     assert not cluster.mismatches
     cluster.close()
@@ -273,7 +273,7 @@ def test_a_remote_chunk_that_fails_to_promote_is_a_miss_for_a_while_then_tried_a
     remote = MemoryRemote(shared)
     reader = Cluster(num_slots=2, object_bytes=OBJECT_BYTES, remote=remote)
     listed_but_unreadable = remote.get_into
-    remote.get_into = lambda names, buffers: [TierResult.fail("corrupt")] * len(names)
+    remote.get_into = lambda names, buffers: [TierResult.fail(Failure.CORRUPT)] * len(names)
     assert reader.index.lookup("b", [make_key(1)]).hit_chunks == 1
     reader.settle()
     reader.index.release("b")

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from lmcache_npu.store.mooncake import MooncakeConfig, MooncakeTier
-from lmcache_npu.store.tier import OK, TierResult
+from lmcache_npu.store.tier import OK, Failure, TierResult, TierStore
 from lmcache_npu.tools.mooncake_local import netns_available, run_in_loopback_netns
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -258,6 +258,12 @@ def _tier(store: FakeStore, **overrides) -> MooncakeTier:
     return MooncakeTier(MooncakeConfig.from_dict(values), store_factory=lambda: store)
 
 
+def test_the_mooncake_tier_is_a_tier_store():
+    tier = _tier(FakeStore({}))
+    assert isinstance(tier, TierStore)
+    tier.close()
+
+
 def test_hanging_calls_time_out_open_the_circuit_and_recover():
     store = FakeStore({})
     tier = _tier(store)
@@ -444,7 +450,7 @@ def test_a_put_over_an_invalid_object_that_cannot_be_removed_fails():
     store.refuse_removal = True
     tier = _tier(store)
     results = tier.put([name], [memoryview(_sealed_chunk(key, 3))], verify=[_check_for(key)])
-    assert results == [TierResult.fail("put: name exists with other contents")]
+    assert results == [TierResult.fail(Failure.PUT, "name exists with other contents")]
     assert store.objects[name] == b"\x07" * (1024 + 256) and tier.counters["puts"] == 0
     tier.close()
 
@@ -465,7 +471,7 @@ def test_a_get_whose_check_fails_is_a_rejected_miss_checked_in_the_buffer_it_lan
         return _check_for(key)(view)
 
     assert tier.get_into([key.storage_name(0)], [memoryview(out)], verify=[check]) == [
-        TierResult.fail("rejected: key")]
+        TierResult.fail(Failure.REJECTED, "key")]
     assert tier.counters["rejected"] == 1 and tier.counters["gets"] == 0 and checked == [out.tobytes()]
     # control: the right key's check accepts the same bytes and they arrive
     assert tier.get_into([key.storage_name(0)], [memoryview(out)], verify=[_check_for(other)]) == [OK]

@@ -20,7 +20,7 @@ from lmcache_npu.store.factory import build_executor, build_index
 from lmcache_npu.store.index.chunk_index import ChunkIndex
 from lmcache_npu.store.index.contract import DiskState, SlotState
 from lmcache_npu.store.keys import ChunkKey
-from lmcache_npu.store.tier import OK, TierResult
+from lmcache_npu.store.tier import OK, Failure, TierResult
 
 from .fakes import Cluster, MemoryRemote, PatternDevice, chunk_payload, make_key
 
@@ -71,7 +71,7 @@ class FailingWrites(HeldWrites):
     def write_async(self, name: str, data, done: Optional[Callable] = None, copy: bool = True) -> TierResult:
         if copy:
             return self.tier.write_async(name, data, done)
-        threading.Thread(target=done, args=(TierResult.fail("io: injected"),), daemon=True).start()
+        threading.Thread(target=done, args=(TierResult.fail(Failure.IO, "injected"),), daemon=True).start()
         return OK
 
 
@@ -359,7 +359,7 @@ def test_a_write_without_copy_reads_the_callers_buffer_when_it_is_written(tmp_pa
 
 def test_a_write_without_copy_still_counts_against_the_pending_bound(tmp_path):
     tier = DiskTier(tmp_path / "kv", FINGERPRINT, max_pending_bytes=1000)
-    assert tier.write_async("big", bytearray(2000), copy=False) == TierResult.fail("queue full")
+    assert tier.write_async("big", bytearray(2000), copy=False) == TierResult.fail(Failure.QUEUE_FULL)
     assert tier.counters["queue_full"] == 1
     tier.close()
 

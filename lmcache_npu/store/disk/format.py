@@ -1,23 +1,30 @@
-"""The disk tier's file format, version 1: names, the 64-byte header, and what a file costs on disk.
+"""The disk tier's file format, version 2: names, the 64-byte header, and what a file costs on disk.
 
-File format, version 1
+File format, version 2
 ----------------------
 Path: ``{dir}/{fan}/{name}.kv``. ``fan`` is the first two hex digits of ``sha256(name)``: a 256-way fan-out
 subdirectory (mode 0700). It is taken from the digest, not from ``name[:2]``, because every name of one model
 starts with the same 32-hex namespace, so ``name[:2]`` would put a whole model's files in a single directory.
 
-A 64-byte little-endian header (``struct`` format ``<8sII16sQQ12s4x``), then the payload:
+A 64-byte little-endian header (``struct`` format ``<8sII16sQ12s12x``), then the payload:
 
     offset  size  field
     0       8     magic b"LMCNPUKV"
-    8       4     format version, u32 (= 1)
+    8       4     format version, u32 (= 2)
     12      4     header size, u32 (= 64)
     16      16    layout fingerprint (``TransferPlan.fingerprint``)
     32      8     payload length in bytes, u64
-    40      8     checksum, u64: xxhash.xxh3_64 of the payload
-    48      12    first 12 bytes of sha256(name.encode()): detects a file renamed or copied to another name
-    60      4     reserved, zero
+    40      12    first 12 bytes of sha256(name.encode()): detects a file renamed or copied to another name
+    52      12    reserved, zero
     64      ...   payload
+
+The header holds what finds, trusts and bounds a file; it has no payload checksum. The payload is a sealed chunk
+object (``envelope.py``) whose envelope digest is its one integrity check: the executor verifies it on every
+promotion before the bytes are used, so a second hash here would only read every byte twice. Version 1 files (which
+carried an xxh3-64 checksum at offset 40) are another version's: skipped at scan and refused on read, never removed.
+
+The name digest stays: the scan and the tier know names, not keys, and it lets them judge a renamed or copied file
+from its header alone (removed at scan instead of adopted, advertised to the index and rejected at its first read).
 
 Writing: a temp file ``{name}.{pid}-{incarnation}.{seq}.tmp`` in the same subdirectory (O_CREAT|O_EXCL|O_NOFOLLOW,
 mode 0600), header + payload, fsync, rename over the final name, fsync the subdirectory (batched per writer
@@ -33,14 +40,12 @@ import struct
 from dataclasses import dataclass
 from typing import Optional
 
-import xxhash
-
 HEADER_BYTES = 64
-DISK_FORMAT_VERSION = 1
+DISK_FORMAT_VERSION = 2
 MAGIC = b"LMCNPUKV"
 FINGERPRINT_BYTES = 16
 NAME_DIGEST_BYTES = 12
-HEADER_STRUCT = struct.Struct("<8sII16sQQ12s4x")
+HEADER_STRUCT = struct.Struct("<8sII16sQ12s12x")
 assert HEADER_STRUCT.size == HEADER_BYTES
 FILE_SUFFIX = ".kv"
 TEMP_SUFFIX = ".tmp"
@@ -89,13 +94,12 @@ class Header:
     header_bytes: int
     fingerprint: bytes
     payload_bytes: int
-    checksum: int
     name_digest: bytes
 
     @classmethod
-    def describe(cls, name: str, fingerprint: bytes, payload: memoryview | bytes) -> "Header":
-        return cls(MAGIC, DISK_FORMAT_VERSION, HEADER_BYTES, fingerprint, len(payload),
-                   xxhash.xxh3_64_intdigest(payload), name_digest(name)[:NAME_DIGEST_BYTES])
+    def describe(cls, name: str, fingerprint: bytes, payload_bytes: int) -> "Header":
+        return cls(MAGIC, DISK_FORMAT_VERSION, HEADER_BYTES, fingerprint, payload_bytes,
+                   name_digest(name)[:NAME_DIGEST_BYTES])
 
     @classmethod
     def unpack(cls, raw: bytes) -> "Header":
@@ -103,10 +107,10 @@ class Header:
 
     def pack(self) -> bytes:
         return HEADER_STRUCT.pack(self.magic, self.version, self.header_bytes, self.fingerprint, self.payload_bytes,
-                            self.checksum, self.name_digest)
+                                  self.name_digest)
 
     def problem(self, file_bytes: int, name: str, fingerprint: bytes) -> Optional[str]:
-        """Why a file with this header cannot be `name` of this layout, or None; the checksum is not looked at."""
+        """Why a file with this header cannot be `name` of this layout, or None."""
         if self.magic != MAGIC:
             return "magic"
         if self.version != DISK_FORMAT_VERSION:

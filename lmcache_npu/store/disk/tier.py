@@ -21,7 +21,12 @@ Restart: the scan validates every header and the file length, removes invalid fi
 of another layout fingerprint or format version (another model or build may share the directory), and returns
 the rest oldest first. Temp files: one whose final name this tier owns, found while the tier holds its lock, is a
 crashed earlier holder's leftover and is removed; any other is removed only once older than ten minutes (writer
-pids prove nothing across containers and PID namespaces). Checksums are verified on every read, not at startup.
+pids prove nothing across containers and PID namespaces).
+
+Integrity: the tier stores and returns bytes; it hashes none. Its payloads are sealed chunk objects, and the
+envelope (`envelope.verify`, run by the executor on every promotion before a device load or a remote put) is the one
+check of their bytes. The header checks here (magic, version, fingerprint, name, length) decide only whether a file
+may be this chunk at all.
 """
 
 from __future__ import annotations
@@ -38,9 +43,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-import xxhash
-
-from ..tier import OK, TierCounters, TierResult
+from ..tier import OK, Failure, TierCounters, TierResult
 from .format import (FILE_SUFFIX, FOREIGN_PROBLEMS, HEADER_BYTES, TEMP_SUFFIX, Header, check_fingerprint,
                      check_lock_name, check_name, fan_of, read_header)
 from .lock import acquire_lock, release_lock
@@ -53,7 +56,8 @@ logger = logging.getLogger(__name__)
 _DIR_SYNC_BATCH = 32
 # Keeps temp names of two processes with the same pid (other PID namespaces, a pid reused) apart.
 _INCARNATION = secrets.token_hex(4)
-_REFUSAL_COUNTERS = {"closed": "closed_refused", "queue full": "queue_full", "capacity": "capacity_refused"}
+_REFUSAL_COUNTERS = {Failure.CLOSED: "closed_refused", Failure.QUEUE_FULL: "queue_full",
+                     Failure.CAPACITY: "capacity_refused"}
 
 
 def _byte_view(buffer: Any, writable: bool) -> memoryview:
@@ -72,7 +76,7 @@ class _PendingWrite:
     data: Optional[bytes | memoryview]  # a copy, or the caller's buffer (copy=False); None once cancelled
     file_bytes: int
     done: Optional[Callable[[TierResult], None]]
-    cancel_reason: str = ""  # "cancelled" (deleted) or "superseded" (written again) once it must not land
+    cancel_reason: Optional[Failure] = None  # CANCELLED (deleted) or SUPERSEDED (written again): it must not land
     counted: bool = True  # its bytes still count as pending
 
 
@@ -179,15 +183,15 @@ class DiskTier:
             self._warned_untrusted.add(path)
         if first:
             logger.warning("disk tier: refusing %s: %s; it is never followed", path, untrusted.reason)
-        return TierResult.fail(f"untrusted: {untrusted.reason}")
+        return TierResult.fail(Failure.UNTRUSTED, untrusted.reason)
 
     # ---- writes -------------------------------------------------------------------------------------------------
 
     def write_async(self, name: str, data: Any, done: Optional[Callable[[TierResult], None]] = None,
                     copy: bool = True) -> TierResult:
-        """Copies `data` and queues it; OK when queued. `done` runs exactly once (writer thread) for queued writes
-        only: OK, "disk full", "io: ...", "untrusted: ...", or "cancelled"/"superseded" when a delete or a newer
-        write overtook it.
+        """Copies `data` and queues it; OK when queued, else CLOSED, QUEUE_FULL or CAPACITY. `done` runs exactly once
+        (writer thread) for queued writes only: OK, DISK_FULL, IO, UNTRUSTED, or CANCELLED/SUPERSEDED when a delete
+        or a newer write overtook it.
 
         `copy=False` queues a reference to `data` instead of a copy: the caller must keep those bytes unchanged
         until `done` has run (no writer reads them after that). It still counts against `max_pending_bytes`,
@@ -206,26 +210,26 @@ class DiskTier:
         self.counters.add(_REFUSAL_COUNTERS[refusal])
         return TierResult.fail(refusal)
 
-    def _refusal(self, file_bytes: int) -> Optional[str]:
+    def _refusal(self, file_bytes: int) -> Optional[Failure]:
         if self._closed:
-            return "closed"
+            return Failure.CLOSED
         if self._pending_bytes + file_bytes > self._max_pending:
-            return "queue full"
+            return Failure.QUEUE_FULL
         if self._capacity is not None and self._used + self._pending_bytes + file_bytes > self._capacity:
-            return "capacity"
+            return Failure.CAPACITY
         return None
 
     def _enqueue(self, item: _PendingWrite) -> None:
         previous = self._pending.get(item.name)
         if previous is not None:
-            self._cancel(previous, "superseded")
+            self._cancel(previous, Failure.SUPERSEDED)
         self._pending[item.name] = item
         self._queue.append(item)
         self._pending_bytes += item.file_bytes
         self._unfinished += 1
         self._work.notify()
 
-    def _cancel(self, item: _PendingWrite, reason: str) -> None:
+    def _cancel(self, item: _PendingWrite, reason: Failure) -> None:
         """Under the lock: the write must not land; a writer already holding its bytes discards its temp file."""
         item.cancel_reason = reason
         item.data = None
@@ -263,13 +267,14 @@ class DiskTier:
 
     def _write_one(self, item: _PendingWrite, payload: Optional[bytes | memoryview]) -> TierResult:
         if payload is None:
+            assert item.cancel_reason is not None  # `_cancel` sets it as it takes the bytes away
             return TierResult.fail(item.cancel_reason)
         temp = f"{item.name}.{os.getpid()}-{_INCARNATION}.{next(self._temp_seq)}{TEMP_SUFFIX}"
         fan_fd: Optional[int] = None
         created = False
         try:
             fan_fd = self._open_fan(fan_of(item.name), create=True)
-            header = Header.describe(item.name, self._fingerprint, payload).pack()
+            header = Header.describe(item.name, self._fingerprint, len(payload)).pack()
             fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
                          dir_fd=fan_fd)
             created = True
@@ -281,12 +286,13 @@ class DiskTier:
                 os.close(fd)
             with self._lock:
                 # Checked and renamed under the lock that delete() holds while it unlinks: no resurrection.
-                if not item.cancel_reason:
+                if item.cancel_reason is None:
                     os.replace(temp, item.name + FILE_SUFFIX, src_dir_fd=fan_fd, dst_dir_fd=fan_fd)
                     created = False
                     self._land(item)
             if created:
                 remove_quietly(temp, fan_fd)
+                assert item.cancel_reason is not None  # only a cancel keeps the rename from happening
                 return TierResult.fail(item.cancel_reason)
             return OK
         except Exception as error:  # nothing may escape a writer thread
@@ -316,13 +322,13 @@ class DiskTier:
             if not self._disk_full:
                 logger.warning("disk tier %s is full; writes fail until space frees up", self._root)
             self._disk_full = True
-            return TierResult.fail("disk full")
+            return TierResult.fail(Failure.DISK_FULL)
         self.counters.add("io_errors")
         if isinstance(error, OSError):
             logger.warning("disk tier: writing %s failed: %s", name, error)
-            return TierResult.fail(f"io: {error.strerror or error}")
+            return TierResult.fail(Failure.IO, str(error.strerror or error))
         logger.exception("disk tier: unexpected error writing %s", name)
-        return TierResult.fail(f"io: {error!r}")
+        return TierResult.fail(Failure.IO, repr(error))
 
     def _report_landed(self, landed: list[_PendingWrite], dirty_fans: set[str]) -> None:
         for fan in dirty_fans:
@@ -354,9 +360,10 @@ class DiskTier:
     # ---- reads and the rest -------------------------------------------------------------------------------------
 
     def read_into(self, name: str, out: Any) -> TierResult:
-        """Fills `out` (its length must equal the stored payload's) from the pending copy or the file, checksum
-        verified. On failure `out` holds garbage. A file of another layout is refused but left in place; a symlink
-        or a foreign fan directory is refused ("untrusted: ...") and never followed."""
+        """Fills `out` (its length must equal the stored payload's) from the pending copy or the file whose header
+        fits `name`. The bytes are not hashed here: the caller verifies their envelope before using them. On failure
+        `out` holds garbage. A file of another layout is refused but left in place; a symlink or a foreign fan
+        directory is refused (UNTRUSTED) and never followed."""
         check_name(name)
         view = _byte_view(out, writable=True)
         with self._lock:
@@ -364,7 +371,7 @@ class DiskTier:
             pending = item.data if item is not None else None
         if pending is not None:
             if len(pending) != view.nbytes:
-                return TierResult.fail("corrupt: length")  # the caller's size is wrong; the pending write stands
+                return TierResult.fail(Failure.CORRUPT, "length")  # the caller's size is wrong; the write stands
             view[:] = pending
             self.counters.add("reads")
             self.counters.add("pending_reads")
@@ -380,13 +387,13 @@ class DiskTier:
             self.counters.add("misses")
             with self._lock:
                 self._forget(name)
-            return TierResult.fail("miss")
+            return TierResult.fail(Failure.MISS)
         except Untrusted as untrusted:
             return self._untrusted(name, untrusted)
         except OSError as error:
             self.counters.add("io_errors")
             logger.warning("disk tier: reading %s failed: %s", self.file_path(name), error)
-            return TierResult.fail(f"io: {error.strerror or error}")
+            return TierResult.fail(Failure.IO, str(error.strerror or error))
         finally:
             if fd is not None:
                 os.close(fd)
@@ -407,8 +414,6 @@ class DiskTier:
                 filled += got
             if filled < view.nbytes:
                 problem = "short"
-            elif xxhash.xxh3_64_intdigest(view) != header.checksum:
-                problem = "checksum"
         if problem is not None:
             return self._reject(name, fan_fd, stat, problem)
         with self._lock:
@@ -424,7 +429,7 @@ class DiskTier:
         if problem in FOREIGN_PROBLEMS:
             self.counters.add("foreign")
             logger.warning("disk tier: %s belongs to another layout or format version; left in place", path)
-            return TierResult.fail(f"corrupt: {problem}")
+            return TierResult.fail(Failure.CORRUPT, problem)
         self.counters.add("corrupt")
         logger.warning("disk tier: removing corrupt cache file %s (%s)", path, problem)
         with self._lock:
@@ -437,7 +442,7 @@ class DiskTier:
             except OSError as error:
                 self.counters.add("io_errors")
                 logger.warning("disk tier: cannot remove %s: %s", path, error)
-        return TierResult.fail(f"corrupt: {problem}")
+        return TierResult.fail(Failure.CORRUPT, problem)
 
     def _forget(self, name: str) -> None:
         self._used -= self._on_disk.pop(name, 0)
@@ -469,7 +474,7 @@ class DiskTier:
         with self._lock:
             item = self._pending.get(name)
             if item is not None:
-                self._cancel(item, "cancelled")
+                self._cancel(item, Failure.CANCELLED)
             removed = self._unlink_locked(name)  # under the lock, so no writer renames between the cancel and this
             if removed:
                 self._forget(name)
