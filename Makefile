@@ -78,7 +78,7 @@ bench-serve: .venv-vllm-$(DEMO_VLLM)/.lmcache-npu-setup
 	fi
 
 bench-all: setup
-	$(BIN)/python benchmarks/all_presets.py --backend emu --json bench-all.json
+	$(BIN)/python -m lmcache_npu.tools.bench.studies.all_presets --backend emu --json bench-all.json
 
 # Wheels for a lent GPU machine that reaches no registry (carried as .wheels/, see docs/performance.md).
 gpu-wheels: setup

@@ -226,7 +226,7 @@ int EnqueueCopies(const LmcacheCudaTransfer* t, bool to_device) {
       const int rc = StreamValue(false, stream, flags + 4 * c.slice, t->kernel.epoch);
       if (rc != 0) return rc < 0 ? cudaErrorNotSupported : rc;
       // The kernel's stream waits for the first slice by event, which wakes a stream about 1 µs sooner than a wait
-      // on the slice's flag (benchmarks/cuda_gate_latency.py).
+      // on the slice's flag (lmcache_npu/tools/bench/studies/cuda_gate_latency.py).
       if (c.slice == copies[0].slice) {
         const int err = Record(t, kLmcacheEventFirstSliceIn, stream);
         if (err != cudaSuccess) return err;

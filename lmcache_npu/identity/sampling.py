@@ -12,7 +12,7 @@ each, every tensor still gets one sample, all of the same smaller size `s`: the 
 one page, so this bounds the bytes read and hashed, not the device pages touched. If even one byte per tensor does
 not fit, the call fails naming the budget. A DeepSeek-V3-like checkpoint (700 GB, 163 shards, ~91,000 tensors,
 half of them 3.5 KiB fp8 block scales read whole) reads ~406 MiB in ~107,000 ranges with the 512 MiB default
-(benchmarks/fingerprint_bench.py): headers, one sample per tensor and 16,300 spread pages.
+(lmcache_npu/tools/bench/studies/fingerprint_bench.py): headers, one sample per tensor and 16,300 spread pages.
 """
 
 from __future__ import annotations

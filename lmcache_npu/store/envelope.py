@@ -82,7 +82,7 @@ DIGESTS: dict[int, tuple[str, Callable[[memoryview], bytes], bool]] = {
     4: ("sha256", lambda data: hashlib.sha256(data).digest(), True),
 }
 DIGEST_IDS = {name: ident for ident, (name, _, _) in DIGESTS.items()}
-# chosen by benchmarks/envelope_bench.py on this project's machines: the fastest of each kind
+# chosen by lmcache_npu/tools/bench/studies/envelope_bench.py on this project's machines: the fastest of each kind
 DEFAULT_DIGEST = "xxh3-128"
 DEFAULT_KEYED_DIGEST = "blake3"
 

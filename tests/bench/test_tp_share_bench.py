@@ -1,10 +1,10 @@
-"""benchmarks/tp_share_bench.py's logic on CPU with gloo (two processes): both variants leave every rank with
+"""The tp_share_bench study's logic on CPU with gloo (two processes): both variants leave every rank with
 every byte (the script checks it before timing), and the share variant moves half the bytes per rank host ->
 device; a gather that loses the other rank's share is caught by that check."""
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
 from pathlib import Path
 from types import ModuleType
@@ -13,16 +13,12 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "tp_share_bench.py"
 ARGS = ["--backend", "gloo", "--device", "cpu", "--presets", "deepseek-v4-flash", "--chunks", "2", "--reps", "1",
         "--warmup", "0"]
 
 
 def _bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("tp_share_bench", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module("lmcache_npu.tools.bench.studies.tp_share_bench")
 
 
 def _rank(rank: int, out: str, lose_share: bool) -> None:
@@ -81,6 +77,6 @@ def test_the_exported_cuda_geometries_match_the_presets() -> None:
         fresh = geometry_of_plan(m.plan, name).to_dict()
         stored = load_geometry(bench.GEOMETRIES / f"{name}.json").to_dict()
         fresh.pop("notes"), stored.pop("notes")
-        assert stored == fresh, f"{name}: re-export with benchmarks/export_geometry.py --device-family cuda"
+        assert stored == fresh, f"{name}: re-export with the export_geometry study, --device-family cuda"
         tampered = dict(fresh, chunk_tokens=fresh["chunk_tokens"] * 2)
         assert stored != tampered, "the comparison notices a changed field"

@@ -192,7 +192,7 @@ def test_sources_nothing_came_from_are_left_out_and_named():
     runs = [run("vLLM alone", 0, [turn(0, [completion([1])])], alone),
             run("vLLM + lmcache-npu", 0, [turn(0, [completion([1])])], plugin)]
     header = export(report_of(runs)).splitlines()
-    columns = next(line for line in header if "TTFT p50" in line)
+    columns = next(line for line in header if "┃" in line and "identical" in line)  # the sources' header
     assert "plugin: arena" in columns and "computed" in columns
     assert "disk" not in columns and "Mooncake" not in columns and "peer connector" not in columns
     assert any("no tokens came from: vLLM cache hit, disk, Mooncake, peer connector (columns left out)" in line
@@ -204,5 +204,69 @@ def test_a_source_one_run_drew_from_keeps_its_column():  # the control of the te
     runs = [run("vLLM alone", 0, [turn(0, [completion([1])])], [TurnHits(200, 0, 0, 0, 0, 200)]),
             run("vLLM + lmcache-npu", 0, [turn(0, [completion([1])])], plugin)]
     text = export(report_of(runs))
-    columns = next(line for line in text.splitlines() if "TTFT p50" in line)
+    columns = next(line for line in text.splitlines() if "┃" in line and "identical" in line)
     assert "disk" in columns and "Mooncake" not in columns
+
+
+DEMO_CONFIGS = ["vLLM alone", "vLLM + lmcache-npu", "vLLM + MooncakeStoreConnector"]
+
+
+def demo_report() -> ReplayReport:
+    """What `make demo` reports (docs/performance.md, a slow day): 3 configurations x 3 repeats, 16 conversations x 4
+    turns, TTFTs of seconds to over ten, walls of tens of seconds, hits of thousands of tokens per source."""
+    runs = []
+    for repeat in range(3):
+        for c, config in enumerate(DEMO_CONFIGS):
+            turns, hits = [], []
+            for t in range(4):
+                ttfts = [(1.4 + 0.9 * t) * (1 - 0.3 * (c > 0)) * (1 + 0.07 * repeat) * (1 + 0.2 * i) for i in range(16)]
+                turns.append(turn(t, [completion([1, 2], 640 + 160 * t, 0, x) for x in ttfts],
+                                  3.0 + 3.3 * t + 0.4 * repeat))
+                prompt = 10240 + 2048 * t
+                if c == 0:
+                    hits.append(TurnHits(prompt, 8192 - 512 * repeat, 0, 0, 0, prompt - 8192 + 512 * repeat))
+                elif c == 1:
+                    arena = prompt - 2560 - 512 * t - 128 * repeat if t else 0
+                    hits.append(TurnHits(prompt, 0 if t else 7680, arena, 0, 0, prompt - arena - (0 if t else 7680)))
+                else:
+                    peer = 2688 + 512 * t + 128 * repeat
+                    hits.append(TurnHits(prompt, 5504, 0, 0, 0, prompt - 5504 - peer, peer))
+            runs.append(run(config, repeat, turns, hits))
+    return report_of(runs, DEMO_CONFIGS)
+
+
+def broken_cells(report: ReplayReport, width: int) -> tuple[list[str], int]:
+    """The lines of table cells that the table, printed at `width`, holds whole on none of its own lines (wrapped or
+    cropped), and the widest line of everything the report printed."""
+    from rich.console import Console
+    from rich.table import Table
+
+    items = render_report(report)
+    everything = Console(record=True, width=width)
+    for item in items:
+        everything.print(item)
+    broken = []
+    for table in (item for item in items if isinstance(item, Table)):
+        alone = Console(record=True, width=width)
+        alone.print(table)
+        lines = alone.export_text().splitlines()
+        cells = [part for column in table.columns for cell in [column.header, *column.cells]
+                 for part in str(cell).split("\n")]
+        broken += [cell for cell in cells if not any(cell in line for line in lines)]
+    return broken, max(len(line) for line in everything.export_text().splitlines())
+
+
+def test_the_demo_tables_fit_120_columns_with_every_median_and_range_whole():
+    report = demo_report()
+    assert report.repeats == 3 and len(report.runs[0].turns) == 4
+    broken, widest = broken_cells(report, 120)
+    assert broken == [] and widest <= 120
+    # the cells include the ranges: a test that saw only medians would pass the check above on the old layout too
+    spread = report.total_spreads("vLLM alone")["ttft_p50_s"]
+    assert spread.low < spread.high
+    assert any("\n" in str(cell) for column in render_report(report)[0].columns for cell in column.cells)
+
+
+def test_negative_control_a_narrower_console_splits_cells_and_the_check_notices():
+    broken, widest = broken_cells(demo_report(), 100)
+    assert broken and widest <= 100

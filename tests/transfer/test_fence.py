@@ -108,13 +108,8 @@ def test_the_fence_waits_for_exactly_the_batches_holding_a_named_store(batches, 
 
 
 def test_the_host_time_benchmark_runs_on_the_host_and_counts_its_waits():
-    """benchmarks/fence_host_time.py (the lead runs it on the H100): one command, waits as the fence decides."""
-    import importlib.util
-    from pathlib import Path
+    """The fence_host_time study (the lead runs it on the H100): one command, waits as the fence decides."""
+    from lmcache_npu.tools.bench.studies import fence_host_time as bench
 
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "fence_host_time.py"
-    spec = importlib.util.spec_from_file_location("fence_host_time", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
     rows = {row["fence"]: row for row in bench.run(CPU, hold_ms=5.0, repeats=2)}
     assert {case: row["waits_per_step"] for case, row in rows.items()} == {"none": 0, "named": 1, "all": 1}

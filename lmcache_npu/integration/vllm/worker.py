@@ -65,12 +65,10 @@ from ...ops.backend import backend_for_device
 from ...store.commands import Command, Completion, Load, Store
 from ...store.disk import check_disk_parent
 from ...store.executor import StoreExecutor
-from ...store.factory import build_executor
-from ...store.keys import namespace_of
 from ...store.tier import TierCounters
-from ...transfer import KVMover, StreamKit
+from ...transfer import KVMover
+from ...transfer.pipeline import WorkerPipeline, build_worker_pipeline
 from ...transfer.plans import LoadPlan
-from ...transfer.share_mover import SharedMover
 from ...transfer.shares import ShareLayout
 from . import adapter, tp_share
 from .engine_identity import EngineIdentity, engine_identity
@@ -122,8 +120,7 @@ class WorkerHalf:
         self.tier_counters = CounterDeltas()  # the disk and Mooncake tiers' own counters, once the executor exists
         self.layout: Optional[KVLayout] = None
         self.kv_caches: Mapping[str, Any] = {}  # what vLLM registered (the tensors the plan's planes view)
-        self.mover: Optional[KVMover] = None
-        self.executor: Optional[StoreExecutor] = None
+        self.pipeline: Optional[WorkerPipeline] = None  # the lanes, the executor, its arena and tiers
         self.geometry: Optional[WorkerGeometry] = None
         self.identity: Optional[EngineIdentity] = None
         self.shares: Optional[ShareLayout] = None  # this rank's share of replicated planes (tp_share), or None
@@ -167,43 +164,36 @@ class WorkerHalf:
         store = self.config.store
         self.identity = engine_identity(self.config, self.vllm_config, kv_caches,
                                         persistent_tiers=store.disk_path is not None or store.mooncake is not None)
-        fingerprint = plan.fingerprint
-        namespace = namespace_of(self.identity.fingerprint, fingerprint)
-        # both lanes' backends are made here: a device without one fails at start-up, before the arena exists
         self._load_wait = StepLoadWait() if plan.device.type == "cpu" else None
-        self.mover = KVMover(layout, lambda: self._backend(plan.device), lambda: StreamKit.for_device(plan.device),
-                             self.place.rank, self.config.load_retries, self.counters)
-        backend = self.mover.backends[Direction.LOAD].name
         # replicated planes: this rank stores its own planes and a 1/share_ranks share of the rest, loads exchange them
         self.shares = (tp_share.share_layout(plan, tp_share.tp_rank(), layout.share_ranks)
                        if layout.share_ranks > 1 else None)
-        device_mover: Any = self.mover
-        object_bytes = plan.object_bytes
-        if self.shares is not None:
-            fingerprint = self.shares.fingerprint(fingerprint)
-            namespace = namespace_of(self.identity.fingerprint, fingerprint)
-            exchange = tp_share.share_exchange(self.config.tp_share_exchange, policy.tp_size, layout.share_ranks,
-                                               plan.device)
-            device_mover = SharedMover(self.mover, self.shares, exchange, self.counters,
-                                       pin=plan.device.type != "cpu", rank=self.place.rank)
-            object_bytes = self.shares.object_bytes
-            logger.info("lmcache_npu rank %d: tp_share on, %d of %d B per chunk stored here (%d own, share %d B of "
-                        "%d replicated), shares exchanged in %s memory", self.place.rank, object_bytes,
-                        plan.object_bytes, self.shares.own_bytes, self.shares.share_bytes,
-                        self.shares.replicated_bytes, "device" if exchange.on_device else "host")
-        self.executor = build_executor(self.config.store, self.place.rank, object_bytes, fingerprint, device_mover,
-                                       namespace)
-        for tier, names in ((self.executor.disk, DISK_METRICS), (self.executor.remote, REMOTE_METRICS)):
+        shared = None if self.shares is None else (self.shares, lambda: tp_share.share_exchange(
+            self.config.tp_share_exchange, policy.tp_size, layout.share_ranks, plan.device))
+        pipeline = self.pipeline = build_worker_pipeline(
+            layout, self.config.store, self.place.rank, lambda: self._backend(plan.device), self.counters,
+            load_retries=self.config.load_retries, model_identity=self.identity.fingerprint, shared=shared)
+        backend = pipeline.mover.backends[Direction.LOAD].name
+        for tier, names in ((pipeline.disk, DISK_METRICS), (pipeline.remote, REMOTE_METRICS)):
             if tier is not None:
                 self.tier_counters.watch(tier.counters, names)
         self.geometry = WorkerGeometry(
-            self.place.rank, self.place.world, enabled=True, namespace=namespace, layout_fingerprint=fingerprint,
-            chunk_tokens=plan.chunk_tokens, object_bytes=object_bytes, num_slots=self.executor.arena.num_slots,
+            self.place.rank, self.place.world, enabled=True, namespace=pipeline.namespace,
+            layout_fingerprint=pipeline.layout_fingerprint, chunk_tokens=plan.chunk_tokens,
+            object_bytes=pipeline.object_bytes, num_slots=pipeline.arena.num_slots,
             usable_slots=self._take_usable_change(), groups=plan_group_geometry(layout.groups), backend=backend,
             device=str(plan.device), identity=self.identity.description)
         logger.info("lmcache_npu rank %d: %d planes in %d groups, %d B per %d-token chunk, %s backend, %d arena slots",
                     self.place.rank, len(plan.moved_planes), len(layout.groups), plan.object_bytes, plan.chunk_tokens,
-                    backend, self.executor.arena.num_slots)
+                    backend, pipeline.arena.num_slots)
+
+    @property
+    def mover(self) -> Optional[KVMover]:
+        return self.pipeline.mover if self.pipeline is not None else None
+
+    @property
+    def executor(self) -> Optional[StoreExecutor]:
+        return self.pipeline.executor if self.pipeline is not None else None
 
     def _backend(self, device: Any) -> TransferBackend:
         try:
@@ -365,10 +355,8 @@ class WorkerHalf:
         return LMCacheNPUStats.of(counts)
 
     def shutdown(self) -> None:
-        if self.mover is not None:
-            self.mover.close()
-        if self.executor is not None:
-            self.executor.close()
+        if self.pipeline is not None:
+            self.pipeline.close()
 
 
 def engine_store_config(config: ConnectorConfig, vllm_config: Any) -> ConnectorConfig:

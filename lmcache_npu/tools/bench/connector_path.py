@@ -27,12 +27,14 @@ from ...layout.slots import layout_slots, stored_block_span
 from ...layout.specs import SpecKind
 from ...ops import ChunkBatch, Direction, TransferPlan, TransferStats, get_backend
 from ...ops.torch_backend import TorchBackend
-from ...store.arena import HostArena
+from ...store.arena import slot_bytes_for
 from ...store.commands import Load, Store
+from ...store.config import StoreConfig
 from ...store.executor import StoreExecutor
 from ...store.keys import ChunkKey
 from ...store.tier import TierCounters
-from ...transfer import BlockWindow, KVMover, LoadPlan, StorePlan, StreamKit
+from ...transfer import BlockWindow, KVMover, LoadPlan, StorePlan
+from ...transfer.pipeline import build_worker_pipeline
 from .cuda_baselines import queue_gpu_work
 from .geometry import Geometry, materialize
 from .presets import materialize_preset
@@ -148,15 +150,16 @@ def run_connector_path(source: Union[Geometry, str], backend_name: str = "auto",
     sync = torch.cuda.synchronize if plan.device.type == "cuda" else (lambda: None)
     rows = []
     with contextlib.ExitStack() as cleanup:  # whatever was built is closed, the arena's registration last
-        arena = HostArena(2 * chunks, plan.object_bytes, pinned=device.type != "cpu")
-        cleanup.callback(arena.close)
-        bench_objects = [arena.slot(i) for i in range(chunks)]  # the bench's transfer uses slots [0, chunks)
         counters = TierCounters()
-        mover = KVMover(layout, lambda: get_backend(backend_name, **backend_options),
-                        lambda: StreamKit.for_device(plan.device), 0, 0, counters)
-        cleanup.callback(mover.close)
-        executor = StoreExecutor(0, arena, mover)  # the connector's commands use slots [chunks, 2 chunks)
-        cleanup.callback(executor.close)
+        # the connector's worker side, as its worker half builds it, over an arena of 2 x chunks slots
+        store = StoreConfig(cpu_bytes=2 * chunks * slot_bytes_for(plan.object_bytes), pinned=device.type != "cpu")
+        pipeline = build_worker_pipeline(layout, store, 0, lambda: get_backend(backend_name, **backend_options),
+                                         counters)
+        cleanup.callback(pipeline.arena.close)
+        cleanup.callback(pipeline.close)
+        arena, mover, executor = pipeline.arena, pipeline.mover, pipeline.executor
+        bench_objects = [arena.slot(i) for i in range(chunks)]  # the bench's transfer uses slots [0, chunks)
+        # the connector's commands use slots [chunks, 2 chunks)
         bench.prepare(plan)
         step = _ConnectorStep(executor, mover, counters, _window(layout, tables, chunks), chunks, plan.chunk_tokens)
         same = True

@@ -28,6 +28,7 @@ from .workload import Conversation
 logger = logging.getLogger(__name__)
 
 TIMES = ("ttft_p50_s", "ttft_p90_s", "prefill_s", "wall_s")
+TIME_COLUMNS = {"ttft_p50_s": "TTFT p50", "ttft_p90_s": "TTFT p90", "prefill_s": "prefill", "wall_s": "wall"}
 SOURCE_COLUMNS = {"vllm": "vLLM cache hit", "arena": "plugin: arena", "disk": "disk", "mooncake": "Mooncake",
                   "peer": "peer connector", "computed": "computed"}
 
@@ -214,13 +215,38 @@ def _settings_json(settings: EngineSettings, configs: Sequence[RunConfig]) -> di
     return values
 
 
+def _spread_table(report: ReplayReport, title: str, headers: Sequence[str],
+                  cells: Callable[[dict[str, Spread], tuple[int, int, int]], list[str]]) -> Any:
+    """A row per step and configuration, then the totals: `cells` of the row's spreads and token matching. Only a
+    configuration's name may wrap (at its spaces), so a number or its range is never split across lines."""
+    from rich.table import Table
+
+    table = Table(title=title, title_justify="left")
+    table.add_column(report.step_name, justify="right", no_wrap=True)
+    table.add_column("run", justify="right")
+    for header in headers:
+        table.add_column(header, justify="right", no_wrap=True)
+    spreads = {c: report.turn_spreads(c) for c in report.configs}
+    for turn in range(len(report.runs[0].turns)):
+        for config in report.configs:
+            table.add_row(str(turn + 1), config, *cells(spreads[config][turn], report.matching(config, turn)))
+        table.add_section()
+    for config in report.configs:
+        table.add_row("all", config, *cells(report.total_spreads(config), report.matching(config)))
+    return table
+
+
 def _cell(spread: Spread, repeats: int, unit: str = "s") -> str:
+    """The median, and the min-max on a second line (the unit once where both ends share it): a cell as narrow as
+    its widest number, so the demo's tables fit 120 columns."""
     value = seconds(spread.median) if unit == "s" else f"{spread.median:,.0f}"
     if repeats < 2 or spread.low == spread.high:
         return value
-    low, high = ((seconds(spread.low), seconds(spread.high)) if unit == "s"
-                 else (f"{spread.low:,.0f}", f"{spread.high:,.0f}"))
-    return f"{value} [{low}-{high}]"
+    if unit != "s":
+        return f"{value}\n{spread.low:,.0f}-{spread.high:,.0f}"
+    low, high = seconds(spread.low), seconds(spread.high)
+    low_number, _, low_unit = low.partition(" ")
+    return f"{value}\n{low_number if low_unit == high.partition(' ')[2] else low}-{high}"
 
 
 def _matching_cell(matching: int, requests: int, near_ties: int) -> str:
@@ -230,33 +256,23 @@ def _matching_cell(matching: int, requests: int, near_ties: int) -> str:
 
 
 def render_report(report: ReplayReport) -> list[Any]:
-    """Rich renderables: the per-turn table (medians [min-max]), the restart phase, the verdict, the token check."""
-    from rich.table import Table
+    """Rich renderables: the per-turn times and the per-turn token sources (medians, min-max below each), the restart
+    phase, the verdict, the token check."""
     from rich.text import Text
 
     repeats = report.repeats
-    title = (f"{report.workload} on {report.model}: {', '.join(report.configs)}; "
-             f"{'medians [min-max] of ' + str(repeats) + ' runs each' if repeats > 1 else 'one run each'}")
-    table = Table(title=title, title_justify="left")
+    spread_note = f"medians of {repeats} runs each, min-max below" if repeats > 1 else "one run each"
     totals = {c: report.total_spreads(c) for c in report.configs}
     # a source no run of any configuration drew from is left out (a narrower table), and said so below it
     sources = [s for s in SOURCES if s == "computed" or any(totals[c][s].high for c in report.configs)]
-    for column in (report.step_name, "run", "TTFT p50", "TTFT p90", "prefill", "wall",
-                   *(SOURCE_COLUMNS[s] for s in sources), "identical"):
-        table.add_column(column, justify="right")
-    spreads = {c: report.turn_spreads(c) for c in report.configs}
-    for turn in range(len(report.runs[0].turns)):
-        for config in report.configs:
-            row = spreads[config][turn]
-            table.add_row(str(turn + 1), config, *(_cell(row[t], repeats) for t in TIMES),
-                          *(_cell(row[s], repeats, "tokens") for s in sources),
-                          _matching_cell(*report.matching(config, turn)))
-        table.add_section()
-    for config in report.configs:
-        row = totals[config]
-        table.add_row("all", config, *(_cell(row[t], repeats) for t in TIMES),
-                      *(_cell(row[s], repeats, "tokens") for s in sources), _matching_cell(*report.matching(config)))
-    out: list[Any] = [table]
+    times = _spread_table(report, f"{report.workload} on {report.model}: times per {report.step_name}; {spread_note}",
+                          [TIME_COLUMNS[t] for t in TIMES],
+                          lambda row, _: [_cell(row[t], repeats) for t in TIMES])
+    tokens = _spread_table(report, f"prompt tokens by where they came from, per {report.step_name}; {spread_note}",
+                           [*(SOURCE_COLUMNS[s] for s in sources), "identical"],
+                           lambda row, matching: [*(_cell(row[s], repeats, "tokens") for s in sources),
+                                                  _matching_cell(*matching)])
+    out: list[Any] = [times, tokens]
     unused = [SOURCE_COLUMNS[s] for s in SOURCES if s not in sources]
     if unused:
         out.append(Text(f"no tokens came from: {', '.join(unused)} (columns left out)"))

@@ -6,7 +6,7 @@ old single allocation in the same table: `torch.zeros` (pageable), `torch.zeros`
 segmented rows come once per `--prefault-by` method: `write` (the default: pages of a segment not live yet are
 written in parallel threads) and `populate` (the old MADV_POPULATE_WRITE), so both are compared in one run.
 
-    PYTHONPATH=. python3 benchmarks/arena_startup.py --sizes 8,32,64 [--prefault auto|on|off|both]
+    PYTHONPATH=. python3 -m lmcache_npu.tools.bench.studies.arena_startup --sizes 8,32,64 [--prefault auto|on|off|both]
         [--prefault-by write,populate] [--threads N] [--write-methods] [--rounds R] [--json F]
 
 `--write-methods` adds rows that fault a fresh range of each size in every way the pre-fault could (one byte a page,

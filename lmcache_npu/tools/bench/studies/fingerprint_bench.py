@@ -7,8 +7,9 @@ their hashing, thread-pool overhead) and its byte counts, not device latency. `-
 for checkpoints that fit the disk: then a cold run (page cache dropped with POSIX_FADV_DONTNEED) measures device
 reads too, and /proc/self/io read_bytes shows what reached the device.
 
-    python benchmarks/fingerprint_bench.py                         # 20 GB / 8 shards and a DeepSeek-V3-like one
-    python benchmarks/fingerprint_bench.py --preset custom --size-gb 24 --shards 163 --tensors 91000 --dense
+    python -m lmcache_npu.tools.bench.studies.fingerprint_bench  # 20 GB / 8 shards and a DeepSeek-V3-like one
+    python -m lmcache_npu.tools.bench.studies.fingerprint_bench --preset custom --size-gb 24 --shards 163 \
+        --tensors 91000 --dense
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 with the automatic chunk size aimed at each target (256 tokens, the old default; 128, the new), and the index's
 memory per entry (and so per cached token) measured with tracemalloc.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/chunk_size_cost.py [--targets 256 128] [--repeats 50] [--json out.json]
+    PYTHONPATH=. .venv/bin/python -m lmcache_npu.tools.bench.studies.chunk_size_cost \
+        [--targets 256 128] [--repeats 50] [--json out.json]
 
 Prints one table; the scheduler bench needs vLLM's classes (the main venv's light vLLM is enough).
 """

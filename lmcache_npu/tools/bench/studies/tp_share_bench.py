@@ -5,12 +5,12 @@ device`); "host", the shares are all-gathered with gloo in host memory and each 
 device (`tp_share_exchange: host`); "whole", every rank holds whole objects and copies them (no sharing, the floor
 of "host"). The scatter into KV pages that follows is the same kernel on the same full objects in all three, so it
 is left out. Geometries: the deepseek-v3 and deepseek-v4-flash presets in CUDA
-layout, whose planes are all replicated across TP, read from benchmarks/geometries/cuda/ (written by
-`python benchmarks/export_geometry.py --device-family cuda --out benchmarks/geometries/cuda deepseek-v3
-deepseek-v4-flash`), since a GPU machine may have no vLLM to build presets from.
+layout, whose planes are all replicated across TP, read from lmcache_npu/tools/bench/geometries/cuda/ (written by
+`python -m lmcache_npu.tools.bench.studies.export_geometry --device-family cuda --out
+lmcache_npu/tools/bench/geometries/cuda deepseek-v3 deepseek-v4-flash`), since a GPU machine may have no vLLM to build presets from.
 
-    python benchmarks/tp_share_bench.py                               # 2 GPUs, NCCL
-    python benchmarks/tp_share_bench.py --backend gloo --device cpu   # the logic on CPU (tests run this)
+    python -m lmcache_npu.tools.bench.studies.tp_share_bench                               # 2 GPUs, NCCL
+    python -m lmcache_npu.tools.bench.studies.tp_share_bench --backend gloo --device cpu   # on CPU (tests run this)
 
 Every variant first checks that each rank ends with every byte of the whole objects, then times `--reps` rounds
 (median, after `--warmup`). Prints a table; `--json PATH` writes the rows.
@@ -35,7 +35,7 @@ import torch.multiprocessing as mp
 PRESETS = ("deepseek-v3", "deepseek-v4-flash")
 
 
-GEOMETRIES = Path(__file__).resolve().parent / "geometries" / "cuda"
+GEOMETRIES = Path(__file__).resolve().parents[1] / "geometries" / "cuda"  # package data of tools.bench
 
 
 def geometry(name: str, tp_size: int) -> dict[str, int]:

@@ -1,7 +1,7 @@
 """Writes presets as `--geometry` files, for benchmark machines without vLLM (presets are built from vLLM's spec
 classes; a geometry file is not):
 
-    python benchmarks/export_geometry.py --out geometries llama3-8b deepseek-v3 deepseek-v4-flash
+    python -m lmcache_npu.tools.bench.studies.export_geometry --out geometries llama3-8b deepseek-v3 deepseek-v4-flash
 """
 
 from __future__ import annotations

@@ -2,10 +2,12 @@
 kernel, status read-back) from torch.profiler, next to a plain pinned copy of the same bytes. Prints a table per
 (preset, chunks, direction) and can write JSON.
 
-    python benchmarks/cuda_timeline.py --presets llama3-8b deepseek-v3 deepseek-v4-flash --chunks 1 8 --json t.json
-    python benchmarks/cuda_timeline.py --geometry benchmarks/geometries/*.json --pipeline on off --no-timeline
+    python -m lmcache_npu.tools.bench.studies.cuda_timeline --presets llama3-8b deepseek-v3 deepseek-v4-flash \
+        --chunks 1 8 --json t.json
+    python -m lmcache_npu.tools.bench.studies.cuda_timeline --geometry lmcache_npu/tools/bench/geometries/*.json \
+        --pipeline on off --no-timeline
 
-A preset needs vLLM; where it is absent, pass `--geometry` files (benchmarks/export_geometry.py writes them).
+A preset needs vLLM; where it is absent, pass `--geometry` files (the export_geometry study writes them).
 """
 
 from __future__ import annotations

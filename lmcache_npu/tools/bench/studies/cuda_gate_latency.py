@@ -3,7 +3,7 @@ meet its copy engine: a stream memory operation (cuStreamWaitValue32 on a flag a
 (cudaStreamWaitEvent). The waiting stream starts waiting at once, and the other side arrives after a copy of the given
 size: what a pipelined load's kernel waits for. Prints the delay from the signal to the waiter's next operation.
 
-    PYTHONPATH=. python3 benchmarks/cuda_gate_latency.py [--json F]
+    PYTHONPATH=. python3 -m lmcache_npu.tools.bench.studies.cuda_gate_latency [--json F]
 """
 
 from __future__ import annotations

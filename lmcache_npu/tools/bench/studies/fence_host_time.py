@@ -7,7 +7,8 @@ the compute stream's synchronize that vllm-ascend does before every ACL graph re
 the step writes none of the store's pages (the narrow fence adds no wait), the step writes one (the fence waits),
 and the fence as it was before (every queued store, every step). Prints the median and worst host time per case.
 
-    PYTHONPATH=. python3 benchmarks/fence_host_time.py [--device cuda|cpu] [--hold-ms 20] [--repeats 15] [--json F]
+    PYTHONPATH=. python3 -m lmcache_npu.tools.bench.studies.fence_host_time \
+        [--device cuda|cpu] [--hold-ms 20] [--repeats 15] [--json F]
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ engine's TCP transport instead of being served as a local memcpy.
 
 The child reads one JSON line from stdin (the master, the segment size, the secret as hex and the objects), puts
 every object, answers one JSON line on stdout, then holds its segment until stdin closes. Run as a script only by
-`MooncakePeer` (`python benchmarks/mooncake_peer.py`).
+`MooncakePeer` (`python -m lmcache_npu.tools.bench.studies.mooncake_peer`).
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ class MooncakePeer:
     def __enter__(self) -> "MooncakePeer":
         request = {"master": self.master, "metadata": self.metadata, "secret": self.secret.hex(),
                    "segment_bytes": segment_bytes_for(self.objects), "objects": [asdict(o) for o in self.objects]}
-        self.process = subprocess.Popen([sys.executable, os.path.abspath(__file__)], stdin=subprocess.PIPE,
+        self.process = subprocess.Popen([sys.executable, "-m", __spec__.name], stdin=subprocess.PIPE,
                                         stdout=subprocess.PIPE, text=True, env=dict(os.environ))
         assert self.process.stdin is not None and self.process.stdout is not None
         self.process.stdin.write(json.dumps(request) + "\n")

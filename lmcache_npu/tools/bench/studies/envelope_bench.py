@@ -15,8 +15,8 @@ verification timed in place and switched off, to see what share of a promotion's
 same 8 gets with verification overlapped by hand (chunk i verified on a second thread while chunk i+1 transfers) show
 what overlap could buy on this machine.
 
-    python benchmarks/envelope_bench.py                      # llama3-8b, deepseek-v3, deepseek-v4-flash, gpt-oss-120b
-    python benchmarks/envelope_bench.py --repeats 30 --json out.json
+    python -m lmcache_npu.tools.bench.studies.envelope_bench  # llama3-8b, deepseek-v3, deepseek-v4-flash, gpt-oss-120b
+    python -m lmcache_npu.tools.bench.studies.envelope_bench --repeats 30 --json out.json
 
 The last table compares the two orders a `zero_copy: false` get can check in (issue 31): in the slot after the copy
 (what the tier does) or in the peer-writable bounce buffer before it (what it did).
@@ -50,8 +50,7 @@ from lmcache_npu.store.arena import HostArena
 from lmcache_npu.store.envelope import Sealer, seal, verify
 from lmcache_npu.store.keys import ChunkKey
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # the peer helper beside this file, however we were run
-from mooncake_peer import MooncakePeer, PeerObject  # noqa: E402
+from .mooncake_peer import MooncakePeer, PeerObject
 
 logger = logging.getLogger(__name__)
 
@@ -536,7 +535,7 @@ def _run_inside_netns(argv: Sequence[str]) -> dict[str, Any]:
     from lmcache_npu.tools.mooncake_local import run_in_loopback_netns
 
     env = dict(os.environ, GLOG_minloglevel="2")
-    done = run_in_loopback_netns([sys.executable, os.path.abspath(__file__), *argv, INSIDE_FLAG], env=env,
+    done = run_in_loopback_netns([sys.executable, "-m", __spec__.name, *argv, INSIDE_FLAG], env=env,
                                  timeout=3600)
     if done.returncode != 0:
         raise RuntimeError(f"the measurement inside the network namespace failed ({done.returncode}):\n"

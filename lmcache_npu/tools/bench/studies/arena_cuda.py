@@ -1,6 +1,7 @@
 """CUDA kernel store/load GB/s into store-arena slots (cudaHostRegister) vs torch pinned objects, same plan.
 
-Run on a CUDA machine with lmcache_npu._cuda built: `PYTHONPATH=. python3 benchmarks/arena_cuda.py [--json F]`."""
+Run on a CUDA machine with lmcache_npu._cuda built, from the repository root (it reads tests/ops/oracle.py):
+`PYTHONPATH=. python3 -m lmcache_npu.tools.bench.studies.arena_cuda [--json F]`."""
 
 from __future__ import annotations
 

@@ -17,8 +17,8 @@ arena's capacity as a share of the trace's distinct chunks. Part 2 (gate): a fix
 of --disk-factor times the arena and an unbounded Mooncake; for each write-through and admit-hits setting, the hit
 rate over every tier and the bytes written to disk (spills + persists) and put to Mooncake.
 
-    .venv/bin/python benchmarks/policy_sim.py                      # table; ~1 minute on one core
-    .venv/bin/python benchmarks/policy_sim.py --json out.json --plot docs/img/policy_hit_rate.png
+    .venv/bin/python -m lmcache_npu.tools.bench.studies.policy_sim                      # table; ~1 minute on one core
+    .venv/bin/python -m lmcache_npu.tools.bench.studies.policy_sim --json out.json --plot docs/img/policy_hit_rate.png
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: install carried wheels, build, run the cuda tests, run the benchmark matrix.
-# Usage (on the GPU machine, repository root): bash benchmarks/gpu_session.sh [tests|bench|all]
+# Usage (on the GPU machine, repository root): bash lmcache_npu/tools/bench/gpu_session.sh [tests|bench|all]
 set -uo pipefail
 what=${1:-all}
 OUT=${OUT:-/tmp/out}
@@ -14,6 +14,6 @@ if [[ $what == tests || $what == all ]]; then
   python3 -m pytest -q -p no:cacheprovider tests/cuda tests/ops tests/bench 2>&1 | tail -25 | tee "$OUT/tests.txt"
 fi
 if [[ $what == bench || $what == all ]]; then
-  python3 benchmarks/cuda_matrix.py --json "$OUT/cuda_matrix.json" > "$OUT/bench.txt" 2>&1
+  python3 -m lmcache_npu.tools.bench.studies.cuda_matrix --json "$OUT/cuda_matrix.json" > "$OUT/bench.txt" 2>&1
   tail -60 "$OUT/bench.txt"
 fi

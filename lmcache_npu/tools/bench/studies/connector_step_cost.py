@@ -1,7 +1,8 @@
 """The connector's per-step CPU on the scheduler/model thread: build_connector_meta and both stats calls, timed
 over vLLM's real Scheduler (the simulated engine of tests/integration/engine.py) during a multi-turn replay.
 
-    .venv/bin/python benchmarks/connector_step_cost.py [--conversations 8] [--turns 8] [--repeats 3] [--profile]
+    .venv/bin/python -m lmcache_npu.tools.bench.studies.connector_step_cost \
+        [--conversations 8] [--turns 8] [--repeats 3] [--profile]
 
 Prints µs per call (median and mean over every step) for each hook; --profile adds cProfile's top entries of
 build_connector_meta.
@@ -11,14 +12,15 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import os
 import pstats
 import statistics
 import sys
 import time
+from pathlib import Path
 from typing import Any, Callable
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# the simulated engine lives in the repository's tests/, so this study runs from a checkout
+sys.path.insert(0, str(Path(__file__).resolve().parents[4]))
 
 from tests.integration.conftest import PRESET_ENGINES, prompt  # noqa: E402
 from tests.integration.engine import Engine, EngineSpec  # noqa: E402

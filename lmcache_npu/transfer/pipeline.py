@@ -1,0 +1,85 @@
+"""One rank's worker side, built in one place (vLLM's `OffloadingSpec.get_handlers(kv_caches)`): the transfer lanes
+over the registered KV caches, the share exchange where this rank stores a share of replicated planes, then the store
+executor with its host arena and its disk and Mooncake tiers. The connector's worker half and the benches that time
+its path build it here, so they build the same thing in the same order."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from ..layout.discovery import KVLayout
+from ..ops import TransferBackend
+from ..store.arena import HostArena
+from ..store.config import StoreConfig
+from ..store.executor import StoreExecutor
+from ..store.factory import build_executor
+from ..store.keys import namespace_of
+from ..store.tier import TierCounters
+from .mover import KVMover
+from .share_mover import ShareExchange, SharedMover
+from .shares import ShareLayout
+from .streams import StreamKit
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class WorkerPipeline:
+    """The lanes and the executor of one rank; the arena and the tiers are the executor's."""
+
+    mover: KVMover
+    executor: StoreExecutor
+    layout_fingerprint: bytes  # what the stored objects are keyed by: the plan's, or its shares' under tp_share
+    namespace: Optional[str]  # the model's and that fingerprint's (None where no model identity was given)
+
+    @property
+    def arena(self) -> HostArena:
+        return self.executor.arena
+
+    @property
+    def object_bytes(self) -> int:
+        """What this rank stores per chunk: the whole object, or its share of it."""
+        return self.executor.arena.object_bytes
+
+    @property
+    def disk(self) -> Any:
+        return self.executor.disk
+
+    @property
+    def remote(self) -> Any:
+        return self.executor.remote
+
+    def close(self) -> None:
+        """The lanes first (no transfer reports after), then the executor, which closes its tiers."""
+        self.mover.close()
+        self.executor.close()
+
+
+def build_worker_pipeline(layout: KVLayout, store: StoreConfig, rank: int, make_backend: Callable[[], TransferBackend],
+                          counters: TierCounters, *, load_retries: int = 0, model_identity: Optional[bytes] = None,
+                          shared: Optional[tuple[ShareLayout, Callable[[], ShareExchange]]] = None) -> WorkerPipeline:
+    """The lanes (a backend from `make_backend` per direction, so a device without one fails before the arena
+    exists); with `shared` (this rank's share of the replicated planes, and how to make the exchange) the exchange and
+    the mover that stores and loads shares; then the executor sized by `store` for what this rank stores per chunk."""
+    plan = layout.plan
+    mover = KVMover(layout, make_backend, lambda: StreamKit.for_device(plan.device), rank, load_retries, counters)
+    device_mover: Any = mover
+    fingerprint, object_bytes = plan.fingerprint, plan.object_bytes
+    if shared is not None:
+        shares, make_exchange = shared
+        fingerprint, object_bytes = shares.fingerprint(fingerprint), shares.object_bytes
+        exchange = make_exchange()
+        device_mover = SharedMover(mover, shares, exchange, counters, pin=plan.device.type != "cpu", rank=rank)
+        logger.info("lmcache_npu rank %d: tp_share on, %d of %d B per chunk stored here (%d own, share %d B of "
+                    "%d replicated), shares exchanged in %s memory", rank, object_bytes, plan.object_bytes,
+                    shares.own_bytes, shares.share_bytes, shares.replicated_bytes,
+                    "device" if exchange.on_device else "host")
+    namespace = None if model_identity is None else namespace_of(model_identity, fingerprint)
+    try:
+        executor = build_executor(store, rank, object_bytes, fingerprint, device_mover, namespace)
+    except BaseException:
+        mover.close()  # the lanes' threads must not outlive a start-up that failed (a refused secret, no memory)
+        raise
+    return WorkerPipeline(mover, executor, fingerprint, namespace)
