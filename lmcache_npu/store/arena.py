@@ -21,6 +21,7 @@ from ..platform.npu_runtime import npu_available
 from ..ops.plan import align_up
 from ..platform.host_memory import SegmentPinning
 from .envelope import ENVELOPE_BYTES
+from .metrics import Metric
 from .segments import DEFAULT_SEGMENT_BYTES, SegmentedMemory
 
 logger = logging.getLogger(__name__)
@@ -153,8 +154,8 @@ class HostArena:
 
     def segment_stats(self) -> dict[str, int]:
         """arena_bytes (slots' bytes), arena_live_bytes (in live segments), segments_live, segments_total."""
-        return {"arena_bytes": self.num_slots * self.slot_bytes, "arena_live_bytes": self.memory.live_bytes,
-                "segments_live": self.memory.segments_live, "segments_total": len(self.memory.segments)}
+        return {Metric.ARENA_BYTES: self.num_slots * self.slot_bytes, Metric.ARENA_LIVE_BYTES: self.memory.live_bytes,
+                Metric.SEGMENTS_LIVE: self.memory.segments_live, Metric.SEGMENTS_TOTAL: len(self.memory.segments)}
 
     def _check(self, slot: int) -> None:
         if not 0 <= slot < self.num_slots:

@@ -33,6 +33,7 @@ from .commands import (ARENA_TO_DEVICE, ARENA_TO_DISK, ARENA_TO_REMOTE, DEVICE_T
 from .envelope import RejectionLog, Sealer, seal, verify
 from .keys import ChunkKey
 from .tier import OK, Failure, TierResult, TierStore
+from .metrics import Metric
 
 if TYPE_CHECKING:  # the executor is handed the tiers; the factory builds them
     from .disk.tier import DiskTier
@@ -298,7 +299,7 @@ class StoreExecutor:
             return result
         why = verify(view, command.key, self.rank, self.sealer)
         if why is not None:
-            self.disk.counters.add("rejected")
+            self.disk.counters.add(Metric.REJECTED)
             self._disk_rejections.record(name, why)
             return TierResult.fail(Failure.REJECTED, why)
         self._mark_sealed(command.slot, command.key)

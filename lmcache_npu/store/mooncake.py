@@ -36,6 +36,7 @@ import numpy as np
 
 from .config import PROTOCOLS, MooncakeConfig
 from .tier import OK, Failure, TierCounters, TierResult
+from .metrics import Metric
 
 __all__ = ["PROTOCOLS", "MooncakeConfig", "MooncakeTier", "Check"]
 
@@ -139,7 +140,7 @@ class MooncakeTier:
                 raise
             return self._open_circuit(f"cannot join the Mooncake cluster at {self.config.master}: {exc}")
         except FutureTimeout:
-            self.counters.add("timeouts")
+            self.counters.add(Metric.TIMEOUTS)
             future.add_done_callback(_close_late_client)  # a setup that finishes after we gave up must not linger
             return self._open_circuit(f"joining the Mooncake cluster at {self.config.master} timed out")
         except Exception as exc:  # any client failure at setup: unhealthy, retried later
@@ -159,7 +160,7 @@ class MooncakeTier:
             self._down_until = time.monotonic() + self.config.retry_after_s
         if not already:
             logger.error("Mooncake tier unavailable for %.0f s: %s", self.config.retry_after_s, why)
-        self.counters.add("unavailable")
+        self.counters.add(Metric.UNAVAILABLE)
         return False
 
     def _available(self) -> bool:
@@ -168,7 +169,7 @@ class MooncakeTier:
             if self._closed:
                 return False
             if time.monotonic() < self._down_until or self._probing:
-                self.counters.add("unhealthy_skips")
+                self.counters.add(Metric.UNHEALTHY_SKIPS)
                 return False
             if self._down_until == 0.0:
                 return True
@@ -205,7 +206,7 @@ class MooncakeTier:
         try:
             result = future.result(self.config.timeout_s)
         except FutureTimeout:
-            self.counters.add("timeouts")
+            self.counters.add(Metric.TIMEOUTS)
             self._open_circuit(f"{what} took longer than {self.config.timeout_s} s")
             if future.cancel() or not touches_memory:
                 return None
@@ -214,14 +215,14 @@ class MooncakeTier:
                 future.result()
             except Exception:  # its outcome no longer matters: the command fails either way
                 pass
-            self.counters.add("late_calls")
+            self.counters.add(Metric.LATE_CALLS)
             return None
         except Exception as exc:  # the client raised: a miss and a counter, never an exception for the caller
-            self.counters.add("errors")
+            self.counters.add(Metric.ERRORS)
             self._open_circuit(f"{what} raised {exc!r}")
             return None
         if isinstance(result, list) and any(isinstance(c, int) and c <= -900 for c in result):
-            self.counters.add("errors")
+            self.counters.add(Metric.ERRORS)
             self._open_circuit(f"{what}: the master did not answer (codes {sorted(set(result))[:4]})")
             return None
         return result
@@ -320,7 +321,7 @@ class MooncakeTier:
         for i, result in zip(to_write, written):
             results[i] = result
             if result.ok and i in replacing:
-                self.counters.add("put_replaced_invalid")
+                self.counters.add(Metric.PUT_REPLACED_INVALID)
         return [r if r is not None else TierResult.fail(Failure.UNAVAILABLE) for r in results]
 
     def _check_existing(self, names: Sequence[str], buffers: Sequence[memoryview], checks: Sequence[Optional[Check]],
@@ -347,7 +348,7 @@ class MooncakeTier:
         for i, problem in zip(existing, problems or ["unavailable"] * len(existing)):
             if problem is None:
                 results[i] = OK
-                self.counters.add("put_existing")
+                self.counters.add(Metric.PUT_EXISTING)
             elif problem == "unavailable":
                 results[i] = TierResult.fail(Failure.UNAVAILABLE)
             else:
@@ -362,25 +363,25 @@ class MooncakeTier:
             return []
         if self._bounce_ready():
             codes = self._bounce_put(names, buffers)
-            self.counters.add("bounce_ops", len(names))
+            self.counters.add(Metric.BOUNCE_OPS, len(names))
         else:
             addresses = self._zero_copy(buffers) if self._store is not None else None
             if addresses is not None:
                 sizes = [b.nbytes for b in buffers]
                 codes = self._call("put", lambda s: list(s.batch_put_from(list(names), addresses, sizes)),
                                    touches_memory=True)
-                self.counters.add("zero_copy_ops", len(names))
+                self.counters.add(Metric.ZERO_COPY_OPS, len(names))
             else:
                 payloads = [bytes(b) for b in buffers]
                 codes = self._call("put", lambda s: [s.put(n, p) for n, p in zip(names, payloads)])  # owns its copies
-                self.counters.add("copy_ops", len(names))
+                self.counters.add(Metric.COPY_OPS, len(names))
         if codes is None:
             return [TierResult.fail(Failure.UNAVAILABLE)] * len(names)
         results = [OK if code == 0 else TierResult.fail(Failure.PUT_ERROR, str(code)) for code in codes]
         done = sum(r.ok for r in results)
-        self.counters.add("puts", done)
-        self.counters.add("put_bytes", sum(b.nbytes for b, r in zip(buffers, results) if r.ok))
-        self.counters.add("put_failures", len(results) - done)
+        self.counters.add(Metric.PUTS, done)
+        self.counters.add(Metric.PUT_BYTES, sum(b.nbytes for b, r in zip(buffers, results) if r.ok))
+        self.counters.add(Metric.PUT_FAILURES, len(results) - done)
         return results
 
     def _bounce_put(self, names: Sequence[str], buffers: Sequence[memoryview]) -> Optional[list[int]]:
@@ -415,14 +416,14 @@ class MooncakeTier:
         rejected: dict[int, str] = {}
         if self._bounce_ready():
             codes = self._bounce_get(names, buffers, checks, rejected)
-            self.counters.add("bounce_ops", len(names))
+            self.counters.add(Metric.BOUNCE_OPS, len(names))
         else:
             addresses = self._zero_copy(buffers) if self._store is not None else None
             if addresses is not None:
                 sizes = [b.nbytes for b in buffers]
                 codes = self._call("get", lambda s: list(s.batch_get_into(list(names), addresses, sizes)),
                                    touches_memory=True)
-                self.counters.add("zero_copy_ops", len(names))
+                self.counters.add(Metric.ZERO_COPY_OPS, len(names))
                 for i, (code, buffer, check) in enumerate(zip(codes or [], buffers, checks)):
                     if code == buffer.nbytes and check is not None and (why := check(buffer)) is not None:
                         rejected[i] = why
@@ -430,14 +431,14 @@ class MooncakeTier:
                 codes = self._call("get", lambda s: [self._copy_get(s, i, n, b, checks[i], rejected)
                                                      for i, (n, b) in enumerate(zip(names, buffers))],
                                    touches_memory=True)
-                self.counters.add("copy_ops", len(names))
+                self.counters.add(Metric.COPY_OPS, len(names))
         if codes is None:
             return [TierResult.fail(Failure.UNAVAILABLE)] * len(names)
         results = []
         for i, (code, buffer) in enumerate(zip(codes, buffers)):
             if i in rejected:
                 results.append(TierResult.fail(Failure.REJECTED, rejected[i]))
-                self.counters.add("rejected")  # the caller logs it: it knows which chunk it asked for
+                self.counters.add(Metric.REJECTED)  # the caller logs it: it knows which chunk it asked for
             elif code == buffer.nbytes:
                 results.append(OK)
             elif code == _MISSING:
@@ -447,9 +448,9 @@ class MooncakeTier:
             else:
                 results.append(TierResult.fail(Failure.GET_ERROR, str(code)))
         done = sum(r.ok for r in results)
-        self.counters.add("gets", done)
-        self.counters.add("get_bytes", sum(b.nbytes for b, r in zip(buffers, results) if r.ok))
-        self.counters.add("misses", sum(r.kind is Failure.MISS for r in results))
+        self.counters.add(Metric.GETS, done)
+        self.counters.add(Metric.GET_BYTES, sum(b.nbytes for b, r in zip(buffers, results) if r.ok))
+        self.counters.add(Metric.MISSES, sum(r.kind is Failure.MISS for r in results))
         return results
 
     def _bounce_get(self, names: Sequence[str], buffers: Sequence[memoryview], checks: Sequence[Optional[Check]],
@@ -505,7 +506,7 @@ class MooncakeTier:
         codes = self._call("exists", lambda s: list(s.batch_is_exist(list(names))))
         if codes is None:
             return [False] * len(names)
-        self.counters.add("exists_errors", sum(c < 0 for c in codes))
+        self.counters.add(Metric.EXISTS_ERRORS, sum(c < 0 for c in codes))
         return [c == 1 for c in codes]
 
     def delete(self, names: Sequence[str]) -> None:

@@ -35,6 +35,7 @@ from ..store.executor import Report
 from ..store.tier import OK, Failure, TierCounters, TierResult
 from .plans import LoadPlan, StorePlan
 from .streams import StreamKit
+from ..store.metrics import Metric
 
 logger = logging.getLogger(__name__)
 
@@ -133,9 +134,9 @@ class KVMover:
         self.fence_waits += waits
         self.fence_skips += skips
         if waits:
-            self.counters.add("fence_waits", waits)
+            self.counters.add(Metric.FENCE_WAITS, waits)
         if skips:
-            self.counters.add("fence_skips", skips)
+            self.counters.add(Metric.FENCE_SKIPS, skips)
         return waits
 
     def close(self) -> None:
@@ -195,17 +196,18 @@ class KVMover:
                 stats = lane.backend.transfer(batch, after_kernel=lambda event: self._after_kernel(lane, job, event))
                 break
             except Exception as exc:  # a device fault: retried for loads (every row is rewritten), else reported
-                self.counters.add("transfer_failures")
+                self.counters.add(Metric.TRANSFER_FAILURES)
                 logger.exception("rank %d: %s of %d chunks failed (attempt %d of %d)", self.rank,
                                  job.direction.name.lower(), len(commands), attempt + 1, attempts)
                 if attempt + 1 == attempts:
                     self._report_all(job, commands, TierResult.fail(Failure.DEVICE, str(exc)))
                     return
-                self.counters.add("load_retries")
-        kind = "loaded" if loads else "stored"
-        self.counters.add(f"{kind}_chunks", len(commands))
-        self.counters.add(f"{kind}_bytes", stats.payload_bytes)
-        self.counters.add(f"{'load' if loads else 'store'}_seconds", stats.device_seconds or stats.seconds)
+                self.counters.add(Metric.LOAD_RETRIES)
+        chunks, moved, seconds = ((Metric.LOADED_CHUNKS, Metric.LOADED_BYTES, Metric.LOAD_SECONDS) if loads else
+                                  (Metric.STORED_CHUNKS, Metric.STORED_BYTES, Metric.STORE_SECONDS))
+        self.counters.add(chunks, len(commands))
+        self.counters.add(moved, stats.payload_bytes)
+        self.counters.add(seconds, stats.device_seconds or stats.seconds)
         self._report_all(job, commands, OK)
 
     def _report_all(self, job: _Job, commands: Sequence[Union[Store, Load]], result: TierResult) -> None:

@@ -32,6 +32,7 @@ from ..store.commands import Load, Store
 from ..store.executor import Report
 from ..store.tier import Failure, TierCounters, TierResult
 from .shares import ShareLayout
+from ..store.metrics import Metric, per_rank
 
 logger = logging.getLogger(__name__)
 
@@ -124,7 +125,7 @@ class SharedMover:
             except RuntimeError as exc:  # torch.OutOfMemoryError is one
                 if not _out_of_memory(exc):
                     raise
-                self.counters.add("share_store_host_scratch")
+                self.counters.add(Metric.SHARE_STORE_HOST_SCRATCH)
                 logger.warning("rank %d: no device memory for the scratch of %d stores (%d B); using host memory",
                                self.rank, count, count * full_bytes)
         return list(torch.zeros(count, full_bytes, dtype=torch.uint8, pin_memory=self.pin).unbind(0))
@@ -143,8 +144,8 @@ class SharedMover:
                     logger.exception("rank %d: packing the share of store %d failed", rank, cmd_id)
                     result = TierResult.fail(Failure.SHARE, str(exc))
                 else:
-                    self.counters.add("share_stored_bytes", self.layout.object_bytes)
-                    self.counters.add(f"rank{rank}_stored_bytes", self.layout.object_bytes)
+                    self.counters.add(Metric.SHARE_STORED_BYTES, self.layout.object_bytes)
+                    self.counters.add(per_rank(rank, Metric.STORED_BYTES), self.layout.object_bytes)
             report(cmd_id, result)
 
         self.inner.run(commands, scratch, packed)
@@ -178,12 +179,12 @@ class SharedMover:
                                                                   else []))
         on_device = self.exchange.on_device and flags.pop()
         if self.exchange.on_device and not on_device:
-            self.counters.add("share_host_fallbacks")
+            self.counters.add(Metric.SHARE_HOST_FALLBACKS)
         kept = [i for i, ok in enumerate(flags) if ok]
         for i, ok in enumerate(flags):
             if not ok:
                 why = local[i] or "share missing or invalid on another rank of the TP group"
-                self.counters.add("share_load_failures")
+                self.counters.add(Metric.SHARE_LOAD_FAILURES)
                 logger.warning("rank %d: load %d refused: %s", rank, commands[i].cmd_id, why)
                 report(commands[i].cmd_id, TierResult.fail(Failure.SHARE, why))
         if not kept:
@@ -201,7 +202,7 @@ class SharedMover:
             gathered = self.exchange.gather(torch.cat(shares), layout.size)
             full = torch.empty(len(kept), layout.full_bytes, dtype=torch.uint8, pin_memory=self.pin)
         layout.assemble(stored, gathered, full)
-        self.counters.add("share_loaded_bytes", layout.object_bytes * len(kept))
-        self.counters.add(f"rank{rank}_loaded_bytes", layout.object_bytes * len(kept))
-        self.counters.add("share_exchanged_bytes", layout.share_bytes * (layout.size - 1) * len(kept))
+        self.counters.add(Metric.SHARE_LOADED_BYTES, layout.object_bytes * len(kept))
+        self.counters.add(per_rank(rank, Metric.LOADED_BYTES), layout.object_bytes * len(kept))
+        self.counters.add(Metric.SHARE_EXCHANGED_BYTES, layout.share_bytes * (layout.size - 1) * len(kept))
         self.inner.run([commands[i] for i in kept], list(full.unbind(0)), report)

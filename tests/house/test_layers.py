@@ -29,7 +29,7 @@ LAYERS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "platform": (("platform",), NATIVE),
     "ops": (("ops",), PLATFORM),
     "layout": (("layout",), OPS),
-    "store.scheduler": (("store.index", "store.keys", "store.commands", "store.policies", "store.tier",
+    "store.scheduler": (("store.index", "store.keys", "store.commands", "store.policies", "store.tier", "store.metrics",
                          "store.config"), OPS),
     "store": (("store",), STORE_SCHEDULER),
     "transfer": (("transfer",), (*STORE, "layout")),

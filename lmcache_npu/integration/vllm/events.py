@@ -33,6 +33,7 @@ from typing import Any, Callable, Optional
 from ...store.commands import Tier
 from ...store.keys import ChunkKey
 from ...store.tier import TierCounters
+from ...store.metrics import Metric
 
 logger = logging.getLogger(__name__)
 
@@ -155,7 +156,7 @@ class KVEvents:
             return
         payload = self._payloads.get(key)
         if payload is None:
-            self.counters.add("unnamed")
+            self.counters.add(Metric.UNNAMED)
             return
         self._payloads.move_to_end(key)
         self._announced.setdefault(key, set()).add(tier)
@@ -184,7 +185,7 @@ class KVEvents:
             return
         payload = self._payloads.get(key)
         if payload is None:
-            self.counters.add("unnamed")
+            self.counters.add(Metric.UNNAMED)
             return
         self._remote_announced[key] = None
         while len(self._remote_announced) > self.max_payloads:
@@ -205,13 +206,13 @@ class KVEvents:
     def _push(self, event: Any) -> None:
         if len(self._queue) >= self._max_events:
             self._queue.popleft()
-            self.counters.add("dropped")
+            self.counters.add(Metric.DROPPED)
             if not self._warned_drop:
                 self._warned_drop = True
                 logger.warning("lmcache_npu: more than %d KV events waited for vLLM's scheduler; dropping the oldest "
                                "(routers may hold a stale view of this instance)", self._max_events)
         self._queue.append(event)
-        self.counters.add("published")
+        self.counters.add(Metric.PUBLISHED)
 
     def _stored(self, payload: ChunkPayload, tier: Tier) -> Any:
         medium, locality = MEDIUMS[tier]

@@ -9,62 +9,63 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from ...store.metrics import Metric
 from ...store.tier import TierCounters
 from .adapter import KVConnectorPromMetrics, KVConnectorStats
 
 # name -> Prometheus help text; every counter either half keeps (sums over ranks and steps)
-METRICS: dict[str, str] = {
-    "lookups": "requests admitted after a lookup in the plugin's store",
-    "lookups_pending": "lookups answered 'ask again' while disk or Mooncake chunks were promoted into the arena",
-    "lookup_tokens": "tokens of looked-up requests beyond vLLM's own prefix-cache hit",
-    "hit_tokens": "tokens loaded from the plugin instead of being prefilled",
-    "hit_chunks_cpu": "hit chunks found in the host arena",
-    "hit_chunks_disk": "hit chunks promoted from the local disk tier",
-    "hit_chunks_remote": "hit chunks promoted from the Mooncake store",
-    "store_chunks": "chunks the scheduler sent to be stored",
-    "store_chunks_unsafe": "completed chunks not stored because vLLM may already have freed some of their rows",
-    "delayed_frees": "finished requests whose blocks vLLM kept until their stores had read them",
-    "lora_bypassed_requests": "LoRA requests served without the plugin: their adapter's files could not be read, so "
+METRICS: dict[str, str] = {  # Metric keys: a member is its name
+    Metric.LOOKUPS: "requests admitted after a lookup in the plugin's store",
+    Metric.LOOKUPS_PENDING: "lookups answered 'ask again' while disk or Mooncake chunks were promoted into the arena",
+    Metric.LOOKUP_TOKENS: "tokens of looked-up requests beyond vLLM's own prefix-cache hit",
+    Metric.HIT_TOKENS: "tokens loaded from the plugin instead of being prefilled",
+    Metric.HIT_CHUNKS_CPU: "hit chunks found in the host arena",
+    Metric.HIT_CHUNKS_DISK: "hit chunks promoted from the local disk tier",
+    Metric.HIT_CHUNKS_REMOTE: "hit chunks promoted from the Mooncake store",
+    Metric.STORE_CHUNKS: "chunks the scheduler sent to be stored",
+    Metric.STORE_CHUNKS_UNSAFE: "completed chunks not stored because vLLM may already have freed some of their rows",
+    Metric.DELAYED_FREES: "finished requests whose blocks vLLM kept until their stores had read them",
+    Metric.LORA_BYPASSED_REQUESTS: "LoRA requests served without the plugin: their adapter's files could not be read, so "
                               "nothing names their KV",
-    "load_failures": "load commands that failed on some rank (the request recomputes)",
-    "store_failures": "store commands that failed on some rank (the chunk is not stored)",
-    "loaded_chunks": "chunks loaded into device pages (summed over ranks)",
-    "loaded_bytes": "bytes loaded into device pages (summed over ranks)",
-    "load_seconds": "seconds the load transfers took (summed over ranks)",
-    "stored_chunks": "chunks stored from device pages (summed over ranks)",
-    "stored_bytes": "bytes stored from device pages (summed over ranks)",
-    "store_seconds": "seconds the store transfers took (summed over ranks)",
-    "load_retries": "device loads retried after a failure",
-    "transfer_failures": "device transfers that failed (each fails its commands)",
-    "step_load_waits": "steps where the model runs on the host that queued loads and waited for them, so they are "
+    Metric.LOAD_FAILURES: "load commands that failed on some rank (the request recomputes)",
+    Metric.STORE_FAILURES: "store commands that failed on some rank (the chunk is not stored)",
+    Metric.LOADED_CHUNKS: "chunks loaded into device pages (summed over ranks)",
+    Metric.LOADED_BYTES: "bytes loaded into device pages (summed over ranks)",
+    Metric.LOAD_SECONDS: "seconds the load transfers took (summed over ranks)",
+    Metric.STORED_CHUNKS: "chunks stored from device pages (summed over ranks)",
+    Metric.STORED_BYTES: "bytes stored from device pages (summed over ranks)",
+    Metric.STORE_SECONDS: "seconds the store transfers took (summed over ranks)",
+    Metric.LOAD_RETRIES: "device loads retried after a failure",
+    Metric.TRANSFER_FAILURES: "device transfers that failed (each fails its commands)",
+    Metric.STEP_LOAD_WAITS: "steps where the model runs on the host that queued loads and waited for them, so they are "
                        "reported in that step (no wait where they were already done; per rank, summed)",
-    "step_load_wait_misses": "of those, steps whose loads were not done within the wait (reported at a later step; per "
+    Metric.STEP_LOAD_WAIT_MISSES: "of those, steps whose loads were not done within the wait (reported at a later step; per "
                              "rank, summed)",
-    "fence_waits": "store batches the model's stream waited for before a step wrote pages they still read "
+    Metric.FENCE_WAITS: "store batches the model's stream waited for before a step wrote pages they still read "
                    "(summed over ranks)",
-    "fence_skips": "in-flight store batches a step let read on, since it wrote none of their pages (per step, summed "
+    Metric.FENCE_SKIPS: "in-flight store batches a step let read on, since it wrote none of their pages (per step, summed "
                    "over ranks)",
-    "fenced_store_commands": "store commands the scheduler named because the step wrote a block they read",
-    "fence_unknown_steps": "steps whose writes the scheduler could not place, so every queued store was waited for",
-    "share_stored_bytes": "bytes of chunk objects stored in the arena with tp_share (own planes + a 1/tp share of the "
+    Metric.FENCED_STORE_COMMANDS: "store commands the scheduler named because the step wrote a block they read",
+    Metric.FENCE_UNKNOWN_STEPS: "steps whose writes the scheduler could not place, so every queued store was waited for",
+    Metric.SHARE_STORED_BYTES: "bytes of chunk objects stored in the arena with tp_share (own planes + a 1/tp share of the "
                           "replicated ones; summed over ranks)",
-    "share_loaded_bytes": "bytes of stored share objects loaded with tp_share (summed over ranks)",
-    "share_exchanged_bytes": "bytes of other ranks' shares received through the TP group's exchange (summed over "
+    Metric.SHARE_LOADED_BYTES: "bytes of stored share objects loaded with tp_share (summed over ranks)",
+    Metric.SHARE_EXCHANGED_BYTES: "bytes of other ranks' shares received through the TP group's exchange (summed over "
                              "ranks)",
-    "share_load_failures": "loads refused on every rank because a share was missing or invalid on some rank",
-    "share_host_fallbacks": "load batches exchanged in host memory because some rank had no device memory for the "
+    Metric.SHARE_LOAD_FAILURES: "loads refused on every rank because a share was missing or invalid on some rank",
+    Metric.SHARE_HOST_FALLBACKS: "load batches exchanged in host memory because some rank had no device memory for the "
                             "device exchange (per rank, summed)",
-    "share_store_host_scratch": "store batches whose full objects went to host scratch because the device had no "
+    Metric.SHARE_STORE_HOST_SCRATCH: "store batches whose full objects went to host scratch because the device had no "
                                 "memory for them (per rank, summed)",
-    "eagle_dropped_chunks": "chunks a hit did not claim because an EAGLE/MTP drafter's last row depends on the next "
+    Metric.EAGLE_DROPPED_CHUNKS: "chunks a hit did not claim because an EAGLE/MTP drafter's last row depends on the next "
                             "chunk's first token",
 }
 # the host arena's segments, counted up as they go live (so sums over steps are the current state, summed over ranks)
 ARENA_METRICS: dict[str, str] = {
-    "arena_bytes": "bytes of host-arena slots (summed over ranks)",
-    "arena_live_bytes": "bytes of host-arena slots in live (registered) segments (summed over ranks)",
-    "segments_live": "host-arena segments live: registered with the device, or pageable (summed over ranks)",
-    "segments_total": "host-arena segments mapped (summed over ranks)",
+    Metric.ARENA_BYTES: "bytes of host-arena slots (summed over ranks)",
+    Metric.ARENA_LIVE_BYTES: "bytes of host-arena slots in live (registered) segments (summed over ranks)",
+    Metric.SEGMENTS_LIVE: "host-arena segments live: registered with the device, or pageable (summed over ranks)",
+    Metric.SEGMENTS_TOTAL: "host-arena segments mapped (summed over ranks)",
 }
 METRICS.update(ARENA_METRICS)
 # per-rank counters, exported as `rank<r>_<name>` (e.g. rank1_stored_bytes): what each rank's tiers hold and read
@@ -72,46 +73,46 @@ PER_RANK_METRICS = ("stored_bytes", "loaded_bytes")
 
 # counters the store keeps for its own tests and logs (never drained): exported name -> (own name, help text)
 INDEX_METRICS: dict[str, tuple[str, str]] = {
-    "evictions": ("evictions", "host-arena chunks evicted to make room (spilled to disk first where there is one)"),
-    "evicted_lost": ("evicted_lost", "evicted chunks no lower tier holds: gone from this instance"),
-    "spills": ("spills", "host-arena chunks written to the disk tier"),
-    "spill_failures": ("spill_failed", "spills that failed on some rank"),
-    "disk_persists": ("persists", "chunks written through to the disk tier"),
-    "persist_failures": ("persist_failed", "write-throughs that failed on some rank"),
-    "persist_no_room": ("persist_no_room", "write-throughs skipped: every disk chunk was being read or written"),
-    "disk_evictions": ("disk_evictions", "chunks dropped from the disk tier to make room"),
-    "store_no_slot": ("store_no_slot", "chunks not stored because every arena slot was pinned or reserved"),
-    "promotions_disk": ("promotions_disk", "chunks promoted from the disk tier into the host arena"),
-    "promotions_remote": ("promotions_remote", "chunks promoted from the Mooncake store into the host arena"),
-    "promote_no_slot": ("promote_no_slot", "promotions skipped for want of a free arena slot"),
-    "promote_failures": ("promote_failed", "promotions that failed on some rank (the chunk is a miss)"),
-    "remote_put_failures": ("put_failed", "Mooncake puts that failed on some rank"),
-    "remote_lookup_errors": ("remote_lookup_errors", "Mooncake existence checks that failed (taken as misses)"),
+    "evictions": (Metric.EVICTIONS, "host-arena chunks evicted to make room (spilled to disk first where there is one)"),
+    "evicted_lost": (Metric.EVICTED_LOST, "evicted chunks no lower tier holds: gone from this instance"),
+    "spills": (Metric.SPILLS, "host-arena chunks written to the disk tier"),
+    "spill_failures": (Metric.SPILL_FAILED, "spills that failed on some rank"),
+    "disk_persists": (Metric.PERSISTS, "chunks written through to the disk tier"),
+    "persist_failures": (Metric.PERSIST_FAILED, "write-throughs that failed on some rank"),
+    "persist_no_room": (Metric.PERSIST_NO_ROOM, "write-throughs skipped: every disk chunk was being read or written"),
+    "disk_evictions": (Metric.DISK_EVICTIONS, "chunks dropped from the disk tier to make room"),
+    "store_no_slot": (Metric.STORE_NO_SLOT, "chunks not stored because every arena slot was pinned or reserved"),
+    "promotions_disk": (Metric.PROMOTIONS_DISK, "chunks promoted from the disk tier into the host arena"),
+    "promotions_remote": (Metric.PROMOTIONS_REMOTE, "chunks promoted from the Mooncake store into the host arena"),
+    "promote_no_slot": (Metric.PROMOTE_NO_SLOT, "promotions skipped for want of a free arena slot"),
+    "promote_failures": (Metric.PROMOTE_FAILED, "promotions that failed on some rank (the chunk is a miss)"),
+    "remote_put_failures": (Metric.PUT_FAILED, "Mooncake puts that failed on some rank"),
+    "remote_lookup_errors": (Metric.REMOTE_LOOKUP_ERRORS, "Mooncake existence checks that failed (taken as misses)"),
 }
 DISK_METRICS: dict[str, tuple[str, str]] = {
-    "disk_writes": ("writes", "chunk files written (summed over ranks)"),
-    "disk_write_bytes": ("write_bytes", "bytes written to chunk files (summed over ranks)"),
-    "disk_reads": ("reads", "chunk files read (summed over ranks)"),
-    "disk_read_bytes": ("read_bytes", "bytes read from chunk files (summed over ranks)"),
-    "disk_corrupt": ("corrupt", "chunk files refused as corrupt or of another layout, and removed"),
-    "disk_io_errors": ("io_errors", "disk reads or writes that raised"),
-    "disk_full": ("disk_full", "writes refused because the file system was full"),
-    "disk_queue_full": ("queue_full", "spills refused because the write-behind queue was full"),
-    "disk_rejected": ("rejected", "chunk files whose envelope did not verify for the chunk asked for (never loaded)"),
+    "disk_writes": (Metric.WRITES, "chunk files written (summed over ranks)"),
+    "disk_write_bytes": (Metric.WRITE_BYTES, "bytes written to chunk files (summed over ranks)"),
+    "disk_reads": (Metric.READS, "chunk files read (summed over ranks)"),
+    "disk_read_bytes": (Metric.READ_BYTES, "bytes read from chunk files (summed over ranks)"),
+    "disk_corrupt": (Metric.CORRUPT, "chunk files refused as corrupt or of another layout, and removed"),
+    "disk_io_errors": (Metric.IO_ERRORS, "disk reads or writes that raised"),
+    "disk_full": (Metric.DISK_FULL, "writes refused because the file system was full"),
+    "disk_queue_full": (Metric.QUEUE_FULL, "spills refused because the write-behind queue was full"),
+    "disk_rejected": (Metric.REJECTED, "chunk files whose envelope did not verify for the chunk asked for (never loaded)"),
 }
 REMOTE_METRICS: dict[str, tuple[str, str]] = {
-    "mooncake_puts": ("puts", "chunk objects put into the Mooncake store (summed over ranks)"),
-    "mooncake_put_bytes": ("put_bytes", "bytes put into the Mooncake store (summed over ranks)"),
-    "mooncake_get_bytes": ("get_bytes", "bytes read from the Mooncake store (summed over ranks)"),
-    "mooncake_misses": ("misses", "Mooncake reads of objects no longer there"),
-    "mooncake_errors": ("errors", "Mooncake calls that failed"),
-    "mooncake_timeouts": ("timeouts", "Mooncake calls that ran past their deadline"),
-    "mooncake_unavailable": ("unavailable", "times the Mooncake store was marked unavailable (calls skip it a while)"),
-    "mooncake_skipped": ("unhealthy_skips", "Mooncake calls skipped while the store was marked unavailable"),
-    "mooncake_rejected": ("rejected", "Mooncake objects whose envelope did not verify for the chunk asked for "
+    "mooncake_puts": (Metric.PUTS, "chunk objects put into the Mooncake store (summed over ranks)"),
+    "mooncake_put_bytes": (Metric.PUT_BYTES, "bytes put into the Mooncake store (summed over ranks)"),
+    "mooncake_get_bytes": (Metric.GET_BYTES, "bytes read from the Mooncake store (summed over ranks)"),
+    "mooncake_misses": (Metric.MISSES, "Mooncake reads of objects no longer there"),
+    "mooncake_errors": (Metric.ERRORS, "Mooncake calls that failed"),
+    "mooncake_timeouts": (Metric.TIMEOUTS, "Mooncake calls that ran past their deadline"),
+    "mooncake_unavailable": (Metric.UNAVAILABLE, "times the Mooncake store was marked unavailable (calls skip it a while)"),
+    "mooncake_skipped": (Metric.UNHEALTHY_SKIPS, "Mooncake calls skipped while the store was marked unavailable"),
+    "mooncake_rejected": (Metric.REJECTED, "Mooncake objects whose envelope did not verify for the chunk asked for "
                                       "(overwritten, forged or corrupt: never loaded)"),
-    "mooncake_put_existing": ("put_existing", "puts of a name that already held a valid object (not written again)"),
-    "mooncake_put_replaced_invalid": ("put_replaced_invalid", "puts that replaced an object whose envelope did "
+    "mooncake_put_existing": (Metric.PUT_EXISTING, "puts of a name that already held a valid object (not written again)"),
+    "mooncake_put_replaced_invalid": (Metric.PUT_REPLACED_INVALID, "puts that replaced an object whose envelope did "
                                                               "not verify"),
 }
 for _table in (INDEX_METRICS, DISK_METRICS, REMOTE_METRICS):

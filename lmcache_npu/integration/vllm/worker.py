@@ -75,6 +75,7 @@ from .engine_identity import EngineIdentity, engine_identity
 from .load_wait import IDLE_WAIT_S, StepLoadWait
 from .metadata import LMCacheNPUConnectorMetadata, LMCacheNPUWorkerMetadata, WorkerGeometry, plan_group_geometry
 from .stats import DISK_METRICS, REMOTE_METRICS, CounterDeltas, LMCacheNPUStats
+from ...store.metrics import Metric, per_rank
 
 logger = logging.getLogger(__name__)
 
@@ -265,9 +266,9 @@ class WorkerHalf:
             self._load_wait.begin()
             if self._step_loads:  # reported now, the requests run next step instead of the one after
                 step_loads, self._step_loads = self._step_loads, set()
-                self.counters.add("step_load_waits")
+                self.counters.add(Metric.STEP_LOAD_WAITS)
                 if not self.executor.wait_for_all(step_loads, self._load_wait.budget()):
-                    self.counters.add("step_load_wait_misses")
+                    self.counters.add(Metric.STEP_LOAD_WAIT_MISSES)
             self._load_wait.end()
         completions = self.executor.poll()
         self._outbox.extend(completions)
@@ -348,10 +349,10 @@ class WorkerHalf:
             self._arena_told = now
         if self.shares is None and self.executor is not None and self.place.world > 1:
             # whole objects per rank: what this rank's arena took and gave, comparable with tp_share's share objects
-            for kind in ("stored", "loaded"):
-                if counts.get(f"{kind}_chunks"):
-                    counts[f"rank{self.place.rank}_{kind}_bytes"] = (counts[f"{kind}_chunks"]
-                                                                     * self.executor.arena.object_bytes)
+            for chunks, moved in ((Metric.STORED_CHUNKS, Metric.STORED_BYTES),
+                                  (Metric.LOADED_CHUNKS, Metric.LOADED_BYTES)):
+                if counts.get(chunks):
+                    counts[per_rank(self.place.rank, moved)] = counts[chunks] * self.executor.arena.object_bytes
         return LMCacheNPUStats.of(counts)
 
     def shutdown(self) -> None:

@@ -14,6 +14,7 @@ from .format import (FAN_PATTERN, FILE_SUFFIX, FOREIGN_PROBLEMS, NAME_PATTERN, T
                      check_fingerprint, fan_of, read_header)
 from .trust import (Untrusted, directory_problem, open_chunk_file, open_fan_dir, open_root, remove_if_same,
                     untrusted_directory)
+from ..metrics import Metric
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +35,7 @@ def _scan_temp(fan_fd: int, path: str, item: os.DirEntry, owns: Optional[Callabl
     try:
         if _temp_removable(item.name, item.stat(follow_symlinks=False).st_mtime, owns, lock_held):
             os.unlink(item.name, dir_fd=fan_fd)
-            found.add("temp_removed")
+            found.add(Metric.TEMP_REMOVED)
     except FileNotFoundError:
         pass  # its writer renamed or removed it meanwhile
     except OSError as error:
@@ -52,17 +53,17 @@ def _scan_file(fan_fd: int, path: str, name: str, fan: str, fingerprint: bytes,
             os.close(fd)
     except Untrusted as untrusted:
         logger.warning("disk tier: %s: %s; skipped, never followed", path, untrusted.reason)
-        found.add("untrusted")
+        found.add(Metric.UNTRUSTED)
         return None
     except OSError as error:
         logger.warning("disk tier: cannot inspect %s (%s); skipped", path, error)
-        found.add("io_errors")
+        found.add(Metric.IO_ERRORS)
         return None
     problem = "short" if header is None else header.problem(stat.st_size, name, fingerprint)
     if problem is None and fan != fan_of(name):
         problem = "misplaced"  # unreachable under this name, so it would only hold space
     if problem in FOREIGN_PROBLEMS:
-        found.add("foreign")
+        found.add(Metric.FOREIGN)
         return None
     if problem is not None:
         logger.warning("disk tier: removing invalid cache file %s (%s)", path, problem)
@@ -70,7 +71,7 @@ def _scan_file(fan_fd: int, path: str, name: str, fan: str, fingerprint: bytes,
             remove_if_same(file_name, fan_fd, stat)
         except OSError:
             pass  # gone already, or replaced by its writer: either way not ours to judge again now
-        found.add("corrupt")
+        found.add(Metric.CORRUPT)
         return None
     assert header is not None
     return DiskEntry(name, header.payload_bytes, stat.st_mtime)
@@ -108,7 +109,7 @@ def scan_root(root_fd: int, root: str, layout_fingerprint: bytes, counters: Opti
                     path = os.path.join(fan_path, item.name)
                     if item.is_symlink():
                         logger.warning("disk tier: %s is a symlink; left alone, never followed", path)
-                        found.add("untrusted")
+                        found.add(Metric.UNTRUSTED)
                         continue
                     if not item.is_file(follow_symlinks=False):
                         continue

@@ -49,6 +49,7 @@ from .format import (FILE_SUFFIX, FOREIGN_PROBLEMS, HEADER_BYTES, TEMP_SUFFIX, H
 from .lock import acquire_lock, release_lock
 from .scan import scan_root
 from .trust import Untrusted, open_chunk_file, open_fan_dir, open_root, remove_if_same, remove_quietly, write_all
+from ..metrics import Metric
 
 logger = logging.getLogger(__name__)
 
@@ -176,7 +177,7 @@ class DiskTier:
         return open_fan_dir(self._root_fd, fan)
 
     def _untrusted(self, name: str, untrusted: Untrusted) -> TierResult:
-        self.counters.add("untrusted")
+        self.counters.add(Metric.UNTRUSTED)
         path = self.file_path(name)
         with self._lock:
             first = path not in self._warned_untrusted
@@ -313,17 +314,17 @@ class DiskTier:
         self._on_disk[item.name] = item.file_bytes
         self._drop(item)
         self._disk_full = False
-        self.counters.add("writes")
-        self.counters.add("write_bytes", item.file_bytes - HEADER_BYTES)
+        self.counters.add(Metric.WRITES)
+        self.counters.add(Metric.WRITE_BYTES, item.file_bytes - HEADER_BYTES)
 
     def _write_failure(self, name: str, error: Exception) -> TierResult:
         if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
-            self.counters.add("disk_full")
+            self.counters.add(Metric.DISK_FULL)
             if not self._disk_full:
                 logger.warning("disk tier %s is full; writes fail until space frees up", self._root)
             self._disk_full = True
             return TierResult.fail(Failure.DISK_FULL)
-        self.counters.add("io_errors")
+        self.counters.add(Metric.IO_ERRORS)
         if isinstance(error, OSError):
             logger.warning("disk tier: writing %s failed: %s", name, error)
             return TierResult.fail(Failure.IO, str(error.strerror or error))
@@ -339,7 +340,7 @@ class DiskTier:
                 finally:
                     os.close(fan_fd)
             except (OSError, Untrusted) as error:  # the files are in place; only their crash safety is unsure
-                self.counters.add("io_errors")
+                self.counters.add(Metric.IO_ERRORS)
                 logger.warning("disk tier: fsync of %s failed: %s", os.path.join(self._root, fan), error)
         for item in landed:
             self._finish(item, OK)
@@ -373,9 +374,9 @@ class DiskTier:
             if len(pending) != view.nbytes:
                 return TierResult.fail(Failure.CORRUPT, "length")  # the caller's size is wrong; the write stands
             view[:] = pending
-            self.counters.add("reads")
-            self.counters.add("pending_reads")
-            self.counters.add("read_bytes", view.nbytes)
+            self.counters.add(Metric.READS)
+            self.counters.add(Metric.PENDING_READS)
+            self.counters.add(Metric.READ_BYTES, view.nbytes)
             return OK
         fan_fd: Optional[int] = None
         fd: Optional[int] = None
@@ -384,14 +385,14 @@ class DiskTier:
             fd = open_chunk_file(fan_fd, name + FILE_SUFFIX)
             return self._read_open_file(name, fan_fd, fd, view)
         except FileNotFoundError:
-            self.counters.add("misses")
+            self.counters.add(Metric.MISSES)
             with self._lock:
                 self._forget(name)
             return TierResult.fail(Failure.MISS)
         except Untrusted as untrusted:
             return self._untrusted(name, untrusted)
         except OSError as error:
-            self.counters.add("io_errors")
+            self.counters.add(Metric.IO_ERRORS)
             logger.warning("disk tier: reading %s failed: %s", self.file_path(name), error)
             return TierResult.fail(Failure.IO, str(error.strerror or error))
         finally:
@@ -420,17 +421,17 @@ class DiskTier:
             if name not in self._on_disk:  # written by another process sharing the directory
                 self._on_disk[name] = stat.st_size
                 self._used += stat.st_size
-        self.counters.add("reads")
-        self.counters.add("read_bytes", view.nbytes)
+        self.counters.add(Metric.READS)
+        self.counters.add(Metric.READ_BYTES, view.nbytes)
         return OK
 
     def _reject(self, name: str, fan_fd: int, stat: os.stat_result, problem: str) -> TierResult:
         path = self.file_path(name)
         if problem in FOREIGN_PROBLEMS:
-            self.counters.add("foreign")
+            self.counters.add(Metric.FOREIGN)
             logger.warning("disk tier: %s belongs to another layout or format version; left in place", path)
             return TierResult.fail(Failure.CORRUPT, problem)
-        self.counters.add("corrupt")
+        self.counters.add(Metric.CORRUPT)
         logger.warning("disk tier: removing corrupt cache file %s (%s)", path, problem)
         with self._lock:
             try:
@@ -440,7 +441,7 @@ class DiskTier:
             except FileNotFoundError:
                 self._forget(name)
             except OSError as error:
-                self.counters.add("io_errors")
+                self.counters.add(Metric.IO_ERRORS)
                 logger.warning("disk tier: cannot remove %s: %s", path, error)
         return TierResult.fail(Failure.CORRUPT, problem)
 
@@ -479,7 +480,7 @@ class DiskTier:
             if removed:
                 self._forget(name)
         if item is not None or removed:
-            self.counters.add("deleted")
+            self.counters.add(Metric.DELETED)
             return True
         return False
 
@@ -489,11 +490,11 @@ class DiskTier:
         except FileNotFoundError:
             return False
         except Untrusted as untrusted:
-            self.counters.add("untrusted")
+            self.counters.add(Metric.UNTRUSTED)
             logger.warning("disk tier: cannot delete %s: %s", self.file_path(name), untrusted.reason)
             return False
         except OSError as error:
-            self.counters.add("io_errors")
+            self.counters.add(Metric.IO_ERRORS)
             logger.warning("disk tier: cannot delete %s: %s", self.file_path(name), error)
             return False
         try:
@@ -502,7 +503,7 @@ class DiskTier:
         except FileNotFoundError:
             return False
         except OSError as error:
-            self.counters.add("io_errors")
+            self.counters.add(Metric.IO_ERRORS)
             logger.warning("disk tier: cannot delete %s: %s", self.file_path(name), error)
             return False
         finally:

@@ -34,8 +34,13 @@ from .ledger import CommandLedger
 from .remote_presence import RemotePresence
 from .reuse_gate import ReuseGate
 from .slots import SlotTable
+from ..metrics import Metric
 
 logger = logging.getLogger(__name__)
+
+_FAILED = {Store: Metric.STORE_FAILED, Load: Metric.LOAD_FAILED, Spill: Metric.SPILL_FAILED,
+           Promote: Metric.PROMOTE_FAILED, Put: Metric.PUT_FAILED, Persist: Metric.PERSIST_FAILED,
+           Drop: Metric.DROP_FAILED}  # a command that failed on some rank counts under its kind
 
 
 @dataclass
@@ -168,8 +173,8 @@ class ChunkIndex(ChunkManager):
                 reserved.discard(key)
                 entry.reservations.discard(request_id)
                 self._forget_if_empty(entry)
-        self.counters.add("lookup_chunks", len(keys))
-        self.counters.add("lookup_hit_chunks", hit)
+        self.counters.add(Metric.LOOKUP_CHUNKS, len(keys))
+        self.counters.add(Metric.LOOKUP_HIT_CHUNKS, hit)
         return LookupResult(hit, ready, tuple(sources[:hit]))
 
     def presence(self, keys: Sequence[ChunkKey], remote: bool = True) -> list[bool]:
@@ -204,7 +209,7 @@ class ChunkIndex(ChunkManager):
             self._slots.policy.touch(key, reuse=False)
             loads.append(self._emit(Load(self._ledger.new_id(), key, entry.slot, request_id,  # type: ignore[arg-type]
                                          chunk_index)))
-        self.counters.add("loads", len(loads))
+        self.counters.add(Metric.LOADS, len(loads))
         return loads  # type: ignore[return-value]
 
     def release(self, request_id: str) -> None:
@@ -228,12 +233,12 @@ class ChunkIndex(ChunkManager):
                 continue
             slot = self._take_slot()
             if slot is None:
-                self.counters.add("store_no_slot", len(chunks) - len(stores))
+                self.counters.add(Metric.STORE_NO_SLOT, len(chunks) - len(stores))
                 break
             entry = self._entries.setdefault(key, _Entry(key))
             self._occupy(entry, slot)
             stores.append(self._emit(Store(self._ledger.new_id(), key, slot, request_id, chunk_index)))
-        self.counters.add("stores", len(stores))
+        self.counters.add(Metric.STORES, len(stores))
         return stores  # type: ignore[return-value]
 
     def set_tier_listener(self, listener: Optional[TierListener]) -> None:
@@ -339,7 +344,7 @@ class ChunkIndex(ChunkManager):
         try:
             self._listener(key, tier, entered)
         except Exception as exc:  # events are advisory: a router missing one must not stop serving
-            self.counters.add("listener_errors")
+            self.counters.add(Metric.LISTENER_ERRORS)
             logger.warning("tier listener failed on %s %s of chunk %s: %s", "entry to" if entered else "exit from",
                            tier, key.chunk_hash.hex()[:16], exc)
 
@@ -387,18 +392,18 @@ class ChunkIndex(ChunkManager):
         assert slot is not None
         self._detach_slot(entry, evicted=True)
         if self.disk_chunks and entry.disk is DiskState.NONE and not self._gate.admits(entry.key, Tier.DISK):
-            self.counters.add("evicted_not_reused")  # the gate keeps one-off chunks off the disk
+            self.counters.add(Metric.EVICTED_NOT_REUSED)  # the gate keeps one-off chunks off the disk
         elif self.disk_chunks and entry.disk is DiskState.NONE:
             if self._make_disk_room():
                 entry.disk = DiskState.WRITING
                 self._disk.add(entry.key)
                 entry.disk_cmd = self._emit(Spill(self._ledger.new_id(), entry.key, slot)).cmd_id  # before reuse
-                self.counters.add("spills")
+                self.counters.add(Metric.SPILLS)
             else:
-                self.counters.add("evicted_lost")
+                self.counters.add(Metric.EVICTED_LOST)
         elif entry.disk is DiskState.NONE:
-            self.counters.add("evicted_lost")
-        self.counters.add("evictions")
+            self.counters.add(Metric.EVICTED_LOST)
+        self.counters.add(Metric.EVICTIONS)
         self._forget_if_empty(entry)
         return slot
 
@@ -410,7 +415,7 @@ class ChunkIndex(ChunkManager):
                 return False
             entry = self._entries[victim]
             self._drop_disk(entry)
-            self.counters.add("disk_evictions")
+            self.counters.add(Metric.DISK_EVICTIONS)
             self._forget_if_empty(entry)
         return True
 
@@ -431,13 +436,13 @@ class ChunkIndex(ChunkManager):
         if slot is None:
             if source is Tier.DISK:
                 entry.disk_readers -= 1
-            self.counters.add("promote_no_slot")
+            self.counters.add(Metric.PROMOTE_NO_SLOT)
             return False
         self._occupy(entry, slot)
         if source is Tier.DISK:
             self._disk.touch(entry.key)
         self._emit(Promote(self._ledger.new_id(), entry.key, slot, source))
-        self.counters.add(f"promotions_{source.value}")
+        self.counters.add(Metric.PROMOTIONS_DISK if source is Tier.DISK else Metric.PROMOTIONS_REMOTE)
         return True
 
     def _detach_slot(self, entry: _Entry, evicted: bool = False) -> None:
@@ -465,7 +470,7 @@ class ChunkIndex(ChunkManager):
     def _finish(self, command: Command, failures: list[str]) -> None:
         ok = not failures
         if not ok:
-            self.counters.add(f"{type(command).__name__.lower()}_failed")
+            self.counters.add(_FAILED[type(command)])
             logger.warning("%s of chunk %s failed: %s", type(command).__name__, command.key.chunk_hash.hex()[:16],
                            "; ".join(failures))
         entry = self._entries.get(command.key)
@@ -533,13 +538,13 @@ class ChunkIndex(ChunkManager):
                     or entry.disk is not DiskState.NONE):
                 continue  # gone, moved, or a disk copy exists or is being written already
             if not self._make_disk_room():
-                self.counters.add("persist_no_room")
+                self.counters.add(Metric.PERSIST_NO_ROOM)
                 continue
             entry.disk = DiskState.WRITING
             self._disk.add(key)
             entry.readers += 1  # the slot must not be evicted or reused while ranks read it
             entry.disk_cmd = self._emit(Persist(self._ledger.new_id(), key, slot)).cmd_id
-            self.counters.add("persists")
+            self.counters.add(Metric.PERSISTS)
 
     def _finish_write(self, entry: _Entry, slot: int, ok: bool) -> None:
         if entry.slot != slot or entry.slot_state is not SlotState.WRITING:

@@ -9,6 +9,7 @@ from typing import Iterable, Iterator
 
 from ..commands import Command, Completion
 from ..tier import TierCounters
+from ..metrics import Metric
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +55,7 @@ class CommandLedger:
         for done in completions:
             pending = self._pending.get(done.cmd_id)
             if pending is None or done.rank not in pending.waiting:
-                self._counters.add("unexpected_completions")
+                self._counters.add(Metric.UNEXPECTED_COMPLETIONS)
                 logger.warning("ignoring completion of unknown command %d from rank %d", done.cmd_id, done.rank)
                 continue
             pending.waiting.discard(done.rank)

@@ -11,6 +11,7 @@ from typing import Optional, Sequence
 from ..keys import ChunkKey
 from ..tier import TierCounters
 from .contract import RemoteExists
+from ..metrics import Metric
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +36,7 @@ class RemotePresence:
         try:
             present = list(self._exists(keys))
         except Exception as exc:
-            self._counters.add("remote_lookup_errors")
+            self._counters.add(Metric.REMOTE_LOOKUP_ERRORS)
             logger.warning("remote existence check failed, treating as misses: %s", exc)
             return [False] * len(keys)
         present += [False] * (len(keys) - len(present))
