@@ -74,9 +74,9 @@ class _Request:
     bypass: bool = False  # a LoRA adapter nothing may name (lora_identity.py): no loads or stores, vLLM computes
 
 
-def _warn_about_failed_loads(channel: str, policy: str) -> None:
+def _warn_about_failed_loads(channel: adapter.FailureChannel, policy: str) -> None:
     """Once per engine: what a chunk that cannot be loaded (a lost disk file, a remote fault) does to a request."""
-    if channel == "none":
+    if channel is adapter.FailureChannel.NONE:
         logger.warning("lmcache_npu: this vLLM cannot be told a load of a model with several KV-cache groups failed "
                        "(vLLM >= 0.30 can): a failed load stops the engine rather than serve KV that may be wrong")
     elif policy != "recompute":
@@ -347,7 +347,7 @@ class SchedulerHalf:
 
     def _error_blocks(self, state: _Request, first_token: int, end_token: int) -> tuple[int, ...]:
         """The blocks an invalid-block report names (one group: vLLM maps them through that table)."""
-        if self.failure_channel != "invalid_blocks":
+        if self.failure_channel is not adapter.FailureChannel.INVALID_BLOCKS:
             return ()
         block = self.scheduler_block_size
         ids = state.blocks[0][first_token // block:(end_token + block - 1) // block]
