@@ -136,43 +136,24 @@ class SchedulerHalf:
     def set_worker_geometry(self, geometries: Sequence[WorkerGeometry]) -> None:
         """Every rank's plan (vLLM's handshake): the ranks must agree, then the index is built with as many slots as
         every rank's arena holds."""
-        ranks = sorted(g.rank for g in geometries)
-        if ranks != list(range(self.place.world)):
-            raise ValueError(f"lmcache_npu expected handshakes from ranks 0..{self.place.world - 1}, got {ranks}")
-        if not all(g.enabled for g in geometries):
-            reasons = {g.reason for g in geometries if not g.enabled}
-            logger.warning("lmcache_npu is idle: %s", "; ".join(sorted(reasons)))
+        agreed = WorkerGeometry.agree(geometries, self.place.world)
+        if agreed is None:
             return
-        first = min(geometries, key=lambda g: g.rank)
-        for g in geometries:
-            if g.namespace != first.namespace and g.layout_fingerprint == first.layout_fingerprint:
-                mine, theirs = dict(first.identity), dict(g.identity)
-                differ = sorted(k for k in mine.keys() | theirs.keys()
-                                if not k.endswith("seconds") and mine.get(k) != theirs.get(k))
-                raise ValueError(f"rank {g.rank} runs another model identity than rank {first.rank} (differing: "
-                                 f"{', '.join(differ) or 'the fingerprint'}): every rank of one engine must load the "
-                                 "same weights and config")
-            if (g.namespace, g.layout_fingerprint, g.chunk_tokens, g.object_bytes, g.groups) != (
-                    first.namespace, first.layout_fingerprint, first.chunk_tokens, first.object_bytes, first.groups):
-                raise ValueError(f"rank {g.rank} lays chunks out differently from rank {first.rank} "
-                                 f"({g.object_bytes} B vs {first.object_bytes} B per {g.chunk_tokens}-token chunk): "
-                                 "every rank of one engine must hold the same shard geometry")
-        if first.chunk_tokens % self.hash_block_size:
-            raise ValueError(f"the workers chose chunks of {first.chunk_tokens} tokens, not a multiple of the "
+        if agreed.chunk_tokens % self.hash_block_size:
+            raise ValueError(f"the workers chose chunks of {agreed.chunk_tokens} tokens, not a multiple of the "
                              f"scheduler's hash block size {self.hash_block_size}")
-        self.chunk_tokens = first.chunk_tokens
-        self.groups = first.groups
+        self.chunk_tokens = agreed.chunk_tokens
+        self.groups = agreed.groups
         self.moved = [g for g in self.groups if not g.skipped]
         self.has_end_state = any(g.recurrent for g in self.moved)
         self._block_tokens, self._state_groups = self._block_geometry()
-        num_slots = min(g.num_slots for g in geometries)
         store = self.config.store
         if store.mooncake is not None and self._remote is None:
             self._remote = scheduler_mooncake_client(store)
-        self.index = build_index(store, first.object_bytes, self.place.world, first.namespace,
-                                 first.layout_fingerprint, remote_client=self._remote, num_slots=num_slots)
-        self.namespace = first.namespace
-        self.object_bytes = first.object_bytes
+        self.index = build_index(store, agreed.object_bytes, self.place.world, agreed.namespace,
+                                 agreed.layout_fingerprint, remote_client=self._remote, num_slots=agreed.num_slots)
+        self.namespace = agreed.namespace
+        self.object_bytes = agreed.object_bytes
         self._reported_use = None  # a new index: report its state afresh
         self.index_counters.watch(self.index.counters, INDEX_METRICS)
         self._apply_usable_slots({g.rank: g.usable_slots for g in geometries if g.usable_slots is not None})
@@ -182,8 +163,9 @@ class SchedulerHalf:
                                    group_idx=0 if self.num_scheduler_groups == 1 else None)
             self.index.set_tier_listener(self.events.on_tier_change)
         logger.info("lmcache_npu scheduler: %d ranks, %d arena slots of %d B, chunks of %d tokens, %s backend on %s, "
-                    "namespace %s (weights: %s)", self.place.world, num_slots, first.object_bytes, self.chunk_tokens,
-                    first.backend, first.device, first.namespace, dict(first.identity).get("weights", "?"))
+                    "namespace %s (weights: %s)", self.place.world, agreed.num_slots, agreed.object_bytes,
+                    self.chunk_tokens, agreed.backend, agreed.device, agreed.namespace,
+                    dict(agreed.identity).get("weights", "?"))
 
     def _ready(self) -> bool:
         """The index exists (the workers' handshake arrived); says once if it has not."""
