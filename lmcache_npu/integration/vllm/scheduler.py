@@ -31,7 +31,6 @@ import numpy as np
 
 from ...config import ConnectorConfig
 from ...layout.discovery import LayoutGroup
-from ...layout.slots import chunk_slots, row_tokens, stored_block_span
 from ...store.commands import Load, Store, Tier
 from ...store.factory import build_index, scheduler_mooncake_client
 from ...store.index import ChunkIndex, LookupResult
@@ -41,8 +40,9 @@ from . import adapter
 from .events import PAYLOAD_SLACK, KVEvents, kv_events_enabled
 from .lora_identity import LoadedAdapters
 from .fence import StepWrites, StoreRead, StoreReads, tail_blocks
-from ...transfer.plans import BlockWindow, LoadPlan, StorePlan
+from ...transfer.plans import LoadPlan, StorePlan
 from .metadata import LMCacheNPUConnectorMetadata, LMCacheNPUWorkerMetadata, WorkerGeometry
+from .store_planner import StorePlanner
 from .stats import INDEX_METRICS, STORE_INFO, CounterDeltas, LMCacheNPUStats
 
 logger = logging.getLogger(__name__)
@@ -105,7 +105,7 @@ class SchedulerHalf:
         # from the workers' handshake: the plan's chunk size and groups
         self.chunk_tokens = 0
         self.groups: tuple[LayoutGroup, ...] = ()
-        self.moved: list[LayoutGroup] = []
+        self.planner = StorePlanner.of((), 0, self.num_scheduler_groups, self.scheduler_block_size)
         self.has_end_state = False
         self.index: Optional[ChunkIndex] = None
         self._remote: Optional[Any] = None  # the Mooncake client for existence checks, closed at shutdown
@@ -144,8 +144,9 @@ class SchedulerHalf:
                              f"scheduler's hash block size {self.hash_block_size}")
         self.chunk_tokens = agreed.chunk_tokens
         self.groups = agreed.groups
-        self.moved = [g for g in self.groups if not g.skipped]
-        self.has_end_state = any(g.recurrent for g in self.moved)
+        self.planner = StorePlanner.of(self.groups, self.chunk_tokens, self.num_scheduler_groups,
+                                       self.scheduler_block_size)
+        self.has_end_state = any(g.recurrent for g in self.planner.moved)
         self._block_tokens, self._state_groups = self._block_geometry()
         store = self.config.store
         if store.mooncake is not None and self._remote is None:
@@ -198,7 +199,7 @@ class SchedulerHalf:
 
     def loaded_group_ids(self) -> tuple[int, ...]:
         """The scheduler groups a load writes rows into (every group the plan moves)."""
-        return tuple(sorted({g.scheduler_group for g in self.moved}))
+        return tuple(sorted({g.scheduler_group for g in self.planner.moved}))
 
     def on_new_request(self, request: Any) -> None:
         self._state(request)
@@ -322,34 +323,12 @@ class SchedulerHalf:
         self.counters.add("hit_tokens", num_external_tokens)
         for chunk_index, _ in chunks:
             self.counters.add(f"hit_chunks_{state.found_in.get(chunk_index, Tier.ARENA)}")
+        reported = self.failure_channel is adapter.FailureChannel.INVALID_BLOCKS  # only there vLLM takes block ids
         self._loads.append(LoadPlan(
-            request_id=request.request_id, cmd_ids=cmd_ids, window=self._window(state, lookup.first_chunk, lookup.first_chunk + count),
-            first_token=first_token, end_token=end_token,
-            error_block_ids=self._error_blocks(state, first_token, end_token), refused=refused))
-
-    def _error_blocks(self, state: _Request, first_token: int, end_token: int) -> tuple[int, ...]:
-        """The blocks an invalid-block report names (one group: vLLM maps them through that table)."""
-        if self.failure_channel is not adapter.FailureChannel.INVALID_BLOCKS:
-            return ()
-        block = self.scheduler_block_size
-        ids = state.blocks[0][first_token // block:(end_token + block - 1) // block]
-        return tuple(i for i in ids if i != 0)
-
-    def _window(self, state: _Request, first_chunk: int, end_chunk: int) -> BlockWindow:
-        """The part of the request's block table that chunks [first_chunk, end_chunk) touch, per scheduler group."""
-        firsts, ids = [], []
-        for sg in range(self.num_scheduler_groups):
-            spans = [stored_block_span(g, self.chunk_tokens, first_chunk, end_chunk)
-                     for g in self.moved if g.scheduler_group == sg]
-            spans = [s for s in spans if s[1] > s[0]]
-            if not spans:
-                firsts.append(0)
-                ids.append(())
-                continue
-            lo, hi = min(s[0] for s in spans), max(s[1] for s in spans)
-            firsts.append(lo)
-            ids.append(tuple(state.blocks[sg][lo:hi]) if sg < len(state.blocks) else ())
-        return BlockWindow(tuple(firsts), tuple(ids))
+            request_id=request.request_id, cmd_ids=cmd_ids,
+            window=self.planner.window(state.blocks, lookup.first_chunk, lookup.first_chunk + count),
+            first_token=first_token, end_token=end_token, refused=refused,
+            error_block_ids=self.planner.error_blocks(state.blocks, first_token, end_token) if reported else ()))
 
     # ---- per step ---------------------------------------------------------------------------------------------
 
@@ -431,21 +410,6 @@ class SchedulerHalf:
             self.counters.add("fenced_store_commands", len(fenced))
         return fenced
 
-    def _read_of(self, request_id: str, window: BlockWindow, chunk_index: int) -> StoreRead:
-        """The blocks one stored chunk reads, every plan group (the null block left out)."""
-        blocks: set[int] = set()
-        states: set[int] = set()
-        for g in self.moved:
-            lo, hi = stored_block_span(g, self.chunk_tokens, chunk_index, chunk_index + 1)
-            first = window.first_block[g.scheduler_group]
-            ids = window.block_ids[g.scheduler_group][max(lo - first, 0):max(hi - first, 0)]
-            blocks.update(ids)
-            if g.recurrent:
-                states.update(ids)
-        blocks.discard(0)
-        return StoreRead(request_id, (chunk_index + 1) * self.chunk_tokens, tuple(sorted(blocks)),
-                         frozenset(states - {0}))
-
     def _plan_stores(self, state: _Request, computed_before: int, computed_after: int) -> Optional[StorePlan]:
         """Stores for the chunks this step completes (and earlier ones still safe to read), one command each."""
         assert self.index is not None
@@ -458,31 +422,13 @@ class SchedulerHalf:
         keys = self._keys(state, first, end_chunk)  # stops before chunks whose hash vLLM has not computed yet
         if not keys:
             return None
-        chunks = np.arange(first, first + len(keys))
-        storable = np.ones(len(keys), dtype=bool)
-        complete = np.ones(len(keys), dtype=bool)
-        for g in self.moved:
-            table = state.blocks[g.scheduler_group] if g.scheduler_group < len(state.blocks) else []
-            rows_ok = (chunk_slots(g, chunk, table, chunks) >= 0).all(axis=1)
-            if g.keeps_blocks:
-                storable &= rows_ok
-            elif g.windowed:  # rows already out of the window may sit in blocks vLLM freed and reused
-                live = adapter.first_live_window_token(computed_before, g.sliding_window, g.tokens_per_block)
-                storable &= rows_ok & (row_tokens(g, chunk, chunks)[:, 0] >= live)
-            else:  # recurrent state and chunked-local blocks are rewritten by the next step
-                this_step = (chunks + 1) * chunk > computed_before
-                if g.recurrent:
-                    complete &= rows_ok & this_step
-                else:
-                    storable &= rows_ok & this_step
+        storable, complete = self.planner.safe_chunks(state.blocks, first, len(keys), computed_before)
         state.next_chunk = first + len(keys)
         self.counters.add("store_chunks_unsafe", int((~storable).sum()))
         if not complete.all():  # a copy without end state is useless where the complete one is held
             held = self.index.presence([k for k, whole in zip(keys, complete) if not whole], remote=False)
             storable[~complete] &= ~np.array(held, dtype=bool)
-        picked = [(int(c), key if whole else key.without_end_state())
-                  for c, key, ok, whole in zip(chunks, keys, storable, complete) if ok]
-        without_end_state = {key for (_, key), whole in zip(picked, complete[storable]) if not whole}
+        picked, without_end_state = self.planner.pick(first, keys, storable, complete)
         if not picked:
             return None
         commands = self.index.allocate_store(request.request_id, picked)
@@ -492,13 +438,10 @@ class SchedulerHalf:
         if not commands:
             return None
         self._own(state, commands, state.stores)
-        partial = tuple(c.cmd_id for c in commands if c.key in without_end_state)
         self.counters.add("store_chunks", len(commands))
-        indices = tuple(c.chunk_index for c in commands)
-        window = self._window(state, min(indices), max(indices) + 1)
-        self._step_reads.extend((c.cmd_id, self._read_of(request.request_id, window, c.chunk_index))
-                                for c in commands)
-        return StorePlan(request.request_id, tuple(c.cmd_id for c in commands), window, partial)
+        plan, reads = self.planner.plan(request.request_id, state.blocks, commands, without_end_state)
+        self._step_reads.extend(reads)
+        return plan
 
     def request_finished(self, request: Any, block_ids: Sequence[Sequence[int]]) -> tuple[bool, Optional[dict]]:
         """Delays the free while stores of the request still read its pages (reported later as finished_sending).
