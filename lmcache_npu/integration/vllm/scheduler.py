@@ -39,7 +39,7 @@ from ...store.tier import TierCounters
 from . import adapter
 from .events import PAYLOAD_SLACK, KVEvents, kv_events_enabled
 from .lora_identity import LoadedAdapters
-from .fence import StepWrites, StoreRead, StoreReads, tail_blocks
+from .fence import PageFence, StepWrites, WriteGeometry
 from ...transfer.plans import LoadPlan, StorePlan
 from .metadata import LMCacheNPUConnectorMetadata, LMCacheNPUWorkerMetadata, WorkerGeometry
 from .store_planner import StorePlanner
@@ -116,10 +116,7 @@ class SchedulerHalf:
         self._owner: dict[int, _Request] = {}  # in-flight store/load cmd id -> its request
         self._loads: list[LoadPlan] = []
         self._delayed_free: list[str] = []
-        # the page fence's inputs: blocks each store read by some rank may still read (until every rank completed
-        # it), indexed by block; a step's stores join after that step's fence is decided
-        self._store_reads = StoreReads()
-        self._step_reads: list[tuple[int, StoreRead]] = []
+        self.fence = PageFence(WriteGeometry.of(self.groups, self.num_scheduler_groups))
         self._warned_idle = False
         self._adapters = LoadedAdapters()
         self._usable_by_rank: dict[int, tuple[tuple[int, int], ...]] = {}  # live arena slot ranges each rank told
@@ -128,8 +125,6 @@ class SchedulerHalf:
         self.object_bytes = 0  # one rank's chunk object (the handshake says)
         self._reported: dict[str, Any] = {}  # the tier gauges and store info as last reported
         self._reported_use: Optional[dict[str, tuple[int, int]]] = None  # the index's occupancy as last reported
-        # per scheduler group, tokens per block and the recurrent-state groups: fixed once the handshake came
-        self._block_tokens, self._state_groups = self._block_geometry()
 
     # ---- start-up ---------------------------------------------------------------------------------------------
 
@@ -147,7 +142,7 @@ class SchedulerHalf:
         self.planner = StorePlanner.of(self.groups, self.chunk_tokens, self.num_scheduler_groups,
                                        self.scheduler_block_size)
         self.has_end_state = any(g.recurrent for g in self.planner.moved)
-        self._block_tokens, self._state_groups = self._block_geometry()
+        self.fence.geometry = WriteGeometry.of(self.groups, self.num_scheduler_groups)
         store = self.config.store
         if store.mooncake is not None and self._remote is None:
             self._remote = scheduler_mooncake_client(store)
@@ -334,38 +329,20 @@ class SchedulerHalf:
 
     def build_connector_meta(self, scheduler_output: Any) -> LMCacheNPUConnectorMetadata:
         stores: list[StorePlan] = []
-        fencing = len(self._store_reads) > 0  # with no store in flight no write needs a fence: skip the bookkeeping
-        writes = StepWrites()
-        unknown = False  # a write the mirror cannot place: the fence must cover every store
-        block_tokens, state_groups = self._block_tokens, self._state_groups
+        writes = self.fence.step_writes()
         storing = self.stores_enabled and self.index is not None
         spec_tokens = scheduler_output.scheduled_spec_decode_tokens
         num_scheduled = scheduler_output.num_scheduled_tokens
         for scheduled in adapter.scheduled_requests(scheduler_output):
             state = self.requests.get(scheduled.request_id)
             if state is None:  # scheduled before this connector saw it: nothing of it is tracked
-                if fencing and scheduled.replace and scheduled.block_ids is not None:
-                    for _, blocks in tail_blocks(scheduled.block_ids, scheduled.num_computed_tokens, block_tokens):
-                        writes.anywhere(blocks)
-                elif fencing:
-                    unknown = True  # its current block is in no output we kept
+                if writes is not None:
+                    writes.collect_untracked(scheduled)
                 continue
-            if scheduled.block_ids is not None:
-                if scheduled.replace or not state.blocks:
-                    unknown |= fencing and not scheduled.replace  # appended ids, no table to place them in
-                    state.blocks = [list(ids) for ids in scheduled.block_ids]
-                else:
-                    for table, new in zip(state.blocks, scheduled.block_ids):
-                        table.extend(new)
-                    if fencing:  # freshly handed blocks (maybe freed by another request): written or zeroed now
-                        writes.anywhere(b for ids in scheduled.block_ids for b in ids)
-            if fencing:
-                whole = scheduled.replace  # a new or resumed request's blocks past its hit are all fresh
-                for sg, blocks in tail_blocks(state.blocks, scheduled.num_computed_tokens, block_tokens):
-                    if whole or sg in state_groups:
-                        writes.anywhere(blocks)
-                    else:
-                        writes.from_token(scheduled.request_id, scheduled.num_computed_tokens, blocks)
+            had_table = bool(state.blocks)
+            self._mirror(state, scheduled)
+            if writes is not None:
+                writes.collect(scheduled, state.blocks, had_table)
             if storing and not state.bypass:
                 computed_after = scheduled.num_computed_tokens + num_scheduled[scheduled.request_id]
                 if spec_tokens:
@@ -378,35 +355,31 @@ class SchedulerHalf:
         meta = LMCacheNPUConnectorMetadata(
             commands=self.index.take_commands() if self.index is not None else [],
             loads=self._loads, stores=stores, delayed_free=self._delayed_free,
-            fenced_stores=self._fenced_stores(scheduler_output, writes, unknown) if fencing else [],
+            fenced_stores=self._fenced_stores(scheduler_output, writes) if writes is not None else [],
             idle=scheduler_output.total_num_scheduled_tokens == 0)
-        for cmd_id, read in self._step_reads:  # after the fence: this step's stores run behind its forward
-            self._store_reads.add(cmd_id, read)
-        self._loads, self._delayed_free, self._step_reads = [], [], []
+        self.fence.end_step()
+        self._loads, self._delayed_free = [], []
         return meta
 
-    def _block_geometry(self) -> tuple[list[int], set[int]]:
-        """Per scheduler group, tokens per logical block (the largest of its plan groups: the earliest block a write
-        can reach; 0 where no plan group says, so its whole table counts as written), and the groups holding a
-        recurrent state (a write replaces a whole block)."""
-        block_tokens = [0] * self.num_scheduler_groups
-        for g in self.groups:
-            if g.scheduler_group < len(block_tokens):
-                block_tokens[g.scheduler_group] = max(block_tokens[g.scheduler_group], g.tokens_per_block)
-        return block_tokens, {g.scheduler_group for g in self.groups if g.recurrent}
+    @staticmethod
+    def _mirror(state: _Request, scheduled: adapter.ScheduledRequest) -> None:
+        """The request's block-table mirror takes this step's ids: a whole table (new or resumed request, or a mirror
+        that has none yet) or the newly allocated ones."""
+        if scheduled.block_ids is None:
+            return
+        if scheduled.replace or not state.blocks:
+            state.blocks = [list(ids) for ids in scheduled.block_ids]
+        else:
+            for table, new in zip(state.blocks, scheduled.block_ids):
+                table.extend(new)
 
-    def _fenced_stores(self, scheduler_output: Any, writes: StepWrites, unknown: bool) -> Optional[list[int]]:
+    def _fenced_stores(self, scheduler_output: Any, writes: StepWrites) -> Optional[list[int]]:
         """The in-flight stores that read a block this step writes; None when some write could not be placed."""
-        if unknown:
+        writes.collect_outside_forward(self._loads, adapter.blocks_to_zero(scheduler_output))
+        fenced = self.fence.fenced(writes)
+        if fenced is None:
             self.counters.add("fence_unknown_steps")
-            return None
-        for plan in self._loads:  # a load writes its window (blocks vLLM just handed to the loading request)
-            writes.anywhere(b for ids in plan.window.block_ids for b in ids)
-        # vLLM zeroes these new blocks before the forward (an output field since 0.23; absent: nothing zeroed)
-        writes.anywhere(adapter.blocks_to_zero(scheduler_output))
-        writes.anywhere_blocks.discard(0)  # vLLM's null block holds nothing a store reads
-        fenced = self._store_reads.conflicting(writes)
-        if fenced:
+        elif fenced:
             self.counters.add("fenced_store_commands", len(fenced))
         return fenced
 
@@ -440,7 +413,7 @@ class SchedulerHalf:
         self._own(state, commands, state.stores)
         self.counters.add("store_chunks", len(commands))
         plan, reads = self.planner.plan(request.request_id, state.blocks, commands, without_end_state)
-        self._step_reads.extend(reads)
+        self.fence.step_reads.extend(reads)
         return plan
 
     def request_finished(self, request: Any, block_ids: Sequence[Sequence[int]]) -> tuple[bool, Optional[dict]]:
@@ -506,7 +479,7 @@ class SchedulerHalf:
                 for cmd_id in [c for c in pending if not self.index.is_pending(c)]:
                     pending.discard(cmd_id)
                     self._owner.pop(cmd_id, None)
-                    self._store_reads.forget(cmd_id)  # every rank is done with its pages
+                    self.fence.reads.forget(cmd_id)  # every rank is done with its pages
             self._forget_if_settled(state)
 
     def _forget_if_settled(self, state: _Request) -> None:
