@@ -6,19 +6,8 @@ scheduler output), the next chunk to consider for storing, and the commands stil
 vLLM's block hash at its last token; a chunk whose recurrent (end-state) rows vLLM did not keep is stored under
 a second key that can sit inside a hit but never end one.
 
-Speculative decoding. Draft and MTP layers' KV is stored and loaded with the rest: vLLM (and vllm-ascend) put those
-layers in KV-cache groups like any other (DeepSeek MTP layers in the target's MLA group, DeepSeek-V4's in a
-sliding-window group flagged `is_eagle_group`), and a chunk holds every group. With an EAGLE-family drafter (EAGLE,
-EAGLE-3, MTP, DFlash: `adapter.eagle_block_drop`), the drafter's row at position p is computed from the target's
-hidden state at p and the token at p + 1, so the last row of a chunk depends on a token the chunk's key does not
-name. vLLM's rule for its own prefix cache is to match one block more than it uses and drop it
-(`drop_eagle_block`); it does not trim a connector's external tokens. The rule here is the same at chunk
-granularity: a hit claims only chunks followed by one more chunk some tier holds (complete, or without its end
-state), and the extra chunk is neither reserved, promoted nor loaded; the hit thus ends one chunk earlier than
-without a drafter, as vLLM's own hits end one block earlier. Stores are unchanged: with any speculative config vLLM
-calls `wait_for_save` after drafting (`finalize_kv_connector`), so a step's stores are queued behind the draft
-model's writes too (worker.py). ngram and draft-model drafting keep no row tied to the next token: no chunk is
-dropped.
+The lookup rules (end state, the EAGLE one-chunk drop) are in lookup.py, store planning in store_planner.py, the
+page fence in fence.py; this module keeps the request state and runs the steps.
 """
 
 from __future__ import annotations
@@ -36,7 +25,7 @@ from ...store.factory import build_index, scheduler_mooncake_client
 from ...store.index import ChunkIndex, LookupResult
 from ...store.keys import ChunkKey, check_stable_hashing, chunk_keys
 from ...store.tier import TierCounters
-from . import adapter
+from . import adapter, lookup
 from .events import PAYLOAD_SLACK, KVEvents, kv_events_enabled
 from .lora_identity import LoadedAdapters
 from .fence import PageFence, StepWrites, WriteGeometry
@@ -218,40 +207,23 @@ class SchedulerHalf:
         return state.keys[first:end]
 
     def _lookup(self, request_id: str, keys: list[ChunkKey]) -> tuple[LookupResult, list[ChunkKey]]:
-        """The index's answer for the longest hit, and the key chosen per hit chunk. With end-state groups a hit may
-        pass through chunks stored without their end state but must end on a complete one."""
+        """The index's answer for the longest hit, and the key chosen per hit chunk (lookup.py's end-state rule)."""
         assert self.index is not None
         if not self.has_end_state:
             return self.index.lookup(request_id, keys), keys
-        partial = [k.without_end_state() for k in keys]
-        present = self.index.presence(keys + partial)
-        chosen: list[ChunkKey] = []
-        complete_end = 0
-        for c, key in enumerate(keys):
-            if present[c]:
-                chosen.append(key)
-                complete_end = c + 1
-            elif present[len(keys) + c]:
-                chosen.append(partial[c])
-            else:
-                break
-        chosen = chosen[:complete_end]
+        present = self.index.presence(lookup.probes(keys, self.has_end_state))
+        chosen = lookup.through_partial(keys, present)
         result = self.index.lookup(request_id, chosen)
-        end = max((c + 1 for c in range(result.hit_chunks) if chosen[c] is keys[c]), default=0)
-        return LookupResult(end, min(result.ready_chunks, end), result.sources[:end]), chosen[:end]
+        return lookup.ending_complete(result, chosen, keys)
 
     def _before_last_held(self, state: _Request, first: int, limit: int) -> list[ChunkKey]:
-        """EAGLE/MTP: the keys of chunks [first, ...) a hit may claim, at most `limit`: every held chunk but the last
-        of the longest run that some tier holds (complete or without end state), which only proves that the token
-        after the claimed chunks' last row matches. Nothing is reserved or promoted for the proof."""
+        """EAGLE/MTP: the keys of chunks [first, ...) a hit may claim, at most `limit` (lookup.py's one-chunk drop).
+        Nothing is reserved or promoted for the proof."""
         assert self.index is not None
         keys = self._keys(state, first, state.request.num_tokens // self.chunk_tokens)
-        probes = keys + [k.without_end_state() for k in keys] if self.has_end_state else keys
-        present = self.index.presence(probes)
-        held = 0
-        while held < len(keys) and (present[held] or (self.has_end_state and present[len(keys) + held])):
-            held += 1
-        claimable = min(limit, max(held - 1, 0))
+        present = self.index.presence(lookup.probes(keys, self.has_end_state))
+        held = lookup.held_run(present, len(keys), self.has_end_state)
+        claimable = lookup.claimable_before_last_held(held, limit)
         if min(limit, held) > claimable:
             self.counters.add("eagle_dropped_chunks", min(limit, held) - claimable)
         return keys[:claimable]
