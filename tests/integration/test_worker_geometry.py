@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from lmcache_npu.integration.vllm.metadata import WorkerGeometry
+from lmcache_npu.integration.vllm.metadata import WorkerGeometry, usable_on_every_rank
 
 
 def _rank(rank: int, **changes: object) -> WorkerGeometry:
@@ -44,3 +44,10 @@ def test_a_rank_that_moves_nothing_makes_the_engine_idle_and_says_why(caplog: py
 def test_ranks_that_differ_are_refused_with_what_differs(changes: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         WorkerGeometry.agree([_rank(0), _rank(1, **changes)], world=2)
+
+
+def test_usable_slots_are_those_live_on_every_rank_that_reported() -> None:
+    assert usable_on_every_rank({0: ((0, 4), (6, 10)), 1: ((2, 8),)}, 10) == ((2, 4), (6, 8))
+    assert usable_on_every_rank({0: ((0, 20),)}, 10) == ((0, 10),)  # a range past the arena ends with it
+    assert usable_on_every_rank({}, 3) == ((0, 3),)  # control: no report, every slot usable
+    assert usable_on_every_rank({0: ((0, 4),), 1: ((4, 8),)}, 10) == ()

@@ -14,7 +14,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Mapping, Optional, Sequence
+
+import numpy as np
 
 from ...layout.discovery import LayoutGroup
 from ...store.commands import Command, Completion
@@ -38,6 +40,19 @@ class LMCacheNPUConnectorMetadata(KVConnectorMetadata):
 
 
 SlotRanges = tuple[tuple[int, int], ...]  # [first, end) arena slot ranges
+
+
+def usable_on_every_rank(by_rank: Mapping[int, SlotRanges], num_slots: int) -> SlotRanges:
+    """The slots of `num_slots` inside a live range of every rank that reported (one that has not counts as fully
+    live: its handshake said nothing)."""
+    usable = np.ones(num_slots, dtype=bool)
+    for ranges in by_rank.values():
+        live = np.zeros(num_slots, dtype=bool)
+        for begin, end in ranges:
+            live[begin:min(end, num_slots)] = True
+        usable &= live
+    edges = np.flatnonzero(np.diff(np.concatenate(([0], usable.view(np.int8), [0]))))
+    return tuple((int(b), int(e)) for b, e in zip(edges[::2], edges[1::2]))
 
 
 @dataclass

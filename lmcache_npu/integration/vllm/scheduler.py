@@ -30,9 +30,10 @@ from .events import PAYLOAD_SLACK, KVEvents, kv_events_enabled
 from .lora_identity import LoadedAdapters
 from .fence import PageFence, StepWrites, WriteGeometry
 from ...transfer.plans import LoadPlan, StorePlan
-from .metadata import LMCacheNPUConnectorMetadata, LMCacheNPUWorkerMetadata, WorkerGeometry
+from .metadata import LMCacheNPUConnectorMetadata, LMCacheNPUWorkerMetadata, WorkerGeometry, usable_on_every_rank
 from .store_planner import StorePlanner
-from .stats import INDEX_METRICS, STORE_INFO, CounterDeltas, LMCacheNPUStats
+from .stats import INDEX_METRICS, CounterDeltas, LMCacheNPUStats
+from .store_gauges import StoreGauges
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +85,7 @@ class SchedulerHalf:
                              f"{self.hash_block_size}: a chunk is keyed by the block hash at its last token")
         self.num_scheduler_groups = len(kv_cache_config.kv_cache_groups)
         self.failure_channel = adapter.failure_channel(self.num_scheduler_groups)
-        # an EAGLE/MTP drafter: a hit ends one chunk before the last chunk held (the module docstring says why)
+        # an EAGLE/MTP drafter: a hit ends one chunk before the last chunk held (lookup.py says why)
         self.eagle_block_drop = adapter.eagle_block_drop(vllm_config)
         _warn_about_failed_loads(self.failure_channel, adapter.load_failure_policy(vllm_config))
         if config.store.disk_path is not None or config.store.mooncake is not None:
@@ -112,8 +113,7 @@ class SchedulerHalf:
         self._events_enabled = kv_events_enabled(vllm_config)  # routers listen: the index reports its tier changes
         self.events: Optional[KVEvents] = None
         self.object_bytes = 0  # one rank's chunk object (the handshake says)
-        self._reported: dict[str, Any] = {}  # the tier gauges and store info as last reported
-        self._reported_use: Optional[dict[str, tuple[int, int]]] = None  # the index's occupancy as last reported
+        self._gauges = StoreGauges()
 
     # ---- start-up ---------------------------------------------------------------------------------------------
 
@@ -139,7 +139,7 @@ class SchedulerHalf:
                                  agreed.layout_fingerprint, remote_client=self._remote, num_slots=agreed.num_slots)
         self.namespace = agreed.namespace
         self.object_bytes = agreed.object_bytes
-        self._reported_use = None  # a new index: report its state afresh
+        self._gauges.reset()
         self.index_counters.watch(self.index.counters, INDEX_METRICS)
         self._apply_usable_slots({g.rank: g.usable_slots for g in geometries if g.usable_slots is not None})
         if self._events_enabled:
@@ -416,16 +416,10 @@ class SchedulerHalf:
         self._usable_by_rank.update(reports)
         if self.index is None or not reports:
             return
-        usable = np.ones(self.index.num_slots, dtype=bool)
-        for ranges in self._usable_by_rank.values():
-            live = np.zeros(self.index.num_slots, dtype=bool)
-            for begin, end in ranges:
-                live[begin:min(end, self.index.num_slots)] = True
-            usable &= live
-        edges = np.flatnonzero(np.diff(np.concatenate(([0], usable.view(np.int8), [0]))))
-        self.index.limit_slots([(int(b), int(e)) for b, e in zip(edges[::2], edges[1::2])])
+        usable = usable_on_every_rank(self._usable_by_rank, self.index.num_slots)
+        self.index.limit_slots(list(usable))
         logger.info("lmcache_npu scheduler: %d of %d arena slots usable (live segments on every rank)",
-                    int(usable.sum()), self.index.num_slots)
+                    sum(end - begin for begin, end in usable), self.index.num_slots)
 
     def update_connector_output(self, connector_output: Any) -> None:
         """Every rank's completions reach the index; a request's command counts as done once all ranks answered."""
@@ -460,29 +454,10 @@ class SchedulerHalf:
             del self.requests[request_id]
 
     def stats(self) -> LMCacheNPUStats:
-        return LMCacheNPUStats.of({**self.counters.drain(), **self.index_counters.take(), **self._changed_state()})
-
-    def _changed_state(self) -> dict[str, Any]:
-        """The tiers' use and capacity and the store's identity, only where they changed since the last report (an
-        idle engine reports nothing)."""
-        if self.index is None:
-            return {}
-        use = self.index.occupancy()
-        if use == self._reported_use:  # the rest is fixed once the index exists: nothing to compare
-            return {}
-        self._reported_use = use
-        store = self.config.store
-        tiers = ",".join(t for t, on in (("cpu", True), ("disk", store.disk_path is not None),
-                                         ("mooncake", store.mooncake is not None)) if on)
-        state: dict[str, Any] = {
-            "cpu_used_chunks": use[Tier.ARENA][0], "cpu_capacity_chunks": use[Tier.ARENA][1],
-            "disk_used_chunks": use[Tier.DISK][0], "disk_capacity_chunks": use[Tier.DISK][1],
-            "chunk_bytes": self.object_bytes * self.place.world, "chunk_tokens": self.chunk_tokens,
-            STORE_INFO: (self.namespace, self.index.eviction_policy, tiers),
-        }
-        changed = {name: value for name, value in state.items() if self._reported.get(name) != value}
-        self._reported.update(changed)
-        return changed
+        gauges = {} if self.index is None else self._gauges.changed(
+            self.index.occupancy(), self.config, self.index.eviction_policy, self.namespace,
+            self.object_bytes * self.place.world, self.chunk_tokens)
+        return LMCacheNPUStats.of({**self.counters.drain(), **self.index_counters.take(), **gauges})
 
     def take_events(self) -> list[Any]:
         """vLLM KV events for the chunks that entered or left a tier since the last call (empty unless vLLM's KV
