@@ -41,7 +41,7 @@ def assert_quiescent(engine: Engine) -> None:
     half = engine.connector.scheduler_half
     assert not half.requests, f"scheduler half still tracks {list(half.requests)}"
     assert not half._owner and not half._loads and not half._delayed_free
-    assert len(half._store_reads) == 0 and not half._step_reads, "the page fence still counts stores in flight"
+    assert len(half.fence.reads) == 0 and not half.fence.step_reads, "the page fence still counts stores in flight"
     index = half.index
     assert index is not None
     index.check_invariants()

@@ -27,8 +27,10 @@ def test_the_live_window_rule_matches_vllms_sliding_window_manager(window, block
 def test_failure_channel_by_version_and_groups():
     if adapter.HAS_TRANSFER_RESULTS:
         assert adapter.failure_channel(1) == adapter.failure_channel(6) == "failed_recving"
+        assert adapter.failure_channel(6) is adapter.FailureChannel.FAILED_RECVING
     else:
         assert (adapter.failure_channel(1), adapter.failure_channel(2)) == ("invalid_blocks", "none")
+        assert adapter.failure_channel(2) is adapter.FailureChannel.NONE
 
 
 @pytest.mark.parametrize("text,version", [("0.23.0", (0, 23, 0)), ("0.32.0+cpu", (0, 32, 0)),

@@ -13,6 +13,7 @@ import json
 import logging
 import re
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any, Iterable, Iterator, NamedTuple, Optional, Sequence
 
 import vllm
@@ -228,17 +229,23 @@ def kv_role(vllm_config: Any) -> tuple[bool, bool]:
     return bool(config.is_kv_producer), bool(config.is_kv_consumer)
 
 
-def failure_channel(num_groups: int) -> str:
-    """How a failed load reaches the scheduler so vLLM recomputes it:
-    * "failed_recving": vLLM >= 0.30 takes request ids (`get_transfer_results`), any number of groups;
-    * "invalid_blocks": block ids (`get_block_ids_with_load_errors`), which vLLM 0.23-0.29 maps through one group's
-      block table only;
-    * "none": vLLM 0.23-0.29 with several KV-cache groups has no way to be told (its invalid-block handler unpacks
-      a single group and crashes), so a load that keeps failing stops the engine instead of serving wrong KV.
-    """
+class FailureChannel(str, Enum):
+    """How a failed load reaches the scheduler so vLLM recomputes it (the value is the name the logs and tests use)."""
+
+    # vLLM >= 0.30 takes request ids (`get_transfer_results`), any number of groups
+    FAILED_RECVING = "failed_recving"
+    # block ids (`get_block_ids_with_load_errors`), which vLLM 0.23-0.29 maps through one group's block table only
+    INVALID_BLOCKS = "invalid_blocks"
+    # vLLM 0.23-0.29 with several KV-cache groups has no way to be told (its invalid-block handler unpacks a single
+    # group and crashes), so a load that keeps failing stops the engine instead of serving wrong KV
+    NONE = "none"
+
+
+def failure_channel(num_groups: int) -> FailureChannel:
+    """The channel this vLLM offers an engine with `num_groups` KV-cache groups."""
     if HAS_TRANSFER_RESULTS:
-        return "failed_recving"
-    return "invalid_blocks" if num_groups == 1 else "none"
+        return FailureChannel.FAILED_RECVING
+    return FailureChannel.INVALID_BLOCKS if num_groups == 1 else FailureChannel.NONE
 
 
 # ---- scheduler objects ------------------------------------------------------------------------------------------

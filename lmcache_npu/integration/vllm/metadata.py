@@ -12,13 +12,18 @@ groups are collapsed to one arbitrary layer's spec.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Mapping, Optional, Sequence
+
+import numpy as np
 
 from ...layout.discovery import LayoutGroup
 from ...store.commands import Command, Completion
 from ...transfer.plans import LoadPlan, StorePlan
 from .adapter import KVConnectorHandshakeMetadata, KVConnectorMetadata, KVConnectorWorkerMetadata
+
+logger = logging.getLogger(__name__)
 
 @dataclass
 class LMCacheNPUConnectorMetadata(KVConnectorMetadata):
@@ -35,6 +40,19 @@ class LMCacheNPUConnectorMetadata(KVConnectorMetadata):
 
 
 SlotRanges = tuple[tuple[int, int], ...]  # [first, end) arena slot ranges
+
+
+def usable_on_every_rank(by_rank: Mapping[int, SlotRanges], num_slots: int) -> SlotRanges:
+    """The slots of `num_slots` inside a live range of every rank that reported (one that has not counts as fully
+    live: its handshake said nothing)."""
+    usable = np.ones(num_slots, dtype=bool)
+    for ranges in by_rank.values():
+        live = np.zeros(num_slots, dtype=bool)
+        for begin, end in ranges:
+            live[begin:min(end, num_slots)] = True
+        usable &= live
+    edges = np.flatnonzero(np.diff(np.concatenate(([0], usable.view(np.int8), [0]))))
+    return tuple((int(b), int(e)) for b, e in zip(edges[::2], edges[1::2]))
 
 
 @dataclass
@@ -68,6 +86,34 @@ class WorkerGeometry(KVConnectorHandshakeMetadata):
     backend: str = ""
     device: str = ""
     identity: tuple[tuple[str, str], ...] = ()  # what the rank's model fingerprint was made of (`EngineIdentity`)
+
+    @staticmethod
+    def agree(geometries: Sequence["WorkerGeometry"], world: int) -> Optional["WorkerGeometry"]:
+        """The plan every rank of an engine of `world` ranks holds: the lowest rank's, with as many slots as every
+        rank's arena has. None (the ranks' reasons logged) when some rank moves nothing; a ValueError when a rank is
+        missing, loads other weights or lays chunks out differently."""
+        ranks = sorted(g.rank for g in geometries)
+        if ranks != list(range(world)):
+            raise ValueError(f"lmcache_npu expected handshakes from ranks 0..{world - 1}, got {ranks}")
+        if not all(g.enabled for g in geometries):
+            reasons = {g.reason for g in geometries if not g.enabled}
+            logger.warning("lmcache_npu is idle: %s", "; ".join(sorted(reasons)))
+            return None
+        first = min(geometries, key=lambda g: g.rank)
+        for g in geometries:
+            if g.namespace != first.namespace and g.layout_fingerprint == first.layout_fingerprint:
+                mine, theirs = dict(first.identity), dict(g.identity)
+                differ = sorted(k for k in mine.keys() | theirs.keys()
+                                if not k.endswith("seconds") and mine.get(k) != theirs.get(k))
+                raise ValueError(f"rank {g.rank} runs another model identity than rank {first.rank} (differing: "
+                                 f"{', '.join(differ) or 'the fingerprint'}): every rank of one engine must load the "
+                                 "same weights and config")
+            if (g.namespace, g.layout_fingerprint, g.chunk_tokens, g.object_bytes, g.groups) != (
+                    first.namespace, first.layout_fingerprint, first.chunk_tokens, first.object_bytes, first.groups):
+                raise ValueError(f"rank {g.rank} lays chunks out differently from rank {first.rank} "
+                                 f"({g.object_bytes} B vs {first.object_bytes} B per {g.chunk_tokens}-token chunk): "
+                                 "every rank of one engine must hold the same shard geometry")
+        return dataclasses.replace(first, num_slots=min(g.num_slots for g in geometries))
 
 
 def plan_group_geometry(groups: tuple[LayoutGroup, ...]) -> tuple[LayoutGroup, ...]:

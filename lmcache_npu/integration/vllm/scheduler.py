@@ -6,19 +6,8 @@ scheduler output), the next chunk to consider for storing, and the commands stil
 vLLM's block hash at its last token; a chunk whose recurrent (end-state) rows vLLM did not keep is stored under
 a second key that can sit inside a hit but never end one.
 
-Speculative decoding. Draft and MTP layers' KV is stored and loaded with the rest: vLLM (and vllm-ascend) put those
-layers in KV-cache groups like any other (DeepSeek MTP layers in the target's MLA group, DeepSeek-V4's in a
-sliding-window group flagged `is_eagle_group`), and a chunk holds every group. With an EAGLE-family drafter (EAGLE,
-EAGLE-3, MTP, DFlash: `adapter.eagle_block_drop`), the drafter's row at position p is computed from the target's
-hidden state at p and the token at p + 1, so the last row of a chunk depends on a token the chunk's key does not
-name. vLLM's rule for its own prefix cache is to match one block more than it uses and drop it
-(`drop_eagle_block`); it does not trim a connector's external tokens. The rule here is the same at chunk
-granularity: a hit claims only chunks followed by one more chunk some tier holds (complete, or without its end
-state), and the extra chunk is neither reserved, promoted nor loaded; the hit thus ends one chunk earlier than
-without a drafter, as vLLM's own hits end one block earlier. Stores are unchanged: with any speculative config vLLM
-calls `wait_for_save` after drafting (`finalize_kv_connector`), so a step's stores are queued behind the draft
-model's writes too (worker.py). ngram and draft-model drafting keep no row tied to the next token: no chunk is
-dropped.
+The lookup rules (end state, the EAGLE one-chunk drop) are in lookup.py, store planning in store_planner.py, the
+page fence in fence.py; this module keeps the request state and runs the steps.
 """
 
 from __future__ import annotations
@@ -31,20 +20,21 @@ import numpy as np
 
 from ...config import ConnectorConfig
 from ...layout.discovery import LayoutGroup
-from ...layout.slots import chunk_slots, row_tokens, stored_block_span
 from ...store.commands import Load, Store, Tier
 from ...store.factory import build_index, scheduler_mooncake_client
 from ...store.index.chunk_index import ChunkIndex
 from ...store.index.contract import LookupResult
 from ...store.keys import ChunkKey, check_stable_hashing, chunk_keys
 from ...store.tier import TierCounters
-from . import adapter
+from . import adapter, lookup
 from .events import PAYLOAD_SLACK, KVEvents, kv_events_enabled
 from .lora_identity import LoadedAdapters
-from .fence import StepWrites, StoreRead, StoreReads, tail_blocks
-from ...transfer.plans import BlockWindow, LoadPlan, StorePlan
-from .metadata import LMCacheNPUConnectorMetadata, LMCacheNPUWorkerMetadata, WorkerGeometry
-from .stats import INDEX_METRICS, STORE_INFO, CounterDeltas, LMCacheNPUStats
+from .fence import PageFence, StepWrites, WriteGeometry
+from ...transfer.plans import LoadPlan, StorePlan
+from .metadata import LMCacheNPUConnectorMetadata, LMCacheNPUWorkerMetadata, WorkerGeometry, usable_on_every_rank
+from .store_planner import StorePlanner
+from .stats import INDEX_METRICS, CounterDeltas, LMCacheNPUStats
+from .store_gauges import StoreGauges
 
 logger = logging.getLogger(__name__)
 
@@ -75,9 +65,9 @@ class _Request:
     bypass: bool = False  # a LoRA adapter nothing may name (lora_identity.py): no loads or stores, vLLM computes
 
 
-def _warn_about_failed_loads(channel: str, policy: str) -> None:
+def _warn_about_failed_loads(channel: adapter.FailureChannel, policy: str) -> None:
     """Once per engine: what a chunk that cannot be loaded (a lost disk file, a remote fault) does to a request."""
-    if channel == "none":
+    if channel is adapter.FailureChannel.NONE:
         logger.warning("lmcache_npu: this vLLM cannot be told a load of a model with several KV-cache groups failed "
                        "(vLLM >= 0.30 can): a failed load stops the engine rather than serve KV that may be wrong")
     elif policy != "recompute":
@@ -96,7 +86,7 @@ class SchedulerHalf:
                              f"{self.hash_block_size}: a chunk is keyed by the block hash at its last token")
         self.num_scheduler_groups = len(kv_cache_config.kv_cache_groups)
         self.failure_channel = adapter.failure_channel(self.num_scheduler_groups)
-        # an EAGLE/MTP drafter: a hit ends one chunk before the last chunk held (the module docstring says why)
+        # an EAGLE/MTP drafter: a hit ends one chunk before the last chunk held (lookup.py says why)
         self.eagle_block_drop = adapter.eagle_block_drop(vllm_config)
         _warn_about_failed_loads(self.failure_channel, adapter.load_failure_policy(vllm_config))
         if config.store.disk_path is not None or config.store.mooncake is not None:
@@ -106,7 +96,7 @@ class SchedulerHalf:
         # from the workers' handshake: the plan's chunk size and groups
         self.chunk_tokens = 0
         self.groups: tuple[LayoutGroup, ...] = ()
-        self.moved: list[LayoutGroup] = []
+        self.planner = StorePlanner.of((), 0, self.num_scheduler_groups, self.scheduler_block_size)
         self.has_end_state = False
         self.index: Optional[ChunkIndex] = None
         self._remote: Optional[Any] = None  # the Mooncake client for existence checks, closed at shutdown
@@ -117,64 +107,40 @@ class SchedulerHalf:
         self._owner: dict[int, _Request] = {}  # in-flight store/load cmd id -> its request
         self._loads: list[LoadPlan] = []
         self._delayed_free: list[str] = []
-        # the page fence's inputs: blocks each store read by some rank may still read (until every rank completed
-        # it), indexed by block; a step's stores join after that step's fence is decided
-        self._store_reads = StoreReads()
-        self._step_reads: list[tuple[int, StoreRead]] = []
+        self.fence = PageFence(WriteGeometry.of(self.groups, self.num_scheduler_groups))
         self._warned_idle = False
         self._adapters = LoadedAdapters()
         self._usable_by_rank: dict[int, tuple[tuple[int, int], ...]] = {}  # live arena slot ranges each rank told
         self._events_enabled = kv_events_enabled(vllm_config)  # routers listen: the index reports its tier changes
         self.events: Optional[KVEvents] = None
         self.object_bytes = 0  # one rank's chunk object (the handshake says)
-        self._reported: dict[str, Any] = {}  # the tier gauges and store info as last reported
-        self._reported_use: Optional[dict[str, tuple[int, int]]] = None  # the index's occupancy as last reported
-        # per scheduler group, tokens per block and the recurrent-state groups: fixed once the handshake came
-        self._block_tokens, self._state_groups = self._block_geometry()
+        self._gauges = StoreGauges()
 
     # ---- start-up ---------------------------------------------------------------------------------------------
 
     def set_worker_geometry(self, geometries: Sequence[WorkerGeometry]) -> None:
         """Every rank's plan (vLLM's handshake): the ranks must agree, then the index is built with as many slots as
         every rank's arena holds."""
-        ranks = sorted(g.rank for g in geometries)
-        if ranks != list(range(self.place.world)):
-            raise ValueError(f"lmcache_npu expected handshakes from ranks 0..{self.place.world - 1}, got {ranks}")
-        if not all(g.enabled for g in geometries):
-            reasons = {g.reason for g in geometries if not g.enabled}
-            logger.warning("lmcache_npu is idle: %s", "; ".join(sorted(reasons)))
+        agreed = WorkerGeometry.agree(geometries, self.place.world)
+        if agreed is None:
             return
-        first = min(geometries, key=lambda g: g.rank)
-        for g in geometries:
-            if g.namespace != first.namespace and g.layout_fingerprint == first.layout_fingerprint:
-                mine, theirs = dict(first.identity), dict(g.identity)
-                differ = sorted(k for k in mine.keys() | theirs.keys()
-                                if not k.endswith("seconds") and mine.get(k) != theirs.get(k))
-                raise ValueError(f"rank {g.rank} runs another model identity than rank {first.rank} (differing: "
-                                 f"{', '.join(differ) or 'the fingerprint'}): every rank of one engine must load the "
-                                 "same weights and config")
-            if (g.namespace, g.layout_fingerprint, g.chunk_tokens, g.object_bytes, g.groups) != (
-                    first.namespace, first.layout_fingerprint, first.chunk_tokens, first.object_bytes, first.groups):
-                raise ValueError(f"rank {g.rank} lays chunks out differently from rank {first.rank} "
-                                 f"({g.object_bytes} B vs {first.object_bytes} B per {g.chunk_tokens}-token chunk): "
-                                 "every rank of one engine must hold the same shard geometry")
-        if first.chunk_tokens % self.hash_block_size:
-            raise ValueError(f"the workers chose chunks of {first.chunk_tokens} tokens, not a multiple of the "
+        if agreed.chunk_tokens % self.hash_block_size:
+            raise ValueError(f"the workers chose chunks of {agreed.chunk_tokens} tokens, not a multiple of the "
                              f"scheduler's hash block size {self.hash_block_size}")
-        self.chunk_tokens = first.chunk_tokens
-        self.groups = first.groups
-        self.moved = [g for g in self.groups if not g.skipped]
-        self.has_end_state = any(g.recurrent for g in self.moved)
-        self._block_tokens, self._state_groups = self._block_geometry()
-        num_slots = min(g.num_slots for g in geometries)
+        self.chunk_tokens = agreed.chunk_tokens
+        self.groups = agreed.groups
+        self.planner = StorePlanner.of(self.groups, self.chunk_tokens, self.num_scheduler_groups,
+                                       self.scheduler_block_size)
+        self.has_end_state = any(g.recurrent for g in self.planner.moved)
+        self.fence.geometry = WriteGeometry.of(self.groups, self.num_scheduler_groups)
         store = self.config.store
         if store.mooncake is not None and self._remote is None:
             self._remote = scheduler_mooncake_client(store)
-        self.index = build_index(store, first.object_bytes, self.place.world, first.namespace,
-                                 first.layout_fingerprint, remote_client=self._remote, num_slots=num_slots)
-        self.namespace = first.namespace
-        self.object_bytes = first.object_bytes
-        self._reported_use = None  # a new index: report its state afresh
+        self.index = build_index(store, agreed.object_bytes, self.place.world, agreed.namespace,
+                                 agreed.layout_fingerprint, remote_client=self._remote, num_slots=agreed.num_slots)
+        self.namespace = agreed.namespace
+        self.object_bytes = agreed.object_bytes
+        self._gauges.reset()
         self.index_counters.watch(self.index.counters, INDEX_METRICS)
         self._apply_usable_slots({g.rank: g.usable_slots for g in geometries if g.usable_slots is not None})
         if self._events_enabled:
@@ -183,8 +149,9 @@ class SchedulerHalf:
                                    group_idx=0 if self.num_scheduler_groups == 1 else None)
             self.index.set_tier_listener(self.events.on_tier_change)
         logger.info("lmcache_npu scheduler: %d ranks, %d arena slots of %d B, chunks of %d tokens, %s backend on %s, "
-                    "namespace %s (weights: %s)", self.place.world, num_slots, first.object_bytes, self.chunk_tokens,
-                    first.backend, first.device, first.namespace, dict(first.identity).get("weights", "?"))
+                    "namespace %s (weights: %s)", self.place.world, agreed.num_slots, agreed.object_bytes,
+                    self.chunk_tokens, agreed.backend, agreed.device, agreed.namespace,
+                    dict(agreed.identity).get("weights", "?"))
 
     def _ready(self) -> bool:
         """The index exists (the workers' handshake arrived); says once if it has not."""
@@ -217,7 +184,7 @@ class SchedulerHalf:
 
     def loaded_group_ids(self) -> tuple[int, ...]:
         """The scheduler groups a load writes rows into (every group the plan moves)."""
-        return tuple(sorted({g.scheduler_group for g in self.moved}))
+        return tuple(sorted({g.scheduler_group for g in self.planner.moved}))
 
     def on_new_request(self, request: Any) -> None:
         self._state(request)
@@ -241,40 +208,23 @@ class SchedulerHalf:
         return state.keys[first:end]
 
     def _lookup(self, request_id: str, keys: list[ChunkKey]) -> tuple[LookupResult, list[ChunkKey]]:
-        """The index's answer for the longest hit, and the key chosen per hit chunk. With end-state groups a hit may
-        pass through chunks stored without their end state but must end on a complete one."""
+        """The index's answer for the longest hit, and the key chosen per hit chunk (lookup.py's end-state rule)."""
         assert self.index is not None
         if not self.has_end_state:
             return self.index.lookup(request_id, keys), keys
-        partial = [k.without_end_state() for k in keys]
-        present = self.index.presence(keys + partial)
-        chosen: list[ChunkKey] = []
-        complete_end = 0
-        for c, key in enumerate(keys):
-            if present[c]:
-                chosen.append(key)
-                complete_end = c + 1
-            elif present[len(keys) + c]:
-                chosen.append(partial[c])
-            else:
-                break
-        chosen = chosen[:complete_end]
+        present = self.index.presence(lookup.probes(keys, self.has_end_state))
+        chosen = lookup.through_partial(keys, present)
         result = self.index.lookup(request_id, chosen)
-        end = max((c + 1 for c in range(result.hit_chunks) if chosen[c] is keys[c]), default=0)
-        return LookupResult(end, min(result.ready_chunks, end), result.sources[:end]), chosen[:end]
+        return lookup.ending_complete(result, chosen, keys)
 
     def _before_last_held(self, state: _Request, first: int, limit: int) -> list[ChunkKey]:
-        """EAGLE/MTP: the keys of chunks [first, ...) a hit may claim, at most `limit`: every held chunk but the last
-        of the longest run that some tier holds (complete or without end state), which only proves that the token
-        after the claimed chunks' last row matches. Nothing is reserved or promoted for the proof."""
+        """EAGLE/MTP: the keys of chunks [first, ...) a hit may claim, at most `limit` (lookup.py's one-chunk drop).
+        Nothing is reserved or promoted for the proof."""
         assert self.index is not None
         keys = self._keys(state, first, state.request.num_tokens // self.chunk_tokens)
-        probes = keys + [k.without_end_state() for k in keys] if self.has_end_state else keys
-        present = self.index.presence(probes)
-        held = 0
-        while held < len(keys) and (present[held] or (self.has_end_state and present[len(keys) + held])):
-            held += 1
-        claimable = min(limit, max(held - 1, 0))
+        present = self.index.presence(lookup.probes(keys, self.has_end_state))
+        held = lookup.held_run(present, len(keys), self.has_end_state)
+        claimable = lookup.claimable_before_last_held(held, limit)
         if min(limit, held) > claimable:
             self.counters.add("eagle_dropped_chunks", min(limit, held) - claimable)
         return keys[:claimable]
@@ -341,71 +291,31 @@ class SchedulerHalf:
         self.counters.add("hit_tokens", num_external_tokens)
         for chunk_index, _ in chunks:
             self.counters.add(f"hit_chunks_{state.found_in.get(chunk_index, Tier.ARENA)}")
+        reported = self.failure_channel is adapter.FailureChannel.INVALID_BLOCKS  # only there vLLM takes block ids
         self._loads.append(LoadPlan(
-            request_id=request.request_id, cmd_ids=cmd_ids, window=self._window(state, lookup.first_chunk, lookup.first_chunk + count),
-            first_token=first_token, end_token=end_token,
-            error_block_ids=self._error_blocks(state, first_token, end_token), refused=refused))
-
-    def _error_blocks(self, state: _Request, first_token: int, end_token: int) -> tuple[int, ...]:
-        """The blocks an invalid-block report names (one group: vLLM maps them through that table)."""
-        if self.failure_channel != "invalid_blocks":
-            return ()
-        block = self.scheduler_block_size
-        ids = state.blocks[0][first_token // block:(end_token + block - 1) // block]
-        return tuple(i for i in ids if i != 0)
-
-    def _window(self, state: _Request, first_chunk: int, end_chunk: int) -> BlockWindow:
-        """The part of the request's block table that chunks [first_chunk, end_chunk) touch, per scheduler group."""
-        firsts, ids = [], []
-        for sg in range(self.num_scheduler_groups):
-            spans = [stored_block_span(g, self.chunk_tokens, first_chunk, end_chunk)
-                     for g in self.moved if g.scheduler_group == sg]
-            spans = [s for s in spans if s[1] > s[0]]
-            if not spans:
-                firsts.append(0)
-                ids.append(())
-                continue
-            lo, hi = min(s[0] for s in spans), max(s[1] for s in spans)
-            firsts.append(lo)
-            ids.append(tuple(state.blocks[sg][lo:hi]) if sg < len(state.blocks) else ())
-        return BlockWindow(tuple(firsts), tuple(ids))
+            request_id=request.request_id, cmd_ids=cmd_ids,
+            window=self.planner.window(state.blocks, lookup.first_chunk, lookup.first_chunk + count),
+            first_token=first_token, end_token=end_token, refused=refused,
+            error_block_ids=self.planner.error_blocks(state.blocks, first_token, end_token) if reported else ()))
 
     # ---- per step ---------------------------------------------------------------------------------------------
 
     def build_connector_meta(self, scheduler_output: Any) -> LMCacheNPUConnectorMetadata:
         stores: list[StorePlan] = []
-        fencing = len(self._store_reads) > 0  # with no store in flight no write needs a fence: skip the bookkeeping
-        writes = StepWrites()
-        unknown = False  # a write the mirror cannot place: the fence must cover every store
-        block_tokens, state_groups = self._block_tokens, self._state_groups
+        writes = self.fence.step_writes()
         storing = self.stores_enabled and self.index is not None
         spec_tokens = scheduler_output.scheduled_spec_decode_tokens
         num_scheduled = scheduler_output.num_scheduled_tokens
         for scheduled in adapter.scheduled_requests(scheduler_output):
             state = self.requests.get(scheduled.request_id)
             if state is None:  # scheduled before this connector saw it: nothing of it is tracked
-                if fencing and scheduled.replace and scheduled.block_ids is not None:
-                    for _, blocks in tail_blocks(scheduled.block_ids, scheduled.num_computed_tokens, block_tokens):
-                        writes.anywhere(blocks)
-                elif fencing:
-                    unknown = True  # its current block is in no output we kept
+                if writes is not None:
+                    writes.collect_untracked(scheduled)
                 continue
-            if scheduled.block_ids is not None:
-                if scheduled.replace or not state.blocks:
-                    unknown |= fencing and not scheduled.replace  # appended ids, no table to place them in
-                    state.blocks = [list(ids) for ids in scheduled.block_ids]
-                else:
-                    for table, new in zip(state.blocks, scheduled.block_ids):
-                        table.extend(new)
-                    if fencing:  # freshly handed blocks (maybe freed by another request): written or zeroed now
-                        writes.anywhere(b for ids in scheduled.block_ids for b in ids)
-            if fencing:
-                whole = scheduled.replace  # a new or resumed request's blocks past its hit are all fresh
-                for sg, blocks in tail_blocks(state.blocks, scheduled.num_computed_tokens, block_tokens):
-                    if whole or sg in state_groups:
-                        writes.anywhere(blocks)
-                    else:
-                        writes.from_token(scheduled.request_id, scheduled.num_computed_tokens, blocks)
+            had_table = bool(state.blocks)
+            self._mirror(state, scheduled)
+            if writes is not None:
+                writes.collect(scheduled, state.blocks, had_table)
             if storing and not state.bypass:
                 computed_after = scheduled.num_computed_tokens + num_scheduled[scheduled.request_id]
                 if spec_tokens:
@@ -418,52 +328,33 @@ class SchedulerHalf:
         meta = LMCacheNPUConnectorMetadata(
             commands=self.index.take_commands() if self.index is not None else [],
             loads=self._loads, stores=stores, delayed_free=self._delayed_free,
-            fenced_stores=self._fenced_stores(scheduler_output, writes, unknown) if fencing else [],
+            fenced_stores=self._fenced_stores(scheduler_output, writes) if writes is not None else [],
             idle=scheduler_output.total_num_scheduled_tokens == 0)
-        for cmd_id, read in self._step_reads:  # after the fence: this step's stores run behind its forward
-            self._store_reads.add(cmd_id, read)
-        self._loads, self._delayed_free, self._step_reads = [], [], []
+        self.fence.end_step()
+        self._loads, self._delayed_free = [], []
         return meta
 
-    def _block_geometry(self) -> tuple[list[int], set[int]]:
-        """Per scheduler group, tokens per logical block (the largest of its plan groups: the earliest block a write
-        can reach; 0 where no plan group says, so its whole table counts as written), and the groups holding a
-        recurrent state (a write replaces a whole block)."""
-        block_tokens = [0] * self.num_scheduler_groups
-        for g in self.groups:
-            if g.scheduler_group < len(block_tokens):
-                block_tokens[g.scheduler_group] = max(block_tokens[g.scheduler_group], g.tokens_per_block)
-        return block_tokens, {g.scheduler_group for g in self.groups if g.recurrent}
+    @staticmethod
+    def _mirror(state: _Request, scheduled: adapter.ScheduledRequest) -> None:
+        """The request's block-table mirror takes this step's ids: a whole table (new or resumed request, or a mirror
+        that has none yet) or the newly allocated ones."""
+        if scheduled.block_ids is None:
+            return
+        if scheduled.replace or not state.blocks:
+            state.blocks = [list(ids) for ids in scheduled.block_ids]
+        else:
+            for table, new in zip(state.blocks, scheduled.block_ids):
+                table.extend(new)
 
-    def _fenced_stores(self, scheduler_output: Any, writes: StepWrites, unknown: bool) -> Optional[list[int]]:
+    def _fenced_stores(self, scheduler_output: Any, writes: StepWrites) -> Optional[list[int]]:
         """The in-flight stores that read a block this step writes; None when some write could not be placed."""
-        if unknown:
+        writes.collect_outside_forward(self._loads, adapter.blocks_to_zero(scheduler_output))
+        fenced = self.fence.fenced(writes)
+        if fenced is None:
             self.counters.add("fence_unknown_steps")
-            return None
-        for plan in self._loads:  # a load writes its window (blocks vLLM just handed to the loading request)
-            writes.anywhere(b for ids in plan.window.block_ids for b in ids)
-        # vLLM zeroes these new blocks before the forward (an output field since 0.23; absent: nothing zeroed)
-        writes.anywhere(adapter.blocks_to_zero(scheduler_output))
-        writes.anywhere_blocks.discard(0)  # vLLM's null block holds nothing a store reads
-        fenced = self._store_reads.conflicting(writes)
-        if fenced:
+        elif fenced:
             self.counters.add("fenced_store_commands", len(fenced))
         return fenced
-
-    def _read_of(self, request_id: str, window: BlockWindow, chunk_index: int) -> StoreRead:
-        """The blocks one stored chunk reads, every plan group (the null block left out)."""
-        blocks: set[int] = set()
-        states: set[int] = set()
-        for g in self.moved:
-            lo, hi = stored_block_span(g, self.chunk_tokens, chunk_index, chunk_index + 1)
-            first = window.first_block[g.scheduler_group]
-            ids = window.block_ids[g.scheduler_group][max(lo - first, 0):max(hi - first, 0)]
-            blocks.update(ids)
-            if g.recurrent:
-                states.update(ids)
-        blocks.discard(0)
-        return StoreRead(request_id, (chunk_index + 1) * self.chunk_tokens, tuple(sorted(blocks)),
-                         frozenset(states - {0}))
 
     def _plan_stores(self, state: _Request, computed_before: int, computed_after: int) -> Optional[StorePlan]:
         """Stores for the chunks this step completes (and earlier ones still safe to read), one command each."""
@@ -477,31 +368,13 @@ class SchedulerHalf:
         keys = self._keys(state, first, end_chunk)  # stops before chunks whose hash vLLM has not computed yet
         if not keys:
             return None
-        chunks = np.arange(first, first + len(keys))
-        storable = np.ones(len(keys), dtype=bool)
-        complete = np.ones(len(keys), dtype=bool)
-        for g in self.moved:
-            table = state.blocks[g.scheduler_group] if g.scheduler_group < len(state.blocks) else []
-            rows_ok = (chunk_slots(g, chunk, table, chunks) >= 0).all(axis=1)
-            if g.keeps_blocks:
-                storable &= rows_ok
-            elif g.windowed:  # rows already out of the window may sit in blocks vLLM freed and reused
-                live = adapter.first_live_window_token(computed_before, g.sliding_window, g.tokens_per_block)
-                storable &= rows_ok & (row_tokens(g, chunk, chunks)[:, 0] >= live)
-            else:  # recurrent state and chunked-local blocks are rewritten by the next step
-                this_step = (chunks + 1) * chunk > computed_before
-                if g.recurrent:
-                    complete &= rows_ok & this_step
-                else:
-                    storable &= rows_ok & this_step
+        storable, complete = self.planner.safe_chunks(state.blocks, first, len(keys), computed_before)
         state.next_chunk = first + len(keys)
         self.counters.add("store_chunks_unsafe", int((~storable).sum()))
         if not complete.all():  # a copy without end state is useless where the complete one is held
             held = self.index.presence([k for k, whole in zip(keys, complete) if not whole], remote=False)
             storable[~complete] &= ~np.array(held, dtype=bool)
-        picked = [(int(c), key if whole else key.without_end_state())
-                  for c, key, ok, whole in zip(chunks, keys, storable, complete) if ok]
-        without_end_state = {key for (_, key), whole in zip(picked, complete[storable]) if not whole}
+        picked, without_end_state = self.planner.pick(first, keys, storable, complete)
         if not picked:
             return None
         commands = self.index.prepare_store(request.request_id, picked)
@@ -511,13 +384,10 @@ class SchedulerHalf:
         if not commands:
             return None
         self._own(state, commands, state.stores)
-        partial = tuple(c.cmd_id for c in commands if c.key in without_end_state)
         self.counters.add("store_chunks", len(commands))
-        indices = tuple(c.chunk_index for c in commands)
-        window = self._window(state, min(indices), max(indices) + 1)
-        self._step_reads.extend((c.cmd_id, self._read_of(request.request_id, window, c.chunk_index))
-                                for c in commands)
-        return StorePlan(request.request_id, tuple(c.cmd_id for c in commands), window, partial)
+        plan, reads = self.planner.plan(request.request_id, state.blocks, commands, without_end_state)
+        self.fence.step_reads.extend(reads)
+        return plan
 
     def request_finished(self, request: Any, block_ids: Sequence[Sequence[int]]) -> tuple[bool, Optional[dict]]:
         """Delays the free while stores of the request still read its pages (reported later as finished_sending).
@@ -547,16 +417,10 @@ class SchedulerHalf:
         self._usable_by_rank.update(reports)
         if self.index is None or not reports:
             return
-        usable = np.ones(self.index.num_slots, dtype=bool)
-        for ranges in self._usable_by_rank.values():
-            live = np.zeros(self.index.num_slots, dtype=bool)
-            for begin, end in ranges:
-                live[begin:min(end, self.index.num_slots)] = True
-            usable &= live
-        edges = np.flatnonzero(np.diff(np.concatenate(([0], usable.view(np.int8), [0]))))
-        self.index.limit_slots([(int(b), int(e)) for b, e in zip(edges[::2], edges[1::2])])
+        usable = usable_on_every_rank(self._usable_by_rank, self.index.num_slots)
+        self.index.limit_slots(list(usable))
         logger.info("lmcache_npu scheduler: %d of %d arena slots usable (live segments on every rank)",
-                    int(usable.sum()), self.index.num_slots)
+                    sum(end - begin for begin, end in usable), self.index.num_slots)
 
     def update_connector_output(self, connector_output: Any) -> None:
         """Every rank's completions reach the index; a request's command counts as done once all ranks answered."""
@@ -582,7 +446,7 @@ class SchedulerHalf:
                 for cmd_id in [c for c in pending if not self.index.is_pending(c)]:
                     pending.discard(cmd_id)
                     self._owner.pop(cmd_id, None)
-                    self._store_reads.forget(cmd_id)  # every rank is done with its pages
+                    self.fence.reads.forget(cmd_id)  # every rank is done with its pages
             self._forget_if_settled(state)
 
     def _forget_if_settled(self, state: _Request) -> None:
@@ -591,29 +455,10 @@ class SchedulerHalf:
             del self.requests[request_id]
 
     def stats(self) -> LMCacheNPUStats:
-        return LMCacheNPUStats.of({**self.counters.drain(), **self.index_counters.take(), **self._changed_state()})
-
-    def _changed_state(self) -> dict[str, Any]:
-        """The tiers' use and capacity and the store's identity, only where they changed since the last report (an
-        idle engine reports nothing)."""
-        if self.index is None:
-            return {}
-        use = self.index.occupancy()
-        if use == self._reported_use:  # the rest is fixed once the index exists: nothing to compare
-            return {}
-        self._reported_use = use
-        store = self.config.store
-        tiers = ",".join(t for t, on in (("cpu", True), ("disk", store.disk_path is not None),
-                                         ("mooncake", store.mooncake is not None)) if on)
-        state: dict[str, Any] = {
-            "cpu_used_chunks": use[Tier.ARENA][0], "cpu_capacity_chunks": use[Tier.ARENA][1],
-            "disk_used_chunks": use[Tier.DISK][0], "disk_capacity_chunks": use[Tier.DISK][1],
-            "chunk_bytes": self.object_bytes * self.place.world, "chunk_tokens": self.chunk_tokens,
-            STORE_INFO: (self.namespace, self.index.eviction_policy, tiers),
-        }
-        changed = {name: value for name, value in state.items() if self._reported.get(name) != value}
-        self._reported.update(changed)
-        return changed
+        gauges = {} if self.index is None else self._gauges.changed(
+            self.index.occupancy(), self.config, self.index.eviction_policy, self.namespace,
+            self.object_bytes * self.place.world, self.chunk_tokens)
+        return LMCacheNPUStats.of({**self.counters.drain(), **self.index_counters.take(), **gauges})
 
     def take_events(self) -> list[Any]:
         """vLLM KV events for the chunks that entered or left a tier since the last call (empty unless vLLM's KV

@@ -304,7 +304,7 @@ class WorkerHalf:
         plan = recv.plan
         where = (f"lmcache_npu rank {self.place.rank}: loading request {plan.request_id} (tokens {plan.first_token}.."
                  f"{plan.end_token}) failed: {recv.failure}")
-        if self.failure_channel == "none":
+        if self.failure_channel is adapter.FailureChannel.NONE:
             raise LoadFailedError(
                 f"{where}. vLLM {'.'.join(map(str, adapter.VLLM_VERSION))} cannot recompute a failed load of a model "
                 f"with {len(self.kv_cache_config.kv_cache_groups)} KV-cache groups (its invalid-block handler maps "
@@ -313,7 +313,7 @@ class WorkerHalf:
         outcome = ("vLLM recomputes these tokens" if self.load_failure_policy == "recompute" else
                    "vLLM fails the request (kv_load_failure_policy is 'fail'; 'recompute' would compute them instead)")
         logger.warning("%s; %s", where, outcome)
-        if self.failure_channel == "invalid_blocks":
+        if self.failure_channel is adapter.FailureChannel.INVALID_BLOCKS:
             self._load_error_blocks.update(plan.error_block_ids)
 
     def take_load_error_blocks(self) -> set[int]:
