@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from ...store.index import LookupResult
+from ...store.index.contract import LookupResult
 from ...store.keys import ChunkKey
 
 

@@ -1,10 +1,11 @@
 """The connector's scheduler half: which chunks a request can load, which chunks a step stores, and the store
 index's commands for every rank (DESIGN §7-§8).
 
-It owns the `ChunkIndex`; workers only move bytes. Per request it keeps a mirror of the block table (from the
-scheduler output), the next chunk to consider for storing, and the commands still in flight. A chunk is keyed by
-vLLM's block hash at its last token; a chunk whose recurrent (end-state) rows vLLM did not keep is stored under
-a second key that can sit inside a hit but never end one.
+It owns the chunk manager (`store/index/contract.ChunkManager`, in process a `ChunkIndex`); workers only move
+bytes. Per request it keeps a mirror of the block table (from the scheduler output), the next chunk to consider for
+storing, and the commands still in flight. A chunk is keyed by vLLM's block hash at its last token; a chunk whose
+recurrent (end-state) rows vLLM did not keep is stored under a second key that can sit inside a hit but never end
+one.
 
 The lookup rules (end state, the EAGLE one-chunk drop) are in lookup.py, store planning in store_planner.py, the
 page fence in fence.py; this module keeps the request state and runs the steps.
@@ -22,8 +23,7 @@ from ...config import ConnectorConfig
 from ...layout.discovery import LayoutGroup
 from ...store.commands import Load, Store, Tier
 from ...store.factory import build_index, scheduler_mooncake_client
-from ...store.index.chunk_index import ChunkIndex
-from ...store.index.contract import LookupResult
+from ...store.index.contract import ChunkManager, LookupResult
 from ...store.keys import ChunkKey, check_stable_hashing, chunk_keys
 from ...store.tier import TierCounters
 from . import adapter, lookup
@@ -35,8 +35,11 @@ from .metadata import LMCacheNPUConnectorMetadata, LMCacheNPUWorkerMetadata, Wor
 from .store_planner import StorePlanner
 from .stats import INDEX_METRICS, CounterDeltas, LMCacheNPUStats
 from .store_gauges import StoreGauges
+from ...store.metrics import Metric
 
 logger = logging.getLogger(__name__)
+# a hit chunk counts under the tier the lookup found it in
+_HIT_CHUNKS = {Tier.ARENA: Metric.HIT_CHUNKS_CPU, Tier.DISK: Metric.HIT_CHUNKS_DISK, Tier.REMOTE: Metric.HIT_CHUNKS_REMOTE}
 
 
 @dataclass
@@ -98,7 +101,7 @@ class SchedulerHalf:
         self.groups: tuple[LayoutGroup, ...] = ()
         self.planner = StorePlanner.of((), 0, self.num_scheduler_groups, self.scheduler_block_size)
         self.has_end_state = False
-        self.index: Optional[ChunkIndex] = None
+        self.index: Optional[ChunkManager] = None  # codes against the contract's verbs only
         self._remote: Optional[Any] = None  # the Mooncake client for existence checks, closed at shutdown
         self.namespace = ""
         self.requests: dict[str, _Request] = {}
@@ -179,7 +182,7 @@ class SchedulerHalf:
             state.adapter_digest = self._adapters.digest(lora)
             if state.adapter_digest is None:
                 state.bypass = True
-                self.counters.add("lora_bypassed_requests")
+                self.counters.add(Metric.LORA_BYPASSED_REQUESTS)
         return state
 
     def loaded_group_ids(self) -> tuple[int, ...]:
@@ -226,7 +229,7 @@ class SchedulerHalf:
         held = lookup.held_run(present, len(keys), self.has_end_state)
         claimable = lookup.claimable_before_last_held(held, limit)
         if min(limit, held) > claimable:
-            self.counters.add("eagle_dropped_chunks", min(limit, held) - claimable)
+            self.counters.add(Metric.EAGLE_DROPPED_CHUNKS, min(limit, held) - claimable)
         return keys[:claimable]
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[Optional[int], bool]:
@@ -252,7 +255,7 @@ class SchedulerHalf:
             if source is not Tier.ARENA and self.events is not None:  # a promotion: its arrival is announced with these
                 self.events.remember(chosen[offset], request, first + offset)
         if result.pending:
-            self.counters.add("lookups_pending")
+            self.counters.add(Metric.LOOKUPS_PENDING)
             return None, False  # promotions into the arena are in flight: ask again next step
         hit_tokens = (first + result.ready_chunks) * chunk - num_computed_tokens
         if result.ready_chunks == 0 or hit_tokens <= 0:
@@ -266,8 +269,8 @@ class SchedulerHalf:
         state.blocks = [list(ids) for ids in adapter.block_ids_of(blocks)]
         lookup, state.lookup = state.lookup, None
         if state.asked is not None:  # once per admission: vLLM may ask many times before it schedules a request
-            self.counters.add("lookups")
-            self.counters.add("lookup_tokens", request.num_tokens - state.asked)
+            self.counters.add(Metric.LOOKUPS)
+            self.counters.add(Metric.LOOKUP_TOKENS, request.num_tokens - state.asked)
             state.asked = None
         if self.index is None:
             return
@@ -288,9 +291,9 @@ class SchedulerHalf:
         self.index.release(request.request_id)
         cmd_ids = tuple(c.cmd_id for c in loads)
         self._own(state, loads, state.loads)
-        self.counters.add("hit_tokens", num_external_tokens)
+        self.counters.add(Metric.HIT_TOKENS, num_external_tokens)
         for chunk_index, _ in chunks:
-            self.counters.add(f"hit_chunks_{state.found_in.get(chunk_index, Tier.ARENA)}")
+            self.counters.add(_HIT_CHUNKS[state.found_in.get(chunk_index, Tier.ARENA)])
         reported = self.failure_channel is adapter.FailureChannel.INVALID_BLOCKS  # only there vLLM takes block ids
         self._loads.append(LoadPlan(
             request_id=request.request_id, cmd_ids=cmd_ids,
@@ -351,9 +354,9 @@ class SchedulerHalf:
         writes.collect_outside_forward(self._loads, adapter.blocks_to_zero(scheduler_output))
         fenced = self.fence.fenced(writes)
         if fenced is None:
-            self.counters.add("fence_unknown_steps")
+            self.counters.add(Metric.FENCE_UNKNOWN_STEPS)
         elif fenced:
-            self.counters.add("fenced_store_commands", len(fenced))
+            self.counters.add(Metric.FENCED_STORE_COMMANDS, len(fenced))
         return fenced
 
     def _plan_stores(self, state: _Request, computed_before: int, computed_after: int) -> Optional[StorePlan]:
@@ -370,7 +373,7 @@ class SchedulerHalf:
             return None
         storable, complete = self.planner.safe_chunks(state.blocks, first, len(keys), computed_before)
         state.next_chunk = first + len(keys)
-        self.counters.add("store_chunks_unsafe", int((~storable).sum()))
+        self.counters.add(Metric.STORE_CHUNKS_UNSAFE, int((~storable).sum()))
         if not complete.all():  # a copy without end state is useless where the complete one is held
             held = self.index.presence([k for k, whole in zip(keys, complete) if not whole], remote=False)
             storable[~complete] &= ~np.array(held, dtype=bool)
@@ -384,7 +387,7 @@ class SchedulerHalf:
         if not commands:
             return None
         self._own(state, commands, state.stores)
-        self.counters.add("store_chunks", len(commands))
+        self.counters.add(Metric.STORE_CHUNKS, len(commands))
         plan, reads = self.planner.plan(request.request_id, state.blocks, commands, without_end_state)
         self.fence.step_reads.extend(reads)
         return plan
@@ -402,7 +405,7 @@ class SchedulerHalf:
         delay = bool(state.stores) and not adapter.waiting_for_remote_kv(request)
         if delay:
             self._delayed_free.append(request.request_id)
-            self.counters.add("delayed_frees")
+            self.counters.add(Metric.DELAYED_FREES)
         self._forget_if_settled(state)
         return delay, None
 
@@ -438,9 +441,9 @@ class SchedulerHalf:
             touched[id(state)] = state
             if not completion.ok and completion.cmd_id in state.loads:
                 state.no_hits = True
-                self.counters.add("load_failures")
+                self.counters.add(Metric.LOAD_FAILURES)
             elif not completion.ok:
-                self.counters.add("store_failures")
+                self.counters.add(Metric.STORE_FAILURES)
         for state in touched.values():
             for pending in (state.stores, state.loads):
                 for cmd_id in [c for c in pending if not self.index.is_pending(c)]:

@@ -75,7 +75,8 @@ class ChunkView:
 class ChunkManager(ABC):
     """The scheduler side's contract; `ChunkIndex` implements it in process."""
 
-    num_slots: int
+    num_slots: int  # arena slots
+    disk_chunks: int  # disk tier capacity in chunks (0: none)
     counters: TierCounters
 
     @abstractmethod
