@@ -84,20 +84,33 @@ class LayoutGroup:
     kind: SpecKind
     layers: tuple[str, ...]
     block_size: int
-    tokens_per_block: int
+    geometry: GroupSpec  # what the plan moves of this group (its tokens per block, ratio, stored window, skip)
     rows_per_block: int
-    compress_ratio: int
-    sliding_window: Optional[int]
+    sliding_window: Optional[int]  # the spec's window (the stored one is `geometry.sliding_window`)
     stored_tokens: int  # the tail of each chunk whose rows are stored (chunk_tokens unless windowed)
     rows_per_chunk: int
-    skipped: bool
-    skip_reason: str
     recurrent: bool
     note: str
     planes: tuple[PlaneInfo, ...]
     exact_restore: bool = True
     chunk_tokens: int = 0
     replicated: bool = False  # the ranks of each share group hold the same bytes of this group (`share_ranks`)
+
+    @property
+    def tokens_per_block(self) -> int:
+        return self.geometry.tokens_per_block
+
+    @property
+    def compress_ratio(self) -> int:
+        return self.geometry.compress_ratio
+
+    @property
+    def skipped(self) -> bool:
+        return self.geometry.skip
+
+    @property
+    def skip_reason(self) -> str:
+        return self.geometry.skip_reason
 
     @property
     def keeps_blocks(self) -> bool:
@@ -411,12 +424,13 @@ def _finish_group(gi: int, d: _Draft, chunk_tokens: int, infos: Sequence[PlaneIn
     if not d.skipped and stored % granularity:
         raise ValueError(f"{where}: the stored tail of {stored} tokens is not a multiple of the group's token "
                          f"granularity {granularity}")
+    geometry = GroupSpec(s.tokens_per_block, s.compress_ratio, d.stored_window, d.skipped, d.skip_reason,
+                         f"{s.kind.value}#{gi}")
     return LayoutGroup(
         index=gi, scheduler_group=d.scheduler_group, spec=s.spec_class, kind=s.kind,
-        layers=tuple(x.layer for x in d.specs), block_size=s.block_size, tokens_per_block=s.tokens_per_block,
-        rows_per_block=s.rows_per_block, compress_ratio=s.compress_ratio, sliding_window=s.sliding_window,
-        stored_tokens=stored, rows_per_chunk=stored // s.compress_ratio, skipped=d.skipped,
-        skip_reason=d.skip_reason, recurrent=recurrent, note=d.note, planes=tuple(infos),
+        layers=tuple(x.layer for x in d.specs), block_size=s.block_size, geometry=geometry,
+        rows_per_block=s.rows_per_block, sliding_window=s.sliding_window,
+        stored_tokens=stored, rows_per_chunk=stored // s.compress_ratio, recurrent=recurrent, note=d.note, planes=tuple(infos),
         exact_restore=d.exact_restore, chunk_tokens=chunk_tokens, replicated=replicated and not d.skipped)
 
 
@@ -486,9 +500,7 @@ def discover_layout(kv_cache_config: Any, kv_caches: Mapping[str, KVValue],
     if policy.chunk_tokens % hash_block:
         raise ValueError(f"chunk_tokens {policy.chunk_tokens} is not a multiple of the hash block size {hash_block}: "
                          "a chunk is keyed by the block hash at its last token")
-    group_specs = [GroupSpec(g.tokens_per_block, g.compress_ratio, d.stored_window, g.skipped, g.skip_reason,
-                             f"{g.kind.value}#{g.index}") for g, d in zip(groups, drafts)]
-    plan = TransferPlan(group_specs, planes, policy.chunk_tokens)
+    plan = TransferPlan([g.geometry for g in groups], planes, policy.chunk_tokens)
     caveats = tuple(f"group {g.index}: {g.skip_reason}" for g in groups if not g.exact_restore)
     for caveat in caveats:
         logger.warning("%s (exact restores: drop 'compressor_state' from skip_spec_kinds)", caveat)

@@ -89,10 +89,9 @@ def layout_of_plan(plan: TransferPlan, name: str) -> KVLayout:
         groups.append(LayoutGroup(
             index=index, scheduler_group=index, spec=name,
             kind=SpecKind.FULL_ATTENTION if spec.sliding_window is None else SpecKind.SLIDING_WINDOW,
-            layers=(), block_size=spec.tokens_per_block // spec.compress_ratio, tokens_per_block=spec.tokens_per_block,
-            rows_per_block=rows_per_block, compress_ratio=spec.compress_ratio, sliding_window=spec.sliding_window,
-            stored_tokens=rows * spec.compress_ratio, rows_per_chunk=rows, skipped=spec.skip,
-            skip_reason=spec.skip_reason, recurrent=False, note="", planes=(),
+            layers=(), block_size=spec.tokens_per_block // spec.compress_ratio, geometry=spec,
+            rows_per_block=rows_per_block, sliding_window=spec.sliding_window,
+            stored_tokens=rows * spec.compress_ratio, rows_per_chunk=rows, recurrent=False, note="", planes=(),
             chunk_tokens=plan.chunk_tokens))
     return KVLayout(plan, tuple(groups), hash_block_size=plan.chunk_tokens)
 
