@@ -4,20 +4,33 @@ for the plot, and the overlap benchmark. Writes one JSON file."""
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import dataclasses
 import json
 import platform
 import subprocess
 from pathlib import Path
+from typing import Union
 
 import torch
 from rich.console import Console
 
 from lmcache_npu.tools.bench.cuda_baselines import overlap
+from lmcache_npu.tools.bench.geometry import Geometry, load_geometry
 from lmcache_npu.tools.bench.runner import materialize_source, render, run_bench
 from lmcache_npu.ops import ChunkBatch, Direction, get_backend
 
 PRESETS = ["llama3-8b", "deepseek-v3", "deepseek-v4-flash", "gpt-oss-120b"]
+GEOMETRIES = Path(__file__).resolve().parents[1] / "geometries"
+
+
+def source_of(preset: str, device_family: str) -> Union[Geometry, str, None]:
+    """The preset by name where vLLM builds it; else its exported geometry (a GPU machine may have no vLLM), or None
+    when none was exported for this family."""
+    if importlib.util.find_spec("vllm") is not None:  # presets are built from vLLM's spec classes
+        return preset
+    path = GEOMETRIES / ("cuda" if device_family == "cuda" else "") / f"{preset}.json"
+    return load_geometry(path) if path.exists() else None
 
 
 def environment() -> dict:
@@ -42,19 +55,23 @@ def main() -> int:
     variants = {"mapped": dict(path="mapped"), "staging": dict(path="staging", pipeline=False),
                 "staging+pipeline": dict(path="staging", pipeline=True)}
     for preset in PRESETS:
+        source = source_of(preset, args.device_family)
+        if source is None:
+            console.print(f"{preset}: no vLLM to build it and no exported {args.device_family} geometry; skipped")
+            continue
         for chunks in (1, 8):
             for name, options in variants.items():
-                report = run_bench(preset, "cuda", chunks=chunks, check=True, repeats=args.repeats,
+                report = run_bench(source, "cuda", chunks=chunks, check=True, repeats=args.repeats,
                                    progress=False, device_family=args.device_family, **options)
                 console.print(render(report))
                 out["matrix"].append({**report.to_json(), "variant": name})
     for chunks in (1, 2, 4, 8, 16, 32):
         for name, options in variants.items():
-            report = run_bench(args.sweep_preset, "cuda", chunks=chunks, repeats=args.repeats,
+            report = run_bench(source_of(args.sweep_preset, args.device_family) or args.sweep_preset, "cuda", chunks=chunks, repeats=args.repeats,
                                progress=False, device_family=args.device_family, **options)
             out["sweep"].append({**report.to_json(), "variant": name})
     backend = get_backend("cuda")
-    m, _ = materialize_source(args.overlap_preset, 8, torch.device("cuda"), device_family=args.device_family)
+    m, _ = materialize_source(source_of(args.overlap_preset, args.device_family) or args.overlap_preset, 8, torch.device("cuda"), device_family=args.device_family)
     objects = torch.zeros((8, m.plan.object_bytes), dtype=torch.uint8, pin_memory=True)
     for direction in (Direction.STORE, Direction.LOAD):
         batch = ChunkBatch.build(m.plan, m.slots, objects, direction)
