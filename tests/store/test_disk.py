@@ -100,7 +100,7 @@ def test_round_trip_many_chunks_of_every_buffer_kind(tier: DiskTier) -> None:
         assert tier.write_async(name, kinds[i % len(kinds)](data)) == OK
     assert tier.flush(10)
     for name, data in expected.items():
-        assert file_of(Path(tier._root), name).stat().st_size == HEADER_BYTES + len(data)
+        assert file_of(Path(tier.root), name).stat().st_size == HEADER_BYTES + len(data)
         assert read(tier, name, len(data)) == (OK, data)
     assert tier.used_bytes == sum(HEADER_BYTES + len(d) for d in expected.values())
     counts = tier.counters.snapshot()
@@ -112,7 +112,7 @@ def test_header_layout_on_disk(tier: DiskTier) -> None:
     data = payload(1000, seed=5)
     tier.write_async(name_of(1), data)
     tier.flush()
-    raw = file_of(Path(tier._root), name_of(1)).read_bytes()
+    raw = file_of(Path(tier.root), name_of(1)).read_bytes()
     magic, version, header, fp, length, digest, reserved = struct.unpack("<8sII16sQ12s12s", raw[:64])
     assert (magic, version, header, fp, length) == (b"LMCNPUKV", DISK_FORMAT_VERSION, 64, FP, 1000)
     assert DISK_FORMAT_VERSION == 2 and reserved == bytes(12)  # no payload checksum: the envelope is the digest
@@ -194,7 +194,7 @@ def test_read_of_damaged_file_is_corrupt_and_removes_it(tier: DiskTier, reason: 
     tier.write_async(name_of(1), good)
     tier.write_async(name_of(2), good)
     tier.flush()
-    path = file_of(Path(tier._root), name_of(1))
+    path = file_of(Path(tier.root), name_of(1))
     CORRUPTIONS[reason](path)
     assert read(tier, name_of(1), 4000)[0] == TierResult.fail(Failure.CORRUPT, reason.strip())
     assert not path.exists() and tier.counters["corrupt"] == 1
@@ -267,7 +267,7 @@ def test_file_copied_to_another_name_fails_the_name_check(tier: DiskTier) -> Non
     data = payload(3000, seed=4)
     tier.write_async(name_of(1), data)
     tier.flush()
-    root = Path(tier._root)
+    root = Path(tier.root)
     target = file_of(root, name_of(2))
     target.parent.mkdir(mode=0o700, exist_ok=True)
     shutil.copyfile(file_of(root, name_of(1)), target)
@@ -283,7 +283,7 @@ def test_file_copied_to_another_name_fails_the_name_check(tier: DiskTier) -> Non
 def test_file_in_the_wrong_fan_out_directory_is_removed_at_scan(tier: DiskTier) -> None:
     tier.write_async(name_of(1), b"x" * 100)
     tier.flush()
-    root = Path(tier._root)
+    root = Path(tier.root)
     source = file_of(root, name_of(1))
     wrong = root / ("00" if source.parent.name != "00" else "01") / source.name
     wrong.parent.mkdir(exist_ok=True)
@@ -325,7 +325,7 @@ def test_wrong_length_buffer_is_corrupt_length(tier: DiskTier) -> None:
     tier.write_async(name_of(1), payload(1000, seed=1))
     tier.flush()
     assert read(tier, name_of(1), 999)[0] == TierResult.fail(Failure.CORRUPT, "length")
-    assert not file_of(Path(tier._root), name_of(1)).exists() and tier.used_bytes == 0
+    assert not file_of(Path(tier.root), name_of(1)).exists() and tier.used_bytes == 0
 
 
 def test_pending_write_is_served_from_memory(tier: DiskTier, fsync_gate: tuple[threading.Event, ...]) -> None:
@@ -334,7 +334,7 @@ def test_pending_write_is_served_from_memory(tier: DiskTier, fsync_gate: tuple[t
     done = Results()
     assert tier.write_async(name_of(1), data, done) == OK
     assert entered.wait(5)  # the writer is inside fsync: the file is not renamed yet
-    assert not file_of(Path(tier._root), name_of(1)).exists()
+    assert not file_of(Path(tier.root), name_of(1)).exists()
     assert tier.exists(name_of(1)) and tier.pending_bytes == HEADER_BYTES + 70_000
     assert read(tier, name_of(1), 70_000) == (OK, data) and tier.counters["pending_reads"] == 1
     assert not tier.flush(timeout=0.05) and done.items == []
@@ -385,7 +385,7 @@ def test_write_errors_are_reported_and_the_service_continues(tier: DiskTier, mon
     assert tier.write_async(name_of(1), payload(5000, seed=1), done) == OK
     assert tier.flush(10) and done.items == [failure] and tier.counters[counter] == 1
     assert not tier.exists(name_of(1)) and tier.used_bytes == 0 and tier.pending_bytes == 0
-    assert list(Path(tier._root).rglob("*.tmp")) == []
+    assert list(Path(tier.root).rglob("*.tmp")) == []
     monkeypatch.undo()
     data = payload(5000, seed=2)
     assert tier.write_async(name_of(1), data, done) == OK
@@ -401,7 +401,7 @@ def test_delete_cancels_a_queued_write(tier: DiskTier, fsync_gate: tuple[threadi
     fsync_gate[0].set()
     assert tier.flush(10)
     assert first.items == [OK] and second.items == [TierResult.fail(Failure.CANCELLED)]
-    assert not file_of(Path(tier._root), name_of(2)).exists() and read(tier, name_of(2), 1000)[0].reason == "miss"
+    assert not file_of(Path(tier.root), name_of(2)).exists() and read(tier, name_of(2), 1000)[0].reason == "miss"
 
 
 def test_delete_during_the_write_itself_leaves_nothing(tier: DiskTier, fsync_gate: tuple[threading.Event, ...]) -> None:
@@ -411,14 +411,14 @@ def test_delete_during_the_write_itself_leaves_nothing(tier: DiskTier, fsync_gat
     assert tier.delete(name_of(1)) and tier.counters["deleted"] == 1
     fsync_gate[0].set()
     assert tier.flush(10) and done.items == [TierResult.fail(Failure.CANCELLED)]
-    assert not tier.exists(name_of(1)) and list(Path(tier._root).rglob("*.*")) == [] and tier.used_bytes == 0
+    assert not tier.exists(name_of(1)) and list(Path(tier.root).rglob("*.*")) == [] and tier.used_bytes == 0
     assert not tier.delete(name_of(1)) and tier.counters["deleted"] == 1
 
 
 def test_delete_after_landing_removes_the_file(tier: DiskTier) -> None:
     tier.write_async(name_of(1), b"abc")
     tier.flush()
-    assert tier.delete(name_of(1)) and not file_of(Path(tier._root), name_of(1)).exists() and tier.used_bytes == 0
+    assert tier.delete(name_of(1)) and not file_of(Path(tier.root), name_of(1)).exists() and tier.used_bytes == 0
 
 
 def test_newer_write_supersedes_a_pending_one(tmp_path: Path, fsync_gate: tuple[threading.Event, ...]) -> None:
@@ -478,7 +478,7 @@ def test_caller_bugs_raise_value_error(tier: DiskTier) -> None:
     with pytest.raises(ValueError):
         tier.write_async(name_of(1), np.zeros((4, 4), dtype=np.uint8)[:, ::2])
     with pytest.raises(ValueError):
-        DiskTier(tier._root, b"short")
+        DiskTier(tier.root, b"short")
 
 
 def test_reads_racing_writes_never_see_partial_files(tmp_path: Path) -> None:
