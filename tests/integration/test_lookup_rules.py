@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from lmcache_npu.integration.vllm import lookup
 from lmcache_npu.store.commands import Tier
-from lmcache_npu.store.index import LookupResult
+from lmcache_npu.store.index.contract import LookupResult
 from lmcache_npu.store.keys import ChunkKey
 
 KEYS = [ChunkKey("n" * 32, bytes([i])) for i in range(5)]

@@ -21,7 +21,7 @@ from dataclasses import asdict
 from typing import Any, Iterator
 
 from lmcache_npu.layout import discovery
-from lmcache_npu.store.index import ChunkIndex
+from lmcache_npu.store.index.chunk_index import ChunkIndex
 from lmcache_npu.store.keys import ChunkKey
 
 logger = logging.getLogger(__name__)

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Optional, Sequence
 
 from lmcache_npu.store.commands import Command, Completion, Drop, Persist, Promote, Put, Spill, Tier
-from lmcache_npu.store.index import ChunkIndex
+from lmcache_npu.store.index.chunk_index import ChunkIndex
 from lmcache_npu.store.keys import ChunkKey
 from lmcache_npu.store.policies import POLICIES
 
