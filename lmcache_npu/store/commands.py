@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
-from typing import Union
+from typing import ClassVar, Union
 
 from .keys import ChunkKey
 
@@ -53,86 +53,64 @@ REMOTE_TO_ARENA: Route = (Medium.REMOTE, Medium.ARENA)
 
 
 @dataclass(frozen=True)
-class Store:
+class SlotMove:
+    """A byte move of the chunk `key` through arena `slot`; each kind names its route (a class constant, but for
+    `Promote`, whose source varies)."""
+
+    cmd_id: int
+    key: ChunkKey
+    slot: int
+    route: ClassVar[Route]
+
+
+@dataclass(frozen=True)
+class Store(SlotMove):
     """Device → arena: write the chunk `key` (the request's chunk number `chunk_index`) into `slot`."""
 
-    cmd_id: int
-    key: ChunkKey
-    slot: int
     request_id: str
     chunk_index: int
-
-    @property
-    def route(self) -> Route:
-        return DEVICE_TO_ARENA
+    route: ClassVar[Route] = DEVICE_TO_ARENA
 
 
 @dataclass(frozen=True)
-class Load:
+class Load(SlotMove):
     """Arena → device: read the chunk `key` from `slot` into the request's chunk number `chunk_index`."""
 
-    cmd_id: int
-    key: ChunkKey
-    slot: int
     request_id: str
     chunk_index: int
-
-    @property
-    def route(self) -> Route:
-        return ARENA_TO_DEVICE
+    route: ClassVar[Route] = ARENA_TO_DEVICE
 
 
 @dataclass(frozen=True)
-class Spill:
+class Spill(SlotMove):
     """Arena → disk, write-behind: the slot may be reused by the very next command (the disk tier copies first)."""
 
-    cmd_id: int
-    key: ChunkKey
-    slot: int
-
-    @property
-    def route(self) -> Route:
-        return ARENA_TO_DISK
+    route: ClassVar[Route] = ARENA_TO_DISK
 
 
 @dataclass(frozen=True)
-class Promote:
+class Promote(SlotMove):
     """Disk or remote → arena `slot`, in the background; the chunk is loadable once every rank has completed."""
 
-    cmd_id: int
-    key: ChunkKey
-    slot: int
     source: Tier
 
-    @property
+    @property  # type: ignore[override]
     def route(self) -> Route:
         return (Medium.of(self.source), Medium.ARENA)
 
 
 @dataclass(frozen=True)
-class Put:
+class Put(SlotMove):
     """Arena `slot` → remote store; the slot stays pinned until every rank has completed."""
 
-    cmd_id: int
-    key: ChunkKey
-    slot: int
-
-    @property
-    def route(self) -> Route:
-        return ARENA_TO_REMOTE
+    route: ClassVar[Route] = ARENA_TO_REMOTE
 
 
 @dataclass(frozen=True)
-class Persist:
+class Persist(SlotMove):
     """Arena `slot` → disk, in the background; the slot stays pinned (like Put) until every rank has completed."""
 
-    cmd_id: int
-    key: ChunkKey
-    slot: int
-
-    @property
-    def route(self) -> Route:
-        return ARENA_TO_DISK
+    route: ClassVar[Route] = ARENA_TO_DISK
 
 
 @dataclass(frozen=True)
