@@ -13,7 +13,8 @@ from lmcache_npu.tools.replay.compare import LOGPROB_TOLERANCE, compare, differe
 from lmcache_npu.tools.replay.engine import Completion
 from lmcache_npu.tools.replay.accounting import TurnHits
 from lmcache_npu.tools.replay.turns import compare_turns
-from lmcache_npu.tools.replay.replay import ReplayReport, render_report
+from lmcache_npu.tools.replay.replay import ReplayReport, render_report, render_restart
+from lmcache_npu.tools.replay.restart import RestartResult
 from lmcache_npu.tools.replay.runs import RunResult
 from lmcache_npu.tools.replay.warmup import WarmUp
 from lmcache_npu.tools.replay.runner import TurnRun
@@ -270,3 +271,17 @@ def test_the_demo_tables_fit_120_columns_with_every_median_and_range_whole():
 def test_negative_control_a_narrower_console_splits_cells_and_the_check_notices():
     broken, widest = broken_cells(demo_report(), 100)
     assert broken and widest <= 100
+
+
+def test_the_restart_table_fits_120_columns_and_leaves_out_sources_neither_engine_used():
+    report = demo_report()
+    cold, plugin = report.runs_of("vLLM alone")[0], report.runs_of("vLLM + lmcache-npu")[0]
+    restarted = run(plugin.config, 0, plugin.turns, [TurnHits(20480, 0, 7680, 8704, 0, 4096)] * len(plugin.turns))
+    report.restart = RestartResult("/d", cold, restarted, compare_turns(cold.turns, restarted.turns)[0])
+    headers = [column.header for column in render_restart(report.restart).columns]
+    assert "disk" in headers and "Mooncake" not in headers and "peer connector" not in headers
+    names = {"cold restart, vLLM alone", "restart on the disk tier, vLLM + lmcache-npu"}  # these may wrap
+    broken, widest = broken_cells(report, 120)
+    assert set(broken) <= names and widest <= 120
+    # negative control: the restart table's numbers are checked too (a console too narrow splits some)
+    assert set(broken_cells(report, 70)[0]) - names

@@ -305,20 +305,25 @@ def render_report(report: ReplayReport) -> list[Any]:
 
 
 def render_restart(restart: RestartResult) -> Any:
+    """The restart phase as one table; a source neither engine drew from is left out, and only an engine's name may
+    wrap, so the table fits 120 columns."""
     from rich.table import Table
 
+    runs = (("cold restart, " + restart.cold.config, restart.cold),
+            ("restart on the disk tier, " + restart.restarted.config, restart.restarted))
+    hits = {name: run.total_hits().by_source() for name, run in runs}
+    sources = [s for s in SOURCES if s == "computed" or any(h[s] for h in hits.values())]
     table = Table(title="restart: every conversation's next turn on a fresh engine (host arena and vLLM's cache "
                   "empty)", title_justify="left")
-    for column in ("engine", "TTFT p50", "TTFT p90", "prefill", "vLLM cache hit", "plugin: arena", "disk", "Mooncake",
-                   "peer connector", "computed", "identical"):
-        table.add_column(column, justify="right")
-    for name, run in (("cold restart, " + restart.cold.config, restart.cold),
-                      ("restart on the disk tier, " + restart.restarted.config, restart.restarted)):
-        times, hits = run.total_times(), run.total_hits()
+    table.add_column("engine", justify="right")
+    for column in ("TTFT p50", "TTFT p90", "prefill", *(SOURCE_COLUMNS[s] for s in sources), "identical"):
+        table.add_column(column, justify="right", no_wrap=True)
+    for name, run in runs:
+        times = run.total_times()
         identical = (_matching_cell(restart.identity.matching, restart.identity.requests, restart.identity.near_ties)
                      if run is restart.restarted else "reference")
         table.add_row(name, seconds(times.ttft_p50_s), seconds(times.ttft_p90_s), seconds(times.prefill_s),
-                      *(f"{hits.by_source()[s]:,}" for s in SOURCES), identical)
+                      *(f"{hits[name][s]:,}" for s in sources), identical)
     return table
 
 
