@@ -262,15 +262,7 @@ def test_a_secret_on_one_side_only_is_a_miss_with_a_clear_log_line(reader_keyed,
 
 def test_a_disk_file_with_a_bad_envelope_is_rejected_counted_and_dropped(tmp_path, caplog):
     caplog.set_level(logging.WARNING)
-    disks = [DiskTier(tmp_path / "kv", b"E" * 16) for _ in range(2)]
-    writer = Cluster(num_slots=4, object_bytes=OBJECT_BYTES, disks=disks, disk_chunks=8, disk_write_through=True)
-    keys = [make_key(i) for i in range(2)]
-    writer.store("w", keys)
-    for disk in disks:
-        assert disk.flush(10)
-    writer.close()
-    for disk in disks:
-        disk.close()
+    keys, _ = _written_through(tmp_path)
     # rank 1's file of chunk 1 now claims rank 0 (a file renamed or copied from another rank: its disk header,
     # which covers only the name digest, is recomputed so the disk tier itself accepts it)
     source = DiskTier(tmp_path / "kv", b"E" * 16)
@@ -279,9 +271,7 @@ def test_a_disk_file_with_a_bad_envelope_is_rejected_counted_and_dropped(tmp_pat
     assert source.delete(keys[1].storage_name(1))
     assert source.write_async(keys[1].storage_name(1), memoryview(out)).ok and source.flush(10)
     source.close()
-    disks = [DiskTier(tmp_path / "kv", b"E" * 16) for _ in range(2)]
-    reader = Cluster(num_slots=4, object_bytes=OBJECT_BYTES, disks=disks, disk_chunks=8)
-    reader.index.adopt_disk(keys)
+    reader, disks = _adopting_reader(tmp_path, keys)
     assert reader.load("r", keys) == 1 and not reader.mismatches
     assert disks[1].counters["rejected"] == 1 and disks[0].counters["rejected"] == 0
     assert f"disk: chunk {keys[1].storage_name(1)} rejected: rank" in caplog.text
@@ -292,9 +282,9 @@ def test_a_disk_file_with_a_bad_envelope_is_rejected_counted_and_dropped(tmp_pat
         disk.close()
 
 
-def _disk_pair_with_a_flipped_payload_byte(tmp_path):
-    """A writer instance writes two chunks through to disk; one payload byte of rank 1's file of chunk 1 is flipped
-    (the header stays valid: the disk tier hashes no payload); a reader instance adopts the files."""
+def _written_through(tmp_path):
+    """A writer instance of two ranks writes two chunks through to disk under tmp_path/kv and closes; their keys and
+    the (closed) tiers that wrote them."""
     disks = [DiskTier(tmp_path / "kv", b"E" * 16) for _ in range(2)]
     writer = Cluster(num_slots=4, object_bytes=OBJECT_BYTES, disks=disks, disk_chunks=8, disk_write_through=True)
     keys = [make_key(i) for i in range(2)]
@@ -302,17 +292,30 @@ def _disk_pair_with_a_flipped_payload_byte(tmp_path):
     for disk in disks:
         assert disk.flush(10)
     writer.close()
-    path = disks[1].file_path(keys[1].storage_name(1))
     for disk in disks:
         disk.close()
+    return keys, disks
+
+
+def _adopting_reader(tmp_path, keys):
+    """A reader instance over the same directory that adopts `keys`' files; the reader and its ranks' tiers."""
+    disks = [DiskTier(tmp_path / "kv", b"E" * 16) for _ in range(2)]
+    reader = Cluster(num_slots=4, object_bytes=OBJECT_BYTES, disks=disks, disk_chunks=8)
+    reader.index.adopt_disk(keys)
+    return reader, disks
+
+
+def _disk_pair_with_a_flipped_payload_byte(tmp_path):
+    """Two chunks written through; one payload byte of rank 1's file of chunk 1 is flipped (the header stays valid:
+    the disk tier hashes no payload); a reader instance adopts the files."""
+    keys, writers = _written_through(tmp_path)
+    path = writers[1].file_path(keys[1].storage_name(1))
     with open(path, "r+b") as file:
         file.seek(HEADER_BYTES + 17)
         byte = file.read(1)[0]
         file.seek(HEADER_BYTES + 17)
         file.write(bytes([byte ^ 0x40]))
-    disks = [DiskTier(tmp_path / "kv", b"E" * 16) for _ in range(2)]
-    reader = Cluster(num_slots=4, object_bytes=OBJECT_BYTES, disks=disks, disk_chunks=8)
-    reader.index.adopt_disk(keys)
+    reader, disks = _adopting_reader(tmp_path, keys)
     return reader, keys, disks
 
 
