@@ -13,9 +13,11 @@ from ..layout.discovery import KVLayout
 from ..ops import TransferBackend
 from ..store.arena import HostArena
 from ..store.config import StoreConfig
+from ..store.disk.tier import DiskTier
 from ..store.executor import StoreExecutor
 from ..store.factory import build_executor
 from ..store.keys import namespace_of
+from ..store.mooncake import MooncakeTier
 from ..store.tier import TierCounters
 from .mover import KVMover
 from .share_mover import ShareExchange, SharedMover
@@ -44,11 +46,11 @@ class WorkerPipeline:
         return self.executor.arena.object_bytes
 
     @property
-    def disk(self) -> Any:
+    def disk(self) -> Optional[DiskTier]:
         return self.executor.disk
 
     @property
-    def remote(self) -> Any:
+    def remote(self) -> Optional[MooncakeTier]:
         return self.executor.remote
 
     def close(self) -> None:
