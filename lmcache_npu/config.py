@@ -31,6 +31,9 @@ CONFIG_FILE_ENV = "LMCACHE_NPU_CONFIG"
 NON_KEY_ENV = frozenset({"CONFIG", "CUDA", "CUDA_ARCHS", "HYPOTHESIS_EXAMPLES", "HYPOTHESIS_RANDOM", "MODEL_CACHE",
                          "SECRET"})  # SECRET: the store secret (store/secret.py), never a config value
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+# store keys that size or name the node cache's tiers: with `node_cache` they are the service's (its --config file);
+# an engine keeps only how its own worker makes the shared pages DMA-able (pinned, npu_host_memory)
+NODE_CACHE_KEYS = tuple(key for key in StoreConfig.keys() if key not in ("pinned", "npu_host_memory"))
 
 
 def check_backend_options(backend: str, options: Mapping[str, Any]) -> None:
@@ -75,6 +78,9 @@ class ConnectorConfig:
     # where a load's shares meet: device (NCCL/HCCL, each rank moves only its share to the device), host (gloo, each
     # rank moves whole objects); auto: device where the KV cache is on NPU/CUDA (measured faster on H100 x2 NVLink)
     tp_share_exchange: str = "auto"
+    # a node cache service's socket (`lmcache-npu node-cache`): every engine on the node then shares its host cache,
+    # disk tier and Mooncake client, and the store keys that size or name those are the service's (docs/deployment.md)
+    node_cache: Optional[str] = None
     store: StoreConfig = field(default_factory=StoreConfig)
 
     def __post_init__(self) -> None:
@@ -103,9 +109,22 @@ class ConnectorConfig:
         check_int("load_retries", self.load_retries, 0, 10)
         if self.tp_share not in TP_SHARE_MODES:
             raise ValueError(f"tp_share must be one of {', '.join(TP_SHARE_MODES)}, got {self.tp_share!r}")
+        if self.node_cache is not None:
+            self._check_node_cache()
         if self.tp_share_exchange not in TP_SHARE_EXCHANGES:
             raise ValueError(f"tp_share_exchange must be one of {', '.join(TP_SHARE_EXCHANGES)}, got "
                              f"{self.tp_share_exchange!r}")
+
+    def _check_node_cache(self) -> None:
+        if not isinstance(self.node_cache, str) or not self.node_cache.startswith("/") or "\0" in self.node_cache:
+            raise ValueError(f"node_cache must be the absolute path of the node cache service's socket, got "
+                             f"{self.node_cache!r}")
+        defaults = StoreConfig()
+        theirs = [key for key in NODE_CACHE_KEYS if getattr(self.store, key) != getattr(defaults, key)]
+        if theirs:
+            raise ValueError(f"node_cache is set, so {key_list(theirs)} belong to the node cache service: give them to "
+                             "`lmcache-npu node-cache` (its flags or its --config file) and remove them here (an "
+                             "engine of a node cache has no arena, disk directory or Mooncake client of its own)")
 
     @classmethod
     def connector_keys(cls) -> tuple[str, ...]:
@@ -148,7 +167,7 @@ def _field_types() -> dict[str, Any]:
     return defaults
 
 
-_STRING_OR_NULL = {"model_name", "model_fingerprint", "disk_path"}  # optional strings: "" and "null" both mean unset
+_STRING_OR_NULL = {"model_name", "model_fingerprint", "disk_path", "node_cache"}  # optional strings: "" and "null" both mean unset
 _INT_OR_NULL = {"numa_node", "chunk_tokens"}
 _BOOL_OR_NULL = {"pinned"}
 _SIZES = set(StoreConfig._SIZES)

@@ -63,7 +63,7 @@ def free_hugepages(page_bytes: int) -> Optional[int]:
 # ---- the libc calls the arena's segments are made of -----------------------------------------------------------------
 
 PROT_NONE, PROT_RW = 0, mmap.PROT_READ | mmap.PROT_WRITE
-_MAP_PRIVATE, _MAP_ANONYMOUS, _MAP_FIXED, _MAP_NORESERVE, _MAP_HUGETLB = 0x02, 0x20, 0x10, 0x4000, 0x40000
+_MAP_SHARED, _MAP_PRIVATE, _MAP_ANONYMOUS, _MAP_FIXED, _MAP_NORESERVE, _MAP_HUGETLB = 0x01, 0x02, 0x20, 0x10, 0x4000, 0x40000
 _MAP_HUGE_SHIFT = 26
 MADV_HUGEPAGE, MADV_NOHUGEPAGE = 14, 15
 _MADV_POPULATE_WRITE = 23
@@ -84,8 +84,8 @@ def _check(result: int, what: str) -> None:
         raise OSError(err, f"{what}: {os.strerror(err)}")
 
 
-def _mmap(address: Optional[int], nbytes: int, prot: int, flags: int) -> int:
-    result = _libc.mmap(address, nbytes, prot, flags, -1, 0)
+def _mmap(address: Optional[int], nbytes: int, prot: int, flags: int, fd: int = -1) -> int:
+    result = _libc.mmap(address, nbytes, prot, flags, fd, 0)
     if result is None or result == _MAP_FAILED:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err))
@@ -99,6 +99,30 @@ def map_fixed(address: int, nbytes: int, page_bytes: int) -> None:
     if page_bytes > PAGE_BYTES:
         flags |= _MAP_HUGETLB | (page_bytes.bit_length() - 1) << _MAP_HUGE_SHIFT
     _mmap(address, nbytes, PROT_RW, flags)
+
+
+def create_shared(name: str, nbytes: int, page_bytes: int) -> int:
+    """A memory file of `nbytes` (memfd: in no filesystem, so only a process handed its descriptor can map it), of
+    explicit hugepages when `page_bytes` is one of theirs; returns the descriptor (close-on-exec)."""
+    flags = os.MFD_CLOEXEC
+    if page_bytes > PAGE_BYTES:
+        flags |= os.MFD_HUGETLB | (page_bytes.bit_length() - 1) << _MAP_HUGE_SHIFT
+    fd = os.memfd_create(name, flags)
+    try:
+        os.ftruncate(fd, nbytes)
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
+
+
+def map_fixed_shared(address: int, nbytes: int, fd: int) -> None:
+    """Maps the memory file `fd` (its first `nbytes`) read-write and shared at `address` (inside a reservation):
+    every process that maps it sees the same pages. Refused unless the file holds exactly `nbytes`."""
+    size = os.fstat(fd).st_size
+    if size != nbytes:
+        raise OSError(errno.EINVAL, f"the shared segment holds {size} B, the arena expects {nbytes} B")
+    _mmap(address, nbytes, PROT_RW, _MAP_SHARED | _MAP_FIXED, fd)
 
 
 def unmap_to_reservation(address: int, nbytes: int) -> None:

@@ -12,7 +12,7 @@ workers report those to the scheduler's index.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -60,13 +60,16 @@ class HostArena:
     `pinned` (None: when an accelerator is present) makes every segment DMA-able for the device; `pinning` overrides
     how (tests), `npu_host_memory` picks the Ascend path. `numa_node` binds the pages to a node; unset, they prefer
     the device's node where it is known.
+    `share` puts every segment in a memory file other processes can map (the node cache service's arena);
+    `shared_fds` maps such files instead of allocating (a worker of an engine attached to the node cache).
     The constructor returns once the first segment is usable (registration of the rest goes on in the background);
     `wait_ready()` blocks until every segment has settled."""
 
     def __init__(self, num_slots: int, object_bytes: int, *, pinned: Optional[bool] = None,
                  numa_node: Optional[int] = None, segment_bytes: int = DEFAULT_SEGMENT_BYTES,
                  hugepages: str = "auto", prefault: bool = True, pinning: Optional[SegmentPinning] = None,
-                 npu_host_memory: str = "auto") -> None:
+                 npu_host_memory: str = "auto", share: bool = False,
+                 shared_fds: Optional[Sequence[int]] = None) -> None:
         if num_slots < 1:
             raise ValueError(f"the host arena needs at least one slot (num_slots={num_slots}); raise cpu_bytes")
         if object_bytes < 1:
@@ -88,7 +91,7 @@ class HostArena:
             pinning = None
         self.memory = SegmentedMemory(num_slots, self.slot_bytes, segment_bytes=segment_bytes, hugepages=hugepages,
                                       pinning=pinning, numa_node=numa_node, preferred_node=device_node,
-                                      prefault=prefault)
+                                      prefault=prefault, share=share, shared_fds=shared_fds)
         # one array and tensor per segment (its own storage), made once the segment is live: host copies are merged
         # only within a segment, and an allocated segment's address is known only then
         self._views: list[Optional[tuple[np.ndarray, torch.Tensor]]] = [None] * len(self.memory.segments)
@@ -109,6 +112,11 @@ class HostArena:
         collected: unregistering waits for the device, so the owner picks a moment when no stream is held back.
         The slots stay readable."""
         self.memory.close()
+
+    @property
+    def segment_fds(self) -> list[int]:
+        """The shared segment files' descriptors, one per segment (empty unless shared)."""
+        return self.memory.segment_fds
 
     def wait_ready(self, timeout: Optional[float] = None) -> bool:
         """Blocks until every segment is live or left out; True when all have settled within `timeout`."""

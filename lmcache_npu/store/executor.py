@@ -133,7 +133,7 @@ class StoreExecutor:
             batch = commands[position:end]
             for written in batch:
                 if isinstance(written, (Store, Promote)):  # new bytes are coming: the old trailer seals nothing
-                    self._forget_seal(written.slot)
+                    self.forget_seal(written.slot)
             try:
                 if isinstance(command, Drop):
                     self._drop(command)
@@ -144,6 +144,13 @@ class StoreExecutor:
                 for failed in batch:
                     self._report(failed.cmd_id, TierResult.fail(Failure.ERROR, str(exc)))
             position = end
+
+    def refuse(self, commands: Sequence[Command], reason: str) -> None:
+        """Answers `commands` as failed without running them (their arena is gone: the node cache went away)."""
+        with self._lock:
+            self._outstanding += len(commands)
+        for command in commands:
+            self._report(command.cmd_id, TierResult.fail(Failure.ERROR, reason))
 
     def poll(self) -> list[Completion]:
         """Completions since the last call (to be sent to the scheduler's index)."""
@@ -203,7 +210,9 @@ class StoreExecutor:
 
     # ---- envelopes ------------------------------------------------------------------------------------------------
 
-    def _forget_seal(self, slot: int) -> None:
+    def forget_seal(self, slot: int) -> None:
+        """New bytes are coming into `slot` (a store or promotion, here or in another process): its trailer no longer
+        seals them, so the next spill or put of it seals again."""
         with self._seal_locks[slot % len(self._seal_locks)]:
             self._sealed.pop(slot, None)
 

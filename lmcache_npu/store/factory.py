@@ -56,7 +56,8 @@ def remote_exists_for(client: Any, num_ranks: int):
 
 
 def build_index(config: StoreConfig, object_bytes: int, num_ranks: int, namespace: str, layout_fingerprint: bytes,
-                remote_client: Optional[Any] = None, num_slots: Optional[int] = None) -> ChunkIndex:
+                remote_client: Optional[Any] = None, num_slots: Optional[int] = None,
+                first_cmd_id: int = 1) -> ChunkIndex:
     """The scheduler's index; with a disk tier it adopts what a previous run left on disk. `remote_client` (a
     `MooncakeTier` the scheduler owns, only for existence checks) is built from the config when not given.
     `num_slots` caps the arena slots the index hands out (the smallest arena any rank reported)."""
@@ -75,7 +76,8 @@ def build_index(config: StoreConfig, object_bytes: int, num_ranks: int, namespac
     index = ChunkIndex(slots if num_slots is None else min(slots, num_slots), num_ranks, disk_chunks=disk_chunks,
                        remote_exists=remote_exists, put_to_remote=config.put_to_remote,
                        disk_write_through=config.disk_write_through, eviction_policy=config.eviction_policy,
-                       remote_admit_hits=config.remote_admit_hits, disk_admit_hits=config.disk_admit_hits)
+                       remote_admit_hits=config.remote_admit_hits, disk_admit_hits=config.disk_admit_hits,
+                       first_cmd_id=first_cmd_id)
     if config.disk_path is not None:
         complete, partial = disk_keys_on_every_rank(config.disk_path, layout_fingerprint, namespace, num_ranks)
         adopted = index.adopt_disk(complete)
@@ -125,21 +127,23 @@ def store_sealer(config: StoreConfig, environ: Optional[Mapping[str, str]] = Non
 
 
 def build_executor(config: StoreConfig, rank: int, object_bytes: int, layout_fingerprint: bytes,
-                   mover: Optional[DeviceMover], namespace: Optional[str] = None) -> StoreExecutor:
+                   mover: Optional[DeviceMover], namespace: Optional[str] = None,
+                   arena: Optional[HostArena] = None, remote: Optional[Any] = None) -> StoreExecutor:
     """One rank's arena, tiers and executor; closing the executor closes the tiers. The disk tier counts only
-    this rank's files of `namespace` (every file of this rank when None) against `disk_bytes`."""
+    this rank's files of `namespace` (every file of this rank when None) against `disk_bytes`. `arena` and `remote`
+    (a `MooncakeTier`) are used as given instead of being made from the config (the node cache shares them)."""
     sealer = store_sealer(config)  # first: a bad secret refuses start-up before any memory is allocated
-    arena = HostArena.for_capacity(config.cpu_bytes, object_bytes, pinned=config.pinned, numa_node=config.numa_node,
-                                   segment_bytes=config.arena_segment_bytes, hugepages=config.hugepages,
-                                   npu_host_memory=config.npu_host_memory)
+    if arena is None:
+        arena = HostArena.for_capacity(config.cpu_bytes, object_bytes, pinned=config.pinned,
+                                       numa_node=config.numa_node, segment_bytes=config.arena_segment_bytes,
+                                       hugepages=config.hugepages, npu_host_memory=config.npu_host_memory)
     disk = None
     if config.disk_path is not None:
         disk = DiskTier(config.disk_path, layout_fingerprint, capacity_bytes=config.disk_bytes,
                         max_pending_bytes=config.disk_max_pending_bytes, writer_threads=config.disk_writer_threads,
                         owns=storage_names_of(namespace, rank),
                         lock_name=None if namespace is None else f"{namespace}-r{rank}")
-    remote = None
-    if config.mooncake is not None:
+    if remote is None and config.mooncake is not None:
         from .mooncake import MooncakeTier
 
         mooncake = config.mooncake_config()

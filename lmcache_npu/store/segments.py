@@ -20,11 +20,12 @@ from __future__ import annotations
 import ctypes
 import errno
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass
 from enum import Enum
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
@@ -32,7 +33,8 @@ from ..checks import check_int
 from ..platform.host_memory import HostAllocator, HostMemoryPath, HostRegistrar, SegmentPinning, allocates
 from ..platform.numa import node_cpus, numa_nodes
 from ..platform.vm import (HUGEPAGE_CHOICES, MADV_HUGEPAGE, MADV_NOHUGEPAGE, PAGE_BYTES, THP_BYTES, Reservation,
-                           advise, bind_to_node, free_hugepages, map_fixed, parse_hugepages, prefault,
+                           advise, bind_to_node, create_shared, free_hugepages, map_fixed, map_fixed_shared,
+                           parse_hugepages, prefault,
                            prefault_threads, transparent_hugepages_enabled, unmap_to_reservation)
 
 logger = logging.getLogger(__name__)
@@ -99,7 +101,8 @@ class SegmentedMemory:
     def __init__(self, num_slots: int, slot_bytes: int, *, segment_bytes: int = DEFAULT_SEGMENT_BYTES,
                  hugepages: str = "auto", pinning: Optional[SegmentPinning] = None,
                  numa_node: Optional[int] = None, preferred_node: Optional[int] = None,
-                 prefault: bool = True, prefault_by: str = "write") -> None:
+                 prefault: bool = True, prefault_by: str = "write", share: bool = False,
+                 shared_fds: Optional[Sequence[int]] = None) -> None:
         if prefault_by not in PREFAULT_BY:
             raise ValueError(f"prefault_by must be one of {', '.join(PREFAULT_BY)}, got {prefault_by!r}")
         if num_slots < 1 or slot_bytes < 1 or slot_bytes % PAGE_BYTES:
@@ -133,6 +136,11 @@ class SegmentedMemory:
             logger.info("host arena: NUMA node %d has no CPU this process may use: pre-fault threads are not bound "
                         "(the pages are still placed on it by the memory policy)", node)
         self._prefault_threads = prefault_threads(self.prefault_cpus or None)
+        # shared: every segment is a memory file other processes map too (`share` creates them, `shared_fds` maps
+        # another process's); an attached process never writes a byte it did not mean to (pre-faults only populate)
+        self.shared = share or shared_fds is not None
+        self.attached = shared_fds is not None
+        self.segment_fds: list[int] = []
         self.segments: list[Segment] = []
         offset = 0
         for first in range(0, num_slots, self.slots_per_segment):
@@ -146,8 +154,16 @@ class SegmentedMemory:
         self._check_hugepage_pool()
         self._reservation = Reservation(self.span_bytes, max(align, self.page_bytes))
         self.base_address = self._reservation.address
+        if shared_fds is not None and len(shared_fds) != len(self.segments):
+            raise ValueError(f"the shared arena has {len(shared_fds)} segment files, this layout needs "
+                             f"{len(self.segments)} (slot size, segment size or hugepages differ)")
         for segment in self.segments:
             segment.address += self.base_address
+            if share:
+                self.segment_fds.append(create_shared(f"lmcache-npu-segment-{segment.index}", segment.mapped_bytes,
+                                                      self.page_bytes))
+            elif shared_fds is not None:
+                self.segment_fds.append(shared_fds[segment.index])
             self._map(segment)
         self._state_lock = threading.Condition()
         self._live = _LiveView((), 0, 0)  # replaced whole (one reference swap) whenever a segment changes state
@@ -175,7 +191,10 @@ class SegmentedMemory:
 
     def _map(self, segment: Segment) -> None:
         try:
-            map_fixed(segment.address, segment.mapped_bytes, self.page_bytes)
+            if self.shared:
+                map_fixed_shared(segment.address, segment.mapped_bytes, self.segment_fds[segment.index])
+            else:
+                map_fixed(segment.address, segment.mapped_bytes, self.page_bytes)
         except OSError as exc:
             key = f"hugepages: {self.hugepages}: " if self.page_bytes > PAGE_BYTES else ""
             raise MemoryError(f"{key}could not map arena segment {segment.index} ({segment.mapped_bytes / 2**30:.2f} "
@@ -185,7 +204,7 @@ class SegmentedMemory:
             if advice is not None:
                 advise(segment.address, segment.mapped_bytes, advice)
         node = self.numa_node if self.numa_node is not None else self.preferred_node
-        if node is not None:
+        if node is not None and not self.attached:  # a shared file's policy is its creator's to set
             bind_to_node(segment.address, segment.mapped_bytes, node, strict=self.numa_node is not None)
 
     # ---- background preparation ---------------------------------------------------------------------------------
@@ -255,6 +274,8 @@ class SegmentedMemory:
         if error:
             return error
         began = time.perf_counter()
+        if allocates(path) and self.shared:
+            return "it allocates memory of its own, which the other processes of a shared arena cannot map"
         if allocates(path):
             assert isinstance(path, HostAllocator)
             try:
@@ -288,7 +309,8 @@ class SegmentedMemory:
 
     def _prefault_segment(self, segment: Segment) -> str:
         """Faults the segment's used pages in; how ("write" or "populate")."""
-        unused = segment.state is not SegmentState.LIVE  # a live segment's bytes may be in use: never write them
+        # a live segment's bytes may be in use, and an attached one's are another process's: never write them
+        unused = segment.state is not SegmentState.LIVE and not self.attached
 
         def fault(write: bool) -> None:
             prefault(segment.address, segment.used_bytes, threads=self._prefault_threads, write=write,
@@ -428,6 +450,12 @@ class SegmentedMemory:
                 listener(segment.address, segment.used_bytes)
             except Exception as exc:  # a listener is an optimisation (zero-copy); the segment serves regardless
                 logger.warning("host arena: a listener for segment %d failed: %s", segment.index, exc)
+
+    def close_segment_files(self) -> None:
+        """Closes this process's descriptors of the shared segment files (the mappings stay: they hold the files)."""
+        fds, self.segment_fds = self.segment_fds, []
+        for fd in fds:
+            os.close(fd)
 
     def close(self) -> None:
         """Stops the background preparation and unregisters every registered segment now (the memory stays mapped,

@@ -107,6 +107,36 @@ def _status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _node_cache(args: argparse.Namespace) -> int:
+    import signal
+    import threading
+
+    from ..config import read_config_file
+    from ..node.service import NodeCacheService, ServiceOptions
+    from ..store.config import StoreConfig
+
+    values = read_config_file(args.config) if args.config else {}
+    for key, flag in (("cpu_bytes", args.cpu_bytes), ("disk_path", args.disk_path), ("disk_bytes", args.disk_bytes)):
+        if flag is not None:
+            values[key] = flag
+    if "cpu_bytes" not in values:
+        raise ValueError("node-cache: --cpu-bytes (or cpu_bytes in --config) is required: the node's host cache size")
+    store = StoreConfig.from_dict(values)
+    service = NodeCacheService(ServiceOptions(args.socket, store, max_pools=args.max_pools, group=args.group,
+                                              metrics_port=args.metrics_port, metrics_host=args.metrics_host))
+    stop = threading.Event()
+    for number in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(number, lambda *_: stop.set())
+    service.start()
+    where = f", metrics on http://{args.metrics_host}:{service.metrics_address[1]}/metrics" \
+        if service.metrics_address else ""
+    print(f"lmcache-npu node-cache: serving {args.socket} ({store.cpu_bytes / 2**30:.2f} GiB host memory"
+          f"{', disk ' + store.disk_path if store.disk_path else ''}){where}", flush=True)
+    stop.wait()
+    service.close()  # the disk tiers flush their write-behind queues before the process ends
+    return 0
+
+
 def _selftest(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
@@ -536,6 +566,21 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the server (default 5)")
     status.add_argument("--json", action="store_true", help="print the status as JSON")
     status.set_defaults(func=_status)
+
+    node = sub.add_parser("node-cache", help="one KV cache for every engine on this node: host memory, disk tier and "
+                          "Mooncake client shared through a Unix socket (engines set node_cache: PATH)")
+    node.add_argument("--socket", required=True, help="the Unix socket engines attach to (created mode 0600)")
+    node.add_argument("--cpu-bytes", help="host memory for the whole node, all engines and ranks (e.g. 512GiB)")
+    node.add_argument("--disk-path", help="the node's disk tier directory (local NVMe)")
+    node.add_argument("--disk-bytes", help="the disk tier's capacity for the whole node")
+    node.add_argument("--config", help="a YAML file of store keys (eviction_policy, hugepages, numa_node, mooncake, "
+                      "...); the flags above override it")
+    node.add_argument("--max-pools", type=int, default=1,
+                      help="model geometries served side by side, each with an equal share of the memory (default 1)")
+    node.add_argument("--group", help="a group whose members may attach too (the socket becomes 0660)")
+    node.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port (0: any free one)")
+    node.add_argument("--metrics-host", default="127.0.0.1", help="the metrics address (default 127.0.0.1)")
+    node.set_defaults(func=_node_cache)
 
     sched = sub.add_parser("bench-scheduler", help="host time the connector adds to vLLM's scheduler: lookups of a "
                            "128K-token prompt, connector metadata for 64 running requests")

@@ -61,10 +61,13 @@ class WorkerPipeline:
 
 def build_worker_pipeline(layout: KVLayout, store: StoreConfig, rank: int, make_backend: Callable[[], TransferBackend],
                           counters: TierCounters, *, load_retries: int = 0, model_identity: Optional[bytes] = None,
-                          shared: Optional[tuple[ShareLayout, Callable[[], ShareExchange]]] = None) -> WorkerPipeline:
+                          shared: Optional[tuple[ShareLayout, Callable[[], ShareExchange]]] = None,
+                          arena_for: Optional[Callable[[Optional[str], bytes, int], HostArena]] = None
+                          ) -> WorkerPipeline:
     """The lanes (a backend from `make_backend` per direction, so a device without one fails before the arena
     exists); with `shared` (this rank's share of the replicated planes, and how to make the exchange) the exchange and
-    the mover that stores and loads shares; then the executor sized by `store` for what this rank stores per chunk."""
+    the mover that stores and loads shares; then the executor sized by `store` for what this rank stores per chunk,
+    or over the arena `arena_for(namespace, layout fingerprint, object bytes)` gives (the node cache's, mapped)."""
     plan = layout.plan
     mover = KVMover(layout, make_backend, lambda: StreamKit.for_device(plan.device), rank, load_retries, counters)
     device_mover: Any = mover
@@ -80,7 +83,8 @@ def build_worker_pipeline(layout: KVLayout, store: StoreConfig, rank: int, make_
                     "device" if exchange.on_device else "host")
     namespace = None if model_identity is None else namespace_of(model_identity, fingerprint)
     try:
-        executor = build_executor(store, rank, object_bytes, fingerprint, device_mover, namespace)
+        arena = arena_for(namespace, fingerprint, object_bytes) if arena_for is not None else None
+        executor = build_executor(store, rank, object_bytes, fingerprint, device_mover, namespace, arena=arena)
     except BaseException:
         mover.close()  # the lanes' threads must not outlive a start-up that failed (a refused secret, no memory)
         raise

@@ -18,7 +18,7 @@ OPS = ("ops", *PLATFORM)
 STORE_SCHEDULER = ("store.scheduler", *OPS)
 STORE = ("store", *STORE_SCHEDULER)
 LAYOUT = ("layout", *OPS)
-RUNTIME = ("config", "integration", "transfer", "identity", *STORE, "layout")
+RUNTIME = ("config", "integration", "transfer", "identity", "node", *STORE, "layout")
 
 # a layer's modules (dotted prefixes under lmcache_npu; the longest prefix names a module's layer) and what it may
 # import besides itself
@@ -33,6 +33,7 @@ LAYERS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
                          "store.config"), OPS),
     "store": (("store",), STORE_SCHEDULER),
     "transfer": (("transfer",), (*STORE, "layout")),
+    "node": (("node",), STORE),
     "config": (("config",), (*STORE, "layout")),
     "integration": (("integration",), RUNTIME),
     "identity": (("identity",), OPS),

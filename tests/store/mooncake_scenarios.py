@@ -237,7 +237,7 @@ def envelope() -> dict:
                                                                      _data(777, CHUNK)))
         # a put over the forged object removes it and writes ours; the reader then gets the right bytes
         writer.arena.slot_array(1)[:] = _data(1)
-        writer._forget_seal(1)
+        writer.forget_seal(1)
         assert all(c.ok for c in _run(writer, [Put(400, _keys()[1], 1)]))
         found["put_replaced_invalid"] = writer.remote.counters["put_replaced_invalid"]
         assert all(c.ok for c in _promote_all(reader, 500))

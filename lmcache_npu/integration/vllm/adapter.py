@@ -101,6 +101,16 @@ def data_parallel_rank(vllm_config: Any) -> Optional[int]:
     return int(pc.data_parallel_rank) if int(getattr(pc, "data_parallel_size", 1)) > 1 else None
 
 
+def engine_name(vllm_config: Any) -> str:
+    """This engine among others on the node: its KV transfer engine id (one per `vllm serve`, the same in its
+    scheduler and worker processes) and its data-parallel rank (each DP rank is an engine of its own)."""
+    transfer = vllm_config.kv_transfer_config
+    engine_id = getattr(transfer, "engine_id", None) if transfer is not None else None
+    if not engine_id:
+        raise ValueError("node_cache: the engine has no kv_transfer_config.engine_id to be told apart by")
+    return f"{engine_id}/dp{data_parallel_rank(vllm_config) or 0}"
+
+
 def hash_algorithm(vllm_config: Any) -> str:
     return str(vllm_config.cache_config.prefix_caching_hash_algo)
 

@@ -37,6 +37,9 @@ class LMCacheNPUConnectorMetadata(KVConnectorMetadata):
     # vLLM computes nothing this step (every runnable request waits for its KV): the workers may wait for a load to
     # finish instead of letting the engine spin through empty steps
     idle: bool = False
+    # the node cache's epoch these commands are of (None without one): a worker whose mapping is of another epoch
+    # maps the node's segments again before it runs them
+    node_epoch: Optional[str] = None
 
 
 SlotRanges = tuple[tuple[int, int], ...]  # [first, end) arena slot ranges

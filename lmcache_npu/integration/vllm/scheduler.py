@@ -22,6 +22,8 @@ import numpy as np
 from ...config import ConnectorConfig
 from ...layout.discovery import LayoutGroup
 from ...store.commands import Load, Store, Tier
+from ...node.client import NodeCacheClient
+from ...node.messages import PoolGeometry
 from ...store.factory import build_index, scheduler_mooncake_client
 from ...store.index.contract import ChunkManager, LookupResult
 from ...store.keys import ChunkKey, check_stable_hashing, chunk_keys
@@ -81,6 +83,7 @@ def _warn_about_failed_loads(channel: adapter.FailureChannel, policy: str) -> No
 class SchedulerHalf:
     def __init__(self, config: ConnectorConfig, vllm_config: Any, kv_cache_config: Any) -> None:
         self.config = config
+        self.vllm_config = vllm_config
         self.stores_enabled, self.loads_enabled = adapter.kv_role(vllm_config)
         self.place = adapter.parallel_place(vllm_config)
         self.scheduler_block_size, self.hash_block_size = adapter.block_sizes(kv_cache_config, vllm_config)
@@ -92,7 +95,7 @@ class SchedulerHalf:
         # an EAGLE/MTP drafter: a hit ends one chunk before the last chunk held (lookup.py says why)
         self.eagle_block_drop = adapter.eagle_block_drop(vllm_config)
         _warn_about_failed_loads(self.failure_channel, adapter.load_failure_policy(vllm_config))
-        if config.store.disk_path is not None or config.store.mooncake is not None:
+        if config.store.disk_path is not None or config.store.mooncake is not None or config.node_cache is not None:
             # chunks outliving this process must be named the same by the next one (and by other instances)
             check_stable_hashing(adapter.hash_algorithm(vllm_config),
                                  allow_fast_block_hash=config.allow_fast_block_hash)
@@ -137,10 +140,15 @@ class SchedulerHalf:
         self.has_end_state = any(g.recurrent for g in self.planner.moved)
         self.fence.geometry = WriteGeometry.of(self.groups, self.num_scheduler_groups)
         store = self.config.store
-        if store.mooncake is not None and self._remote is None:
-            self._remote = scheduler_mooncake_client(store)
-        self.index = build_index(store, agreed.object_bytes, self.place.world, agreed.namespace,
-                                 agreed.layout_fingerprint, remote_client=self._remote, num_slots=agreed.num_slots)
+        if self.config.node_cache is not None:
+            self.index = NodeCacheClient(self.config.node_cache, adapter.engine_name(self.vllm_config), PoolGeometry(
+                agreed.namespace, agreed.layout_fingerprint, self.place.world, agreed.object_bytes, self.chunk_tokens))
+        else:
+            if store.mooncake is not None and self._remote is None:
+                self._remote = scheduler_mooncake_client(store)
+            self.index = build_index(store, agreed.object_bytes, self.place.world, agreed.namespace,
+                                     agreed.layout_fingerprint, remote_client=self._remote,
+                                     num_slots=agreed.num_slots)
         self.namespace = agreed.namespace
         self.object_bytes = agreed.object_bytes
         self._gauges.reset()
@@ -332,7 +340,8 @@ class SchedulerHalf:
             commands=self.index.take_commands() if self.index is not None else [],
             loads=self._loads, stores=stores, delayed_free=self._delayed_free,
             fenced_stores=self._fenced_stores(scheduler_output, writes) if writes is not None else [],
-            idle=scheduler_output.total_num_scheduled_tokens == 0)
+            idle=scheduler_output.total_num_scheduled_tokens == 0,
+            node_epoch=self.index.epoch if isinstance(self.index, NodeCacheClient) else None)
         self.fence.end_step()
         self._loads, self._delayed_free = [], []
         return meta
@@ -469,6 +478,8 @@ class SchedulerHalf:
         return self.events.take() if self.events is not None else []
 
     def shutdown(self) -> None:
+        if isinstance(self.index, NodeCacheClient):
+            self.index.close()
         if self._remote is not None:
             self._remote.close()
             self._remote = None

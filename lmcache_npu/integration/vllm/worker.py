@@ -62,6 +62,9 @@ from ...config import ConnectorConfig
 from ...layout.discovery import KVLayout, LayoutPolicy, default_chunk_tokens, discover_layout, token_granularity
 from ...ops import BackendUnavailable, Direction, TransferBackend, get_backend
 from ...ops.backend import backend_for_device
+from ...node.attachment import WorkerAttachment, attach_worker_arena
+from ...node.messages import PoolGeometry
+from ...store.arena import HostArena
 from ...store.commands import Command, Completion, Load, Store
 from ...store.disk import check_disk_parent
 from ...store.executor import StoreExecutor
@@ -137,6 +140,8 @@ class WorkerHalf:
         self._idle_step = False  # vLLM computes nothing this step: get_finished may wait for a load
         self._step_loads: set[int] = set()  # load commands this step queued (waited for where the model is the host)
         self._load_wait: Optional[StepLoadWait] = None  # set where the model runs on the host (a CPU KV cache)
+        self._node: Optional[WorkerAttachment] = None  # this rank's mapping of the node cache (node_cache only)
+        self._node_geometry: Optional[PoolGeometry] = None
 
     # ---- start-up ---------------------------------------------------------------------------------------------
 
@@ -173,7 +178,10 @@ class WorkerHalf:
             self.config.tp_share_exchange, policy.tp_size, layout.share_ranks, plan.device))
         pipeline = self.pipeline = build_worker_pipeline(
             layout, self.config.store, self.place.rank, lambda: self._backend(plan.device), self.counters,
-            load_retries=self.config.load_retries, model_identity=self.identity.fingerprint, shared=shared)
+            load_retries=self.config.load_retries, model_identity=self.identity.fingerprint, shared=shared,
+            arena_for=None if self.config.node_cache is None else
+            lambda namespace, fingerprint, object_bytes: self._attach_node(PoolGeometry(
+                namespace or "", fingerprint, self.place.world, object_bytes, plan.chunk_tokens)))
         backend = pipeline.mover.backends[Direction.LOAD].name
         for tier, names in ((pipeline.disk, DISK_METRICS), (pipeline.remote, REMOTE_METRICS)):
             if tier is not None:
@@ -187,6 +195,36 @@ class WorkerHalf:
         logger.info("lmcache_npu rank %d: %d planes in %d groups, %d B per %d-token chunk, %s backend, %d arena slots",
                     self.place.rank, len(plan.moved_planes), len(layout.groups), plan.object_bytes, plan.chunk_tokens,
                     backend, pipeline.arena.num_slots)
+
+    def _attach_node(self, geometry: PoolGeometry) -> HostArena:
+        """This rank's segments of the node cache's pool, mapped (and registered with the device) here."""
+        assert self.config.node_cache is not None
+        self._node_geometry = geometry
+        self._node = attach_worker_arena(self.config.node_cache, adapter.engine_name(self.vllm_config), geometry,
+                                         self.place.rank, pinned=self.config.store.pinned,
+                                         npu_host_memory=self.config.store.npu_host_memory)
+        logger.info("lmcache_npu rank %d: mapped the node cache at %s (epoch %s, %d slots)", self.place.rank,
+                    self.config.node_cache, self._node.epoch, self._node.arena.num_slots)
+        return self._node.arena
+
+    def _follow_node_epoch(self, meta: LMCacheNPUConnectorMetadata) -> bool:
+        """The node cache restarted (the scheduler attached to a new epoch): map its segments before moving a byte.
+        False when that failed, and every command of the step is answered as failed."""
+        if self._node is None or meta.node_epoch is None or meta.node_epoch == self._node.epoch:
+            return True
+        assert self.executor is not None and self._node_geometry is not None
+        old = self._node
+        try:
+            arena = self._attach_node(self._node_geometry)
+        except (ConnectionError, OSError, MemoryError, ValueError) as exc:
+            logger.warning("lmcache_npu rank %d: could not map the node cache's new epoch %s: %s", self.place.rank,
+                           meta.node_epoch, exc)
+            self.executor.refuse(meta.commands, f"the node cache's epoch {meta.node_epoch} is not mapped here: {exc}")
+            return False
+        self.executor.arena = arena  # commands in flight keep the old mapping alive through their slot views
+        old.close()
+        self.counters.add(Metric.EPOCH_CHANGES)
+        return True
 
     @property
     def mover(self) -> Optional[KVMover]:
@@ -228,6 +266,8 @@ class WorkerHalf:
         if self._fenced is not meta:  # a runner that skips handle_preemptions: fence here, before any load is queued
             self.handle_preemptions(meta)
         self._fenced = None
+        if not self._follow_node_epoch(meta):
+            meta = dataclasses.replace(meta, commands=[])
         self._idle_step = meta.idle
         self.mover.expect([*meta.loads, *meta.stores])
         for plan in meta.loads:
@@ -358,6 +398,8 @@ class WorkerHalf:
     def shutdown(self) -> None:
         if self.pipeline is not None:
             self.pipeline.close()
+        if self._node is not None:  # the lease ends after the last command answered
+            self._node.close()
 
 
 def engine_store_config(config: ConnectorConfig, vllm_config: Any) -> ConnectorConfig:

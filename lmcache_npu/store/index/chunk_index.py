@@ -76,7 +76,7 @@ class ChunkIndex(ChunkManager):
     def __init__(self, num_slots: int, num_ranks: int = 1, disk_chunks: int = 0,
                  remote_exists: Optional[RemoteExists] = None, put_to_remote: bool = True,
                  disk_write_through: bool = False, eviction_policy: Union[str, EvictionPolicy] = "lru",
-                 remote_admit_hits: int = 0, disk_admit_hits: int = 0) -> None:
+                 remote_admit_hits: int = 0, disk_admit_hits: int = 0, first_cmd_id: int = 1) -> None:
         if num_slots < 1 or num_ranks < 1 or disk_chunks < 0:
             raise ValueError(f"index needs num_slots >= 1, num_ranks >= 1, disk_chunks >= 0 "
                              f"(got {num_slots}, {num_ranks}, {disk_chunks})")
@@ -92,7 +92,7 @@ class ChunkIndex(ChunkManager):
         self.counters = TierCounters()
         self._slots = SlotTable(num_slots, policy)
         self._disk = DiskCatalog(disk_chunks)
-        self._ledger = CommandLedger(num_ranks, self.counters)
+        self._ledger = CommandLedger(num_ranks, self.counters, check_int("first_cmd_id", first_cmd_id, lo=1))
         self._remote = RemotePresence(remote_exists, self.counters)
         self._gate = ReuseGate(num_slots + disk_chunks, remote_admit_hits, disk_admit_hits)
         self._put_to_remote = put_to_remote and remote_exists is not None
@@ -267,6 +267,14 @@ class ChunkIndex(ChunkManager):
 
     def is_pending(self, cmd_id: int) -> bool:
         return self._ledger.is_pending(cmd_id)
+
+    def abandon(self, cmd_ids: Iterable[int], reason: str) -> int:
+        """Fails every rank's missing answer to `cmd_ids` (their workers are gone: an engine that died holding
+        them), so their slots and pins are given back as for any failed command; returns how many were pending."""
+        failed = [Completion(cmd_id, rank, False, reason) for cmd_id in cmd_ids
+                  for rank in sorted(self._ledger.waiting_ranks(cmd_id))]
+        self.on_completions(failed)
+        return len({done.cmd_id for done in failed})
 
     def pending_command_ids(self) -> tuple[int, ...]:
         """Commands some rank has not answered, oldest first (benches answer them all)."""

@@ -22,14 +22,14 @@ class PendingCommand:
 
 
 class CommandLedger:
-    """Command ids start at 1 and never repeat; unknown or repeated answers are counted and ignored."""
+    """Command ids start at `first_id` (1) and never repeat; unknown or repeated answers are counted and ignored."""
 
-    def __init__(self, num_ranks: int, counters: TierCounters) -> None:
+    def __init__(self, num_ranks: int, counters: TierCounters, first_id: int = 1) -> None:
         self.num_ranks = num_ranks
         self._counters = counters
         self._pending: dict[int, PendingCommand] = {}
         self._outbox: list[Command] = []
-        self._next_id = 1
+        self._next_id = first_id
 
     def new_id(self) -> int:
         cmd_id = self._next_id
@@ -64,6 +64,11 @@ class CommandLedger:
             if not pending.waiting:
                 del self._pending[done.cmd_id]
                 yield pending.command, pending.failures
+
+    def waiting_ranks(self, cmd_id: int) -> frozenset[int]:
+        """The ranks that have not answered command `cmd_id` (none when it is not pending)."""
+        pending = self._pending.get(cmd_id)
+        return frozenset(pending.waiting) if pending is not None else frozenset()
 
     def is_pending(self, cmd_id: int) -> bool:
         return cmd_id in self._pending

@@ -1,0 +1,54 @@
+"""A worker's side of the node cache: its rank's segments of the pool, mapped into this process, as the host arena its
+device moves read and write (the same kernels and lanes as a private arena), and the connection that holds its lease.
+"""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+from typing import Optional
+
+from ..store.arena import HostArena
+from . import wire
+from .client import connect
+from .messages import Attach, PoolGeometry
+
+
+@dataclass
+class WorkerAttachment:
+    """A worker's mapping of its rank's shared arena, and the connection that holds its lease."""
+
+    sock: socket.socket
+    arena: HostArena
+    epoch: str
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def attach_worker_arena(path: str, engine: str, geometry: PoolGeometry, rank: int, *, pinned: Optional[bool],
+                        npu_host_memory: str = "auto", timeout_s: float = 30.0) -> WorkerAttachment:
+    """Maps rank `rank`'s segments of the pool for `geometry`; pinned (None: where an accelerator is) means every
+    segment is registered with the device before this returns (the node's slots are all live, so a worker must
+    reach all of them), and a segment that cannot be is an error naming why."""
+    sock, attached, fds = connect(path, Attach(engine, geometry, rank), timeout_s)
+    try:
+        arena = HostArena(attached.num_slots, attached.object_bytes, pinned=pinned,
+                          segment_bytes=attached.segment_bytes, hugepages=attached.hugepages, prefault=False,
+                          npu_host_memory=npu_host_memory, shared_fds=fds)
+    except BaseException:
+        sock.close()
+        for fd in fds:
+            wire.close_fd(fd)
+        raise
+    arena.memory.close_segment_files()  # the mappings hold the files now
+    if arena.pinned:
+        arena.wait_ready()
+        failed = [s for s in arena.memory.segments if s.error]
+        if failed:
+            arena.close()
+            sock.close()
+            raise MemoryError(f"rank {rank}: node cache segments {[s.index for s in failed]} could not be made "
+                              f"DMA-able for this device ({failed[0].error}); the node cache needs host registration "
+                              "of shared memory (docs/deployment.md, \"Node cache\")")
+    return WorkerAttachment(sock, arena, attached.epoch)

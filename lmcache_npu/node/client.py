@@ -1,0 +1,280 @@
+"""The scheduler half's side of the node cache: `NodeCacheClient`, the manager contract over the service's socket
+(a worker's mapping of the shared arena is `attachment.py`'s).
+
+The service going away never stops an engine: every verb then answers as a cache that holds nothing (lookups miss,
+stores are not made, a load already promised is refused, so vLLM recomputes it), and the client attaches again at
+most once per `retry_s`; the new attachment is a new epoch, which the scheduler sends its workers with each step so
+they map the new segments before they move a byte. Commands of an earlier epoch are forgotten: their answers are
+dropped and they count as no longer pending.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Iterable, Optional, Sequence, Union
+
+from ..store.commands import Command, Completion, Load, Store, Tier
+from ..store.index.contract import (ChunkManager, ChunkView, DiskState, LookupResult, NumberedChunks, SlotState,
+                                    TierListener)
+from ..store.keys import ChunkKey
+from ..store.metrics import Metric
+from ..store.tier import TierCounters
+from . import wire
+from .messages import Attach, Attached, PoolGeometry, Refused
+
+logger = logging.getLogger(__name__)
+
+RETRY_S = 1.0  # at most one attach attempt per second while the service is away
+CALL_TIMEOUT_S = 10.0  # a verb the service has not answered by then counts as the service being away
+OCCUPANCY_TTL_S = 1.0  # the gauges vLLM's stats read every step: asked at most once a second
+
+
+class NodeCacheUnavailable(ConnectionError):
+    """The node cache service cannot be reached (or refused this engine)."""
+
+
+def connect(path: str, attach: Attach, timeout_s: float) -> tuple[socket.socket, Attached, list[int]]:
+    """Connects and attaches; retries until `timeout_s` while the socket is missing or refuses connections."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(CALL_TIMEOUT_S)
+            sock.connect(path)
+            wire.send(sock, attach)
+            reply, fds = wire.receive_with_fds(sock)
+        except (FileNotFoundError, ConnectionRefusedError) as exc:
+            sock.close()
+            if time.monotonic() >= deadline:
+                raise NodeCacheUnavailable(f"no node cache service listens on {path} ({exc.strerror}); start "
+                                           "`lmcache-npu node-cache --socket PATH ...` on this node first") from exc
+            time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+            continue
+        except (OSError, wire.WireError) as exc:
+            sock.close()
+            raise NodeCacheUnavailable(f"the node cache at {path} did not attach this engine: {exc}") from exc
+        if isinstance(reply, Refused):
+            sock.close()
+            for fd in fds:
+                wire.close_fd(fd)
+            raise NodeCacheUnavailable(f"the node cache at {path} refused this engine: {reply.reason}")
+        if not isinstance(reply, Attached):
+            sock.close()
+            raise NodeCacheUnavailable(f"the node cache at {path} answered {type(reply).__name__}, not Attached")
+        return sock, reply, fds
+
+
+@dataclass
+class _Pending:
+    command: Union[Store, Load]
+    waiting: set[int]
+
+
+class NodeCacheClient(ChunkManager):
+    """The manager contract over the node cache's socket, for one engine's scheduler half. The engine's own device
+    commands are tracked here (their ranks' answers, `is_pending`, the outbox), so a step costs no round trip for
+    them; everything about the node's chunks is asked of the service."""
+
+    def __init__(self, path: str, engine: str, geometry: PoolGeometry, *, connect_timeout_s: float = 30.0,
+                 retry_s: float = RETRY_S) -> None:
+        self.path = path
+        self.engine = engine
+        self.geometry = geometry
+        self.retry_s = retry_s
+        self.counters = TierCounters()
+        self._events = False
+        self._listener: Optional[TierListener] = None
+        self._sock: Optional[socket.socket] = None
+        self._next_try = 0.0
+        self._pending: dict[int, _Pending] = {}
+        self._outbox: deque[Command] = deque()
+        self._occupancy: Optional[tuple[float, dict[Tier, tuple[int, int]]]] = None
+        self.epoch: Optional[str] = None
+        sock, attached, _ = connect(path, self._attach_message(), connect_timeout_s)
+        self._adopt(sock, attached)
+
+    # ---- the connection -------------------------------------------------------------------------------------------
+
+    def _attach_message(self) -> Attach:
+        return Attach(self.engine, self.geometry, None, self._events)
+
+    def _adopt(self, sock: socket.socket, attached: Attached) -> None:
+        self._sock = sock
+        self.epoch = attached.epoch
+        self.num_slots = attached.num_slots
+        self.disk_chunks = attached.disk_chunks
+        self._policy = attached.eviction_policy
+
+    def _lost(self, why: BaseException) -> None:
+        if self._sock is not None:
+            logger.warning("lmcache_npu: lost the node cache at %s (%s); serving without it (every lookup misses) "
+                           "and attaching again every %.0f s", self.path, why, self.retry_s)
+            self._sock.close()
+            self.counters.add(Metric.NODE_CACHE_DISCONNECTS)
+        self._sock = None
+        self.epoch = None
+        self._pending.clear()  # the service's successor knows none of them: their answers are dropped
+        self._outbox.clear()
+        self._occupancy = None
+        self._next_try = time.monotonic() + self.retry_s
+
+    def _connected(self) -> bool:
+        if self._sock is not None:
+            return True
+        if time.monotonic() < self._next_try:
+            return False
+        try:
+            sock, attached, _ = connect(self.path, self._attach_message(), 0.0)
+        except NodeCacheUnavailable as exc:
+            logger.debug("lmcache_npu: node cache still away: %s", exc)
+            self._next_try = time.monotonic() + self.retry_s
+            return False
+        self._adopt(sock, attached)
+        self.counters.add(Metric.NODE_CACHE_RECONNECTS)
+        logger.info("lmcache_npu: attached to the node cache at %s again (epoch %s)", self.path, self.epoch)
+        return True
+
+    def _call(self, verb: str, *arguments: Any, missing: Any = None) -> Any:
+        """The verb's answer; `missing` when the service is away (counted)."""
+        if not self._connected():
+            self.counters.add(Metric.NODE_CACHE_UNREACHABLE)
+            return missing
+        assert self._sock is not None
+        try:
+            wire.send(self._sock, (verb, *arguments))
+            reply = wire.receive(self._sock)
+        except (OSError, wire.WireError) as exc:
+            self._lost(exc)
+            self.counters.add(Metric.NODE_CACHE_UNREACHABLE)
+            return missing
+        if not isinstance(reply, tuple) or not reply:
+            self._lost(wire.WireError(f"malformed reply to {verb}"))
+            return missing
+        if reply[0] == "error":
+            raise ValueError(f"node cache: {reply[2]}")
+        _, value, counters, changes = reply
+        for name, amount in counters.items():
+            self.counters.add(name, amount)
+        if self._listener is not None:
+            for key, tier, entered in changes:
+                self._listener(key, tier, entered)
+        return value
+
+    def _send(self, verb: str, *arguments: Any) -> None:
+        """A verb the engine does not wait for (its counters come with the next answer)."""
+        if not self._connected():
+            return
+        assert self._sock is not None
+        try:
+            wire.send(self._sock, (verb, *arguments))
+        except OSError as exc:
+            self._lost(exc)
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+    # ---- the contract ---------------------------------------------------------------------------------------------
+
+    def lookup(self, request_id: str, keys: Sequence[ChunkKey]) -> LookupResult:
+        return self._call("lookup", request_id, list(keys), missing=LookupResult(0, 0))
+
+    def presence(self, keys: Sequence[ChunkKey], remote: bool = True) -> list[bool]:
+        return self._call("presence", list(keys), remote, missing=[False] * len(keys))
+
+    def prepare_load(self, request_id: str, chunks: NumberedChunks) -> list[Load]:
+        loads = self._call("prepare_load", request_id, list(chunks), missing=None)
+        if loads is None:  # a hit was promised and the service is gone: refused, so vLLM recomputes these tokens
+            raise ValueError(f"the node cache at {self.path} went away between the lookup and the load")
+        self._track(loads)
+        return loads
+
+    def release(self, request_id: str) -> None:
+        self._send("release", request_id)
+
+    def prepare_store(self, request_id: str, chunks: NumberedChunks) -> list[Store]:
+        stores = self._call("prepare_store", request_id, list(chunks), missing=[])
+        self._track(stores)
+        return stores
+
+    def _track(self, commands: Sequence[Union[Store, Load]]) -> None:
+        world = set(range(self.geometry.world))
+        for command in commands:
+            self._pending[command.cmd_id] = _Pending(command, set(world))
+            self._outbox.append(command)
+
+    def take_commands(self) -> list[Command]:
+        commands = list(self._outbox)
+        self._outbox.clear()
+        return commands
+
+    def queued_commands(self) -> tuple[Command, ...]:
+        return tuple(self._outbox)
+
+    def on_completions(self, completions: Iterable[Completion]) -> None:
+        mine = []
+        for done in completions:
+            pending = self._pending.get(done.cmd_id)
+            if pending is None or done.rank not in pending.waiting:  # an earlier epoch's, or a repeat
+                self.counters.add(Metric.UNEXPECTED_COMPLETIONS)
+                continue
+            mine.append(done)
+            pending.waiting.discard(done.rank)
+            if not pending.waiting:
+                del self._pending[done.cmd_id]
+        if mine:
+            self._send("on_completions", mine)
+
+    def is_pending(self, cmd_id: int) -> bool:
+        return cmd_id in self._pending
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._pending)
+
+    @property
+    def eviction_policy(self) -> str:
+        return self._policy
+
+    def limit_slots(self, usable: Union[int, Sequence[tuple[int, int]]]) -> None:
+        """The node's slots are live before any engine maps them, and each worker registers all of its mapping
+        before it reports: nothing to limit (the service's pool decides which slots exist)."""
+        logger.debug("lmcache_npu: node cache slots are the service's; ignoring a usable-slot report %s", usable)
+
+    def occupancy(self) -> dict[Tier, tuple[int, int]]:
+        now = time.monotonic()
+        if self._occupancy is not None and now - self._occupancy[0] < OCCUPANCY_TTL_S:
+            return self._occupancy[1]
+        use = self._call("occupancy", missing=None)
+        if use is None:
+            return {Tier.ARENA: (0, self.num_slots), Tier.DISK: (0, self.disk_chunks)}
+        self._occupancy = (now, use)
+        return use
+
+    def location(self, key: ChunkKey) -> tuple[Optional[int], SlotState, DiskState]:
+        return self._call("location", key, missing=(None, SlotState.FREE, DiskState.NONE))
+
+    def chunks(self) -> list[ChunkView]:
+        return self._call("chunks", missing=[])
+
+    def adopt_disk(self, keys: Iterable[ChunkKey]) -> int:
+        return self._call("adopt_disk", list(keys), missing=0)
+
+    def drop_disk_copies(self, keys: Iterable[ChunkKey]) -> None:
+        self._call("drop_disk_copies", list(keys))
+
+    def set_tier_listener(self, listener: Optional[TierListener]) -> None:
+        """The node's tier changes reach `listener` with the answers to this engine's calls (the service queues
+        them for the engine while it wants them)."""
+        if listener is not None and not callable(listener):
+            raise ValueError(f"tier listener must be callable or None, got {type(listener).__name__}")
+        self._listener = listener
+        wanted = listener is not None
+        if wanted != self._events:
+            self._events = wanted  # also said by every later attach (a reconnect)
+            self._call("events", wanted)

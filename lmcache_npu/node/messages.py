@@ -1,0 +1,60 @@
+"""What an engine and the node cache tell each other when an engine's process attaches (plain values, see wire.py).
+
+Every later request is a tuple `(verb, *arguments)` of the manager contract's verbs (`store/index/contract.py`);
+every reply is `("ok", value, counters, tier_changes)` or `("error", kind, text)`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class PoolGeometry:
+    """What makes two engines' chunks interchangeable: the same namespace (model and layout), as many ranks, and the
+    same bytes per rank and chunk. Engines of one geometry share a pool of slots; others get a pool of their own."""
+
+    namespace: str
+    layout_fingerprint: bytes
+    world: int
+    object_bytes: int
+    chunk_tokens: int
+
+    def describe(self) -> str:
+        return (f"namespace {self.namespace}, {self.world} rank(s), {self.object_bytes} B per rank and "
+                f"{self.chunk_tokens}-token chunk")
+
+
+@dataclass(frozen=True)
+class Attach:
+    """The first message on a connection. `engine` names the engine (its KV transfer engine id and data-parallel
+    rank): its scheduler and every worker attach under it, and what the engine holds is released once the last of
+    its connections closes. `rank` is a worker's rank (None: the scheduler)."""
+
+    engine: str
+    geometry: PoolGeometry
+    rank: int | None = None
+    events: bool = False  # the scheduler publishes vLLM KV events: send it the pool's tier changes
+
+
+@dataclass(frozen=True)
+class Attached:
+    """The service's answer: the pool's arena (a worker also receives its rank's segment files beside this message,
+    in segment order) and what the scheduler side needs to know of it. `epoch` changes whenever the service or the
+    pool is new: a worker whose mapping is of another epoch maps again before it moves a byte."""
+
+    epoch: str
+    num_slots: int
+    object_bytes: int
+    segment_bytes: int
+    hugepages: str
+    disk_chunks: int
+    eviction_policy: str
+
+
+@dataclass(frozen=True)
+class Refused:
+    """The service will not take this engine (a geometry for which no pool is left, a protocol version it does not
+    speak); `reason` says which and what to change."""
+
+    reason: str

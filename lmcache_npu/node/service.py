@@ -1,0 +1,328 @@
+"""The node cache service (`lmcache-npu node-cache`): one per node, it owns the node's host cache, disk tier and
+Mooncake client, and every engine on the node uses it through a Unix socket.
+
+Security: the socket is created mode 0600 (0660 with `group`), every peer's credentials are checked with
+`SO_PEERCRED` (this user, or the group's members), and the shared segments are memory files in no filesystem,
+reachable only through descriptors this service hands to checked peers. Messages are allow-listed pickles (wire.py).
+Engines attach with their pool geometry; each geometry gets a pool (`pool.py`), up to `max_pools`, each an equal
+share of `cpu_bytes` and `disk_bytes`. One lock serialises the verbs: they are index operations of microseconds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import grp
+import logging
+import os
+import secrets
+import socket
+import stat
+import struct
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
+
+from ..store.commands import Completion
+from ..store.config import StoreConfig
+from ..store.keys import ChunkKey
+from . import wire
+from .exporter import MetricsServer, exposition
+from .messages import Attach, PoolGeometry, Refused
+from .pool import EngineLease, NodePool, PoolRefused, scoped
+
+logger = logging.getLogger(__name__)
+
+_PEERCRED = struct.Struct("3i")  # pid, uid, gid
+ONEWAY = frozenset({"release", "on_completions"})  # the engine does not wait: their counters ride the next reply
+
+
+@dataclass(frozen=True)
+class ServiceOptions:
+    """`store`: the node's tiers (cpu_bytes and disk_bytes for the whole node, all pools and ranks together)."""
+
+    socket_path: str
+    store: StoreConfig
+    max_pools: int = 1
+    group: Optional[str] = None  # a group whose members may attach too (socket 0660)
+    metrics_port: Optional[int] = None
+    metrics_host: str = "127.0.0.1"
+
+
+class NodeCacheService:
+    def __init__(self, options: ServiceOptions) -> None:
+        if options.max_pools < 1:
+            raise ValueError(f"max_pools must be at least 1, got {options.max_pools}")
+        self.options = options
+        self.instance = secrets.token_hex(6)  # a restarted service is a new epoch for every engine
+        self.lock = threading.RLock()
+        self.pools: dict[PoolGeometry, NodePool] = {}
+        self.refused_peers = 0
+        self.connections = 0
+        self.started_at = time.time()
+        self._group_gid = grp.getgrnam(options.group).gr_gid if options.group else None
+        self._next_connection = 0
+        self._closed = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._listener = self._bind(options.socket_path)
+        self._metrics: Optional[MetricsServer] = None
+        if options.metrics_port is not None:
+            self._metrics = MetricsServer(options.metrics_host, options.metrics_port, self.metrics_text)
+
+    # ---- the socket -----------------------------------------------------------------------------------------------
+
+    def _bind(self, path: str) -> socket.socket:
+        if os.path.exists(path):
+            if not stat.S_ISSOCK(os.lstat(path).st_mode):
+                raise FileExistsError(f"{path} exists and is not a socket: refusing to replace it")
+            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                probe.connect(path)
+            except OSError:
+                os.unlink(path)  # a dead service's socket
+            else:
+                raise FileExistsError(f"a node cache already serves {path}")
+            finally:
+                probe.close()
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old_umask = os.umask(0o177)  # the socket exists with mode 0600 from its first moment
+        try:
+            listener.bind(path)
+        finally:
+            os.umask(old_umask)
+        if self._group_gid is not None:
+            os.chown(path, -1, self._group_gid)
+            os.chmod(path, 0o660)
+        listener.listen(64)
+        return listener
+
+    def start(self) -> "NodeCacheService":
+        thread = threading.Thread(target=self.serve_forever, name="lmcache-node-accept", daemon=True)
+        thread.start()
+        self._threads.append(thread)
+        return self
+
+    def serve_forever(self) -> None:
+        logger.info("node cache: serving %s (%d B host memory, %d pool(s)%s)", self.options.socket_path,
+                    self.options.store.cpu_bytes, self.options.max_pools,
+                    f", disk {self.options.store.disk_path}" if self.options.store.disk_path else "")
+        while not self._closed.is_set():
+            try:
+                connection, _ = self._listener.accept()
+            except OSError:
+                if self._closed.is_set():
+                    return
+                raise
+            if not self._peer_allowed(connection):
+                connection.close()
+                continue
+            with self.lock:
+                self._next_connection += 1
+                number = self._next_connection
+            thread = threading.Thread(target=self._serve, args=(connection, number), daemon=True,
+                                      name=f"lmcache-node-conn{number}")
+            thread.start()
+
+    def _peer_allowed(self, connection: socket.socket) -> bool:
+        pid, uid, gid = _PEERCRED.unpack(connection.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                               _PEERCRED.size))
+        if uid == os.getuid() or (self._group_gid is not None and gid == self._group_gid):
+            return True
+        self.refused_peers += 1
+        logger.warning("node cache: refused a connection from pid %d (uid %d, gid %d): only uid %d%s may attach",
+                       pid, uid, gid, os.getuid(), f" and group {self.options.group}" if self.options.group else "")
+        return False
+
+    # ---- one connection -------------------------------------------------------------------------------------------
+
+    def _serve(self, connection: socket.socket, number: int) -> None:
+        pool: Optional[NodePool] = None
+        lease: Optional[EngineLease] = None
+        try:
+            attach = wire.receive(connection)
+            if not isinstance(attach, Attach) or not isinstance(attach.geometry, PoolGeometry):
+                wire.send(connection, Refused("the first message must be an Attach"))
+                return
+            try:
+                with self.lock:
+                    pool = self._pool_for(attach.geometry)
+                    fds = pool.segment_fds(attach.rank) if attach.rank is not None else []
+                    lease = pool.lease(attach.engine, number, attach.events)
+                    self.connections += 1
+            except (PoolRefused, ValueError, TypeError, MemoryError, OSError) as exc:
+                logger.warning("node cache: refused engine %s: %s", attach.engine, exc)
+                wire.send(connection, Refused(str(exc)))
+                return
+            wire.send(connection, pool.attached(), fds)
+            logger.info("node cache: engine %s %s attached (%s)", attach.engine,
+                        "scheduler" if attach.rank is None else f"rank {attach.rank}", attach.geometry.describe())
+            while True:
+                request = wire.receive(connection)
+                reply = self._answer(pool, lease, request)
+                if reply is not None:
+                    wire.send(connection, reply)
+        except (ConnectionError, OSError) as exc:
+            logger.debug("node cache: connection %d closed: %s", number, exc)
+        except Exception:  # a bug must cost this connection (its lease ends below), never the service
+            logger.exception("node cache: connection %d failed", number)
+        finally:
+            if pool is not None and lease is not None:
+                with self.lock:
+                    self.connections -= 1
+                    pool.drop_connection(lease.engine, number)
+            connection.close()
+
+    def _pool_for(self, geometry: PoolGeometry) -> NodePool:
+        pool = self.pools.get(geometry)
+        if pool is not None:
+            return pool
+        _check_geometry(geometry)
+        if len(self.pools) >= self.options.max_pools:
+            held = "; ".join(g.describe() for g in self.pools)
+            raise PoolRefused(f"the node cache holds {len(self.pools)} pool(s) (--max-pools {self.options.max_pools}): "
+                              f"{held}; this engine's geometry ({geometry.describe()}) needs another. Start the "
+                              "service with a larger --max-pools (each pool gets an equal share of --cpu-bytes)")
+        share = dataclasses.replace(self.options.store, cpu_bytes=self.options.store.cpu_bytes // self.options.max_pools,
+                                    disk_bytes=self.options.store.disk_bytes // self.options.max_pools)
+        pool = NodePool(geometry, share, f"{self.instance}/{len(self.pools)}", self.lock)
+        self.pools[geometry] = pool
+        return pool
+
+    def _answer(self, pool: NodePool, lease: EngineLease, request: Any) -> Optional[tuple]:
+        if not isinstance(request, tuple) or not request or not isinstance(request[0], str):
+            return ("error", "ValueError", "a request is a tuple (verb, *arguments)")
+        verb, arguments = request[0], request[1:]
+        with self.lock:
+            try:
+                value = self._run(pool, lease, verb, arguments)
+            except (ValueError, TypeError, KeyError) as exc:
+                if verb in ONEWAY:
+                    logger.warning("node cache: engine %s: %s refused: %s", lease.engine, verb, exc)
+                    return None
+                return ("error", "ValueError", f"{verb}: {exc}")
+            if verb in ONEWAY:
+                return None
+            counters = {str.__str__(name): amount for name, amount in lease.counters.items()}  # plain str on the wire
+            lease.counters.clear()
+            changes, lease.tier_changes = lease.tier_changes, []
+            return ("ok", value, counters, changes)
+
+    def _run(self, pool: NodePool, lease: EngineLease, verb: str, arguments: tuple) -> Any:
+        index = pool.index
+        namespace = pool.geometry.namespace
+        handlers: dict[str, Callable[..., Any]] = {
+            "lookup": lambda request_id, keys: self._lookup(pool, lease, _text(request_id), _keys(keys, namespace)),
+            "presence": lambda keys, remote: index.presence(_keys(keys, namespace), bool(remote)),
+            "prepare_load": lambda request_id, chunks: pool.commands_of(lease, pool.call(
+                lease, lambda: index.prepare_load(scoped(lease.engine, _text(request_id)),
+                                                  _chunks(chunks, namespace)))),
+            "prepare_store": lambda request_id, chunks: pool.commands_of(lease, pool.call(
+                lease, lambda: index.prepare_store(scoped(lease.engine, _text(request_id)),
+                                                   _chunks(chunks, namespace)))),
+            "release": lambda request_id: self._release(pool, lease, _text(request_id)),
+            "on_completions": lambda completions: pool.call(
+                lease, lambda: pool.on_completions(lease, _completions(completions))),
+            "events": lambda wanted: setattr(lease, "events", bool(wanted)),
+            "occupancy": lambda: index.occupancy(),
+            "location": lambda key: index.location(_keys([key], namespace)[0]),
+            "chunks": lambda: index.chunks(),
+            "adopt_disk": lambda keys: pool.call(lease, lambda: index.adopt_disk(_keys(keys, namespace))),
+            "drop_disk_copies": lambda keys: pool.call(lease, lambda: index.drop_disk_copies(_keys(keys, namespace))),
+        }
+        handler = handlers.get(verb)
+        if handler is None:
+            raise ValueError(f"unknown verb {verb!r}")
+        return handler(*arguments)
+
+    @staticmethod
+    def _lookup(pool: NodePool, lease: EngineLease, request_id: str, keys: list[ChunkKey]) -> Any:
+        name = scoped(lease.engine, request_id)
+        lease.requests.add(name)
+        return pool.call(lease, lambda: pool.index.lookup(name, keys))
+
+    @staticmethod
+    def _release(pool: NodePool, lease: EngineLease, request_id: str) -> None:
+        name = scoped(lease.engine, request_id)
+        pool.call(lease, lambda: pool.index.release(name))
+        lease.requests.discard(name)
+
+    # ---- what operators see ---------------------------------------------------------------------------------------
+
+    def metrics_text(self) -> str:
+        with self.lock:
+            return exposition(self)
+
+    @property
+    def metrics_address(self) -> Optional[tuple[str, int]]:
+        return self._metrics.address if self._metrics is not None else None
+
+    def close(self) -> None:
+        """Stops accepting, closes the pools (their disk tiers flush) and removes the socket."""
+        self._closed.set()
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._listener.close()
+        if self._metrics is not None:
+            self._metrics.close()
+        with self.lock:
+            pools, self.pools = list(self.pools.values()), {}
+        for pool in pools:
+            pool.close()
+        try:
+            os.unlink(self.options.socket_path)
+        except FileNotFoundError:
+            pass
+
+
+# ---- checks of what a peer sent --------------------------------------------------------------------------------------
+
+def _check_geometry(geometry: PoolGeometry) -> None:
+    if not isinstance(geometry.namespace, str) or len(geometry.namespace) != 32:
+        raise ValueError(f"a pool geometry's namespace must be 32 hex characters, got {geometry.namespace!r}")
+    if not isinstance(geometry.layout_fingerprint, bytes):
+        raise ValueError("a pool geometry's layout fingerprint must be bytes")
+    for name in ("world", "object_bytes", "chunk_tokens"):
+        value = getattr(geometry, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"a pool geometry's {name} must be a positive integer, got {value!r}")
+
+
+def _text(value: Any) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"a request id must be a string, got {type(value).__name__}")
+    return value
+
+
+def _keys(keys: Any, namespace: str) -> list[ChunkKey]:
+    if not isinstance(keys, (list, tuple)):
+        raise ValueError(f"keys must be a list, got {type(keys).__name__}")
+    for key in keys:
+        if not isinstance(key, ChunkKey) or not isinstance(key.chunk_hash, bytes):
+            raise ValueError(f"a key must be a ChunkKey, got {key!r}")
+        if key.namespace != namespace:  # another model's or layout's chunks never meet this pool's
+            raise ValueError(f"key of namespace {key.namespace!r} sent to the pool of namespace {namespace!r}")
+    return list(keys)
+
+
+def _chunks(chunks: Any, namespace: str) -> list[tuple[int, ChunkKey]]:
+    if not isinstance(chunks, (list, tuple)):
+        raise ValueError(f"chunks must be a list of (chunk number, key), got {type(chunks).__name__}")
+    numbered = []
+    for item in chunks:
+        if (not isinstance(item, tuple) or len(item) != 2 or isinstance(item[0], bool)
+                or not isinstance(item[0], int) or item[0] < 0):
+            raise ValueError(f"a chunk must be (chunk number >= 0, key), got {item!r}")
+        numbered.append((item[0], _keys([item[1]], namespace)[0]))
+    return numbered
+
+
+def _completions(completions: Any) -> Sequence[Completion]:
+    if not isinstance(completions, (list, tuple)):
+        raise ValueError(f"completions must be a list, got {type(completions).__name__}")
+    for done in completions:
+        if (not isinstance(done, Completion) or isinstance(done.cmd_id, bool) or not isinstance(done.cmd_id, int)
+                or not isinstance(done.rank, int) or not isinstance(done.ok, bool)):
+            raise ValueError(f"a completion must be a Completion of ints and a bool, got {done!r}")
+    return completions
