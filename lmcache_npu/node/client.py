@@ -15,7 +15,7 @@ import socket
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Iterable, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 from ..store.commands import Command, Completion, Load, Store, Tier
 from ..store.index.contract import (ChunkManager, ChunkView, DiskState, LookupResult, NumberedChunks, SlotState,
@@ -88,6 +88,8 @@ class NodeCacheClient(ChunkManager):
         self.counters = TierCounters()
         self._events = False
         self._listener: Optional[TierListener] = None
+        # told the payload (builtins: what a router needs to name a chunk) another engine of the node described
+        self.payload_sink: Optional[Callable[[ChunkKey, tuple], None]] = None
         self._sock: Optional[socket.socket] = None
         self._next_try = 0.0
         self._pending: dict[int, _Pending] = {}
@@ -160,7 +162,9 @@ class NodeCacheClient(ChunkManager):
         for name, amount in counters.items():
             self.counters.add(name, amount)
         if self._listener is not None:
-            for key, tier, entered in changes:
+            for key, tier, entered, payload in changes:
+                if payload is not None and self.payload_sink is not None:
+                    self.payload_sink(key, payload)
                 self._listener(key, tier, entered)
         return value
 
@@ -196,6 +200,10 @@ class NodeCacheClient(ChunkManager):
 
     def release(self, request_id: str) -> None:
         self._send("release", request_id)
+
+    def describe(self, key: ChunkKey, payload: tuple) -> None:
+        """What routers need to name `key` (this engine stored or promoted it): the node keeps it for the others."""
+        self._send("describe", key, payload)
 
     def prepare_store(self, request_id: str, chunks: NumberedChunks) -> list[Store]:
         stores = self._call("prepare_store", request_id, list(chunks), missing=[])

@@ -15,7 +15,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional, Sequence
 
@@ -32,6 +32,7 @@ from .messages import Attached, PoolGeometry
 logger = logging.getLogger(__name__)
 
 ENGINE_SEPARATOR = "\x1f"  # between an engine's name and its request id in the index (a byte no request id holds)
+PAYLOAD_SLACK = 1024  # payloads kept beyond the chunks the tiers hold: room for stores and promotions in flight
 MAX_QUEUED_TIER_CHANGES = 1 << 16  # per engine between two of its calls; beyond, the oldest are dropped and counted
 PUMP_IDLE_S = 0.002  # how often the pump looks for tier completions while some are outstanding
 
@@ -50,7 +51,7 @@ class EngineLease:
     commands: set[int] = field(default_factory=set)  # Store and Load commands handed to its workers
     counters: Counter = field(default_factory=Counter)  # index counter moves of its calls, not yet told to it
     events: bool = False
-    tier_changes: list[tuple[ChunkKey, Tier, bool]] = field(default_factory=list)
+    tier_changes: list[tuple[ChunkKey, Tier, bool, Optional[tuple]]] = field(default_factory=list)
     totals: Counter = field(default_factory=Counter)  # everything its calls moved, for the service's metrics
 
 
@@ -97,6 +98,8 @@ class NodePool:
             self.close()
             raise
         self.leases: dict[str, EngineLease] = {}
+        self.payloads: OrderedDict[ChunkKey, tuple] = OrderedDict()  # what engines described, for the others' events
+        self.max_payloads = self.index.num_slots + self.index.disk_chunks + PAYLOAD_SLACK
         self.index.set_tier_listener(self._tell)
         self.dispatch()  # the restart's drops of partial disk copies
         self._wake = threading.Event()
@@ -246,14 +249,21 @@ class NodePool:
 
     # ---- what routers hear --------------------------------------------------------------------------------------
 
+    def describe(self, key: ChunkKey, payload: tuple) -> None:
+        self.payloads[key] = payload
+        self.payloads.move_to_end(key)
+        while len(self.payloads) > self.max_payloads:
+            self.payloads.popitem(last=False)
+
     def _tell(self, key: ChunkKey, tier: Tier, entered: bool) -> None:
+        payload = self.payloads.get(key) if entered else None
         for lease in self.leases.values():
             if not lease.events:
                 continue
             if len(lease.tier_changes) >= MAX_QUEUED_TIER_CHANGES:
                 del lease.tier_changes[0]
                 self.index.counters.add(Metric.DROPPED)
-            lease.tier_changes.append((key, tier, entered))
+            lease.tier_changes.append((key, tier, entered, payload))
 
     def close(self) -> None:
         closed = getattr(self, "_closed", None)

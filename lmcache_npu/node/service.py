@@ -34,7 +34,7 @@ from .pool import EngineLease, NodePool, PoolRefused, scoped
 logger = logging.getLogger(__name__)
 
 _PEERCRED = struct.Struct("3i")  # pid, uid, gid
-ONEWAY = frozenset({"release", "on_completions"})  # the engine does not wait: their counters ride the next reply
+ONEWAY = frozenset({"release", "on_completions", "describe"})  # the engine does not wait: their counters ride the next reply
 
 
 @dataclass(frozen=True)
@@ -222,6 +222,8 @@ class NodeCacheService:
             "release": lambda request_id: self._release(pool, lease, _text(request_id)),
             "on_completions": lambda completions: pool.call(
                 lease, lambda: pool.on_completions(lease, _completions(completions))),
+            "describe": lambda key, payload: pool.describe(_keys([key], namespace)[0],
+                                                           _payload(payload, pool.geometry.chunk_tokens)),
             "events": lambda wanted: setattr(lease, "events", bool(wanted)),
             "occupancy": lambda: index.occupancy(),
             "location": lambda key: index.location(_keys([key], namespace)[0]),
@@ -316,6 +318,26 @@ def _chunks(chunks: Any, namespace: str) -> list[tuple[int, ChunkKey]]:
             raise ValueError(f"a chunk must be (chunk number >= 0, key), got {item!r}")
         numbered.append((item[0], _keys([item[1]], namespace)[0]))
     return numbered
+
+
+def _payload(payload: Any, chunk_tokens: int) -> tuple:
+    """A chunk's event payload as `ChunkPayload.to_plain` makes it: (block hashes, parent hash, token ids as int32
+    bytes, LoRA id, LoRA name)."""
+    if not isinstance(payload, tuple) or len(payload) != 5:
+        raise ValueError("a chunk payload is (block hashes, parent hash, token bytes, lora id, lora name)")
+    hashes, parent, token_bytes, lora_id, lora_name = payload
+    if (not isinstance(hashes, tuple) or len(hashes) > chunk_tokens
+            or not all(isinstance(h, (int, bytes)) and not isinstance(h, bool) for h in hashes)):
+        raise ValueError("a chunk payload's block hashes must be a tuple of ints or bytes, one per hash block")
+    if parent is not None and (not isinstance(parent, (int, bytes)) or isinstance(parent, bool)):
+        raise ValueError("a chunk payload's parent hash must be an int, bytes or None")
+    if not isinstance(token_bytes, bytes) or len(token_bytes) != 4 * chunk_tokens:
+        raise ValueError(f"a chunk payload's token ids must be {chunk_tokens} int32 values")
+    if lora_id is not None and (not isinstance(lora_id, int) or isinstance(lora_id, bool)):
+        raise ValueError("a chunk payload's LoRA id must be an int or None")
+    if lora_name is not None and not isinstance(lora_name, str):
+        raise ValueError("a chunk payload's LoRA name must be a string or None")
+    return payload
 
 
 def _completions(completions: Any) -> Sequence[Completion]:

@@ -69,6 +69,17 @@ class ChunkPayload:
     lora_id: Optional[int]
     lora_name: Optional[str]
 
+    def to_plain(self) -> tuple:
+        """Builtins only: how the node cache carries a payload to the other engines of the node."""
+        return (self.block_hashes, self.parent_block_hash, self.token_ids.tobytes(), self.lora_id, self.lora_name)
+
+    @classmethod
+    def from_plain(cls, plain: tuple) -> "ChunkPayload":
+        hashes, parent, token_bytes, lora_id, lora_name = plain
+        token_ids = array("i")
+        token_ids.frombytes(token_bytes)
+        return cls(tuple(hashes), parent, token_ids, lora_id, lora_name)
+
 
 def chunk_payload(request: Any, chunk_index: int, chunk_tokens: int, hash_block_size: int,
                   convert: Callable[[bytes], Any] = bytes) -> ChunkPayload:
@@ -99,7 +110,8 @@ class KVEvents:
     a hybrid model); `max_payloads` bounds the remembered chunks (at least what every tier holds)."""
 
     def __init__(self, chunk_tokens: int, hash_block_size: int, max_payloads: int, group_idx: Optional[int] = 0,
-                 max_events: int = DEFAULT_MAX_EVENTS) -> None:
+                 max_events: int = DEFAULT_MAX_EVENTS,
+                 on_remember: Optional[Callable[[ChunkKey, ChunkPayload], None]] = None) -> None:
         if chunk_tokens <= 0 or hash_block_size <= 0 or chunk_tokens % hash_block_size:
             raise ValueError(f"KV events need chunk_tokens ({chunk_tokens}) a positive multiple of the hash block "
                              f"size ({hash_block_size})")
@@ -124,15 +136,25 @@ class KVEvents:
         self._max_events = max_events
         self._warned_drop = False
         self.counters = TierCounters()
+        # the node cache: what this engine remembers is told to the node, so every engine of it can name the chunk
+        self._on_remember = on_remember
 
     def remember(self, key: ChunkKey, request: Any, chunk_index: int) -> None:
         """The request's chunk `chunk_index` is stored or promoted under `key`: keep what its events will say."""
         if key in self._payloads:
             self._payloads.move_to_end(key)
             return
-        self._payloads[key] = chunk_payload(request, chunk_index, self.chunk_tokens, self.hash_block_size,
-                                            self._convert)
+        payload = self._payloads[key] = chunk_payload(request, chunk_index, self.chunk_tokens, self.hash_block_size,
+                                                      self._convert)
         self._trim_payloads()
+        if self._on_remember is not None:
+            self._on_remember(key, payload)
+
+    def adopt(self, key: ChunkKey, payload: ChunkPayload) -> None:
+        """Another engine of the node cache remembered `key`: this one names it too when it enters a tier."""
+        if key not in self._payloads:
+            self._payloads[key] = payload
+            self._trim_payloads()
 
     def on_tier_change(self, key: ChunkKey, tier: Tier, entered: bool) -> None:
         """The index's listener: one event per change of an announced chunk."""

@@ -29,7 +29,7 @@ from ...store.index.contract import ChunkManager, LookupResult
 from ...store.keys import ChunkKey, check_stable_hashing, chunk_keys
 from ...store.tier import TierCounters
 from . import adapter, lookup
-from .events import PAYLOAD_SLACK, KVEvents, kv_events_enabled
+from .events import PAYLOAD_SLACK, ChunkPayload, KVEvents, kv_events_enabled
 from .lora_identity import LoadedAdapters
 from .fence import PageFence, StepWrites, WriteGeometry
 from ...transfer.plans import LoadPlan, StorePlan
@@ -155,9 +155,15 @@ class SchedulerHalf:
         self.index_counters.watch(self.index.counters, INDEX_METRICS)
         self._apply_usable_slots({g.rank: g.usable_slots for g in geometries if g.usable_slots is not None})
         if self._events_enabled:
+            node = self.index if isinstance(self.index, NodeCacheClient) else None
             self.events = KVEvents(self.chunk_tokens, self.hash_block_size,
                                    max_payloads=self.index.num_slots + self.index.disk_chunks + PAYLOAD_SLACK,
-                                   group_idx=0 if self.num_scheduler_groups == 1 else None)
+                                   group_idx=0 if self.num_scheduler_groups == 1 else None,
+                                   on_remember=None if node is None else
+                                   lambda key, payload: node.describe(key, payload.to_plain()))
+            if node is not None:  # every engine of the node names the node's chunks (the node is their holder)
+                events = self.events
+                node.payload_sink = lambda key, plain: events.adopt(key, ChunkPayload.from_plain(plain))
             self.index.set_tier_listener(self.events.on_tier_change)
         logger.info("lmcache_npu scheduler: %d ranks, %d arena slots of %d B, chunks of %d tokens, %s backend on %s, "
                     "namespace %s (weights: %s)", self.place.world, agreed.num_slots, agreed.object_bytes,
