@@ -382,3 +382,67 @@ def test_a_slot_first_used_in_inference_mode_stays_writable_outside_it() -> None
         inference = torch.from_numpy(np.zeros(4, dtype=np.uint8))
     with pytest.raises(RuntimeError, match="inference tensor"):
         inference.fill_(1)
+
+
+class FakeAllocator:
+    """A path that hands out memory of its own (aclrtMallocHost's shape); counts its allocations."""
+
+    name = "fake-malloc-host"
+
+    def __init__(self) -> None:
+        self.allocated = 0
+
+    def bind_thread(self) -> None:
+        pass
+
+    def allocate(self, nbytes: int) -> int:
+        self.allocated += 1
+        raise AssertionError("a shared arena must never take a segment's memory from an allocator")
+
+    def free(self, address: int) -> None:
+        raise AssertionError("nothing was allocated")
+
+
+def test_a_shared_arena_takes_no_allocator_path_and_registers_the_shared_pages_instead() -> None:
+    """The node cache's segments are memory files other processes map: a path that replaces a segment's memory
+    (aclrtMallocHost) would give this process pages nobody else sees, so only registration is tried; the bytes a
+    second mapping writes are the ones this one reads."""
+    owner = HostArena(4, OBJECT, segment_bytes=2 * 8192, pinned=False, share=True, hugepages="off")
+    allocator, registrar = FakeAllocator(), FakeRegistrar()
+    worker = HostArena(4, OBJECT, segment_bytes=2 * 8192, pinning=SegmentPinning([allocator, registrar]),
+                       hugepages="off", shared_fds=owner.segment_fds, prefault=False)
+    assert worker.wait_ready(30) and worker.usable_ranges() == ((0, 4),)
+    assert allocator.allocated == 0 and len(registrar.registered) == 2  # both segments registered, none allocated
+    assert all(s.pinned_by == "fake-register" for s in worker.memory.segments)
+    owner.slot(3)[:] = 0x5A
+    assert bool((worker.slot(3) == 0x5A).all()) and not bool((worker.slot(2) == 0x5A).any())
+    worker.close()
+    owner.close()
+
+
+def test_mapping_another_processes_segments_never_writes_their_bytes() -> None:
+    """An attached mapping is pre-faulted (and registered) without a write: the service's chunks stay as they are.
+    The control: the write pre-fault an unshared arena uses on a fresh segment does change such bytes."""
+    owner = HostArena(2, OBJECT, segment_bytes=8192, pinned=False, share=True, hugepages="off")
+    for slot in range(2):
+        owner.slot(slot)[:] = 0xA5
+    worker = HostArena(2, OBJECT, segment_bytes=8192, pinning=SegmentPinning([FakeRegistrar()]), hugepages="off",
+                       shared_fds=owner.segment_fds)
+    assert worker.wait_ready(30)
+    assert all(s.prefaulted_by in ("", "populate") for s in worker.memory.segments)
+    assert bool((owner.slot(0) == 0xA5).all()) and bool((owner.slot(1) == 0xA5).all())
+    segment = owner.memory.segments[0]
+    vm.write_range(segment.address, segment.used_bytes)  # what a write pre-fault does to a segment's pages
+    assert not bool((owner.slot(0) == 0xA5).all())
+    worker.close()
+    owner.close()
+
+
+def test_a_shared_segment_file_of_another_size_is_refused_before_mapping() -> None:
+    owner = HostArena(2, OBJECT, segment_bytes=8192, pinned=False, share=True, hugepages="off")
+    with pytest.raises(ValueError, match="2 segment files, this layout needs 1"):
+        HostArena(2, OBJECT, segment_bytes=2 * 8192, pinned=False, shared_fds=owner.segment_fds, hugepages="off")
+    with pytest.raises(MemoryError, match="holds 8192 B, the arena expects 16384 B"):
+        HostArena(2, 2 * 8192 - ENVELOPE_BYTES, segment_bytes=2 * 8192, pinned=False,
+                  shared_fds=owner.segment_fds, hugepages="off")
+    owner.close()
