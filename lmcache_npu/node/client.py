@@ -270,6 +270,16 @@ class NodeCacheClient(ChunkManager):
     def chunks(self) -> list[ChunkView]:
         return self._call("chunks", missing=[])
 
+    def sync(self) -> None:
+        """Collects what one-way calls caused since the last answer (their counters, the node's tier changes): the
+        scheduler asks before it hands vLLM the step's KV events."""
+        self._call("sync")
+
+    def check_invariants(self) -> None:
+        """The node's index checks its own bookkeeping (tests, `lmcache-npu status`); a broken invariant is raised
+        here as the ValueError the service answered."""
+        self._call("check_invariants")
+
     def adopt_disk(self, keys: Iterable[ChunkKey]) -> int:
         return self._call("adopt_disk", list(keys), missing=0)
 

@@ -195,7 +195,7 @@ class NodeCacheService:
         with self.lock:
             try:
                 value = self._run(pool, lease, verb, arguments)
-            except (ValueError, TypeError, KeyError) as exc:
+            except (ValueError, TypeError, KeyError, AssertionError) as exc:  # the peer's mistake, or a check failed
                 if verb in ONEWAY:
                     logger.warning("node cache: engine %s: %s refused: %s", lease.engine, verb, exc)
                     return None
@@ -228,6 +228,8 @@ class NodeCacheService:
             "occupancy": lambda: index.occupancy(),
             "location": lambda key: index.location(_keys([key], namespace)[0]),
             "chunks": lambda: index.chunks(),
+            "check_invariants": lambda: index.check_invariants(),
+            "sync": lambda: None,  # nothing but the reply: the counters and tier changes of one-way calls
             "adopt_disk": lambda keys: pool.call(lease, lambda: index.adopt_disk(_keys(keys, namespace))),
             "drop_disk_copies": lambda keys: pool.call(lease, lambda: index.drop_disk_copies(_keys(keys, namespace))),
         }

@@ -134,6 +134,8 @@ class Engine:
         register_compressed_managers(kv_cache_config)
         block_size = int(np.lcm.reduce([g.kv_cache_spec.block_size for g in kv_cache_config.kv_cache_groups]))
         self.configs = [self._vllm_config(spec, block_size, kv_cache_config, rank) for rank in range(spec.world)]
+        for config in self.configs[1:]:  # one engine: vLLM hands every rank the same config, engine id and all
+            config.kv_transfer_config.engine_id = self.configs[0].kv_transfer_config.engine_id
         vc = self.configs[0]
         scheduler_config = generate_scheduler_kv_cache_config([kv_cache_config])
         self.block_size, self.hash_block_size = resolve_kv_cache_block_sizes(scheduler_config, vc)
@@ -180,8 +182,11 @@ class Engine:
         sized = {} if mamba else {"chunk_tokens": SCENARIO_CHUNK_TOKENS}
         kt = KVTransferConfig(kv_connector="LMCacheNPUConnector", kv_connector_module_path="lmcache_npu.integration.vllm",
                               kv_role=spec.kv_role, kv_load_failure_policy=spec.failure_policy,
-                              kv_connector_extra_config={"backend": spec.backend, "cpu_bytes": "64MiB", **sized,
-                                                         **spec.extra_config})
+                              kv_connector_extra_config={"backend": spec.backend, **sized, **spec.extra_config,
+                                                         # a node cache's engines have no arena size of their own
+                                                         **({} if "node_cache" in spec.extra_config
+                                                            else {"cpu_bytes": spec.extra_config.get("cpu_bytes",
+                                                                                                     "64MiB")})})
         cache = CacheConfig(block_size=block_size, enable_prefix_caching=mamba,
                             mamba_cache_mode="align" if mamba else "none")
         vc = VllmConfig(

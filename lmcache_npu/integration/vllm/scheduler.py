@@ -481,7 +481,11 @@ class SchedulerHalf:
     def take_events(self) -> list[Any]:
         """vLLM KV events for the chunks that entered or left a tier since the last call (empty unless vLLM's KV
         events are enabled)."""
-        return self.events.take() if self.events is not None else []
+        if self.events is None:
+            return []
+        if isinstance(self.index, NodeCacheClient):  # the node's tier changes since this engine's last answer
+            self.index.sync()
+        return self.events.take()
 
     def shutdown(self) -> None:
         if isinstance(self.index, NodeCacheClient):
