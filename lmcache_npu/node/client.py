@@ -11,7 +11,10 @@ dropped and they count as no longer pending.
 from __future__ import annotations
 
 import logging
+import os
 import socket
+import stat
+import struct
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -30,11 +33,32 @@ logger = logging.getLogger(__name__)
 
 RETRY_S = 1.0  # at most one attach attempt per second while the service is away
 CALL_TIMEOUT_S = 10.0  # a verb the service has not answered by then counts as the service being away
-OCCUPANCY_TTL_S = 1.0  # the gauges vLLM's stats read every step: asked at most once a second
+OCCUPANCY_TTL_S = 1.0
+_PEERCRED = struct.Struct("3i")  # pid, uid, gid  # the gauges vLLM's stats read every step: asked at most once a second
 
 
 class NodeCacheUnavailable(ConnectionError):
     """The node cache service cannot be reached (or refused this engine)."""
+
+
+def check_service_peer(sock: socket.socket, path: str) -> None:
+    """The process behind `path` must be one this engine may trust with its KV: this user's, root's, or the owner of
+    a socket whose directory nobody else can write (a service of another user, e.g. with --group). Anyone could
+    otherwise bind a socket at a path in a shared directory first and serve forged chunks."""
+    _, uid, _ = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+    if uid in (os.getuid(), 0):
+        return
+    try:
+        owner = os.stat(path).st_uid
+        directory = os.stat(os.path.dirname(os.path.abspath(path)))
+    except OSError as exc:
+        raise NodeCacheUnavailable(f"the node cache at {path} cannot be checked: {exc}") from exc
+    placed_by_owner = directory.st_uid in (uid, 0) and not directory.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+    if owner == uid and placed_by_owner:
+        return
+    raise NodeCacheUnavailable(f"the node cache at {path} is served by uid {uid}, neither this user ({os.getuid()}) "
+                               "nor root, from a directory others may write: refusing it (another user could have "
+                               "placed that socket; see docs/deployment.md, \"Node cache\", Security)")
 
 
 def connect(path: str, attach: Attach, timeout_s: float) -> tuple[socket.socket, Attached, list[int]]:
@@ -45,6 +69,7 @@ def connect(path: str, attach: Attach, timeout_s: float) -> tuple[socket.socket,
         try:
             sock.settimeout(CALL_TIMEOUT_S)
             sock.connect(path)
+            check_service_peer(sock, path)
             wire.send(sock, attach)
             reply, fds = wire.receive_with_fds(sock)
         except (FileNotFoundError, ConnectionRefusedError) as exc:
@@ -54,6 +79,9 @@ def connect(path: str, attach: Attach, timeout_s: float) -> tuple[socket.socket,
                                            "`lmcache-npu node-cache --socket PATH ...` on this node first") from exc
             time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
             continue
+        except NodeCacheUnavailable:
+            sock.close()
+            raise
         except (OSError, wire.WireError) as exc:
             sock.close()
             raise NodeCacheUnavailable(f"the node cache at {path} did not attach this engine: {exc}") from exc
