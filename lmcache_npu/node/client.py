@@ -15,6 +15,7 @@ import os
 import socket
 import stat
 import struct
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -120,6 +121,9 @@ class NodeCacheClient(ChunkManager):
         self.payload_sink: Optional[Callable[[ChunkKey, tuple], None]] = None
         self._sock: Optional[socket.socket] = None
         self._next_try = 0.0
+        self._retry_lock = threading.Lock()
+        self._retrying: Optional[threading.Thread] = None  # attaching again in the background
+        self._reattached: Optional[tuple[socket.socket, Attached]] = None  # its result, for the next call
         self._pending: dict[int, _Pending] = {}
         self._outbox: deque[Command] = deque()
         self._occupancy: Optional[tuple[float, dict[Tier, tuple[int, int]]]] = None
@@ -142,7 +146,7 @@ class NodeCacheClient(ChunkManager):
     def _lost(self, why: BaseException) -> None:
         if self._sock is not None:
             logger.warning("lmcache_npu: lost the node cache at %s (%s); serving without it (every lookup misses) "
-                           "and attaching again every %.0f s", self.path, why, self.retry_s)
+                           "and attaching again every %.1f s", self.path, why, self.retry_s)
             self._sock.close()
             self.counters.add(Metric.NODE_CACHE_DISCONNECTS)
         self._sock = None
@@ -150,23 +154,40 @@ class NodeCacheClient(ChunkManager):
         self._pending.clear()  # the service's successor knows none of them: their answers are dropped
         self._outbox.clear()
         self._occupancy = None
-        self._next_try = time.monotonic() + self.retry_s
+        with self._retry_lock:
+            self._next_try = time.monotonic() + self.retry_s
 
     def _connected(self) -> bool:
+        """Whether a connection is up; while it is not, attaching again runs on a thread of its own (a restarted
+        service makes the pool anew, which may take minutes), and its result is taken up by the next call."""
         if self._sock is not None:
             return True
-        if time.monotonic() < self._next_try:
-            return False
-        try:
-            sock, attached, _ = connect(self.path, self._attach_message(), 0.0)
-        except NodeCacheUnavailable as exc:
-            logger.debug("lmcache_npu: node cache still away: %s", exc)
-            self._next_try = time.monotonic() + self.retry_s
-            return False
+        with self._retry_lock:
+            done, self._reattached = self._reattached, None
+            if done is None:
+                if self._retrying is None and time.monotonic() >= self._next_try:
+                    self._retrying = threading.Thread(target=self._reattach, name="lmcache-node-reattach",
+                                                      daemon=True)
+                    self._retrying.start()
+                return False
+        sock, attached = done
         self._adopt(sock, attached)
         self.counters.add(Metric.NODE_CACHE_RECONNECTS)
         logger.info("lmcache_npu: attached to the node cache at %s again (epoch %s)", self.path, self.epoch)
         return True
+
+    def _reattach(self) -> None:
+        try:
+            sock, attached, _ = connect(self.path, self._attach_message(), 0.0)
+        except NodeCacheUnavailable as exc:
+            logger.debug("lmcache_npu: node cache still away: %s", exc)
+            with self._retry_lock:
+                self._next_try = time.monotonic() + self.retry_s
+                self._retrying = None
+            return
+        with self._retry_lock:
+            self._reattached = (sock, attached)
+            self._retrying = None
 
     def _call(self, verb: str, *arguments: Any, missing: Any = None) -> Any:
         """The verb's answer; `missing` when the service is away (counted)."""
@@ -210,6 +231,14 @@ class NodeCacheClient(ChunkManager):
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+        with self._retry_lock:
+            retrying, done, self._reattached = self._retrying, self._reattached, None
+        if retrying is not None:
+            retrying.join(timeout=CALL_TIMEOUT_S)
+            with self._retry_lock:
+                done, self._reattached = done or self._reattached, None
+        if done is not None:
+            done[0].close()
 
     # ---- the contract ---------------------------------------------------------------------------------------------
 

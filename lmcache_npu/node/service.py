@@ -62,6 +62,7 @@ class NodeCacheService:
         self.started_at = time.time()
         self._group_gid = grp.getgrnam(options.group).gr_gid if options.group else None
         self._next_connection = 0
+        self._open: dict[int, socket.socket] = {}  # every connection being served, shut down by close()
         self._closed = threading.Event()
         self._threads: list[threading.Thread] = []
         self._listener = self._bind(options.socket_path)
@@ -119,6 +120,7 @@ class NodeCacheService:
             with self.lock:
                 self._next_connection += 1
                 number = self._next_connection
+                self._open[number] = connection
             thread = threading.Thread(target=self._serve, args=(connection, number), daemon=True,
                                       name=f"lmcache-node-conn{number}")
             thread.start()
@@ -166,10 +168,12 @@ class NodeCacheService:
         except Exception:  # a bug must cost this connection (its lease ends below), never the service
             logger.exception("node cache: connection %d failed", number)
         finally:
-            if pool is not None and lease is not None:
-                with self.lock:
+            with self.lock:
+                self._open.pop(number, None)
+                if pool is not None and lease is not None:
                     self.connections -= 1
-                    pool.drop_connection(lease.engine, number)
+                    if not self._closed.is_set():
+                        pool.drop_connection(lease.engine, number)
             connection.close()
 
     def _pool_for(self, geometry: PoolGeometry) -> NodePool:
@@ -272,6 +276,12 @@ class NodeCacheService:
             self._metrics.close()
         with self.lock:
             pools, self.pools = list(self.pools.values()), {}
+            connections = list(self._open.values())
+        for connection in connections:  # engines see the service go: they serve without it and attach again
+            try:
+                connection.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
         for pool in pools:
             pool.close()
         try:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import time
 from typing import Any, Iterator
 from unittest import mock
 
@@ -107,6 +108,9 @@ def test_an_engine_that_goes_away_gives_back_what_it_held(make_engine, node) -> 
     _store_then_load(writer, reader, seed=31)
     (pool,) = service.pools.values()
     writer.close()  # its scheduler's and worker's connections close: the lease ends
+    deadline = time.monotonic() + 10
+    while len(pool.leases) > 1 and time.monotonic() < deadline:  # the service sees the connections go
+        time.sleep(0.01)
     assert len(pool.leases) == 1
     pool.index.check_invariants()
     assert all(not view.reservations and view.readers == 0 for view in pool.index.chunks())
