@@ -577,7 +577,8 @@ def build_parser() -> argparse.ArgumentParser:
                       "...); the flags above override it")
     node.add_argument("--max-pools", type=int, default=1,
                       help="model geometries served side by side, each with an equal share of the memory (default 1)")
-    node.add_argument("--group", help="a group whose members may attach too (the socket becomes 0660)")
+    node.add_argument("--group", help="a group (name or numeric gid) whose processes may attach too: their primary "
+                      "gid must be it (the socket becomes 0660)")
     node.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port (0: any free one)")
     node.add_argument("--metrics-host", default="127.0.0.1", help="the metrics address (default 127.0.0.1)")
     node.set_defaults(func=_node_cache)
