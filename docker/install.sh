@@ -13,6 +13,7 @@
 #   MOONCAKE_REQUIREMENT   a Mooncake requirement to add, e.g. mooncake-transfer-engine==0.3.13.post1 (default none:
 #                          the vllm-ascend images already carry mooncake-transfer-engine-npu)
 #   REQUIRE_MODULES        native modules that must have been built, e.g. "_npu" (the Ascend image); default none
+# It also checks that the `lmcache-npu` command (doctor, status, node-cache) was installed and says where.
 # No other LMCACHE_NPU_* variable is set here: the connector refuses ones that are not its keys.
 set -euo pipefail
 
@@ -106,3 +107,17 @@ verify_npu_module() {
 }
 npu=$(module_file _npu)
 if [[ -n $npu ]]; then verify_npu_module "$npu" || exit 1; fi
+
+# The command the images' users run besides `vllm serve` (`lmcache-npu doctor`, and the node cache service:
+# `docker run --entrypoint lmcache-npu IMAGE node-cache ...`, docs/deployment.md): where pip put it, from its record.
+if [[ -n $TARGET ]]; then
+  command_path=$TARGET/bin/lmcache-npu
+else
+  relative=$("$PYTHON" -m pip show -f lmcache-npu | sed -n 's|^ *\(.*bin/lmcache-npu\)$|\1|p' | head -n 1)
+  command_path=$(realpath -m "$site/$relative")
+fi
+[[ -x $command_path ]] || { say "the lmcache-npu command was not installed (looked for $command_path)"; exit 1; }
+say "lmcache-npu command: $command_path"
+if [[ -z $TARGET && $(command -v lmcache-npu || true) != "$command_path" ]]; then
+  say "note: $command_path is not the lmcache-npu on PATH ($PATH): run it by its full path"
+fi

@@ -122,8 +122,14 @@ def _node_cache(args: argparse.Namespace) -> int:
     if "cpu_bytes" not in values:
         raise ValueError("node-cache: --cpu-bytes (or cpu_bytes in --config) is required: the node's host cache size")
     store = StoreConfig.from_dict(values)
-    service = NodeCacheService(ServiceOptions(args.socket, store, max_pools=args.max_pools, group=args.group,
-                                              metrics_port=args.metrics_port, metrics_host=args.metrics_host))
+    try:
+        service = NodeCacheService(ServiceOptions(args.socket, store, max_pools=args.max_pools, group=args.group,
+                                                  metrics_port=args.metrics_port, metrics_host=args.metrics_host))
+    except FileExistsError as exc:  # a live service, or a file that is not a socket, at --socket
+        raise ValueError(f"node-cache: {exc}") from None
+    except OSError as exc:  # the socket's directory missing or closed to this user, the metrics port taken
+        metrics = "" if args.metrics_port is None else f" and --metrics-port {args.metrics_port}"
+        raise ValueError(f"node-cache: cannot serve --socket {args.socket}{metrics}: {exc.strerror or exc}") from None
     stop = threading.Event()
     for number in (signal.SIGTERM, signal.SIGINT):
         signal.signal(number, lambda *_: stop.set())
@@ -577,7 +583,8 @@ def build_parser() -> argparse.ArgumentParser:
                       "...); the flags above override it")
     node.add_argument("--max-pools", type=int, default=1,
                       help="model geometries served side by side, each with an equal share of the memory (default 1)")
-    node.add_argument("--group", help="a group whose members may attach too (the socket becomes 0660)")
+    node.add_argument("--group", help="a group (name or numeric gid) whose processes may attach too: their primary "
+                      "gid must be it (the socket becomes 0660)")
     node.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port (0: any free one)")
     node.add_argument("--metrics-host", default="127.0.0.1", help="the metrics address (default 127.0.0.1)")
     node.set_defaults(func=_node_cache)

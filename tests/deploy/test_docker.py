@@ -1,5 +1,6 @@
 """The Docker images' recipe: both Dockerfiles pass hadolint, keep vLLM's entrypoint and run the one install script,
-which builds here what a CPU machine can (the emulator module) and says why the NPU and CUDA modules are skipped."""
+which builds here what a CPU machine can (the emulator module), says why the NPU and CUDA modules are skipped, and
+installs the `lmcache-npu` command the node cache service runs as (`docker run --entrypoint lmcache-npu`)."""
 
 from __future__ import annotations
 
@@ -73,3 +74,10 @@ def test_install_script_builds_the_emulator_and_says_why_the_rest_is_skipped(tmp
     assert probe.returncode == 0, probe.stderr
     installed, tile = probe.stdout.split()
     assert installed.startswith(str(target)) and int(tile) > 0
+    # The images run the node cache service with the same command (`--entrypoint lmcache-npu`, docs/deployment.md)
+    command = target / "bin" / "lmcache-npu"
+    assert f"lmcache-npu command: {command}" in out
+    helped = subprocess.run([str(command), "node-cache", "--help"], env={**env, "PYTHONPATH": str(target)},
+                            cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert helped.returncode == 0, helped.stderr
+    assert "--socket" in helped.stdout and "--cpu-bytes" in helped.stdout and "--max-pools" in helped.stdout

@@ -1,0 +1,94 @@
+"""`lmcache-npu node-cache` names what is wrong with its socket or metrics port instead of a traceback: a missing
+directory, a file that is not a socket, a live service on the same path, a metrics port already taken."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from lmcache_npu.node.service import NodeCacheService, ServiceOptions
+from lmcache_npu.store.config import StoreConfig
+
+
+def _node_cache(*arguments: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "lmcache_npu.tools.cli", "node-cache", "--cpu-bytes", "16MiB",
+                           *arguments], capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture
+def short_dir() -> Iterator[Path]:
+    # a Unix socket's path must fit in 108 bytes: pytest's tmp_path can be longer
+    directory = Path(tempfile.mkdtemp(prefix="lmc-cli-"))
+    yield directory
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+def _refused(result: subprocess.CompletedProcess[str], expected: str) -> None:
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    assert expected in result.stderr, result.stderr
+
+
+def test_a_missing_directory_is_named(short_dir: Path) -> None:
+    path = short_dir / "absent" / "node.sock"
+    _refused(_node_cache("--socket", str(path)),
+             f"lmcache-npu: node-cache: cannot serve --socket {path}: No such file or directory")
+
+
+def test_a_file_that_is_not_a_socket_is_left_alone(short_dir: Path) -> None:
+    path = short_dir / "node.sock"
+    path.write_text("not a socket")
+    _refused(_node_cache("--socket", str(path)), f"node-cache: {path} exists and is not a socket")
+    assert path.read_text() == "not a socket"
+
+
+def test_a_live_service_on_the_path_is_named(short_dir: Path) -> None:
+    path = str(short_dir / "node.sock")
+    live = NodeCacheService(ServiceOptions(path, StoreConfig(cpu_bytes=16 << 20, hugepages="off"))).start()
+    try:
+        _refused(_node_cache("--socket", path), f"node-cache: a node cache already serves {path}")
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        probe.connect(path)  # the live service's socket is still there and answers
+        probe.close()
+    finally:
+        live.close()
+
+
+def test_a_taken_metrics_port_is_named(short_dir: Path) -> None:
+    taken = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    taken.bind(("127.0.0.1", 0))
+    taken.listen(1)
+    port = taken.getsockname()[1]
+    try:
+        path = short_dir / "node.sock"
+        _refused(_node_cache("--socket", str(path), "--metrics-port", str(port)),
+                 f"cannot serve --socket {path} and --metrics-port {port}: Address already in use")
+    finally:
+        taken.close()
+
+
+def test_negative_control_a_dead_services_socket_is_replaced_and_served(short_dir: Path) -> None:
+    path = str(short_dir / "node.sock")
+    dead = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    dead.bind(path)  # bound, never listening: what a killed service leaves behind
+    dead.close()
+    process = subprocess.Popen([sys.executable, "-m", "lmcache_npu.tools.cli", "node-cache", "--cpu-bytes", "16MiB",
+                                "--socket", path], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert process.stdout is not None
+        line = process.stdout.readline()
+        assert line.startswith(f"lmcache-npu node-cache: serving {path}"), line + process.stderr.read()
+        assert oct(os.stat(path).st_mode & 0o777) == oct(0o600)
+    finally:
+        process.terminate()
+        process.wait(timeout=60)
+    assert process.returncode == 0
+    assert not os.path.exists(path)  # SIGTERM closes the service, which removes its socket
