@@ -97,7 +97,7 @@ def timed_run(engine: Engine, config: RunConfig, repeat: int, position: int, con
         ledger.attach(engine.scheduler_connector)
     warm = None
     if warmup:
-        warm = warm_up(engine, shadow_first_turn(conversations, vocab))
+        warm = warm_up(engine, shadow_first_turn(conversations, vocab), logprobs=COMPARED_LOGPROBS)
         ledger.take()  # the warm-up's loads are not the workload's
     hits: list[TurnHits] = []
     reloaded, mismatches = [0], []
