@@ -71,7 +71,7 @@ class AnsweringEngine:
         completions = tuple(Completion(len(p), tuple([1000 + self.number, len(p)] + [7] * (n - 2)), (), 0, 0.01)
                             for p, n in zip(prompts, outputs))
         hits = split_hits(sum(len(p) for p in prompts), 0, PluginHits())
-        return EngineWave(completions, hits, 0.02, 0.001 * len(prompts), len(prompts))
+        return EngineWave(completions, hits, 0.02, 0.001 * len(prompts), len(prompts), 2 * len(prompts))
 
 
 def test_the_driver_sends_each_turn_to_its_engine_and_the_answer_into_the_next_prompt_elsewhere() -> None:
@@ -91,7 +91,7 @@ def test_the_driver_sends_each_turn_to_its_engine_and_the_answer_into_the_next_p
     # conversation 0's second turn ran on engine 1 and re-sent what engine 0 answered (the cross-engine history)
     first_answer = run.turns[0].completions[0].token_ids
     assert first_answer[0] == 1000 and engines[1].received[1][0][-3 - len(first_answer):-3] == list(first_answer)
-    assert run.connector() == (pytest.approx(0.009), 9) and run.hits().prompt_tokens == sum(
+    assert run.connector() == (pytest.approx(0.009), 9, 18) and run.hits().prompt_tokens == sum(
         len(p) for e in engines for wave in e.received for p in wave)
 
 
@@ -134,8 +134,8 @@ def test_the_hook_clock_counts_calls_and_passes_results_and_errors_through() -> 
     assert hooks.get_num_new_matched_tokens("ab") == "abab"
     with pytest.raises(KeyError):
         hooks.get_num_new_matched_tokens("bad")
-    seconds, steps = clock.total()
-    assert steps == 3 and clock.calls == {STEP_HOOK: 3, "get_num_new_matched_tokens": 2}
+    seconds, steps, lookups = clock.total()
+    assert (steps, lookups) == (3, 2) and clock.calls == {STEP_HOOK: 3, "get_num_new_matched_tokens": 2}
     assert seconds == sum(clock.seconds.values()) and all(v >= 0 for v in clock.seconds.values())
     other = Hooks()  # negative control: an instance the clock did not wrap counts nothing
     other.build_connector_meta(1)

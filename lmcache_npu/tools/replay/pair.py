@@ -36,6 +36,7 @@ logger = logging.getLogger(__name__)
 SCHEDULER_HOOKS = ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
                    "update_connector_output", "request_finished", "take_events", "get_kv_connector_stats")
 STEP_HOOK = "build_connector_meta"  # vLLM calls it once per scheduler step: the step count
+LOOKUP_HOOK = "get_num_new_matched_tokens"  # once per waiting request and step: more than once while a lookup waits
 COMPARED_LOGPROBS = 2  # per generated token, enough for a comparison to tell a near tie from a difference
 START_TIMEOUT_S = 900.0  # building and warming up an engine on a busy two-core machine
 WAVE_TIMEOUT_S = 1800.0
@@ -92,9 +93,9 @@ class HookClock:
 
         return timed
 
-    def total(self) -> tuple[float, int]:
-        """(seconds in every wrapped method, calls of the step hook) so far."""
-        return sum(self.seconds.values()), self.calls.get(STEP_HOOK, 0)
+    def total(self) -> tuple[float, int, int]:
+        """(seconds in every wrapped method, calls of the step hook, calls of the lookup hook) so far."""
+        return sum(self.seconds.values()), self.calls.get(STEP_HOOK, 0), self.calls.get(LOOKUP_HOOK, 0)
 
 
 @dataclass(frozen=True)
@@ -132,6 +133,7 @@ class EngineWave:
     wall_s: float
     connector_s: float  # host time in the scheduler's connector hooks during the share
     steps: int  # scheduler steps during the share
+    lookups: int = 0  # the connector's lookups during the share (a request whose lookup waits asks every step)
 
 
 @dataclass(frozen=True)
@@ -165,10 +167,10 @@ class RoundRobinRun:
     def hits(self) -> TurnHits:
         return TurnHits.summed([s.hits for wave in self.shares for s in wave if s is not None])
 
-    def connector(self) -> tuple[float, int]:
-        """(seconds in the scheduler's connector hooks, scheduler steps), every engine's together."""
+    def connector(self) -> tuple[float, int, int]:
+        """(seconds in the scheduler's connector hooks, scheduler steps, lookups), every engine's together."""
         shares = [s for wave in self.shares for s in wave if s is not None]
-        return sum(s.connector_s for s in shares), sum(s.steps for s in shares)
+        return sum(s.connector_s for s in shares), sum(s.steps for s in shares), sum(s.lookups for s in shares)
 
 
 class EngineProcess:
@@ -355,15 +357,15 @@ def _serve(connection: Any, spec: EngineSpec) -> None:
                 break
             if message[0] == "wave":
                 _, prompts, outputs = message
-                seconds, steps = clock.total()
+                before = clock.total()
                 started = time.perf_counter()
                 completions = generate_wave(engine, prompts, outputs, COMPARED_LOGPROBS)
                 wall = time.perf_counter() - started
                 hits = accounting.turn(turn, completions)
                 turn += 1
-                after_seconds, after_steps = clock.total()
-                connection.send(("wave", EngineWave(tuple(completions), hits, wall, after_seconds - seconds,
-                                                    after_steps - steps)))
+                seconds, steps, lookups = (a - b for a, b in zip(clock.total(), before))
+                connection.send(("wave", EngineWave(tuple(completions), hits, wall, seconds, int(steps),
+                                                    int(lookups))))
             elif message[0] == "finish":
                 if spec.config.plugin:
                     _settle(engine)
