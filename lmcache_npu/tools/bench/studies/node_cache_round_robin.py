@@ -501,7 +501,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return code
     os.environ.setdefault("PYTHONHASHSEED", "20261127")  # the engines' processes chain block hashes alike
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # vLLM logs to stdout: keep the table readable
-    os.environ.setdefault("GLOG_minloglevel", "2")  # the Mooncake clients' and master's INFO lines
+    os.environ.setdefault("MC_LOG_LEVEL", "WARNING")  # the Mooncake clients' INFO lines (GLOG_minloglevel is not read)
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
