@@ -143,6 +143,20 @@ class LocalMooncakeMaster:
         except OSError:
             return ""
 
+    def allocated_bytes(self) -> int:
+        """The bytes the master has allocated across every mounted segment (its /metrics)."""
+        from .status import fetch_metrics, parse_metrics
+
+        return master_allocated_bytes(parse_metrics(fetch_metrics(f"http://{LOOPBACK}:{self.metrics_port}/metrics")))
+
+
+def master_allocated_bytes(samples: Sequence[Any]) -> int:
+    """`master_allocated_bytes` of mooncake_master's /metrics samples (tools.status.Sample): exactly one."""
+    found = [s.value for s in samples if s.name == "master_allocated_bytes"]
+    if len(found) != 1:
+        raise ValueError(f"mooncake_master metrics: expected one master_allocated_bytes sample, found {len(found)}")
+    return int(found[0])
+
 
 def _ip_binary() -> Optional[str]:
     """iproute2's ip(8): on PATH, or in /usr/sbin, which a non-root PATH often lacks."""
@@ -166,12 +180,13 @@ def netns_available() -> tuple[bool, str]:
 
 
 def run_in_loopback_netns(argv: Sequence[str], env: Optional[Mapping[str, str]] = None,
-                          timeout: float = 300.0) -> subprocess.CompletedProcess:
-    """Runs `argv` inside a new network namespace with only `lo` up and MC_TCP_BIND_ADDRESS=127.0.0.1."""
+                          timeout: Optional[float] = 300.0, capture: bool = True) -> subprocess.CompletedProcess:
+    """Runs `argv` inside a new network namespace with only `lo` up and MC_TCP_BIND_ADDRESS=127.0.0.1; `capture`
+    false: its output goes to this process's stdout and stderr (a tool that re-runs itself there)."""
     ip = _ip_binary() or "ip"
     script = f'{ip} link set lo up && exec "$@"'
     child_env = dict(os.environ if env is None else env, MC_TCP_BIND_ADDRESS=LOOPBACK)
-    return subprocess.run(["unshare", "-n", "sh", "-c", script, "sh", *argv], env=child_env, capture_output=True,
+    return subprocess.run(["unshare", "-n", "sh", "-c", script, "sh", *argv], env=child_env, capture_output=capture,
                           text=True, timeout=timeout)
 
 

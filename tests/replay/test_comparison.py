@@ -4,11 +4,13 @@ warm-up records and a cold run detected, and a verdict that says what the number
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
 import pytest
 from hypothesis import given, strategies as st
 
 from lmcache_npu.tools.replay.configs import BASELINE, PLUGIN, RunConfig, default_configs, run_order
+from lmcache_npu.tools.replay.engine import Completion
 from lmcache_npu.tools.replay.sizing import kv_memory_for, longest_request_tokens, working_set_tokens
 from lmcache_npu.tools.replay.spread import Spread, percentile, spread_of
 from lmcache_npu.tools.replay.verdict import Summary, change, verdict_line
@@ -85,10 +87,12 @@ class RecordingEngine:
     def __init__(self, prefix_caching: bool) -> None:
         self.settings = type("S", (), {"prefix_caching": prefix_caching})()
         self.batches: list[int] = []
+        self.logprobs: list[int] = []
         self.resets = 0
 
-    def generate(self, prompts, max_tokens):
+    def generate(self, prompts, max_tokens, logprobs=0):
         self.batches.append(len(prompts))
+        self.logprobs.append(logprobs)
 
     def reset_prefix_cache(self) -> None:
         self.resets += 1
@@ -103,6 +107,43 @@ def test_the_warm_up_runs_one_then_the_batch_twice_and_empties_vllms_cache():
     off = RecordingEngine(prefix_caching=False)
     warm_up(off, [[11] * 5])
     assert off.resets == 0
+
+
+def test_the_warm_up_asks_for_the_logprobs_the_timed_run_asks_for():
+    """vLLM sets up its logprobs path on the first request asking for them (seconds on a CPU engine): a warm-up
+    without them leaves that to the timed run's first wave."""
+    from lmcache_npu.tools.replay.runs import COMPARED_LOGPROBS
+
+    engine = RecordingEngine(prefix_caching=False)
+    warm_up(engine, [[11] * 5, [12] * 5], logprobs=COMPARED_LOGPROBS)
+    assert engine.logprobs == [COMPARED_LOGPROBS] * 3
+    bare = RecordingEngine(prefix_caching=False)  # negative control: the default asks for none
+    warm_up(bare, [[11] * 5])
+    assert bare.logprobs == [0, 0, 0]
+
+
+class AnsweringEngine(RecordingEngine):
+    """Answers every prompt with `max_tokens` tokens, as a vLLM alone engine of the replay would."""
+
+    engine_core = None
+    llm = SimpleNamespace(llm_engine=None)  # no vLLM config: the device capacity is not known
+
+    def generate(self, prompts, max_tokens, logprobs=0):
+        super().generate(prompts, max_tokens, logprobs)
+        return [Completion(len(p), (11,) * max_tokens, (), 0, 0.01) for p in prompts]
+
+    def vllm_counter(self, name: str) -> float:
+        return 0.0
+
+
+def test_a_timed_run_warms_up_with_the_logprobs_it_runs_with():
+    from lmcache_npu.tools.replay.runs import COMPARED_LOGPROBS, timed_run
+
+    engine = AnsweringEngine(prefix_caching=False)
+    chats = multi_turn_chat(conversations=2, turns=2, system_tokens=8, user_tokens=4, output_tokens=3, vocab=500)
+    run = timed_run(engine, RunConfig("vLLM alone"), 0, 0, chats, vocab=500)
+    assert run.warmup is not None and len(engine.logprobs) == 3 + 2  # the warm-up's three generates, two turns
+    assert set(engine.logprobs) == {COMPARED_LOGPROBS}
 
 
 def test_the_working_set_counts_a_shared_system_prompt_once():

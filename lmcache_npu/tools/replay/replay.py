@@ -236,7 +236,7 @@ def _spread_table(report: ReplayReport, title: str, headers: Sequence[str],
     return table
 
 
-def _cell(spread: Spread, repeats: int, unit: str = "s") -> str:
+def spread_cell(spread: Spread, repeats: int, unit: str = "s") -> str:
     """The median, and the min-max on a second line (the unit once where both ends share it): a cell as narrow as
     its widest number, so the demo's tables fit 120 columns."""
     value = seconds(spread.median) if unit == "s" else f"{spread.median:,.0f}"
@@ -249,7 +249,7 @@ def _cell(spread: Spread, repeats: int, unit: str = "s") -> str:
     return f"{value}\n{low_number if low_unit == high.partition(' ')[2] else low}-{high}"
 
 
-def _matching_cell(matching: int, requests: int, near_ties: int) -> str:
+def matching_cell(matching: int, requests: int, near_ties: int) -> str:
     if matching != requests:
         return f"[red]{matching}/{requests}[/red]"
     return f"yes, {near_ties} near tie{'s' if near_ties > 1 else ''}" if near_ties else "yes"
@@ -267,11 +267,11 @@ def render_report(report: ReplayReport) -> list[Any]:
     sources = [s for s in SOURCES if s == "computed" or any(totals[c][s].high for c in report.configs)]
     times = _spread_table(report, f"{report.workload} on {report.model}: times per {report.step_name}; {spread_note}",
                           [TIME_COLUMNS[t] for t in TIMES],
-                          lambda row, _: [_cell(row[t], repeats) for t in TIMES])
+                          lambda row, _: [spread_cell(row[t], repeats) for t in TIMES])
     tokens = _spread_table(report, f"prompt tokens by where they came from, per {report.step_name}; {spread_note}",
                            [*(SOURCE_COLUMNS[s] for s in sources), "identical"],
-                           lambda row, matching: [*(_cell(row[s], repeats, "tokens") for s in sources),
-                                                  _matching_cell(*matching)])
+                           lambda row, matching: [*(spread_cell(row[s], repeats, "tokens") for s in sources),
+                                                  matching_cell(*matching)])
     out: list[Any] = [times, tokens]
     unused = [SOURCE_COLUMNS[s] for s in SOURCES if s not in sources]
     if unused:
@@ -320,7 +320,7 @@ def render_restart(restart: RestartResult) -> Any:
         table.add_column(column, justify="right", no_wrap=True)
     for name, run in runs:
         times = run.total_times()
-        identical = (_matching_cell(restart.identity.matching, restart.identity.requests, restart.identity.near_ties)
+        identical = (matching_cell(restart.identity.matching, restart.identity.requests, restart.identity.near_ties)
                      if run is restart.restarted else "reference")
         table.add_row(name, seconds(times.ttft_p50_s), seconds(times.ttft_p90_s), seconds(times.prefill_s),
                       *(f"{hits[name][s]:,}" for s in sources), identical)

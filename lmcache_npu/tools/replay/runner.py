@@ -22,6 +22,20 @@ class TurnRun:
     wall_s: float
 
 
+def generate_wave(engine: Engine, prompts: Sequence[Sequence[int]], outputs: Sequence[int],
+                  logprobs: int = 0) -> list[Completion]:
+    """One wave's completions, in the order of `prompts` (`outputs[k]`: the tokens prompt k generates): one
+    generate per output length, since vLLM takes one SamplingParams per call."""
+    if len(prompts) != len(outputs):
+        raise ValueError(f"a wave of {len(prompts)} prompts needs as many output lengths, got {len(outputs)}")
+    completions: dict[int, Completion] = {}
+    for length in sorted(set(outputs)):
+        group = [k for k, n in enumerate(outputs) if n == length]
+        for k, done in zip(group, engine.generate([prompts[k] for k in group], length, logprobs)):
+            completions[k] = done
+    return [completions[k] for k in range(len(prompts))]
+
+
 def run_workload(engine: Engine, conversations: Sequence[Conversation],
                  on_turn: Optional[Callable[[TurnRun], None]] = None, logprobs: int = 0) -> list[TurnRun]:
     """Every turn of every conversation; `on_turn` sees each turn as it completes; `logprobs`: the top logprobs
@@ -35,15 +49,9 @@ def run_workload(engine: Engine, conversations: Sequence[Conversation],
         taking_part, turns = tuple(i for i, _ in sending), [turn for _, turn in sending]
         prompts = [prompt_of(conversations[i], answers[i], t) for i, t in zip(taking_part, turns)]
         outputs = [conversations[i].turns[t].output_tokens for i, t in zip(taking_part, turns)]
-        # one generate per output length: vLLM takes one SamplingParams per call
-        completions: dict[int, Completion] = {}
         started = time.perf_counter()
-        for length in sorted(set(outputs)):
-            group = [k for k, n in enumerate(outputs) if n == length]
-            for k, done in zip(group, engine.generate([prompts[k] for k in group], length, logprobs)):
-                completions[k] = done
-        run = TurnRun(wave, taking_part, tuple(completions[k] for k in range(len(taking_part))),
-                      time.perf_counter() - started)
+        completions = generate_wave(engine, prompts, outputs, logprobs)
+        run = TurnRun(wave, taking_part, tuple(completions), time.perf_counter() - started)
         for i, done in zip(taking_part, run.completions):
             answers[i].append(done.token_ids)
         runs.append(run)

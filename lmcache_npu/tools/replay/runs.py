@@ -10,7 +10,7 @@ from typing import Any, Callable, Optional, Sequence
 from .accounting import EXTERNAL_HITS, HitLedger, PluginHits, TurnHits, split_hits
 from .configs import RunConfig
 from .connectors import ConnectorServices, transfer_config
-from .engine import Engine, EngineSettings
+from .engine import Completion, Engine, EngineSettings
 from .runner import TurnRun, run_workload
 from .sizing import device_capacity_tokens
 from .spread import percentile
@@ -87,37 +87,57 @@ def start_engine(settings: EngineSettings, config: RunConfig, extra_config: Opti
                   transfer)
 
 
+class TurnAccounting:
+    """Splits each turn's prompt tokens on one engine by source: the plugin's by its ledger, a peer's by vLLM's
+    external-hit counter (which also checks the plugin's ledger and that vLLM alone had none). The replay's timed
+    runs and the two-engine round robin (tools/replay/pair.py) both account turns through it."""
+
+    def __init__(self, engine: Engine, config: RunConfig) -> None:
+        self.engine = engine
+        self.config = config
+        self.ledger = HitLedger()
+        if config.plugin:
+            self.ledger.attach(engine.scheduler_connector)
+        self.reloaded_tokens = 0
+        self.mismatches: list[str] = []
+        self._external = engine.vllm_counter(EXTERNAL_HITS)  # the counter so far: each turn takes its growth
+
+    def restart(self) -> None:
+        """Forgets what was loaded so far (a warm-up's loads are not the workload's)."""
+        self.ledger.take()
+        self._external = self.engine.vllm_counter(EXTERNAL_HITS)
+
+    def turn(self, number: int, completions: Sequence[Completion]) -> TurnHits:
+        """The tokens by source of turn `number` (0-based), whose requests gave `completions`."""
+        plugin: PluginHits = self.ledger.take()
+        self.reloaded_tokens += plugin.reloaded_tokens
+        self.mismatches.extend(plugin.mismatches)
+        now = self.engine.vllm_counter(EXTERNAL_HITS)
+        grown, self._external = int(now - self._external), now
+        if not self.config.peer and grown != plugin.total:
+            self.mismatches.append(f"turn {number + 1}: vLLM counted {grown} external hit tokens, the plugin's ledger "
+                                   f"{plugin.total}")
+        return split_hits(sum(c.prompt_tokens for c in completions), sum(c.cached_tokens for c in completions),
+                          plugin, grown if self.config.peer else 0)
+
+
 def timed_run(engine: Engine, config: RunConfig, repeat: int, position: int, conversations: Sequence[Conversation],
               vocab: int, warmup: bool = True, on_turn: Optional[Callable[[TurnRun], None]] = None) -> RunResult:
     """Warms `engine` up (unless told not to: a cold run, which comparisons refuse), then runs every turn and
-    splits each turn's prompt tokens by source: the plugin's by its ledger, a peer's by vLLM's external-hit counter
-    (which also checks the plugin's ledger and that vLLM alone had none)."""
-    ledger = HitLedger()
-    if config.plugin:
-        ledger.attach(engine.scheduler_connector)
+    splits each turn's prompt tokens by source (`TurnAccounting`)."""
+    accounting = TurnAccounting(engine, config)
     warm = None
     if warmup:
-        warm = warm_up(engine, shadow_first_turn(conversations, vocab))
-        ledger.take()  # the warm-up's loads are not the workload's
+        warm = warm_up(engine, shadow_first_turn(conversations, vocab), logprobs=COMPARED_LOGPROBS)
+        accounting.restart()
     hits: list[TurnHits] = []
-    reloaded, mismatches = [0], []
-    external = [engine.vllm_counter(EXTERNAL_HITS)]  # the counter so far: each turn takes its growth
 
     def turn_done(turn: TurnRun) -> None:
-        plugin: PluginHits = ledger.take()
-        reloaded[0] += plugin.reloaded_tokens
-        mismatches.extend(plugin.mismatches)
-        now = engine.vllm_counter(EXTERNAL_HITS)
-        grown, external[0] = int(now - external[0]), now
-        if not config.peer and grown != plugin.total:
-            mismatches.append(f"turn {turn.turn + 1}: vLLM counted {grown} external hit tokens, the plugin's ledger "
-                              f"{plugin.total}")
-        hits.append(split_hits(sum(c.prompt_tokens for c in turn.completions),
-                               sum(c.cached_tokens for c in turn.completions), plugin,
-                               grown if config.peer else 0))
+        hits.append(accounting.turn(turn.turn, turn.completions))
         if on_turn is not None:
             on_turn(turn)
 
     turns = run_workload(engine, conversations, turn_done, logprobs=COMPARED_LOGPROBS)
     return RunResult(config.name, repeat, position, warm, turns, hits, device_capacity_tokens(engine),
-                     engine.plugin_stats() if config.plugin else {}, reloaded[0], mismatches)
+                     engine.plugin_stats() if config.plugin else {}, accounting.reloaded_tokens,
+                     accounting.mismatches)

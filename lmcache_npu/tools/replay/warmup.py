@@ -58,16 +58,19 @@ def shadow_first_turn(conversations: Sequence[Conversation], vocab: int) -> list
     return prompts
 
 
-def warm_up(engine: Any, prompts: Sequence[Sequence[int]], output_tokens: int = 4) -> WarmUp:
+def warm_up(engine: Any, prompts: Sequence[Sequence[int]], output_tokens: int = 4,
+            logprobs: int = 0) -> WarmUp:
     """Serves `prompts` (unrelated to the timed workload) on `engine` (a `replay.engine.Engine`): the first alone,
     then all of them twice (computed, then found in the caches), then empties vLLM's prefix cache (when on) so the
-    timed run starts with nothing of vLLM's cached but warm code paths and kernels for its shapes."""
+    timed run starts with nothing of vLLM's cached but warm code paths and kernels for its shapes. `logprobs`: the
+    top logprobs the timed run asks for (vLLM sets their path up on the first request asking for them: seconds on
+    a CPU engine, which a warm-up without them would leave to the timed run's first wave)."""
     if not prompts:
         raise ValueError("a warm-up needs at least one prompt")
     started = time.perf_counter()
-    engine.generate(prompts[:1], output_tokens)  # one alone first: the lazy set-up of a single request's path
+    engine.generate(prompts[:1], output_tokens, logprobs)  # one alone first: the lazy set-up of a single request
     for _ in range(2):
-        engine.generate(prompts, output_tokens)
+        engine.generate(prompts, output_tokens, logprobs)
     if engine.settings.prefix_caching:
         engine.reset_prefix_cache()
     tokens = 2 * sum(len(p) for p in prompts) + len(prompts[0])

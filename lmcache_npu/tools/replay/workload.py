@@ -76,6 +76,18 @@ def prefix_repetition(num_prefixes: int, prompts_per_prefix: int, prefix_tokens:
             for wave in range(prompts_per_prefix) for p in range(num_prefixes)]
 
 
+def unique_prompts(waves: int, per_wave: int, prompt_tokens: int, output_tokens: int, vocab: int,
+                   seed: int = 0) -> list[Conversation]:
+    """No reuse: `waves` waves of `per_wave` one-turn conversations of `prompt_tokens` random tokens each, no two
+    sharing a prefix, so a cache can only store them and every lookup misses: what a connector costs per step when
+    it cannot help."""
+    if waves < 1 or per_wave < 1 or prompt_tokens < 1:
+        raise ValueError(f"waves, per_wave and prompt_tokens must be >= 1, got {waves}, {per_wave} and {prompt_tokens}")
+    tokens = _Tokens(vocab, seed)
+    return [Conversation((), (Turn(tokens(prompt_tokens), output_tokens),), start=wave)
+            for wave in range(waves) for _ in range(per_wave)]
+
+
 def load_trace(path: Union[str, Path], vocab: int, seed: int = 0) -> list[Conversation]:
     """A JSONL file, one conversation per line: {"system": S, "turns": [{"user": U, "output": N}, ...]}, where S
     and U are token id lists or lengths (random ids) and N the tokens to generate."""
