@@ -25,6 +25,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from ..store.commands import Completion
 from ..store.config import StoreConfig
+from ..store.index.contract import ChunkView
 from ..store.keys import ChunkKey
 from . import wire
 from .exporter import MetricsServer, exposition
@@ -64,6 +65,7 @@ class NodeCacheService:
         self._next_connection = 0
         self._closed = threading.Event()
         self._threads: list[threading.Thread] = []
+        self._open: set[socket.socket] = set()  # live connections: closing the service ends them too
         self._listener = self._bind(options.socket_path)
         self._metrics: Optional[MetricsServer] = None
         if options.metrics_port is not None:
@@ -117,8 +119,12 @@ class NodeCacheService:
                 connection.close()
                 continue
             with self.lock:
+                if self._closed.is_set():
+                    connection.close()
+                    return
                 self._next_connection += 1
                 number = self._next_connection
+                self._open.add(connection)
             thread = threading.Thread(target=self._serve, args=(connection, number), daemon=True,
                                       name=f"lmcache-node-conn{number}")
             thread.start()
@@ -166,10 +172,12 @@ class NodeCacheService:
         except Exception:  # a bug must cost this connection (its lease ends below), never the service
             logger.exception("node cache: connection %d failed", number)
         finally:
-            if pool is not None and lease is not None:
-                with self.lock:
+            with self.lock:
+                self._open.discard(connection)
+                if pool is not None and lease is not None:
                     self.connections -= 1
-                    pool.drop_connection(lease.engine, number)
+                    if not self._closed.is_set():  # a closed service's pools are gone with every lease in them
+                        pool.drop_connection(lease.engine, number)
             connection.close()
 
     def _pool_for(self, geometry: PoolGeometry) -> NodePool:
@@ -199,7 +207,8 @@ class NodeCacheService:
                 if verb in ONEWAY:
                     logger.warning("node cache: engine %s: %s refused: %s", lease.engine, verb, exc)
                     return None
-                return ("error", "ValueError", f"{verb}: {exc}")
+                # the index names the engine's requests by their scoped ids; the engine knows its own
+                return ("error", "ValueError", f"{verb}: {exc}".replace(scoped(lease.engine, ""), ""))
             if verb in ONEWAY:
                 return None
             counters = {str.__str__(name): amount for name, amount in lease.counters.items()}  # plain str on the wire
@@ -225,7 +234,7 @@ class NodeCacheService:
             "events": lambda wanted: setattr(lease, "events", bool(wanted)),
             "occupancy": lambda: index.occupancy(),
             "location": lambda key: index.location(_keys([key], namespace)[0]),
-            "chunks": lambda: index.chunks(),
+            "chunks": lambda: [_as_seen_by(lease.engine, view) for view in index.chunks()],
             "adopt_disk": lambda keys: pool.call(lease, lambda: index.adopt_disk(_keys(keys, namespace))),
             "drop_disk_copies": lambda keys: pool.call(lease, lambda: index.drop_disk_copies(_keys(keys, namespace))),
         }
@@ -268,6 +277,11 @@ class NodeCacheService:
             self._metrics.close()
         with self.lock:
             pools, self.pools = list(self.pools.values()), {}
+            for connection in self._open:  # an engine must see the service gone, not be answered by closed pools
+                try:
+                    connection.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
         for pool in pools:
             pool.close()
         try:
@@ -287,6 +301,13 @@ def _check_geometry(geometry: PoolGeometry) -> None:
         value = getattr(geometry, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"a pool geometry's {name} must be a positive integer, got {value!r}")
+
+
+def _as_seen_by(engine: str, view: ChunkView) -> ChunkView:
+    """`view` as `engine` sees it: its own requests' reservations by the ids it gave, others' engine-scoped."""
+    own = scoped(engine, "")
+    names = frozenset(name[len(own):] if name.startswith(own) else name for name in view.reservations)
+    return view if names == view.reservations else dataclasses.replace(view, reservations=names)
 
 
 def _text(value: Any) -> str:
