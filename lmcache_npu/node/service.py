@@ -266,7 +266,10 @@ class NodeCacheService:
         return self._metrics.address if self._metrics is not None else None
 
     def close(self) -> None:
-        """Stops accepting, closes the pools (their disk tiers flush) and removes the socket."""
+        """Stops accepting, ends the live connections, closes the pools (their disk tiers flush) and removes the
+        socket; once (a second call must not unlink a successor's socket of the same path)."""
+        if self._closed.is_set():
+            return
         self._closed.set()
         try:
             self._listener.shutdown(socket.SHUT_RDWR)

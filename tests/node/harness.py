@@ -111,6 +111,7 @@ class Engine:
             for rank, worker in enumerate(self.workers):
                 worker.arena.slot_array(command.slot)[:] = chunk_payload(command.key, rank, worker.arena.object_bytes)
         answer(self.client, stores, range(len(self.workers)))
+        sync(self.client)
         return stores
 
     def read(self, loads: Sequence[Load]) -> dict[ChunkKey, list[bytes]]:
@@ -118,12 +119,19 @@ class Engine:
         seen = {command.key: [bytes(worker.arena.slot_array(command.slot)) for worker in self.workers]
                 for command in loads}
         answer(self.client, loads, range(len(self.workers)))
+        sync(self.client)
         return seen
 
 
 def answer(manager: ChunkManager, commands: Iterable, ranks: Iterable[int], ok: bool = True) -> None:
     manager.on_completions([Completion(c.cmd_id, rank, ok, "" if ok else "device: test") for c in commands
                             for rank in ranks])
+
+
+def sync(client: NodeCacheClient) -> None:
+    """One round trip: the service has handled every one-way message this client sent before (release, answers),
+    which another engine's connection may otherwise overtake."""
+    client.presence([])
 
 
 def expected_bytes(key: ChunkKey, world: int, object_bytes: int = OBJECT_BYTES) -> list[bytes]:
