@@ -207,8 +207,7 @@ class NodeCacheService:
                 if verb in ONEWAY:
                     logger.warning("node cache: engine %s: %s refused: %s", lease.engine, verb, exc)
                     return None
-                # the index names the engine's requests by their scoped ids; the engine knows its own
-                return ("error", "ValueError", f"{verb}: {exc}".replace(scoped(lease.engine, ""), ""))
+                return ("error", "ValueError", _unscoped(f"{verb}: {exc}", lease.engine))
             if verb in ONEWAY:
                 return None
             counters = {str.__str__(name): amount for name, amount in lease.counters.items()}  # plain str on the wire
@@ -240,7 +239,7 @@ class NodeCacheService:
         }
         handler = handlers.get(verb)
         if handler is None:
-            raise ValueError(f"unknown verb {verb!r}")
+            raise ValueError(f"unknown verb {verb!r} (this service speaks {', '.join(sorted(handlers))})")
         return handler(*arguments)
 
     @staticmethod
@@ -304,6 +303,12 @@ def _check_geometry(geometry: PoolGeometry) -> None:
         value = getattr(geometry, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"a pool geometry's {name} must be a positive integer, got {value!r}")
+
+
+def _unscoped(text: str, engine: str) -> str:
+    """`text` with the engine's scope taken off its request ids (as written and as repr() writes them)."""
+    scope = scoped(engine, "")
+    return text.replace(scope, "").replace(repr(scope)[1:-1], "")
 
 
 def _as_seen_by(engine: str, view: ChunkView) -> ChunkView:
