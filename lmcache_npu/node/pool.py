@@ -97,6 +97,8 @@ class NodePool:
             self.close()
             raise
         self.leases: dict[str, EngineLease] = {}
+        # the engines' lookups for status: requests looked up (Metric.LOOKUPS), hit chunks per tier (HIT_CHUNKS_*)
+        self.lookup_counters: Counter = Counter()
         self.index.set_tier_listener(self._tell)
         self.dispatch()  # the restart's drops of partial disk copies
         self._wake = threading.Event()

@@ -23,10 +23,11 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
-from ..store.commands import Completion
+from ..store.commands import Completion, Tier
 from ..store.config import StoreConfig
 from ..store.index.contract import ChunkView
 from ..store.keys import ChunkKey
+from ..store.metrics import Metric
 from . import wire
 from .exporter import MetricsServer, exposition
 from .messages import Attach, PoolGeometry, Refused
@@ -35,7 +36,8 @@ from .pool import EngineLease, NodePool, PoolRefused, scoped
 logger = logging.getLogger(__name__)
 
 _PEERCRED = struct.Struct("3i")  # pid, uid, gid
-ONEWAY = frozenset({"release", "on_completions"})  # the engine does not wait: their counters ride the next reply
+ONEWAY = frozenset({"release", "on_completions"})
+HIT_CHUNKS = {Tier.ARENA: Metric.HIT_CHUNKS_CPU, Tier.DISK: Metric.HIT_CHUNKS_DISK, Tier.REMOTE: Metric.HIT_CHUNKS_REMOTE}  # the engine does not wait: their counters ride the next reply
 
 
 @dataclass(frozen=True)
@@ -245,8 +247,13 @@ class NodeCacheService:
     @staticmethod
     def _lookup(pool: NodePool, lease: EngineLease, request_id: str, keys: list[ChunkKey]) -> Any:
         name = scoped(lease.engine, request_id)
-        lease.requests.add(name)
-        return pool.call(lease, lambda: pool.index.lookup(name, keys))
+        if name not in lease.requests:
+            lease.requests.add(name)
+            pool.lookup_counters[Metric.LOOKUPS] += 1
+        found = pool.call(lease, lambda: pool.index.lookup(name, keys))
+        for tier, metric in HIT_CHUNKS.items():  # per tier, for status's hit rates (tuple.count: C speed)
+            pool.lookup_counters[metric] += found.sources.count(tier)
+        return found
 
     @staticmethod
     def _release(pool: NodePool, lease: EngineLease, request_id: str) -> None:

@@ -560,9 +560,11 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.set_defaults(func=_doctor)
 
     status = sub.add_parser("status", help="a running engine's store: tiers, capacity and use, hit rates per tier, "
-                            "namespace, arena segments (from the /metrics vLLM already serves)")
+                            "namespace, arena segments (from the /metrics vLLM already serves); or the node cache's, "
+                            "with its engines' leases")
     status.add_argument("--url", default="http://localhost:8000",
-                        help="the vLLM server (its /metrics is read; default http://localhost:8000)")
+                        help="the vLLM server, or a node cache's --metrics-port address (its /metrics is read; "
+                        "default http://localhost:8000)")
     status.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the server (default 5)")
     status.add_argument("--json", action="store_true", help="print the status as JSON")
     status.set_defaults(func=_status)
