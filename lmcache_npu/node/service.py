@@ -21,7 +21,9 @@ import struct
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from functools import partial
+from itertools import repeat
+from typing import Any, Callable, Optional
 
 from ..store.commands import Completion, Tier
 from ..store.config import StoreConfig
@@ -37,6 +39,7 @@ logger = logging.getLogger(__name__)
 
 _PEERCRED = struct.Struct("3i")  # pid, uid, gid
 ONEWAY = frozenset({"release", "on_completions"})
+_new_key = partial(tuple.__new__, ChunkKey)  # ChunkKey(namespace, hash) without its Python-level __new__
 HIT_CHUNKS = {Tier.ARENA: Metric.HIT_CHUNKS_CPU, Tier.DISK: Metric.HIT_CHUNKS_DISK, Tier.REMOTE: Metric.HIT_CHUNKS_REMOTE}  # the engine does not wait: their counters ride the next reply
 
 
@@ -217,49 +220,12 @@ class NodeCacheService:
             changes, lease.tier_changes = lease.tier_changes, []
             return ("ok", value, counters, changes)
 
-    def _run(self, pool: NodePool, lease: EngineLease, verb: str, arguments: tuple) -> Any:
-        index = pool.index
-        namespace = pool.geometry.namespace
-        handlers: dict[str, Callable[..., Any]] = {
-            "lookup": lambda request_id, keys: self._lookup(pool, lease, _text(request_id), _keys(keys, namespace)),
-            "presence": lambda keys, remote: index.presence(_keys(keys, namespace), bool(remote)),
-            "prepare_load": lambda request_id, chunks: pool.commands_of(lease, pool.call(
-                lease, lambda: index.prepare_load(scoped(lease.engine, _text(request_id)),
-                                                  _chunks(chunks, namespace)))),
-            "prepare_store": lambda request_id, chunks: pool.commands_of(lease, pool.call(
-                lease, lambda: index.prepare_store(scoped(lease.engine, _text(request_id)),
-                                                   _chunks(chunks, namespace)))),
-            "release": lambda request_id: self._release(pool, lease, _text(request_id)),
-            "on_completions": lambda completions: pool.call(
-                lease, lambda: pool.on_completions(lease, _completions(completions))),
-            "events": lambda wanted: setattr(lease, "events", bool(wanted)),
-            "occupancy": lambda: index.occupancy(),
-            "location": lambda key: index.location(_keys([key], namespace)[0]),
-            "chunks": lambda: [_as_seen_by(lease.engine, view) for view in index.chunks()],
-            "adopt_disk": lambda keys: pool.call(lease, lambda: index.adopt_disk(_keys(keys, namespace))),
-            "drop_disk_copies": lambda keys: pool.call(lease, lambda: index.drop_disk_copies(_keys(keys, namespace))),
-        }
-        handler = handlers.get(verb)
+    @staticmethod
+    def _run(pool: NodePool, lease: EngineLease, verb: str, arguments: tuple) -> Any:
+        handler = VERBS.get(verb)
         if handler is None:
-            raise ValueError(f"unknown verb {verb!r} (this service speaks {', '.join(sorted(handlers))})")
-        return handler(*arguments)
-
-    @staticmethod
-    def _lookup(pool: NodePool, lease: EngineLease, request_id: str, keys: list[ChunkKey]) -> Any:
-        name = scoped(lease.engine, request_id)
-        if name not in lease.requests:
-            lease.requests.add(name)
-            pool.lookup_counters[Metric.LOOKUPS] += 1
-        found = pool.call(lease, lambda: pool.index.lookup(name, keys))
-        for tier, metric in HIT_CHUNKS.items():  # per tier, for status's hit rates (tuple.count: C speed)
-            pool.lookup_counters[metric] += found.sources.count(tier)
-        return found
-
-    @staticmethod
-    def _release(pool: NodePool, lease: EngineLease, request_id: str) -> None:
-        name = scoped(lease.engine, request_id)
-        pool.call(lease, lambda: pool.index.release(name))
-        lease.requests.discard(name)
+            raise ValueError(f"unknown verb {verb!r} (this service speaks {', '.join(sorted(VERBS))})")
+        return handler(pool, lease, *arguments)
 
     # ---- what operators see ---------------------------------------------------------------------------------------
 
@@ -342,23 +308,87 @@ def _keys(keys: Any, namespace: str) -> list[ChunkKey]:
     return list(keys)
 
 
-def _chunks(chunks: Any, namespace: str) -> list[tuple[int, ChunkKey]]:
-    if not isinstance(chunks, (list, tuple)):
-        raise ValueError(f"chunks must be a list of (chunk number, key), got {type(chunks).__name__}")
-    numbered = []
-    for item in chunks:
-        if (not isinstance(item, tuple) or len(item) != 2 or isinstance(item[0], bool)
-                or not isinstance(item[0], int) or item[0] < 0):
-            raise ValueError(f"a chunk must be (chunk number >= 0, key), got {item!r}")
-        numbered.append((item[0], _keys([item[1]], namespace)[0]))
-    return numbered
+def _hashed(pool: NodePool, namespace: Any, hashes: Any) -> list[ChunkKey]:
+    """The keys a batch names: its namespace, which must be the pool's, and its chunk hashes (messages.py)."""
+    if namespace != pool.geometry.namespace:  # another model's or layout's chunks never meet this pool's
+        raise ValueError(f"key of namespace {namespace!r} sent to the pool of namespace {pool.geometry.namespace!r}")
+    if not isinstance(hashes, list) or not set(map(type, hashes)) <= {bytes}:  # map/set: C speed for 512 hashes
+        raise ValueError(f"chunk hashes must be a list of bytes, got {_shape(hashes)}")
+    return list(map(_new_key, zip(repeat(pool.geometry.namespace), hashes)))
 
 
-def _completions(completions: Any) -> Sequence[Completion]:
-    if not isinstance(completions, (list, tuple)):
+def _numbered(pool: NodePool, namespace: Any, numbers: Any, hashes: Any) -> list[tuple[int, ChunkKey]]:
+    keys = _hashed(pool, namespace, hashes)
+    if (not isinstance(numbers, list) or len(numbers) != len(keys) or not set(map(type, numbers)) <= {int}
+            or (numbers and min(numbers) < 0)):
+        raise ValueError(f"chunk numbers must be a list of ints >= 0, one per hash ({len(keys)}), got "
+                         f"{_shape(numbers)}")
+    return list(zip(numbers, keys))
+
+
+def _shape(value: Any) -> str:
+    if not isinstance(value, list):
+        return type(value).__name__
+    return f"a list of {len(value)} ({', '.join(sorted({type(item).__name__ for item in value}))})"
+
+
+def _completions(completions: Any) -> list[Completion]:
+    if not isinstance(completions, list):
         raise ValueError(f"completions must be a list, got {type(completions).__name__}")
+    answers = []
     for done in completions:
-        if (not isinstance(done, Completion) or isinstance(done.cmd_id, bool) or not isinstance(done.cmd_id, int)
-                or not isinstance(done.rank, int) or not isinstance(done.ok, bool)):
-            raise ValueError(f"a completion must be a Completion of ints and a bool, got {done!r}")
-    return completions
+        if (not isinstance(done, tuple) or len(done) != 4 or set(map(type, done[:2])) != {int}
+                or type(done[2]) is not bool or not isinstance(done[3], str)):
+            raise ValueError(f"a completion must be (command id, rank, ok, reason), got {done!r}")
+        answers.append(Completion(*done))
+    return answers
+
+
+# ---- the verbs: handler(pool, lease, *arguments) -> the reply's value (messages.py says what each sends) ------------
+
+def _lookup(pool: NodePool, lease: EngineLease, request_id: Any, namespace: Any, hashes: Any) -> Any:
+    keys = _hashed(pool, namespace, hashes)
+    name = scoped(lease.engine, _text(request_id))
+    if name not in lease.requests:
+        lease.requests.add(name)
+        pool.lookup_counters[Metric.LOOKUPS] += 1
+    found = pool.call(lease, lambda: pool.index.lookup(name, keys))
+    for tier, metric in HIT_CHUNKS.items():  # per tier, for status's hit rates (tuple.count: C speed)
+        pool.lookup_counters[metric] += found.sources.count(tier)
+    return found
+
+
+def _prepare(verb: str) -> Callable[..., list[tuple[int, int, int, bytes]]]:
+    def prepare(pool: NodePool, lease: EngineLease, request_id: Any, namespace: Any, numbers: Any,
+                hashes: Any) -> list[tuple[int, int, int, bytes]]:
+        chunks = _numbered(pool, namespace, numbers, hashes)
+        name = scoped(lease.engine, _text(request_id))
+        return pool.hand_out(lease, pool.call(lease, lambda: getattr(pool.index, verb)(name, chunks)))
+
+    return prepare
+
+
+def _release(pool: NodePool, lease: EngineLease, request_id: Any) -> None:
+    name = scoped(lease.engine, _text(request_id))
+    pool.call(lease, lambda: pool.index.release(name))
+    lease.requests.discard(name)
+
+
+VERBS: dict[str, Callable[..., Any]] = {
+    "lookup": _lookup,
+    "presence": lambda pool, lease, namespace, hashes, remote: pool.index.presence(
+        _hashed(pool, namespace, hashes), bool(remote)),
+    "prepare_load": _prepare("prepare_load"),
+    "prepare_store": _prepare("prepare_store"),
+    "release": _release,
+    "on_completions": lambda pool, lease, completions: pool.call(
+        lease, lambda: pool.on_completions(lease, _completions(completions))),
+    "events": lambda pool, lease, wanted: setattr(lease, "events", bool(wanted)),
+    "occupancy": lambda pool, lease: pool.index.occupancy(),
+    "location": lambda pool, lease, key: pool.index.location(_keys([key], pool.geometry.namespace)[0]),
+    "chunks": lambda pool, lease: [_as_seen_by(lease.engine, view) for view in pool.index.chunks()],
+    "adopt_disk": lambda pool, lease, keys: pool.call(
+        lease, lambda: pool.index.adopt_disk(_keys(keys, pool.geometry.namespace))),
+    "drop_disk_copies": lambda pool, lease, keys: pool.call(
+        lease, lambda: pool.index.drop_disk_copies(_keys(keys, pool.geometry.namespace))),
+}

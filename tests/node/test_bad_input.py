@@ -35,6 +35,9 @@ def test_keys_of_another_namespace_are_refused_naming_both_and_the_client_keeps_
         with pytest.raises(ValueError, match=f"key of namespace '{OTHER}' sent to the pool of namespace "
                                              f"'{NAMESPACE}'"):
             call()
+    mixed = keys_of(0, 1) + foreign
+    with pytest.raises(ValueError, match=f"keys of 2 namespaces in one call \\({NAMESPACE}, {OTHER}\\)"):
+        engine.client.lookup("q", mixed)
     assert len(engine.store("w", keys_of(0, 1))) == 1  # control: its own namespace's keys are served
     assert engine.client.lookup("q", keys_of(0, 1)).ready_chunks == 1
 
@@ -68,8 +71,9 @@ def peer(start_node) -> Iterator[RawPeer]:
     raw.close()
 
 
-HEALTHY = ("presence", [], False)
+HEALTHY = ("presence", NAMESPACE, [], False)
 KEY = keys_of(0, 1)[0]
+HASH = KEY.chunk_hash
 
 
 @pytest.mark.parametrize("request_, error", [
@@ -78,13 +82,21 @@ KEY = keys_of(0, 1)[0]
     ((3, "r"), "a request is a tuple (verb, *arguments)"),
     (("bogus",), "bogus: unknown verb 'bogus' (this service speaks adopt_disk, chunks, drop_disk_copies, events, "
                  "location, lookup, occupancy, on_completions, prepare_load, prepare_store, presence, release)"),
-    (("lookup", 5, []), "lookup: a request id must be a string, got int"),
-    (("lookup", "r", "keys"), "lookup: keys must be a list, got str"),
-    (("lookup", "r", [("a", b"b")]), "lookup: a key must be a ChunkKey"),
-    (("lookup", "r", [ChunkKey(NAMESPACE, "not bytes")]), "lookup: a key must be a ChunkKey"),
-    (("prepare_store", "r", [(-1, KEY)]), "prepare_store: a chunk must be (chunk number >= 0, key)"),
-    (("prepare_store", "r", [(True, KEY)]), "prepare_store: a chunk must be (chunk number >= 0, key)"),
-    (("prepare_load", "r", [(0, KEY)]), f"prepare_load: request 'r' chunk 0: key {KEY.chunk_hash.hex()} is absent"),
+    (("lookup", 5, NAMESPACE, []), "lookup: a request id must be a string, got int"),
+    (("lookup", "r", NAMESPACE, "keys"), "lookup: chunk hashes must be a list of bytes, got str"),
+    (("lookup", "r", NAMESPACE, [HASH, "x", 3]), "lookup: chunk hashes must be a list of bytes, got a list of 3 "
+                                                  "(bytes, int, str)"),
+    (("lookup", "r", [KEY]), "lookup: "),  # the old shape: keys instead of a batch (too few arguments)
+    (("lookup", "r", None, [HASH]), f"lookup: key of namespace None sent to the pool of namespace '{NAMESPACE}'"),
+    (("presence", OTHER, [HASH], True), f"presence: key of namespace '{OTHER}' sent to the pool of namespace"),
+    (("prepare_store", "r", NAMESPACE, [-1], [HASH]), "prepare_store: chunk numbers must be a list of ints >= 0, "
+                                                       "one per hash (1), got a list of 1 (int)"),
+    (("prepare_store", "r", NAMESPACE, [True], [HASH]), "prepare_store: chunk numbers must be a list of ints >= 0"),
+    (("prepare_store", "r", NAMESPACE, [0, 1], [HASH]), "prepare_store: chunk numbers must be a list of ints >= 0, "
+                                                         "one per hash (1), got a list of 2 (int)"),
+    (("prepare_load", "r", NAMESPACE, [0], [HASH]), f"prepare_load: request 'r' chunk 0: key {HASH.hex()} is absent"),
+    (("location", (NAMESPACE, HASH)), "location: a key must be a ChunkKey"),
+    (("adopt_disk", [ChunkKey(NAMESPACE, "not bytes")]), "adopt_disk: a key must be a ChunkKey"),
     (("lookup",), "lookup: "),
     (("occupancy", 1), "occupancy: "),
 ], ids=lambda value: str(value)[:40] if isinstance(value, tuple) else None)
@@ -97,7 +109,7 @@ def test_a_malformed_request_gets_a_clear_error_and_the_connection_keeps_serving
 @pytest.mark.parametrize("verb", sorted(ONEWAY))
 def test_a_malformed_one_way_request_is_dropped_without_a_reply_and_the_connection_keeps_serving(peer, verb):
     wire.send(peer.sock, (verb, 12))
-    wire.send(peer.sock, (verb, ["not a completion"] if verb == "on_completions" else 5))
+    wire.send(peer.sock, (verb, [Completion(1, 0, True)] if verb == "on_completions" else 5))  # objects: refused
     assert peer.ask(HEALTHY)[:2] == ("ok", [])  # the next reply is this request's: nothing answered the two above
 
 
@@ -105,7 +117,8 @@ VERBS = ["lookup", "presence", "prepare_load", "prepare_store", "release", "on_c
          "location", "chunks", "adopt_disk", "drop_disk_copies", "bogus"]
 plain = st.recursive(
     st.none() | st.booleans() | st.integers(-2, 2**70) | st.text(max_size=4) | st.binary(max_size=4)
-    | st.sampled_from([KEY, keys_of(1, 1, OTHER)[0], ChunkKey(NAMESPACE, 7), Completion(1, 0, True)]),
+    | st.sampled_from([KEY, HASH, NAMESPACE, OTHER, keys_of(1, 1, OTHER)[0], ChunkKey(NAMESPACE, 7),
+                      Completion(1, 0, True), (1, 0, True, "")]),
     lambda inner: st.lists(inner, max_size=3) | st.tuples(inner, inner) | st.frozensets(st.integers(), max_size=2),
     max_leaves=8)
 
