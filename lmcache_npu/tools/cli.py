@@ -263,11 +263,12 @@ def _bench_scheduler(args: argparse.Namespace) -> int:
     _quiet_vllm()
     from rich.console import Console
 
-    from .bench.scheduler_bench import render_scheduler_bench, run_scheduler_bench
+    from .bench.scheduler_bench import INDEXES, render_scheduler_bench, run_scheduler_bench
 
     if args.repeats < 1:
         raise ValueError("--repeats must be >= 1")
-    results = run_scheduler_bench(args.repeats)
+    indexes = {"both": INDEXES, "in-process": INDEXES[:1], "node": INDEXES[1:]}[args.index]
+    results = run_scheduler_bench(args.repeats, indexes)
     Console(width=None if sys.stdout.isatty() else 200).print(render_scheduler_bench(results))
     if args.json:
         Path(args.json).write_text(json.dumps([r.to_json() for r in results], indent=2))
@@ -587,6 +588,9 @@ def build_parser() -> argparse.ArgumentParser:
     sched = sub.add_parser("bench-scheduler", help="host time the connector adds to vLLM's scheduler: lookups of a "
                            "128K-token prompt, connector metadata for 64 running requests")
     sched.add_argument("--repeats", type=int, default=200, help="calls per lookup measurement (default 200)")
+    sched.add_argument("--index", choices=["both", "in-process", "node"], default="both",
+                       help="the scheduler half's index: in process, the node cache's client (a service in a "
+                       "thread), or both side by side (default)")
     sched.add_argument("--json", type=Path, help="write the results as JSON")
     sched.set_defaults(func=_bench_scheduler)
 
