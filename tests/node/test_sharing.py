@@ -87,3 +87,19 @@ def test_each_engine_sees_its_own_reservations_by_its_own_ids_and_others_by_engi
     sync(a.client)
     assert {view.key: view.reservations for view in b.client.chunks()} == {keys[0]: frozenset({"q"}),
                                                                            keys[1]: frozenset()}
+
+
+def test_an_engine_that_publishes_kv_events_hears_the_chunks_another_engine_stored(start_node):
+    node = start_node(store_config(4, WORLD))
+    a, b, quiet = node.engine("A"), node.engine("B"), node.engine("C")
+    heard: list = []
+    b.client.set_tier_listener(lambda key, tier, entered: heard.append((key, tier, entered)))
+    keys = keys_of(0, 2)
+    a.store("w", keys)
+    sync(b.client)  # the node's tier changes ride B's next answer
+    assert heard == [(key, Tier.ARENA, True) for key in keys]
+    assert node.pool.leases["C"].tier_changes == []  # control: an engine without a listener is told nothing
+    b.client.set_tier_listener(None)
+    a.store("w2", keys_of(5, 1))
+    sync(b.client)
+    assert len(heard) == 2 and quiet.client.lookup("q", keys).ready_chunks == 2
