@@ -6,6 +6,7 @@ MAX_MESSAGE_BYTES and garbage are refused, and the shared segments are memory fi
 from __future__ import annotations
 
 import grp
+import mmap
 import os
 import pickle
 import socket
@@ -140,11 +141,27 @@ def test_a_message_cut_short_is_refused():
         _receive(wire.encode(("lookup", "r", keys_of(0, 4)))[:40])
 
 
+def shared_files_of_this_process() -> set[str]:
+    """Files under /dev/shm this process maps or holds open (other processes' entries there are not ours)."""
+    with open("/proc/self/maps") as maps:
+        mapped = {line.split(maxsplit=5)[-1].strip() for line in maps if "/dev/shm/" in line}
+    held = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # the listing's own descriptor, gone already
+            continue
+        if target.startswith("/dev/shm/"):
+            held.add(target)
+    return mapped | held
+
+
 def test_the_segments_are_memory_files_in_no_filesystem(start_node):
-    before = set(os.listdir("/dev/shm"))
+    before = shared_files_of_this_process()
     node = start_node(store_config(4, 2))
     worker = node.worker("A", 1)
-    assert set(os.listdir("/dev/shm")) == before
+    assert shared_files_of_this_process() == before
+    assert not [name for name in os.listdir("/dev/shm") if "lmcache" in name]
     fds = node.pool.arenas[1].segment_fds
     assert fds and all(os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:lmcache-npu-segment-") for fd in fds)
     start = worker.arena.base_address
@@ -152,3 +169,15 @@ def test_the_segments_are_memory_files_in_no_filesystem(start_node):
         mapped = [line for line in maps if int(line.split("-")[0], 16) == start]
     assert len(mapped) == 1 and "/memfd:lmcache-npu-segment-0 (deleted)" in mapped[0]
     assert mapped[0].split()[1].startswith("rw-s")  # shared: the node's pages, not a private copy
+
+
+def test_negative_control_a_segment_in_dev_shm_would_be_seen():
+    path = f"/dev/shm/lmcache-npu-test-{os.getpid()}"
+    with open(path, "w+b") as file:
+        file.truncate(4096)
+        view = mmap.mmap(file.fileno(), 4096)
+        try:
+            assert path in shared_files_of_this_process()
+        finally:
+            view.close()
+            os.unlink(path)
