@@ -38,9 +38,10 @@ from .pool import EngineLease, NodePool, PoolRefused, scoped
 logger = logging.getLogger(__name__)
 
 _PEERCRED = struct.Struct("3i")  # pid, uid, gid
-ONEWAY = frozenset({"release", "on_completions"})
+ONEWAY = frozenset({"release", "on_completions"})  # the engine does not wait: their counters ride the next reply
 _new_key = partial(tuple.__new__, ChunkKey)  # ChunkKey(namespace, hash) without its Python-level __new__
-HIT_CHUNKS = {Tier.ARENA: Metric.HIT_CHUNKS_CPU, Tier.DISK: Metric.HIT_CHUNKS_DISK, Tier.REMOTE: Metric.HIT_CHUNKS_REMOTE}  # the engine does not wait: their counters ride the next reply
+HIT_CHUNKS = {Tier.ARENA: Metric.HIT_CHUNKS_CPU, Tier.DISK: Metric.HIT_CHUNKS_DISK,
+              Tier.REMOTE: Metric.HIT_CHUNKS_REMOTE}
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """The chunk manager's contract (`store/index/contract.ChunkManager`), checked through its verbs only, for every
 implementation: the in-process `ChunkIndex`, and the node cache's socket client (issue 33) attached to a service
-started for the test (`tests/node/harness.py`) with exactly the slots the test asks for. What the contract promises a scheduler half:
+started for the test (`tests/node/harness.py`) with exactly the slots the test asks for. What the contract promises a
+scheduler half:
 
 - a stored chunk is found only once every rank completed its store, and a failure on one rank fails it;
 - a lookup reserves its hit until `prepare_load` or `release`; `prepare_load` checks every chunk before it issues
