@@ -18,6 +18,7 @@ import struct
 import threading
 import time
 from collections import deque
+from operator import itemgetter
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
@@ -34,8 +35,10 @@ logger = logging.getLogger(__name__)
 
 RETRY_S = 1.0  # at most one attach attempt per second while the service is away
 CALL_TIMEOUT_S = 10.0  # a verb the service has not answered by then counts as the service being away
-OCCUPANCY_TTL_S = 1.0
-_PEERCRED = struct.Struct("3i")  # pid, uid, gid  # the gauges vLLM's stats read every step: asked at most once a second
+_FIRST, _SECOND = itemgetter(0), itemgetter(1)
+OCCUPANCY_TTL_S = 1.0  # the gauges vLLM's stats read every step: asked at most once a second
+ATTACH_TIMEOUT_S = 900.0  # the first attach of a geometry maps and pre-faults its pool: minutes on a large node
+_PEERCRED = struct.Struct("3i")  # pid, uid, gid
 
 
 class NodeCacheUnavailable(ConnectionError):
@@ -117,13 +120,13 @@ class NodeCacheClient(ChunkManager):
         self.counters = TierCounters()
         self._events = False
         self._listener: Optional[TierListener] = None
-        # told the payload (builtins: what a router needs to name a chunk) another engine of the node described
-        self.payload_sink: Optional[Callable[[ChunkKey, tuple], None]] = None
         self._sock: Optional[socket.socket] = None
         self._next_try = 0.0
         self._retry_lock = threading.Lock()
         self._retrying: Optional[threading.Thread] = None  # attaching again in the background
         self._reattached: Optional[tuple[socket.socket, Attached]] = None  # its result, for the next call
+        # told the payload (builtins: what a router needs to name a chunk) another engine of the node described
+        self.payload_sink: Optional[Callable[[ChunkKey, tuple], None]] = None
         self._pending: dict[int, _Pending] = {}
         self._outbox: deque[Command] = deque()
         self._occupancy: Optional[tuple[float, dict[Tier, tuple[int, int]]]] = None
@@ -211,7 +214,9 @@ class NodeCacheClient(ChunkManager):
         for name, amount in counters.items():
             self.counters.add(name, amount)
         if self._listener is not None:
-            for key, tier, entered, payload in changes:
+            namespace = self.geometry.namespace
+            for chunk_hash, tier, entered, payload in changes:
+                key = ChunkKey(namespace, chunk_hash)
                 if payload is not None and self.payload_sink is not None:
                     self.payload_sink(key, payload)
                 self._listener(key, tier, entered)
@@ -240,20 +245,30 @@ class NodeCacheClient(ChunkManager):
         if done is not None:
             done[0].close()
 
-    # ---- the contract ---------------------------------------------------------------------------------------------
+    def _batch(self, keys: Sequence[ChunkKey]) -> tuple[str, list[bytes]]:
+        """Keys as the wire carries them: their one namespace and their hashes (pickling 512 named tuples costs a
+        millisecond, a list of bytes some microseconds); keys of several namespaces are never sent together."""
+        namespaces = set(map(_FIRST, keys))  # map/itemgetter: C speed for a 128K prompt's 512 keys
+        if len(namespaces) > 1:
+            raise ValueError(f"keys of {len(namespaces)} namespaces in one call ({', '.join(sorted(namespaces))}): "
+                             "a node cache pool holds one namespace's chunks")
+        return (namespaces.pop() if namespaces else self.geometry.namespace), list(map(_SECOND, keys))
+
+    def _numbered(self, chunks: NumberedChunks) -> tuple[str, list[int], list[bytes]]:
+        namespace, hashes = self._batch(list(map(_SECOND, chunks)))
+        return namespace, list(map(_FIRST, chunks)), hashes
 
     def lookup(self, request_id: str, keys: Sequence[ChunkKey]) -> LookupResult:
-        return self._call("lookup", request_id, list(keys), missing=LookupResult(0, 0))
+        return self._call("lookup", request_id, *self._batch(keys), missing=LookupResult(0, 0))
 
     def presence(self, keys: Sequence[ChunkKey], remote: bool = True) -> list[bool]:
-        return self._call("presence", list(keys), remote, missing=[False] * len(keys))
+        return self._call("presence", *self._batch(keys), remote, missing=[False] * len(keys))
 
     def prepare_load(self, request_id: str, chunks: NumberedChunks) -> list[Load]:
-        loads = self._call("prepare_load", request_id, list(chunks), missing=None)
-        if loads is None:  # a hit was promised and the service is gone: refused, so vLLM recomputes these tokens
+        moves = self._call("prepare_load", request_id, *self._numbered(chunks), missing=None)
+        if moves is None:  # a hit was promised and the service is gone: refused, so vLLM recomputes these tokens
             raise ValueError(f"the node cache at {self.path} went away between the lookup and the load")
-        self._track(loads)
-        return loads
+        return self._track(Load, request_id, chunks, moves)
 
     def release(self, request_id: str) -> None:
         self._send("release", request_id)
@@ -263,15 +278,23 @@ class NodeCacheClient(ChunkManager):
         self._send("describe", key, payload)
 
     def prepare_store(self, request_id: str, chunks: NumberedChunks) -> list[Store]:
-        stores = self._call("prepare_store", request_id, list(chunks), missing=[])
-        self._track(stores)
-        return stores
+        moves = self._call("prepare_store", request_id, *self._numbered(chunks), missing=[])
+        return self._track(Store, request_id, chunks, moves)
 
-    def _track(self, commands: Sequence[Union[Store, Load]]) -> None:
-        world = set(range(self.geometry.world))
-        for command in commands:
-            self._pending[command.cmd_id] = _Pending(command, set(world))
+    def _track(self, kind: type, request_id: str, chunks: NumberedChunks,
+               moves: Sequence[tuple[int, int, int, bytes]]) -> list:
+        """The service's (command id, slot, chunk number, chunk hash) moves as this engine's commands, tracked."""
+        if not moves:
+            return []
+        keys = {key[1]: key for _, key in chunks}
+        world = range(self.geometry.world)
+        commands = []
+        for cmd_id, slot, number, chunk_hash in moves:
+            command = kind(cmd_id, keys[chunk_hash], slot, request_id, number)
+            self._pending[cmd_id] = _Pending(command, set(world))
             self._outbox.append(command)
+            commands.append(command)
+        return commands
 
     def take_commands(self) -> list[Command]:
         commands = list(self._outbox)
@@ -292,11 +315,15 @@ class NodeCacheClient(ChunkManager):
             pending.waiting.discard(done.rank)
             if not pending.waiting:
                 del self._pending[done.cmd_id]
-        if mine:
-            self._send("on_completions", mine)
+        if mine:  # plain tuples: a step's answers pickle in microseconds
+            self._send("on_completions", [(done.cmd_id, done.rank, done.ok, done.reason) for done in mine])
 
     def is_pending(self, cmd_id: int) -> bool:
         return cmd_id in self._pending
+
+    def pending_command_ids(self) -> tuple[int, ...]:
+        """This engine's commands some rank has not answered, oldest first (benches answer them all)."""
+        return tuple(self._pending)
 
     @property
     def in_flight(self) -> int:

@@ -43,8 +43,13 @@ def _lines(service: Any) -> Iterator[str]:
         yield _sample("chunk_bytes", node, pool.geometry.object_bytes * pool.geometry.world)
         yield _sample("chunk_tokens", node, pool.geometry.chunk_tokens)
         yield _sample("node_leases", node, len(pool.leases))
+        tiers = "cpu" + (",disk" if pool.index.disk_chunks else "") + (",mooncake" if pool.store.mooncake else "")
+        yield _sample("store_info", {**node, "eviction_policy": pool.index.eviction_policy, "tiers": tiers}, 1)
+        for metric in (Metric.LOOKUPS, Metric.HIT_CHUNKS_CPU, Metric.HIT_CHUNKS_DISK, Metric.HIT_CHUNKS_REMOTE):
+            yield _sample(f"{metric.value}_total", node, pool.lookup_counters[metric])
         arena_bytes = sum(arena.memory.span_bytes for arena in pool.arenas)
         yield _sample("arena_bytes", node, arena_bytes)
+        yield _sample("arena_live_bytes", node, sum(arena.memory.live_bytes for arena in pool.arenas))
         yield _sample("segments_total", node, sum(len(arena.memory.segments) for arena in pool.arenas))
         yield _sample("segments_live", node, sum(arena.memory.segments_live for arena in pool.arenas))
         for name, value in sorted(pool.index.counters.snapshot().items()):

@@ -1,7 +1,15 @@
 """What an engine and the node cache tell each other when an engine's process attaches (plain values, see wire.py).
 
 Every later request is a tuple `(verb, *arguments)` of the manager contract's verbs (`store/index/contract.py`);
-every reply is `("ok", value, counters, tier_changes)` or `("error", kind, text)`.
+every reply is `("ok", value, counters, tier_changes)` or `("error", kind, text)`, a tier change being
+`(chunk hash, tier, entered)` of the pool's namespace. The hot verbs carry keys as a batch, `namespace, [chunk hash]`
+(the namespace once: pickling a 128K-token prompt's 512 named tuples cost a millisecond), and device commands as
+`(command id, slot, chunk number, chunk hash)`:
+- `("lookup", request_id, namespace, hashes)` -> LookupResult; `("presence", namespace, hashes, remote)` -> [bool]
+- `("prepare_load" | "prepare_store", request_id, namespace, chunk_numbers, hashes)` -> [command tuple]
+- `("release", request_id)` and `("on_completions", [(command id, rank, ok, reason)])`: one-way, no reply
+- `("events", wanted)`, `("occupancy",)`, `("location", ChunkKey)`, `("chunks",)`, `("adopt_disk", [ChunkKey])`,
+  `("drop_disk_copies", [ChunkKey])`: rare, plain values.
 """
 
 from __future__ import annotations

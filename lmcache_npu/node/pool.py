@@ -17,10 +17,10 @@ import threading
 import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 from ..store.arena import HostArena, slot_bytes_for
-from ..store.commands import Command, Completion, Load, Store, Tier
+from ..store.commands import Completion, Load, Store, Tier
 from ..store.config import StoreConfig
 from ..store.executor import StoreExecutor
 from ..store.factory import build_executor, build_index
@@ -51,7 +51,8 @@ class EngineLease:
     commands: set[int] = field(default_factory=set)  # Store and Load commands handed to its workers
     counters: Counter = field(default_factory=Counter)  # index counter moves of its calls, not yet told to it
     events: bool = False
-    tier_changes: list[tuple[ChunkKey, Tier, bool, Optional[tuple]]] = field(default_factory=list)
+    # (chunk hash, tier, entered, its event payload where an engine described it)
+    tier_changes: list[tuple[bytes, Tier, bool, Optional[tuple]]] = field(default_factory=list)
     totals: Counter = field(default_factory=Counter)  # everything its calls moved, for the service's metrics
 
 
@@ -98,6 +99,8 @@ class NodePool:
             self.close()
             raise
         self.leases: dict[str, EngineLease] = {}
+        # the engines' lookups for status: requests looked up (Metric.LOOKUPS), hit chunks per tier (HIT_CHUNKS_*)
+        self.lookup_counters: Counter = Counter()
         self.payloads: OrderedDict[ChunkKey, tuple] = OrderedDict()  # what engines described, for the others' events
         self.max_payloads = self.index.num_slots + self.index.disk_chunks + PAYLOAD_SLACK
         self.index.set_tier_listener(self._tell)
@@ -163,25 +166,23 @@ class NodePool:
 
     def call(self, lease: EngineLease, verb: Callable[[], Any]) -> Any:
         """Runs one verb of `lease`'s engine: its counter moves are the engine's, its commands routed."""
-        before = self.index.counters.snapshot()
+        version, before = self.index.counters.versioned_snapshot()
         try:
             return verb()
         finally:
-            after = self.index.counters.snapshot()
-            moved = {name: value - before.get(name, 0) for name, value in after.items()
-                     if value != before.get(name, 0)}
-            lease.counters.update(moved)
-            lease.totals.update(moved)
+            if self.index.counters.version != version:  # most verbs of a step move no counter
+                after = self.index.counters.snapshot()
+                moved = {name: value - before.get(name, 0) for name, value in after.items()
+                         if value != before.get(name, 0)}
+                lease.counters.update(moved)
+                lease.totals.update(moved)
             self.dispatch(lease)
 
-    def commands_of(self, lease: EngineLease, commands: Sequence[Command]) -> list[Command]:
-        """Device commands a verb returned, as the engine names them (its own request ids), now in its lease."""
-        local = []
-        for command in commands:
-            lease.commands.add(command.cmd_id)
-            assert isinstance(command, (Store, Load))
-            local.append(dataclasses.replace(command, request_id=command.request_id.partition(ENGINE_SEPARATOR)[2]))
-        return local
+    def hand_out(self, lease: EngineLease, commands: Sequence[Union[Store, Load]]) -> list[tuple[int, int, int, bytes]]:
+        """Device commands a verb returned, now in the engine's lease, as the wire carries them: (command id, slot,
+        chunk number, chunk hash) each (the engine makes its Store or Load of its own key and request id)."""
+        lease.commands.update(command.cmd_id for command in commands)
+        return [(command.cmd_id, command.slot, command.chunk_index, command.key.chunk_hash) for command in commands]
 
     def on_completions(self, lease: EngineLease, completions: Iterable[Completion]) -> None:
         answers = [done for done in completions if done.cmd_id in lease.commands]
@@ -263,7 +264,7 @@ class NodePool:
             if len(lease.tier_changes) >= MAX_QUEUED_TIER_CHANGES:
                 del lease.tier_changes[0]
                 self.index.counters.add(Metric.DROPPED)
-            lease.tier_changes.append((key, tier, entered, payload))
+            lease.tier_changes.append((key.chunk_hash, tier, entered, payload))  # the pool's namespace: the engine's
 
     def close(self) -> None:
         closed = getattr(self, "_closed", None)

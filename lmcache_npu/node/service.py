@@ -2,9 +2,8 @@
 Mooncake client, and every engine on the node uses it through a Unix socket.
 
 Security: the socket is created mode 0600 (0660 with `group`), every peer's credentials are checked with
-`SO_PEERCRED` (this uid, or with `group` that primary gid: a supplementary membership opens the socket but does
-not pass), and the shared segments are memory files in no filesystem, reachable only through descriptors this
-service hands to checked peers. Messages are allow-listed pickles (wire.py).
+`SO_PEERCRED` (this user, or the group's members), and the shared segments are memory files in no filesystem,
+reachable only through descriptors this service hands to checked peers. Messages are allow-listed pickles (wire.py).
 Engines attach with their pool geometry; each geometry gets a pool (`pool.py`), up to `max_pools`, each an equal
 share of `cpu_bytes` and `disk_bytes`. One lock serialises the verbs: they are index operations of microseconds.
 """
@@ -22,11 +21,15 @@ import struct
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from functools import partial
+from itertools import repeat
+from typing import Any, Callable, Optional
 
-from ..store.commands import Completion
+from ..store.commands import Completion, Tier
 from ..store.config import StoreConfig
+from ..store.index.contract import ChunkView
 from ..store.keys import ChunkKey
+from ..store.metrics import Metric
 from . import wire
 from .exporter import MetricsServer, exposition
 from .messages import Attach, PoolGeometry, Refused
@@ -36,6 +39,9 @@ logger = logging.getLogger(__name__)
 
 _PEERCRED = struct.Struct("3i")  # pid, uid, gid
 ONEWAY = frozenset({"release", "on_completions", "describe"})  # the engine does not wait: their counters ride the next reply
+_new_key = partial(tuple.__new__, ChunkKey)  # ChunkKey(namespace, hash) without its Python-level __new__
+HIT_CHUNKS = {Tier.ARENA: Metric.HIT_CHUNKS_CPU, Tier.DISK: Metric.HIT_CHUNKS_DISK,
+              Tier.REMOTE: Metric.HIT_CHUNKS_REMOTE}
 
 
 @dataclass(frozen=True)
@@ -45,7 +51,7 @@ class ServiceOptions:
     socket_path: str
     store: StoreConfig
     max_pools: int = 1
-    group: Optional[str] = None  # a group (name or numeric gid) whose processes may attach too (socket 0660)
+    group: Optional[str] = None  # a group whose members may attach too (socket 0660)
     metrics_port: Optional[int] = None
     metrics_host: str = "127.0.0.1"
 
@@ -57,15 +63,16 @@ class NodeCacheService:
         self.options = options
         self.instance = secrets.token_hex(6)  # a restarted service is a new epoch for every engine
         self.lock = threading.RLock()
+        self._pool_creation = threading.Lock()  # one pool is made at a time, outside `lock`
         self.pools: dict[PoolGeometry, NodePool] = {}
         self.refused_peers = 0
         self.connections = 0
         self.started_at = time.time()
-        self._group_gid = group_id(options.group) if options.group else None
+        self._group_gid = grp.getgrnam(options.group).gr_gid if options.group else None
         self._next_connection = 0
-        self._open: dict[int, socket.socket] = {}  # every connection being served, shut down by close()
         self._closed = threading.Event()
         self._threads: list[threading.Thread] = []
+        self._open: set[socket.socket] = set()  # live connections: closing the service ends them too
         self._listener = self._bind(options.socket_path)
         self._metrics: Optional[MetricsServer] = None
         if options.metrics_port is not None:
@@ -119,9 +126,12 @@ class NodeCacheService:
                 connection.close()
                 continue
             with self.lock:
+                if self._closed.is_set():
+                    connection.close()
+                    return
                 self._next_connection += 1
                 number = self._next_connection
-                self._open[number] = connection
+                self._open.add(connection)
             thread = threading.Thread(target=self._serve, args=(connection, number), daemon=True,
                                       name=f"lmcache-node-conn{number}")
             thread.start()
@@ -147,8 +157,8 @@ class NodeCacheService:
                 wire.send(connection, Refused("the first message must be an Attach"))
                 return
             try:
+                pool = self._pool_for(attach.geometry)
                 with self.lock:
-                    pool = self._pool_for(attach.geometry)
                     fds = pool.segment_fds(attach.rank) if attach.rank is not None else []
                     lease = pool.lease(attach.engine, number, attach.events)
                     self.connections += 1
@@ -170,17 +180,27 @@ class NodeCacheService:
             logger.exception("node cache: connection %d failed", number)
         finally:
             with self.lock:
-                self._open.pop(number, None)
+                self._open.discard(connection)
                 if pool is not None and lease is not None:
                     self.connections -= 1
-                    if not self._closed.is_set():
+                    if not self._closed.is_set():  # a closed service's pools are gone with every lease in them
                         pool.drop_connection(lease.engine, number)
             connection.close()
 
     def _pool_for(self, geometry: PoolGeometry) -> NodePool:
-        pool = self.pools.get(geometry)
-        if pool is not None:
+        """The geometry's pool, made on its first attach. Making one maps and pre-faults its memory (minutes for a
+        large node): that happens outside the verbs' lock, so engines of other pools are served meanwhile."""
+        with self._pool_creation:
+            with self.lock:
+                pool = self.pools.get(geometry)
+            if pool is not None:
+                return pool
+            pool = self._new_pool(geometry)
+            with self.lock:
+                self.pools[geometry] = pool
             return pool
+
+    def _new_pool(self, geometry: PoolGeometry) -> NodePool:
         _check_geometry(geometry)
         if len(self.pools) >= self.options.max_pools:
             held = "; ".join(g.describe() for g in self.pools)
@@ -189,9 +209,7 @@ class NodeCacheService:
                               "service with a larger --max-pools (each pool gets an equal share of --cpu-bytes)")
         share = dataclasses.replace(self.options.store, cpu_bytes=self.options.store.cpu_bytes // self.options.max_pools,
                                     disk_bytes=self.options.store.disk_bytes // self.options.max_pools)
-        pool = NodePool(geometry, share, f"{self.instance}/{len(self.pools)}", self.lock)
-        self.pools[geometry] = pool
-        return pool
+        return NodePool(geometry, share, f"{self.instance}/{len(self.pools)}", self.lock)
 
     def _answer(self, pool: NodePool, lease: EngineLease, request: Any) -> Optional[tuple]:
         if not isinstance(request, tuple) or not request or not isinstance(request[0], str):
@@ -204,7 +222,7 @@ class NodeCacheService:
                 if verb in ONEWAY:
                     logger.warning("node cache: engine %s: %s refused: %s", lease.engine, verb, exc)
                     return None
-                return ("error", "ValueError", f"{verb}: {exc}")
+                return ("error", "ValueError", _unscoped(f"{verb}: {exc}", lease.engine))
             if verb in ONEWAY:
                 return None
             counters = {str.__str__(name): amount for name, amount in lease.counters.items()}  # plain str on the wire
@@ -212,48 +230,12 @@ class NodeCacheService:
             changes, lease.tier_changes = lease.tier_changes, []
             return ("ok", value, counters, changes)
 
-    def _run(self, pool: NodePool, lease: EngineLease, verb: str, arguments: tuple) -> Any:
-        index = pool.index
-        namespace = pool.geometry.namespace
-        handlers: dict[str, Callable[..., Any]] = {
-            "lookup": lambda request_id, keys: self._lookup(pool, lease, _text(request_id), _keys(keys, namespace)),
-            "presence": lambda keys, remote: index.presence(_keys(keys, namespace), bool(remote)),
-            "prepare_load": lambda request_id, chunks: pool.commands_of(lease, pool.call(
-                lease, lambda: index.prepare_load(scoped(lease.engine, _text(request_id)),
-                                                  _chunks(chunks, namespace)))),
-            "prepare_store": lambda request_id, chunks: pool.commands_of(lease, pool.call(
-                lease, lambda: index.prepare_store(scoped(lease.engine, _text(request_id)),
-                                                   _chunks(chunks, namespace)))),
-            "release": lambda request_id: self._release(pool, lease, _text(request_id)),
-            "on_completions": lambda completions: pool.call(
-                lease, lambda: pool.on_completions(lease, _completions(completions))),
-            "describe": lambda key, payload: pool.describe(_keys([key], namespace)[0],
-                                                           _payload(payload, pool.geometry.chunk_tokens)),
-            "events": lambda wanted: setattr(lease, "events", bool(wanted)),
-            "occupancy": lambda: index.occupancy(),
-            "location": lambda key: index.location(_keys([key], namespace)[0]),
-            "chunks": lambda: index.chunks(),
-            "check_invariants": lambda: index.check_invariants(),
-            "sync": lambda: None,  # nothing but the reply: the counters and tier changes of one-way calls
-            "adopt_disk": lambda keys: pool.call(lease, lambda: index.adopt_disk(_keys(keys, namespace))),
-            "drop_disk_copies": lambda keys: pool.call(lease, lambda: index.drop_disk_copies(_keys(keys, namespace))),
-        }
-        handler = handlers.get(verb)
+    @staticmethod
+    def _run(pool: NodePool, lease: EngineLease, verb: str, arguments: tuple) -> Any:
+        handler = VERBS.get(verb)
         if handler is None:
-            raise ValueError(f"unknown verb {verb!r}")
-        return handler(*arguments)
-
-    @staticmethod
-    def _lookup(pool: NodePool, lease: EngineLease, request_id: str, keys: list[ChunkKey]) -> Any:
-        name = scoped(lease.engine, request_id)
-        lease.requests.add(name)
-        return pool.call(lease, lambda: pool.index.lookup(name, keys))
-
-    @staticmethod
-    def _release(pool: NodePool, lease: EngineLease, request_id: str) -> None:
-        name = scoped(lease.engine, request_id)
-        pool.call(lease, lambda: pool.index.release(name))
-        lease.requests.discard(name)
+            raise ValueError(f"unknown verb {verb!r} (this service speaks {', '.join(sorted(VERBS))})")
+        return handler(pool, lease, *arguments)
 
     # ---- what operators see ---------------------------------------------------------------------------------------
 
@@ -266,7 +248,10 @@ class NodeCacheService:
         return self._metrics.address if self._metrics is not None else None
 
     def close(self) -> None:
-        """Stops accepting, closes the pools (their disk tiers flush) and removes the socket."""
+        """Stops accepting, ends the live connections, closes the pools (their disk tiers flush) and removes the
+        socket; once (a second call must not unlink a successor's socket of the same path)."""
+        if self._closed.is_set():
+            return
         self._closed.set()
         try:
             self._listener.shutdown(socket.SHUT_RDWR)
@@ -277,29 +262,17 @@ class NodeCacheService:
             self._metrics.close()
         with self.lock:
             pools, self.pools = list(self.pools.values()), {}
-            connections = list(self._open.values())
-        for connection in connections:  # engines see the service go: they serve without it and attach again
-            try:
-                connection.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+            for connection in self._open:  # an engine must see the service gone, not be answered by closed pools
+                try:
+                    connection.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
         for pool in pools:
             pool.close()
         try:
             os.unlink(self.options.socket_path)
         except FileNotFoundError:
             pass
-
-
-def group_id(group: str) -> int:
-    """`--group`'s gid: a group of this host's /etc/group, or a number (a container's /etc/group rarely names the
-    engines' group)."""
-    try:
-        return grp.getgrnam(group).gr_gid
-    except KeyError:
-        if group.isascii() and group.isdigit():
-            return int(group)
-        raise ValueError(f"--group {group!r} is neither a group of this host (/etc/group) nor a numeric gid") from None
 
 
 # ---- checks of what a peer sent --------------------------------------------------------------------------------------
@@ -313,6 +286,19 @@ def _check_geometry(geometry: PoolGeometry) -> None:
         value = getattr(geometry, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"a pool geometry's {name} must be a positive integer, got {value!r}")
+
+
+def _unscoped(text: str, engine: str) -> str:
+    """`text` with the engine's scope taken off its request ids (as written and as repr() writes them)."""
+    scope = scoped(engine, "")
+    return text.replace(scope, "").replace(repr(scope)[1:-1], "")
+
+
+def _as_seen_by(engine: str, view: ChunkView) -> ChunkView:
+    """`view` as `engine` sees it: its own requests' reservations by the ids it gave, others' engine-scoped."""
+    own = scoped(engine, "")
+    names = frozenset(name[len(own):] if name.startswith(own) else name for name in view.reservations)
+    return view if names == view.reservations else dataclasses.replace(view, reservations=names)
 
 
 def _text(value: Any) -> str:
@@ -332,16 +318,28 @@ def _keys(keys: Any, namespace: str) -> list[ChunkKey]:
     return list(keys)
 
 
-def _chunks(chunks: Any, namespace: str) -> list[tuple[int, ChunkKey]]:
-    if not isinstance(chunks, (list, tuple)):
-        raise ValueError(f"chunks must be a list of (chunk number, key), got {type(chunks).__name__}")
-    numbered = []
-    for item in chunks:
-        if (not isinstance(item, tuple) or len(item) != 2 or isinstance(item[0], bool)
-                or not isinstance(item[0], int) or item[0] < 0):
-            raise ValueError(f"a chunk must be (chunk number >= 0, key), got {item!r}")
-        numbered.append((item[0], _keys([item[1]], namespace)[0]))
-    return numbered
+def _hashed(pool: NodePool, namespace: Any, hashes: Any) -> list[ChunkKey]:
+    """The keys a batch names: its namespace, which must be the pool's, and its chunk hashes (messages.py)."""
+    if namespace != pool.geometry.namespace:  # another model's or layout's chunks never meet this pool's
+        raise ValueError(f"key of namespace {namespace!r} sent to the pool of namespace {pool.geometry.namespace!r}")
+    if not isinstance(hashes, list) or not set(map(type, hashes)) <= {bytes}:  # map/set: C speed for 512 hashes
+        raise ValueError(f"chunk hashes must be a list of bytes, got {_shape(hashes)}")
+    return list(map(_new_key, zip(repeat(pool.geometry.namespace), hashes)))
+
+
+def _numbered(pool: NodePool, namespace: Any, numbers: Any, hashes: Any) -> list[tuple[int, ChunkKey]]:
+    keys = _hashed(pool, namespace, hashes)
+    if (not isinstance(numbers, list) or len(numbers) != len(keys) or not set(map(type, numbers)) <= {int}
+            or (numbers and min(numbers) < 0)):
+        raise ValueError(f"chunk numbers must be a list of ints >= 0, one per hash ({len(keys)}), got "
+                         f"{_shape(numbers)}")
+    return list(zip(numbers, keys))
+
+
+def _shape(value: Any) -> str:
+    if not isinstance(value, list):
+        return type(value).__name__
+    return f"a list of {len(value)} ({', '.join(sorted({type(item).__name__ for item in value}))})"
 
 
 def _payload(payload: Any, chunk_tokens: int) -> tuple:
@@ -364,11 +362,67 @@ def _payload(payload: Any, chunk_tokens: int) -> tuple:
     return payload
 
 
-def _completions(completions: Any) -> Sequence[Completion]:
-    if not isinstance(completions, (list, tuple)):
+def _completions(completions: Any) -> list[Completion]:
+    if not isinstance(completions, list):
         raise ValueError(f"completions must be a list, got {type(completions).__name__}")
+    answers = []
     for done in completions:
-        if (not isinstance(done, Completion) or isinstance(done.cmd_id, bool) or not isinstance(done.cmd_id, int)
-                or not isinstance(done.rank, int) or not isinstance(done.ok, bool)):
-            raise ValueError(f"a completion must be a Completion of ints and a bool, got {done!r}")
-    return completions
+        if (not isinstance(done, tuple) or len(done) != 4 or set(map(type, done[:2])) != {int}
+                or type(done[2]) is not bool or not isinstance(done[3], str)):
+            raise ValueError(f"a completion must be (command id, rank, ok, reason), got {done!r}")
+        answers.append(Completion(*done))
+    return answers
+
+
+# ---- the verbs: handler(pool, lease, *arguments) -> the reply's value (messages.py says what each sends) ------------
+
+def _lookup(pool: NodePool, lease: EngineLease, request_id: Any, namespace: Any, hashes: Any) -> Any:
+    keys = _hashed(pool, namespace, hashes)
+    name = scoped(lease.engine, _text(request_id))
+    if name not in lease.requests:
+        lease.requests.add(name)
+        pool.lookup_counters[Metric.LOOKUPS] += 1
+    found = pool.call(lease, lambda: pool.index.lookup(name, keys))
+    for tier, metric in HIT_CHUNKS.items():  # per tier, for status's hit rates (tuple.count: C speed)
+        pool.lookup_counters[metric] += found.sources.count(tier)
+    return found
+
+
+def _prepare(verb: str) -> Callable[..., list[tuple[int, int, int, bytes]]]:
+    def prepare(pool: NodePool, lease: EngineLease, request_id: Any, namespace: Any, numbers: Any,
+                hashes: Any) -> list[tuple[int, int, int, bytes]]:
+        chunks = _numbered(pool, namespace, numbers, hashes)
+        name = scoped(lease.engine, _text(request_id))
+        return pool.hand_out(lease, pool.call(lease, lambda: getattr(pool.index, verb)(name, chunks)))
+
+    return prepare
+
+
+def _release(pool: NodePool, lease: EngineLease, request_id: Any) -> None:
+    name = scoped(lease.engine, _text(request_id))
+    pool.call(lease, lambda: pool.index.release(name))
+    lease.requests.discard(name)
+
+
+VERBS: dict[str, Callable[..., Any]] = {
+    "lookup": _lookup,
+    "presence": lambda pool, lease, namespace, hashes, remote: pool.index.presence(
+        _hashed(pool, namespace, hashes), bool(remote)),
+    "prepare_load": _prepare("prepare_load"),
+    "prepare_store": _prepare("prepare_store"),
+    "release": _release,
+    "on_completions": lambda pool, lease, completions: pool.call(
+        lease, lambda: pool.on_completions(lease, _completions(completions))),
+    "events": lambda pool, lease, wanted: setattr(lease, "events", bool(wanted)),
+    "describe": lambda pool, lease, key, payload: pool.describe(_keys([key], pool.geometry.namespace)[0],
+                                                                _payload(payload, pool.geometry.chunk_tokens)),
+    "check_invariants": lambda pool, lease: pool.index.check_invariants(),
+    "sync": lambda pool, lease: None,  # nothing but the reply: the counters and tier changes of one-way calls
+    "occupancy": lambda pool, lease: pool.index.occupancy(),
+    "location": lambda pool, lease, key: pool.index.location(_keys([key], pool.geometry.namespace)[0]),
+    "chunks": lambda pool, lease: [_as_seen_by(lease.engine, view) for view in pool.index.chunks()],
+    "adopt_disk": lambda pool, lease, keys: pool.call(
+        lease, lambda: pool.index.adopt_disk(_keys(keys, pool.geometry.namespace))),
+    "drop_disk_copies": lambda pool, lease, keys: pool.call(
+        lease, lambda: pool.index.drop_disk_copies(_keys(keys, pool.geometry.namespace))),
+}

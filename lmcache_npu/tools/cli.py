@@ -269,11 +269,12 @@ def _bench_scheduler(args: argparse.Namespace) -> int:
     _quiet_vllm()
     from rich.console import Console
 
-    from .bench.scheduler_bench import render_scheduler_bench, run_scheduler_bench
+    from .bench.scheduler_bench import INDEXES, render_scheduler_bench, run_scheduler_bench
 
     if args.repeats < 1:
         raise ValueError("--repeats must be >= 1")
-    results = run_scheduler_bench(args.repeats)
+    indexes = {"both": INDEXES, "in-process": INDEXES[:1], "node": INDEXES[1:]}[args.index]
+    results = run_scheduler_bench(args.repeats, indexes)
     Console(width=None if sys.stdout.isatty() else 200).print(render_scheduler_bench(results))
     if args.json:
         Path(args.json).write_text(json.dumps([r.to_json() for r in results], indent=2))
@@ -566,9 +567,11 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.set_defaults(func=_doctor)
 
     status = sub.add_parser("status", help="a running engine's store: tiers, capacity and use, hit rates per tier, "
-                            "namespace, arena segments (from the /metrics vLLM already serves)")
+                            "namespace, arena segments (from the /metrics vLLM already serves); or the node cache's, "
+                            "with its engines' leases")
     status.add_argument("--url", default="http://localhost:8000",
-                        help="the vLLM server (its /metrics is read; default http://localhost:8000)")
+                        help="the vLLM server, or a node cache's --metrics-port address (its /metrics is read; "
+                        "default http://localhost:8000)")
     status.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the server (default 5)")
     status.add_argument("--json", action="store_true", help="print the status as JSON")
     status.set_defaults(func=_status)
@@ -592,6 +595,9 @@ def build_parser() -> argparse.ArgumentParser:
     sched = sub.add_parser("bench-scheduler", help="host time the connector adds to vLLM's scheduler: lookups of a "
                            "128K-token prompt, connector metadata for 64 running requests")
     sched.add_argument("--repeats", type=int, default=200, help="calls per lookup measurement (default 200)")
+    sched.add_argument("--index", choices=["both", "in-process", "node"], default="both",
+                       help="the scheduler half's index: in process, the node cache's client (a service in a "
+                       "thread), or both side by side (default)")
     sched.add_argument("--json", type=Path, help="write the results as JSON")
     sched.set_defaults(func=_bench_scheduler)
 

@@ -5,6 +5,8 @@ integration/vllm/stats.py), so an operator needs no new port: this module fetche
 format, and per engine (vLLM's `model_name` / `engine` labels) shows the tiers with their capacity and use, the hit
 rate overall and per tier, the namespace and eviction policy, the Mooncake traffic, and the host arena's segments
 where the engine reports them. It imports neither vLLM nor torch: it runs on any host that can reach the server.
+The node cache service (`lmcache-npu node-cache --metrics-port`) serves the same names: the node is the
+`engine="node"` series (its tiers, hit rates and leases) and each attached engine's lease its own.
 """
 
 from __future__ import annotations
@@ -25,6 +27,11 @@ PREFIX = "lmcache_npu:"
 DEFAULT_URL = "http://localhost:8000"
 # labels that name the store itself, not the engine it belongs to
 STORE_INFO_LABELS = ("namespace", "eviction_policy", "tiers")
+# labels of a part of one engine's store (the node cache's ranks): their samples are summed into the engine's
+PART_LABELS = ("rank",)
+NODE_NAMES = ("node_connections", "node_leases", "node_refused_peers")
+LEASE_NAMES = ("node_lease_connections", "node_lease_commands", "node_lookup_chunks", "node_lookup_hit_chunks",
+               "node_stores", "node_loads")
 # the index's tier name -> the hit-chunk counter that names it and what an operator calls it
 TIER_NAMES = {"cpu": "host arena", "disk": "local disk", "remote": "Mooncake"}
 ARENA_NAMES = ("arena_bytes", "arena_live_bytes", "segments_live", "segments_total")
@@ -146,6 +153,8 @@ class EngineStatus:
     tiers: list[TierStatus] = field(default_factory=list)
     arena: dict[str, float] = field(default_factory=dict)
     remote: dict[str, float] = field(default_factory=dict)
+    node: dict[str, float] = field(default_factory=dict)  # the node cache's own series: connections, leases
+    lease: dict[str, float] = field(default_factory=dict)  # an engine's lease at the node cache (no tiers of its own)
 
     @property
     def hit_rate(self) -> Optional[float]:
@@ -167,7 +176,7 @@ def engine_status(samples: Sequence[Sample]) -> list[EngineStatus]:
             raise ValueError(f"metric {sample.name}{_labels_text(sample.labels)} has value {sample.value!r}: the "
                              f"plugin's metrics are finite counts and sizes (at most 2**63); is this server running "
                              f"a matching lmcache_npu?")
-        engine = tuple((k, v) for k, v in sample.labels if k not in STORE_INFO_LABELS)
+        engine = tuple((k, v) for k, v in sample.labels if k not in STORE_INFO_LABELS and k not in PART_LABELS)
         if name == "store_info":
             if sample.value:
                 info[engine] = {k: v for k, v in sample.labels if k in STORE_INFO_LABELS}
@@ -192,6 +201,13 @@ def _one_engine(engine: dict[str, str], v: dict[str, float], info: dict[str, str
                           eviction_policy=info.get("eviction_policy", ""), lookups=int(v.get("lookups", 0)),
                           lookup_tokens=int(v.get("lookup_tokens", 0)), hit_tokens=int(v.get("hit_tokens", 0)),
                           chunk_tokens=int(v.get("chunk_tokens", 0)), chunk_bytes=int(v.get("chunk_bytes", 0)))
+    if "node_lease_connections" in v and "cpu_capacity_chunks" not in v:  # an engine as the node cache sees it
+        status.lease = {n: v[n] for n in LEASE_NAMES if n in v}
+        return status
+    status.node = {n: v[n] for n in NODE_NAMES if n in v}
+    if "lookup_tokens" not in v and "lookup_chunks" in v and status.chunk_tokens:  # the node counts chunks
+        status.lookup_tokens = int(v["lookup_chunks"]) * status.chunk_tokens
+        status.hit_tokens = int(v.get("lookup_hit_chunks", 0)) * status.chunk_tokens
     present = set(info.get("tiers", "cpu").split(","))
     for tier, name in TIER_NAMES.items():
         hit_chunks = int(v.get(f"hit_chunks_{tier}", 0))
@@ -233,6 +249,15 @@ def render(statuses: Sequence[EngineStatus]) -> str:
     lines: list[str] = []
     for status in statuses:
         who = ", ".join(f"{k}={v}" for k, v in status.engine.items()) or "engine"
+        if status.lease:
+            lease = status.lease
+            looked, hit = lease.get("node_lookup_chunks", 0), lease.get("node_lookup_hit_chunks", 0)
+            lines.append(f"{who}  (attached to the node cache: {_count(lease.get('node_lease_connections'))} "
+                         f"connection(s), {_count(lease.get('node_lease_commands'))} command(s) in flight)")
+            lines.append(f"  looked-up chunks {int(looked)}  hit chunks {int(hit)}  hit rate "
+                         f"{_percent(hit / looked if looked else None)}  stored {_count(lease.get('node_stores'))}  "
+                         f"loaded {_count(lease.get('node_loads'))}")
+            continue
         lines.append(f"{who}")
         lines.append(f"  namespace {status.namespace or '?'}  eviction policy {status.eviction_policy or '?'}  "
                      f"chunks of {status.chunk_tokens or '?'} tokens, {_bytes(status.chunk_bytes)}")
@@ -248,6 +273,10 @@ def render(statuses: Sequence[EngineStatus]) -> str:
             live, total = status.arena.get("segments_live"), status.arena.get("segments_total")
             lines.append(f"  arena segments {_count(live)}/{_count(total)} live, "
                          f"{_bytes(status.arena.get('arena_live_bytes'))} of {_bytes(status.arena.get('arena_bytes'))}")
+        if status.node:
+            lines.append(f"  node cache: {_count(status.node.get('node_leases'))} engine lease(s), "
+                         f"{_count(status.node.get('node_connections'))} connection(s), "
+                         f"{_count(status.node.get('node_refused_peers'))} refused peer(s)")
         if status.remote:
             lines.append("  Mooncake " + ", ".join(f"{k.removeprefix('mooncake_')} {_number(v)}"
                                                    for k, v in status.remote.items()))

@@ -1,6 +1,7 @@
 """The chunk manager's contract (`store/index/contract.ChunkManager`), checked through its verbs only, for every
-implementation: today the in-process `ChunkIndex`; the node cache (issue 33) adds its socket client to
-`IMPLEMENTATIONS`. What the contract promises a scheduler half:
+implementation: the in-process `ChunkIndex`, and the node cache's socket client (issue 33) attached to a service
+started for the test (`tests/node/harness.py`) with exactly the slots the test asks for. What the contract promises a
+scheduler half:
 
 - a stored chunk is found only once every rank completed its store, and a failure on one rank fails it;
 - a lookup reserves its hit until `prepare_load` or `release`; `prepare_load` checks every chunk before it issues
@@ -14,7 +15,7 @@ A broken manager (stores visible after the first rank's answer) must fail the fi
 from __future__ import annotations
 
 import pickle
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator
 
 import pytest
 
@@ -22,12 +23,18 @@ from lmcache_npu.store.commands import Completion, Load, Store, Tier
 from lmcache_npu.store.index.chunk_index import ChunkIndex
 from lmcache_npu.store.index.contract import ChunkManager, ChunkView, LookupResult, SlotState
 
+from tests.node.harness import NodeManagers
+
 from .fakes import make_key
 
 RANKS = 2
 Factory = Callable[[int, int], ChunkManager]  # (slots, ranks) -> a fresh manager
 
-IMPLEMENTATIONS: dict[str, Factory] = {"ChunkIndex": lambda slots, ranks: ChunkIndex(slots, ranks)}
+# a factory with a close() method started something (a service) that the test's end must stop
+IMPLEMENTATIONS: dict[str, Callable[[], Factory]] = {
+    "ChunkIndex": lambda: (lambda slots, ranks: ChunkIndex(slots, ranks)),
+    "NodeCacheClient": NodeManagers,
+}
 
 
 class FirstAnswerWins(ChunkIndex):
@@ -59,8 +66,12 @@ def check_stores_need_every_rank(make: Factory) -> None:
 
 
 @pytest.fixture(params=sorted(IMPLEMENTATIONS))
-def make(request: pytest.FixtureRequest) -> Factory:
-    return IMPLEMENTATIONS[request.param]
+def make(request: pytest.FixtureRequest) -> Iterator[Factory]:
+    factory = IMPLEMENTATIONS[request.param]()
+    yield factory
+    close = getattr(factory, "close", None)
+    if close is not None:
+        close()
 
 
 def test_a_chunk_is_found_once_every_rank_stored_it(make: Factory) -> None:

@@ -7,6 +7,10 @@ Measured on vLLM's own objects (`Request` with its block hasher, `SchedulerOutpu
   again (vLLM asks a waiting request every step);
 * `build_connector_meta` for 64 running requests in decode (a chunk completes now and then and is stored) and for
   a prefill step of 16 requests of 8K tokens (512 chunks to store at once).
+Each is measured with the in-process index and with the node cache (`node_cache`: a live `NodeCacheService` in a
+thread of this process, its `NodeCacheClient` answering every verb over the Unix socket), plus the node cache's
+floor: one round trip of a verb that does nothing. The node's pool keeps one page per chunk and rank (the index's
+work does not depend on a chunk's bytes, and thousands of real chunks would not fit a bench host).
 """
 
 from __future__ import annotations
@@ -14,11 +18,13 @@ from __future__ import annotations
 import gc
 import json
 import os
+import shutil
 import statistics
 import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 
@@ -28,6 +34,10 @@ DECODE_PROMPT = 4096
 DECODE_STEPS = 512
 PREFILL_REQUESTS = 16
 PREFILL_PROMPT = 8192
+LOOKUP_ARENA_CHUNKS = 2 * LOOKUP_TOKENS // 256 + 64
+META_ARENA_CHUNKS = PREFILL_REQUESTS * PREFILL_PROMPT // 256 + 2048
+NODE_OBJECT_BYTES = 4096  # the node cache's chunk object per rank in the bench (one page)
+INDEXES = ("in-process", "node cache")
 
 
 @dataclass
@@ -40,6 +50,7 @@ class SchedulerTiming:
     p99_us: float
     max_us: float
     target_us: Optional[float] = None
+    index: str = "in-process"  # or "node cache": the scheduler half's ChunkManager
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -76,10 +87,29 @@ class _Blocks:
         return self._ids
 
 
-class _Bench:
-    """A scheduler half over a preset's plan, with vLLM requests made by vLLM's block hasher."""
+@contextmanager
+def node_service(slots: int) -> Iterator[str]:
+    """A node cache service of `slots` one-page slots in a thread of this process; its socket path."""
+    from ...node.service import NodeCacheService, ServiceOptions
+    from ...store.arena import slot_bytes_for
+    from ...store.config import StoreConfig
 
-    def __init__(self, preset: str, device_family: str, arena_chunks: int) -> None:
+    directory = tempfile.mkdtemp(prefix="lmcache-npu-bench-node-", dir="/tmp")  # a Unix socket path is short
+    path = os.path.join(directory, "node.sock")
+    store = StoreConfig(cpu_bytes=slots * slot_bytes_for(NODE_OBJECT_BYTES), pinned=False, hugepages="off")
+    service = NodeCacheService(ServiceOptions(path, store)).start()
+    try:
+        yield path
+    finally:
+        service.close()
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+class _Bench:
+    """A scheduler half over a preset's plan, with vLLM requests made by vLLM's block hasher; with `node` (a node
+    cache's socket) the half's index is that node cache's client."""
+
+    def __init__(self, preset: str, device_family: str, arena_chunks: int, node: Optional[str] = None) -> None:
         _force_cpu_platform()
         from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
         from vllm.utils.hashing import sha256
@@ -99,7 +129,10 @@ class _Bench:
         groups = kv.kv_cache_config.kv_cache_groups
         block = int(np.lcm.reduce([g.kv_cache_spec.block_size for g in groups]))
         mamba = any(type(g.kv_cache_spec).__name__ == "MambaSpec" for g in groups)
-        extra = {"cpu_bytes": arena_chunks * (layout.plan.object_bytes + 4096)}
+        extra: dict[str, Any] = {"cpu_bytes": arena_chunks * (layout.plan.object_bytes + 4096)}
+        object_bytes = layout.plan.object_bytes
+        if node is not None:
+            extra, object_bytes = {"node_cache": node}, NODE_OBJECT_BYTES
         self.vllm_config = VllmConfig(
             model_config=ModelConfig(model=_model_dir(), skip_tokenizer_init=True, max_model_len=LOOKUP_TOKENS + 1024),
             cache_config=CacheConfig(block_size=block, enable_prefix_caching=mamba,
@@ -119,7 +152,7 @@ class _Bench:
         namespace = namespace_of(model_fingerprint(**adapter.model_facts(self.vllm_config, None)), fingerprint)
         self.half.set_worker_geometry([WorkerGeometry(
             0, 1, True, namespace=namespace, layout_fingerprint=fingerprint, chunk_tokens=layout.plan.chunk_tokens,
-            object_bytes=layout.plan.object_bytes, num_slots=arena_chunks, groups=plan_group_geometry(layout.groups))])
+            object_bytes=object_bytes, num_slots=arena_chunks, groups=plan_group_geometry(layout.groups))])
         init_none_hash(sha256)
         self.hasher = get_request_block_hasher(self.half.hash_block_size, sha256)
         self.groups = len(groups)
@@ -176,17 +209,21 @@ def _timed(calls: int, work: Callable[[int], Any]) -> list[float]:
 
 
 def _summary(operation: str, preset: str, requests: int, tokens: int, samples: list[float],
-             target: Optional[float] = None) -> SchedulerTiming:
+             target: Optional[float] = None, index: str = INDEXES[0]) -> SchedulerTiming:
     ordered = sorted(samples)
     p99 = ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))]
     return SchedulerTiming(operation, preset, requests, tokens, round(statistics.median(ordered), 1), round(p99, 1),
-                           round(ordered[-1], 1), target)
+                           round(ordered[-1], 1), target, index)
 
 
-def bench_lookup(preset: str, device_family: str, repeats: int) -> list[SchedulerTiming]:
+def _index_of(node: Optional[str]) -> str:
+    return INDEXES[0] if node is None else INDEXES[1]
+
+
+def bench_lookup(preset: str, device_family: str, repeats: int, node: Optional[str] = None) -> list[SchedulerTiming]:
     """First calls for fresh requests (their chunk keys are built then) and repeated calls for one waiting request
     (vLLM asks again every step until it is scheduled)."""
-    bench = _Bench(preset, device_family, arena_chunks=2 * LOOKUP_TOKENS // 256 + 64)
+    bench = _Bench(preset, device_family, arena_chunks=LOOKUP_ARENA_CHUNKS, node=node)
     half = bench.half
     bench.store_prompt(bench.request(LOOKUP_TOKENS, seed=1))
     expected = (LOOKUP_TOKENS - 1) // half.chunk_tokens * half.chunk_tokens
@@ -203,16 +240,21 @@ def bench_lookup(preset: str, device_family: str, repeats: int) -> list[Schedule
             again += _timed(20, lambda _, asked=request: half.get_num_new_matched_tokens(asked, 0))
             half.request_finished(request, ())
         out.append(_summary(f"get_num_new_matched_tokens, {label}, first call", preset, 1, LOOKUP_TOKENS, first,
-                            target=1000.0))
+                            target=1000.0, index=_index_of(node)))
         out.append(_summary(f"get_num_new_matched_tokens, {label}, asked again", preset, 1, LOOKUP_TOKENS, again,
-                            target=1000.0))
+                            target=1000.0, index=_index_of(node)))
+    if node is not None:
+        client = half.index
+        floor = _timed(repeats, lambda _: client.presence([]))
+        out.append(_summary("node cache round trip (a verb that does nothing)", preset, 1, 0, floor,
+                            index=_index_of(node)))
     return out
 
 
-def bench_meta(preset: str, device_family: str) -> list[SchedulerTiming]:
+def bench_meta(preset: str, device_family: str, node: Optional[str] = None) -> list[SchedulerTiming]:
     from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 
-    bench = _Bench(preset, device_family, arena_chunks=PREFILL_REQUESTS * PREFILL_PROMPT // 256 + 2048)
+    bench = _Bench(preset, device_family, arena_chunks=META_ARENA_CHUNKS, node=node)
     half = bench.half
 
     def output(new: list, cached: list, scheduled: dict[str, int]) -> Any:
@@ -266,24 +308,37 @@ def bench_meta(preset: str, device_family: str) -> list[SchedulerTiming]:
     if decode_stores != DECODE_REQUESTS * ((DECODE_PROMPT + DECODE_STEPS) // half.chunk_tokens
                                            - DECODE_PROMPT // half.chunk_tokens):
         raise RuntimeError(f"bench setup: decode stored {decode_stores} chunks")
-    return [_summary("build_connector_meta, decode step", preset, DECODE_REQUESTS, DECODE_PROMPT, samples),
+    index = _index_of(node)
+    return [_summary("build_connector_meta, decode step", preset, DECODE_REQUESTS, DECODE_PROMPT, samples,
+                     index=index),
             SchedulerTiming("build_connector_meta, prefill step", preset, PREFILL_REQUESTS, PREFILL_PROMPT,
-                            round(prefill_us, 1), round(prefill_us, 1), round(prefill_us, 1))]
+                            round(prefill_us, 1), round(prefill_us, 1), round(prefill_us, 1), index=index)]
 
 
 PRESETS = (("llama3-8b", "cuda"), ("deepseek-v4-flash", "ascend"))
 
 
-def run_scheduler_bench(repeats: int = 200) -> list[SchedulerTiming]:
+def run_scheduler_bench(repeats: int = 200, indexes: tuple[str, ...] = INDEXES) -> list[SchedulerTiming]:
+    """Every measurement with each of `indexes` (in-process, node cache), the two side by side per preset."""
+    unknown = sorted(set(indexes) - set(INDEXES))
+    if unknown or not indexes:
+        raise ValueError(f"indexes must be some of {', '.join(INDEXES)}, got {list(indexes)}")
     results: list[SchedulerTiming] = []
     for preset, family in PRESETS:
-        gc.collect()
-        gc.freeze()  # as vLLM's engine core does after start-up: collections then skip the long-lived heap
-        try:
-            results += bench_lookup(preset, family, repeats)
-            results += bench_meta(preset, family)
-        finally:
-            gc.unfreeze()
+        for index in indexes:
+            gc.collect()
+            gc.freeze()  # as vLLM's engine core does after start-up: collections then skip the long-lived heap
+            try:
+                if index == INDEXES[0]:
+                    results += bench_lookup(preset, family, repeats)
+                    results += bench_meta(preset, family)
+                    continue
+                with node_service(LOOKUP_ARENA_CHUNKS) as node:
+                    results += bench_lookup(preset, family, repeats, node)
+                with node_service(META_ARENA_CHUNKS) as node:
+                    results += bench_meta(preset, family, node)
+            finally:
+                gc.unfreeze()
     return results
 
 
@@ -291,9 +346,10 @@ def render_scheduler_bench(results: list[SchedulerTiming]) -> Any:
     from rich.table import Table
 
     table = Table(title="connector scheduler half: host time per call (vLLM 0.23 objects, this machine)")
-    for col in ("operation", "preset", "requests", "tokens each", "median µs", "p99 µs", "max µs", "target µs"):
-        table.add_column(col, justify="left" if col in ("operation", "preset") else "right")
+    for col in ("operation", "preset", "index", "requests", "tokens each", "median µs", "p99 µs", "max µs",
+                "target µs"):
+        table.add_column(col, justify="left" if col in ("operation", "preset", "index") else "right")
     for r in results:
-        table.add_row(r.operation, r.preset, str(r.requests), f"{r.tokens:,}", f"{r.median_us:,.1f}",
+        table.add_row(r.operation, r.preset, r.index, str(r.requests), f"{r.tokens:,}", f"{r.median_us:,.1f}",
                       f"{r.p99_us:,.1f}", f"{r.max_us:,.1f}", "-" if r.target_us is None else f"{r.target_us:,.0f}")
     return table

@@ -1,0 +1,200 @@
+"""A node cache service in this process with small arenas, and the engines that attach to it (scheduler clients and
+worker mappings), for the node cache's tests: no vLLM, no device, sockets in a short directory under /tmp."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from typing import Callable, Iterable, Optional, Sequence
+
+from lmcache_npu.node.attachment import WorkerAttachment, attach_worker_arena
+from lmcache_npu.node.client import NodeCacheClient
+from lmcache_npu.node.messages import PoolGeometry
+from lmcache_npu.node.pool import ENGINE_SEPARATOR, NodePool
+from lmcache_npu.node.service import NodeCacheService, ServiceOptions
+from lmcache_npu.store.arena import slot_bytes_for
+from lmcache_npu.store.commands import Completion, Load, Store
+from lmcache_npu.store.config import StoreConfig
+from lmcache_npu.store.index.contract import ChunkManager, SlotState
+from lmcache_npu.store.keys import ChunkKey
+
+from tests.store.fakes import chunk_payload, make_key
+
+NAMESPACE = "0" * 32  # tests.store.fakes.make_key's default
+OBJECT_BYTES = 4096  # one page of KV per rank and chunk: a slot is two pages with its envelope
+FINGERPRINT = b"node-test-layout"
+WAIT_S = 20.0  # bounded waits for what another thread or process does (never a timing assertion)
+
+
+def short_dir() -> str:
+    """A fresh directory whose socket paths stay far below the 108 bytes a Unix socket address holds."""
+    return tempfile.mkdtemp(prefix="lmcn-", dir="/tmp")
+
+
+def geometry(world: int = 2, object_bytes: int = OBJECT_BYTES, namespace: str = NAMESPACE) -> PoolGeometry:
+    return PoolGeometry(namespace, FINGERPRINT, world, object_bytes, 256)
+
+
+def store_config(slots: int, world: int, object_bytes: int = OBJECT_BYTES, pools: int = 1,
+                 **extra: object) -> StoreConfig:
+    """cpu_bytes for exactly `slots` slots per rank in each of `pools` pools of this geometry (pageable, no
+    hugepages: a test arena of a few pages)."""
+    cpu_bytes = pools * slots * world * slot_bytes_for(object_bytes)
+    return StoreConfig(cpu_bytes=cpu_bytes, pinned=False, hugepages="off", **extra)  # type: ignore[arg-type]
+
+
+def wait_for(condition: Callable[[], object], what: str, timeout_s: float = WAIT_S) -> None:
+    """Polls until `condition()` holds; an AssertionError naming `what` after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"gave up after {timeout_s:.0f} s waiting for {what}")
+        time.sleep(0.005)
+
+
+class Node:
+    """One service on `directory`/s and everything attached to it; `close()` ends them all (attachments first)."""
+
+    def __init__(self, directory: str, store: StoreConfig, *, max_pools: int = 1, group: Optional[str] = None,
+                 metrics_port: Optional[int] = None, socket_name: str = "s") -> None:
+        self.directory = directory
+        self.path = os.path.join(directory, socket_name)
+        self.service = NodeCacheService(ServiceOptions(self.path, store, max_pools=max_pools, group=group,
+                                                       metrics_port=metrics_port)).start()
+        self.clients: list[NodeCacheClient] = []
+        self.workers: list[WorkerAttachment] = []
+
+    def client(self, engine: str, geo: Optional[PoolGeometry] = None, **options: float) -> NodeCacheClient:
+        client = NodeCacheClient(self.path, engine, geo or geometry(), connect_timeout_s=5.0, **options)
+        self.clients.append(client)
+        return client
+
+    def worker(self, engine: str, rank: int, geo: Optional[PoolGeometry] = None) -> WorkerAttachment:
+        attachment = attach_worker_arena(self.path, engine, geo or geometry(), rank, pinned=False, timeout_s=5.0)
+        self.workers.append(attachment)
+        return attachment
+
+    def engine(self, name: str, geo: Optional[PoolGeometry] = None) -> "Engine":
+        """A whole engine: its scheduler's client and a worker mapping per rank."""
+        geo = geo or geometry()
+        return Engine(self.client(name, geo), [self.worker(name, rank, geo) for rank in range(geo.world)])
+
+    @property
+    def pool(self) -> NodePool:
+        (pool,) = self.service.pools.values()
+        return pool
+
+    def close(self) -> None:
+        for client in self.clients:
+            client.close()
+        for worker in self.workers:
+            worker.close()
+            worker.arena.close()
+        self.service.close()
+
+
+class Engine:
+    """An engine attached to the node: its scheduler half's client and its workers' mappings. Its workers move
+    bytes the way a device would: a store writes the chunk's pattern into this engine's mapping of the slot."""
+
+    def __init__(self, client: NodeCacheClient, workers: Sequence[WorkerAttachment]) -> None:
+        self.client = client
+        self.workers = list(workers)
+
+    def store(self, request_id: str, keys: Sequence[ChunkKey], first: int = 0) -> list[Store]:
+        """Stores `keys` (chunk numbers from `first`): every rank writes its pattern and answers."""
+        stores = self.client.prepare_store(request_id, [(first + i, key) for i, key in enumerate(keys)])
+        self.client.take_commands()
+        for command in stores:
+            for rank, worker in enumerate(self.workers):
+                worker.arena.slot_array(command.slot)[:] = chunk_payload(command.key, rank, worker.arena.object_bytes)
+        answer(self.client, stores, range(len(self.workers)))
+        sync(self.client)
+        return stores
+
+    def read(self, loads: Sequence[Load]) -> dict[ChunkKey, list[bytes]]:
+        """What each rank's mapping holds in the loads' slots (a device would copy these bytes), then answered."""
+        seen = {command.key: [bytes(worker.arena.slot_array(command.slot)) for worker in self.workers]
+                for command in loads}
+        answer(self.client, loads, range(len(self.workers)))
+        sync(self.client)
+        return seen
+
+
+def answer(manager: ChunkManager, commands: Iterable, ranks: Iterable[int], ok: bool = True) -> None:
+    manager.on_completions([Completion(c.cmd_id, rank, ok, "" if ok else "device: test") for c in commands
+                            for rank in ranks])
+
+
+def sync(client: NodeCacheClient) -> None:
+    """One round trip: the service has handled every one-way message this client sent before (release, answers),
+    which another engine's connection may otherwise overtake."""
+    client.presence([])
+
+
+def expected_bytes(key: ChunkKey, world: int, object_bytes: int = OBJECT_BYTES) -> list[bytes]:
+    return [chunk_payload(key, rank, object_bytes).tobytes() for rank in range(world)]
+
+
+def keys_of(first: int, count: int, namespace: str = NAMESPACE) -> list[ChunkKey]:
+    return [make_key(i, namespace) for i in range(first, first + count)]
+
+
+def engine_holdings(service: NodeCacheService, engine: str, cmd_ids: Sequence[int] = (),
+                    slots: Sequence[int] = ()) -> list[str]:
+    """What `engine` still holds in the service (empty when nothing): its lease, reservations scoped to it, its
+    commands `cmd_ids` still pending, and `slots` (the ones its commands used) still WRITING or read."""
+    held = []
+    scope = f"{engine}{ENGINE_SEPARATOR}"
+    with service.lock:
+        for pool in service.pools.values():
+            if engine in pool.leases:
+                held.append(f"the lease of engine {engine} ({len(pool.leases[engine].connections)} connection(s))")
+            views = pool.index.chunks()
+            for view in views:
+                mine = sorted(name for name in view.reservations if name.startswith(scope))
+                if mine:
+                    held.append(f"reservations {mine} of chunk {view.key.chunk_hash.hex()[:8]}")
+                if view.slot in slots and (view.slot_state is SlotState.WRITING or view.readers):
+                    held.append(f"slot {view.slot} {view.slot_state.value} with {view.readers} reader(s)")
+            held += [f"command {cmd_id} pending" for cmd_id in cmd_ids if pool.index.is_pending(cmd_id)]
+    return held
+
+
+def wait_released(service: NodeCacheService, engine: str, cmd_ids: Sequence[int] = (), slots: Sequence[int] = (),
+                  timeout_s: float = WAIT_S) -> list[str]:
+    """The stale-lease detector: waits (bounded) until `engine` holds nothing; what it still holds then."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        held = engine_holdings(service, engine, cmd_ids, slots)
+        if not held or time.monotonic() > deadline:
+            return held
+        time.sleep(0.01)
+
+
+class NodeManagers:
+    """The contract's factory for the node cache: each call starts a service holding exactly `slots` slots per rank
+    and returns a client attached to it; `close()` ends every service it started."""
+
+    def __init__(self) -> None:
+        self.nodes: list[Node] = []
+        self.directories: list[str] = []
+
+    def __call__(self, slots: int, ranks: int) -> ChunkManager:
+        directory = short_dir()
+        self.directories.append(directory)
+        node = Node(directory, store_config(slots, ranks))
+        self.nodes.append(node)
+        client = node.client("contract", geometry(ranks))
+        assert client.num_slots == slots, f"the pool holds {client.num_slots} slots, the test asked for {slots}"
+        return client
+
+    def close(self) -> None:
+        for node in self.nodes:
+            node.close()
+        for directory in self.directories:
+            shutil.rmtree(directory, ignore_errors=True)
+        self.nodes.clear()
+        self.directories.clear()
