@@ -2,8 +2,9 @@
 Mooncake client, and every engine on the node uses it through a Unix socket.
 
 Security: the socket is created mode 0600 (0660 with `group`), every peer's credentials are checked with
-`SO_PEERCRED` (this user, or the group's members), and the shared segments are memory files in no filesystem,
-reachable only through descriptors this service hands to checked peers. Messages are allow-listed pickles (wire.py).
+`SO_PEERCRED` (this uid, or with `group` that primary gid: a supplementary membership opens the socket but does
+not pass), and the shared segments are memory files in no filesystem, reachable only through descriptors this
+service hands to checked peers. Messages are allow-listed pickles (wire.py).
 Engines attach with their pool geometry; each geometry gets a pool (`pool.py`), up to `max_pools`, each an equal
 share of `cpu_bytes` and `disk_bytes`. One lock serialises the verbs: they are index operations of microseconds.
 """
@@ -51,7 +52,7 @@ class ServiceOptions:
     socket_path: str
     store: StoreConfig
     max_pools: int = 1
-    group: Optional[str] = None  # a group whose members may attach too (socket 0660)
+    group: Optional[str] = None  # a group (name or numeric gid) whose processes may attach too (socket 0660)
     metrics_port: Optional[int] = None
     metrics_host: str = "127.0.0.1"
 
@@ -68,7 +69,7 @@ class NodeCacheService:
         self.refused_peers = 0
         self.connections = 0
         self.started_at = time.time()
-        self._group_gid = grp.getgrnam(options.group).gr_gid if options.group else None
+        self._group_gid = group_id(options.group) if options.group else None
         self._next_connection = 0
         self._closed = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -273,6 +274,17 @@ class NodeCacheService:
             os.unlink(self.options.socket_path)
         except FileNotFoundError:
             pass
+
+
+def group_id(group: str) -> int:
+    """`--group`'s gid: a group of this host's /etc/group, or a number (a container's /etc/group rarely names the
+    engines' group)."""
+    try:
+        return grp.getgrnam(group).gr_gid
+    except KeyError:
+        if group.isascii() and group.isdigit():
+            return int(group)
+        raise ValueError(f"--group {group!r} is neither a group of this host (/etc/group) nor a numeric gid") from None
 
 
 # ---- checks of what a peer sent --------------------------------------------------------------------------------------

@@ -80,8 +80,9 @@ HASH = KEY.chunk_hash
     ("lookup", "a request is a tuple (verb, *arguments)"),
     ((), "a request is a tuple (verb, *arguments)"),
     ((3, "r"), "a request is a tuple (verb, *arguments)"),
-    (("bogus",), "bogus: unknown verb 'bogus' (this service speaks adopt_disk, chunks, drop_disk_copies, events, "
-                 "location, lookup, occupancy, on_completions, prepare_load, prepare_store, presence, release)"),
+    (("bogus",), "bogus: unknown verb 'bogus' (this service speaks adopt_disk, check_invariants, chunks, describe, "
+                 "drop_disk_copies, events, location, lookup, occupancy, on_completions, prepare_load, prepare_store, "
+                 "presence, release, sync)"),
     (("lookup", 5, NAMESPACE, []), "lookup: a request id must be a string, got int"),
     (("lookup", "r", NAMESPACE, "keys"), "lookup: chunk hashes must be a list of bytes, got str"),
     (("lookup", "r", NAMESPACE, [HASH, "x", 3]), "lookup: chunk hashes must be a list of bytes, got a list of 3 "
@@ -114,7 +115,7 @@ def test_a_malformed_one_way_request_is_dropped_without_a_reply_and_the_connecti
 
 
 VERBS = ["lookup", "presence", "prepare_load", "prepare_store", "release", "on_completions", "events", "occupancy",
-         "location", "chunks", "adopt_disk", "drop_disk_copies", "bogus"]
+         "location", "chunks", "adopt_disk", "drop_disk_copies", "describe", "check_invariants", "sync", "bogus"]
 plain = st.recursive(
     st.none() | st.booleans() | st.integers(-2, 2**70) | st.text(max_size=4) | st.binary(max_size=4)
     | st.sampled_from([KEY, HASH, NAMESPACE, OTHER, keys_of(1, 1, OTHER)[0], ChunkKey(NAMESPACE, 7),
