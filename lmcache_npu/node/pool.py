@@ -99,6 +99,7 @@ class NodePool:
             self.close()
             raise
         self.leases: dict[str, EngineLease] = {}
+        self.writing: dict[ChunkKey, tuple[str, int]] = {}  # chunk -> (engine, store command) not committed yet
         # the engines' lookups for status: requests looked up (Metric.LOOKUPS), hit chunks per tier (HIT_CHUNKS_*)
         self.lookup_counters: Counter = Counter()
         self.payloads: OrderedDict[ChunkKey, tuple] = OrderedDict()  # what engines described, for the others' events
@@ -155,6 +156,7 @@ class NodePool:
             self.index.release(request_id)
         pending = [cmd_id for cmd_id in lease.commands if self.index.is_pending(cmd_id)]
         abandoned = self.index.abandon(pending, f"engine {lease.engine} is gone")
+        self._settle_writes()
         self.index.counters.add(Metric.LEASES_ENDED)
         self.index.counters.add(Metric.ABANDONED_COMMANDS, abandoned)
         self.index.counters.add(Metric.RELEASED_REQUESTS, len(lease.requests))
@@ -182,6 +184,9 @@ class NodePool:
         """Device commands a verb returned, now in the engine's lease, as the wire carries them: (command id, slot,
         chunk number, chunk hash) each (the engine makes its Store or Load of its own key and request id)."""
         lease.commands.update(command.cmd_id for command in commands)
+        for command in commands:
+            if isinstance(command, Store):
+                self.writing[command.key] = (lease.engine, command.cmd_id)
         return [(command.cmd_id, command.slot, command.chunk_index, command.key.chunk_hash) for command in commands]
 
     def on_completions(self, lease: EngineLease, completions: Iterable[Completion]) -> None:
@@ -190,6 +195,26 @@ class NodePool:
         for done in answers:
             if not self.index.is_pending(done.cmd_id):
                 lease.commands.discard(done.cmd_id)
+        self._settle_writes()
+
+    def visible(self, lease: EngineLease, keys: list[ChunkKey], count: bool = True) -> list[ChunkKey]:
+        """The keys up to the first chunk another engine is still storing: a store is seen by other engines only
+        once every rank of its engine committed it (waiting for it would spin on the socket every step, for a
+        forward pass of the other engine); the engine's own stores in flight count as its index counts them."""
+        if not self.writing:
+            return keys
+        for position, key in enumerate(keys):
+            writer = self.writing.get(key)
+            if writer is not None and writer[0] != lease.engine:
+                if count:
+                    self.index.counters.add(Metric.UNCOMMITTED_MISSES)
+                return keys[:position]
+        return keys
+
+    def _settle_writes(self) -> None:
+        for key, (_, cmd_id) in list(self.writing.items()):
+            if not self.index.is_pending(cmd_id):
+                del self.writing[key]
 
     def dispatch(self, caller: Optional[EngineLease] = None) -> None:
         """Routes what the index issued: device moves belong to the engine whose verb returned them; every other

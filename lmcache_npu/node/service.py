@@ -394,10 +394,16 @@ def _lookup(pool: NodePool, lease: EngineLease, request_id: Any, namespace: Any,
     if name not in lease.requests:
         lease.requests.add(name)
         pool.lookup_counters[Metric.LOOKUPS] += 1
-    found = pool.call(lease, lambda: pool.index.lookup(name, keys))
+    found = pool.call(lease, lambda: pool.index.lookup(name, pool.visible(lease, keys)))
     for tier, metric in HIT_CHUNKS.items():  # per tier, for status's hit rates (tuple.count: C speed)
         pool.lookup_counters[metric] += found.sources.count(tier)
     return found
+
+
+def _presence(pool: NodePool, lease: EngineLease, namespace: Any, hashes: Any, remote: Any) -> list[bool]:
+    keys = _hashed(pool, namespace, hashes)
+    visible = len(pool.visible(lease, keys, count=False))  # as lookup will see them: nothing from another engine's store on
+    return pool.index.presence(keys[:visible], bool(remote)) + [False] * (len(keys) - visible)
 
 
 def _prepare(verb: str) -> Callable[..., list[tuple[int, int, int, bytes]]]:
@@ -418,8 +424,7 @@ def _release(pool: NodePool, lease: EngineLease, request_id: Any) -> None:
 
 VERBS: dict[str, Callable[..., Any]] = {
     "lookup": _lookup,
-    "presence": lambda pool, lease, namespace, hashes, remote: pool.index.presence(
-        _hashed(pool, namespace, hashes), bool(remote)),
+    "presence": _presence,
     "prepare_load": _prepare("prepare_load"),
     "prepare_store": _prepare("prepare_store"),
     "release": _release,

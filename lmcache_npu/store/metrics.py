@@ -107,6 +107,7 @@ class Metric(StrEnum):
     TIMEOUTS = "timeouts"
     TRANSFER_FAILURES = "transfer_failures"
     UNAVAILABLE = "unavailable"
+    UNCOMMITTED_MISSES = "uncommitted_misses"
     UNEXPECTED_COMPLETIONS = "unexpected_completions"
     UNHEALTHY_SKIPS = "unhealthy_skips"
     UNNAMED = "unnamed"
