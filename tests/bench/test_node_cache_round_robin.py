@@ -16,6 +16,7 @@ from lmcache_npu.tools.bench.studies.node_cache_round_robin import (CHAT, MOONCA
 from lmcache_npu.tools.mooncake_local import master_allocated_bytes
 from lmcache_npu.tools.node_local import node_used_bytes
 from lmcache_npu.tools.status import parse_metrics
+from tests.replay.test_report import broken_cells_of
 
 
 def first_counts(order: list[tuple[str, int, str]], workload: str) -> Counter:
@@ -155,25 +156,6 @@ def test_the_verdicts_say_whether_the_node_cache_beats_each_configuration_beyond
     assert "+100 µs per step" in ipc and "within the run-to-run spread" in ipc
 
 
-def broken_cells(items: list, width: int) -> tuple[list[str], int]:
-    """Cell lines no line of their table holds whole when printed at `width`, and the widest printed line."""
-    from rich.console import Console
-    from rich.table import Table
-
-    everything = Console(record=True, width=width)
-    for item in items:
-        everything.print(item)
-    broken = []
-    for table in (item for item in items if isinstance(item, Table)):
-        alone = Console(record=True, width=width)
-        alone.print(table)
-        lines = alone.export_text().splitlines()
-        cells = [part for column in table.columns for cell in [column.header, *column.cells]
-                 for part in str(cell).split("\n")]
-        broken += [cell for cell in cells if not any(cell in line for line in lines)]
-    return broken, max(len(line) for line in everything.export_text().splitlines())
-
-
 def test_the_report_fits_120_columns_with_every_median_and_range_whole() -> None:
     runs = three_configs() + [run(NODE, r, 20.0 + r, [0.5, 0.6], 1000, {"node": 1 << 20}, UNIQUE)
                               for r in range(3)] + [
@@ -183,10 +165,10 @@ def test_the_report_fits_120_columns_with_every_median_and_range_whole() -> None
     descriptions = {CHAT: "chat: 16 conversations x 4 turns after a 512-token system prompt, turns alternating "
                           "between 2 engines", UNIQUE: "no reuse: 4 waves x 8 unique prompts of 640 tokens"}
     items = render(runs, 3, descriptions)
-    broken, widest = broken_cells(items, 120)
+    broken, widest = broken_cells_of(items, 120)
     assert broken == [] and widest <= 120
     assert any("\n" in str(cell) for column in items[0].columns for cell in column.cells)  # ranges are there
-    narrow, _ = broken_cells(items, 60)  # negative control: a narrow console does break cells
+    narrow, _ = broken_cells_of(items, 60)  # negative control: a narrow console does break cells
     assert narrow
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import gc
 
 import torch
-from hypothesis import assume, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lmcache_npu.ops import get_backend
@@ -14,6 +14,7 @@ from lmcache_npu.store.arena import HostArena, slot_bytes_for
 
 from ..ops.strategies import Case, cases
 from .marks import CUDA_KERNELS
+from .reference import cuda_reference
 
 pytestmark = CUDA_KERNELS
 
@@ -52,15 +53,9 @@ def test_close_unregisters_at_once_and_keeps_the_slots_readable():
 @given(case=cases(soc="a2", max_chunks=8), path=st.sampled_from(["mapped", "staging"]))
 def test_cuda_kernels_move_chunks_straight_into_arena_slots(case: Case, path: str):
     geometry = case.geometry
-    cpu_plan = geometry.plan()
-    assume(cpu_plan.object_bytes > 0)  # a plan of skipped groups only moves nothing: there is no chunk object
-    expected = torch.zeros((case.num_chunks, cpu_plan.object_bytes), dtype=torch.uint8)
-    torch_backend = get_backend("torch")
-    torch_backend.store(cpu_plan, case.slots, expected)  # the reference, from the CPU pages
-    cpu_pages = [rp.raw for rp in geometry.raw_planes]
-    for rp in geometry.raw_planes:
-        rp.raw = rp.raw.cuda()
-    cuda_plan = geometry.plan()
+    ref = cuda_reference(case)
+    cpu_plan, cuda_plan, expected, cpu_pages, torch_backend = (ref.cpu_plan, ref.cuda_plan, ref.expected,
+                                                               ref.cpu_pages, ref.torch_backend)
     arena = HostArena(case.num_chunks, cuda_plan.object_bytes)
     objects = [arena.slot(i) for i in range(case.num_chunks)]
     backend = get_backend("cuda", path=path)
@@ -98,15 +93,9 @@ def test_cuda_kernels_move_chunks_into_slots_of_different_segments(case: Case, p
     """One transfer's chunk objects in different, separately registered segments (one slot per segment, in a
     drawn order), against the torch backend; then one flipped byte in a slot must change what loads."""
     geometry = case.geometry
-    cpu_plan = geometry.plan()
-    assume(cpu_plan.object_bytes > 0)
-    expected = torch.zeros((case.num_chunks, cpu_plan.object_bytes), dtype=torch.uint8)
-    torch_backend = get_backend("torch")
-    torch_backend.store(cpu_plan, case.slots, expected)
-    cpu_pages = [rp.raw for rp in geometry.raw_planes]
-    for rp in geometry.raw_planes:
-        rp.raw = rp.raw.cuda()
-    cuda_plan = geometry.plan()
+    ref = cuda_reference(case)
+    cpu_plan, cuda_plan, expected, cpu_pages, torch_backend = (ref.cpu_plan, ref.cuda_plan, ref.expected,
+                                                               ref.cpu_pages, ref.torch_backend)
     num_slots = 2 * case.num_chunks + 1
     arena = HostArena(num_slots, cuda_plan.object_bytes, segment_bytes=slot_bytes_for(cuda_plan.object_bytes),
                       hugepages="off")  # one slot per segment

@@ -12,7 +12,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from hypothesis import assume, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lmcache_npu.node.attachment import attach_worker_arena
@@ -24,6 +24,7 @@ from lmcache_npu.store.config import StoreConfig
 
 from ..ops.strategies import Case, cases
 from .marks import CUDA_KERNELS
+from .reference import cuda_reference
 
 pytestmark = CUDA_KERNELS
 ROOT = Path(__file__).resolve().parents[2]
@@ -98,15 +99,9 @@ def test_cuda_kernels_store_through_one_engines_mapping_and_load_through_another
     another mapping registered on its own, loads them; both against the torch backend. Inverting the shared slots'
     bytes through A's mapping changes what B loads (the control)."""
     geometry = case.geometry
-    cpu_plan = geometry.plan()
-    assume(cpu_plan.object_bytes > 0)
-    expected = torch.zeros((case.num_chunks, cpu_plan.object_bytes), dtype=torch.uint8)
-    torch_backend = get_backend("torch")
-    torch_backend.store(cpu_plan, case.slots, expected)
-    cpu_pages = [rp.raw for rp in geometry.raw_planes]
-    for rp in geometry.raw_planes:
-        rp.raw = rp.raw.cuda()
-    cuda_plan = geometry.plan()
+    ref = cuda_reference(case)
+    cpu_plan, cuda_plan, expected, cpu_pages, torch_backend = (ref.cpu_plan, ref.cuda_plan, ref.expected,
+                                                               ref.cpu_pages, ref.torch_backend)
     num_slots = 2 * case.num_chunks + 1
     service, socket_path = _service(cuda_plan.object_bytes, slots=num_slots, segment_slots=2)
     try:

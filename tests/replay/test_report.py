@@ -239,10 +239,15 @@ def demo_report() -> ReplayReport:
 def broken_cells(report: ReplayReport, width: int) -> tuple[list[str], int]:
     """The lines of table cells that the table, printed at `width`, holds whole on none of its own lines (wrapped or
     cropped), and the widest line of everything the report printed."""
+    return broken_cells_of(render_report(report), width)
+
+
+def broken_cells_of(items: list, width: int) -> tuple[list[str], int]:
+    """`broken_cells` for any printed items (tables and text): the cell lines no line of their table holds whole at
+    `width`, and the widest printed line."""
     from rich.console import Console
     from rich.table import Table
 
-    items = render_report(report)
     everything = Console(record=True, width=width)
     for item in items:
         everything.print(item)
