@@ -438,10 +438,14 @@ class Node:
         self.reference = EngineProcess("reference", directory / "engine-reference.log")
         self._answers: dict[Conversation, list[Any]] = {}
 
-    def serving(self) -> list[EngineProcess]:
-        """The service up and both engines on it (and the reference engine up)."""
+    def service_up(self) -> NodeCacheProcess:
         if not self.service.alive:
             self.service.start()
+        return self.service
+
+    def serving(self) -> list[EngineProcess]:
+        """The service up and both engines on it (and the reference engine up)."""
+        self.service_up()
         for number, engine in enumerate(self.engines):
             if not engine.alive:
                 engine.close()
@@ -458,7 +462,7 @@ class Node:
                 self._answers[conversation] = answers
         return [self._answers[c][:turns] for c in conversations]
 
-    def settle(self, engines: Sequence[EngineProcess]) -> Metrics:
+    def settle(self, engines: Sequence[Any]) -> Metrics:
         """One more step on each engine reports its last stores; then no lease holds a command in flight."""
         for engine in engines:
             engine.generate([[1, 2, 3]], 2)
@@ -477,6 +481,53 @@ class Node:
         for engine in everyone:
             engine.close()
         self.service.stop()
+
+
+class ServedRank:
+    """One data-parallel rank of a `vllm serve`, asked through its OpenAI completions API with the rank in vLLM's
+    `X-data-parallel-rank` header; `send`/`receive` as an EngineProcess's (the ranks compute side by side)."""
+
+    def __init__(self, base: str, model: str, rank: int) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.base, self.model, self.rank = base, model, rank
+        self.engine_name: Optional[str] = None  # its name at the node cache, once it attached
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"rank{rank}")
+        self._answers: Any = None
+
+    def send(self, verb: str, prompts: Sequence[Sequence[int]], max_tokens: int) -> None:
+        if verb != "generate":
+            raise ValueError(f"a served rank only generates, not {verb!r}")
+        self._answers = self._pool.submit(lambda: [self._complete(p, max_tokens) for p in prompts])
+
+    def receive(self, timeout_s: float = CALL_TIMEOUT_S) -> list[Any]:
+        return self._answers.result(timeout_s)
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_tokens: int = DECODE_STEPS) -> list[Any]:
+        self.send("generate", prompts, max_tokens)
+        return self.receive()
+
+    def _complete(self, prompt: Sequence[int], max_tokens: int) -> Any:
+        """A greedy completion with the top logprobs, as an engine's Completion (the served tokens' ids)."""
+        import json
+
+        from lmcache_npu.tools.replay.engine import Completion
+
+        body = json.dumps({"model": self.model, "prompt": list(prompt), "max_tokens": max_tokens,
+                           "temperature": 0.0, "ignore_eos": True, "return_token_ids": True, "logprobs": LOGPROBS,
+                           "return_tokens_as_token_ids": True}).encode()
+        request = urllib.request.Request(f"{self.base}/v1/completions", data=body, headers={
+            "Content-Type": "application/json", "X-data-parallel-rank": str(self.rank)})
+        with urllib.request.urlopen(request, timeout=CALL_TIMEOUT_S) as response:
+            answer = json.loads(response.read())
+        choice, usage = answer["choices"][0], answer["usage"]
+        steps = tuple({int(token.removeprefix("token_id:")): float(logprob) for token, logprob in top.items()}
+                      for top in choice["logprobs"]["top_logprobs"])
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+        return Completion(usage["prompt_tokens"], tuple(int(t) for t in choice["token_ids"]), steps, int(cached), 0.0)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 def main(argv: Sequence[str]) -> None:

@@ -15,8 +15,9 @@ from typing import Iterator
 import pytest
 
 from .compare import assert_identical
-from .node_cache_scenario import (PRIVATE, Conversation, Node, alternate, computed_tokens, configure,
-                                  distinct_chunks, missing_cross_engine_hits, run_rounds, wait_until, whole_chunks)
+from .node_cache_scenario import (PRIVATE, Conversation, Node, ServedRank, alternate, computed_tokens, configure,
+                                  distinct_chunks, missing_cross_engine_hits, node_settings, run_rounds, wait_until,
+                                  whole_chunks)
 
 
 @pytest.fixture(scope="module")
@@ -170,3 +171,49 @@ def test_an_engine_killed_mid_request_gives_its_lease_back_and_the_other_keeps_h
     assert second[0].cached_tokens == whole_chunks(computed_tokens(first[0][0]))
     assert_identical(reference[0], [first[0][0].completion, second[0]], _dtype())
     assert node.service.metrics().value("node_lookup_hit_chunks_total", survivor.engine_name) > hits_before
+
+
+@pytest.mark.one_era(0, 32)  # tests/engines/conftest.py: vLLM 0.32's DP ranks on this machine, run once
+def test_the_data_parallel_ranks_of_one_server_hit_each_others_chunks(node: Node, model_dirs, tmp_path) -> None:
+    """`vllm serve --data-parallel-size 2` on the node cache: each DP rank is an engine core with its own scheduler
+    (its own lease, `<engine id>/dp<rank>`); turns alternate between the ranks (vLLM's X-data-parallel-rank header)
+    and hit what the other rank stored, with the tokens of a run without the plugin, and the node holds one copy."""
+    from lmcache_npu.tools.servebench.server import kv_transfer_config, vllm_server
+
+    from .node_cache_scenario import RECIPE
+
+    conversations = [Conversation(5000 + c) for c in range(2)]
+    reference = node.reference_answers(conversations, 3)
+    service = node.service_up()
+    before = service.metrics()
+    model = model_dirs(RECIPE)
+    args = ["--skip-tokenizer-init", "--dtype", _dtype(), "--enforce-eager", "--max-model-len", "2048",
+            "--no-enable-prefix-caching", "--kv-cache-memory-bytes", str(128 << 20), "--max-num-seqs", "4",
+            "--data-parallel-size", "2", "--distributed-executor-backend", "uni", "--enable-prompt-tokens-details",
+            "--kv-transfer-config", kv_transfer_config(node_settings(service.socket_path)["extra_config"])]
+    # two ranks on this machine's cores: none kept back (vLLM's CPU default would reserve one per rank)
+    with vllm_server(model, args, tmp_path / "serve.log", {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}) as base:
+        ranks = [ServedRank(base, model, rank) for rank in (0, 1)]
+
+        def both_ranks() -> set[str]:
+            new = service.metrics().engines() - before.engines()
+            return new if len(new) == 2 else set()
+
+        # one server's engine id and the rank: vLLM 0.32 gives each rank of a dense model an engine of its own,
+        # `<id>_dp<rank>`, whose data-parallel rank is 0 (`<id>_dp1/dp0`); they sort in rank order either way
+        leased = wait_until(both_ranks, "both DP ranks attached to the node cache")
+        for rank, name in zip(ranks, sorted(leased)):
+            rank.engine_name = name
+        assert len({name[:36] for name in leased}) == 1, leased  # one server's uuid
+        turns = run_rounds(ranks, conversations, 3, alternate)
+        after = node.settle(ranks)
+        for rank in ranks:
+            rank.close()
+    assert missing_cross_engine_hits(turns) == []
+    assert [[t.completion.cached_tokens for t in conversation] for conversation in turns] == [
+        [0] + [whole_chunks(computed_tokens(previous)) for previous in conversation[:-1]] for conversation in turns]
+    assert_identical(_flat(reference), _answers(turns), _dtype())
+    stores = [after.value("node_stores_total", rank.engine_name) for rank in ranks]
+    used = after.value("cpu_used_chunks") - before.value("cpu_used_chunks")
+    assert used == sum(stores) == distinct_chunks(turns) and min(stores) > 0, (used, stores)
+    assert wait_until(lambda: not leased & service.metrics().engines(), "the stopped server's leases ended")
