@@ -24,7 +24,7 @@ import sys
 import time
 import traceback
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from multiprocessing import Pipe
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -70,6 +70,32 @@ def _stats(engine: Any) -> dict[str, Any]:
             "worker_epoch": attachment.epoch if attachment is not None else None}
 
 
+_RIGHT_SLOTS: list[Any] = []  # the mover's own slot mapping, while loads are made one token late
+
+
+def _load_rows_one_token_late(late: bool) -> None:
+    """From now on (`late`) loads put every row one token late: row t gets token t-1's bytes, a chunk's last row its
+    first (the negative control of the token comparison); `late` False restores the mover's own mapping."""
+    import numpy as np
+
+    from lmcache_npu.transfer import mover
+
+    if not _RIGHT_SLOTS:
+        _RIGHT_SLOTS.append(mover.KVMover._command_slots)
+    right_slots = _RIGHT_SLOTS[0]
+    if not late:
+        mover.KVMover._command_slots = right_slots
+        return
+
+    def one_token_late(self: Any, command: Any, plan: Any, chunk: Any) -> Any:
+        slots = right_slots(self, command, plan, chunk)
+        if type(plan).__name__ != "LoadPlan":
+            return slots
+        return [np.roll(matrix, 1, axis=1) for matrix in slots]
+
+    mover.KVMover._command_slots = one_token_late
+
+
 def serve(fd: int) -> None:
     """Answers the parent's requests until it closes the connection or says exit."""
     from lmcache_npu.tools.replay.engine import Engine, EngineSettings
@@ -91,7 +117,9 @@ def serve(fd: int) -> None:
                 if engine is not None:
                     engine.close()
                     engine = None
-                engine = Engine(EngineSettings.for_recipe(RECIPE, model_dir, **arguments[0]))
+                settings = dict(arguments[0])
+                _load_rows_one_token_late(settings.pop(LATE_LOADS, False))
+                engine = Engine(EngineSettings.for_recipe(RECIPE, model_dir, **settings))
                 answer: Any = _stats(engine)
             elif engine is None:
                 raise RuntimeError(f"{verb} before configure")
@@ -115,6 +143,9 @@ def serve(fd: int) -> None:
 
 def node_settings(socket_path: str) -> dict[str, Any]:
     return {"extra_config": {"node_cache": socket_path, "chunk_tokens": CHUNK_TOKENS}}
+
+
+LATE_LOADS = "late_loads"  # a configure key of these children only: load every row one token late
 
 
 PRIVATE = {"extra_config": {"cpu_bytes": "64MiB", "chunk_tokens": CHUNK_TOKENS}}  # today: each engine its own arena
@@ -270,7 +301,6 @@ class NodeCacheProcess:
     cpu_bytes: str = "64MiB"
     process: Optional[subprocess.Popen] = None
     metrics_url: str = ""
-    starts: int = field(default=0)
 
     def start(self, timeout_s: float = 60.0) -> None:
         env = dict(os.environ, PYTHONPATH=str(ROOT))
@@ -292,7 +322,7 @@ class NodeCacheProcess:
         if match is None:
             raise RuntimeError(f"the node cache did not say where its metrics are: {line!r}")
         self.metrics_url = match.group(1)
-        self.starts += 1
+        self.process.stdout.close()  # it said all it says there
 
     @property
     def alive(self) -> bool:

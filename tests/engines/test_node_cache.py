@@ -14,8 +14,10 @@ from typing import Iterator
 
 import pytest
 
+from lmcache_npu.tools.replay.compare import differences, tolerance_for
+
 from .compare import assert_identical
-from .node_cache_scenario import (PRIVATE, Conversation, Node, ServedRank, alternate, computed_tokens, configure,
+from .node_cache_scenario import (LATE_LOADS, PRIVATE, Conversation, Node, ServedRank, alternate, computed_tokens, configure,
                                   distinct_chunks, missing_cross_engine_hits, node_settings, run_rounds, wait_until,
                                   whole_chunks)
 
@@ -68,6 +70,14 @@ def test_alternating_turns_hit_the_other_engines_chunks_and_the_node_holds_one_c
     used = after.value("cpu_used_chunks") - before.value("cpu_used_chunks")
     assert used == sum(stores) == distinct_chunks(turns) == 18, (used, stores)
     assert min(stores) > 0 and min(hits) > 0, (stores, hits)
+
+    # negative control of the token comparison: the other engine's loads from the node put each row one token late
+    late = [Conversation(1100)]
+    configure(engines, [node_settings(node.service.socket_path),
+                        {**node_settings(node.service.socket_path), LATE_LOADS: True}])
+    wrong = run_rounds(engines, late, 2, alternate)
+    assert wrong[0][1].completion.cached_tokens == whole_chunks(computed_tokens(wrong[0][0]))
+    assert differences(_flat(node.reference_answers(late, 2))[1:], _answers(wrong)[1:], tolerance_for(_dtype()))
 
     # negative control: private arenas (today), the first turn pair of a conversation: the second engine finds
     # nothing of the first's, and the check above reports it
