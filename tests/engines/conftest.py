@@ -49,6 +49,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 if ENGINE_VLLM is not None:
     # the engine uses every core (the suite-wide conftest pins torch to one thread for the xdist workers)
     torch.set_num_threads(os.cpu_count() or 1)
+    # one vLLM cache directory per era: vLLM caches what it inspected of a model class under a hash of the class's
+    # module, and `make test` runs both eras side by side, so in one shared directory each era's engines overwrite
+    # the other's entry and every engine start inspects the model again in a subprocess (about 12 of a llama
+    # engine's 25 s). Engine processes the tests start inherit it.
+    os.environ.setdefault("VLLM_CACHE_ROOT", os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "vllm",
+        f"vllm-cpu-{ENGINE_VLLM[0]}.{ENGINE_VLLM[1]}"))
 
 
 @pytest.fixture(scope="session")

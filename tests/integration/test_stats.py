@@ -45,6 +45,40 @@ def test_prometheus_counters_are_labelled_per_engine():
     assert len({name for name in METRICS}) == len(METRICS)
 
 
+def test_the_node_cache_counters_reach_vllm_and_prometheus():
+    """An engine on a node cache counts the service going away and coming back (its client's counters, which the
+    scheduler watches with INDEX_METRICS) and its workers' remaps to a new epoch (drained into the worker's stats):
+    both reach vLLM's reduced view and Prometheus. Before they were exported neither did: the deltas left the client's
+    counters out and the reduced view and Prometheus dropped `epoch_changes` as a name they did not know."""
+    from lmcache_npu.integration.vllm.stats import INDEX_METRICS, CounterDeltas
+    from lmcache_npu.store.metrics import Metric
+    from lmcache_npu.store.tier import TierCounters
+
+    client = TierCounters()
+    deltas = CounterDeltas()
+    deltas.watch(client, INDEX_METRICS)
+    client.add(Metric.NODE_CACHE_DISCONNECTS)
+    client.add(Metric.NODE_CACHE_UNREACHABLE, 3)
+    client.add(Metric.NODE_CACHE_RECONNECTS)
+    worker = TierCounters()
+    worker.add(Metric.EPOCH_CHANGES)
+    stats = LMCacheNPUStats.of(deltas.take()).aggregate(LMCacheNPUStats.of(worker.drain()))
+    expected = {"node_cache_disconnects": 1, "node_cache_unreachable": 3, "node_cache_reconnects": 1,
+                "epoch_changes": 1}
+    assert {name: stats.reduce().get(name) for name in expected} == expected
+    registry = CollectorRegistry()
+
+    def bound(cls):
+        return type(cls.__name__, (cls,), {"__init__": lambda self, *a, **k: cls.__init__(self, *a, registry=registry,
+                                                                                             **k)})
+
+    metrics = LMCacheNPUConnector.build_prom_metrics(_config(), {Counter: bound(Counter), Gauge: bound(Gauge),
+                                                                 Histogram: bound(Histogram)}, ["engine"], {0: ["0"]})
+    metrics.observe(stats.data)
+    assert {name: registry.get_sample_value(f"lmcache_npu:{name}_total", {"engine": "0"}) for name in expected} == \
+        expected
+
+
 def _config():
     from types import SimpleNamespace
 

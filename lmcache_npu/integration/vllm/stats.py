@@ -57,10 +57,10 @@ METRICS: dict[str, str] = {  # Metric keys: a member is its name
                             "device exchange (per rank, summed)",
     Metric.SHARE_STORE_HOST_SCRATCH: "store batches whose full objects went to host scratch because the device had no "
                                 "memory for them (per rank, summed)",
-    Metric.EPOCH_CHANGES: "times a worker mapped the node cache's segments again after the service restarted "
-                          "(per rank, summed)",
     Metric.EAGLE_DROPPED_CHUNKS: "chunks a hit did not claim because an EAGLE/MTP drafter's last row depends on the next "
                             "chunk's first token",
+    Metric.EPOCH_CHANGES: "times a worker mapped the segments of a restarted node cache (a new epoch; summed over "
+                     "ranks)",
 }
 # the host arena's segments, counted up as they go live (so sums over steps are the current state, summed over ranks)
 ARENA_METRICS: dict[str, str] = {
@@ -90,12 +90,13 @@ INDEX_METRICS: dict[str, tuple[str, str]] = {
     "promote_failures": (Metric.PROMOTE_FAILED, "promotions that failed on some rank (the chunk is a miss)"),
     "remote_put_failures": (Metric.PUT_FAILED, "Mooncake puts that failed on some rank"),
     "remote_lookup_errors": (Metric.REMOTE_LOOKUP_ERRORS, "Mooncake existence checks that failed (taken as misses)"),
-    "node_cache_disconnects": (Metric.NODE_CACHE_DISCONNECTS, "times the node cache service went away (this engine "
-                               "then serves without it)"),
-    "node_cache_reconnects": (Metric.NODE_CACHE_RECONNECTS, "times this engine attached to the node cache again (a "
-                              "new epoch)"),
-    "node_cache_unreachable": (Metric.NODE_CACHE_UNREACHABLE, "calls answered as misses because the node cache was "
-                               "away"),
+    # the node cache client's (node_cache set): the service going away and coming back
+    "node_cache_disconnects": (Metric.NODE_CACHE_DISCONNECTS, "times the node cache service was lost (every lookup "
+                                                              "misses until it is back)"),
+    "node_cache_reconnects": (Metric.NODE_CACHE_RECONNECTS, "times this engine attached to the node cache again (a new "
+                                                            "epoch)"),
+    "node_cache_unreachable": (Metric.NODE_CACHE_UNREACHABLE, "node cache calls answered as misses while the service "
+                                                              "was away"),
 }
 DISK_METRICS: dict[str, tuple[str, str]] = {
     "disk_writes": (Metric.WRITES, "chunk files written (summed over ranks)"),
