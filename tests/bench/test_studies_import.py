@@ -4,6 +4,7 @@ a move would otherwise be found only on the next GPU session)."""
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import pkgutil
 
 import pytest
@@ -19,4 +20,9 @@ def test_the_studies_are_found() -> None:
 
 @pytest.mark.parametrize("name", NAMES)
 def test_a_study_imports(name: str) -> None:
-    importlib.import_module(f"{studies.__name__}.{name}")
+    try:
+        importlib.import_module(f"{studies.__name__}.{name}")
+    except ModuleNotFoundError as exc:  # a study of the connector needs vLLM: the GPU host has none, CI has it
+        if exc.name != "vllm" or importlib.util.find_spec("vllm") is not None:
+            raise
+        pytest.skip(f"study {name} needs vLLM, which is not installed here")

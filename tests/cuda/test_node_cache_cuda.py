@@ -112,6 +112,8 @@ def test_cuda_kernels_store_through_one_engines_mapping_and_load_through_another
         backend = get_backend("cuda", path=path)
         backend.store(cuda_plan, case.slots, [writer.arena.slot(s) for s in order])
         torch.cuda.synchronize()
+        for i, slot in enumerate(order):  # what landed in the node's slots, seen through the writer's mapping
+            assert torch.equal(writer.arena.slot(slot), expected[i]), f"chunk {i}: stored bytes differ"
         for rp, page in zip(geometry.raw_planes, cpu_pages):
             rp.raw.zero_()
             page.zero_()
@@ -125,8 +127,9 @@ def test_cuda_kernels_store_through_one_engines_mapping_and_load_through_another
             writer.arena.slot(slot).bitwise_not_()
         backend.load(cuda_plan, case.slots, [reader.arena.slot(s) for s in order])
         torch.cuda.synchronize()
-        assert any(not torch.equal(rp.raw, old) for rp, old in zip(geometry.raw_planes, before)), \
-            "bytes changed in the shared slots did not reach engine B's load"
+        if any(s is not None and (s >= 0).any() for s in case.slots):  # unless no chunk moves a row
+            assert any(not torch.equal(rp.raw, old) for rp, old in zip(geometry.raw_planes, before)), \
+                "bytes changed in the shared slots did not reach engine B's load"
         for attached in (writer, reader):
             attached.arena.close()
             attached.close()
