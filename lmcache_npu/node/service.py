@@ -39,7 +39,8 @@ from .pool import EngineLease, NodePool, PoolRefused, scoped
 logger = logging.getLogger(__name__)
 
 _PEERCRED = struct.Struct("3i")  # pid, uid, gid
-ONEWAY = frozenset({"release", "on_completions", "describe"})  # the engine does not wait: their counters ride the next reply
+# the engine does not wait for these: their counters ride the next reply
+ONEWAY = frozenset({"release", "on_completions", "describe"})
 _new_key = partial(tuple.__new__, ChunkKey)  # ChunkKey(namespace, hash) without its Python-level __new__
 HIT_CHUNKS = {Tier.ARENA: Metric.HIT_CHUNKS_CPU, Tier.DISK: Metric.HIT_CHUNKS_DISK,
               Tier.REMOTE: Metric.HIT_CHUNKS_REMOTE}
@@ -208,8 +209,9 @@ class NodeCacheService:
             raise PoolRefused(f"the node cache holds {len(self.pools)} pool(s) (--max-pools {self.options.max_pools}): "
                               f"{held}; this engine's geometry ({geometry.describe()}) needs another. Start the "
                               "service with a larger --max-pools (each pool gets an equal share of --cpu-bytes)")
-        share = dataclasses.replace(self.options.store, cpu_bytes=self.options.store.cpu_bytes // self.options.max_pools,
-                                    disk_bytes=self.options.store.disk_bytes // self.options.max_pools)
+        pools = self.options.max_pools
+        share = dataclasses.replace(self.options.store, cpu_bytes=self.options.store.cpu_bytes // pools,
+                                    disk_bytes=self.options.store.disk_bytes // pools)
         return NodePool(geometry, share, f"{self.instance}/{len(self.pools)}", self.lock)
 
     def _answer(self, pool: NodePool, lease: EngineLease, request: Any) -> Optional[tuple]:
@@ -402,7 +404,8 @@ def _lookup(pool: NodePool, lease: EngineLease, request_id: Any, namespace: Any,
 
 def _presence(pool: NodePool, lease: EngineLease, namespace: Any, hashes: Any, remote: Any) -> list[bool]:
     keys = _hashed(pool, namespace, hashes)
-    visible = len(pool.visible(lease, keys, count=False))  # as lookup will see them: nothing from another engine's store on
+    # as lookup will see them: nothing from another engine's store in flight on
+    visible = len(pool.visible(lease, keys, count=False))
     return pool.index.presence(keys[:visible], bool(remote)) + [False] * (len(keys) - visible)
 
 
