@@ -17,14 +17,13 @@ import stat
 import struct
 import threading
 import time
-from collections import deque
 from operator import itemgetter
-from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 from ..store.commands import Command, Completion, Load, Store, Tier
 from ..store.index.contract import (ChunkManager, ChunkView, DiskState, LookupResult, NumberedChunks, SlotState,
                                     TierListener)
+from ..store.index.ledger import CommandLedger
 from ..store.keys import ChunkKey
 from ..store.metrics import Metric
 from ..store.tier import TierCounters
@@ -100,12 +99,6 @@ def connect(path: str, attach: Attach, timeout_s: float) -> tuple[socket.socket,
         return sock, reply, fds
 
 
-@dataclass
-class _Pending:
-    command: Union[Store, Load]
-    waiting: set[int]
-
-
 class NodeCacheClient(ChunkManager):
     """The manager contract over the node cache's socket, for one engine's scheduler half. The engine's own device
     commands are tracked here (their ranks' answers, `is_pending`, the outbox), so a step costs no round trip for
@@ -127,8 +120,8 @@ class NodeCacheClient(ChunkManager):
         self._reattached: Optional[tuple[socket.socket, Attached]] = None  # its result, for the next call
         # told the payload (builtins: what a router needs to name a chunk) another engine of the node described
         self.payload_sink: Optional[Callable[[ChunkKey, tuple], None]] = None
-        self._pending: dict[int, _Pending] = {}
-        self._outbox: deque[Command] = deque()
+        # this engine's device commands: the outbox and every rank's answers, as the in-process index keeps them
+        self._ledger = CommandLedger(geometry.world, self.counters)
         self._occupancy: Optional[tuple[float, dict[Tier, tuple[int, int]]]] = None
         self.epoch: Optional[str] = None
         sock, attached, _ = connect(path, self._attach_message(), connect_timeout_s)
@@ -154,8 +147,8 @@ class NodeCacheClient(ChunkManager):
             self.counters.add(Metric.NODE_CACHE_DISCONNECTS)
         self._sock = None
         self.epoch = None
-        self._pending.clear()  # the service's successor knows none of them: their answers are dropped
-        self._outbox.clear()
+        # the service's successor knows none of them: their answers are dropped
+        self._ledger = CommandLedger(self.geometry.world, self.counters)
         self._occupancy = None
         with self._retry_lock:
             self._next_try = time.monotonic() + self.retry_s
@@ -287,47 +280,37 @@ class NodeCacheClient(ChunkManager):
         if not moves:
             return []
         keys = {key[1]: key for _, key in chunks}
-        world = range(self.geometry.world)
-        commands = []
-        for cmd_id, slot, number, chunk_hash in moves:
-            command = kind(cmd_id, keys[chunk_hash], slot, request_id, number)
-            self._pending[cmd_id] = _Pending(command, set(world))
-            self._outbox.append(command)
-            commands.append(command)
-        return commands
+        return [self._ledger.emit(kind(cmd_id, keys[chunk_hash], slot, request_id, number))
+                for cmd_id, slot, number, chunk_hash in moves]
 
     def take_commands(self) -> list[Command]:
-        commands = list(self._outbox)
-        self._outbox.clear()
-        return commands
+        return self._ledger.take()
 
     def queued_commands(self) -> tuple[Command, ...]:
-        return tuple(self._outbox)
+        return self._ledger.queued()
 
     def on_completions(self, completions: Iterable[Completion]) -> None:
         mine = []
         for done in completions:
-            pending = self._pending.get(done.cmd_id)
-            if pending is None or done.rank not in pending.waiting:  # an earlier epoch's, or a repeat
+            if done.rank not in self._ledger.waiting_ranks(done.cmd_id):  # an earlier epoch's, or a repeat
                 self.counters.add(Metric.UNEXPECTED_COMPLETIONS)
                 continue
             mine.append(done)
-            pending.waiting.discard(done.rank)
-            if not pending.waiting:
-                del self._pending[done.cmd_id]
+            for _ in self._ledger.answer((done,)):  # settled once its last rank answered
+                pass
         if mine:  # plain tuples: a step's answers pickle in microseconds
             self._send("on_completions", [(done.cmd_id, done.rank, done.ok, done.reason) for done in mine])
 
     def is_pending(self, cmd_id: int) -> bool:
-        return cmd_id in self._pending
+        return self._ledger.is_pending(cmd_id)
 
     def pending_command_ids(self) -> tuple[int, ...]:
         """This engine's commands some rank has not answered, oldest first (benches answer them all)."""
-        return tuple(self._pending)
+        return self._ledger.pending_ids()
 
     @property
     def in_flight(self) -> int:
-        return len(self._pending)
+        return self._ledger.in_flight
 
     @property
     def eviction_policy(self) -> str:
