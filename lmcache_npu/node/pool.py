@@ -105,9 +105,9 @@ class NodePool:
         self.payloads: OrderedDict[ChunkKey, tuple] = OrderedDict()  # what engines described, for the others' events
         self.max_payloads = self.index.num_slots + self.index.disk_chunks + PAYLOAD_SLACK
         self.index.set_tier_listener(self._tell)
-        self.dispatch()  # the restart's drops of partial disk copies
         self._wake = threading.Event()
         self._closed = threading.Event()
+        self.dispatch()  # the restart's drops of partial disk copies (the pump answers them once it runs)
         self._pump = threading.Thread(target=self._pump_loop, name="lmcache-node-pump", daemon=True)
         self._pump.start()
         logger.info("node cache pool %s: %d slots x %d rank(s) of %d B (%.2f GiB), %d disk chunks per rank, %s",
@@ -154,8 +154,7 @@ class NodePool:
         self.leases.pop(lease.engine, None)
         for request_id in lease.requests:
             self.index.release(request_id)
-        pending = [cmd_id for cmd_id in lease.commands if self.index.is_pending(cmd_id)]
-        abandoned = self.index.abandon(pending, f"engine {lease.engine} is gone")
+        abandoned = self.index.abandon(lease.commands, f"engine {lease.engine} is gone")  # counts the pending ones
         self._settle_writes()
         self.index.counters.add(Metric.LEASES_ENDED)
         self.index.counters.add(Metric.ABANDONED_COMMANDS, abandoned)
@@ -292,11 +291,11 @@ class NodePool:
             lease.tier_changes.append((key.chunk_hash, tier, entered, payload))  # the pool's namespace: the engine's
 
     def close(self) -> None:
-        closed = getattr(self, "_closed", None)
-        if closed is not None:
-            closed.set()
+        pump = getattr(self, "_pump", None)  # a pool whose making failed has no pump yet
+        if pump is not None:
+            self._closed.set()
             self._wake.set()
-            self._pump.join(timeout=5)
+            pump.join(timeout=5)
         for executor in self.executors:
             executor.close()
         for arena in self.arenas:

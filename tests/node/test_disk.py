@@ -99,3 +99,17 @@ def test_negative_control_without_verification_the_flipped_byte_reaches_the_mapp
     seen = promoted_bytes(node.engine("reader"), kept, 4)
     assert seen[kept[1]][1] != expected_bytes(kept[1], WORLD)[1]  # the byte check would have caught it
     assert seen[kept[1]][0] == expected_bytes(kept[1], WORLD)[0]
+
+
+def test_a_restart_drops_a_chunk_only_some_ranks_have_on_disk(start_node, node_dir):
+    """A crash mid-spill leaves a chunk's file on rank 0 only: the restarted pool cannot load it, so the drops it
+    issues while it is made run on its own executors (the file goes), and the complete chunks are still adopted."""
+    kept, files = written(start_node, node_dir, True)
+    os.remove(files[0])  # rank 1's file of the first chunk: rank 0's alone is left
+    node = start_node(disk_store(node_dir, 4, True), socket_name="s")
+    reader = node.engine("reader")
+    partial = node.pool.executors[0].disk.file_path(kept[0].storage_name(0))  # type: ignore[union-attr]
+    wait_for(lambda: not os.path.exists(partial), "the partial copy's drop")
+    assert not on_disk(node, kept[:1]) and on_disk(node, kept[1:])
+    seen = promoted_bytes(reader, kept[1:], len(kept) - 1)
+    assert {key: seen[key] for key in kept[1:]} == {key: expected_bytes(key, WORLD) for key in kept[1:]}
