@@ -167,7 +167,8 @@ def _field_types() -> dict[str, Any]:
     return defaults
 
 
-_STRING_OR_NULL = {"model_name", "model_fingerprint", "disk_path", "node_cache"}  # optional strings: "" and "null" both mean unset
+# optional strings: "" and "null" both mean unset
+_STRING_OR_NULL = {"model_name", "model_fingerprint", "disk_path", "node_cache"}
 _INT_OR_NULL = {"numa_node", "chunk_tokens"}
 _BOOL_OR_NULL = {"pinned"}
 _SIZES = set(StoreConfig._SIZES)

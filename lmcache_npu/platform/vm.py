@@ -63,7 +63,8 @@ def free_hugepages(page_bytes: int) -> Optional[int]:
 # ---- the libc calls the arena's segments are made of -----------------------------------------------------------------
 
 PROT_NONE, PROT_RW = 0, mmap.PROT_READ | mmap.PROT_WRITE
-_MAP_SHARED, _MAP_PRIVATE, _MAP_ANONYMOUS, _MAP_FIXED, _MAP_NORESERVE, _MAP_HUGETLB = 0x01, 0x02, 0x20, 0x10, 0x4000, 0x40000
+_MAP_SHARED, _MAP_PRIVATE, _MAP_ANONYMOUS, _MAP_FIXED = 0x01, 0x02, 0x20, 0x10
+_MAP_NORESERVE, _MAP_HUGETLB = 0x4000, 0x40000
 _MAP_HUGE_SHIFT = 26
 MADV_HUGEPAGE, MADV_NOHUGEPAGE = 14, 15
 _MADV_POPULATE_WRITE = 23
