@@ -262,8 +262,6 @@ def configure(engines: Sequence[EngineProcess], settings: Sequence[dict[str, Any
 
 # ---- the parent's side: the node cache service --------------------------------------------------------------------
 
-_SAMPLE = re.compile(r'^lmcache_npu:(\w+)\{([^}]*)\} (\S+)$')
-_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
 
 @dataclass(frozen=True)
@@ -274,13 +272,11 @@ class Metrics:
 
     @classmethod
     def parse(cls, text: str) -> "Metrics":
-        samples = []
-        for line in text.splitlines():
-            match = _SAMPLE.match(line)
-            if match:
-                labels = tuple(sorted(_LABEL.findall(match.group(2))))
-                samples.append((match.group(1), labels, float(match.group(3))))
-        return cls(tuple(samples))
+        """The plugin's samples (`lmcache_npu:` taken off their names), read by `lmcache-npu status`'s parser."""
+        from lmcache_npu.tools.status import PREFIX, parse_metrics
+
+        return cls(tuple((sample.name.removeprefix(PREFIX), sample.labels, sample.value)
+                         for sample in parse_metrics(text) if sample.name.startswith(PREFIX)))
 
     def value(self, name: str, engine: str = "node") -> float:
         """The sample `name` of `engine` (the node's own series by default), summed over other labels; 0 if none."""
