@@ -413,7 +413,10 @@ def run_rounds(engines: Sequence[EngineProcess], conversations: Sequence[Convers
 
 
 def alternate(c: int, k: int) -> int:
-    return (c + k) % 2
+    """The round robin of two engines the measurement study drives (`replay.pair.engine_for`)."""
+    from lmcache_npu.tools.replay.pair import engine_for
+
+    return engine_for(c, k, 2)
 
 
 def whole_chunks(tokens: int) -> int:

@@ -27,6 +27,7 @@ from .accounting import TurnHits
 from .configs import RunConfig
 from .engine import Completion, EngineSettings
 from .runner import TurnRun
+from .runs import COMPARED_LOGPROBS
 from .warmup import WarmUp
 from .workload import FIRST_TOKEN, Conversation, prompt_of
 
@@ -37,7 +38,6 @@ SCHEDULER_HOOKS = ("get_num_new_matched_tokens", "update_state_after_alloc", "bu
                    "update_connector_output", "request_finished", "take_events", "get_kv_connector_stats")
 STEP_HOOK = "build_connector_meta"  # vLLM calls it once per scheduler step: the step count
 LOOKUP_HOOK = "get_num_new_matched_tokens"  # once per waiting request and step: more than once while a lookup waits
-COMPARED_LOGPROBS = 2  # per generated token, enough for a comparison to tell a near tie from a difference
 START_TIMEOUT_S = 900.0  # building and warming up an engine on a busy two-core machine
 WAVE_TIMEOUT_S = 1800.0
 SETTLE_TIMEOUT_S = 60.0
