@@ -168,9 +168,10 @@ def cap_ipc_lock(proc_status: str) -> bool:
     return bool(match) and bool(int(match.group(1), 16) >> CAP_IPC_LOCK & 1)
 
 
-def can_lock(memlock_bytes: Optional[int], needed_bytes: int, is_root: bool, has_cap_ipc_lock: bool) -> bool:
-    """Whether this process may mlock `needed_bytes` (halHostRegister's segments are mlock'ed first)."""
-    return memlock_bytes is None or memlock_bytes >= needed_bytes or is_root or has_cap_ipc_lock
+def can_lock(memlock_bytes: Optional[int], needed_bytes: int, has_cap_ipc_lock: bool) -> bool:
+    """Whether this process may mlock `needed_bytes` (halHostRegister's segments are mlock'ed first): the kernel asks
+    only RLIMIT_MEMLOCK or CAP_IPC_LOCK (mm/mlock.c), never the uid; root in a default Docker container lacks it."""
+    return memlock_bytes is None or memlock_bytes >= needed_bytes or has_cap_ipc_lock
 
 
 def _read_text(path: str) -> Optional[str]:

@@ -275,19 +275,27 @@ def check_devices(inventory: Mapping[str, list[tuple[str, int, int]]], device: s
     return checks
 
 
-def check_memlock(cpu_bytes: int, limits: tuple[int, int], is_root: bool, pinned: bool) -> Check:
+MEMLOCK_FIX = ("docker run --ulimit memlock=-1 (or --cap-add IPC_LOCK); outside a container ulimit -l unlimited "
+               "(memlock in /etc/security/limits.conf)")
+
+
+def check_memlock(cpu_bytes: int, limits: tuple[int, int], has_cap_ipc_lock: bool, pinned: bool) -> Check:
+    """RLIMIT_MEMLOCK against the arena: the kernel lets a process lock beyond it only with CAP_IPC_LOCK, whatever
+    its uid (mm/mlock.c), and root in a default Docker container lacks that capability."""
     soft, _ = limits
     text = "unlimited" if soft == resource.RLIM_INFINITY else f"{soft / 2**20:.0f} MiB"
     if not pinned:
         return Check("locked memory", SKIP, f"limit {text}; the arena is not page-locked here (no NPU or GPU)")
-    if soft == resource.RLIM_INFINITY or soft >= cpu_bytes or is_root:
+    if soft == resource.RLIM_INFINITY or soft >= cpu_bytes or has_cap_ipc_lock:
         return Check("locked memory", OK, f"limit {text} for a {cpu_bytes / 2**30:.1f} GiB pinned arena"
-                     + (" (root: not limited)" if is_root and soft != resource.RLIM_INFINITY else ""))
-    return Check("locked memory", FAIL, f"limit {text} is below the {cpu_bytes / 2**30:.1f} GiB arena to page-lock",
-                 "ulimit -l unlimited (docker run --ulimit memlock=-1), or a smaller cpu_bytes")
+                     + (" (CAP_IPC_LOCK: not limited)" if has_cap_ipc_lock and soft != resource.RLIM_INFINITY
+                        else ""))
+    return Check("locked memory", FAIL, f"limit {text} is below the {cpu_bytes / 2**30:.1f} GiB arena to page-lock "
+                 "and the process has no CAP_IPC_LOCK (being root does not lift the limit)",
+                 MEMLOCK_FIX + ", or a smaller cpu_bytes")
 
 
-def check_host_memory(facts: AscendHostFacts, requested: str, device: str, cpu_bytes: int, is_root: bool,
+def check_host_memory(facts: AscendHostFacts, requested: str, device: str, cpu_bytes: int,
                       has_cap_ipc_lock: bool) -> Check:
     """The host's facts (SoC, driver, kernel), the order in which the arena will try to make its segments DMA-able
     (platform/ascend_host.py), and whether halHostRegister, when in that order, may mlock the arena."""
@@ -303,13 +311,12 @@ def check_host_memory(facts: AscendHostFacts, requested: str, device: str, cpu_b
         auto = host_memory_chain(facts).describe()
         return Check(name, FAIL, detail, f"set npu_host_memory to 'auto' ({auto}); the arena refuses to start "
                      "otherwise")
-    if NpuHostMethod.HAL_REGISTER not in chain.methods or can_lock(facts.memlock_bytes, cpu_bytes, is_root,
-                                                                   has_cap_ipc_lock):
+    if NpuHostMethod.HAL_REGISTER not in chain.methods or can_lock(facts.memlock_bytes, cpu_bytes, has_cap_ipc_lock):
         return Check(name, OK, detail)
     locked = (f"halHostRegister mlocks the {cpu_bytes / 2**30:.1f} GiB arena, but the memlock limit is "
-              f"{facts.memlock_bytes / 2**20:.0f} MiB, the process is not root and has no CAP_IPC_LOCK")
-    lock_fix = ("ulimit -l unlimited (docker run --ulimit memlock=-1 --cap-add IPC_LOCK), or a driver >= 25 "
-                "(aclrtHostRegister needs no mlock)")
+              f"{facts.memlock_bytes / 2**20:.0f} MiB and the process has no CAP_IPC_LOCK (root or not: the "
+              "kernel asks only these two)")
+    lock_fix = MEMLOCK_FIX + ", or a driver >= 25 (aclrtHostRegister needs no mlock)"
     if chain.methods == (NpuHostMethod.HAL_REGISTER,):
         return Check(name, FAIL, f"{detail}; {locked}", lock_fix)
     return Check(name, OK, f"{detail}; {locked}: only that fallback would fail", lock_fix)
@@ -603,11 +610,11 @@ def run_doctor(options: DoctorOptions, environ: Optional[Mapping[str, str]] = No
     store = config.store if config is not None else None
     cpu_bytes = store.cpu_bytes if store is not None else 8 << 30
     pinned = store.pinned if store is not None and store.pinned is not None else device in ("npu", "cuda")
-    is_root = os.geteuid() == 0
-    checks.append(check_memlock(cpu_bytes, resource.getrlimit(resource.RLIMIT_MEMLOCK), is_root, pinned))
+    has_cap_ipc_lock = cap_ipc_lock(_read("/proc/self/status"))
+    checks.append(check_memlock(cpu_bytes, resource.getrlimit(resource.RLIMIT_MEMLOCK), has_cap_ipc_lock, pinned))
     checks.append(check_host_memory(probe_ascend_host(environ=env), str(_setting(config, extra, "npu_host_memory",
                                                                                   "auto")),
-                                    device, cpu_bytes, is_root, cap_ipc_lock(_read("/proc/self/status"))))
+                                    device, cpu_bytes, has_cap_ipc_lock))
     npu_total = inventory["npu"][0][2] if inventory["npu"] else None
     backend_options = _setting(config, extra, "backend_options", {})
     checks.append(check_device_memory(device, npu_total, str(_setting(config, extra, "backend", "auto")),

@@ -120,9 +120,31 @@ def test_devices() -> None:
 def test_locked_memory() -> None:
     infinity = resource.RLIM_INFINITY
     assert doctor.check_memlock(8 << 30, (infinity, infinity), False, True).verdict == OK
-    assert doctor.check_memlock(8 << 30, (8 << 20, 8 << 20), False, True).verdict == FAIL
-    assert doctor.check_memlock(8 << 30, (8 << 20, 8 << 20), True, True).verdict == OK
+    small = doctor.check_memlock(8 << 30, (8 << 20, 8 << 20), False, True)
+    assert small.verdict == FAIL and "--ulimit memlock=-1" in small.fix and "--cap-add IPC_LOCK" in small.fix
+    assert doctor.check_memlock(8 << 30, (8 << 20, 8 << 20), True, True).verdict == OK  # CAP_IPC_LOCK
     assert doctor.check_memlock(8 << 30, (8 << 20, 8 << 20), False, False).verdict == SKIP
+
+
+DOCKER_DEFAULT_CAPS = "Name:\tpython\nCapEff:\t00000000a80425fb\n"  # root in `docker run` without --cap-add
+
+
+def test_root_without_cap_ipc_lock_cannot_lock_beyond_the_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel asks RLIMIT_MEMLOCK or CAP_IPC_LOCK, never the uid (mm/mlock.c): uid 0 in a default container with
+    a 64 MiB limit fails both memlock checks (the old rule, "root may lock anything", said OK)."""
+    reads = {"/proc/self/status": DOCKER_DEFAULT_CAPS}
+    monkeypatch.setattr(doctor, "_read", lambda path: reads.get(path, ""))
+    monkeypatch.setattr(doctor.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(doctor.resource, "getrlimit", lambda which: (64 << 20, 64 << 20))
+    monkeypatch.setattr(doctor, "probe_ascend_host",
+                        lambda environ: AscendHostFacts("Ascend910B1", (24, 1), "24.1.rc1", "5.15.0", 64 << 20))
+    checks = {c.name: c for c in doctor.run_doctor(doctor.DoctorOptions(device="npu"), environ={})}
+    assert checks["locked memory"].verdict == FAIL and "CAP_IPC_LOCK" in checks["locked memory"].detail
+    assert "CAP_IPC_LOCK" in checks["host memory"].detail and "memlock=-1" in checks["host memory"].fix
+    # the control: the same root with --cap-add IPC_LOCK (bit 14 set) may lock the arena
+    reads["/proc/self/status"] = "CapEff:\t00000000a80465fb\n"
+    checks = {c.name: c for c in doctor.run_doctor(doctor.DoctorOptions(device="npu"), environ={})}
+    assert checks["locked memory"].verdict == OK and "CAP_IPC_LOCK" not in checks["host memory"].detail
 
 
 def test_hugepages() -> None:
@@ -189,7 +211,7 @@ GiB = 1 << 30
 
 
 def test_host_memory_prints_the_facts_and_the_chain() -> None:
-    check = doctor.check_host_memory(A2, "auto", "npu", 8 * GiB, False, False)
+    check = doctor.check_host_memory(A2, "auto", "npu", 8 * GiB, False)
     assert check.verdict == OK
     assert "driver 25.0.rc1.1" in check.detail and "kernel 5.15.0-91-generic" in check.detail
     assert "SoC Ascend910B1" in check.detail
@@ -197,38 +219,38 @@ def test_host_memory_prints_the_facts_and_the_chain() -> None:
 
 
 def test_host_memory_off_an_npu_is_a_skip_that_still_says_the_facts() -> None:
-    check = doctor.check_host_memory(A2, "auto", "cpu", 8 * GiB, False, False)
+    check = doctor.check_host_memory(A2, "auto", "cpu", 8 * GiB, False)
     assert check.verdict == SKIP and "driver 25.0.rc1.1" in check.detail
 
 
 def test_host_memory_fails_when_the_requested_method_cannot_work() -> None:
     p310 = AscendHostFacts("Ascend310P3", (25, 0), "25.0.rc1.1", "5.15.0", None)
-    check = doctor.check_host_memory(p310, "aclrtHostRegister", "npu", 8 * GiB, False, False)
+    check = doctor.check_host_memory(p310, "aclrtHostRegister", "npu", 8 * GiB, False)
     assert check.verdict == FAIL and "310P" in check.detail and "npu_host_memory to 'auto'" in check.fix
     assert "aclrtMallocHost" in check.fix  # what auto would do here
-    assert doctor.check_host_memory(p310, "auto", "npu", 8 * GiB, False, False).verdict == OK  # the control
+    assert doctor.check_host_memory(p310, "auto", "npu", 8 * GiB, False).verdict == OK  # the control
 
 
 def test_host_memory_refuses_an_unknown_method_naming_the_key() -> None:
-    check = doctor.check_host_memory(A2, "pinned", "npu", 8 * GiB, False, False)
+    check = doctor.check_host_memory(A2, "pinned", "npu", 8 * GiB, False)
     assert check.verdict == FAIL and "npu_host_memory" in check.detail and "aclrtMallocHost" in check.detail
 
 
-@pytest.mark.parametrize("memlock,root,cap,verdict", [
-    (8 << 20, False, False, FAIL),  # halHostRegister alone, and it cannot lock the arena
-    (None, False, False, OK), (16 * GiB, False, False, OK),  # the limit allows it
-    (8 << 20, True, False, OK), (8 << 20, False, True, OK),  # root, or CAP_IPC_LOCK
+@pytest.mark.parametrize("memlock,cap,verdict", [
+    (8 << 20, False, FAIL),  # halHostRegister alone, and it cannot lock the arena (root or not)
+    (None, False, OK), (16 * GiB, False, OK),  # the limit allows it
+    (8 << 20, True, OK),  # CAP_IPC_LOCK
 ])
-def test_hal_register_needs_mlock(memlock, root: bool, cap: bool, verdict: str) -> None:
+def test_hal_register_needs_mlock(memlock, cap: bool, verdict: str) -> None:
     old = AscendHostFacts("Ascend910B1", (24, 1), "24.1.rc1", "5.15.0", memlock)
-    check = doctor.check_host_memory(old, "halHostRegister", "npu", 8 * GiB, root, cap)
+    check = doctor.check_host_memory(old, "halHostRegister", "npu", 8 * GiB, cap)
     assert check.verdict == verdict
     assert ("CAP_IPC_LOCK" in check.detail) == (verdict == FAIL)
 
 
 def test_a_fallback_that_cannot_lock_is_said_but_does_not_block() -> None:
     old = AscendHostFacts("Ascend910B1", (24, 1), "24.1.rc1", "5.15.0", 8 << 20)
-    check = doctor.check_host_memory(old, "auto", "npu", 8 * GiB, False, False)
+    check = doctor.check_host_memory(old, "auto", "npu", 8 * GiB, False)
     assert check.verdict == OK and "only that fallback would fail" in check.detail and "IPC_LOCK" in check.fix
 
 

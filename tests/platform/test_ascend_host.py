@@ -235,7 +235,14 @@ def test_cap_ipc_lock(status: str, expected: bool) -> None:
 
 
 def test_can_lock() -> None:
-    assert can_lock(None, 1 << 40, False, False)  # unlimited
-    assert can_lock(8 << 30, 8 << 30, False, False)
-    assert not can_lock(8 << 20, 8 << 30, False, False)  # the control
-    assert can_lock(8 << 20, 8 << 30, True, False) and can_lock(8 << 20, 8 << 30, False, True)
+    assert can_lock(None, 1 << 40, False)  # unlimited
+    assert can_lock(8 << 30, 8 << 30, False)
+    assert not can_lock(8 << 20, 8 << 30, False)  # the control
+    assert can_lock(8 << 20, 8 << 30, True)  # CAP_IPC_LOCK lifts the limit
+
+
+def test_root_in_a_default_container_cannot_lock_beyond_the_limit() -> None:
+    """mm/mlock.c asks RLIMIT_MEMLOCK or CAP_IPC_LOCK, not the uid: root with docker's default capabilities (no
+    IPC_LOCK) and a 64 MiB limit cannot lock an 8 GiB arena (the old rule let uid 0 through)."""
+    has_cap = cap_ipc_lock("Uid:\t0\t0\t0\t0\nCapEff:\t00000000a80425fb\n")
+    assert not has_cap and not can_lock(64 << 20, 8 << 30, has_cap)
