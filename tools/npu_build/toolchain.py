@@ -21,10 +21,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_CACHE = ROOT / "build" / "npu-toolchain"
-# vllm-ascend v0.23.0 pins torch 2.10.0 and the matching torch_npu (docs: research/ascend_first_contact, section 0)
+# what vllm-ascend v0.23.0 pins (requirements.txt: torch-npu==2.10.0.post4) on its CANN 9.1.0 / Python 3.12 image
+# (research/ascend_second_look_2026-11, section 0)
 TORCH_VERSION = "2.10.0"
-TORCH_NPU_VERSION = "2.10.0.post7"
-WHEEL_PYTHON = "3.11"  # any tag with both wheels; headers and libraries do not depend on it
+TORCH_NPU_VERSION = "2.10.0.post4"
+WHEEL_PYTHON = "3.12"  # the image's Python; both wheels exist for cp312 (headers and libraries do not depend on it)
 TORCH_MEMBERS = ("torch/include/*", "torch/lib/libc10.so", "torch/lib/libtorch.so", "torch/lib/libtorch_cpu.so",
                  "torch/lib/libtorch_python.so")
 TORCH_NPU_MEMBERS = ("torch_npu/include/*", "torch_npu/lib/libtorch_npu.so")
@@ -49,7 +50,12 @@ class Toolchain:
 
     @property
     def acl_headers(self) -> Path:
-        return self.torch_npu_root / "include" / "acl"
+        """The wheel's copy of CANN's acl/*.h: post7 ships include/acl/, post4 only include/third_party/acl/inc/acl/."""
+        include = self.torch_npu_root / "include"
+        for candidate in (include / "acl", include / "third_party" / "acl" / "inc" / "acl"):
+            if (candidate / "acl.h").is_file():
+                return candidate
+        raise FileNotFoundError(f"no acl/acl.h under {include}: not a torch_npu wheel this check knows")
 
     @property
     def torch_libraries(self) -> list[Path]:
