@@ -142,10 +142,11 @@ def test_negative_control_the_symbol_check_flags_what_torch_npu_does_not_export(
     it compiles and links (a shared object may leave symbols undefined) and would fail only at import."""
     command = _command_for(npu_build, "npu_module.cpp")
     bad, good = tmp_path / "not_exported.cpp", tmp_path / "exported.cpp"
-    for path, call in ((bad, "GetTaskQueueEnable"), (good, "GetRankId")):  # same header; GetRankId is C10_NPU_API
+    # same header; isACLGlobalLogOn is its one C10_NPU_API member in 2.10.0.post4 (post7 also exports GetRankId)
+    for path, call in ((bad, "GetTaskQueueEnable()"), (good, "isACLGlobalLogOn(ACL_INFO)")):
         path.write_text('#include "torch_npu/csrc/core/npu/register/OptionsManager.h"\n'
                         'extern "C" __attribute__((visibility("default"))) long Probe() {\n'
-                        f"  return static_cast<long>(c10_npu::option::OptionsManager::{call}());\n}}\n")
+                        f"  return static_cast<long>(c10_npu::option::OptionsManager::{call});\n}}\n")
     providers = _providers(npu_build, npu_toolchain)
     flagged = check_symbols_resolve(_shared_library(command, bad, tmp_path), providers)
     assert not flagged.passed, flagged
