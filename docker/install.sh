@@ -8,7 +8,8 @@
 # _emu and logs why the NPU and CUDA modules are skipped.
 #
 #   PYTHON                 interpreter to install for (default python3)
-#   SOC_VERSION            AscendC target, e.g. ascend910b1, ascend910_9391, ascend310p1 (default: what npu-smi reports)
+#   SOC_VERSION            AscendC target, e.g. ascend910b1, ascend910_9391, ascend310p1 (default: what npu-smi reports;
+#                          with neither, REQUIRE_MODULES=_npu fails at once)
 #   INSTALL_TARGET         install into this directory (pip --target) instead of the environment
 #   MOONCAKE_REQUIREMENT   a Mooncake requirement to add, e.g. mooncake-transfer-engine==0.3.13.post1 (default none:
 #                          the vllm-ascend images already carry mooncake-transfer-engine-npu)
@@ -37,6 +38,14 @@ for env_script in /usr/local/Ascend/cann/set_env.sh /usr/local/Ascend/ascend-too
   fi
 done
 if [[ -n ${ASCEND_HOME_PATH:-} ]]; then say "CANN at $ASCEND_HOME_PATH, SOC_VERSION=${SOC_VERSION:-<from npu-smi>}"; fi
+# The SoC comes from SOC_VERSION (in Dockerfile.ascend the build argument, else the base image's own ENV), else from
+# npu-smi, which a driverless `docker build` cannot ask: fail now, not after a build that skips _npu.
+if [[ -n ${ASCEND_HOME_PATH:-} && -z ${SOC_VERSION:-} && " ${REQUIRE_MODULES:-} " == *" _npu "* ]] \
+  && ! npu-smi info > /dev/null 2>&1; then
+  say "lmcache_npu._npu is required but no SoC is known: SOC_VERSION is unset (no --build-arg SOC_VERSION, no ENV"
+  say "SOC_VERSION in the base image) and npu-smi cannot report one; set SOC_VERSION, e.g. ascend910b1"
+  exit 1
+fi
 
 # For the build step only: the link of _npu (through libtorch_npu and CANN's runtime) needs libascend_hal.so, which
 # the driver provides on a card and the toolkit's devlib/ stubs for a driverless `docker build`; and `import torch`
@@ -82,17 +91,22 @@ for name in ${REQUIRE_MODULES:-}; do
   [[ -n $(module_file "$name") ]] || { say "lmcache_npu.$name was required (REQUIRE_MODULES) but not built"; exit 1; }
 done
 
-# _npu as the dynamic loader will see it: RUNPATH $ORIGIN on it and on the kernel library (else _npu cannot find the
-# library beside it), each library it NEEDs found where the loader looks first, and no symbol of ours undefined.
-# What CANN's and torch_npu's own libraries lack in a driverless build is theirs and is not judged here.
+# _npu as the dynamic loader will see it: RUNPATH $ORIGIN on it (else it cannot find the kernel library beside it),
+# each library it NEEDs found where the loader looks first, and no symbol of ours undefined. The kernel library needs
+# no RUNPATH (its NEEDED are CANN's, on LD_LIBRARY_PATH). What CANN's and torch_npu's own libraries lack in a
+# driverless build is theirs and is not judged here.
 verify_npu_module() {
-  local npu=$1 kernels=$pkg/liblmcache_npu_kernels.so lib search_path report name first undefined
+  local npu=$1 kernels=$pkg/liblmcache_npu_kernels.so search_path report name first undefined
   [[ -f $kernels ]] || { say "$kernels is missing beside $npu"; return 1; }
-  for lib in "$npu" "$kernels"; do
-    search_path=$(readelf -d "$lib" | sed -n 's/.*(\(RUNPATH\|RPATH\)).*\[\(.*\)\]/\2/p')
-    # shellcheck disable=SC2016
-    [[ ":$search_path:" == *':$ORIGIN:'* ]] || { say "$lib has no RUNPATH \$ORIGIN (has '$search_path')"; return 1; }
-  done
+  search_path=$(readelf -d "$npu" | sed -n 's/.*(\(RUNPATH\|RPATH\)).*\[\(.*\)\]/\2/p')
+  # shellcheck disable=SC2016
+  [[ ":$search_path:" == *':$ORIGIN:'* ]] || { say "$npu has no RUNPATH \$ORIGIN (has '$search_path')"; return 1; }
+  # CANN's ascendc_library re-links the kernel library from link.txt without a shell, so a RUNPATH CMake gives it
+  # arrives with its shell quoting (the literal "\$ORIGIN"): the sign that csrc/ascendc gives it one again.
+  search_path=$(readelf -d "$kernels" | sed -n 's/.*(\(RUNPATH\|RPATH\)).*\[\(.*\)\]/\2/p')
+  if [[ $search_path == *[\"\'\\]* ]]; then
+    say "$kernels has a RUNPATH garbled by CANN's re-link ('$search_path'); it must have none"; return 1
+  fi
   report=$("${build_env[@]}" ldd -r "$npu" 2>&1 || true)
   for name in $(readelf -d "$npu" | sed -n 's/.*(NEEDED).*\[\(.*\)\]/\1/p'); do
     # ldd lists a direct dependency first (the dynamic loader itself by its path)

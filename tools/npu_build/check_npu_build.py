@@ -1,10 +1,12 @@
 """make check-npu-build: the _npu build with CANN's CMake rules, proven on x86 without CANN (docs/npu_build.md).
 
 Steps: (a) the real torch / torch_npu headers and libraries from their wheels (cached in build/npu-toolchain);
-the stand-in CANN toolkit (real ACL headers, stub libraries); (b) csrc/ascendc configured and built against it;
-(c) RUNPATH $ORIGIN on _npu and the kernel library, and every NEEDED of both resolved with only the toolkit's lib64
-on LD_LIBRARY_PATH; (d) every undefined symbol of _npu exported by a library it will load; (e) every _npu source
-compiled with -fsyntax-only against the real ACL, torch_npu and torch headers; (f) a table, non-zero exit on failure.
+the stand-in CANN toolkit (real ACL headers, stub libraries); (b) csrc/ascendc configured (Unix Makefiles, as CANN's
+re-link needs) and built against it, the kernel library re-linked from link.txt without a shell as CANN does;
+(c) RUNPATH $ORIGIN on _npu, none on the kernel library, and every NEEDED of both (as re-linked) resolved with only
+the toolkit's lib64 on LD_LIBRARY_PATH; (d) every undefined symbol of _npu exported by a library it will load;
+(e) every _npu source compiled with -fsyntax-only against the real ACL, torch_npu and torch headers; (f) the SoC
+compiled into _npu; (g) a table, non-zero exit on failure.
 
     .venv/bin/python tools/npu_build/check_npu_build.py [--source-root DIR] [--scratch DIR]
 """
@@ -25,9 +27,10 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from tools.npu_build.elf_checks import (CheckResult, check_needed_resolve, check_search_path,  # noqa: E402
-                                        check_symbols_resolve)
-from tools.npu_build.header_check import check_real_headers, target_compile_commands  # noqa: E402
+from tools.npu_build.elf_checks import (CheckResult, check_needed_resolve, check_no_search_path,  # noqa: E402
+                                        check_search_path, check_symbols_resolve)
+from tools.npu_build.header_check import (CompileCommand, check_real_headers,  # noqa: E402
+                                          target_compile_commands)
 from tools.npu_build.standin import assemble_standin  # noqa: E402
 from tools.npu_build.toolchain import ROOT, Toolchain, ToolchainUnavailable, ensure_toolchain  # noqa: E402
 
@@ -35,6 +38,10 @@ DEFAULT_SCRATCH = ROOT / "build" / "npu-build-check"
 SOC_VERSION = "ascend910b1"
 KERNEL_LIBRARY = "liblmcache_npu_kernels.so"
 NPU_RUNPATH = ["$ORIGIN", "$ORIGIN/../torch/lib", "$ORIGIN/../torch_npu/lib"]
+# CANN re-links the kernel library from link.txt, which only the Makefile generators write (not Ninja)
+CMAKE_GENERATOR = ("-G", "Unix Makefiles")
+BUILT_SOC_MACRO = "LMCACHE_NPU_BUILT_SOC"
+RELINK_MARK = "stand-in CANN relink:"  # what the stand-in's relink.py prints before each replayed command
 
 
 @dataclass(frozen=True)
@@ -80,7 +87,7 @@ def configure_and_build(source_root: Path, scratch: Path, toolchain: Toolchain, 
     shutil.rmtree(build_dir, ignore_errors=True)
     build_dir.mkdir(parents=True)
     package_dir = site_packages_layout(scratch, toolchain)
-    configure = ["cmake", "-S", str(source_root / "csrc" / "ascendc"), "-B", str(build_dir),
+    configure = ["cmake", *CMAKE_GENERATOR, "-S", str(source_root / "csrc" / "ascendc"), "-B", str(build_dir),
                  f"-DASCEND_CANN_PACKAGE_PATH={standin}", f"-DSOC_VERSION={SOC_VERSION}",
                  f"-DCMAKE_BUILD_TYPE={build_type}",
                  f"-DTORCH_ROOT={toolchain.torch_root}", f"-DTORCH_NPU_ROOT={toolchain.torch_npu_root}",
@@ -107,16 +114,49 @@ def check_build(build: BuildResult) -> CheckResult:
     return CheckResult("cmake build", True, f"{', '.join(built)} in {build.package_dir.parent.name}/lmcache_npu")
 
 
+def check_relinked(build: BuildResult) -> CheckResult:
+    """The kernel library the later checks read is the one CANN's POST_BUILD re-link wrote (build log)."""
+    replayed = [line.strip() for line in build.log.splitlines()
+                if line.strip().startswith(RELINK_MARK) and f"/{KERNEL_LIBRARY} " in f"{line} "]
+    if not replayed:
+        return CheckResult(f"relink {KERNEL_LIBRARY}", False, "the build log shows no re-link from link.txt",
+                           ["the stand-in ascendc.cmake must delete and re-link the library (relink.py)"])
+    return CheckResult(f"relink {KERNEL_LIBRARY}", True, "deleted and re-linked from link.txt, no shell", replayed)
+
+
+def _reads_macro(commands: list[CompileCommand]) -> list[str]:
+    """The sources (and the headers beside them) that mention the built-SoC macro."""
+    files = {c.source for c in commands} | {h for c in commands for h in c.source.parent.glob("*.h")}
+    return sorted(f.name for f in files if BUILT_SOC_MACRO in f.read_text(errors="replace"))
+
+
+def check_built_soc(npu: Path, commands: list[CompileCommand], soc: str = SOC_VERSION) -> CheckResult:
+    """Every _npu source is compiled with LMCACHE_NPU_BUILT_SOC="<SOC_VERSION>"; once a source reads it, the string
+    is in the module (so _npu can name the SoC its kernels were built for)."""
+    define = f'-D{BUILT_SOC_MACRO}="{soc}"'
+    missing = [c.source.name for c in commands if define not in c.arguments]
+    if not commands or missing:
+        return CheckResult("built SoC", False, f"{define} missing from {', '.join(missing) or 'every source'}")
+    readers = _reads_macro(commands)
+    if readers and soc.encode() not in npu.read_bytes():
+        return CheckResult("built SoC", False, f'"{soc}" is not in {npu.name} though {", ".join(readers)} read it')
+    where = f'"{soc}" in {npu.name}' if readers else "no source reads it yet"
+    return CheckResult("built SoC", True, f"{define} on {len(commands)} sources; {where}")
+
+
 def post_build_steps(build: BuildResult, toolchain: Toolchain, standin: Path) -> list[Callable[[], CheckResult]]:
-    """(c) RUNPATH and NEEDED, (d) symbols, (e) real headers, for a build that produced both libraries."""
+    """(b) the re-link, (c) RUNPATH and NEEDED, (d) symbols, (e) real headers, (f) the SoC, for a build that produced
+    both libraries."""
     npu, kernels = build.npu_module, build.kernel_library
     assert npu is not None and kernels is not None
     loader_path = [standin / "lib64"]  # what CANN's set_env.sh provides; torch's dirs must come from the RUNPATH
     providers = [*toolchain.torch_libraries, *sorted((standin / "lib64").glob("*.so")), kernels]
-    return [lambda: check_search_path(npu, NPU_RUNPATH), lambda: check_search_path(kernels, ["$ORIGIN"]),
+    commands = target_compile_commands(build.build_dir)
+    return [lambda: check_relinked(build),
+            lambda: check_search_path(npu, NPU_RUNPATH), lambda: check_no_search_path(kernels),
             lambda: check_needed_resolve(npu, loader_path), lambda: check_needed_resolve(kernels, loader_path),
             lambda: check_symbols_resolve(npu, providers), lambda: check_symbols_resolve(kernels, providers),
-            lambda: check_real_headers(target_compile_commands(build.build_dir), toolchain, standin)]
+            lambda: check_real_headers(commands, toolchain, standin), lambda: check_built_soc(npu, commands)]
 
 
 def post_build_checks(build: BuildResult, toolchain: Toolchain, standin: Path) -> list[CheckResult]:

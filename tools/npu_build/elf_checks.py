@@ -64,6 +64,21 @@ def check_search_path(library: Path, required: list[str]) -> CheckResult:
     return CheckResult(f"runpath {library.name}", True, f"{tag} [{shown}]")
 
 
+def check_no_search_path(library: Path) -> CheckResult:
+    """The library has no RUNPATH or RPATH at all. For the AscendC kernel library: CANN's ascendc_library re-links it
+    from link.txt without a shell, so any RUNPATH CMake gives it arrives shell-quoted, e.g. the literal "\\$ORIGIN"."""
+    section = dynamic_section(library)
+    tag = "RUNPATH" if section.runpath else "RPATH" if section.rpath else ""
+    if not tag:
+        return CheckResult(f"runpath {library.name}", True, "no RUNPATH/RPATH (needs none)")
+    entries = section.runpath or section.rpath
+    shown = ":".join(entries)
+    garbled = any(c in shown for c in "\"'\\")  # shell quoting only a shell would have removed
+    why = "garbled by CANN's re-link of link.txt without a shell; " if garbled else ""
+    return CheckResult(f"runpath {library.name}", False, f"{tag} [{shown}]: {why}the kernel library must have none",
+                       [f"readelf -d {library}: {tag} [{shown}]"])
+
+
 def ldd_map(library: Path, ld_library_path: list[Path]) -> dict[str, str | None]:
     """soname -> resolved path (None: not found), as the loader resolves them with this LD_LIBRARY_PATH."""
     env = {**os.environ, "LD_LIBRARY_PATH": ":".join(str(p) for p in ld_library_path)}

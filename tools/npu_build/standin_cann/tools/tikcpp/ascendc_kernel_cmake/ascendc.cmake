@@ -7,6 +7,10 @@
 #     ${CMAKE_BINARY_DIR}/include/<name>/aclrtlaunch_<kernel>.h from each kernel's signature and builds <name> from
 #     stub launchers with exactly that signature; its usage requirements are the real ones: the header directory and
 #     <CANN>/include, <CANN>/lib64, and the CANN host libraries on the link line; output in ${CMAKE_BINARY_DIR}/lib;
+#   * after linking a SHARED or STATIC <name>, a POST_BUILD step deletes it and re-links it by replaying
+#     CMakeFiles/<name>.dir/link.txt split on whitespace, without a shell (relink.py), as the real rule does: shell
+#     quoting in link.txt (a RUNPATH's "\$ORIGIN") reaches the linker literally, and a generator that writes no
+#     link.txt (Ninja) fails the build;
 #   * ascendc_compile_definitions / ascendc_include_directories / ascendc_compile_options forward to the target
 #     (the definitions also reach the header generator, which resolves the kernel's name with them).
 if(NOT DEFINED SOC_VERSION)
@@ -70,6 +74,14 @@ function(ascendc_library target_name target_type)
     POSITION_INDEPENDENT_CODE ON
     LIBRARY_OUTPUT_DIRECTORY "${CMAKE_BINARY_DIR}/lib"
     ARCHIVE_OUTPUT_DIRECTORY "${CMAKE_BINARY_DIR}/lib")
+  if(NOT type STREQUAL "OBJECT")
+    # The real toolkit re-links here to add its host-stub objects; the stand-in replays the same command unchanged.
+    add_custom_command(TARGET ${target_name} POST_BUILD
+      COMMAND rm -f $<TARGET_FILE:${target_name}>
+      COMMAND "${ASCEND_PYTHON_EXECUTABLE}" "${_STANDIN_ASCENDC_CMAKE_DIR}/relink.py"
+              --root-dir "${CMAKE_CURRENT_BINARY_DIR}" --target-name ${target_name}
+      COMMENT "stand-in CANN: re-linking ${target_name} from link.txt")
+  endif()
 endfunction()
 
 function(ascendc_compile_definitions target_name target_scope)
