@@ -203,7 +203,9 @@ class BuildExt(build_ext):
         package_dir = Path(self.get_ext_fullpath("lmcache_npu._emu")).parent
         import pybind11
 
-        cmake = ["cmake", str(ROOT / "csrc" / "ascendc"), f"-DSOC_VERSION={soc}",
+        # Unix Makefiles whatever CMAKE_GENERATOR says: CANN's ascendc_library re-links the kernel library from
+        # CMakeFiles/<target>.dir/link.txt, which the Makefile generators alone write (Ninja: FileNotFoundError).
+        cmake = ["cmake", "-G", "Unix Makefiles", str(ROOT / "csrc" / "ascendc"), f"-DSOC_VERSION={soc}",
                  f"-DASCEND_CANN_PACKAGE_PATH={home}", "-DCMAKE_BUILD_TYPE=Release",
                  f"-DPython3_EXECUTABLE={sys.executable}", f"-Dpybind11_DIR={pybind11.get_cmake_dir()}",
                  f"-DLMCACHE_NPU_OUTPUT_DIR={package_dir.resolve()}", *torch_args]
