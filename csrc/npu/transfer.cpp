@@ -1,5 +1,8 @@
 #include "transfer.h"
 
+#include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <stdexcept>
 #include <string>
 #include <tuple>
@@ -55,20 +58,59 @@ std::string WindowCall(const char* call, size_t window) {
 struct Transfer::State {
   std::mutex mutex;
   std::condition_variable tail_ran;
-  uint64_t tail_sequence = 0;  // the last transfer whose tail task has run
+  uint64_t tail_sequence = 0;  // the last transfer whose tail task has run (or was dropped)
   bool event_recorded = false;  // whether that tail recorded the completion event
   TransferError error;         // the current transfer's first failure, its text taken on the thread that failed
 
   void Fail(const std::string& operation, int code) {
-    std::string text = AclErrorText(operation.c_str(), code);  // aclGetRecentErrMsg is per thread: read it here
+    FailWith(code == 0 ? -1 : code, AclErrorText(operation.c_str(), code));  // aclGetRecentErrMsg is per thread
+  }
+  void FailWith(int code, std::string text) {
     std::lock_guard<std::mutex> lock(mutex);
-    if (!error.failed()) error = {code == 0 ? -1 : code, std::move(text)};
+    if (!error.failed()) error = {code, std::move(text)};
   }
   bool Failed() {
     std::lock_guard<std::mutex> lock(mutex);
     return error.failed();
   }
+  // The tail of transfer `sequence` is over: ran (and recorded the event, or not) or was dropped.
+  void TailOver(uint64_t sequence, bool recorded) {
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      tail_sequence = std::max(tail_sequence, sequence);
+      event_recorded = recorded;
+    }
+    tail_ran.notify_all();
+  }
 };
+
+namespace {
+
+// Rides in every queued task (shared by its copies): destroyed without having run means torch_npu dropped the task
+// (released after an earlier task failed) or refused it (its queue in an error state). Then the transfer fails and,
+// for the tail, the wait ends: the destructor runs on whichever thread releases the task.
+class TaskGuard {
+ public:
+  TaskGuard(std::shared_ptr<Transfer::State> state, std::string task, uint64_t tail_of)
+      : state_(std::move(state)), task_(std::move(task)), tail_of_(tail_of) {}
+  TaskGuard(const TaskGuard&) = delete;
+  TaskGuard& operator=(const TaskGuard&) = delete;
+  ~TaskGuard() {
+    if (ran_.load()) return;
+    state_->FailWith(-1, task_ + " was dropped by torch_npu's task queue without running (an earlier task on the "
+                                 "device failed, or the queue is in an error state)");
+    if (tail_of_ != 0) state_->TailOver(tail_of_, false);
+  }
+  void Ran() { ran_.store(true); }
+
+ private:
+  std::shared_ptr<Transfer::State> state_;
+  std::string task_;
+  uint64_t tail_of_;  // the transfer whose tail this is (0: a window)
+  std::atomic<bool> ran_{false};
+};
+
+}  // namespace
 
 namespace {
 
@@ -158,7 +200,8 @@ void ValidateLaunch(const LaunchDesc& launch, uint32_t window) {
   }
 }
 
-Transfer::Transfer() : state_(std::make_shared<State>()) {
+Transfer::Transfer(uint32_t timeout_ms) : state_(std::make_shared<State>()), timeout_ms_(timeout_ms) {
+  if (timeout_ms_ == 0) throw std::invalid_argument("a transfer's wait deadline must be at least 1 ms");
   const aclError rc = aclrtCreateEvent(&done_);
   if (rc != ACL_SUCCESS) throw std::runtime_error(AclErrorText("aclrtCreateEvent", rc));
 }
@@ -167,7 +210,24 @@ Transfer::~Transfer() {
   if (done_ != nullptr) aclrtDestroyEvent(done_);  // a failure here has no one left to report to
 }
 
+void Transfer::RequireIdle() {
+  if (timed_out_ == 0) return;
+  bool tail_over = false, recorded = false;
+  {
+    std::lock_guard<std::mutex> lock(state_->mutex);
+    tail_over = state_->tail_sequence >= timed_out_;
+    recorded = state_->event_recorded;
+  }
+  // 0 ms: only asks whether the late transfer's completion event has been reached
+  if (!tail_over || !recorded || aclrtSynchronizeEventWithTimeout(done_, 0) != ACL_SUCCESS) {
+    throw std::runtime_error("this lane's transfer " + std::to_string(timed_out_) + " timed out and has not "
+                             "finished on the device: no new transfer until it has");
+  }
+  timed_out_ = 0;
+}
+
 void Transfer::Begin() {
+  RequireIdle();
   std::lock_guard<std::mutex> lock(state_->mutex);
   state_->error = TransferError();
   ++sequence_;
@@ -180,7 +240,9 @@ void Transfer::SubmitWindows(uint64_t launches, uint32_t count) {
   // Each window is its own task: the model's launches may interleave between windows, never inside one.
   for (size_t w = 0; w < windows.size(); ++w) {
     const bool last = w + 1 == windows.size();
-    Submit("lmcache_kv_transfer", [stream, state, window = std::move(windows[w]), w, last]() -> int {
+    auto guard = std::make_shared<TaskGuard>(state, WindowCall("the transfer task", w), 0);
+    Submit("lmcache_kv_transfer", [stream, state, guard, window = std::move(windows[w]), w, last]() -> int {
+      guard->Ran();
       RunWindow(window, w, last, stream, *state);
       return ACL_SUCCESS;  // a failure is the transfer's, raised by Wait(), never the model's queue's
     });
@@ -191,32 +253,46 @@ void Transfer::SubmitTail(uint64_t launches, uint32_t count) {
   std::vector<Window> windows = ReadWindows(launches, count);
   const aclrtStream stream = CurrentStream();
   std::shared_ptr<State> state = state_;
-  Submit("lmcache_kv_transfer_tail", [stream, state, done = done_, sequence = sequence_,
+  auto guard = std::make_shared<TaskGuard>(state, "the transfer's tail task", sequence_);
+  Submit("lmcache_kv_transfer_tail", [stream, state, guard, done = done_, sequence = sequence_,
                                       copies = std::move(windows.back().copies_out),
                                       w = windows.size() - 1]() -> int {
+    guard->Ran();
     if (!state->Failed()) CopyOut(copies, w, stream, *state);
     const aclError rc = aclrtRecordEvent(done, stream);  // recorded whatever happened, so the wait always ends
-    {
-      std::lock_guard<std::mutex> lock(state->mutex);
-      state->tail_sequence = sequence;
-      state->event_recorded = rc == ACL_SUCCESS;
-    }
     if (rc != ACL_SUCCESS) state->Fail("aclrtRecordEvent of the completion event", rc);
-    state->tail_ran.notify_all();
+    state->TailOver(sequence, rc == ACL_SUCCESS);
     return ACL_SUCCESS;
   });
 }
 
 void Transfer::Wait() {
+  using Clock = std::chrono::steady_clock;
+  const Clock::time_point deadline = Clock::now() + std::chrono::milliseconds(timeout_ms_);
+  const std::string budget = " within " + std::to_string(timeout_ms_) + " ms";
   bool recorded = false;
   {
     std::unique_lock<std::mutex> lock(state_->mutex);
-    state_->tail_ran.wait(lock, [&] { return state_->tail_sequence >= sequence_; });
+    if (!state_->tail_ran.wait_until(lock, deadline, [&] { return state_->tail_sequence >= sequence_; })) {
+      timed_out_ = sequence_;
+      // late tasks find the transfer failed and skip their device work
+      if (!state_->error.failed()) {
+        state_->error = {-1, "transfer " + std::to_string(sequence_) + ": torch_npu's task queue did not run its "
+                             "tail task" + budget + " (the queue is stalled or the device hung)"};
+      }
+      throw std::runtime_error(state_->error.message);
+    }
     recorded = state_->event_recorded;
   }
   if (recorded) {  // else the tail's task could not record it: waiting on the event would never end
-    const aclError rc = aclrtSynchronizeEvent(done_);
-    if (rc != ACL_SUCCESS) state_->Fail("aclrtSynchronizeEvent", rc);
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
+    const aclError rc = aclrtSynchronizeEventWithTimeout(done_, static_cast<int32_t>(std::max<int64_t>(left, 1)));
+    if (rc == ACL_ERROR_RT_EVENT_SYNC_TIMEOUT || rc == ACL_ERROR_RT_WAIT_TIMEOUT) {
+      timed_out_ = sequence_;  // the device is still busy with this transfer: the lane waits it out first
+    }
+    if (rc != ACL_SUCCESS) {
+      state_->Fail("aclrtSynchronizeEventWithTimeout of the completion event (deadline" + budget + ")", rc);
+    }
   }
   std::lock_guard<std::mutex> lock(state_->mutex);
   if (state_->error.failed()) throw std::runtime_error(state_->error.message);

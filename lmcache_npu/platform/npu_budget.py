@@ -11,6 +11,9 @@ TRANSFER_CORES_DEFAULT = 16
 # in several windows, back to back on the lane's stream): 64 MiB is ~1.3 ms of a 50 GB/s link, so the per-window
 # launch and copy set-up (tens of microseconds) stays a few percent.
 STAGING_WINDOW_BYTES_DEFAULT = 64 << 20
+# How long one transfer may take before the lane gives up on it (a load then recomputes): a window moves in
+# milliseconds, so a minute only passes when torch_npu's task queue or the device has stalled.
+TRANSFER_WAIT_TIMEOUT_MS_DEFAULT = 60_000
 # Transfer lanes per worker (one loads, one stores), each with its own staging window.
 TRANSFER_LANES = 2
 # HCCL buffer of each communicator the TP share exchange makes (HCCL takes 2 x this per communicator; its default is

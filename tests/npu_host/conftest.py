@@ -20,7 +20,7 @@ def fake_device() -> FakeNpu:
         toolchain = ensure_toolchain()
     except ToolchainUnavailable as error:  # no network: nothing to compile against; say so rather than fail
         pytest.skip(f"the torch-npu wheel (ACL headers) could not be fetched: {error}")
-    return FakeNpu(build_fake_npu(toolchain.torch_npu_root / "include"))
+    return FakeNpu(build_fake_npu(toolchain.acl_headers.parent))
 
 
 @pytest.fixture

@@ -41,7 +41,14 @@ class FakeNpu:
         self.lib.lmcache_fake_fail_async_copy_at.argtypes = [ctypes.c_int64]
         self.lib.lmcache_fake_set_soc.argtypes = [ctypes.c_char_p]
         self.lib.lmcache_fake_set_pointer_host_location.argtypes = [ctypes.c_char_p]
+        self.lib.lmcache_fake_registered_flags.restype = ctypes.c_int64
+        self.lib.lmcache_fake_registered_flags.argtypes = [_U64]
+        self.lib.lmcache_fake_queue_drop_pending.restype = _U64
+        self.lib.lmcache_fake_queue_dropped.restype = _U64
+        self.lib.lmcache_fake_queue_model_fail.argtypes = [ctypes.c_char_p]
         self.hal.lmcache_fake_hal_count.restype = _U64
+        self.hal.lmcache_fake_hal_last_device.restype = ctypes.c_int64
+        self.hal.lmcache_fake_hal_unregister_ex_calls.restype = _U64
         self._keep: list[Any] = []
 
     # ---- knobs ------------------------------------------------------------------------------------------------------
@@ -51,7 +58,9 @@ class FakeNpu:
         self.lib.lmcache_fake_queue_set_paused(0)
         self.lib.lmcache_fake_queue_set_enabled(1)
         self.lib.lmcache_fake_queue_set_bypass(0)
+        self.lib.lmcache_fake_queue_set_refusing(0)
         self.lib.lmcache_fake_queue_drain()
+        self.lib.lmcache_fake_queue_reset_errors()
         self.lib.lmcache_fake_reset()
         self.hal.lmcache_fake_hal_set_error(0)
         self.select_device()
@@ -81,6 +90,47 @@ class FakeNpu:
     def set_soc(self, soc: Optional[str]) -> None:
         self.lib.lmcache_fake_set_soc(None if soc is None else soc.encode())
 
+    def set_host_register_v2_error(self, error: int) -> None:
+        """What aclrtHostRegisterV2 returns (an older runtime refuses it); 0: it registers."""
+        self.lib.lmcache_fake_set_host_register_v2_error(error)
+
+    def set_pointer_host_location(self, location: str) -> None:
+        """What aclrtPointerGetAttributes says of registered host memory ("host": page-locked, else pageable)."""
+        self.lib.lmcache_fake_set_pointer_host_location(location.encode())
+
+    def registered_flags(self, address: int) -> int:
+        """aclrtHostRegisterV2's flags for the range at `address`; -1 when V2 did not register it."""
+        return int(self.lib.lmcache_fake_registered_flags(address))
+
+    def set_logic_device(self, offset: int = 0, error: int = 0) -> None:
+        """aclrtGetLogicDevIdByUserDevId answers user id + `offset`, or fails with `error`."""
+        self.lib.lmcache_fake_set_logic_device(offset, error)
+
+    def hal_last_device(self, unregister: bool = False) -> int:
+        return int(self.hal.lmcache_fake_hal_last_device(int(unregister)))
+
+    def hal_unregister_ex_calls(self) -> int:
+        return int(self.hal.lmcache_fake_hal_unregister_ex_calls())
+
+    def stream_paused(self, paused: bool) -> None:
+        """A hung device: the stream runs nothing (events included) until resumed."""
+        self.lib.lmcache_fake_stream_set_paused(int(paused))
+
+    def queue_refusing(self, refusing: bool) -> None:
+        """torch_npu's queue past its error state: an enqueue returns without queuing the task."""
+        self.lib.lmcache_fake_queue_set_refusing(int(refusing))
+
+    def queue_drop_pending(self) -> int:
+        """Every queued task released without running, as torch_npu does after a failed task; how many."""
+        return int(self.lib.lmcache_fake_queue_drop_pending())
+
+    def queue_dropped(self) -> int:
+        return int(self.lib.lmcache_fake_queue_dropped())
+
+    def model_fail(self, name: str) -> None:
+        """A model operation that fails when the queue runs it: the queue drops everything behind it."""
+        self.lib.lmcache_fake_queue_model_fail(name.encode())
+
     def fail_async_copy_at(self, n: int) -> None:
         self.lib.lmcache_fake_fail_async_copy_at(n)
 
@@ -108,7 +158,8 @@ class FakeNpu:
         self.lib.lmcache_fake_queue_model_write(name.encode(), tensor.data_ptr(), value, tensor.numel())
 
     def drain(self) -> None:
-        """Everything queued so far has run on the device (the queue is resumed first)."""
+        """Everything queued so far has run on the device (the queue and the stream are resumed first)."""
+        self.lib.lmcache_fake_stream_set_paused(0)
         self.lib.lmcache_fake_queue_set_paused(0)
         self.lib.lmcache_fake_queue_drain()
         self.lib.lmcache_fake_stream_drain()

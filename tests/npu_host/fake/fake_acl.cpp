@@ -54,6 +54,14 @@ void Stream::Push(std::string name, std::function<void()> op) {
   changed_.notify_all();
 }
 
+void Stream::SetPaused(bool paused) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    paused_ = paused;
+  }
+  changed_.notify_all();
+}
+
 void Stream::Drain() {
   std::unique_lock<std::mutex> lock(mutex_);
   const uint64_t target = pushed_;
@@ -65,7 +73,7 @@ void Stream::Loop() {
     std::pair<std::string, std::function<void()>> op;
     {
       std::unique_lock<std::mutex> lock(mutex_);
-      changed_.wait(lock, [&] { return stop_ || !ops_.empty(); });
+      changed_.wait(lock, [&] { return stop_ || (!paused_ && !ops_.empty()); });
       if (ops_.empty()) return;
       op = std::move(ops_.front());
       ops_.pop_front();
@@ -95,7 +103,8 @@ bool Device::Inside(const std::map<uintptr_t, uint64_t>& ranges, uintptr_t addre
 }
 
 bool Device::PageLocked(uintptr_t address, uint64_t bytes) {
-  return Inside(malloc_host, address, bytes) || Inside(registered, address, bytes) || HalCovers(address, bytes);
+  return Inside(malloc_host, address, bytes) || (Inside(registered, address, bytes) && pointer_host_location == "host") ||
+         HalCovers(address, bytes);
 }
 
 // The fake driver's own record of halHostRegister'ed ranges (the module loaded it by path: RTLD_NOLOAD finds it).
@@ -172,9 +181,46 @@ aclError aclrtHostRegister(void* ptr, uint64_t size, aclrtHostRegisterType type,
   return fake::Fail(d.host_register_error, "aclrtHostRegister is not supported on this host (fake)");
 }
 
+aclError aclrtHostRegisterV2(void* ptr, uint64_t size, uint32_t flag) {
+  auto& d = TheDevice();
+  const auto address = reinterpret_cast<uintptr_t>(ptr);
+  if (address % 4096 != 0 || size == 0) {
+    return fake::Fail(ACL_ERROR_INVALID_PARAM, "aclrtHostRegisterV2: 4 KiB aligned, non-empty");
+  }
+  {
+    std::lock_guard<std::mutex> lock(d.mutex);
+    if (d.host_register_v2_error == 0 && d.host_register_error == 0) {
+      d.registered[address] = size;
+      d.registered_flags[address] = flag;
+      return ACL_SUCCESS;
+    }
+  }
+  return fake::Fail(d.host_register_v2_error != 0 ? d.host_register_v2_error : d.host_register_error,
+                    "aclrtHostRegisterV2 is not supported on this host (fake)");
+}
+
+aclError aclrtHostGetDevicePointer(void* pHost, void** pDevice, uint32_t flag) {
+  std::lock_guard<std::mutex> lock(TheDevice().mutex);
+  const auto address = reinterpret_cast<uintptr_t>(pHost);
+  auto it = TheDevice().registered_flags.find(address);
+  if (flag != 0 || it == TheDevice().registered_flags.end() || (it->second & ACL_HOST_REG_MAPPED) == 0) {
+    return ACL_ERROR_INVALID_PARAM;
+  }
+  *pDevice = pHost;
+  return ACL_SUCCESS;
+}
+
 aclError aclrtHostUnregister(void* ptr) {
   std::lock_guard<std::mutex> lock(TheDevice().mutex);
+  TheDevice().registered_flags.erase(reinterpret_cast<uintptr_t>(ptr));
   return TheDevice().registered.erase(reinterpret_cast<uintptr_t>(ptr)) ? ACL_SUCCESS : ACL_ERROR_INVALID_PARAM;
+}
+
+aclError aclrtGetLogicDevIdByUserDevId(const int32_t userDevid, int32_t* const logicDevId) {
+  std::lock_guard<std::mutex> lock(TheDevice().mutex);
+  if (TheDevice().logic_device_error != 0) return TheDevice().logic_device_error;
+  *logicDevId = userDevid + TheDevice().logic_device_offset;
+  return ACL_SUCCESS;
 }
 
 aclError aclrtMallocHost(void** hostPtr, size_t size) {
@@ -321,12 +367,17 @@ aclError aclrtRecordEvent(aclrtEvent event, aclrtStream stream) {
   return ACL_SUCCESS;
 }
 
-aclError aclrtSynchronizeEvent(aclrtEvent event) {
+aclError aclrtSynchronizeEventWithTimeout(aclrtEvent event, int32_t timeout) {
   auto* e = static_cast<fake::Event*>(event);
   {
     std::unique_lock<std::mutex> lock(e->mutex);
     const uint64_t target = e->recorded;
-    e->done.wait(lock, [&] { return e->completed >= target; });
+    auto reached = [&] { return e->completed >= target; };
+    if (timeout < 0) {
+      e->done.wait(lock, reached);
+    } else if (!e->done.wait_for(lock, std::chrono::milliseconds(timeout), reached)) {
+      return ACL_ERROR_RT_EVENT_SYNC_TIMEOUT;
+    }
   }
   std::lock_guard<std::mutex> lock(TheDevice().mutex);
   if (!TheDevice().stream_error.empty()) {

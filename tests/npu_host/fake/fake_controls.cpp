@@ -21,13 +21,15 @@ uint64_t CopyOut(const std::string& text, char* out, uint64_t capacity) {
 extern "C" {
 
 void lmcache_fake_reset() {
+  fake::DefaultStream()->SetPaused(false);
   fake::DefaultStream()->Drain();
   auto& d = fake::TheDevice();
   std::lock_guard<std::mutex> lock(d.mutex);
   d.device_log.clear();
   d.soc = "Ascend910B1";
   d.soc_null = false;
-  d.host_register_error = d.malloc_host_error = d.launch_error = 0;
+  d.host_register_error = d.host_register_v2_error = d.malloc_host_error = d.launch_error = 0;
+  d.logic_device_offset = d.logic_device_error = 0;
   d.fail_async_copy_at = -1;
   d.op_delay_us = 0;
   d.async_copies = d.pageable_async_copies = d.launches = 0;
@@ -48,6 +50,26 @@ void lmcache_fake_set_errors(int host_register, int malloc_host, int launch) {
   fake::TheDevice().malloc_host_error = malloc_host;
   fake::TheDevice().launch_error = launch;
 }
+
+void lmcache_fake_set_host_register_v2_error(int error) {
+  std::lock_guard<std::mutex> lock(fake::TheDevice().mutex);
+  fake::TheDevice().host_register_v2_error = error;
+}
+
+void lmcache_fake_set_logic_device(int offset, int error) {
+  std::lock_guard<std::mutex> lock(fake::TheDevice().mutex);
+  fake::TheDevice().logic_device_offset = offset;
+  fake::TheDevice().logic_device_error = error;
+}
+
+// The flags aclrtHostRegisterV2 was given for the range at `address`; -1 when V2 did not register it.
+int64_t lmcache_fake_registered_flags(uint64_t address) {
+  std::lock_guard<std::mutex> lock(fake::TheDevice().mutex);
+  auto it = fake::TheDevice().registered_flags.find(static_cast<uintptr_t>(address));
+  return it == fake::TheDevice().registered_flags.end() ? -1 : static_cast<int64_t>(it->second);
+}
+
+void lmcache_fake_stream_set_paused(int paused) { fake::DefaultStream()->SetPaused(paused != 0); }
 
 void lmcache_fake_fail_async_copy_at(int64_t n) {
   std::lock_guard<std::mutex> lock(fake::TheDevice().mutex);

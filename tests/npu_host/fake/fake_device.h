@@ -27,6 +27,7 @@ class Stream {
   ~Stream();
   void Push(std::string name, std::function<void()> op);
   void Drain();  // blocks until everything pushed so far has run
+  void SetPaused(bool paused);  // a hung device: nothing more runs until resumed
 
  private:
   void Loop();
@@ -35,6 +36,7 @@ class Stream {
   std::deque<std::pair<std::string, std::function<void()>>> ops_;
   uint64_t pushed_ = 0, ran_ = 0;
   bool stop_ = false;
+  bool paused_ = false;
   std::thread worker_;
 };
 
@@ -50,11 +52,15 @@ struct Device {
   std::mutex mutex;
   std::map<uintptr_t, uint64_t> device_memory;  // aclrtMalloc'd: the kernel's GM
   std::map<uintptr_t, uint64_t> malloc_host;    // aclrtMallocHost'd: page-locked
-  std::map<uintptr_t, uint64_t> registered;     // aclrtHostRegister'ed: page-locked
+  std::map<uintptr_t, uint64_t> registered;     // aclrtHostRegister'ed (V1 or V2): page-locked when the runtime says
+  std::map<uintptr_t, uint32_t> registered_flags;  // aclrtHostRegisterV2's flags per range (V1: none)
   std::vector<std::string> device_log;          // the names of operations in the order the device ran them
   std::string soc = "Ascend910B1";
   bool soc_null = false;
   int host_register_error = 0;   // what aclrtHostRegister returns (0: success)
+  int host_register_v2_error = 0;  // what aclrtHostRegisterV2 returns (0: success; an older runtime refuses it)
+  int logic_device_offset = 0;   // aclrtGetLogicDevIdByUserDevId: user id + this (renumbered devices)
+  int logic_device_error = 0;    // what it returns instead (0: success)
   int malloc_host_error = 0;
   int launch_error = 0;          // what aclrtlaunch_* returns
   int64_t fail_async_copy_at = -1;  // the n-th aclrtMemcpyAsync from now fails (-1: none)
@@ -64,7 +70,9 @@ struct Device {
   uint64_t launches = 0;
   std::string stream_error;      // a kernel fault: every later synchronization reports it
   std::string last_error;        // aclGetRecentErrMsg
-  std::string pointer_host_location = "host";  // what aclrtPointerGetAttributes says of registered host memory
+  // What aclrtPointerGetAttributes says of registered host memory; anything but "host" is memory the runtime does
+  // not treat as page-locked, so async copies from it run synchronously (as CANN's do).
+  std::string pointer_host_location = "host";
 
   bool PageLocked(uintptr_t address, uint64_t bytes);  // caller holds `mutex`
   static bool Inside(const std::map<uintptr_t, uint64_t>& ranges, uintptr_t address, uint64_t bytes);

@@ -1,5 +1,7 @@
 // task_queue.h on the fake device: torch_npu's task queue as one FIFO run by its own thread (on by default, as
 // TASK_QUEUE_ENABLE=1 in vllm-ascend's images), which tests can pause, switch off, or feed the "model's" work.
+// As torch_npu's does, it releases every queued task without running it once a task fails, and it can be put in
+// the state where it refuses new tasks (returns from the enqueue without queuing).
 #include <condition_variable>
 #include <cstring>
 #include <deque>
@@ -21,10 +23,36 @@ class TaskQueue {
   void Push(std::function<int()> task) {
     {
       std::lock_guard<std::mutex> lock(mutex_);
+      if (refusing_) {
+        ++refused_;
+        return;  // `task` is destroyed here, never run: what torch_npu's Enqueue does past its error state
+      }
       tasks_.push_back(std::move(task));
       ++pushed_;
     }
     changed_.notify_all();
+  }
+  void SetRefusing(bool refusing) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    refusing_ = refusing;
+  }
+  // Every queued task released without running (torch_npu's ReadQueue after a failed task); returns how many.
+  uint64_t DropPending() {
+    std::deque<std::function<int()>> dropped;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      dropped.swap(tasks_);
+      ran_ += dropped.size();
+      dropped_ += dropped.size();
+    }
+    const uint64_t count = dropped.size();
+    dropped.clear();  // destroyed outside the lock: their destructors may take other locks
+    changed_.notify_all();
+    return count;
+  }
+  uint64_t Dropped() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return dropped_ + refused_;
   }
   void SetPaused(bool paused) {
     {
@@ -58,11 +86,13 @@ class TaskQueue {
         tasks_.pop_front();
       }
       const int rc = task();
+      task = nullptr;  // destroyed before it counts as run, as torch_npu releases an entry after running it
       {
         std::lock_guard<std::mutex> lock(mutex_);
         if (rc != 0) ++task_errors;
         ++ran_;
       }
+      if (rc != 0) DropPending();  // torch_npu ignores every task behind a failed one
       changed_.notify_all();
     }
   }
@@ -70,8 +100,9 @@ class TaskQueue {
   std::mutex mutex_;
   std::condition_variable changed_;
   std::deque<std::function<int()>> tasks_;
-  uint64_t pushed_ = 0, ran_ = 0;
+  uint64_t pushed_ = 0, ran_ = 0, dropped_ = 0, refused_ = 0;
   bool paused_ = false;
+  bool refusing_ = false;
   std::thread worker_;
 };
 
@@ -112,6 +143,19 @@ void lmcache_fake_queue_set_paused(int paused) { fake::Queue().SetPaused(paused 
 uint64_t lmcache_fake_queue_pending() { return fake::Queue().Pending(); }
 void lmcache_fake_queue_drain() { fake::Queue().Drain(); }
 int lmcache_fake_queue_task_errors() { return fake::Queue().task_errors; }
+void lmcache_fake_queue_set_refusing(int refusing) { fake::Queue().SetRefusing(refusing != 0); }
+void lmcache_fake_queue_reset_errors() { fake::Queue().task_errors = 0; }
+uint64_t lmcache_fake_queue_drop_pending() { return fake::Queue().DropPending(); }
+uint64_t lmcache_fake_queue_dropped() { return fake::Queue().Dropped(); }
+
+// A model operation that fails when the queue runs it (an aclnn error): torch_npu then drops every task behind it.
+void lmcache_fake_queue_model_fail(const char* name) {
+  std::string label(name);
+  fake::Queue().Push([label]() -> int {
+    fake::TheDevice().Log(label);
+    return 507015;  // ACL_ERROR_RT_AICORE_EXCEPTION-like: any non-zero code
+  });
+}
 
 // The model's work as torch_npu queues it: a task that, when the queue runs it, puts a write of `bytes` bytes of
 // `value` at `address` on the stream (a kernel writing KV pages). Logged on the device as `name`.
