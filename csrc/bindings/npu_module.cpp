@@ -19,6 +19,11 @@
 #ifndef LMCACHE_NPU_MODULE_NAME
 #define LMCACHE_NPU_MODULE_NAME _npu
 #endif
+// The SOC_VERSION the kernel library was compiled for (csrc/ascendc/CMakeLists.txt defines it): CANN's generated
+// launcher registers no kernel on a SoC of another family, so Python compares it with the running SoC first.
+#ifndef LMCACHE_NPU_BUILT_SOC
+#define LMCACHE_NPU_BUILT_SOC ""
+#endif
 
 namespace py = pybind11;
 namespace npu = lmcache_npu::npu;
@@ -56,7 +61,17 @@ py::dict Platform(int32_t device) {
   info["vector_cores"] = platform->GetCoreNumAiv();  // AIVs on A2/A3, AI cores on 310P
   info["ub_bytes"] = ub_bytes;
   info["task_queue"] = npu::TaskQueueEnabled();
+  info["built_soc"] = std::string(LMCACHE_NPU_BUILT_SOC);
   return info;
+}
+
+py::tuple HostRegister(uint64_t address, uint64_t bytes) {
+  npu::Registration registration;
+  {
+    py::gil_scoped_release release;
+    registration = npu::HostRegister(address, bytes);
+  }
+  return py::make_tuple(registration.device_address, registration.api);
 }
 
 py::dict PointerAttributes(uint64_t address) {
@@ -108,8 +123,9 @@ PYBIND11_MODULE(LMCACHE_NPU_MODULE_NAME, m) {
   using Release = py::call_guard<py::gil_scoped_release>;
   m.def("platform", &Platform, "SoC name, vector cores, UB bytes and task queue state of the thread's NPU",
         py::arg("device"));
-  m.def("host_register", &npu::HostRegister, "aclrtHostRegister(MAPPED) of [address, address + bytes); the device "
-        "address", py::arg("address"), py::arg("bytes"), Release());
+  m.def("host_register", &HostRegister, "aclrtHostRegisterV2(PINNED|MAPPED), else aclrtHostRegister(MAPPED), of "
+        "[address, address + bytes): (the device address or 0, the call that registered it)", py::arg("address"),
+        py::arg("bytes"));
   m.def("host_unregister", &npu::HostUnregister, "aclrtHostUnregister", py::arg("address"), Release());
   m.def("malloc_host", &npu::MallocHost, "aclrtMallocHost: page-locked host memory; its address", py::arg("bytes"),
         Release());
@@ -125,10 +141,13 @@ PYBIND11_MODULE(LMCACHE_NPU_MODULE_NAME, m) {
         py::arg("host"), py::arg("bytes"), Release());
   m.def("pointer_attributes", &PointerAttributes, "aclrtPointerGetAttributes of an address", py::arg("address"));
   m.def("task_queue_enabled", &npu::TaskQueueEnabled, "whether torch_npu's task queue is on");
+  m.def("logical_device", &npu::LogicalDevice, "the driver's logical id of a user device id (halHostRegister's)",
+        py::arg("user_device"));
+  m.attr("BUILT_SOC") = std::string(LMCACHE_NPU_BUILT_SOC);
 
   py::class_<npu::Transfer>(m, "Transfer", "one lane's transfers: windows enqueued through the task queue, a tail, "
                                            "a wait")
-      .def(py::init<>())
+      .def(py::init<uint32_t>(), py::arg("timeout_ms") = npu::Transfer::kDefaultTimeoutMs)
       .def("begin", &npu::Transfer::Begin)
       .def("submit_windows", &npu::Transfer::SubmitWindows, py::arg("launches"), py::arg("count"), Release())
       .def("submit_tail", &npu::Transfer::SubmitTail, py::arg("launches"), py::arg("count"), Release())

@@ -7,7 +7,9 @@ Every device operation of a transfer (table upload, zeroing, copies, the kernel,
 by the native module as tasks of torch_npu's task queue on the lane's current stream: ordered after what that stream
 already queued (the page fence's waits), without draining the device-wide queue the model's launches go through, and
 asynchronous by construction (the host side is page-locked memory we allocated or registered, never a torch_npu
-guess). The lane waits on an event at the end, never on a stream.
+guess). The lane waits on an event at the end, never on a stream, and never longer than its deadline: a task torch_npu
+drops (after any failed task on the device) or refuses (its queue in an error state) fails the transfer at once, and
+a transfer that does not complete in `wait_timeout_ms` fails too, so a device fault costs a recompute, never a hang.
 """
 
 from __future__ import annotations
@@ -22,12 +24,13 @@ import numpy as np
 import torch
 
 from ..checks import check_int
-from ..platform.npu_budget import STAGING_WINDOW_BYTES_DEFAULT, TRANSFER_CORES_DEFAULT
+from ..platform.npu_budget import (STAGING_WINDOW_BYTES_DEFAULT, TRANSFER_CORES_DEFAULT,
+                                   TRANSFER_WAIT_TIMEOUT_MS_DEFAULT)
 from ..platform.npu_runtime import DeviceBuffer, DeviceUnavailable, NpuRuntime, PinnedBuffer
 from .batch import ChunkBatch
 from .device_staging import StagingLedger, host_stretches, pack_into, packed_offsets
 from .plan import CORE_STATUS_DTYPE, Direction, TransferPlan, align_up
-from .soc import check_soc_rules, soc_from_name
+from .soc import check_built_soc, check_soc_rules, soc_from_name
 from .transfer_backend import AfterKernel, BackendUnavailable, KernelReport, TransferBackend, warm_up
 
 logger = logging.getLogger(__name__)
@@ -77,35 +80,43 @@ class _Grown:
 class NpuBackend(TransferBackend):
     """`cores`: vector cores per launch (default platform.npu_budget.TRANSFER_CORES_DEFAULT, at most the SoC's);
     `staging_bytes`: the device staging window each lane keeps (at least one chunk object; default
-    STAGING_WINDOW_BYTES_DEFAULT)."""
+    STAGING_WINDOW_BYTES_DEFAULT); `wait_timeout_ms`: how long a transfer may take before it fails (default
+    TRANSFER_WAIT_TIMEOUT_MS_DEFAULT)."""
 
     name = "npu"
 
-    def __init__(self, cores: Optional[int] = None, staging_bytes: Optional[int] = None) -> None:
+    def __init__(self, cores: Optional[int] = None, staging_bytes: Optional[int] = None,
+                 wait_timeout_ms: Optional[int] = None) -> None:
         try:
             runtime = NpuRuntime.load()
         except DeviceUnavailable as exc:
             raise BackendUnavailable(str(exc)) from exc
-        self._setup(runtime, cores, staging_bytes)
+        self._setup(runtime, cores, staging_bytes, wait_timeout_ms)
 
     @classmethod
-    def on_runtime(cls, runtime: NpuRuntime, cores: Optional[int] = None,
-                   staging_bytes: Optional[int] = None) -> "NpuBackend":
+    def on_runtime(cls, runtime: NpuRuntime, cores: Optional[int] = None, staging_bytes: Optional[int] = None,
+                   wait_timeout_ms: Optional[int] = None) -> "NpuBackend":
         """A backend over a given runtime (tests: the native code built against a fake device)."""
         backend = cls.__new__(cls)
-        backend._setup(runtime, cores, staging_bytes)
+        backend._setup(runtime, cores, staging_bytes, wait_timeout_ms)
         return backend
 
-    def _setup(self, runtime: NpuRuntime, cores: Optional[int], staging_bytes: Optional[int]) -> None:
-        for key, value in (("cores", cores), ("staging_bytes", staging_bytes)):
+    def _setup(self, runtime: NpuRuntime, cores: Optional[int], staging_bytes: Optional[int],
+               wait_timeout_ms: Optional[int]) -> None:
+        for key, value in (("cores", cores), ("staging_bytes", staging_bytes), ("wait_timeout_ms", wait_timeout_ms)):
             if value is not None:
-                check_int(f"backend_options.{key}", value, lo=1)
+                check_int(f"backend_options.{key}", value, lo=1, hi=2**31 - 1 if key == "wait_timeout_ms" else None)
         from lmcache_npu import _emu
 
         self.runtime = runtime
         self._launch_dtype = launch_dtype(runtime.native)
         platform = runtime.platform()
-        self.soc = soc_from_name(platform.soc, platform.ub_bytes, platform.vector_cores)
+        try:
+            self.soc = soc_from_name(platform.soc, platform.ub_bytes, platform.vector_cores)
+            check_built_soc(platform.built_soc, platform.soc)
+        except ValueError as exc:  # a build that cannot run here: refused at start, never a failed launch later
+            raise BackendUnavailable(str(exc)) from exc
+        self.wait_timeout_ms = wait_timeout_ms if wait_timeout_ms is not None else TRANSFER_WAIT_TIMEOUT_MS_DEFAULT
         if cores is not None and cores > platform.vector_cores:
             raise ValueError(f"backend_options.cores {cores} exceeds the {platform.vector_cores} vector cores of "
                              f"{platform.soc}")
@@ -230,7 +241,7 @@ class NpuBackend(TransferBackend):
     def _native_transfer(self) -> Any:
         if self._transfer is None:
             self.runtime.bind_thread()
-            self._transfer = self.runtime.native.Transfer()
+            self._transfer = self.runtime.native.Transfer(self.wait_timeout_ms)
         return self._transfer
 
     def _launches(self, plan: TransferPlan, windows: Sequence[ChunkBatch],

@@ -37,12 +37,14 @@ class DeviceUnavailable(RuntimeError):
 
 @dataclass(frozen=True)
 class NpuPlatform:
-    """What the native module reads from the device: SoC name, vector cores, UB bytes, task queue state."""
+    """What the native module reads from the device (SoC name, vector cores, UB bytes, task queue state) and the
+    SOC_VERSION its kernel library was built for ("" for a build that did not record it)."""
 
     soc: str
     vector_cores: int
     ub_bytes: int
     task_queue: bool
+    built_soc: str = ""
 
 
 class NpuRuntime:
@@ -70,16 +72,20 @@ class NpuRuntime:
                                      f"{exc}") from exc
         if not torch.npu.is_available():  # type: ignore[attr-defined]
             raise DeviceUnavailable("torch_npu is installed but no Ascend NPU is visible")
-        try:
-            from lmcache_npu import _npu  # type: ignore[attr-defined]
-        except ImportError as exc:
-            raise DeviceUnavailable(f"lmcache_npu._npu cannot be loaded ({exc}): reinstall with CANN present "
-                                     "(ASCEND_HOME_PATH set, SOC_VERSION or npu-smi available)") from exc
         index = int(torch.npu.current_device() if device_index is None else device_index)  # type: ignore[attr-defined]
         device = torch.device("npu", index)
 
         def bind_thread() -> None:
             torch.npu.set_device(index)  # type: ignore[attr-defined]  # also initialises ACL on a first call
+
+        # the device first: importing _npu runs CANN's kernel-registration constructor, which asks ACL for the SoC
+        # (vllm-ascend imports its custom ops late for the same reason)
+        bind_thread()
+        try:
+            from lmcache_npu import _npu  # type: ignore[attr-defined]
+        except ImportError as exc:
+            raise DeviceUnavailable(f"lmcache_npu._npu cannot be loaded ({exc}): reinstall with CANN present "
+                                     "(ASCEND_HOME_PATH set, SOC_VERSION or npu-smi available)") from exc
 
         return cls(_npu, index, device, bind_thread, lambda t: t.device.type == "npu")
 
@@ -90,7 +96,7 @@ class NpuRuntime:
                 self.bind_thread()
                 info = self.native.platform(self.device_index)
                 self._platform = NpuPlatform(str(info["soc"]), int(info["vector_cores"]), int(info["ub_bytes"]),
-                                             bool(info["task_queue"]))
+                                             bool(info["task_queue"]), str(info.get("built_soc", "")))
             return self._platform
 
     def device_buffer(self, nbytes: int, what: str) -> "DeviceBuffer":

@@ -55,10 +55,20 @@ def npu_module_status(find_spec: Callable[[str], Any], import_module: Callable[[
     return RUN, ""
 
 
+def import_after_selecting_a_device(module: str) -> Any:
+    """Imports `module` with NPU 0 selected first: importing `_npu` runs CANN's kernel-registration constructor, which
+    asks ACL for the SoC and aborts the process when no device is set up (finding F11 of the second look)."""
+    import torch
+    import torch_npu  # noqa: F401  (registers torch.npu)
+
+    torch.npu.set_device(0)  # type: ignore[attr-defined]
+    return importlib.import_module(module)
+
+
 @lru_cache(maxsize=1)
 def status() -> tuple[str, str]:
     """This machine's verdict, found once per session (the import of `_npu` happens at most once)."""
-    return npu_module_status(importlib.util.find_spec, importlib.import_module, card_visible)
+    return npu_module_status(importlib.util.find_spec, import_after_selecting_a_device, card_visible)
 
 
 def enforce(verdict: str, reason: str) -> None:

@@ -25,6 +25,7 @@ REAL_SOURCES = [ROOT / "csrc/bindings/npu_module.cpp", *sorted(p for p in (ROOT 
 FAKE_SOURCES = [FAKE / "fake_acl.cpp", FAKE / "fake_task_queue.cpp", FAKE / "fake_launch.cpp",
                 FAKE / "fake_controls.cpp", ROOT / "csrc/bindings/emu_kernel_a2.cpp"]
 MODULE_NAME = "_npu_fake"
+BUILT_SOC = "ascend910b1"  # what csrc/ascendc/CMakeLists.txt compiles in from SOC_VERSION
 
 
 @dataclass(frozen=True)
@@ -89,7 +90,8 @@ def build_fake_npu(acl_include: Path, out_root: Optional[Path] = None) -> FakeBu
     hal_flags = ["-std=c++17", "-O1", "-fPIC", "-shared"]
     suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
     base = ["-std=c++17", "-O1", "-g0", "-fPIC", "-pthread", "-DLMCACHE_NPU_EMU=1",
-            f"-DLMCACHE_NPU_MODULE_NAME={MODULE_NAME}", f"-I{pybind11.get_include()}",
+            f"-DLMCACHE_NPU_MODULE_NAME={MODULE_NAME}", f'-DLMCACHE_NPU_BUILT_SOC="{BUILT_SOC}"',
+            f"-I{pybind11.get_include()}",
             f"-I{sysconfig.get_paths()['include']}", f"-I{ROOT / 'csrc'}", f"-I{ROOT / 'csrc/ascendc'}",
             f"-I{ROOT / 'csrc/npu'}", f"-I{FAKE}", f"-I{acl_include}", f"-I{STANDIN_INCLUDE}", f"-I{generated}"]
     digest = _digest(_inputs([acl_include, STANDIN_INCLUDE, generated]), base + [cxx, sys.version])

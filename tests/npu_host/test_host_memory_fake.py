@@ -144,3 +144,97 @@ def test_every_path_feeds_the_kernel_asynchronously(fake_npu: FakeNpu, refuse: t
     got = np.stack([o.numpy() for o in objects])
     assert np.array_equal(got[:, payload_mask(geometry)], oracle_store(geometry, SLOTS, got)[:, payload_mask(geometry)])
     assert fake_npu.counter("pageable_async_copies") == 0
+
+
+ACL_HOST_REG_PINNED, ACL_HOST_REG_MAPPED = 0x10000000, 0x2
+
+
+def test_segments_are_page_locked_with_register_v2_and_the_runtime_agrees(fake_npu: FakeNpu) -> None:
+    """F3: aclrtHostRegisterV2(PINNED | MAPPED) is the call that page-locks a range we own; MAPPED alone maps it."""
+    arena = arena_on(fake_npu)
+    assert arena.wait_ready(30)
+    first = arena.memory.segments[0]
+    assert first.pinned_by == "aclrtHostRegister"
+    assert fake_npu.registered_flags(first.address) == ACL_HOST_REG_PINNED | ACL_HOST_REG_MAPPED
+    assert fake_npu.native.pointer_attributes(first.address)["location"] == "host"
+    assert first.device_address == first.address  # the fake maps host memory at the same address
+
+
+def test_a_toolkit_without_v2_registers_with_v1(fake_npu: FakeNpu) -> None:
+    fake_npu.set_host_register_v2_error(ACL_ERROR_RT_FEATURE_NOT_SUPPORT)
+    arena = arena_on(fake_npu)
+    assert arena.wait_ready(30)
+    first = arena.memory.segments[0]
+    assert first.pinned_by == "aclrtHostRegister" and fake_npu.registered_flags(first.address) == -1
+    assert fake_npu.counter("registered") == 3
+
+
+@pytest.mark.parametrize("location", ["unregistered", "device"])
+def test_a_registration_the_runtime_does_not_see_as_page_locked_moves_to_the_next_path(
+        fake_npu: FakeNpu, location: str) -> None:
+    """F3: V1's MAPPED registration that ACL reports as pageable would make every staging copy synchronous; the chain
+    moves on to aclrtMallocHost, and no copy of a transfer over the arena runs synchronously."""
+    geometry = on_device(fake_npu, small_geometry())
+    plan = geometry.plan()
+    backend = backend_for(fake_npu, plan)
+    fake_npu.set_host_register_v2_error(ACL_ERROR_RT_FEATURE_NOT_SUPPORT)
+    fake_npu.set_pointer_host_location(location)
+    arena = arena_on(fake_npu, object_bytes=plan.object_bytes, slots=4)
+    assert arena.wait_ready(30)
+    assert {s.pinned_by for s in arena.memory.segments} == {"aclrtMallocHost"}
+    assert fake_npu.counter("registered") == 0, "the refused registration was left behind"
+    assert f"reports the segment as '{location}' memory" in arena.memory.pinning.describe()  # type: ignore[union-attr]
+    backend.store(plan, SLOTS, [arena.slot(1), arena.slot(2)])
+    assert fake_npu.counter("pageable_async_copies") == 0
+
+
+def test_without_the_check_a_pageable_registration_makes_copies_synchronous(fake_npu: FakeNpu,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Negative control of the test above: the same host without the attribute check keeps the registration, and
+    the fake sees the transfer's copies run synchronously."""
+    from lmcache_npu.platform import ascend_memory
+
+    geometry = on_device(fake_npu, small_geometry())
+    plan = geometry.plan()
+    backend = backend_for(fake_npu, plan)
+    fake_npu.set_host_register_v2_error(ACL_ERROR_RT_FEATURE_NOT_SUPPORT)
+    fake_npu.set_pointer_host_location("unregistered")
+    monkeypatch.setattr(ascend_memory, "require_page_locked", lambda *args: None)
+    arena = arena_on(fake_npu, object_bytes=plan.object_bytes, slots=4)
+    assert arena.wait_ready(30) and arena.memory.segments[0].pinned_by == "aclrtHostRegister"
+    backend.store(plan, SLOTS, [arena.slot(1), arena.slot(2)])
+    assert fake_npu.counter("pageable_async_copies") > 0
+
+
+def test_asking_for_a_registration_the_runtime_reports_pageable_fails_at_start(fake_npu: FakeNpu) -> None:
+    fake_npu.set_host_register_v2_error(ACL_ERROR_RT_FEATURE_NOT_SUPPORT)
+    fake_npu.set_pointer_host_location("unregistered")
+    with pytest.raises(MemoryError, match="aclrtHostRegister.*'unregistered'"):
+        arena_on(fake_npu, requested="aclrtHostRegister")
+
+
+def test_the_driver_registers_for_its_logical_device_and_unregisters_with_the_type(
+        fake_npu: FakeNpu, monkeypatch: pytest.MonkeyPatch) -> None:
+    """F4: with renumbered devices (ASCEND_RT_VISIBLE_DEVICES=4,5) user device 0 is the driver's logical 4; the
+    fake driver refuses an unregistration for another device than the registration's."""
+    fake_npu.set_errors(host_register=ACL_ERROR_RT_FEATURE_NOT_SUPPORT, malloc_host=207001)
+    fake_npu.set_logic_device(offset=4)
+    arena = arena_on(fake_npu)
+    assert arena.wait_ready(30) and arena.memory.segments[0].pinned_by == "halHostRegister"
+    assert fake_npu.hal_last_device() == 4
+    calls = fake_npu.hal_unregister_ex_calls()
+    arena.close()
+    assert int(fake_npu.hal.lmcache_fake_hal_count()) == 0, "close() left segments registered with the driver"
+    assert fake_npu.hal_last_device(unregister=True) == 4 and fake_npu.hal_unregister_ex_calls() == calls + 3
+
+
+def test_without_aclrt_logic_ids_the_visible_devices_list_maps_the_id(fake_npu: FakeNpu,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_npu.set_logic_device(error=ACL_ERROR_RT_FEATURE_NOT_SUPPORT)
+    monkeypatch.setenv("ASCEND_RT_VISIBLE_DEVICES", "5,7")
+    assert fake_npu.native.logical_device(0) == 5 and fake_npu.native.logical_device(1) == 7
+    assert fake_npu.native.logical_device(2) == 2  # past the list: the id as it is
+    monkeypatch.delenv("ASCEND_RT_VISIBLE_DEVICES")
+    assert fake_npu.native.logical_device(1) == 1
+    fake_npu.set_logic_device(offset=2)
+    assert fake_npu.native.logical_device(1) == 3  # ACL's answer first

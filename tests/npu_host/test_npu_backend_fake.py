@@ -297,3 +297,43 @@ def _to_device(fake: FakeNpu, raw: torch.Tensor) -> torch.Tensor:
     device = fake.device_tensor(raw.numel())
     device.copy_(raw)
     return device
+
+
+def test_the_module_knows_the_soc_it_was_built_for_and_refuses_another_arch(fake_npu: FakeNpu) -> None:
+    """F8/F15: CANN's launcher registers no kernel on another arch's SoC and every launch then fails with a bare
+    code; the backend refuses at start naming both SoCs. A2 and A3 share one binary; A5 is refused by name."""
+    from lmcache_npu.ops.transfer_backend import BackendUnavailable
+
+    assert fake_npu.native.BUILT_SOC == "ascend910b1" and fake_npu.native.platform(0)["built_soc"] == "ascend910b1"
+    fake_npu.set_soc("Ascend910_9391")  # an A3: the same c220 kernel
+    assert NpuBackend.on_runtime(fake_npu.runtime()).soc.name == "a3"
+    fake_npu.set_soc("Ascend310P3")
+    with pytest.raises(BackendUnavailable, match=r"built for SOC_VERSION ascend910b1 \(c220\) but this NPU is "
+                                                 r"Ascend310P3 \(m200\)"):
+        NpuBackend.on_runtime(fake_npu.runtime())
+    fake_npu.set_soc("Ascend950PR_9599")
+    with pytest.raises(BackendUnavailable, match="Atlas A5"):
+        NpuBackend.on_runtime(fake_npu.runtime())
+
+
+@pytest.mark.parametrize("built,running,refused", [
+    ("ascend910b1", "Ascend910B3", False), ("ascend910_9391", "Ascend910B1", False),
+    ("Ascend310P3", "Ascend310P1", False), ("ascend910b1", "Ascend310P3", True),
+    ("ascend310p1", "Ascend910_9392", True),
+    ("", "Ascend310P3", False)])
+def test_built_and_running_socs_compare_by_kernel_arch(built: str, running: str, refused: bool) -> None:
+    from lmcache_npu.ops.soc import check_built_soc
+
+    if refused:
+        with pytest.raises(ValueError, match=f"built for SOC_VERSION {built}.* but this NPU is {running}"):
+            check_built_soc(built, running)
+    else:
+        check_built_soc(built, running)
+
+
+@pytest.mark.parametrize("name", ["Ascend950PR_9599", "Ascend910", "Ascend310B4", ""])
+def test_socs_the_kernel_is_not_built_for_are_refused_by_name(name: str) -> None:
+    from lmcache_npu.ops.soc import soc_from_name
+
+    with pytest.raises(ValueError, match="A5" if "950" in name else "not a SoC the transfer kernel is built for"):
+        soc_from_name(name, 196608, 48)

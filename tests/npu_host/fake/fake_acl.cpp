@@ -103,7 +103,8 @@ bool Device::Inside(const std::map<uintptr_t, uint64_t>& ranges, uintptr_t addre
 }
 
 bool Device::PageLocked(uintptr_t address, uint64_t bytes) {
-  return Inside(malloc_host, address, bytes) || (Inside(registered, address, bytes) && pointer_host_location == "host") ||
+  const bool runtime_says_locked = pointer_host_location == "host" || pointer_host_location == "host_numa";
+  return Inside(malloc_host, address, bytes) || (Inside(registered, address, bytes) && runtime_says_locked) ||
          HalCovers(address, bytes);
 }
 
@@ -331,9 +332,12 @@ aclError aclrtPointerGetAttributes(const void* ptr, aclrtPtrAttributes* attribut
     attributes->location.type = ACL_MEM_LOCATION_TYPE_DEVICE;
   } else if (fake::Device::Inside(d.malloc_host, address, 1)) {
     attributes->location.type = ACL_MEM_LOCATION_TYPE_HOST;
-  } else if (d.PageLocked(address, 1)) {
-    attributes->location.type = d.pointer_host_location == "host" ? ACL_MEM_LOCATION_TYPE_HOST
-                                                                  : ACL_MEM_LOCATION_TYPE_UNREGISTERED;
+  } else if (d.PageLocked(address, 1) || fake::Device::Inside(d.registered, address, 1)) {
+    const std::string& said = d.pointer_host_location;
+    attributes->location.type = said == "host"        ? ACL_MEM_LOCATION_TYPE_HOST
+                                : said == "host_numa" ? ACL_MEM_LOCATION_TYPE_HOST_NUMA
+                                : said == "device"    ? ACL_MEM_LOCATION_TYPE_DEVICE
+                                                      : ACL_MEM_LOCATION_TYPE_UNREGISTERED;
   } else {
     attributes->location.type = ACL_MEM_LOCATION_TYPE_UNREGISTERED;
   }
