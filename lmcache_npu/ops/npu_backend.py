@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import weakref
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
@@ -132,6 +133,7 @@ class NpuBackend(TransferBackend):
         self._transfer: Any = None  # the native Transfer, made on the lane's thread (its event needs the device)
         self._lock = threading.Lock()  # one transfer at a time: the buffers are reused
         self.last_windows = 0
+        self.last_submit_seconds = 0.0
         logger.info("npu backend on %s: %d of %d vector cores per launch, %d B UB, tile %d B, staging window %d MiB, "
                     "task queue %s", platform.soc, self.cores, platform.vector_cores, self.soc.ub_bytes,
                     self.tiling["tile_bytes"], self.staging_bytes >> 20, "on" if self.task_queue else "off")
@@ -211,7 +213,9 @@ class NpuBackend(TransferBackend):
         launches, keep = self._launches(plan, windows, staged)
         native = self._native_transfer()
         native.begin()
+        submitted = time.perf_counter()
         native.submit_windows(launches.ctypes.data, len(launches))
+        self.last_submit_seconds = time.perf_counter() - submitted  # ~0 unless a copy ran synchronously (selftest)
         try:
             if after_kernel is not None:
                 after_kernel(None)  # the stream's queued position is right after the last kernel: the pages are free

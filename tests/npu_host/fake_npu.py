@@ -116,6 +116,10 @@ class FakeNpu:
         """A hung device: the stream runs nothing (events included) until resumed."""
         self.lib.lmcache_fake_stream_set_paused(int(paused))
 
+    def stream_busy(self, seconds: float) -> None:
+        """`seconds` of device work queued on the stream at once (a long model kernel)."""
+        self.lib.lmcache_fake_stream_busy_us(ctypes.c_uint32(int(seconds * 1e6)))
+
     def queue_refusing(self, refusing: bool) -> None:
         """torch_npu's queue past its error state: an enqueue returns without queuing the task."""
         self.lib.lmcache_fake_queue_set_refusing(int(refusing))

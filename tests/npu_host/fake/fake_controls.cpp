@@ -1,6 +1,8 @@
 // The extern "C" knobs and readings tests use (through ctypes) to steer and inspect the fake device.
+#include <chrono>
 #include <cstring>
 #include <string>
+#include <thread>
 
 #include "fake_device.h"
 
@@ -70,6 +72,11 @@ int64_t lmcache_fake_registered_flags(uint64_t address) {
 }
 
 void lmcache_fake_stream_set_paused(int paused) { fake::DefaultStream()->SetPaused(paused != 0); }
+
+// `us` microseconds of device work on the stream (a long kernel of the model's), queued at once.
+void lmcache_fake_stream_busy_us(uint32_t us) {
+  fake::DefaultStream()->Push("busy", [us] { std::this_thread::sleep_for(std::chrono::microseconds(us)); });
+}
 
 void lmcache_fake_fail_async_copy_at(int64_t n) {
   std::lock_guard<std::mutex> lock(fake::TheDevice().mutex);
