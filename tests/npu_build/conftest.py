@@ -12,6 +12,7 @@ import fcntl
 import json
 import os
 import shutil
+import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -91,3 +92,13 @@ def npu_build(npu_toolchain: Toolchain, npu_standin: Path) -> SharedBuild:
                       "checks": [c.to_dict() for c in checks]}
             record_path.write_text(json.dumps(record))
         return _load(record)
+
+
+def install_script_verdict(package_dir: Path, loader_path: Path) -> subprocess.CompletedProcess[str]:
+    """docker/install.sh's own check of an installed _npu (readelf, ldd -r), run on a build output here."""
+    script = ('set -euo pipefail; say() { echo "lmcache_npu install: $*"; }; '
+              'pkg=$1; build_env=(env "LD_LIBRARY_PATH=$2"); '
+              "eval \"$(sed -n '/^verify_npu_module() {/,/^}/p' \"$3\")\"; "
+              'verify_npu_module "$(compgen -G "$pkg/_npu.*.so" | head -n 1)"')
+    return subprocess.run(["bash", "-c", script, "verify", str(package_dir), str(loader_path),
+                           str(ROOT / "docker" / "install.sh")], capture_output=True, text=True)

@@ -1,7 +1,8 @@
 """The image recipes import nothing at build time and always source CANN's environment (research findings B2, B3):
 `docker build` has no driver, so `import torch` (which autoloads torch_npu) or loading _npu (whose AscendC stub asks the
 device for its SoC) fails or aborts there; and the vllm-ascend image sets ASCEND_HOME_PATH without the rest of
-set_env.sh, so a set_env.sh guarded by it is never sourced."""
+set_env.sh, so a set_env.sh guarded by it is never sourced. The Ascend image builds for the base image's own
+SOC_VERSION unless a build argument names another (F13): no ENV or ARG default of ours replaces it."""
 
 from __future__ import annotations
 
@@ -25,6 +26,28 @@ _SOURCE = re.compile(r"(?:^|[;&|]|\bthen|\bdo|\belse)\s*(?:source|\.)\s+\S")
 def code_lines(path: Path) -> list[str]:
     """The recipe's lines without comments (a shell or Dockerfile comment starts the line)."""
     return [line for line in path.read_text().splitlines() if not line.lstrip().startswith("#")]
+
+
+def instructions(path: Path) -> list[str]:
+    """The recipe's code lines with backslash continuations joined: one entry per Dockerfile instruction."""
+    joined, pending = [], ""
+    for line in code_lines(path):
+        pending += line.strip()
+        if pending.endswith("\\"):
+            pending = pending[:-1].rstrip() + " "
+        else:
+            joined.append(pending)
+            pending = ""
+    return [*joined, pending] if pending else joined
+
+
+_SETS_SOC = re.compile(r"^(?:ENV\b.*(?:\s)SOC_VERSION(?:=|\s)|ARG\s+SOC_VERSION\s*=)")
+
+
+def soc_version_overrides(path: Path) -> list[str]:
+    """Instructions that replace the base image's own SOC_VERSION: an ENV setting it, or an ARG default (which
+    BuildKit puts into every later RUN's environment over the base image's ENV)."""
+    return [i for i in instructions(path) if _SETS_SOC.search(i)]
 
 
 def build_time_imports(path: Path) -> list[str]:
@@ -85,6 +108,27 @@ def test_install_script_builds_with_devlib_and_without_autoload() -> None:
 def test_the_ascend_image_requires_npu_and_does_not_import_it() -> None:
     lines = "\n".join(code_lines(ROOT / "docker" / "Dockerfile.ascend"))
     assert "REQUIRE_MODULES=_npu" in lines and "import lmcache_npu._npu" not in lines
+
+
+def test_the_ascend_image_builds_for_the_base_images_soc() -> None:
+    dockerfile = ROOT / "docker" / "Dockerfile.ascend"
+    assert not soc_version_overrides(dockerfile)
+    assert "ARG SOC_VERSION" in instructions(dockerfile)  # declared without a default: --build-arg still works
+    [run] = [i for i in instructions(dockerfile) if "install.sh" in i]
+    assert run.startswith('RUN env ${SOC_VERSION:+SOC_VERSION="$SOC_VERSION"} '), run
+
+
+@pytest.mark.parametrize("recipe, expected", [
+    ("ARG SOC_VERSION=ascend910b1\nENV SOC_VERSION=${SOC_VERSION}\n",
+     ["ARG SOC_VERSION=ascend910b1", "ENV SOC_VERSION=${SOC_VERSION}"]),  # the recipe before F13
+    ("ENV TASK_QUEUE_ENABLE=1 \\\n    SOC_VERSION=$SOC_VERSION\n", ["ENV TASK_QUEUE_ENABLE=1 SOC_VERSION=$SOC_VERSION"]),
+    ("ENV SOC_VERSION ascend910b1\n", ["ENV SOC_VERSION ascend910b1"]),
+    ("ARG SOC_VERSION\nRUN echo ${SOC_VERSION}\nENV X=${SOC_VERSION}\n", []),
+])
+def test_negative_control_soc_version_overrides_are_found(tmp_path: Path, recipe: str, expected: list[str]) -> None:
+    path = tmp_path / "Dockerfile"
+    path.write_text("FROM base\n# ENV SOC_VERSION=x in a comment is fine\n" + recipe)
+    assert soc_version_overrides(path) == expected
 
 
 @pytest.mark.parametrize("recipe, expected", [

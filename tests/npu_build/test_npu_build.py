@@ -10,14 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from tools.npu_build.check_npu_build import configure_and_build
-from tools.npu_build.elf_checks import check_needed_resolve, check_search_path, check_symbols_resolve
+from tools.npu_build.check_npu_build import KERNEL_LIBRARY, RELINK_MARK, SOC_VERSION, configure_and_build
+from tools.npu_build.elf_checks import (check_needed_resolve, check_no_search_path, check_search_path,
+                                        check_symbols_resolve)
 from tools.npu_build.header_check import (CompileCommand, compile_syntax_only, object_arguments,
                                           target_compile_commands)
 from tools.npu_build.standin import acl_function_names
 from tools.npu_build.toolchain import ROOT, Toolchain
 
-from .conftest import SharedBuild
+from .conftest import SharedBuild, install_script_verdict
 
 _MISSING = [tool for tool in ("cmake", "g++", "gcc", "readelf", "nm", "ldd", "c++filt")
             if shutil.which(tool) is None]
@@ -43,6 +44,35 @@ def test_the_real_build_passes_every_check(npu_build: SharedBuild) -> None:
     assert not failed, "\n\n".join(failed)
     names = [c.name for c in npu_build.checks]
     assert any(n.startswith("runpath _npu") for n in names) and "real-header compile" in names
+    for name in (f"relink {KERNEL_LIBRARY}", f"runpath {KERNEL_LIBRARY}", "built SoC"):
+        assert name in names
+
+
+def test_the_checked_kernel_library_is_the_relinked_one(npu_build: SharedBuild) -> None:
+    """CANN's POST_BUILD deleted the library and replayed link.txt; the file the checks read is what that wrote."""
+    kernels = npu_build.build.kernel_library
+    assert kernels is not None
+    replayed = [line for line in npu_build.build.log.splitlines() if line.strip().startswith(RELINK_MARK)]
+    assert any(f"-o {kernels} " in f"{line} " for line in replayed), replayed
+    assert check_no_search_path(kernels).passed
+
+
+def test_the_check_configures_with_the_makefile_generator(npu_build: SharedBuild) -> None:
+    """CANN's re-link needs link.txt, which only a Makefile generator writes: -G is explicit, whatever
+    CMAKE_GENERATOR says in the environment."""
+    configure = next(line for line in npu_build.build.log.splitlines() if line.startswith("$ cmake -G"))
+    assert configure.startswith("$ cmake -G Unix Makefiles "), configure
+    cache = (npu_build.build.build_dir / "CMakeCache.txt").read_text()
+    assert "CMAKE_GENERATOR:INTERNAL=Unix Makefiles" in cache
+
+
+def test_npu_carries_the_soc_it_was_built_for(npu_build: SharedBuild) -> None:
+    """F8: the SOC_VERSION the kernels were built for is compiled into _npu (npu_module.cpp reads the macro)."""
+    npu = npu_build.build.npu_module
+    assert npu is not None
+    built = next(c for c in npu_build.checks if c.name == "built SoC")
+    assert built.passed and f'LMCACHE_NPU_BUILT_SOC="{SOC_VERSION}"' in built.summary, built
+    assert SOC_VERSION.encode() in npu.read_bytes()
 
 
 def test_every_npu_source_is_compiled(npu_build: SharedBuild) -> None:
@@ -60,18 +90,8 @@ def test_the_generated_launch_header_is_the_kernel_signature(npu_build: SharedBu
             "void* groups, void* runs, void* objects, void* status, uint64_t total_items,") in text
 
 
-def _install_script_verdict(package_dir: Path, loader_path: Path) -> subprocess.CompletedProcess[str]:
-    """docker/install.sh's own check of an installed _npu (readelf, ldd -r), run on a build output here."""
-    script = ('set -euo pipefail; say() { echo "lmcache_npu install: $*"; }; '
-              'pkg=$1; build_env=(env "LD_LIBRARY_PATH=$2"); '
-              "eval \"$(sed -n '/^verify_npu_module() {/,/^}/p' \"$3\")\"; "
-              'verify_npu_module "$(compgen -G "$pkg/_npu.*.so" | head -n 1)"')
-    return subprocess.run(["bash", "-c", script, "verify", str(package_dir), str(loader_path),
-                           str(ROOT / "docker" / "install.sh")], capture_output=True, text=True)
-
-
 def test_the_install_script_accepts_the_real_build(npu_build: SharedBuild) -> None:
-    result = _install_script_verdict(npu_build.build.package_dir, npu_build.standin / "lib64")
+    result = install_script_verdict(npu_build.build.package_dir, npu_build.standin / "lib64")
     assert result.returncode == 0, result.stdout + result.stderr
     assert "its libraries and symbols resolve" in result.stdout
 
@@ -92,10 +112,10 @@ def test_negative_control_the_old_cmakelists_fails_the_runpath_check(npu_toolcha
     assert npu is not None and kernels is not None
     runpath = check_search_path(npu, ["$ORIGIN"])
     assert not runpath.passed and "no RUNPATH/RPATH" in runpath.summary, runpath
-    assert not check_search_path(kernels, ["$ORIGIN"]).passed
+    assert check_no_search_path(kernels).passed  # dropped by CMAKE_SKIP_RPATH too, and the kernel library needs none
     needed = check_needed_resolve(npu, [npu_standin / "lib64"])
     assert not needed.passed and "liblmcache_npu_kernels.so" in needed.summary, needed
-    verdict = _install_script_verdict(build.package_dir, npu_standin / "lib64")  # the image's check says so too
+    verdict = install_script_verdict(build.package_dir, npu_standin / "lib64")  # the image's check says so too
     assert verdict.returncode != 0 and "has no RUNPATH $ORIGIN" in verdict.stdout, verdict.stdout + verdict.stderr
 
 
