@@ -24,6 +24,9 @@
 #ifndef LMCACHE_NPU_BUILT_SOC
 #define LMCACHE_NPU_BUILT_SOC ""
 #endif
+// The same, findable in the file's bytes: doctor reads it without importing the module (which needs a device).
+extern "C" __attribute__((used)) const char lmcache_npu_built_soc_tag[] =
+    "LMCACHE_NPU_BUILT_SOC=" LMCACHE_NPU_BUILT_SOC;
 
 namespace py = pybind11;
 namespace npu = lmcache_npu::npu;

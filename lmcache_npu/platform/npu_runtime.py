@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import importlib.util
 import logging
+import re
 import threading
 import weakref
 from dataclasses import dataclass
@@ -29,6 +30,21 @@ def npu_available() -> bool:
     import torch_npu  # noqa: F401  (registers torch.npu)
 
     return bool(torch.npu.is_available())
+
+
+BUILT_SOC_TAG = re.compile(rb"LMCACHE_NPU_BUILT_SOC=([A-Za-z0-9_.-]*)\x00")
+
+
+def recorded_built_soc(module_path: str) -> Optional[str]:
+    """The SOC_VERSION a built `_npu` records (csrc/bindings/npu_module.cpp), read from the file's bytes without
+    importing it (an import runs CANN's constructor, which needs a device); None when the file has no tag or cannot
+    be read, "" for a build that was given no SoC."""
+    try:
+        with open(module_path, "rb") as module:
+            match = BUILT_SOC_TAG.search(module.read())
+    except OSError:
+        return None
+    return match.group(1).decode() if match else None
 
 
 class DeviceUnavailable(RuntimeError):

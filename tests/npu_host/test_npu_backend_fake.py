@@ -337,3 +337,14 @@ def test_socs_the_kernel_is_not_built_for_are_refused_by_name(name: str) -> None
 
     with pytest.raises(ValueError, match="A5" if "950" in name else "not a SoC the transfer kernel is built for"):
         soc_from_name(name, 196608, 48)
+
+
+def test_the_built_soc_is_read_from_the_module_file_without_importing_it(fake_npu: FakeNpu, tmp_path) -> None:
+    from lmcache_npu.platform.npu_runtime import recorded_built_soc
+
+    assert recorded_built_soc(fake_npu.native.__file__) == "ascend910b1"
+    untagged = tmp_path / "_npu.so"
+    untagged.write_bytes(b"\x7fELF no tag here")
+    assert recorded_built_soc(str(untagged)) is None and recorded_built_soc(str(tmp_path / "missing.so")) is None
+    untagged.write_bytes(b"\x00LMCACHE_NPU_BUILT_SOC=\x00")
+    assert recorded_built_soc(str(untagged)) == ""
