@@ -121,7 +121,8 @@ def test_the_ascend_image_builds_for_the_base_images_soc() -> None:
 @pytest.mark.parametrize("recipe, expected", [
     ("ARG SOC_VERSION=ascend910b1\nENV SOC_VERSION=${SOC_VERSION}\n",
      ["ARG SOC_VERSION=ascend910b1", "ENV SOC_VERSION=${SOC_VERSION}"]),  # the recipe before F13
-    ("ENV TASK_QUEUE_ENABLE=1 \\\n    SOC_VERSION=$SOC_VERSION\n", ["ENV TASK_QUEUE_ENABLE=1 SOC_VERSION=$SOC_VERSION"]),
+    ("ENV TASK_QUEUE_ENABLE=1 \\\n    SOC_VERSION=$SOC_VERSION\n",
+     ["ENV TASK_QUEUE_ENABLE=1 SOC_VERSION=$SOC_VERSION"]),  # vllm-ascend's own form, continued
     ("ENV SOC_VERSION ascend910b1\n", ["ENV SOC_VERSION ascend910b1"]),
     ("ARG SOC_VERSION\nRUN echo ${SOC_VERSION}\nENV X=${SOC_VERSION}\n", []),
 ])
