@@ -1,7 +1,8 @@
-"""Anonymous memory from the host kernel: what it offers (page sizes, transparent and explicit hugepages read from
-sysfs, the `hugepages` key's values) and the libc calls the arena's segments (`store/segments.py`) are made of: a
-reserved address range that frees what was registered or allocated for it once nothing views it, fixed mappings
-inside it, NUMA binding, and pre-faulting from a few threads."""
+"""Anonymous memory from the host kernel: what it offers (its base page and transparent hugepage sizes, which differ
+between kernels: 4 KiB and 2 MiB on x86_64, 64 KiB and 512 MiB on a 64 KiB-page aarch64 kernel; transparent and
+explicit hugepages read from sysfs, the `hugepages` key's values) and the libc calls the arena's segments
+(`store/segments.py`) are made of: a reserved address range that frees what was registered or allocated for it once
+nothing views it, fixed mappings inside it, NUMA binding, and pre-faulting from a few threads."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import os
 import platform
 import threading
 import weakref
+from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
@@ -21,9 +23,55 @@ from .host_memory import HostAllocator, HostRegistrar
 
 logger = logging.getLogger(__name__)
 
-PAGE_BYTES = 4096
-THP_BYTES = 2 << 20  # transparent hugepages are PMD-sized: segments start on this boundary so THP can back them whole
+ACL_REGISTER_ALIGN_BYTES = 4096  # aclrtHostRegister wants 4 KiB-aligned addresses: ACL's rule, not the host's page
+# arena slots are 4 KiB multiples on every host (what DMA and O_DIRECT readers need): slot sizes and numbers never
+# depend on the kernel's page size, which decides only where segments start
+SLOT_ALIGN_BYTES = 4096
+THP_PMD_SIZE_PATH = "/sys/kernel/mm/transparent_hugepage/hpage_pmd_size"
+THP_FALLBACK_BYTES = 2 << 20  # the PMD size of x86_64 and 4 KiB-page aarch64, for a kernel that does not say
 HUGEPAGE_CHOICES = {"auto": 0, "off": 0, "2M": 2 << 20, "1G": 1 << 30}
+
+
+def base_page_bytes() -> int:
+    """The host kernel's base page: 4 KiB on x86_64; 4, 16 or 64 KiB on aarch64 as the kernel was built (Kunpeng
+    hosts of Atlas A2/A3 may run 64 KiB kernels). mmap(MAP_FIXED) refuses an address that is not a multiple of it."""
+    return mmap.PAGESIZE
+
+
+def thp_pmd_bytes(path: str = THP_PMD_SIZE_PATH) -> int:
+    """The transparent hugepage (PMD) size from sysfs: 2 MiB on x86_64 and 4 KiB-page aarch64, 512 MiB on 64 KiB-page
+    aarch64; 2 MiB where the kernel does not say (no THP support, or an unreadable sysfs)."""
+    try:
+        with open(path, encoding="ascii") as f:
+            value = int(f.read().strip())
+    except (OSError, ValueError):
+        return THP_FALLBACK_BYTES
+    return value if value > 0 and value & (value - 1) == 0 else THP_FALLBACK_BYTES
+
+
+@dataclass(frozen=True)
+class PageSizes:
+    """The page sizes that decide where arena segments start and how far they are rounded: the base page (every
+    fixed mapping starts on one) and the transparent hugepage size. `host()` reads this host's; a test may pass others
+    (a 64 KiB base page maps for real on a 4 KiB-page host too: its multiples are 4 KiB multiples)."""
+
+    base_bytes: int
+    thp_bytes: int
+
+    def __post_init__(self) -> None:
+        for name, value in (("base_bytes", self.base_bytes), ("thp_bytes", self.thp_bytes)):
+            if value < ACL_REGISTER_ALIGN_BYTES or value & (value - 1):
+                raise ValueError(f"page sizes are powers of two of at least 4 KiB, got {name}={value}")
+        if self.thp_bytes < self.base_bytes:
+            raise ValueError(f"the THP size {self.thp_bytes} B is below the base page {self.base_bytes} B")
+
+    @classmethod
+    def host(cls) -> PageSizes:
+        return cls(base_page_bytes(), thp_pmd_bytes())
+
+
+PAGE_BYTES = base_page_bytes()  # this host's base page (not 4 KiB everywhere: see base_page_bytes)
+THP_BYTES = thp_pmd_bytes()  # this host's THP size: segments start on it so THP can back them whole
 
 
 def parse_hugepages(value: object) -> str:
@@ -93,21 +141,21 @@ def _mmap(address: Optional[int], nbytes: int, prot: int, flags: int, fd: int = 
     return int(result)
 
 
-def map_fixed(address: int, nbytes: int, page_bytes: int) -> None:
-    """Maps `nbytes` of anonymous private read-write memory at `address` (inside a reservation), of explicit hugepages
-    when `page_bytes` is one of theirs; nothing is touched. An OSError names the kernel's reason."""
+def map_fixed(address: int, nbytes: int, hugetlb_bytes: int = 0) -> None:
+    """Maps `nbytes` of anonymous private read-write memory at `address` (inside a reservation, on a base page), of
+    explicit hugepages of `hugetlb_bytes` unless it is 0; nothing is touched. An OSError names the kernel's reason."""
     flags = _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_FIXED
-    if page_bytes > PAGE_BYTES:
-        flags |= _MAP_HUGETLB | (page_bytes.bit_length() - 1) << _MAP_HUGE_SHIFT
+    if hugetlb_bytes:
+        flags |= _MAP_HUGETLB | (hugetlb_bytes.bit_length() - 1) << _MAP_HUGE_SHIFT
     _mmap(address, nbytes, PROT_RW, flags)
 
 
-def create_shared(name: str, nbytes: int, page_bytes: int) -> int:
+def create_shared(name: str, nbytes: int, hugetlb_bytes: int = 0) -> int:
     """A memory file of `nbytes` (memfd: in no filesystem, so only a process handed its descriptor can map it), of
-    explicit hugepages when `page_bytes` is one of theirs; returns the descriptor (close-on-exec)."""
+    explicit hugepages of `hugetlb_bytes` unless it is 0; returns the descriptor (close-on-exec)."""
     flags = os.MFD_CLOEXEC
-    if page_bytes > PAGE_BYTES:
-        flags |= os.MFD_HUGETLB | (page_bytes.bit_length() - 1) << _MAP_HUGE_SHIFT
+    if hugetlb_bytes:
+        flags |= os.MFD_HUGETLB | (hugetlb_bytes.bit_length() - 1) << _MAP_HUGE_SHIFT
     fd = os.memfd_create(name, flags)
     try:
         os.ftruncate(fd, nbytes)

@@ -20,13 +20,13 @@ import torch
 from ..platform.npu_runtime import npu_available
 from ..ops.plan import align_up
 from ..platform.host_memory import SegmentPinning
+from ..platform.vm import SLOT_ALIGN_BYTES
 from .envelope import ENVELOPE_BYTES
 from .metrics import Metric
 from .segments import DEFAULT_SEGMENT_BYTES, SegmentedMemory
 
 logger = logging.getLogger(__name__)
 
-SLOT_ALIGN_BYTES = 4096  # page-aligned slots: DMA engines and O_DIRECT-style readers like whole pages
 
 def accelerator_present() -> bool:
     """True when a CUDA GPU or an Ascend NPU can page-lock host memory for this process."""
@@ -55,7 +55,7 @@ def device_pinning(npu_host_memory: str = "auto") -> tuple[Optional[SegmentPinni
 
 class HostArena:
     """`num_slots` slots, each holding a chunk object of `object_bytes` (what the transfer kernels see) followed by
-    its envelope trailer (`sealed_view`: what disk and Mooncake see), every slot starting on a page boundary.
+    its envelope trailer (`sealed_view`: what disk and Mooncake see), every slot starting on a 4 KiB boundary.
 
     `pinned` (None: when an accelerator is present) makes every segment DMA-able for the device; `pinning` overrides
     how (tests), `npu_host_memory` picks the Ascend path. `numa_node` binds the pages to a node; unset, they prefer
@@ -210,7 +210,7 @@ class HostArena:
 
 
 def slot_bytes_for(object_bytes: int) -> int:
-    """One arena slot: the chunk object and its envelope trailer, rounded up to whole pages."""
+    """One arena slot: the chunk object and its envelope trailer, rounded up to whole 4 KiB pages (on every host)."""
     return align_up(object_bytes + ENVELOPE_BYTES, SLOT_ALIGN_BYTES)
 
 

@@ -19,7 +19,7 @@ from typing import Any, Iterable, Mapping, Optional
 
 from ..checks import check_int
 from ..platform.ascend_host import parse_requested
-from ..platform.vm import PAGE_BYTES as SLOT_ALIGN_BYTES, parse_hugepages
+from ..platform.vm import SLOT_ALIGN_BYTES, parse_hugepages
 from .policies import POLICIES
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12,

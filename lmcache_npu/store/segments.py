@@ -3,7 +3,9 @@
 One virtual address range is reserved (PROT_NONE, nothing committed) and every segment is an anonymous private mmap
 fixed inside it, so the arena is one address range (what Mooncake registers) made of pieces the device registers one
 by one. A segment holds whole slots (a slot never straddles two), its length is rounded only to its page size (no
-power-of-two rounding), and its pages may be transparent or explicit hugepages and bound to a NUMA node.
+power-of-two rounding), and its pages may be transparent or explicit hugepages and bound to a NUMA node. Slots are
+4 KiB multiples on every host; where segments start (and so how far each is rounded) is the host kernel's business:
+its base page (64 KiB on some aarch64 kernels) or, for transparent hugepages, its THP size (`vm.PageSizes`).
 
 Mapping is synchronous and cheap (nothing is touched); pre-faulting and pinning (device registration, or the device
 runtime's own allocation where registering our memory cannot work: `platform/host_memory.py`) run on one background
@@ -32,10 +34,10 @@ import numpy as np
 from ..checks import check_int
 from ..platform.host_memory import HostAllocator, HostMemoryPath, HostRegistrar, SegmentPinning, allocates
 from ..platform.numa import node_cpus, numa_nodes
-from ..platform.vm import (HUGEPAGE_CHOICES, MADV_HUGEPAGE, MADV_NOHUGEPAGE, PAGE_BYTES, THP_BYTES, Reservation,
+from ..platform.vm import (HUGEPAGE_CHOICES, MADV_HUGEPAGE, MADV_NOHUGEPAGE, SLOT_ALIGN_BYTES, PageSizes, Reservation,
                            advise, bind_to_node, create_shared, free_hugepages, map_fixed, map_fixed_shared,
-                           parse_hugepages, prefault,
-                           prefault_threads, transparent_hugepages_enabled, unmap_to_reservation)
+                           parse_hugepages, prefault, prefault_threads, transparent_hugepages_enabled,
+                           unmap_to_reservation)
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +76,22 @@ class Segment:
         return self.first_slot, self.first_slot + self.num_slots
 
 
+def plan_segments(num_slots: int, slot_bytes: int, slots_per_segment: int, align: int,
+                  last_align: int) -> list[Segment]:
+    """The segments of `num_slots` slots, `address` an offset from the arena's base: every segment but the last is
+    rounded up to `align`, so the next one starts on it (mmap(MAP_FIXED) needs at least the base page), the last
+    only to `last_align` (its page size)."""
+    segments: list[Segment] = []
+    offset = 0
+    for first in range(0, num_slots, slots_per_segment):
+        count = min(slots_per_segment, num_slots - first)
+        used = count * slot_bytes
+        mapped = -used % (last_align if first + count == num_slots else align) + used
+        segments.append(Segment(len(segments), first, count, offset, used, mapped))
+        offset += mapped
+    return segments
+
+
 @dataclass(frozen=True)
 class _LiveView:
     """What is live, as of the last segment state change: slot ranges, bytes, segment count."""
@@ -96,18 +114,19 @@ class SegmentedMemory:
     slots serve at once) with MADV_POPULATE_WRITE, which never changes a byte; "populate" uses MADV_POPULATE_WRITE
     for every segment (what benchmarks compare against). Explicit hugepages (`2M`, `1G`) are always populated: a
     hugetlb write fault that finds no free page on the bound node kills the process with SIGBUS, where populating
-    returns the error and the segment is left out. `start()` begins the background preparation."""
+    returns the error and the segment is left out. `pages` (this host's by default) are the base page every segment
+    starts on and the transparent hugepage size. `start()` begins the background preparation."""
 
     def __init__(self, num_slots: int, slot_bytes: int, *, segment_bytes: int = DEFAULT_SEGMENT_BYTES,
                  hugepages: str = "auto", pinning: Optional[SegmentPinning] = None,
                  numa_node: Optional[int] = None, preferred_node: Optional[int] = None,
                  prefault: bool = True, prefault_by: str = "write", share: bool = False,
-                 shared_fds: Optional[Sequence[int]] = None) -> None:
+                 shared_fds: Optional[Sequence[int]] = None, pages: Optional[PageSizes] = None) -> None:
         if prefault_by not in PREFAULT_BY:
             raise ValueError(f"prefault_by must be one of {', '.join(PREFAULT_BY)}, got {prefault_by!r}")
-        if num_slots < 1 or slot_bytes < 1 or slot_bytes % PAGE_BYTES:
-            raise ValueError(f"segments need num_slots >= 1 and page-multiple slot_bytes, got {num_slots} x "
-                             f"{slot_bytes} B")
+        if num_slots < 1 or slot_bytes < 1 or slot_bytes % SLOT_ALIGN_BYTES:
+            raise ValueError(f"segments need num_slots >= 1 and slot_bytes a multiple of {SLOT_ALIGN_BYTES}, got "
+                             f"{num_slots} x {slot_bytes} B")
         check_int("arena_segment_bytes", segment_bytes, lo=1)
         self.hugepages = parse_hugepages(hugepages)
         if numa_node is not None and numa_node not in numa_nodes():
@@ -121,9 +140,13 @@ class SegmentedMemory:
         if segment_bytes < slot_bytes:
             logger.warning("arena_segment_bytes %d is smaller than one slot (%d B): one slot per segment",
                            segment_bytes, slot_bytes)
-        self.page_bytes = HUGEPAGE_CHOICES[self.hugepages] or PAGE_BYTES
+        self.pages = pages or PageSizes.host()
+        self.hugetlb_bytes = HUGEPAGE_CHOICES[self.hugepages]  # explicit hugepages (MAP_HUGETLB); 0: base pages
+        self.page_bytes = self.hugetlb_bytes or self.pages.base_bytes
         self.transparent = self.hugepages == "auto" and transparent_hugepages_enabled()
-        align = self.page_bytes if self.page_bytes > PAGE_BYTES else (THP_BYTES if self.transparent else PAGE_BYTES)
+        # padding to a THP boundary pays only when a segment holds a whole THP (512 MiB on 64 KiB-page aarch64)
+        thp_align = self.transparent and self.slots_per_segment * slot_bytes >= self.pages.thp_bytes
+        align = self.page_bytes if self.hugetlb_bytes else (self.pages.thp_bytes if thp_align else self.page_bytes)
         self.pinning = pinning
         self.numa_node = numa_node
         self.preferred_node = None if numa_node is not None else preferred_node
@@ -141,16 +164,8 @@ class SegmentedMemory:
         self.shared = share or shared_fds is not None
         self.attached = shared_fds is not None
         self.segment_fds: list[int] = []
-        self.segments: list[Segment] = []
-        offset = 0
-        for first in range(0, num_slots, self.slots_per_segment):
-            count = min(self.slots_per_segment, num_slots - first)
-            used = count * slot_bytes
-            last = first + count == num_slots
-            mapped = -used % (self.page_bytes if last else align) + used  # whole pages; later segments stay aligned
-            self.segments.append(Segment(len(self.segments), first, count, offset, used, mapped))
-            offset += mapped
-        self.span_bytes = offset
+        self.segments = plan_segments(num_slots, slot_bytes, self.slots_per_segment, align, self.page_bytes)
+        self.span_bytes = sum(segment.mapped_bytes for segment in self.segments)
         self._check_hugepage_pool()
         self._reservation = Reservation(self.span_bytes, max(align, self.page_bytes))
         self.base_address = self._reservation.address
@@ -161,7 +176,7 @@ class SegmentedMemory:
             segment.address += self.base_address
             if share:
                 self.segment_fds.append(create_shared(f"lmcache-npu-segment-{segment.index}", segment.mapped_bytes,
-                                                      self.page_bytes))
+                                                      self.hugetlb_bytes))
             elif shared_fds is not None:
                 self.segment_fds.append(shared_fds[segment.index])
             self._map(segment)
@@ -179,7 +194,7 @@ class SegmentedMemory:
     # ---- set-up -------------------------------------------------------------------------------------------------
 
     def _check_hugepage_pool(self) -> None:
-        if self.page_bytes == PAGE_BYTES:
+        if not self.hugetlb_bytes:
             return
         needed = self.span_bytes // self.page_bytes
         free = free_hugepages(self.page_bytes)
@@ -194,12 +209,12 @@ class SegmentedMemory:
             if self.shared:
                 map_fixed_shared(segment.address, segment.mapped_bytes, self.segment_fds[segment.index])
             else:
-                map_fixed(segment.address, segment.mapped_bytes, self.page_bytes)
+                map_fixed(segment.address, segment.mapped_bytes, self.hugetlb_bytes)
         except OSError as exc:
-            key = f"hugepages: {self.hugepages}: " if self.page_bytes > PAGE_BYTES else ""
+            key = f"hugepages: {self.hugepages}: " if self.hugetlb_bytes else ""
             raise MemoryError(f"{key}could not map arena segment {segment.index} ({segment.mapped_bytes / 2**30:.2f} "
                               f"GiB): {exc.strerror}") from exc
-        if self.page_bytes == PAGE_BYTES:
+        if not self.hugetlb_bytes:
             advice = MADV_HUGEPAGE if self.transparent else (MADV_NOHUGEPAGE if self.hugepages == "off" else None)
             if advice is not None:
                 advise(segment.address, segment.mapped_bytes, advice)
@@ -314,9 +329,9 @@ class SegmentedMemory:
 
         def fault(write: bool) -> None:
             prefault(segment.address, segment.used_bytes, threads=self._prefault_threads, write=write,
-                      piece_align=max(THP_BYTES, self.page_bytes), cpus=self.prefault_cpus or None)
+                      piece_align=max(self.pages.thp_bytes, self.page_bytes), cpus=self.prefault_cpus or None)
 
-        if unused and self.prefault_by == "write" and self.page_bytes == PAGE_BYTES:
+        if unused and self.prefault_by == "write" and not self.hugetlb_bytes:
             fault(write=True)
             return "write"
         try:

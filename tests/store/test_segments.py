@@ -4,7 +4,9 @@ registration one segment at a time, failed segments left out of the usable range
 from __future__ import annotations
 
 import ctypes
+import errno
 import logging
+import mmap
 import os
 import threading
 
@@ -22,7 +24,7 @@ from lmcache_npu.platform import vm
 from lmcache_npu.store import segments as segments_module
 from lmcache_npu.platform.numa import numa_nodes, parse_cpulist
 from lmcache_npu.platform.vm import PAGE_BYTES, free_hugepages, parse_hugepages
-from lmcache_npu.store.segments import SegmentedMemory, SegmentState
+from lmcache_npu.store.segments import SegmentedMemory, SegmentState, plan_segments
 
 
 class FakeRegistrar:
@@ -96,7 +98,7 @@ def test_segments_hold_whole_slots_and_every_slot_keeps_its_own_bytes(num_slots:
 
 def test_a_segment_is_sized_exactly_not_rounded_to_a_power_of_two() -> None:
     arena = HostArena(3, 5_000_000, pinned=False, segment_bytes=64 << 20)  # 3 x 5,001,216 B in one segment
-    assert len(arena.memory.segments) == 1 and arena.total_bytes == 3 * 5_001_216
+    assert len(arena.memory.segments) == 1 and arena.total_bytes == -(-3 * 5_001_216 // PAGE_BYTES) * PAGE_BYTES
     assert arena.base_address % SLOT_ALIGN_BYTES == 0
 
 
@@ -189,16 +191,17 @@ _libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
 
 
 def _resident_pages(address: int, nbytes: int) -> int:
-    """How many of the range's 4 KiB pages are in memory now (mincore)."""
+    """How many of the range's pages (the host's base pages) are in memory now (mincore)."""
     vector = (ctypes.c_ubyte * (-(-nbytes // PAGE_BYTES)))()
     assert _libc.mincore(ctypes.c_void_p(address), nbytes, vector) == 0, os.strerror(ctypes.get_errno())
     return sum(v & 1 for v in vector)
 
 
 def _staged(num_slots: int, registrar: FakeRegistrar, **options: object) -> SegmentedMemory:
-    """8 KiB slots in 8 MiB segments, 4 KiB pages, pre-faulted by 3 threads (2 MiB pieces: 2 per full segment)."""
+    """8 KiB slots in 8 MiB segments, base pages, pre-faulted by 3 threads (2 MiB pieces: 2 per full segment, whatever
+    this host's THP size)."""
     memory = SegmentedMemory(num_slots, 8192, segment_bytes=8 << 20, hugepages="off",
-                             pinning=SegmentPinning([registrar]),
+                             pinning=SegmentPinning([registrar]), pages=vm.PageSizes(PAGE_BYTES, 2 << 20),
                              **options)  # type: ignore[arg-type]
     memory._prefault_threads = 3  # this 2-core host would otherwise run one thread
     return memory
@@ -446,3 +449,93 @@ def test_a_shared_segment_file_of_another_size_is_refused_before_mapping() -> No
         HostArena(2, 2 * 8192 - ENVELOPE_BYTES, segment_bytes=2 * 8192, pinned=False,
                   shared_fds=owner.segment_fds, hugepages="off")
     owner.close()
+
+
+# ---- the host's page sizes (64 KiB base pages on some aarch64 kernels) ----------------------------------------------
+
+KIB64 = 64 << 10
+AARCH64_64K = vm.PageSizes(KIB64, 512 << 20)  # a Kunpeng host's kernel built with 64 KiB pages
+
+
+def test_page_sizes_come_from_the_host_and_the_thp_size_from_sysfs_else_2_mib(tmp_path) -> None:
+    assert vm.base_page_bytes() == mmap.PAGESIZE == os.sysconf("SC_PAGE_SIZE") == PAGE_BYTES
+    assert vm.PageSizes.host() == vm.PageSizes(PAGE_BYTES, vm.thp_pmd_bytes())
+    pmd = tmp_path / "hpage_pmd_size"
+    pmd.write_text("536870912\n")
+    assert vm.thp_pmd_bytes(str(pmd)) == 512 << 20
+    for text in ("", "lots\n", "0\n", "3000\n"):  # unreadable or not a power of two: the x86_64 size
+        pmd.write_text(text)
+        assert vm.thp_pmd_bytes(str(pmd)) == 2 << 20, text
+    assert vm.thp_pmd_bytes(str(tmp_path / "absent")) == 2 << 20
+    with pytest.raises(ValueError, match="powers of two of at least 4 KiB, got base_bytes=2048"):
+        vm.PageSizes(2048, 2 << 20)
+
+
+def _kernel_with_64k_pages(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Makes the segments' map_fixed answer as a 64 KiB-page kernel does: EINVAL for an address off a 64 KiB page
+    (this host's kernel accepts 4 KiB ones); the addresses it mapped."""
+    real, mapped = segments_module.map_fixed, []
+
+    def map_fixed(address: int, nbytes: int, hugetlb_bytes: int = 0) -> None:
+        if address % KIB64:
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+        mapped.append(address)
+        real(address, nbytes, hugetlb_bytes)
+
+    monkeypatch.setattr(segments_module, "map_fixed", map_fixed)
+    return mapped
+
+
+@settings(max_examples=25, deadline=None)
+@given(slot_pages=st.integers(1, 8).map(lambda k: 2 * k - 1), per_segment=st.integers(1, 15),
+       hugepages=st.sampled_from(["auto", "off"]), data=st.data())
+def test_with_64k_base_pages_every_segment_starts_on_a_page_and_keeps_its_bytes(
+        slot_pages: int, per_segment: int, hugepages: str, data: st.DataObject) -> None:
+    slot_bytes = slot_pages * SLOT_ALIGN_BYTES  # an odd number of 4 KiB pages: no segment ends on a 64 KiB page
+    num_slots = data.draw(st.integers(per_segment + 1, 5 * per_segment), label="num_slots")  # two segments or more
+    with pytest.MonkeyPatch.context() as patch:
+        mapped = _kernel_with_64k_pages(patch)
+        memory = SegmentedMemory(num_slots, slot_bytes, segment_bytes=per_segment * slot_bytes, hugepages=hugepages,
+                                 prefault=False, pages=AARCH64_64K)
+    assert len(memory.segments) >= 2 and mapped == [s.address for s in memory.segments]
+    for segment in memory.segments:
+        assert segment.address % KIB64 == 0 and segment.mapped_bytes % KIB64 == 0
+        assert segment.used_bytes == segment.num_slots * slot_bytes <= segment.mapped_bytes
+    memory.start()
+    assert memory.wait_all(30)
+    rng = np.random.default_rng(num_slots * 131 + slot_pages)
+    expected = [rng.integers(0, 256, s.used_bytes, dtype=np.uint8) for s in memory.segments]
+    for segment, values in zip(memory.segments, expected):
+        memory.segment_view(segment.index)[:] = values
+    for segment, values in zip(memory.segments, expected):
+        assert np.array_equal(memory.segment_view(segment.index), values), f"segment {segment.index} lost its bytes"
+    memory.close()
+    # negative control: the old 4 KiB alignment puts a later segment off a 64 KiB page, and that kernel refuses it
+    old = plan_segments(num_slots, slot_bytes, per_segment, 4096, 4096)
+    assert not all(segment.address % KIB64 == 0 for segment in old)
+    with pytest.MonkeyPatch.context() as patch:
+        _kernel_with_64k_pages(patch)
+        with pytest.raises(MemoryError, match="could not map arena segment .*Invalid argument"):
+            SegmentedMemory(num_slots, slot_bytes, segment_bytes=per_segment * slot_bytes, hugepages="off",
+                            prefault=False, pages=vm.PageSizes(4096, 2 << 20))
+
+
+def test_slots_stay_4_kib_multiples_whatever_the_base_page() -> None:
+    memory = SegmentedMemory(2, 3 * SLOT_ALIGN_BYTES, segment_bytes=3 * SLOT_ALIGN_BYTES, prefault=False,
+                             pages=AARCH64_64K)  # 12 KiB slots: not a multiple of the 64 KiB page, still accepted
+    assert memory.slot_address(1) - memory.slot_address(0) == KIB64
+    with pytest.raises(ValueError, match="slot_bytes a multiple of 4096, got 2 x 2048 B"):
+        SegmentedMemory(2, 2048, pages=AARCH64_64K)
+
+
+def test_segments_pad_to_a_thp_boundary_only_when_they_hold_a_whole_thp(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With 512 MiB THPs a small segment padded to one would map (and register) up to 512 MiB it never uses."""
+    monkeypatch.setattr(segments_module, "transparent_hugepages_enabled", lambda: True)
+    pages = vm.PageSizes(KIB64, 1 << 20)  # a 1 MiB THP keeps the mappings small
+    slot = 3 * SLOT_ALIGN_BYTES
+    whole = SegmentedMemory(3 * 100, slot, segment_bytes=100 * slot, prefault=False, pages=pages)  # 1200 KiB each
+    assert whole.transparent and all(s.address % (1 << 20) == 0 for s in whole.segments)
+    assert [s.mapped_bytes for s in whole.segments] == [2 << 20, 2 << 20, 1216 << 10]  # the last: 64 KiB pages
+    small = SegmentedMemory(3 * 10, slot, segment_bytes=10 * slot, prefault=False, pages=pages)  # 120 KiB each
+    assert [s.mapped_bytes for s in small.segments] == [128 << 10] * 3  # base pages only
+    assert any(s.address % (1 << 20) for s in small.segments)  # the control: not on THP boundaries
