@@ -34,6 +34,7 @@ from ..platform.ascend_host import (
 )
 from ..platform.npu_budget import HCCL_SHARE_BUFFER_MB, STAGING_WINDOW_BYTES_DEFAULT, TRANSFER_LANES
 from ..platform.npu_smi import npu_ids, run_board_info, run_command, soc_from_board_info
+from ..platform.vm import base_page_bytes, thp_pmd_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -363,15 +364,23 @@ def check_device_memory(device: str, npu_total_bytes: Optional[int], backend: st
                  "backend_options.staging_bytes (backend npu) to a smaller window")
 
 
-def check_hugepages(meminfo: str, thp_mode: str) -> Check:
+def _page_size(nbytes: int) -> str:
+    return f"{nbytes >> 20} MiB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KiB"
+
+
+def check_hugepages(meminfo: str, thp_mode: str, page_bytes: int = 4096, thp_bytes: int = 2 << 20) -> Check:
+    """Transparent and reserved hugepages, with the kernel's base page (`getconf PAGESIZE`: 64 KiB on some aarch64
+    kernels) and THP size, which decide where the arena's segments start."""
     values = dict(re.findall(r"^(HugePages_Total|HugePages_Free|Hugepagesize):\s+(\d+)", meminfo, re.MULTILINE))
     mode = re.search(r"\[(\w+)\]", thp_mode)
     thp = mode.group(1) if mode else "unknown"
-    detail = (f"transparent hugepages: {thp}; reserved hugepages: {values.get('HugePages_Free', '0')} free of "
+    detail = (f"base pages {_page_size(page_bytes)} (getconf PAGESIZE), THP size {_page_size(thp_bytes)}; "
+              f"transparent hugepages: {thp}; reserved hugepages: {values.get('HugePages_Free', '0')} free of "
               f"{values.get('HugePages_Total', '0')} ({values.get('Hugepagesize', '?')} kB)")
     if thp == "never" and values.get("HugePages_Total", "0") == "0":
         return Check("hugepages", WARN, detail, "echo madvise > /sys/kernel/mm/transparent_hugepage/enabled: a large "
-                     "arena registered in 4 KiB pages costs more to pin and more TLB misses in DMA")
+                     f"arena registered in {_page_size(page_bytes)} pages costs more to pin and more TLB misses "
+                     "in DMA")
     return Check("hugepages", OK, detail)
 
 
@@ -622,7 +631,8 @@ def run_doctor(options: DoctorOptions, environ: Optional[Mapping[str, str]] = No
                                       options.tensor_parallel_size,
                                       str(_setting(config, extra, "tp_share", "auto")),
                                       str(_setting(config, extra, "tp_share_exchange", "auto"))))
-    checks.append(check_hugepages(_read("/proc/meminfo"), _read("/sys/kernel/mm/transparent_hugepage/enabled")))
+    checks.append(check_hugepages(_read("/proc/meminfo"), _read("/sys/kernel/mm/transparent_hugepage/enabled"),
+                                  base_page_bytes(), thp_pmd_bytes()))
     disk_path = options.disk_path or (store.disk_path if store is not None else None)
     checks.append(check_disk(disk_path, store.disk_bytes if store is not None else 0, _read("/proc/mounts")))
     checks += check_mooncake(store.mooncake if store is not None else None)

@@ -151,6 +151,8 @@ def test_hugepages() -> None:
     meminfo = "HugePages_Total:       0\nHugePages_Free:        0\nHugepagesize:       2048 kB\n"
     assert doctor.check_hugepages(meminfo, "always [madvise] never").verdict == OK
     assert doctor.check_hugepages(meminfo, "always madvise [never]").verdict == WARN
+    kunpeng = doctor.check_hugepages(meminfo, "always madvise [never]", 64 << 10, 512 << 20)  # a 64 KiB-page kernel
+    assert "base pages 64 KiB (getconf PAGESIZE), THP size 512 MiB" in kunpeng.detail and "64 KiB pages" in kunpeng.fix
 
 
 def test_disk(tmp_path: Path) -> None:
