@@ -9,6 +9,7 @@ import logging
 import mmap
 import os
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -457,7 +458,7 @@ KIB64 = 64 << 10
 AARCH64_64K = vm.PageSizes(KIB64, 512 << 20)  # a Kunpeng host's kernel built with 64 KiB pages
 
 
-def test_page_sizes_come_from_the_host_and_the_thp_size_from_sysfs_else_2_mib(tmp_path) -> None:
+def test_page_sizes_come_from_the_host_and_the_thp_size_from_sysfs_else_2_mib(tmp_path: Path) -> None:
     assert vm.base_page_bytes() == mmap.PAGESIZE == os.sysconf("SC_PAGE_SIZE") == PAGE_BYTES
     assert vm.PageSizes.host() == vm.PageSizes(PAGE_BYTES, vm.thp_pmd_bytes())
     pmd = tmp_path / "hpage_pmd_size"
