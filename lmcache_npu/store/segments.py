@@ -159,6 +159,9 @@ class SegmentedMemory:
             logger.info("host arena: NUMA node %d has no CPU this process may use: pre-fault threads are not bound "
                         "(the pages are still placed on it by the memory policy)", node)
         self._prefault_threads = prefault_threads(self.prefault_cpus or None)
+        # threads fault whole THPs, but pieces of at most 2 MiB: a range under threads x 512 MiB (64 KiB-page aarch64)
+        # would otherwise be faulted by one thread; two threads meeting in one THP only wait for each other
+        self._piece_align = max(self.page_bytes, min(self.pages.thp_bytes, 2 << 20))
         # shared: every segment is a memory file other processes map too (`share` creates them, `shared_fds` maps
         # another process's); an attached process never writes a byte it did not mean to (pre-faults only populate)
         self.shared = share or shared_fds is not None
@@ -329,7 +332,7 @@ class SegmentedMemory:
 
         def fault(write: bool) -> None:
             prefault(segment.address, segment.used_bytes, threads=self._prefault_threads, write=write,
-                      piece_align=max(self.pages.thp_bytes, self.page_bytes), cpus=self.prefault_cpus or None)
+                      piece_align=self._piece_align, cpus=self.prefault_cpus or None)
 
         if unused and self.prefault_by == "write" and not self.hugetlb_bytes:
             fault(write=True)

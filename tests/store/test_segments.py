@@ -540,3 +540,26 @@ def test_segments_pad_to_a_thp_boundary_only_when_they_hold_a_whole_thp(monkeypa
     small = SegmentedMemory(3 * 10, slot, segment_bytes=10 * slot, prefault=False, pages=pages)  # 120 KiB each
     assert [s.mapped_bytes for s in small.segments] == [128 << 10] * 3  # base pages only
     assert any(s.address % (1 << 20) for s in small.segments)  # the control: not on THP boundaries
+
+
+def test_512_mib_thps_still_prefault_in_parallel_pieces(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pieces stay 2 MiB-aligned with 512 MiB THPs: aligned to the THP, an 8 MiB segment would be one thread's."""
+    written: list[tuple[int, int]] = []
+    write_range = vm.write_range
+
+    def record(address: int, nbytes: int) -> None:
+        written.append((address, nbytes))
+        write_range(address, nbytes)
+
+    monkeypatch.setattr(vm, "write_range", record)
+    memory = SegmentedMemory(1024, 8192, segment_bytes=8 << 20, hugepages="off", pages=AARCH64_64K,
+                             pinning=SegmentPinning([FakeRegistrar()]))
+    memory._prefault_threads = 3
+    memory.start()
+    assert memory.wait_all(30)
+    assert [s.prefaulted_by for s in memory.segments] == ["write"] and len(written) == 2
+    assert all((a - memory.base_address) % (2 << 20) == 0 for a, _ in written)
+    memory.close()
+    written.clear()  # the control: pieces aligned to the 512 MiB THP leave one piece
+    vm.prefault(memory.base_address, 8 << 20, threads=3, write=True, piece_align=512 << 20)
+    assert len(written) == 1
