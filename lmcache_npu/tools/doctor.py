@@ -208,21 +208,39 @@ def run_npu_smi() -> Optional[str]:
     return None
 
 
-def check_native_modules(find_spec: Callable[[str], Any], device: str) -> list[Check]:
+def check_native_modules(find_spec: Callable[[str], Any], device: str, soc: Optional[str] = None) -> list[Check]:
     checks = []
     emu = find_spec("lmcache_npu._emu") is not None
     checks.append(Check("module _emu", OK if emu else FAIL, "the AscendC kernel on the x86 emulator: " +
                         ("built" if emu else "missing"), "" if emu else "reinstall the package (pip install .)"))
-    npu = find_spec("lmcache_npu._npu") is not None
-    checks.append(Check("module _npu", OK if npu else (FAIL if device == "npu" else SKIP),
-                        "the AscendC kernels: built" if npu else "not built: CANN was absent when the package was "
-                        "installed (ASCEND_HOME_PATH, SOC_VERSION)",
-                        "" if npu or device != "npu" else "reinstall inside the Ascend image: bash docker/install.sh"))
+    checks.append(check_npu_module(find_spec("lmcache_npu._npu"), device, soc))
     cuda = find_spec("lmcache_npu._cuda") is not None
     checks.append(Check("module _cuda", OK if cuda else (FAIL if device == "cuda" else SKIP),
                         "the CUDA kernel: built" if cuda else "not built: no nvcc or no CUDA build of torch at install",
                         "" if cuda or device != "cuda" else "reinstall with nvcc on PATH (LMCACHE_NPU_CUDA=1 forces)"))
     return checks
+
+
+def check_npu_module(spec: Any, device: str, soc: Optional[str]) -> Check:
+    """_npu built, and for the SoC this host has (read from the module's bytes: importing it needs a device)."""
+    if spec is None:
+        return Check("module _npu", FAIL if device == "npu" else SKIP, "not built: CANN was absent when the package was "
+                     "installed (ASCEND_HOME_PATH, SOC_VERSION)",
+                     "reinstall inside the Ascend image: bash docker/install.sh" if device == "npu" else "")
+    from ..ops.soc import check_built_soc
+    from ..platform.npu_runtime import recorded_built_soc
+
+    origin = getattr(spec, "origin", None)
+    built = recorded_built_soc(origin) if origin else None
+    if not built:
+        return Check("module _npu", OK, "the AscendC kernels: built (the build does not record its SoC)")
+    if soc:
+        try:
+            check_built_soc(built, soc)
+        except ValueError as exc:
+            return Check("module _npu", FAIL, str(exc), f"rebuild with SOC_VERSION={soc.lower()} bash docker/install.sh")
+    return Check("module _npu", OK, f"the AscendC kernels: built for SOC_VERSION {built}" +
+                 (f", which runs on this host's {soc}" if soc else ""))
 
 
 def device_inventory() -> dict[str, list[tuple[str, int, int]]]:
@@ -610,7 +628,7 @@ def run_doctor(options: DoctorOptions, environ: Optional[Mapping[str, str]] = No
     report = run_npu_smi()
     checks += check_cann(env, device, lambda: report)
     checks.append(check_310p_kv_transfer(soc_name(env, report), versions.get("vllm-ascend")))
-    checks += check_native_modules(importlib.util.find_spec, device)
+    checks += check_native_modules(importlib.util.find_spec, device, soc_name(env, report))
     checks += check_devices(inventory, device)
     config_text = options.kv_transfer_config or env.get(KV_TRANSFER_CONFIG_ENV)
     config_checks, config = check_kv_transfer_config(config_text, env)

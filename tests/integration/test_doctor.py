@@ -348,3 +348,20 @@ def test_the_model_identity_check_names_the_weights_or_the_fix(tmp_path) -> None
                           environ={})
     assert doctor.check_weights(None, by_name).verdict == OK
     assert doctor.check_weights(None, persistent).verdict == SKIP
+
+
+def test_the_npu_module_is_checked_against_the_soc_it_was_built_for(tmp_path: Path) -> None:
+    """F8: the SoC _npu records (read from its bytes, no import) against this host's; another kernel arch fails
+    naming both, A2 and A3 share one kernel."""
+    module = tmp_path / "_npu.so"
+    module.write_bytes(b"\x7fELF...\x00LMCACHE_NPU_BUILT_SOC=ascend910b1\x00...")
+
+    class Spec:
+        origin = str(module)
+
+    assert doctor.check_npu_module(Spec(), "npu", "Ascend910_9392").verdict == OK
+    wrong = doctor.check_npu_module(Spec(), "npu", "Ascend310P3")
+    assert wrong.verdict == FAIL and "ascend910b1" in wrong.detail and "Ascend310P3" in wrong.detail
+    assert "SOC_VERSION=ascend310p3" in wrong.fix
+    module.write_bytes(b"\x7fELF without a tag")
+    assert "does not record its SoC" in doctor.check_npu_module(Spec(), "npu", "Ascend310P3").detail
