@@ -224,8 +224,8 @@ def check_native_modules(find_spec: Callable[[str], Any], device: str, soc: Opti
 def check_npu_module(spec: Any, device: str, soc: Optional[str]) -> Check:
     """_npu built, and for the SoC this host has (read from the module's bytes: importing it needs a device)."""
     if spec is None:
-        return Check("module _npu", FAIL if device == "npu" else SKIP, "not built: CANN was absent when the package was "
-                     "installed (ASCEND_HOME_PATH, SOC_VERSION)",
+        return Check("module _npu", FAIL if device == "npu" else SKIP,
+                     "not built: CANN was absent when the package was installed (ASCEND_HOME_PATH, SOC_VERSION)",
                      "reinstall inside the Ascend image: bash docker/install.sh" if device == "npu" else "")
     from ..ops.soc import check_built_soc
     from ..platform.npu_runtime import recorded_built_soc
@@ -238,7 +238,8 @@ def check_npu_module(spec: Any, device: str, soc: Optional[str]) -> Check:
         try:
             check_built_soc(built, soc)
         except ValueError as exc:
-            return Check("module _npu", FAIL, str(exc), f"rebuild with SOC_VERSION={soc.lower()} bash docker/install.sh")
+            return Check("module _npu", FAIL, str(exc),
+                         f"rebuild with SOC_VERSION={soc.lower()} bash docker/install.sh")
     return Check("module _npu", OK, f"the AscendC kernels: built for SOC_VERSION {built}" +
                  (f", which runs on this host's {soc}" if soc else ""))
 
