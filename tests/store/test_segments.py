@@ -208,8 +208,8 @@ def _staged(num_slots: int, registrar: FakeRegistrar, **options: object) -> Segm
     return memory
 
 
-def test_segments_not_yet_live_are_faulted_by_parallel_writes_and_every_page_is_resident(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+def _record_writes(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
+    """Every (address, bytes) vm.write_range pre-faults, in order; the writes still happen."""
     written: list[tuple[int, int]] = []
     write_range = vm.write_range
 
@@ -218,6 +218,12 @@ def test_segments_not_yet_live_are_faulted_by_parallel_writes_and_every_page_is_
         write_range(address, nbytes)
 
     monkeypatch.setattr(vm, "write_range", record)
+    return written
+
+
+def test_segments_not_yet_live_are_faulted_by_parallel_writes_and_every_page_is_resident(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    written = _record_writes(monkeypatch)
     memory = _staged(2500, FakeRegistrar())  # 1024 slots a segment: 8, 8 and 3.5 MiB
     assert all(_resident_pages(s.address, s.used_bytes) == 0 for s in memory.segments), "mapping touched pages"
     memory.start()
@@ -544,14 +550,7 @@ def test_segments_pad_to_a_thp_boundary_only_when_they_hold_a_whole_thp(monkeypa
 
 def test_512_mib_thps_still_prefault_in_parallel_pieces(monkeypatch: pytest.MonkeyPatch) -> None:
     """Pieces stay 2 MiB-aligned with 512 MiB THPs: aligned to the THP, an 8 MiB segment would be one thread's."""
-    written: list[tuple[int, int]] = []
-    write_range = vm.write_range
-
-    def record(address: int, nbytes: int) -> None:
-        written.append((address, nbytes))
-        write_range(address, nbytes)
-
-    monkeypatch.setattr(vm, "write_range", record)
+    written = _record_writes(monkeypatch)
     memory = SegmentedMemory(1024, 8192, segment_bytes=8 << 20, hugepages="off", pages=AARCH64_64K,
                              pinning=SegmentPinning([FakeRegistrar()]))
     memory._prefault_threads = 3
