@@ -65,7 +65,9 @@ def check_service_peer(sock: socket.socket, path: str) -> None:
 
 
 def connect(path: str, attach: Attach, timeout_s: float) -> tuple[socket.socket, Attached, list[int]]:
-    """Connects and attaches; retries until `timeout_s` while the socket is missing or refuses connections."""
+    """Connects and attaches; retries until `timeout_s` while the socket is missing or refuses connections. The
+    reply may take `ATTACH_TIMEOUT_S` (the service makes the geometry's pool first); later calls get
+    `CALL_TIMEOUT_S`."""
     deadline = time.monotonic() + timeout_s
     while True:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -74,7 +76,9 @@ def connect(path: str, attach: Attach, timeout_s: float) -> tuple[socket.socket,
             sock.connect(path)
             check_service_peer(sock, path)
             wire.send(sock, attach)
+            sock.settimeout(ATTACH_TIMEOUT_S)
             reply, fds = wire.receive_with_fds(sock)
+            sock.settimeout(CALL_TIMEOUT_S)
         except (FileNotFoundError, ConnectionRefusedError) as exc:
             sock.close()
             if time.monotonic() >= deadline:
