@@ -59,6 +59,7 @@ class Metric(StrEnum):
     MISSES = "misses"
     NODE_CACHE_DISCONNECTS = "node_cache_disconnects"
     NODE_CACHE_RECONNECTS = "node_cache_reconnects"
+    NODE_CACHE_REFUSED = "node_cache_refused"
     NODE_CACHE_UNREACHABLE = "node_cache_unreachable"
     PENDING_READS = "pending_reads"
     PERSIST_FAILED = "persist_failed"

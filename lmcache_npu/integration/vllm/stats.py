@@ -97,6 +97,8 @@ INDEX_METRICS: dict[str, tuple[str, str]] = {
                                                             "epoch)"),
     "node_cache_unreachable": (Metric.NODE_CACHE_UNREACHABLE, "node cache calls answered as misses while the service "
                                                               "was away"),
+    "node_cache_refused": (Metric.NODE_CACHE_REFUSED, "attaches the node cache refused (no pool for this engine's "
+                                                      "geometry): the engine serves without it meanwhile"),
 }
 DISK_METRICS: dict[str, tuple[str, str]] = {
     "disk_writes": (Metric.WRITES, "chunk files written (summed over ranks)"),
