@@ -61,6 +61,8 @@ class Metric(StrEnum):
     NODE_CACHE_RECONNECTS = "node_cache_reconnects"
     NODE_CACHE_REFUSED = "node_cache_refused"
     NODE_CACHE_UNREACHABLE = "node_cache_unreachable"
+    NODE_EPOCH_RELEASES = "node_epoch_releases"
+    NODE_UNMAPPED_COMMANDS = "node_unmapped_commands"
     PENDING_READS = "pending_reads"
     PERSIST_FAILED = "persist_failed"
     PERSIST_NO_ROOM = "persist_no_room"

@@ -49,6 +49,16 @@ def store_config(slots: int, world: int, object_bytes: int = OBJECT_BYTES, pools
     return StoreConfig(cpu_bytes=cpu_bytes, pinned=False, hugepages="off", **extra)  # type: ignore[arg-type]
 
 
+def memfd_mapped(base: int, span: int) -> bool:
+    """Whether a memory file (a node cache segment) is still mapped anywhere in [base, base + span) of this process."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            low, high = (int(edge, 16) for edge in line.split()[0].split("-"))
+            if low < base + span and high > base and "memfd:" in line:
+                return True
+    return False
+
+
 def wait_for(condition: Callable[[], object], what: str, timeout_s: float = WAIT_S) -> None:
     """Polls until `condition()` holds; an AssertionError naming `what` after `timeout_s`."""
     deadline = time.monotonic() + timeout_s
