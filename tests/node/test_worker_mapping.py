@@ -29,6 +29,8 @@ def test_a_dead_epoch_is_unmapped_once_its_commands_settle(start_node):
     counters = TierCounters()
     mapped = mapping(node, counters)
     base, span = mapped.arena.base_address, mapped.arena.total_bytes
+    assert mapped.current is not None
+    lease = mapped.current.sock  # the connection that holds this engine's lease on the pool
     assert mapped.epoch == node.pool.epoch and memfd_mapped(base, span)
     node.service.close()  # the service dies: its connection to this worker closes
     assert mapped.follow("", in_flight={7, 8}) is False  # the scheduler lost it too
@@ -38,6 +40,7 @@ def test_a_dead_epoch_is_unmapped_once_its_commands_settle(start_node):
     assert memfd_mapped(base, span)  # command 8 may still move bytes in that mapping
     mapped.settle([8])
     wait_for(lambda: gc.collect() is not None and not memfd_mapped(base, span), "the dead epoch's mapping to go")
+    wait_for(lambda: lease.fileno() == -1, "the dead epoch's connection to be closed")
     assert counters[Metric.NODE_EPOCH_RELEASES] == 1
     mapped.close()
 
