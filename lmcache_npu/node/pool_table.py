@@ -91,10 +91,15 @@ class PoolTable:
         taken = None
         with self.lock:
             del self._making[geometry]
-            if not self.closed.is_set():
+            inserted = not self.closed.is_set()
+            if inserted:
                 self.pools[geometry] = pool
-                taken = (take(pool),)  # leased before anyone may take this idle pool's place
-        if self.closed.is_set() and self.pools.get(geometry) is not pool:  # made while the service closed
+                try:
+                    taken = (take(pool),)  # leased before anyone may take this idle pool's place
+                except Exception:
+                    future.set_result(pool)  # the pool is made: its other attaches go on without this one
+                    raise
+        if not inserted:  # made while the service closed: nothing else will close it
             pool.close()
             refused = PoolRefused("the node cache is shutting down")
             future.set_exception(refused)
