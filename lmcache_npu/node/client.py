@@ -149,7 +149,7 @@ class NodeCacheClient(ChunkManager):
                                                          daemon=True)
         retrying.start()
         retrying.join(timeout=connect_timeout_s)
-        if not self._connected(first=True) and not self._refusal:  # a refusal was said with its reason
+        if not self._connected() and not self._refusal:  # a refusal was said with its reason
             logger.warning("lmcache_npu: the node cache at %s is not attached yet (%s); serving without it (every "
                            "lookup misses) and attaching in the background", self.path,
                            "still attaching" if retrying.is_alive() else self._away)
@@ -180,7 +180,7 @@ class NodeCacheClient(ChunkManager):
         with self._retry_lock:
             self._next_try = time.monotonic() + self.retry_s
 
-    def _connected(self, first: bool = False) -> bool:
+    def _connected(self) -> bool:
         """Whether a connection is up; while it is not, attaching again runs on a thread of its own (a restarted
         service makes the pool anew, which may take minutes), and its result is taken up by the next call."""
         if self._sock is not None:
@@ -194,6 +194,7 @@ class NodeCacheClient(ChunkManager):
                     self._retrying.start()
                 return False
         sock, attached = done
+        first = self.num_slots == 0  # never attached before (a pool has at least one slot)
         self._adopt(sock, attached)
         if first:
             logger.info("lmcache_npu: attached to the node cache at %s (epoch %s)", self.path, self.epoch)
