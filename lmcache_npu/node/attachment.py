@@ -1,5 +1,6 @@
 """A worker's side of the node cache: its rank's segments of the pool, mapped into this process, as the host arena its
 device moves read and write (the same kernels and lanes as a private arena), and the connection that holds its lease.
+`worker_mapping.py` keeps them across epochs.
 """
 
 from __future__ import annotations
@@ -8,10 +9,12 @@ import socket
 from dataclasses import dataclass
 from typing import Optional
 
-from ..store.arena import HostArena
+from ..store.arena import HostArena, slot_bytes_for
+from ..store.envelope import ENVELOPE_BYTES
+from ..store.metrics import Metric
 from . import wire
 from .client import connect
-from .messages import Attach, PoolGeometry
+from .messages import Attach, Attached, PoolGeometry
 
 
 @dataclass
@@ -32,6 +35,13 @@ def attach_worker_arena(path: str, engine: str, geometry: PoolGeometry, rank: in
     segment is registered with the device before this returns (the node's slots are all live, so a worker must
     reach all of them), and a segment that cannot be is an error naming why."""
     sock, attached, fds = connect(path, Attach(engine, geometry, rank), timeout_s)
+    return map_worker_arena(sock, attached, fds, rank, pinned=pinned, npu_host_memory=npu_host_memory)
+
+
+def map_worker_arena(sock: socket.socket, attached: Attached, fds: list[int], rank: int, *, pinned: Optional[bool],
+                     npu_host_memory: str = "auto") -> WorkerAttachment:
+    """The segment files `fds` an attach of rank `rank` received, mapped (and registered, see attach_worker_arena);
+    the attachment keeps `sock`. Closes both when it fails."""
     try:
         arena = HostArena(attached.num_slots, attached.object_bytes, pinned=pinned,
                           segment_bytes=attached.segment_bytes, hugepages=attached.hugepages, prefault=False,
@@ -52,3 +62,33 @@ def attach_worker_arena(path: str, engine: str, geometry: PoolGeometry, rank: in
                               f"DMA-able for this device ({failed[0].error}); the node cache needs host registration "
                               "of shared memory (docs/deployment.md, \"Node cache\")")
     return WorkerAttachment(sock, arena, attached.epoch)
+
+
+class UnmappedArena:
+    """The arena of a worker with no node cache epoch mapped (the service away, its pool still being made, or the
+    epoch's segments still being registered): no slot, so nothing is handed to it; the worker fails the node's
+    commands before they reach its executor."""
+
+    num_slots = 0
+    pinned = False
+    contiguous = True
+
+    def __init__(self, object_bytes: int) -> None:
+        self.object_bytes = object_bytes
+        self.sealed_bytes = object_bytes + ENVELOPE_BYTES
+        self.slot_bytes = slot_bytes_for(object_bytes)
+
+    def usable_ranges(self) -> tuple[tuple[int, int], ...]:
+        return ()
+
+    def registration_ranges(self) -> list[tuple[int, int]]:
+        return []
+
+    def segment_stats(self) -> dict[str, int]:
+        return {Metric.ARENA_BYTES: 0, Metric.ARENA_LIVE_BYTES: 0, Metric.SEGMENTS_LIVE: 0, Metric.SEGMENTS_TOTAL: 0}
+
+    def wait_ready(self, timeout: Optional[float] = None) -> bool:
+        return True
+
+    def close(self) -> None:
+        """Nothing is mapped."""

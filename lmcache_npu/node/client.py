@@ -1,11 +1,14 @@
 """The scheduler half's side of the node cache: `NodeCacheClient`, the manager contract over the service's socket
 (a worker's mapping of the shared arena is `attachment.py`'s).
 
-The service going away never stops an engine: every verb then answers as a cache that holds nothing (lookups miss,
-stores are not made, a load already promised is refused, so vLLM recomputes it), and the client attaches again at
-most once per `retry_s`; the new attachment is a new epoch, which the scheduler sends its workers with each step so
-they map the new segments before they move a byte. Commands of an earlier epoch are forgotten: their answers are
-dropped and they count as no longer pending.
+The service being away never stops an engine, at start-up or later: every verb then answers as a cache that holds
+nothing (lookups miss, stores are not made, a load already promised is refused, so vLLM recomputes it), and the
+client attaches on a thread of its own, at most once per `retry_s` (`REFUSED_RETRY_S` after the service refused it:
+a geometry beyond its pools), waiting up to `ATTACH_TIMEOUT_S` for a pool the service is still making. An engine
+starts with a short wait for that attach and serves without the node cache when it is not done by then. Each
+attachment is an epoch, which the scheduler sends its workers with each step so they map its segments before they
+move a byte. Commands of an earlier epoch are forgotten: their answers are dropped and they count as no longer
+pending.
 """
 
 from __future__ import annotations
@@ -33,7 +36,9 @@ from .messages import Attach, Attached, PoolGeometry, Refused
 logger = logging.getLogger(__name__)
 
 RETRY_S = 1.0  # at most one attach attempt per second while the service is away
+REFUSED_RETRY_S = 10.0  # after a refusal (no pool for this geometry): asked again this rarely
 CALL_TIMEOUT_S = 10.0  # a verb the service has not answered by then counts as the service being away
+START_WAIT_S = 5.0  # how long an engine's start waits for its first attach (a pool being made takes longer)
 _FIRST, _SECOND = itemgetter(0), itemgetter(1)
 OCCUPANCY_TTL_S = 1.0  # the gauges vLLM's stats read every step: asked at most once a second
 ATTACH_TIMEOUT_S = 900.0  # the first attach of a geometry maps and pre-faults its pool: minutes on a large node
@@ -42,6 +47,10 @@ _PEERCRED = struct.Struct("3i")  # pid, uid, gid
 
 class NodeCacheUnavailable(ConnectionError):
     """The node cache service cannot be reached (or refused this engine)."""
+
+
+class NodeCacheRefused(NodeCacheUnavailable):
+    """The service answered and will not take this engine (`Refused`: no pool for its geometry, ...)."""
 
 
 def check_service_peer(sock: socket.socket, path: str) -> None:
@@ -65,7 +74,9 @@ def check_service_peer(sock: socket.socket, path: str) -> None:
 
 
 def connect(path: str, attach: Attach, timeout_s: float) -> tuple[socket.socket, Attached, list[int]]:
-    """Connects and attaches; retries until `timeout_s` while the socket is missing or refuses connections."""
+    """Connects and attaches; retries until `timeout_s` while the socket is missing or refuses connections. The
+    reply may take `ATTACH_TIMEOUT_S` (the service makes the geometry's pool first); later calls get
+    `CALL_TIMEOUT_S`."""
     deadline = time.monotonic() + timeout_s
     while True:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -74,7 +85,9 @@ def connect(path: str, attach: Attach, timeout_s: float) -> tuple[socket.socket,
             sock.connect(path)
             check_service_peer(sock, path)
             wire.send(sock, attach)
+            sock.settimeout(ATTACH_TIMEOUT_S)
             reply, fds = wire.receive_with_fds(sock)
+            sock.settimeout(CALL_TIMEOUT_S)
         except (FileNotFoundError, ConnectionRefusedError) as exc:
             sock.close()
             if time.monotonic() >= deadline:
@@ -92,7 +105,7 @@ def connect(path: str, attach: Attach, timeout_s: float) -> tuple[socket.socket,
             sock.close()
             for fd in fds:
                 wire.close_fd(fd)
-            raise NodeCacheUnavailable(f"the node cache at {path} refused this engine: {reply.reason}")
+            raise NodeCacheRefused(f"the node cache at {path} refused this engine: {reply.reason}")
         if not isinstance(reply, Attached):
             sock.close()
             raise NodeCacheUnavailable(f"the node cache at {path} answered {type(reply).__name__}, not Attached")
@@ -104,7 +117,7 @@ class NodeCacheClient(ChunkManager):
     commands are tracked here (their ranks' answers, `is_pending`, the outbox), so a step costs no round trip for
     them; everything about the node's chunks is asked of the service."""
 
-    def __init__(self, path: str, engine: str, geometry: PoolGeometry, *, connect_timeout_s: float = 30.0,
+    def __init__(self, path: str, engine: str, geometry: PoolGeometry, *, connect_timeout_s: float = START_WAIT_S,
                  retry_s: float = RETRY_S) -> None:
         self.path = path
         self.engine = engine
@@ -124,8 +137,22 @@ class NodeCacheClient(ChunkManager):
         self._ledger = CommandLedger(geometry.world, self.counters)
         self._occupancy: Optional[tuple[float, dict[Tier, tuple[int, int]]]] = None
         self.epoch: Optional[str] = None
-        sock, attached, _ = connect(path, self._attach_message(), connect_timeout_s)
-        self._adopt(sock, attached)
+        self.num_slots = 0  # the pool's, once attached
+        self.disk_chunks = 0
+        self._policy = ""
+        self._closed = False
+        self._refusal = ""  # the last refusal's reason, said once
+        self._away = ""  # why the last attach failed otherwise
+        # the first attach runs as every later one does, in the background; the start waits for it a little
+        with self._retry_lock:
+            retrying = self._retrying = threading.Thread(target=self._reattach, name="lmcache-node-attach",
+                                                         daemon=True)
+        retrying.start()
+        retrying.join(timeout=connect_timeout_s)
+        if not self._connected() and not self._refusal:  # a refusal was said with its reason
+            logger.warning("lmcache_npu: the node cache at %s is not attached yet (%s); serving without it (every "
+                           "lookup misses) and attaching in the background", self.path,
+                           "still attaching" if retrying.is_alive() else self._away)
 
     # ---- the connection -------------------------------------------------------------------------------------------
 
@@ -161,29 +188,55 @@ class NodeCacheClient(ChunkManager):
         with self._retry_lock:
             done, self._reattached = self._reattached, None
             if done is None:
-                if self._retrying is None and time.monotonic() >= self._next_try:
+                if self._retrying is None and time.monotonic() >= self._next_try and not self._closed:
                     self._retrying = threading.Thread(target=self._reattach, name="lmcache-node-reattach",
                                                       daemon=True)
                     self._retrying.start()
                 return False
         sock, attached = done
+        first = self.num_slots == 0  # never attached before (a pool has at least one slot)
         self._adopt(sock, attached)
-        self.counters.add(Metric.NODE_CACHE_RECONNECTS)
-        logger.info("lmcache_npu: attached to the node cache at %s again (epoch %s)", self.path, self.epoch)
+        if first:
+            logger.info("lmcache_npu: attached to the node cache at %s (epoch %s)", self.path, self.epoch)
+        else:
+            self.counters.add(Metric.NODE_CACHE_RECONNECTS)
+            logger.info("lmcache_npu: attached to the node cache at %s again (epoch %s)", self.path, self.epoch)
         return True
 
     def _reattach(self) -> None:
         try:
             sock, attached, _ = connect(self.path, self._attach_message(), 0.0)
+        except NodeCacheRefused as exc:
+            self.counters.add(Metric.NODE_CACHE_REFUSED)
+            if str(exc) != self._refusal:  # said once per reason: it is asked again every REFUSED_RETRY_S
+                logger.warning("lmcache_npu: %s; serving without the node cache and asking again every %.0f s",
+                               exc, max(self.retry_s, REFUSED_RETRY_S))
+            self._refusal = str(exc)
+            self._retry_after(max(self.retry_s, REFUSED_RETRY_S))
+            return
         except NodeCacheUnavailable as exc:
             logger.debug("lmcache_npu: node cache still away: %s", exc)
-            with self._retry_lock:
-                self._next_try = time.monotonic() + self.retry_s
-                self._retrying = None
+            self._away = str(exc)
+            self._retry_after(self.retry_s)
             return
+        self._refusal = ""
         with self._retry_lock:
-            self._reattached = (sock, attached)
+            if self._closed:  # closed while this attach waited: nothing takes it up
+                sock.close()
+            else:
+                self._reattached = (sock, attached)
             self._retrying = None
+
+    def _retry_after(self, delay_s: float) -> None:
+        with self._retry_lock:
+            self._next_try = time.monotonic() + delay_s
+            self._retrying = None
+
+    def poll_epoch(self) -> Optional[str]:
+        """The epoch now (None while unattached), after taking up an attach that finished in the background or
+        starting one that is due: the scheduler asks once per step, also when no verb of the step reaches here."""
+        self._connected()
+        return self.epoch
 
     def _call(self, verb: str, *arguments: Any, missing: Any = None) -> Any:
         """The verb's answer; `missing` when the service is away (counted)."""
@@ -230,11 +283,8 @@ class NodeCacheClient(ChunkManager):
             self._sock.close()
             self._sock = None
         with self._retry_lock:
-            retrying, done, self._reattached = self._retrying, self._reattached, None
-        if retrying is not None:
-            retrying.join(timeout=CALL_TIMEOUT_S)
-            with self._retry_lock:
-                done, self._reattached = done or self._reattached, None
+            self._closed = True  # an attach still waiting closes its own connection when it ends
+            done, self._reattached = self._reattached, None
         if done is not None:
             done[0].close()
 

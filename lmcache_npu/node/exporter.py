@@ -33,6 +33,8 @@ def _lines(service: Any) -> Iterator[str]:
     yield _sample("node_connections", {"engine": "node"}, service.connections)
     yield "# TYPE lmcache_npu:node_refused_peers counter"
     yield _sample("node_refused_peers_total", {"engine": "node"}, service.refused_peers)
+    yield "# TYPE lmcache_npu:node_pools_reclaimed counter"
+    yield _sample("node_pools_reclaimed_total", {"engine": "node"}, service.pools_reclaimed)
     for pool in service.pools.values():
         node = {"engine": "node", "namespace": pool.geometry.namespace}
         use = pool.index.occupancy()

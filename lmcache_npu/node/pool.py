@@ -99,6 +99,7 @@ class NodePool:
             self.close()
             raise
         self.leases: dict[str, EngineLease] = {}
+        self.idle_since = time.monotonic()  # when its last lease ended (its making, before the first)
         self.writing: dict[ChunkKey, tuple[str, int]] = {}  # chunk -> (engine, store command) not committed yet
         # the engines' lookups for status: requests looked up (Metric.LOOKUPS), hit chunks per tier (HIT_CHUNKS_*)
         self.lookup_counters: Counter = Counter()
@@ -152,6 +153,8 @@ class NodePool:
         """The engine is gone: its reservations are released and its unanswered commands fail on every rank that
         has not answered (a store's slot is freed, a load's pin dropped)."""
         self.leases.pop(lease.engine, None)
+        if not self.leases:
+            self.idle_since = time.monotonic()
         for request_id in lease.requests:
             self.index.release(request_id)
         abandoned = self.index.abandon(lease.commands, f"engine {lease.engine} is gone")  # counts the pending ones

@@ -6,7 +6,8 @@ Security: the socket is created mode 0600 (0660 with `group`), every peer's cred
 not pass), and the shared segments are memory files in no filesystem, reachable only through descriptors this
 service hands to checked peers. Messages are allow-listed pickles (wire.py).
 Engines attach with their pool geometry; each geometry gets a pool (`pool.py`), up to `max_pools`, each an equal
-share of `cpu_bytes` and `disk_bytes`. One lock serialises the verbs: they are index operations of microseconds.
+share of `cpu_bytes` and `disk_bytes`; a pool no engine holds is given back after `pool_idle_s` or when a new
+geometry needs its place (`pool_table.py`). One lock serialises the verbs: they are index operations.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from . import wire
 from .exporter import MetricsServer, exposition
 from .messages import Attach, PoolGeometry, Refused
 from .pool import EngineLease, NodePool, PoolRefused, scoped
+from .pool_table import PoolTable
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +58,7 @@ class ServiceOptions:
     group: Optional[str] = None  # a group (name or numeric gid) whose processes may attach too (socket 0660)
     metrics_port: Optional[int] = None
     metrics_host: str = "127.0.0.1"
+    pool_idle_s: float = 300.0  # a pool no engine has attached to for this long is given back (its memory freed)
 
 
 class NodeCacheService:
@@ -65,14 +68,14 @@ class NodeCacheService:
         self.options = options
         self.instance = secrets.token_hex(6)  # a restarted service is a new epoch for every engine
         self.lock = threading.RLock()
-        self._pool_creation = threading.Lock()  # one pool is made at a time, outside `lock`
-        self.pools: dict[PoolGeometry, NodePool] = {}
         self.refused_peers = 0
         self.connections = 0
         self.started_at = time.time()
         self._group_gid = group_id(options.group) if options.group else None
         self._next_connection = 0
         self._closed = threading.Event()
+        self._table = PoolTable(options.store, options.max_pools, options.pool_idle_s, self.instance, self.lock,
+                                self._closed)
         self._threads: list[threading.Thread] = []
         self._open: set[socket.socket] = set()  # live connections: closing the service ends them too
         self._listener = self._bind(options.socket_path)
@@ -107,11 +110,29 @@ class NodeCacheService:
         listener.listen(64)
         return listener
 
+    @property
+    def pools(self) -> dict[PoolGeometry, NodePool]:
+        return self._table.pools
+
+    @property
+    def pools_reclaimed(self) -> int:
+        return self._table.reclaimed
+
     def start(self) -> "NodeCacheService":
-        thread = threading.Thread(target=self.serve_forever, name="lmcache-node-accept", daemon=True)
-        thread.start()
-        self._threads.append(thread)
+        for target, name in ((self.serve_forever, "lmcache-node-accept"), (self._reap_forever, "lmcache-node-reap")):
+            thread = threading.Thread(target=target, name=name, daemon=True)
+            thread.start()
+            self._threads.append(thread)
         return self
+
+    def _reap_forever(self) -> None:
+        """Gives back idle pools, looking a few times per `pool_idle_s` (at most every 30 s)."""
+        every = min(30.0, max(0.05, self.options.pool_idle_s / 4))
+        while not self._closed.wait(every):
+            try:
+                self._table.reap()
+            except Exception:  # a pool that fails to close must not end the reaping of the others
+                logger.exception("node cache: giving back an idle pool failed")
 
     def serve_forever(self) -> None:
         logger.info("node cache: serving %s (%d B host memory, %d pool(s)%s)", self.options.socket_path,
@@ -159,11 +180,9 @@ class NodeCacheService:
                 wire.send(connection, Refused("the first message must be an Attach"))
                 return
             try:
-                pool = self._pool_for(attach.geometry)
-                with self.lock:
-                    fds = pool.segment_fds(attach.rank) if attach.rank is not None else []
-                    lease = pool.lease(attach.engine, number, attach.events)
-                    self.connections += 1
+                _check_geometry(attach.geometry)
+                pool, (fds, lease) = self._table.acquire(attach.geometry, lambda found: self._lease(found, attach,
+                                                                                                    number))
             except (PoolRefused, ValueError, TypeError, MemoryError, OSError) as exc:
                 logger.warning("node cache: refused engine %s: %s", attach.engine, exc)
                 wire.send(connection, Refused(str(exc)))
@@ -189,30 +208,12 @@ class NodeCacheService:
                         pool.drop_connection(lease.engine, number)
             connection.close()
 
-    def _pool_for(self, geometry: PoolGeometry) -> NodePool:
-        """The geometry's pool, made on its first attach. Making one maps and pre-faults its memory (minutes for a
-        large node): that happens outside the verbs' lock, so engines of other pools are served meanwhile."""
-        with self._pool_creation:
-            with self.lock:
-                pool = self.pools.get(geometry)
-            if pool is not None:
-                return pool
-            pool = self._new_pool(geometry)
-            with self.lock:
-                self.pools[geometry] = pool
-            return pool
-
-    def _new_pool(self, geometry: PoolGeometry) -> NodePool:
-        _check_geometry(geometry)
-        if len(self.pools) >= self.options.max_pools:
-            held = "; ".join(g.describe() for g in self.pools)
-            raise PoolRefused(f"the node cache holds {len(self.pools)} pool(s) (--max-pools {self.options.max_pools}): "
-                              f"{held}; this engine's geometry ({geometry.describe()}) needs another. Start the "
-                              "service with a larger --max-pools (each pool gets an equal share of --cpu-bytes)")
-        pools = self.options.max_pools
-        share = dataclasses.replace(self.options.store, cpu_bytes=self.options.store.cpu_bytes // pools,
-                                    disk_bytes=self.options.store.disk_bytes // pools)
-        return NodePool(geometry, share, f"{self.instance}/{len(self.pools)}", self.lock)
+    def _lease(self, pool: NodePool, attach: Attach, number: int) -> tuple[list[int], EngineLease]:
+        """The attaching connection's segment files and lease in `pool` (under the lock)."""
+        fds = pool.segment_fds(attach.rank) if attach.rank is not None else []
+        lease = pool.lease(attach.engine, number, attach.events)
+        self.connections += 1
+        return fds, lease
 
     def _answer(self, pool: NodePool, lease: EngineLease, request: Any) -> Optional[tuple]:
         if not isinstance(request, tuple) or not request or not isinstance(request[0], str):
@@ -264,7 +265,7 @@ class NodeCacheService:
         if self._metrics is not None:
             self._metrics.close()
         with self.lock:
-            pools, self.pools = list(self.pools.values()), {}
+            pools = self._table.take_all()
             for connection in self._open:  # an engine must see the service gone, not be answered by closed pools
                 try:
                     connection.shutdown(socket.SHUT_RDWR)

@@ -71,7 +71,8 @@ class StoreExecutor:
         self.remote = remote
         self.sealer = sealer if sealer is not None else Sealer()
         self._sealed: dict[int, ChunkKey] = {}  # slot -> the key its trailer seals (its bytes unchanged since)
-        self._seal_locks = [threading.Lock() for _ in range(min(_SEAL_STRIPES, arena.num_slots))]
+        # at least one: a node cache worker starts on an arena of no slot and maps the node's later
+        self._seal_locks = [threading.Lock() for _ in range(max(1, min(_SEAL_STRIPES, arena.num_slots)))]
         self._disk_rejections = RejectionLog("disk")
         self._remote_rejections = RejectionLog("mooncake")
         self._io = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix=f"lmcache-store-r{rank}")

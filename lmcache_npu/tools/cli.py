@@ -124,7 +124,8 @@ def _node_cache(args: argparse.Namespace) -> int:
     store = StoreConfig.from_dict(values)
     try:
         service = NodeCacheService(ServiceOptions(args.socket, store, max_pools=args.max_pools, group=args.group,
-                                                  metrics_port=args.metrics_port, metrics_host=args.metrics_host))
+                                                  metrics_port=args.metrics_port, metrics_host=args.metrics_host,
+                                                  pool_idle_s=args.pool_idle_seconds))
     except FileExistsError as exc:  # a live service, or a file that is not a socket, at --socket
         raise ValueError(f"node-cache: {exc}") from None
     except OSError as exc:  # the socket's directory missing or closed to this user, the metrics port taken
@@ -586,6 +587,9 @@ def build_parser() -> argparse.ArgumentParser:
                       "...); the flags above override it")
     node.add_argument("--max-pools", type=int, default=1,
                       help="model geometries served side by side, each with an equal share of the memory (default 1)")
+    node.add_argument("--pool-idle-seconds", type=float, default=300.0,
+                      help="a pool no engine has attached to for this long is given back, its memory freed (default "
+                      "300); a new geometry beyond --max-pools takes an idle pool's place at once")
     node.add_argument("--group", help="a group (name or numeric gid) whose processes may attach too: their primary "
                       "gid must be it (the socket becomes 0660)")
     node.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port (0: any free one)")

@@ -169,6 +169,7 @@ class KVMover:
                 finally:
                     job.kernel_done.set()  # a batch that never launched touched no page
                     job.finished.set()
+                    job.objects = []  # slot views must not outlive the batch: an unmapped epoch's pages go with them
 
     @staticmethod
     def _after_kernel(lane: _Lane, job: _Job, event: Optional[Any]) -> None:

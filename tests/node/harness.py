@@ -6,8 +6,12 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import threading
 import time
-from typing import Callable, Iterable, Optional, Sequence
+from collections import Counter
+from typing import Any, Callable, Iterable, Optional, Sequence
+
+import pytest
 
 from lmcache_npu.node.attachment import WorkerAttachment, attach_worker_arena
 from lmcache_npu.node.client import NodeCacheClient
@@ -45,6 +49,16 @@ def store_config(slots: int, world: int, object_bytes: int = OBJECT_BYTES, pools
     return StoreConfig(cpu_bytes=cpu_bytes, pinned=False, hugepages="off", **extra)  # type: ignore[arg-type]
 
 
+def memfd_mapped(base: int, span: int) -> bool:
+    """Whether a memory file (a node cache segment) is still mapped anywhere in [base, base + span) of this process."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            low, high = (int(edge, 16) for edge in line.split()[0].split("-"))
+            if low < base + span and high > base and "memfd:" in line:
+                return True
+    return False
+
+
 def wait_for(condition: Callable[[], object], what: str, timeout_s: float = WAIT_S) -> None:
     """Polls until `condition()` holds; an AssertionError naming `what` after `timeout_s`."""
     deadline = time.monotonic() + timeout_s
@@ -54,15 +68,39 @@ def wait_for(condition: Callable[[], object], what: str, timeout_s: float = WAIT
         time.sleep(0.005)
 
 
+class SlowPools:
+    """Pools of `namespace` take until `release` is set to make (a large pool pre-faulting); every pool made is
+    counted per namespace and kept."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, namespace: str) -> None:
+        self.began = threading.Event()
+        self.release = threading.Event()
+        self.made: Counter = Counter()
+        self.pools: list[NodePool] = []
+        original = NodePool.__init__
+
+        def init(pool: NodePool, geo: Any, *args: Any, **kwargs: Any) -> None:
+            self.made[geo.namespace] += 1
+            if geo.namespace == namespace:
+                self.began.set()
+                self.release.wait(WAIT_S)
+            original(pool, geo, *args, **kwargs)
+            self.pools.append(pool)
+
+        monkeypatch.setattr(NodePool, "__init__", init)
+
+
 class Node:
     """One service on `directory`/s and everything attached to it; `close()` ends them all (attachments first)."""
 
     def __init__(self, directory: str, store: StoreConfig, *, max_pools: int = 1, group: Optional[str] = None,
-                 metrics_port: Optional[int] = None, socket_name: str = "s") -> None:
+                 metrics_port: Optional[int] = None, socket_name: str = "s", pool_idle_s: Optional[float] = None
+                 ) -> None:
         self.directory = directory
         self.path = os.path.join(directory, socket_name)
+        idle = {} if pool_idle_s is None else {"pool_idle_s": pool_idle_s}
         self.service = NodeCacheService(ServiceOptions(self.path, store, max_pools=max_pools, group=group,
-                                                       metrics_port=metrics_port)).start()
+                                                       metrics_port=metrics_port, **idle)).start()
         self.clients: list[NodeCacheClient] = []
         self.workers: list[WorkerAttachment] = []
 

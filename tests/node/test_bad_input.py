@@ -1,10 +1,11 @@
 """What a peer may send wrong, and what it is told: keys of another namespace are refused naming both namespaces, a
 malformed request (unknown verb, wrong types, wrong arity) gets an error reply and the connection keeps serving, a
-first message that is no valid Attach is refused, and a geometry beyond `max_pools` is refused naming --max-pools;
-with max_pools=2 each geometry gets a pool of half the node's bytes."""
+first message that is no valid Attach is refused, and a geometry beyond `max_pools` is refused naming --max-pools
+(the engine serves without the node cache); with max_pools=2 each geometry gets a pool of half the node's bytes."""
 
 from __future__ import annotations
 
+import re
 import socket
 from typing import Any, Iterator
 
@@ -13,12 +14,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from lmcache_npu.node import wire
-from lmcache_npu.node.client import NodeCacheUnavailable
 from lmcache_npu.node.messages import Attach, Attached, PoolGeometry, Refused
 from lmcache_npu.node.service import ONEWAY
 from lmcache_npu.store.arena import slot_bytes_for
 from lmcache_npu.store.commands import Completion
 from lmcache_npu.store.keys import ChunkKey
+from lmcache_npu.store.metrics import Metric
 
 from .harness import NAMESPACE, OBJECT_BYTES, Node, geometry, keys_of, short_dir, store_config
 
@@ -157,11 +158,13 @@ def test_a_first_message_that_is_no_valid_attach_is_refused_with_the_reason(star
     assert node.client("next", geometry(1)).epoch is not None  # the service goes on
 
 
-def test_a_second_geometry_beyond_max_pools_is_refused_naming_the_option(start_node):
+def test_a_second_geometry_beyond_max_pools_is_refused_naming_the_option(start_node, caplog):
     node = start_node(store_config(4, 1), max_pools=1)
     node.client("A", geometry(1))
-    with pytest.raises(NodeCacheUnavailable, match=r"refused this engine: .*\(--max-pools 1\).*larger --max-pools"):
-        node.client("B", geometry(1, namespace=OTHER))
+    refused = node.client("B", geometry(1, namespace=OTHER))  # starts all the same, without the node cache
+    assert refused.epoch is None and refused.counters[Metric.NODE_CACHE_REFUSED] == 1
+    assert refused.lookup("q", keys_of(0, 1, namespace=OTHER)).hit_chunks == 0
+    assert re.search(r"refused this engine: .*\(--max-pools 1\).*larger --max-pools", caplog.text)
     assert len(node.service.pools) == 1
 
 
@@ -176,5 +179,5 @@ def test_max_pools_two_gives_two_pools_of_half_the_bytes(start_node):
         assert client.num_slots == store.cpu_bytes // 2 // (2 * slot_bytes_for(geo.object_bytes))
         assert sum(arena.num_slots * arena.slot_bytes for arena in pool.arenas) <= store.cpu_bytes // 2
     assert clients[0].num_slots == 4 and clients[1].num_slots == 2
-    with pytest.raises(NodeCacheUnavailable, match="--max-pools 2"):
-        node.client("C", geometry(2, namespace="2" * 32))
+    third = node.client("C", geometry(2, namespace="2" * 32))
+    assert third.epoch is None and third.counters[Metric.NODE_CACHE_REFUSED] == 1 and len(node.service.pools) == 2

@@ -37,8 +37,9 @@ class LMCacheNPUConnectorMetadata(KVConnectorMetadata):
     # vLLM computes nothing this step (every runnable request waits for its KV): the workers may wait for a load to
     # finish instead of letting the engine spin through empty steps
     idle: bool = False
-    # the node cache's epoch these commands are of (None without one): a worker whose mapping is of another epoch
-    # maps the node's segments again before it runs them
+    # the node cache's epoch these commands are of (None without a node cache; "" while the scheduler has none): a
+    # worker maps that epoch's segments in the background and fails its commands until it has them; a mapping of a
+    # service that is gone is unmapped once its commands settled
     node_epoch: Optional[str] = None
 
 
@@ -63,12 +64,15 @@ class LMCacheNPUWorkerMetadata(KVConnectorWorkerMetadata):
     completions: list[Completion] = field(default_factory=list)
     # rank -> the slot ranges of its live arena segments, sent when they change (segments register in the background)
     usable_slots: dict[int, SlotRanges] = field(default_factory=dict)
+    # rank -> the node cache epoch it has mapped whole ("" none), sent when it changes
+    node_epochs: dict[int, str] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> "LMCacheNPUWorkerMetadata":
         if not isinstance(other, LMCacheNPUWorkerMetadata):
             raise TypeError(f"cannot aggregate {type(other).__name__} into LMCacheNPUWorkerMetadata")
         return LMCacheNPUWorkerMetadata(self.completions + other.completions,
-                                        {**self.usable_slots, **other.usable_slots})
+                                        {**self.usable_slots, **other.usable_slots},
+                                        {**self.node_epochs, **other.node_epochs})
 
 
 @dataclass(frozen=True)
@@ -89,6 +93,7 @@ class WorkerGeometry(KVConnectorHandshakeMetadata):
     backend: str = ""
     device: str = ""
     identity: tuple[tuple[str, str], ...] = ()  # what the rank's model fingerprint was made of (`EngineIdentity`)
+    node_epoch: Optional[str] = None  # the node cache epoch the rank had mapped at the handshake ("" none)
 
     @staticmethod
     def agree(geometries: Sequence["WorkerGeometry"], world: int) -> Optional["WorkerGeometry"]:

@@ -121,6 +121,9 @@ class SchedulerHalf:
         self.events: Optional[KVEvents] = None
         self.object_bytes = 0  # one rank's chunk object (the handshake says)
         self._gauges = StoreGauges()
+        # rank -> the node cache epoch it has mapped ("" none); a rank that never said counts as having every epoch
+        self._node_epochs: dict[int, str] = {}
+        self._node_epoch: Optional[str] = None  # the client's epoch at the last step (KV events' capacity follows it)
 
     # ---- start-up ---------------------------------------------------------------------------------------------
 
@@ -154,6 +157,7 @@ class SchedulerHalf:
         self._gauges.reset()
         self.index_counters.watch(self.index.counters, INDEX_METRICS)
         self._apply_usable_slots({g.rank: g.usable_slots for g in geometries if g.usable_slots is not None})
+        self._node_epochs = {g.rank: g.node_epoch for g in geometries if g.node_epoch is not None}
         if self._events_enabled:
             node = self.index if isinstance(self.index, NodeCacheClient) else None
             self.events = KVEvents(self.chunk_tokens, self.hash_block_size,
@@ -177,6 +181,27 @@ class SchedulerHalf:
             logger.warning("lmcache_npu has no worker handshake yet: no lookups or stores until the workers report "
                            "their plans")
         return self.index is not None
+
+    def _node_mapped(self) -> bool:
+        """Without a node cache True; with one, whether its epoch is mapped on every rank: until then nothing of it is
+        looked up or stored (no command a worker would have to fail), as a cache that holds nothing."""
+        if not isinstance(self.index, NodeCacheClient):
+            return True
+        epoch = self.index.epoch
+        return epoch is not None and all(mapped == epoch for mapped in self._node_epochs.values())
+
+    def _follow_node(self) -> Optional[str]:
+        """The node cache's epoch for this step's metadata ("" none; None without a node cache), after the client took
+        up an attach that finished in the background (or started one that is due)."""
+        if not isinstance(self.index, NodeCacheClient):
+            return None
+        epoch = self.index.poll_epoch()
+        if epoch != self._node_epoch:
+            self._node_epoch = epoch
+            if epoch is not None and self.events is not None:  # the pool's size is known once attached
+                self.events.max_payloads = max(self.events.max_payloads,
+                                               self.index.num_slots + self.index.disk_chunks + PAYLOAD_SLACK)
+        return epoch or ""
 
     # ---- requests ---------------------------------------------------------------------------------------------
 
@@ -249,7 +274,7 @@ class SchedulerHalf:
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[Optional[int], bool]:
         state = self._state(request)
         state.lookup = None
-        if (not (self.loads_enabled and self._ready()) or state.no_hits or state.bypass
+        if (not (self.loads_enabled and self._ready() and self._node_mapped()) or state.no_hits or state.bypass
                 or adapter.skips_prefix_cache(request)):
             return 0, False
         assert self.index is not None
@@ -320,7 +345,8 @@ class SchedulerHalf:
     def build_connector_meta(self, scheduler_output: Any) -> LMCacheNPUConnectorMetadata:
         stores: list[StorePlan] = []
         writes = self.fence.step_writes()
-        storing = self.stores_enabled and self.index is not None
+        node_epoch = self._follow_node()
+        storing = self.stores_enabled and self.index is not None and self._node_mapped()
         spec_tokens = scheduler_output.scheduled_spec_decode_tokens
         num_scheduled = scheduler_output.num_scheduled_tokens
         for scheduled in adapter.scheduled_requests(scheduler_output):
@@ -347,7 +373,7 @@ class SchedulerHalf:
             loads=self._loads, stores=stores, delayed_free=self._delayed_free,
             fenced_stores=self._fenced_stores(scheduler_output, writes) if writes is not None else [],
             idle=scheduler_output.total_num_scheduled_tokens == 0,
-            node_epoch=self.index.epoch if isinstance(self.index, NodeCacheClient) else None)
+            node_epoch=node_epoch)
         self.fence.end_step()
         self._loads, self._delayed_free = [], []
         return meta
@@ -445,6 +471,8 @@ class SchedulerHalf:
         meta = adapter.worker_metadata(connector_output)
         if isinstance(meta, LMCacheNPUWorkerMetadata) and meta.usable_slots:
             self._apply_usable_slots(meta.usable_slots)
+        if isinstance(meta, LMCacheNPUWorkerMetadata) and meta.node_epochs:
+            self._node_epochs.update(meta.node_epochs)
         if not isinstance(meta, LMCacheNPUWorkerMetadata) or not meta.completions or self.index is None:
             return
         self.index.on_completions(meta.completions)

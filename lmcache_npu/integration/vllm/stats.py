@@ -61,6 +61,10 @@ METRICS: dict[str, str] = {  # Metric keys: a member is its name
                             "chunk's first token",
     Metric.EPOCH_CHANGES: "times a worker mapped the segments of a restarted node cache (a new epoch; summed over "
                      "ranks)",
+    Metric.NODE_EPOCH_RELEASES: "times a worker unmapped a node cache epoch that was gone or replaced, once its "
+                           "commands had settled (summed over ranks)",
+    Metric.NODE_UNMAPPED_COMMANDS: "node cache commands a worker failed because the epoch they were issued for was not "
+                              "mapped there (yet): loads recompute, stores are not made (summed over ranks)",
 }
 # the host arena's segments, counted up as they go live (so sums over steps are the current state, summed over ranks)
 ARENA_METRICS: dict[str, str] = {
@@ -97,6 +101,8 @@ INDEX_METRICS: dict[str, tuple[str, str]] = {
                                                             "epoch)"),
     "node_cache_unreachable": (Metric.NODE_CACHE_UNREACHABLE, "node cache calls answered as misses while the service "
                                                               "was away"),
+    "node_cache_refused": (Metric.NODE_CACHE_REFUSED, "attaches the node cache refused (no pool for this engine's "
+                                                      "geometry): the engine serves without it meanwhile"),
 }
 DISK_METRICS: dict[str, tuple[str, str]] = {
     "disk_writes": (Metric.WRITES, "chunk files written (summed over ranks)"),

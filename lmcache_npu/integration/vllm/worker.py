@@ -62,9 +62,9 @@ from ...config import ConnectorConfig
 from ...layout.discovery import KVLayout, LayoutPolicy, default_chunk_tokens, discover_layout, token_granularity
 from ...ops import BackendUnavailable, Direction, TransferBackend, get_backend
 from ...ops.backend import backend_for_device
-from ...node.attachment import WorkerAttachment, attach_worker_arena
+from ...node.client import START_WAIT_S
 from ...node.messages import PoolGeometry
-from ...store.arena import HostArena
+from ...node.worker_mapping import WorkerNodeMapping
 from ...store.commands import Command, Completion, Load, Store
 from ...store.disk import check_disk_parent
 from ...store.executor import StoreExecutor
@@ -140,8 +140,9 @@ class WorkerHalf:
         self._idle_step = False  # vLLM computes nothing this step: get_finished may wait for a load
         self._step_loads: set[int] = set()  # load commands this step queued (waited for where the model is the host)
         self._load_wait: Optional[StepLoadWait] = None  # set where the model runs on the host (a CPU KV cache)
-        self._node: Optional[WorkerAttachment] = None  # this rank's mapping of the node cache (node_cache only)
-        self._node_geometry: Optional[PoolGeometry] = None
+        self._node: Optional[WorkerNodeMapping] = None  # this rank's mapping of the node cache (node_cache only)
+        self._reported_epoch: Optional[str] = None  # the node epoch last told to the scheduler as mapped here
+        self._in_flight: set[int] = set()  # commands submitted and not yet polled (a retired mapping waits for its)
 
     # ---- start-up ---------------------------------------------------------------------------------------------
 
@@ -191,40 +192,40 @@ class WorkerHalf:
             layout_fingerprint=pipeline.layout_fingerprint, chunk_tokens=plan.chunk_tokens,
             object_bytes=pipeline.object_bytes, num_slots=pipeline.arena.num_slots,
             usable_slots=self._take_usable_change(), groups=plan_group_geometry(layout.groups), backend=backend,
-            device=str(plan.device), identity=self.identity.description)
+            device=str(plan.device), identity=self.identity.description, node_epoch=self._take_epoch_change())
         logger.info("lmcache_npu rank %d: %d planes in %d groups, %d B per %d-token chunk, %s backend, %d arena slots",
                     self.place.rank, len(plan.moved_planes), len(layout.groups), plan.object_bytes, plan.chunk_tokens,
                     backend, pipeline.arena.num_slots)
 
-    def _attach_node(self, geometry: PoolGeometry) -> HostArena:
-        """This rank's segments of the node cache's pool, mapped (and registered with the device) here."""
+    def _attach_node(self, geometry: PoolGeometry) -> Any:
+        """This rank's segments of the node cache's pool, mapped (and registered with the device) in the background:
+        the arena of no slot until they are (the service away, its pool being made, registration under way)."""
         assert self.config.node_cache is not None
-        self._node_geometry = geometry
-        self._node = attach_worker_arena(self.config.node_cache, adapter.engine_name(self.vllm_config), geometry,
-                                         self.place.rank, pinned=self.config.store.pinned,
-                                         npu_host_memory=self.config.store.npu_host_memory)
-        logger.info("lmcache_npu rank %d: mapped the node cache at %s (epoch %s, %d slots)", self.place.rank,
-                    self.config.node_cache, self._node.epoch, self._node.arena.num_slots)
+        self._node = WorkerNodeMapping(self.config.node_cache, adapter.engine_name(self.vllm_config), geometry,
+                                       self.place.rank, self.counters, pinned=self.config.store.pinned,
+                                       npu_host_memory=self.config.store.npu_host_memory)
+        self._node.start(START_WAIT_S)
         return self._node.arena
 
     def _follow_node_epoch(self, meta: LMCacheNPUConnectorMetadata) -> bool:
-        """The node cache restarted (the scheduler attached to a new epoch): map its segments before moving a byte.
-        False when that failed, and every command of the step is answered as failed."""
-        if self._node is None or meta.node_epoch is None or meta.node_epoch == self._node.epoch:
+        """The epoch the scheduler names this step: mapped here, the step's commands run on it; else they are
+        answered as failed (never waited for: it is mapped in the background) and False."""
+        if self._node is None:
             return True
-        assert self.executor is not None and self._node_geometry is not None
-        old = self._node
-        try:
-            arena = self._attach_node(self._node_geometry)
-        except (ConnectionError, OSError, MemoryError, ValueError) as exc:
-            logger.warning("lmcache_npu rank %d: could not map the node cache's new epoch %s: %s", self.place.rank,
-                           meta.node_epoch, exc)
-            self.executor.refuse(meta.commands, f"the node cache's epoch {meta.node_epoch} is not mapped here: {exc}")
-            return False
-        self.executor.arena = arena  # commands in flight keep the old mapping alive through their slot views
-        old.close()
-        self.counters.add(Metric.EPOCH_CHANGES)
-        return True
+        assert self.executor is not None
+        ready = self._node.follow(meta.node_epoch, self._in_flight)
+        self.executor.arena = self._node.arena  # commands in flight keep an old mapping alive through their slots
+        if not ready and meta.commands:
+            self.counters.add(Metric.NODE_UNMAPPED_COMMANDS, len(meta.commands))
+            self.executor.refuse(meta.commands, f"the node cache's epoch {meta.node_epoch or '(none)'} is not mapped "
+                                 f"on rank {self.place.rank}")
+        return ready
+
+    def _submit(self, commands: list[Command]) -> None:
+        """Runs `commands`, remembered until polled: a retired node mapping goes once none of its is in flight."""
+        self._in_flight.update(c.cmd_id for c in commands)
+        assert self.executor is not None
+        self.executor.submit(commands)
 
     @property
     def mover(self) -> Optional[KVMover]:
@@ -254,7 +255,7 @@ class WorkerHalf:
         if self.executor is None or self.mover is None:
             return
         if self._stores:  # a previous step bound stores but never reached wait_for_save (its plans are still expected)
-            self.executor.submit(self._stores)
+            self._submit(self._stores)
             self._stores = []
         # metadata of another kind, or from a scheduler that could not place a write, fences every queued store
         fenced = meta.fenced_stores if isinstance(meta, LMCacheNPUConnectorMetadata) else None
@@ -283,16 +284,16 @@ class WorkerHalf:
         loads = [c for c in meta.commands if isinstance(c, Load)]
         self._stores = [c for c in meta.commands if isinstance(c, Store)]
         if others:
-            self.executor.submit(others)  # spills, promotions, puts, drops: in the index's order
+            self._submit(others)  # spills, promotions, puts, drops: in the index's order
         if loads:
-            self.executor.submit(loads)  # one transfer for every load of the step
+            self._submit(loads)  # one transfer for every load of the step
             if self._load_wait is not None:
                 self._step_loads.update(c.cmd_id for c in loads)
 
     def wait_for_save(self) -> None:
         """Queues every store of the step as one transfer behind the forward; returns at once."""
         if self._stores and self.executor is not None:
-            self.executor.submit(self._stores)
+            self._submit(self._stores)
         self._stores = []
 
     def get_finished(self) -> tuple[set[str], set[str], set[str]]:
@@ -312,6 +313,10 @@ class WorkerHalf:
             self._load_wait.end()
         completions = self.executor.poll()
         self._outbox.extend(completions)
+        if completions:
+            self._in_flight.difference_update(done.cmd_id for done in completions)
+        if self._node is not None:
+            self._node.settle(done.cmd_id for done in completions)
         for done in completions:
             request_id = self._owner.pop(done.cmd_id, None)
             if request_id is None:
@@ -362,16 +367,31 @@ class WorkerHalf:
 
     def build_worker_meta(self) -> Optional[LMCacheNPUWorkerMetadata]:
         usable = self._take_usable_change()
-        if not self._outbox and usable is None:
+        epoch = self._take_epoch_change()
+        if not self._outbox and usable is None and epoch is None:
             return None
         meta, self._outbox = LMCacheNPUWorkerMetadata(self._outbox), []
         if usable is not None:
             meta.usable_slots[self.place.rank] = usable
+        if epoch is not None:
+            meta.node_epochs[self.place.rank] = epoch
         return meta
 
+    def _take_epoch_change(self) -> Optional[str]:
+        """The node epoch mapped here ("" none) when it changed since last told: the scheduler hands out commands of
+        an epoch only once every rank has it mapped."""
+        if self._node is None:
+            return None
+        epoch = self._node.epoch or ""
+        if epoch == self._reported_epoch:
+            return None
+        self._reported_epoch = epoch
+        return epoch
+
     def _take_usable_change(self) -> Optional[tuple[tuple[int, int], ...]]:
-        """The arena's live slot ranges when they changed since last told (segments register in the background)."""
-        if self.executor is None:
+        """The arena's live slot ranges when they changed since last told (segments register in the background). A
+        node cache mapping is reported whole, as its epoch (the service places chunks for every engine)."""
+        if self.executor is None or self._node is not None:
             return None
         usable = self.executor.arena.usable_ranges()
         if usable == self._reported_usable:
@@ -400,6 +420,7 @@ class WorkerHalf:
             self.pipeline.close()
         if self._node is not None:  # the lease ends after the last command answered
             self._node.close()
+            self._node = None
 
 
 def engine_store_config(config: ConnectorConfig, vllm_config: Any) -> ConnectorConfig:

@@ -1,0 +1,211 @@
+"""A worker's mapping of the node cache across epochs: which epoch its arena is, mapping the next one in the
+background, and giving back the ones that are gone.
+
+- Attaching (connect, map, register every segment with the device: minutes per TiB) runs on a thread of its own,
+  never inside a step. Until an epoch's mapping is complete the worker has none for it, and fails the commands of
+  that epoch (loads recompute, stores are not made) rather than make the step wait. The scheduler hands out no
+  command of an epoch before every rank reported it mapped (`epoch` here, sent with the worker's metadata).
+- The scheduler names its epoch every step (`follow`): "" when it has none. A mapping whose connection the service
+  closed (it died or restarted) is retired when the scheduler names another epoch or none, and unmapped once the
+  commands that were in flight on it have settled (`settle`): a restarted service never finds the old pages still
+  held by every engine (twice the memory; with hugepages the new pool could not even be made). A mapping whose
+  service lives is kept while the scheduler is away (a slow call is not a dead service) and replaced once the epoch
+  the scheduler names is mapped.
+"""
+
+from __future__ import annotations
+
+import logging
+import select
+import socket
+import threading
+import time
+from typing import Collection, Iterable, Optional, Union
+
+from ..store.arena import HostArena
+from ..store.metrics import Metric
+from ..store.tier import TierCounters
+from . import client, wire
+from .attachment import UnmappedArena, WorkerAttachment, map_worker_arena
+from .client import RETRY_S, NodeCacheRefused, connect
+from .messages import Attach, PoolGeometry
+
+logger = logging.getLogger(__name__)
+
+
+def service_alive(sock: socket.socket) -> bool:
+    """Whether the service still holds this connection (it sends a worker nothing after the attach, so a readable
+    socket is one it closed); never blocks."""
+    poller = select.poll()
+    poller.register(sock, select.POLLIN | select.POLLHUP | select.POLLERR)
+    events = poller.poll(0)
+    if not events:
+        return True
+    if events[0][1] & (select.POLLHUP | select.POLLERR):
+        return False
+    try:
+        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != b""  # readable: data, or the end of it
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+
+
+class WorkerNodeMapping:
+    """Rank `rank`'s mapping of the pool for `geometry` at `path`, epoch after epoch. Every method but the attach
+    thread's runs on the worker's step thread."""
+
+    def __init__(self, path: str, engine: str, geometry: PoolGeometry, rank: int, counters: TierCounters, *,
+                 pinned: Optional[bool], npu_host_memory: str = "auto", retry_s: float = RETRY_S) -> None:
+        self.path = path
+        self.engine = engine
+        self.geometry = geometry
+        self.rank = rank
+        self.counters = counters
+        self.pinned = pinned
+        self.npu_host_memory = npu_host_memory
+        self.retry_s = retry_s
+        self.current: Optional[WorkerAttachment] = None  # mapped and registered whole
+        self.unmapped = UnmappedArena(geometry.object_bytes)
+        self._lock = threading.Lock()
+        self._attaching: Optional[threading.Thread] = None
+        self._done: Optional[WorkerAttachment] = None  # a background attach's mapping, not taken up yet
+        self._next_try = 0.0
+        self._said = ""  # the last failure logged as a warning (said once)
+        self._closed = False
+        self._mapped_once = False
+        self.retired: list[tuple[WorkerAttachment, set[int]]] = []  # old mappings and their commands in flight
+
+    @property
+    def arena(self) -> Union[HostArena, UnmappedArena]:
+        """What the executor runs commands against: the current epoch's mapping, or no slot at all."""
+        return self.current.arena if self.current is not None else self.unmapped
+
+    @property
+    def epoch(self) -> Optional[str]:
+        """The epoch mapped (and registered) here, None while none is."""
+        return self.current.epoch if self.current is not None else None
+
+    def start(self, wait_s: float) -> None:
+        """Attaches in the background and waits up to `wait_s` for it (the pool exists: milliseconds); an engine
+        starts without the node cache when it is not done by then (the service away, the pool being made)."""
+        thread = self._begin()
+        if thread is not None:
+            thread.join(timeout=wait_s)
+        self._take_up(())
+
+    def follow(self, wanted: Optional[str], in_flight: Collection[int]) -> bool:
+        """The scheduler names epoch `wanted` for this step ("" none, None: it names none at all): whether the step's
+        commands may run here. Takes up a finished attach, retires a mapping whose service is gone, and starts mapping
+        `wanted` when it is not; `in_flight` are the commands submitted so far (the retired mapping's among them)."""
+        self._take_up(in_flight)
+        current = self.current
+        if wanted is None:  # a scheduler that does not name epochs: whatever is mapped
+            return current is not None
+        if current is not None and current.epoch == wanted:
+            return True
+        if current is not None and not service_alive(current.sock):
+            self._retire(current, in_flight)  # that epoch is gone: unmapped once its commands settle
+        if wanted:
+            self._begin()
+        return False
+
+    def settle(self, completed: Iterable[int]) -> None:
+        """Commands that completed: a retired mapping none of whose commands is in flight any more is given back."""
+        if not self.retired:
+            return
+        done = set(completed)
+        keep = []
+        for attachment, pending in self.retired:
+            pending -= done
+            if pending:
+                keep.append((attachment, pending))
+            else:
+                self._release(attachment)
+        self.retired = keep
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            done, self._done = self._done, None
+        for attachment in [self.current, done, *(a for a, _ in self.retired)]:
+            if attachment is not None:
+                attachment.arena.close()
+                attachment.close()
+        self.current, self.retired = None, []
+
+    # ---- internals ------------------------------------------------------------------------------------------------
+
+    def _begin(self) -> Optional[threading.Thread]:
+        """Starts a background attach when none runs and the last one is long enough ago."""
+        with self._lock:
+            if self._attaching is not None or self._closed or time.monotonic() < self._next_try:
+                return None
+            self._attaching = threading.Thread(target=self._attach, name=f"lmcache-node-map-r{self.rank}",
+                                               daemon=True)
+            self._attaching.start()
+            return self._attaching
+
+    def _attach(self) -> None:
+        mapped: Optional[WorkerAttachment] = None
+        retry_s = self.retry_s
+        try:
+            sock, attached, fds = connect(self.path, Attach(self.engine, self.geometry, self.rank), 0.0)
+            current = self.current
+            if current is not None and attached.epoch == current.epoch:  # mapped already: nothing to register
+                sock.close()
+                for fd in fds:
+                    wire.close_fd(fd)
+            else:
+                mapped = map_worker_arena(sock, attached, fds, self.rank, pinned=self.pinned,
+                                          npu_host_memory=self.npu_host_memory)
+        except (ConnectionError, OSError, MemoryError, ValueError) as exc:
+            if isinstance(exc, (NodeCacheRefused, MemoryError)):  # not for a while: no pool, or no registration
+                retry_s = max(retry_s, client.REFUSED_RETRY_S)
+            if str(exc) != self._said:
+                logger.warning("lmcache_npu rank %d: node cache not mapped (%s); this rank fails the node's commands "
+                               "until it is", self.rank, exc)
+                self._said = str(exc)
+        with self._lock:
+            self._attaching = None
+            self._next_try = time.monotonic() + retry_s
+            if mapped is not None and self._closed:
+                mapped.arena.close()
+                mapped.close()
+            elif mapped is not None:
+                self._done = mapped
+
+    def _take_up(self, in_flight: Collection[int]) -> None:
+        with self._lock:
+            done, self._done = self._done, None
+        if done is None:
+            return
+        if self.current is not None:
+            self._retire(self.current, in_flight)
+        self.current = done
+        self._said = ""
+        if self._mapped_once:
+            self.counters.add(Metric.EPOCH_CHANGES)
+        self._mapped_once = True
+        logger.info("lmcache_npu rank %d: mapped the node cache at %s (epoch %s, %d slots)", self.rank, self.path,
+                    done.epoch, done.arena.num_slots)
+
+    def _retire(self, attachment: WorkerAttachment, in_flight: Collection[int]) -> None:
+        if self.current is attachment:
+            self.current = None
+        self.retired.append((attachment, set(in_flight)))
+        if not in_flight:
+            self.settle(())
+
+    def _release(self, attachment: WorkerAttachment) -> None:
+        """Unregisters and unmaps off the step (unregistering a large mapping takes a while); the lease that
+        connection held ends with it."""
+        self.counters.add(Metric.NODE_EPOCH_RELEASES)
+        logger.info("lmcache_npu rank %d: unmapping the node cache's epoch %s (its commands settled)", self.rank,
+                    attachment.epoch)
+
+        def release() -> None:
+            attachment.arena.close()
+            attachment.close()
+
+        threading.Thread(target=release, name=f"lmcache-node-unmap-r{self.rank}", daemon=True).start()
