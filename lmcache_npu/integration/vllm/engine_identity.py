@@ -30,8 +30,8 @@ UNNAMED_WEIGHTS = "unnamed"
 
 
 class UnnamedWeightsError(ValueError):
-    """Persistent or shared tiers are configured, but nothing names the weights: their chunks could be loaded by an
-    engine running other weights."""
+    """Persistent or shared tiers (disk, Mooncake, the node cache) are configured, but nothing names the weights:
+    their chunks could be loaded by an engine running other weights."""
 
 
 @dataclass(frozen=True)
@@ -70,17 +70,17 @@ def _weights(config: ConnectorConfig, vllm_config: Any) -> tuple[str, dict[str, 
 
 def engine_identity(config: ConnectorConfig, vllm_config: Any, layer_names: Iterable[str],
                     persistent_tiers: bool) -> EngineIdentity:
-    """This worker's model identity. Raises `UnnamedWeightsError` when `persistent_tiers` (disk or Mooncake) are
-    configured and the weights cannot be named."""
+    """This worker's model identity. Raises `UnnamedWeightsError` when `persistent_tiers` (disk, Mooncake or the
+    node cache: anything that keeps chunks beyond this engine) are configured and the weights cannot be named."""
     started = time.perf_counter()
     weights, how = _weights(config, vllm_config)
     if weights == UNNAMED_WEIGHTS and persistent_tiers:
         raise UnnamedWeightsError(
-            f"lmcache_npu: the disk and Mooncake tiers keep chunks beyond this engine, so they need the weights "
-            f"named by their content, and here they cannot be ({how['weights']}). Set model_fingerprint in "
-            "kv_connector_extra_config to a string that names these exact weights (e.g. the checkpoint's sha256 "
-            "or an immutable release tag, changed whenever the weights change), or run with the host arena alone "
-            "(no disk_path, no mooncake)")
+            f"lmcache_npu: the disk and Mooncake tiers and the node cache keep chunks beyond this engine (and share "
+            f"them), so they need the weights named by their content, and here they cannot be ({how['weights']}). "
+            "Set model_fingerprint in kv_connector_extra_config to a string that names these exact weights (e.g. the "
+            "checkpoint's sha256 or an immutable release tag, changed whenever the weights change), or run with the "
+            "engine's own host arena alone (no disk_path, mooncake or node_cache)")
     facts = adapter.model_facts(vllm_config, config.model_name)
     facts["weights"] = weights
     facts["kv_cache_scales"] = adapter.kv_cache_scales(vllm_config, layer_names)

@@ -168,8 +168,10 @@ class WorkerHalf:
             self.geometry = WorkerGeometry(self.place.rank, self.place.world, enabled=False, reason=reason)
             return
         store = self.config.store
+        # the node cache is persistent and shared like a disk or Mooncake tier: weights nothing names are refused
         self.identity = engine_identity(self.config, self.vllm_config, kv_caches,
-                                        persistent_tiers=store.disk_path is not None or store.mooncake is not None)
+                                        persistent_tiers=store.disk_path is not None or store.mooncake is not None
+                                        or self.config.node_cache is not None)
         self._load_wait = StepLoadWait() if plan.device.type == "cpu" else None
         # replicated planes: this rank stores its own planes and a 1/share_ranks share of the rest, loads exchange them
         self.shares = (tp_share.share_layout(plan, tp_share.tp_rank(), layout.share_ranks)
