@@ -5,7 +5,8 @@ The service going away never stops an engine: every verb then answers as a cache
 stores are not made, a load already promised is refused, so vLLM recomputes it), and the client attaches again at
 most once per `retry_s`; the new attachment is a new epoch, which the scheduler sends its workers with each step so
 they map the new segments before they move a byte. Commands of an earlier epoch are forgotten: their answers are
-dropped and they count as no longer pending.
+dropped and they count as no longer pending. A service of another protocol version is refused at attach
+(messages.py), and the engine serves without it.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from ..store.keys import ChunkKey
 from ..store.metrics import Metric
 from ..store.tier import TierCounters
 from . import wire
-from .messages import Attach, Attached, PoolGeometry, Refused
+from .messages import PROTOCOL_VERSION, Attach, Attached, PoolGeometry, Refused, protocol_of
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +43,11 @@ _PEERCRED = struct.Struct("3i")  # pid, uid, gid
 
 class NodeCacheUnavailable(ConnectionError):
     """The node cache service cannot be reached (or refused this engine)."""
+
+
+class NodeCacheRefused(NodeCacheUnavailable):
+    """The node cache answered, but will not serve this engine (or speaks another protocol version): the reason says
+    what to change."""
 
 
 def check_service_peer(sock: socket.socket, path: str) -> None:
@@ -92,9 +98,15 @@ def connect(path: str, attach: Attach, timeout_s: float) -> tuple[socket.socket,
             sock.close()
             for fd in fds:
                 wire.close_fd(fd)
-            raise NodeCacheUnavailable(f"the node cache at {path} refused this engine: {reply.reason}")
-        if not isinstance(reply, Attached):
+            raise NodeCacheRefused(f"the node cache at {path} refused this engine: {reply.reason}")
+        if not isinstance(reply, Attached) or protocol_of(reply) != PROTOCOL_VERSION:
             sock.close()
+            for fd in fds:
+                wire.close_fd(fd)
+            if isinstance(reply, Attached):  # a service of an older or newer release: its replies may differ
+                raise NodeCacheRefused(f"the node cache at {path} speaks protocol {protocol_of(reply)} and this engine "
+                                       f"{PROTOCOL_VERSION}: run the engines and the service of one lmcache_npu "
+                                       "release (upgrade the older side)")
             raise NodeCacheUnavailable(f"the node cache at {path} answered {type(reply).__name__}, not Attached")
         return sock, reply, fds
 
@@ -104,12 +116,15 @@ class NodeCacheClient(ChunkManager):
     commands are tracked here (their ranks' answers, `is_pending`, the outbox), so a step costs no round trip for
     them; everything about the node's chunks is asked of the service."""
 
-    def __init__(self, path: str, engine: str, geometry: PoolGeometry, *, connect_timeout_s: float = 30.0,
-                 retry_s: float = RETRY_S) -> None:
+    def __init__(self, path: str, engine: str, geometry: PoolGeometry, *, weights: str,
+                 connect_timeout_s: float = 30.0, retry_s: float = RETRY_S) -> None:
+        """`weights`: how the engine's identity names its weights (messages.WEIGHTS_*)."""
         self.path = path
         self.engine = engine
         self.geometry = geometry
+        self.weights = weights
         self.retry_s = retry_s
+        self._told: set[tuple[str, str]] = set()  # (verb, what went wrong) already logged as a warning
         self.counters = TierCounters()
         self._events = False
         self._listener: Optional[TierListener] = None
@@ -130,7 +145,7 @@ class NodeCacheClient(ChunkManager):
     # ---- the connection -------------------------------------------------------------------------------------------
 
     def _attach_message(self) -> Attach:
-        return Attach(self.engine, self.geometry, None, self._events)
+        return Attach(self.engine, self.geometry, None, self._events, weights=self.weights, protocol=PROTOCOL_VERSION)
 
     def _adopt(self, sock: socket.socket, attached: Attached) -> None:
         self._sock = sock
@@ -176,7 +191,11 @@ class NodeCacheClient(ChunkManager):
         try:
             sock, attached, _ = connect(self.path, self._attach_message(), 0.0)
         except NodeCacheUnavailable as exc:
-            logger.debug("lmcache_npu: node cache still away: %s", exc)
+            if isinstance(exc, NodeCacheRefused) and self._first("attach", str(exc)):  # what to change: said once
+                logger.warning("lmcache_npu: %s; serving without the node cache, asking again every %.1f s", exc,
+                               self.retry_s)
+            else:
+                logger.debug("lmcache_npu: node cache still away: %s", exc)
             with self._retry_lock:
                 self._next_try = time.monotonic() + self.retry_s
                 self._retrying = None
@@ -214,6 +233,13 @@ class NodeCacheClient(ChunkManager):
                     self.payload_sink(key, payload)
                 self._listener(key, tier, entered)
         return value
+
+    def _first(self, verb: str, what: str) -> bool:
+        """Whether `what` went wrong with `verb` for the first time (warned about once, then only at debug level)."""
+        if (verb, what) in self._told:
+            return False
+        self._told.add((verb, what))
+        return True
 
     def _send(self, verb: str, *arguments: Any) -> None:
         """A verb the engine does not wait for (its counters come with the next answer)."""

@@ -20,7 +20,7 @@ from lmcache_npu.store.arena import slot_bytes_for
 from lmcache_npu.store.commands import Completion
 from lmcache_npu.store.keys import ChunkKey
 
-from .harness import NAMESPACE, OBJECT_BYTES, Node, geometry, keys_of, short_dir, store_config
+from .harness import NAMESPACE, OBJECT_BYTES, WEIGHTS, Node, geometry, keys_of, short_dir, store_config
 
 OTHER = "1" * 32
 
@@ -65,7 +65,7 @@ class RawPeer:
 @pytest.fixture
 def peer(start_node) -> Iterator[RawPeer]:
     node = start_node(store_config(4, 1))
-    raw = RawPeer(node.path, Attach("raw", geometry(1)))
+    raw = RawPeer(node.path, Attach("raw", geometry(1), weights=WEIGHTS))
     assert isinstance(raw.reply, Attached)
     yield raw
     raw.close()
@@ -129,7 +129,7 @@ def test_any_sequence_of_requests_of_plain_values_leaves_the_connection_serving(
     directory = short_dir()
     node = Node(directory, store_config(4, 1))
     try:
-        raw = RawPeer(node.path, Attach("fuzz", geometry(1)))
+        raw = RawPeer(node.path, Attach("fuzz", geometry(1), weights=WEIGHTS))
         for verb, arguments in requests:
             wire.send(raw.sock, (verb, *arguments))
             if verb not in ONEWAY:
@@ -143,11 +143,15 @@ def test_any_sequence_of_requests_of_plain_values_leaves_the_connection_serving(
 @pytest.mark.parametrize("first, reason", [
     (("lookup", "r", []), "the first message must be an Attach"),
     (Attach("e", "geometry"), "the first message must be an Attach"),  # type: ignore[arg-type]
-    (Attach("e", PoolGeometry("xyz", b"f", 1, OBJECT_BYTES, 256)), "namespace must be 32 hex characters"),
-    (Attach("e", PoolGeometry(NAMESPACE, "f", 1, OBJECT_BYTES, 256)), "layout fingerprint must be bytes"),
-    (Attach("e", PoolGeometry(NAMESPACE, b"f", 0, OBJECT_BYTES, 256)), "world must be a positive integer, got 0"),
-    (Attach("e", PoolGeometry(NAMESPACE, b"f", 1, True, 256)), "object_bytes must be a positive integer, got True"),
-    (Attach("e", geometry(1), 3), "rank 3 is not a rank of this pool (1 ranks)"),
+    (Attach("e", PoolGeometry("xyz", b"f", 1, OBJECT_BYTES, 256), weights=WEIGHTS),
+     "namespace must be 32 hex characters"),
+    (Attach("e", PoolGeometry(NAMESPACE, "f", 1, OBJECT_BYTES, 256), weights=WEIGHTS),
+     "layout fingerprint must be bytes"),
+    (Attach("e", PoolGeometry(NAMESPACE, b"f", 0, OBJECT_BYTES, 256), weights=WEIGHTS),
+     "world must be a positive integer, got 0"),
+    (Attach("e", PoolGeometry(NAMESPACE, b"f", 1, True, 256), weights=WEIGHTS),
+     "object_bytes must be a positive integer, got True"),
+    (Attach("e", geometry(1), 3, weights=WEIGHTS), "rank 3 is not a rank of this pool (1 ranks)"),
 ])
 def test_a_first_message_that_is_no_valid_attach_is_refused_with_the_reason(start_node, first, reason):
     node = start_node(store_config(4, 1))

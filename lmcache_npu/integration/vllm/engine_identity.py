@@ -8,8 +8,10 @@ TP size and the block-hash algorithm. The scheduler never computes its own: it a
 the handshake, so a worker-side rewrite (vllm-ascend's fp8 `cache_dtype` on A5) cannot split the two halves.
 
 Weights that are not local files (random `dummy` weights, a remote streamer, a custom loader, a hub id that is not
-in the local cache) have no content fingerprint: the operator names them with `model_fingerprint`, or only the host
-arena runs (it lives and dies with this engine, so nothing another model computed can reach it).
+in the local cache) have no content fingerprint: the operator names them with `model_fingerprint`, or only the
+engine's own host arena runs (it lives and dies with this engine, so nothing another model computed can reach it).
+The disk and Mooncake tiers and the node cache keep chunks beyond the engine and share them with other engines, so
+they refuse such weights (and the node cache service refuses an engine whose attach says so).
 """
 
 from __future__ import annotations
@@ -20,13 +22,14 @@ from dataclasses import dataclass
 from typing import Any, Iterable
 
 from ...config import ConnectorConfig
+from ...node.messages import WEIGHTS_UNNAMED
 from ...store.keys import model_fingerprint
 from . import adapter
 
 logger = logging.getLogger(__name__)
 
 # The namespace of an engine whose weights could not be named: usable only by tiers that die with the engine.
-UNNAMED_WEIGHTS = "unnamed"
+UNNAMED_WEIGHTS = WEIGHTS_UNNAMED
 
 
 class UnnamedWeightsError(ValueError):
@@ -44,6 +47,12 @@ class EngineIdentity:
 
     def describe(self) -> dict[str, str]:
         return dict(self.description)
+
+    @property
+    def weights_naming(self) -> str:
+        """How the weights are named: "sha256" (content), "named" (model_fingerprint) or "unnamed" (node.messages'
+        WEIGHTS_*, what a node cache attach says)."""
+        return self.weights.split(":", 1)[0]
 
 
 def _weights(config: ConnectorConfig, vllm_config: Any) -> tuple[str, dict[str, str]]:

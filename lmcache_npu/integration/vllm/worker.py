@@ -193,17 +193,18 @@ class WorkerHalf:
             layout_fingerprint=pipeline.layout_fingerprint, chunk_tokens=plan.chunk_tokens,
             object_bytes=pipeline.object_bytes, num_slots=pipeline.arena.num_slots,
             usable_slots=self._take_usable_change(), groups=plan_group_geometry(layout.groups), backend=backend,
-            device=str(plan.device), identity=self.identity.description)
+            device=str(plan.device), identity=self.identity.description, weights=self.identity.weights_naming)
         logger.info("lmcache_npu rank %d: %d planes in %d groups, %d B per %d-token chunk, %s backend, %d arena slots",
                     self.place.rank, len(plan.moved_planes), len(layout.groups), plan.object_bytes, plan.chunk_tokens,
                     backend, pipeline.arena.num_slots)
 
     def _attach_node(self, geometry: PoolGeometry) -> HostArena:
         """This rank's segments of the node cache's pool, mapped (and registered with the device) here."""
-        assert self.config.node_cache is not None
+        assert self.config.node_cache is not None and self.identity is not None
         self._node_geometry = geometry
         self._node = attach_worker_arena(self.config.node_cache, adapter.engine_name(self.vllm_config), geometry,
-                                         self.place.rank, pinned=self.config.store.pinned,
+                                         self.place.rank, weights=self.identity.weights_naming,
+                                         pinned=self.config.store.pinned,
                                          npu_host_memory=self.config.store.npu_host_memory)
         logger.info("lmcache_npu rank %d: mapped the node cache at %s (epoch %s, %d slots)", self.place.rank,
                     self.config.node_cache, self._node.epoch, self._node.arena.num_slots)
