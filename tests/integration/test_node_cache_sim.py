@@ -15,6 +15,7 @@ import pytest
 from vllm.distributed.kv_events import BlockStored
 
 from lmcache_npu.integration.vllm import scheduler as scheduler_module
+from lmcache_npu.node import service as service_module
 from lmcache_npu.node.service import NodeCacheService, ServiceOptions
 from lmcache_npu.store.commands import Tier
 from lmcache_npu.store.config import StoreConfig
@@ -140,3 +141,51 @@ def test_every_engine_of_the_node_announces_the_chunks_another_stored(make_engin
     # and nothing else: every chunk the reader announced is the writer's or its own
     own = set(request_chunks(reader, "b", 1))
     assert set(reader_chunks) == set(writer_chunks) | own and not own & set(writer_chunks)
+
+
+def _break_every_verb(patch: pytest.MonkeyPatch, fault: str) -> None:
+    """Every verb of the real service fails its way (issue 39, H6): `error` raises in the verb (an index bug, a verb
+    or argument of another release: the service answers ("error", ...)), `malformed` answers in another shape."""
+    if fault == "error":
+        def broken(*arguments: Any) -> Any:
+            raise KeyError("injected: an index bug")
+
+        for verb in list(service_module.VERBS):
+            patch.setitem(service_module.VERBS, verb, broken)
+    else:
+        answer = NodeCacheService._answer
+        patch.setattr(NodeCacheService, "_answer", lambda self, pool, lease, request: (
+            lambda reply: None if reply is None else (*reply, "of another release"))(answer(self, pool, lease, request)))
+
+
+@pytest.mark.parametrize("fault", ["error", "malformed"])
+def test_an_engine_keeps_serving_through_a_service_that_answers_wrongly(make_engine, node, monkeypatch,
+                                                                       fault: str) -> None:
+    """The review's S3: a service-side error (or a reply of another shape) in any verb raised into vLLM's scheduler
+    and stopped the engine. Now each is a miss and a counter vLLM's stats report; the rows are still checked every
+    step (the engine recomputes), and once the fault is gone the same connection serves hits again (the control)."""
+    _, path = node
+    with mock.patch.object(scheduler_module, "kv_events_enabled", lambda vllm_config: True):  # sync, too
+        writer = _engine(make_engine, "llama3-8b", path)
+        reader = _engine(make_engine, "llama3-8b", path)
+    writer.scheduler.kv_event_publisher, reader.scheduler.kv_event_publisher = Recorder(), Recorder()
+    chunk = reader.connector.scheduler_half.chunk_tokens
+    tokens = prompt(2 * chunk + chunk // 2, seed=51)
+    writer.add(tokens, max_tokens=2, request_id="first")
+    writer.run()
+    with monkeypatch.context() as patch:
+        _break_every_verb(patch, fault)
+        reader.add(tokens, max_tokens=3, request_id="broken")
+        reader.run()  # raised ValueError (error) or ValueError/TypeError (malformed) before
+        reader.stats.reduce()  # vLLM's stat logger reads the reduced view every interval
+    assert reader.loaded_tokens.get("broken", 0) == 0 and len(reader.output_tokens("broken")) == 3
+    counted = reader.stats.data.get(f"node_cache_{fault}_replies", 0)
+    assert counted > 0, reader.stats.data
+    assert not reader.stats.data.get("node_cache_disconnects")
+    reader.evict_device_cache()
+    reader.add(tokens, max_tokens=2, request_id="healed")
+    reader.run()
+    assert reader.loaded_tokens.get("healed", 0) == 2 * chunk  # the control: hits through the same connection
+    for engine in (writer, reader):
+        _quiescent(engine)
+

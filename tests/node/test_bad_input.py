@@ -18,7 +18,9 @@ from lmcache_npu.node.messages import Attach, Attached, PoolGeometry, Refused
 from lmcache_npu.node.service import ONEWAY
 from lmcache_npu.store.arena import slot_bytes_for
 from lmcache_npu.store.commands import Completion
+from lmcache_npu.store.index.contract import DiskState, LookupResult, SlotState
 from lmcache_npu.store.keys import ChunkKey
+from lmcache_npu.store.metrics import Metric
 
 from .harness import NAMESPACE, OBJECT_BYTES, WEIGHTS, Node, geometry, keys_of, short_dir, store_config
 
@@ -28,13 +30,20 @@ OTHER = "1" * 32
 def test_keys_of_another_namespace_are_refused_naming_both_and_the_client_keeps_working(start_node):
     node = start_node(store_config(4, 1))
     engine = node.engine("A", geometry(1))
+    strict = node.client("A-strict", geometry(1), strict=True)  # the service's refusal raised, as tests want it
     foreign = keys_of(0, 1, namespace=OTHER)
-    for call in (lambda: engine.client.lookup("q", foreign), lambda: engine.client.presence(foreign),
-                 lambda: engine.client.prepare_store("q", [(0, foreign[0])]),
-                 lambda: engine.client.location(foreign[0])):
-        with pytest.raises(ValueError, match=f"key of namespace '{OTHER}' sent to the pool of namespace "
-                                             f"'{NAMESPACE}'"):
+
+    def calls(client):  # noqa: ANN001, ANN202
+        return (lambda: client.lookup("q", foreign), lambda: client.presence(foreign),
+                lambda: client.prepare_store("q", [(0, foreign[0])]), lambda: client.location(foreign[0]))
+
+    for call in calls(strict):
+        with pytest.raises(ValueError, match=f"key of namespace '{OTHER}' sent to the pool of namespace '{NAMESPACE}'"):
             call()
+    # an engine's client answers the same refusals as misses, counted (it never raises into vLLM's scheduler)
+    assert [call() for call in calls(engine.client)] == [LookupResult(0, 0), [False], [],
+                                                          (None, SlotState.FREE, DiskState.NONE)]
+    assert engine.client.counters[Metric.NODE_CACHE_ERROR_REPLIES] == 4
     mixed = keys_of(0, 1) + foreign
     with pytest.raises(ValueError, match=f"keys of 2 namespaces in one call \\({NAMESPACE}, {OTHER}\\)"):
         engine.client.lookup("q", mixed)

@@ -97,6 +97,10 @@ INDEX_METRICS: dict[str, tuple[str, str]] = {
                                                             "epoch)"),
     "node_cache_unreachable": (Metric.NODE_CACHE_UNREACHABLE, "node cache calls answered as misses while the service "
                                                               "was away"),
+    "node_cache_error_replies": (Metric.NODE_CACHE_ERROR_REPLIES, "node cache calls the service answered with an "
+                                                                  "error, taken as misses"),
+    "node_cache_malformed_replies": (Metric.NODE_CACHE_MALFORMED_REPLIES, "node cache replies of an unexpected shape "
+                                                                          "(another release?), taken as misses"),
 }
 DISK_METRICS: dict[str, tuple[str, str]] = {
     "disk_writes": (Metric.WRITES, "chunk files written (summed over ranks)"),
