@@ -347,7 +347,7 @@ class NodeCacheClient(ChunkManager):
         if not moves:
             return []
         keys = {key[1]: key for _, key in chunks}
-        return [self._ledger.emit(kind(cmd_id, keys[chunk_hash], slot, request_id, number))
+        return [self._ledger.emit(kind(cmd_id, keys[chunk_hash], slot, request_id, number, epoch=self.epoch))
                 for cmd_id, slot, number, chunk_hash in moves]
 
     def take_commands(self) -> list[Command]:

@@ -189,3 +189,70 @@ def test_an_engine_keeps_serving_through_a_service_that_answers_wrongly(make_eng
     for engine in (writer, reader):
         _quiescent(engine)
 
+
+def _restart(service: NodeCacheService, path: str) -> NodeCacheService:
+    """The service dies and a successor (a new epoch) listens on the same path."""
+    service.close()
+    return NodeCacheService(ServiceOptions(path, StoreConfig(cpu_bytes=256 << 20))).start()
+
+
+def test_a_worker_never_runs_one_epochs_commands_against_anothers_pages(make_engine, node) -> None:
+    """The review's R7 (issue 39, H2): E1 -> E2 -> E3. The scheduler adopts E2 and sends its loads and stores; E2 dies
+    and E3 is up when the worker, still on E1, follows: it maps E3, where those slots are other chunks' or empty.
+    Before, the loads read E3's bytes into the request's pages (the step's row check fails) and the stores wrote
+    E3's slots (its bytes change); now the worker refuses them, the load recomputes and the store is not made."""
+    service, path = node
+    engine = _engine(make_engine, "llama3-8b", path)
+    half = engine.connector.scheduler_half
+    client = half.index
+    chunk = half.chunk_tokens
+    worker_half = engine.workers[0].worker_half
+    first_epoch = worker_half._node.epoch
+    second = _restart(service, path)  # E2: another engine stores a prompt there
+    other = _engine(make_engine, "llama3-8b", path)
+    hit = prompt(2 * chunk + chunk // 2, seed=61)
+    other.add(hit, max_tokens=2, request_id="other")
+    other.run()
+    client.retry_s, client._next_try = 0.0, 0.0
+    deadline = time.monotonic() + 10
+    while client.epoch != second.instance + "/0" and time.monotonic() < deadline:  # the scheduler adopts E2 ...
+        client.presence([])
+        time.sleep(0.01)
+    assert client.epoch == second.instance + "/0" and worker_half._node.epoch == first_epoch  # ... its worker not yet
+    client.retry_s = 3600.0  # the scheduler stays away from E3 for the rest of the test: only the worker maps it
+    third: list[NodeCacheService] = []
+    build = engine.connector.build_connector_meta
+
+    def e2_dies_after_this_step_is_built(scheduler_output: Any) -> Any:
+        meta = build(scheduler_output)
+        if meta.commands and not third:
+            assert {c.epoch for c in meta.commands} == {meta.node_epoch} == {client.epoch}
+            third.append(_restart(second, path))  # E3, before the worker follows the step's epoch
+        return meta
+
+    engine.connector.build_connector_meta = e2_dies_after_this_step_is_built
+    engine.add(hit + prompt(10, seed=62), max_tokens=2, request_id="loads")  # 2 chunks hit in E2
+    engine.add(prompt(chunk + 10, seed=63), max_tokens=2, request_id="stores")  # 1 chunk stored in E2
+    engine.run()  # the row check of every step raised here before (E3's bytes loaded as the hit)
+    assert third and worker_half._node.epoch == third[0].instance + "/0"  # the worker maps E3
+    assert len(engine.output_tokens("loads")) == 2  # recomputed: every row its forward read was checked
+    (pool,) = third[0].pools.values()  # only this worker maps E3: no byte of it may have changed
+    arena = pool.arenas[0]
+    assert not any(arena.slot_array(slot).any() for slot in range(arena.num_slots)), "E2's store wrote E3's slots"
+    assert engine.stats.data.get("load_failures", 0) >= 1 and engine.stats.data.get("store_failures", 0) >= 1
+    third[0].close()
+    # the control: the same worker's own commands of E3's epoch do write E3's slots (the byte check sees a write)
+    successor = _restart(third[0], path)
+    client.retry_s, client._next_try = 0.0, 0.0
+    engine.connector.build_connector_meta = build
+    engine.add(prompt(chunk + 10, seed=64), max_tokens=2, request_id="fresh")
+    deadline = time.monotonic() + 10
+    while client.epoch is None and time.monotonic() < deadline:
+        client.presence([])
+        time.sleep(0.01)
+    engine.run()
+    assert client.epoch == successor.instance + "/0" == worker_half._node.epoch
+    (pool,) = successor.pools.values()
+    arena = pool.arenas[0]
+    assert any(arena.slot_array(slot).any() for slot in range(arena.num_slots))
+    successor.close()

@@ -184,6 +184,8 @@ class WorkerHalf:
             arena_for=None if self.config.node_cache is None else
             lambda namespace, fingerprint, object_bytes: self._attach_node(PoolGeometry(
                 namespace or "", fingerprint, self.place.world, object_bytes, plan.chunk_tokens)))
+        if self._node is not None:  # the node's commands run only against the epoch they were issued for
+            pipeline.executor.epoch = self._node.epoch
         backend = pipeline.mover.backends[Direction.LOAD].name
         for tier, names in ((pipeline.disk, DISK_METRICS), (pipeline.remote, REMOTE_METRICS)):
             if tier is not None:
@@ -212,7 +214,9 @@ class WorkerHalf:
 
     def _follow_node_epoch(self, meta: LMCacheNPUConnectorMetadata) -> bool:
         """The node cache restarted (the scheduler attached to a new epoch): map its segments before moving a byte.
-        False when that failed, and every command of the step is answered as failed."""
+        False when that failed, and every command of the step is answered as failed. The service may have restarted
+        again since (the mapping is of a later epoch than the step's): the executor then refuses the step's commands,
+        which name the slots of the epoch they were issued for."""
         if self._node is None or meta.node_epoch is None or meta.node_epoch == self._node.epoch:
             return True
         assert self.executor is not None and self._node_geometry is not None
@@ -224,9 +228,13 @@ class WorkerHalf:
                            meta.node_epoch, exc)
             self.executor.refuse(meta.commands, f"the node cache's epoch {meta.node_epoch} is not mapped here: {exc}")
             return False
-        self.executor.arena = arena  # commands in flight keep the old mapping alive through their slot views
+        self.executor.use_arena(arena, self._node.epoch)  # commands in flight keep the old mapping alive
         old.close()
         self.counters.add(Metric.EPOCH_CHANGES)
+        if self._node.epoch != meta.node_epoch:
+            logger.warning("lmcache_npu rank %d: the node cache is at epoch %s, this step's commands are of epoch %s: "
+                           "they fail (loads recompute, stores are not made)", self.place.rank, self._node.epoch,
+                           meta.node_epoch)
         return True
 
     @property
