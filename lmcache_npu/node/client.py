@@ -113,6 +113,11 @@ def connect(path: str, attach: Attach, timeout_s: float) -> tuple[socket.socket,
                                        f"{PROTOCOL_VERSION}: run the engines and the service of one lmcache_npu "
                                        "release (upgrade the older side)")
             raise NodeCacheUnavailable(f"the node cache at {path} answered {type(reply).__name__}, not Attached")
+        if not _attached(reply):  # the pool's sizes build this engine's arena and gauges: a wrong type is no pool
+            sock.close()
+            for fd in fds:
+                wire.close_fd(fd)
+            raise NodeCacheRefused(f"the node cache at {path} answered a malformed Attached: {reply!r}")
         return sock, reply, fds
 
 
@@ -457,6 +462,12 @@ def _is_ok(reply: Any) -> bool:
                 and type(c[2]) is bool and (c[3] is None or type(c[3]) is tuple) for c in changes))
 
 
+def _attached(attached: Attached) -> bool:
+    sizes = (attached.num_slots, attached.object_bytes, attached.segment_bytes, attached.disk_chunks)
+    return (type(attached.epoch) is str and all(_is_int(size) and size >= 0 for size in sizes)
+            and type(attached.hugepages) is str and type(attached.eviction_policy) is str)
+
+
 def _describe(reply: Any) -> str:
     if type(reply) is not tuple:
         return f"a {type(reply).__name__}, not a tuple"
@@ -489,7 +500,7 @@ def _moves(hashes: set[bytes], num_slots: int, value: Any) -> bool:
 
 
 def _occupancy(value: Any) -> bool:
-    return type(value) is dict and all(
+    return type(value) is dict and {Tier.ARENA, Tier.DISK} <= value.keys() and all(
         isinstance(tier, Tier) and type(use) is tuple and len(use) == 2 and all(map(_is_int, use))
         for tier, use in value.items())
 

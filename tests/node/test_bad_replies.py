@@ -7,12 +7,14 @@ raise."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 import pytest
 
 from lmcache_npu.node import service as service_module
-from lmcache_npu.node.client import NodeCacheClient
+from lmcache_npu.node.client import NodeCacheClient, NodeCacheRefused
+from lmcache_npu.node.pool import NodePool
 from lmcache_npu.node.service import NodeCacheService
 from lmcache_npu.store.commands import Tier
 from lmcache_npu.store.index.contract import DiskState, LookupResult, SlotState
@@ -156,3 +158,23 @@ def test_a_strict_client_and_check_invariants_raise_what_the_service_answered(st
     with pytest.raises(ValueError, match="check_invariants: it answered an error"):
         engine.client.check_invariants()  # a test's or status's question: the answer is the error
     assert engine.client.lookup("q", KEYS) == LookupResult(0, 0)  # control: the same fault, an engine's miss
+
+
+def test_occupancy_without_a_tier_and_a_malformed_attached_are_refused(start_node, monkeypatch) -> None:
+    """The gauges read both tiers of an occupancy, and an Attached's sizes build the engine's arena and gauges: one
+    missing or of the wrong type is malformed (before, a KeyError in vLLM's stats or a TypeError at start-up)."""
+    engine = _engine(start_node)
+    answer = NodeCacheService._answer
+    with monkeypatch.context() as patch:
+        patch.setattr(NodeCacheService, "_answer", lambda self, pool, lease, request: (
+            lambda reply: ("ok", {Tier.ARENA: reply[1][Tier.ARENA]}, *reply[2:]) if request[0] == "occupancy"
+            else reply)(answer(self, pool, lease, request)))
+        assert engine.client.occupancy() == CALLS["occupancy"][1]
+    assert engine.client.counters[Metric.NODE_CACHE_MALFORMED_REPLIES] == 1
+    node = start_node(store_config(4, WORLD))
+    attached = NodePool.attached
+    monkeypatch.setattr(NodePool, "attached", lambda pool: dataclasses.replace(attached(pool), num_slots="4"))
+    with pytest.raises(NodeCacheRefused, match="malformed Attached"):
+        node.client("B", geometry(WORLD))
+    monkeypatch.undo()
+    assert node.client("C", geometry(WORLD)).num_slots == 4  # the control: the true Attached is taken
