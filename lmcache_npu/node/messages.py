@@ -12,7 +12,7 @@ every reply is `("ok", value, counters, tier_changes)` or `("error", kind, text)
   `("drop_disk_copies", [ChunkKey])`: rare, plain values.
 
 Attach and Attached say the protocol version each side speaks (`PROTOCOL_VERSION`): the service refuses an engine of
-another version (it answers `Refused` naming both), and an engine refuses a service that answers of another one, so a
+another version (it answers `Refused` naming both), and an engine refuses a service that answers with another, so a
 DaemonSet upgraded apart from its engines means misses, never a verb or a reply one side cannot read.
 """
 

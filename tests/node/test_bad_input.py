@@ -6,14 +6,14 @@ with max_pools=2 each geometry gets a pool of half the node's bytes."""
 from __future__ import annotations
 
 import socket
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from lmcache_npu.node import wire
-from lmcache_npu.node.client import NodeCacheUnavailable
+from lmcache_npu.node.client import NodeCacheClient, NodeCacheUnavailable
 from lmcache_npu.node.messages import Attach, Attached, PoolGeometry, Refused
 from lmcache_npu.node.service import ONEWAY
 from lmcache_npu.store.arena import slot_bytes_for
@@ -33,7 +33,7 @@ def test_keys_of_another_namespace_are_refused_naming_both_and_the_client_keeps_
     strict = node.client("A-strict", geometry(1), strict=True)  # the service's refusal raised, as tests want it
     foreign = keys_of(0, 1, namespace=OTHER)
 
-    def calls(client):  # noqa: ANN001, ANN202
+    def calls(client: NodeCacheClient) -> tuple[Callable[[], Any], ...]:
         return (lambda: client.lookup("q", foreign), lambda: client.presence(foreign),
                 lambda: client.prepare_store("q", [(0, foreign[0])]), lambda: client.location(foreign[0]))
 
