@@ -81,6 +81,9 @@ class ConnectorConfig:
     # a node cache service's socket (`lmcache-npu node-cache`): every engine on the node then shares its host cache,
     # disk tier and Mooncake client, and the store keys that size or name those are the service's (docs/deployment.md)
     node_cache: Optional[str] = None
+    # how long an engine's start waits for its first attach to the node cache before it serves without it (and
+    # attaches in the background); a pool being made takes longer, a live one milliseconds
+    node_cache_start_wait_ms: int = 5000
     store: StoreConfig = field(default_factory=StoreConfig)
 
     def __post_init__(self) -> None:
@@ -111,6 +114,7 @@ class ConnectorConfig:
             raise ValueError(f"tp_share must be one of {', '.join(TP_SHARE_MODES)}, got {self.tp_share!r}")
         if self.node_cache is not None:
             self._check_node_cache()
+        check_int("node_cache_start_wait_ms", self.node_cache_start_wait_ms, 0, 3_600_000)
         if self.tp_share_exchange not in TP_SHARE_EXCHANGES:
             raise ValueError(f"tp_share_exchange must be one of {', '.join(TP_SHARE_EXCHANGES)}, got "
                              f"{self.tp_share_exchange!r}")

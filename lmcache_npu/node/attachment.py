@@ -14,7 +14,7 @@ from ..store.envelope import ENVELOPE_BYTES
 from ..store.metrics import Metric
 from . import wire
 from .client import connect
-from .messages import Attach, Attached, PoolGeometry
+from .messages import PROTOCOL_VERSION, Attach, Attached, PoolGeometry
 
 
 @dataclass
@@ -29,12 +29,15 @@ class WorkerAttachment:
         self.sock.close()
 
 
-def attach_worker_arena(path: str, engine: str, geometry: PoolGeometry, rank: int, *, pinned: Optional[bool],
-                        npu_host_memory: str = "auto", timeout_s: float = 30.0) -> WorkerAttachment:
+def attach_worker_arena(path: str, engine: str, geometry: PoolGeometry, rank: int, *, weights: str,
+                        pinned: Optional[bool], npu_host_memory: str = "auto",
+                        timeout_s: float = 30.0) -> WorkerAttachment:
     """Maps rank `rank`'s segments of the pool for `geometry`; pinned (None: where an accelerator is) means every
     segment is registered with the device before this returns (the node's slots are all live, so a worker must
-    reach all of them), and a segment that cannot be is an error naming why."""
-    sock, attached, fds = connect(path, Attach(engine, geometry, rank), timeout_s)
+    reach all of them), and a segment that cannot be is an error naming why. `weights`: how the engine's identity
+    names its weights (messages.WEIGHTS_*)."""
+    sock, attached, fds = connect(path, Attach(engine, geometry, rank, weights=weights, protocol=PROTOCOL_VERSION),
+                                  timeout_s)
     return map_worker_arena(sock, attached, fds, rank, pinned=pinned, npu_host_memory=npu_host_memory)
 
 

@@ -9,6 +9,11 @@ starts with a short wait for that attach and serves without the node cache when 
 attachment is an epoch, which the scheduler sends its workers with each step so they map its segments before they
 move a byte. Commands of an earlier epoch are forgotten: their answers are dropped and they count as no longer
 pending.
+
+Nor does a service that answers wrongly: an error reply (a verb the service refused, a bug there, another release's
+arguments) or a reply of the wrong shape answers as the same miss, counted (`node_cache_error_replies`,
+`node_cache_malformed_replies`) and logged once per verb, never as an exception in vLLM's scheduler. A service of
+another protocol version is refused at attach (messages.py), and the engine serves without it.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import stat
 import struct
 import threading
 import time
+from functools import partial
 from operator import itemgetter
 from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
@@ -31,7 +37,7 @@ from ..store.keys import ChunkKey
 from ..store.metrics import Metric
 from ..store.tier import TierCounters
 from . import wire
-from .messages import Attach, Attached, PoolGeometry, Refused
+from .messages import PROTOCOL_VERSION, Attach, Attached, PoolGeometry, Refused, protocol_of
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +56,8 @@ class NodeCacheUnavailable(ConnectionError):
 
 
 class NodeCacheRefused(NodeCacheUnavailable):
-    """The service answered and will not take this engine (`Refused`: no pool for its geometry, ...)."""
+    """The service answered and will not take this engine (`Refused`: no pool for its geometry, weights nothing names,
+    ...; or it speaks another protocol version): the reason says what to change."""
 
 
 def check_service_peer(sock: socket.socket, path: str) -> None:
@@ -106,9 +113,20 @@ def connect(path: str, attach: Attach, timeout_s: float) -> tuple[socket.socket,
             for fd in fds:
                 wire.close_fd(fd)
             raise NodeCacheRefused(f"the node cache at {path} refused this engine: {reply.reason}")
-        if not isinstance(reply, Attached):
+        if not isinstance(reply, Attached) or protocol_of(reply) != PROTOCOL_VERSION:
             sock.close()
+            for fd in fds:
+                wire.close_fd(fd)
+            if isinstance(reply, Attached):  # a service of an older or newer release: its replies may differ
+                raise NodeCacheRefused(f"the node cache at {path} speaks protocol {protocol_of(reply)} and this engine "
+                                       f"{PROTOCOL_VERSION}: run the engines and the service of one lmcache_npu "
+                                       "release (upgrade the older side)")
             raise NodeCacheUnavailable(f"the node cache at {path} answered {type(reply).__name__}, not Attached")
+        if not _attached(reply):  # the pool's sizes build this engine's arena and gauges: a wrong type is no pool
+            sock.close()
+            for fd in fds:
+                wire.close_fd(fd)
+            raise NodeCacheRefused(f"the node cache at {path} answered a malformed Attached: {reply!r}")
         return sock, reply, fds
 
 
@@ -117,12 +135,18 @@ class NodeCacheClient(ChunkManager):
     commands are tracked here (their ranks' answers, `is_pending`, the outbox), so a step costs no round trip for
     them; everything about the node's chunks is asked of the service."""
 
-    def __init__(self, path: str, engine: str, geometry: PoolGeometry, *, connect_timeout_s: float = START_WAIT_S,
-                 retry_s: float = RETRY_S) -> None:
+    def __init__(self, path: str, engine: str, geometry: PoolGeometry, *, weights: str,
+                 connect_timeout_s: float = START_WAIT_S, retry_s: float = RETRY_S, strict: bool = False) -> None:
+        """`weights`: how the engine's identity names its weights (messages.WEIGHTS_*). `strict` (tests of the
+        service itself) raises an error or malformed reply as a ValueError instead of answering a miss."""
         self.path = path
         self.engine = engine
         self.geometry = geometry
+        self.weights = weights
         self.retry_s = retry_s
+        self.strict = strict
+        self._told: set[tuple[str, str]] = set()  # (verb, what went wrong) already logged as a warning
+        self._miss = ""  # why the last call answered `missing`
         self.counters = TierCounters()
         self._events = False
         self._listener: Optional[TierListener] = None
@@ -157,7 +181,7 @@ class NodeCacheClient(ChunkManager):
     # ---- the connection -------------------------------------------------------------------------------------------
 
     def _attach_message(self) -> Attach:
-        return Attach(self.engine, self.geometry, None, self._events)
+        return Attach(self.engine, self.geometry, None, self._events, weights=self.weights, protocol=PROTOCOL_VERSION)
 
     def _adopt(self, sock: socket.socket, attached: Attached) -> None:
         self._sock = sock
@@ -238,8 +262,11 @@ class NodeCacheClient(ChunkManager):
         self._connected()
         return self.epoch
 
-    def _call(self, verb: str, *arguments: Any, missing: Any = None) -> Any:
-        """The verb's answer; `missing` when the service is away (counted)."""
+    def _call(self, verb: str, *arguments: Any, missing: Any = None, valid: Optional[Callable[[Any], bool]] = None,
+              strict: bool = False) -> Any:
+        """The verb's answer; `missing` (counted, the reason in `_miss`) when the service is away, answers an error
+        or a reply of another shape than `valid` accepts for the value (raised instead as a ValueError if `strict`)."""
+        self._miss = "the service is away"
         if not self._connected():
             self.counters.add(Metric.NODE_CACHE_UNREACHABLE)
             return missing
@@ -251,11 +278,20 @@ class NodeCacheClient(ChunkManager):
             self._lost(exc)
             self.counters.add(Metric.NODE_CACHE_UNREACHABLE)
             return missing
-        if not isinstance(reply, tuple) or not reply:
-            self._lost(wire.WireError(f"malformed reply to {verb}"))
-            return missing
-        if reply[0] == "error":
-            raise ValueError(f"node cache: {reply[2]}")
+        try:  # everything the service sent is checked before any of it is used
+            if _is_error(reply):
+                problem: Optional[tuple[Metric, str]] = (Metric.NODE_CACHE_ERROR_REPLIES,
+                                                         f"it answered an error: {reply[2]}")
+            elif not (_is_ok(reply) and (valid or _none)(reply[1])):
+                problem = (Metric.NODE_CACHE_MALFORMED_REPLIES, f"it answered a malformed reply ({_describe(reply)})")
+            else:
+                problem = None
+        except (TypeError, ValueError, AttributeError) as exc:  # a value whose own methods fail: malformed too
+            problem = (Metric.NODE_CACHE_MALFORMED_REPLIES, f"it answered a malformed reply ({type(exc).__name__}: "
+                                                            f"{exc})")
+        if problem is not None:
+            self._miss = problem[1]
+            return self._unanswered(verb, problem[0], strict, missing)
         _, value, counters, changes = reply
         for name, amount in counters.items():
             self.counters.add(name, amount)
@@ -264,9 +300,29 @@ class NodeCacheClient(ChunkManager):
             for chunk_hash, tier, entered, payload in changes:
                 key = ChunkKey(namespace, chunk_hash)
                 if payload is not None and self.payload_sink is not None:
-                    self.payload_sink(key, payload)
+                    try:
+                        self.payload_sink(key, payload)
+                    except (TypeError, ValueError) as exc:  # a payload the events cannot read: the change still counts
+                        self._unanswered("payload", Metric.NODE_CACHE_MALFORMED_REPLIES, False, None, str(exc))
                 self._listener(key, tier, entered)
         return value
+
+    def _unanswered(self, verb: str, metric: Metric, strict: bool, missing: Any, why: str = "") -> Any:
+        """Counts a reply the engine cannot use and answers `missing` (the first of each kind per verb is a warning)."""
+        self.counters.add(metric)
+        why = why or self._miss
+        if strict or self.strict:
+            raise ValueError(f"node cache: {verb}: {why}")
+        log = logger.warning if self._first(verb, metric) else logger.debug
+        log("lmcache_npu: the node cache at %s could not answer %s (%s): taken as a miss", self.path, verb, why)
+        return missing
+
+    def _first(self, verb: str, what: str) -> bool:
+        """Whether `what` went wrong with `verb` for the first time (warned about once, then only at debug level)."""
+        if (verb, what) in self._told:
+            return False
+        self._told.add((verb, what))
+        return True
 
     def _send(self, verb: str, *arguments: Any) -> None:
         """A verb the engine does not wait for (its counters come with the next answer)."""
@@ -302,15 +358,21 @@ class NodeCacheClient(ChunkManager):
         return namespace, list(map(_FIRST, chunks)), hashes
 
     def lookup(self, request_id: str, keys: Sequence[ChunkKey]) -> LookupResult:
-        return self._call("lookup", request_id, *self._batch(keys), missing=LookupResult(0, 0))
+        return self._call("lookup", request_id, *self._batch(keys), missing=LookupResult(0, 0),
+                          valid=partial(_lookup_result, len(keys)))
 
     def presence(self, keys: Sequence[ChunkKey], remote: bool = True) -> list[bool]:
-        return self._call("presence", *self._batch(keys), remote, missing=[False] * len(keys))
+        return self._call("presence", *self._batch(keys), remote, missing=[False] * len(keys),
+                          valid=partial(_bools, len(keys)))
 
     def prepare_load(self, request_id: str, chunks: NumberedChunks) -> list[Load]:
-        moves = self._call("prepare_load", request_id, *self._numbered(chunks), missing=None)
-        if moves is None:  # a hit was promised and the service is gone: refused, so vLLM recomputes these tokens
-            raise ValueError(f"the node cache at {self.path} went away between the lookup and the load")
+        namespace, numbers, hashes = self._numbered(chunks)
+        moves = self._call("prepare_load", request_id, namespace, numbers, hashes, missing=None,
+                           valid=partial(_moves, set(hashes), self.num_slots))
+        if moves is None:  # a hit was promised and is not loadable: refused, so vLLM recomputes these tokens
+            if self._sock is None:
+                raise ValueError(f"the node cache at {self.path} went away between the lookup and the load")
+            raise ValueError(f"the node cache at {self.path} gave no load for a promised hit: {self._miss}")
         return self._track(Load, request_id, chunks, moves)
 
     def release(self, request_id: str) -> None:
@@ -321,7 +383,9 @@ class NodeCacheClient(ChunkManager):
         self._send("describe", key, payload)
 
     def prepare_store(self, request_id: str, chunks: NumberedChunks) -> list[Store]:
-        moves = self._call("prepare_store", request_id, *self._numbered(chunks), missing=[])
+        namespace, numbers, hashes = self._numbered(chunks)
+        moves = self._call("prepare_store", request_id, namespace, numbers, hashes, missing=[],
+                           valid=partial(_moves, set(hashes), self.num_slots))
         return self._track(Store, request_id, chunks, moves)
 
     def _track(self, kind: type, request_id: str, chunks: NumberedChunks,
@@ -330,7 +394,7 @@ class NodeCacheClient(ChunkManager):
         if not moves:
             return []
         keys = {key[1]: key for _, key in chunks}
-        return [self._ledger.emit(kind(cmd_id, keys[chunk_hash], slot, request_id, number))
+        return [self._ledger.emit(kind(cmd_id, keys[chunk_hash], slot, request_id, number, epoch=self.epoch))
                 for cmd_id, slot, number, chunk_hash in moves]
 
     def take_commands(self) -> list[Command]:
@@ -375,17 +439,17 @@ class NodeCacheClient(ChunkManager):
         now = time.monotonic()
         if self._occupancy is not None and now - self._occupancy[0] < OCCUPANCY_TTL_S:
             return self._occupancy[1]
-        use = self._call("occupancy", missing=None)
+        use = self._call("occupancy", missing=None, valid=_occupancy)
         if use is None:
             return {Tier.ARENA: (0, self.num_slots), Tier.DISK: (0, self.disk_chunks)}
         self._occupancy = (now, use)
         return use
 
     def location(self, key: ChunkKey) -> tuple[Optional[int], SlotState, DiskState]:
-        return self._call("location", key, missing=(None, SlotState.FREE, DiskState.NONE))
+        return self._call("location", key, missing=(None, SlotState.FREE, DiskState.NONE), valid=_location)
 
     def chunks(self) -> list[ChunkView]:
-        return self._call("chunks", missing=[])
+        return self._call("chunks", missing=[], valid=_chunk_views)
 
     def sync(self) -> None:
         """Collects what one-way calls caused since the last answer (their counters, the node's tier changes): the
@@ -395,10 +459,10 @@ class NodeCacheClient(ChunkManager):
     def check_invariants(self) -> None:
         """The node's index checks its own bookkeeping (tests, `lmcache-npu status`); a broken invariant is raised
         here as the ValueError the service answered."""
-        self._call("check_invariants")
+        self._call("check_invariants", strict=True)
 
     def adopt_disk(self, keys: Iterable[ChunkKey]) -> int:
-        return self._call("adopt_disk", list(keys), missing=0)
+        return self._call("adopt_disk", list(keys), missing=0, valid=_count)
 
     def drop_disk_copies(self, keys: Iterable[ChunkKey]) -> None:
         self._call("drop_disk_copies", list(keys))
@@ -413,3 +477,84 @@ class NodeCacheClient(ChunkManager):
         if wanted != self._events:
             self._events = wanted  # also said by every later attach (a reconnect)
             self._call("events", wanted)
+
+
+# ---- the shapes of replies (checked before any of a reply is used) --------------------------------------------------
+
+def _none(value: Any) -> bool:
+    return value is None
+
+
+def _is_int(value: Any) -> bool:
+    return type(value) is int
+
+
+def _is_error(reply: Any) -> bool:
+    return type(reply) is tuple and len(reply) == 3 and reply[0] == "error" and isinstance(reply[2], str)
+
+
+def _is_ok(reply: Any) -> bool:
+    """("ok", value, {counter name: int}, [(chunk hash, tier, entered, payload or None)])."""
+    if type(reply) is not tuple or len(reply) != 4 or reply[0] != "ok":
+        return False
+    _, _, counters, changes = reply
+    return (type(counters) is dict and all(type(k) is str and _is_int(v) for k, v in counters.items())
+            and type(changes) is list and all(
+                type(c) is tuple and len(c) == 4 and type(c[0]) is bytes and isinstance(c[1], Tier)
+                and type(c[2]) is bool and (c[3] is None or type(c[3]) is tuple) for c in changes))
+
+
+def _attached(attached: Attached) -> bool:
+    sizes = (attached.num_slots, attached.object_bytes, attached.segment_bytes, attached.disk_chunks)
+    return (type(attached.epoch) is str and all(_is_int(size) and size >= 0 for size in sizes)
+            and type(attached.hugepages) is str and type(attached.eviction_policy) is str)
+
+
+def _describe(reply: Any) -> str:
+    if type(reply) is not tuple:
+        return f"a {type(reply).__name__}, not a tuple"
+    head = reply[0] if reply else None
+    if head in ("ok", "error"):
+        return f"{head!r} with {len(reply) - 1} value(s) of an unexpected shape"
+    return f"a tuple of {len(reply)} starting {head!r}"
+
+
+def _lookup_result(count: int, value: Any) -> bool:
+    return (isinstance(value, LookupResult) and _is_int(value.hit_chunks) and _is_int(value.ready_chunks)
+            and 0 <= value.ready_chunks <= value.hit_chunks <= count and type(value.sources) is tuple
+            and len(value.sources) <= value.hit_chunks and all(isinstance(t, Tier) for t in value.sources))
+
+
+def _bools(count: int, value: Any) -> bool:
+    return type(value) is list and len(value) == count and set(map(type, value)) <= {bool}  # map/set: C speed
+
+
+def _moves(hashes: set[bytes], num_slots: int, value: Any) -> bool:
+    """(command id, slot, chunk number, chunk hash) of the chunks asked for, each in a slot the pool has (checked
+    column by column: 512 moves in some microseconds)."""
+    if type(value) is not list or not value:
+        return type(value) is list
+    if set(map(type, value)) != {tuple} or set(map(len, value)) != {4}:
+        return False
+    ids, slots, numbers, named = zip(*value)
+    return (set(map(type, ids)) == set(map(type, slots)) == set(map(type, numbers)) == {int}
+            and 0 <= min(slots) and max(slots) < num_slots and set(named) <= hashes)
+
+
+def _occupancy(value: Any) -> bool:
+    return type(value) is dict and {Tier.ARENA, Tier.DISK} <= value.keys() and all(
+        isinstance(tier, Tier) and type(use) is tuple and len(use) == 2 and all(map(_is_int, use))
+        for tier, use in value.items())
+
+
+def _location(value: Any) -> bool:
+    return (type(value) is tuple and len(value) == 3 and (value[0] is None or _is_int(value[0]))
+            and isinstance(value[1], SlotState) and isinstance(value[2], DiskState))
+
+
+def _chunk_views(value: Any) -> bool:
+    return type(value) is list and all(isinstance(view, ChunkView) for view in value)
+
+
+def _count(value: Any) -> bool:
+    return _is_int(value) and value >= 0

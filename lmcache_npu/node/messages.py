@@ -10,11 +10,24 @@ every reply is `("ok", value, counters, tier_changes)` or `("error", kind, text)
 - `("release", request_id)` and `("on_completions", [(command id, rank, ok, reason)])`: one-way, no reply
 - `("events", wanted)`, `("occupancy",)`, `("location", ChunkKey)`, `("chunks",)`, `("adopt_disk", [ChunkKey])`,
   `("drop_disk_copies", [ChunkKey])`: rare, plain values.
+
+Attach and Attached say the protocol version each side speaks (`PROTOCOL_VERSION`): the service refuses an engine of
+another version (it answers `Refused` naming both), and an engine refuses a service that answers with another, so a
+DaemonSet upgraded apart from its engines means misses, never a verb or a reply one side cannot read.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
+
+# bumped whenever a verb, its arguments or its reply change; messages from before it existed carry none (version 1)
+PROTOCOL_VERSION = 2
+UNVERSIONED = 1
+# how an engine's weights are named (engine_identity.py): by their content, by the operator's model_fingerprint, or
+# by nothing; the node keeps chunks beyond the engine and shares them, so it takes only weights something names
+WEIGHTS_CONTENT, WEIGHTS_NAMED, WEIGHTS_UNNAMED = "sha256", "named", "unnamed"
+NAMED_WEIGHTS = frozenset({WEIGHTS_CONTENT, WEIGHTS_NAMED})
 
 
 @dataclass(frozen=True)
@@ -37,12 +50,15 @@ class PoolGeometry:
 class Attach:
     """The first message on a connection. `engine` names the engine (its KV transfer engine id and data-parallel
     rank): its scheduler and every worker attach under it, and what the engine holds is released once the last of
-    its connections closes. `rank` is a worker's rank (None: the scheduler)."""
+    its connections closes. `rank` is a worker's rank (None: the scheduler). `weights` says how the engine's model
+    identity names its weights (`WEIGHTS_*`); the service takes only named ones."""
 
     engine: str
     geometry: PoolGeometry
     rank: int | None = None
     events: bool = False  # the scheduler publishes vLLM KV events: send it the pool's tier changes
+    weights: str = WEIGHTS_UNNAMED  # an engine that does not say is taken for one whose weights nothing names
+    protocol: int = PROTOCOL_VERSION
 
 
 @dataclass(frozen=True)
@@ -58,6 +74,7 @@ class Attached:
     hugepages: str
     disk_chunks: int
     eviction_policy: str
+    protocol: int = PROTOCOL_VERSION
 
 
 @dataclass(frozen=True)
@@ -66,3 +83,10 @@ class Refused:
     speak); `reason` says which and what to change."""
 
     reason: str
+
+
+def protocol_of(message: Any) -> int:
+    """The protocol version a received Attach or Attached was made with: an unpickled message of a peer that did not
+    know the field has none of its own (the class default would wrongly answer for it), so it counts as UNVERSIONED."""
+    version = vars(message).get("protocol", UNVERSIONED)
+    return version if type(version) is int else UNVERSIONED

@@ -34,7 +34,7 @@ from ..store.keys import ChunkKey
 from ..store.metrics import Metric
 from . import wire
 from .exporter import MetricsServer, exposition
-from .messages import Attach, PoolGeometry, Refused
+from .messages import NAMED_WEIGHTS, PROTOCOL_VERSION, Attach, PoolGeometry, Refused, protocol_of
 from .pool import EngineLease, NodePool, PoolRefused, scoped
 from .pool_table import PoolTable
 
@@ -179,6 +179,11 @@ class NodeCacheService:
             if not isinstance(attach, Attach) or not isinstance(attach.geometry, PoolGeometry):
                 wire.send(connection, Refused("the first message must be an Attach"))
                 return
+            refusal = _attach_refusal(attach)
+            if refusal is not None:
+                logger.warning("node cache: refused engine %s: %s", attach.engine, refusal)
+                wire.send(connection, Refused(refusal))
+                return
             try:
                 _check_geometry(attach.geometry)
                 pool, (fds, lease) = self._table.acquire(attach.geometry, lambda found: self._lease(found, attach,
@@ -291,6 +296,21 @@ def group_id(group: str) -> int:
 
 
 # ---- checks of what a peer sent --------------------------------------------------------------------------------------
+
+def _attach_refusal(attach: Attach) -> Optional[str]:
+    """Why no pool takes this engine, whatever its geometry (None: nothing against it)."""
+    version = protocol_of(attach)
+    if version != PROTOCOL_VERSION:  # its verbs or their replies may differ from ours: misses, not misreadings
+        return (f"this engine speaks node cache protocol {version} and the service {PROTOCOL_VERSION}: run the engines "
+                "and the service of one lmcache_npu release (upgrade the older side)")
+    # its namespace could be another model's, and the pool outlives the engine
+    if not isinstance(attach.weights, str) or attach.weights not in NAMED_WEIGHTS:
+        return (f"this engine's model identity names its weights by nothing (weights {attach.weights!r}, not one "
+                f"of {', '.join(sorted(NAMED_WEIGHTS))}), and the node cache keeps and shares chunks beyond any "
+                "engine, so another model with the same config could load them. Set model_fingerprint in "
+                "kv_connector_extra_config to a string that names these exact weights")
+    return None
+
 
 def _check_geometry(geometry: PoolGeometry) -> None:
     if not isinstance(geometry.namespace, str) or len(geometry.namespace) != 32:

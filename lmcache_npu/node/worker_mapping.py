@@ -28,7 +28,7 @@ from ..store.tier import TierCounters
 from . import client, wire
 from .attachment import UnmappedArena, WorkerAttachment, map_worker_arena
 from .client import RETRY_S, NodeCacheRefused, connect
-from .messages import Attach, PoolGeometry
+from .messages import PROTOCOL_VERSION, Attach, PoolGeometry
 
 logger = logging.getLogger(__name__)
 
@@ -56,8 +56,10 @@ class WorkerNodeMapping:
     thread's runs on the worker's step thread."""
 
     def __init__(self, path: str, engine: str, geometry: PoolGeometry, rank: int, counters: TierCounters, *,
-                 pinned: Optional[bool], npu_host_memory: str = "auto", retry_s: float = RETRY_S) -> None:
+                 weights: str, pinned: Optional[bool], npu_host_memory: str = "auto", retry_s: float = RETRY_S) -> None:
+        """`weights`: how the engine's identity names its weights (messages.WEIGHTS_*)."""
         self.path = path
+        self.weights = weights
         self.engine = engine
         self.geometry = geometry
         self.rank = rank
@@ -150,7 +152,8 @@ class WorkerNodeMapping:
         mapped: Optional[WorkerAttachment] = None
         retry_s = self.retry_s
         try:
-            sock, attached, fds = connect(self.path, Attach(self.engine, self.geometry, self.rank), 0.0)
+            sock, attached, fds = connect(self.path, Attach(self.engine, self.geometry, self.rank,
+                                                          weights=self.weights, protocol=PROTOCOL_VERSION), 0.0)
             current = self.current
             if current is not None and attached.epoch == current.epoch:  # mapped already: nothing to register
                 sock.close()

@@ -3,13 +3,16 @@
 Plain, picklable dataclasses: they travel in vLLM's connector metadata (scheduler → workers) and worker metadata
 (workers → scheduler). Every rank runs the same command list in order against its own identical arena; each
 rank answers every command with one `Completion`. A command is done when all ranks answered.
+
+A command of the node cache names the epoch (the service's run and pool) whose slots it names: a worker runs it only
+against its mapping of that epoch, and refuses it otherwise (the slot may hold another engine's chunk by then).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
-from typing import ClassVar, Union
+from typing import ClassVar, Optional, Union
 
 from .keys import ChunkKey
 
@@ -61,6 +64,7 @@ class SlotMove:
     key: ChunkKey
     slot: int
     route: ClassVar[Route]
+    epoch: Optional[str] = field(default=None, kw_only=True)  # the node cache epoch of `slot` (None: a private arena)
 
 
 @dataclass(frozen=True)
@@ -120,6 +124,7 @@ class Drop:
     cmd_id: int
     key: ChunkKey
     tier: Tier
+    epoch: Optional[str] = field(default=None, kw_only=True)  # as SlotMove's
 
 
 Command = Union[Store, Load, Spill, Promote, Put, Persist, Drop]

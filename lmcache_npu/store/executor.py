@@ -66,6 +66,7 @@ class StoreExecutor:
                  disk: Optional[DiskTier] = None, remote: Optional[MooncakeTier] = None, io_threads: int = 4, sealer: Optional[Sealer] = None) -> None:
         self.rank = rank
         self.arena = arena
+        self.epoch: Optional[str] = None  # the node cache epoch `arena` maps (None: a private arena), see use_arena
         self.mover = mover
         self.disk = disk
         self.remote = remote
@@ -110,11 +111,22 @@ class StoreExecutor:
                 self._submitting -= 1
                 self._idle.notify_all()
 
+    def use_arena(self, arena: HostArena, epoch: Optional[str]) -> None:
+        """Later commands run against `arena`, the mapping of node cache epoch `epoch` (commands in flight keep the
+        old mapping alive through their slot views)."""
+        self.arena = arena
+        self.epoch = epoch
+
     def _submit(self, commands: Sequence[Command]) -> None:
-        valid = []
+        valid, stale = [], []
         for command in commands:
             slot = getattr(command, "slot", 0)
-            if 0 <= slot < self.arena.num_slots:
+            if command.epoch != self.epoch:  # its slot is of another epoch's pages: another engine's chunk by now
+                stale.append(command)
+                self._report(command.cmd_id, TierResult.fail(
+                    Failure.ERROR, f"issued for node cache epoch {command.epoch}, but this rank maps epoch "
+                    f"{self.epoch}: never run against another epoch's pages"))
+            elif 0 <= slot < self.arena.num_slots:
                 valid.append(command)
             else:  # index and worker disagree on the arena (cpu_bytes or chunk size): refuse, never touch memory
                 logger.error("rank %d: command %d names arena slot %d of %d", self.rank, command.cmd_id, slot,
@@ -122,6 +134,9 @@ class StoreExecutor:
                 self._report(command.cmd_id, TierResult.fail(
                     Failure.ERROR, f"arena slot {slot} out of range (the arena has {self.arena.num_slots}; index and "
                     f"workers disagree on cpu_bytes?)"))
+        if stale:
+            logger.warning("rank %d: %d command(s) of node cache epoch %s refused: this rank maps epoch %s (loads "
+                           "recompute, stores are not made)", self.rank, len(stale), stale[0].epoch, self.epoch)
         commands = valid
         position = 0
         while position < len(commands):

@@ -58,6 +58,8 @@ class Metric(StrEnum):
     LORA_BYPASSED_REQUESTS = "lora_bypassed_requests"
     MISSES = "misses"
     NODE_CACHE_DISCONNECTS = "node_cache_disconnects"
+    NODE_CACHE_ERROR_REPLIES = "node_cache_error_replies"
+    NODE_CACHE_MALFORMED_REPLIES = "node_cache_malformed_replies"
     NODE_CACHE_RECONNECTS = "node_cache_reconnects"
     NODE_CACHE_REFUSED = "node_cache_refused"
     NODE_CACHE_UNREACHABLE = "node_cache_unreachable"

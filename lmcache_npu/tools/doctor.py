@@ -541,7 +541,8 @@ def check_model(path: Optional[str], device: str, chunk_tokens: Optional[int]) -
 def check_weights(model: Optional[str], config: Any) -> Check:
     """The weights' content fingerprint the workers will compute (the namespace's weights part), and whether the
     configured tiers can run with it."""
-    persistent = config is not None and (config.store.disk_path is not None or config.store.mooncake is not None)
+    persistent = config is not None and (config.store.disk_path is not None or config.store.mooncake is not None
+                                         or config.node_cache is not None)
     named = config is not None and config.model_fingerprint is not None
     if named:
         return Check("model identity", OK, f"weights named by model_fingerprint {config.model_fingerprint!r} (their "
@@ -576,7 +577,8 @@ def check_weights(model: Optional[str], config: Any) -> Check:
                          f"({made_of})")
     fix = ("set model_fingerprint in kv_connector_extra_config to a name for these exact weights, or serve with the "
            "host arena alone")
-    outcome = "the disk and Mooncake tiers refuse to start" if persistent else "only the host arena can run"
+    outcome = ("the disk and Mooncake tiers and the node cache refuse to start" if persistent else
+               "only the host arena can run")
     return Check("model identity", FAIL if persistent else WARN, f"{problem}: {outcome}", fix)
 
 

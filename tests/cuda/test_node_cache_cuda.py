@@ -43,7 +43,8 @@ def test_a_workers_mapping_is_registered_segment_by_segment():
     service, path = _service(1 << 20, slots=5, segment_slots=2)
     try:
         geometry = PoolGeometry("c" * 32, b"fingerprint", 1, 1 << 20, 16)
-        attached = attach_worker_arena(path, "engine-a", geometry, 0, pinned=None)  # an accelerator: pinned
+        # an accelerator: pinned
+        attached = attach_worker_arena(path, "engine-a", geometry, 0, weights="sha256", pinned=None)
         arena = attached.arena
         assert arena.pinned and len(arena.memory.segments) == 3
         for segment in arena.memory.segments:
@@ -64,7 +65,7 @@ import sys, torch
 from lmcache_npu.node.attachment import attach_worker_arena
 from lmcache_npu.node.messages import PoolGeometry
 attached = attach_worker_arena(sys.argv[1], "engine-child", PoolGeometry("c" * 32, b"fingerprint", 1, 1 << 20, 16), 0,
-                               pinned=None)
+                               weights="sha256", pinned=None)
 pattern = (torch.arange(1 << 20, device="cuda", dtype=torch.int64) * 7 + 3).to(torch.uint8)
 attached.arena.slot(1).copy_(pattern, non_blocking=True)
 torch.cuda.synchronize()
@@ -80,7 +81,7 @@ def test_another_processes_dma_into_the_shared_slots_is_what_this_one_loads():
                               timeout=300)
         assert done.returncode == 0 and "stored" in done.stdout, done.stderr[-3000:]
         geometry = PoolGeometry("c" * 32, b"fingerprint", 1, 1 << 20, 16)
-        attached = attach_worker_arena(path, "engine-parent", geometry, 0, pinned=None)
+        attached = attach_worker_arena(path, "engine-parent", geometry, 0, weights="sha256", pinned=None)
         loaded = attached.arena.slot(1).cuda()
         expected = (torch.arange(1 << 20, device="cuda", dtype=torch.int64) * 7 + 3).to(torch.uint8)
         assert torch.equal(loaded, expected)
@@ -106,8 +107,8 @@ def test_cuda_kernels_store_through_one_engines_mapping_and_load_through_another
     service, socket_path = _service(cuda_plan.object_bytes, slots=num_slots, segment_slots=2)
     try:
         pool_geometry = PoolGeometry("d" * 32, b"fingerprint", 1, cuda_plan.object_bytes, 16)
-        writer = attach_worker_arena(socket_path, "engine-a", pool_geometry, 0, pinned=None)
-        reader = attach_worker_arena(socket_path, "engine-b", pool_geometry, 0, pinned=None)
+        writer = attach_worker_arena(socket_path, "engine-a", pool_geometry, 0, weights="sha256", pinned=None)
+        reader = attach_worker_arena(socket_path, "engine-b", pool_geometry, 0, weights="sha256", pinned=None)
         order = data.draw(st.permutations(list(range(num_slots))))[:case.num_chunks]
         backend = get_backend("cuda", path=path)
         backend.store(cuda_plan, case.slots, [writer.arena.slot(s) for s in order])

@@ -142,7 +142,9 @@ def serve(fd: int) -> None:
 # ---- the parent's side: engine processes ----------------------------------------------------------------------------
 
 def node_settings(socket_path: str) -> dict[str, Any]:
-    return {"extra_config": {"node_cache": socket_path, "chunk_tokens": CHUNK_TOKENS}}
+    # the service is up before any engine: a loaded CI host may take seconds to attach, the test wants the node at once
+    return {"extra_config": {"node_cache": socket_path, "chunk_tokens": CHUNK_TOKENS,
+                             "node_cache_start_wait_ms": 60_000}}
 
 
 LATE_LOADS = "late_loads"  # a configure key of these children only: load every row one token late

@@ -40,7 +40,8 @@ def node_cache() -> Any:
 def test_two_tp2_engines_share_one_copy_of_replicated_kv_through_the_node(engines, model_dirs, node_cache) -> None:
     service, path = node_cache
     model = model_dirs("deepseek-mla")
-    writer = engines("deepseek-mla", model, extra_config={"node_cache": path}, engine_args=TP2)
+    writer = engines("deepseek-mla", model, extra_config={"node_cache": path, "node_cache_start_wait_ms": 60_000},
+                     engine_args=TP2)
     computed = _each(writer, PROMPTS)
     chunk = writer.scheduler_connector.scheduler_half.chunk_tokens
     whole = 299 // chunk * chunk
@@ -51,7 +52,8 @@ def test_two_tp2_engines_share_one_copy_of_replicated_kv_through_the_node(engine
     held = pool.index.occupancy()[Tier.ARENA][0]
     assert held == len(PROMPTS) * (whole // chunk)  # one copy per chunk for both ranks
 
-    reader = engines("deepseek-mla", model, extra_config={"node_cache": path}, engine_args=TP2)
+    reader = engines("deepseek-mla", model, extra_config={"node_cache": path, "node_cache_start_wait_ms": 60_000},
+                     engine_args=TP2)
     loaded = _each(reader, PROMPTS)
     assert [c.cached_tokens for c in computed] == [0, 0]
     assert [c.cached_tokens for c in loaded] == [whole] * len(PROMPTS)  # the writer's chunks, through the node

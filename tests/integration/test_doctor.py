@@ -339,6 +339,8 @@ def test_the_model_identity_check_names_the_weights_or_the_fix(tmp_path) -> None
     unnamed = doctor.check_weights(str(tmp_path), persistent)
     assert unnamed.verdict == FAIL and "model_fingerprint" in unnamed.fix
     assert doctor.check_weights(str(tmp_path), arena).verdict == WARN
+    node = load_config({"node_cache": "/run/lmcache-npu/node.sock"}, environ={})  # persistent and shared, too
+    assert doctor.check_weights(str(tmp_path), node).verdict == FAIL
     save_file({"w": torch.ones(4)}, str(tmp_path / "model.safetensors"))
     named = doctor.check_weights(str(tmp_path), persistent)
     assert named.verdict == OK and "weights sha256:" in named.detail

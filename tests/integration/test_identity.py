@@ -1,5 +1,6 @@
 """A chunk is loaded only by the model that computed it: the namespace is named by the weights' content (not the
-model's path or name), LoRA chunks by the adapter's content, and persistent tiers refuse weights nothing can name.
+model's path or name), LoRA chunks by the adapter's content, and persistent tiers (disk, Mooncake, the node cache)
+refuse weights nothing can name.
 Driven by vLLM 0.23's real scheduler and the simulated model (`engine.py`)."""
 
 from __future__ import annotations
@@ -8,12 +9,15 @@ import dataclasses
 import json
 import os
 import shutil
+import tempfile
 
 import pytest
 import torch
 from safetensors.torch import save_file
 
 from lmcache_npu.integration.vllm.engine_identity import UnnamedWeightsError
+from lmcache_npu.node.service import NodeCacheService, ServiceOptions
+from lmcache_npu.store.config import StoreConfig
 
 from .conftest import prompt
 from .vllm_cpu import tiny_model_dir
@@ -96,6 +100,36 @@ def test_persistent_tiers_refuse_weights_nothing_names(make_engine, tmp_path):
     assert named.connector.scheduler_half.namespace != renamed.connector.scheduler_half.namespace
     identity = dict(named.workers[0].get_handshake_metadata().identity)
     assert identity["weights"] == "named by the model_fingerprint key"
+
+
+def _served_through_the_node(make_engine, model_dir: str, path: str, fingerprint: str, request_id: str) -> int:
+    """One engine on the node cache at `path`, its weights named `fingerprint`, serves PROMPT once: tokens loaded."""
+    engine = make_engine(model_dir=model_dir, extra_config={"node_cache": path, "model_fingerprint": fingerprint})
+    engine.add(PROMPT, max_tokens=2, request_id=request_id)
+    engine.run()
+    return engine.loaded_tokens.get(request_id, 0)
+
+
+def test_the_node_cache_refuses_weights_nothing_names_as_the_disk_tier_does(make_engine, tmp_path):
+    """Issue 39, C1 (the review's S2): the node cache keeps chunks beyond the engine and shares them with every engine
+    of the node, so weights nothing names are refused as with a disk tier. Before, a config-only model attached, and
+    another model of that config got the same namespace and loaded its KV."""
+    bare = tmp_path / "config-only"
+    bare.mkdir()
+    shutil.copy(os.path.join(tiny_model_dir(), "config.json"), bare / "config.json")
+    path = os.path.join(tempfile.mkdtemp(prefix="lmc-id-", dir="/tmp"), "node.sock")  # socket paths must stay short
+    service = NodeCacheService(ServiceOptions(path, StoreConfig(cpu_bytes=256 << 20), max_pools=2)).start()
+    try:
+        with pytest.raises(UnnamedWeightsError, match="node cache keep chunks beyond this engine.*model_fingerprint"):
+            make_engine(model_dir=str(bare), extra_config={"node_cache": path})
+        assert service.pools == {}  # it never attached
+        # the control: named weights share through the node, by their name only
+        assert _served_through_the_node(make_engine, str(bare), path, "release-a", "writer") == 0
+        assert _served_through_the_node(make_engine, str(bare), path, "release-b", "other") == 0
+        assert _served_through_the_node(make_engine, str(bare), path, "release-a", "same") == WHOLE_CHUNKS
+        assert len(service.pools) == 2
+    finally:
+        service.close()
 
 
 def test_ranks_with_other_weights_are_refused_with_what_differs(make_engine):

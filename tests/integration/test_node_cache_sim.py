@@ -15,6 +15,7 @@ import pytest
 from vllm.distributed.kv_events import BlockStored
 
 from lmcache_npu.integration.vllm import scheduler as scheduler_module
+from lmcache_npu.node import service as service_module
 from lmcache_npu.node.service import NodeCacheService, ServiceOptions
 from lmcache_npu.store.commands import Tier
 from lmcache_npu.store.config import StoreConfig
@@ -34,7 +35,9 @@ def node() -> Iterator[tuple[NodeCacheService, str]]:
 
 
 def _engine(make_engine: Any, preset: str, path: str, **overrides: Any) -> Any:
-    return preset_engine(make_engine, preset, "ascend", extra_config={"node_cache": path}, **overrides)
+    # a loaded CI host may take seconds to attach: these tests want the node from the first step
+    return preset_engine(make_engine, preset, "ascend",
+                         extra_config={"node_cache": path, "node_cache_start_wait_ms": 60_000}, **overrides)
 
 
 def _store_then_load(writer: Any, reader: Any, seed: int) -> tuple[int, int]:
@@ -140,3 +143,135 @@ def test_every_engine_of_the_node_announces_the_chunks_another_stored(make_engin
     # and nothing else: every chunk the reader announced is the writer's or its own
     own = set(request_chunks(reader, "b", 1))
     assert set(reader_chunks) == set(writer_chunks) | own and not own & set(writer_chunks)
+
+
+def _break_every_verb(patch: pytest.MonkeyPatch, fault: str) -> None:
+    """Every verb of the real service fails its way (issue 39, H6): `error` raises in the verb (an index bug, a verb
+    or argument of another release: the service answers ("error", ...)), `malformed` answers in another shape."""
+    if fault == "error":
+        def broken(*arguments: Any) -> Any:
+            raise KeyError("injected: an index bug")
+
+        for verb in list(service_module.VERBS):
+            patch.setitem(service_module.VERBS, verb, broken)
+    else:
+        answer = NodeCacheService._answer
+        patch.setattr(NodeCacheService, "_answer", lambda self, pool, lease, request: (
+            lambda reply: None if reply is None else (*reply, "of another release"))(answer(self, pool, lease, request)))
+
+
+@pytest.mark.parametrize("fault", ["error", "malformed"])
+def test_an_engine_keeps_serving_through_a_service_that_answers_wrongly(make_engine, node, monkeypatch,
+                                                                       fault: str) -> None:
+    """The review's S3: a service-side error (or a reply of another shape) in any verb raised into vLLM's scheduler
+    and stopped the engine. Now each is a miss and a counter vLLM's stats report; the rows are still checked every
+    step (the engine recomputes), and once the fault is gone the same connection serves hits again (the control)."""
+    _, path = node
+    with mock.patch.object(scheduler_module, "kv_events_enabled", lambda vllm_config: True):  # sync, too
+        writer = _engine(make_engine, "llama3-8b", path)
+        reader = _engine(make_engine, "llama3-8b", path)
+    writer.scheduler.kv_event_publisher, reader.scheduler.kv_event_publisher = Recorder(), Recorder()
+    chunk = reader.connector.scheduler_half.chunk_tokens
+    tokens = prompt(2 * chunk + chunk // 2, seed=51)
+    writer.add(tokens, max_tokens=2, request_id="first")
+    writer.run()
+    with monkeypatch.context() as patch:
+        _break_every_verb(patch, fault)
+        reader.add(tokens, max_tokens=3, request_id="broken")
+        reader.run()  # raised ValueError (error) or ValueError/TypeError (malformed) before
+        reader.stats.reduce()  # vLLM's stat logger reads the reduced view every interval
+    assert reader.loaded_tokens.get("broken", 0) == 0 and len(reader.output_tokens("broken")) == 3
+    counted = reader.stats.data.get(f"node_cache_{fault}_replies", 0)
+    assert counted > 0, reader.stats.data
+    assert not reader.stats.data.get("node_cache_disconnects")
+    reader.evict_device_cache()
+    reader.add(tokens, max_tokens=2, request_id="healed")
+    reader.run()
+    assert reader.loaded_tokens.get("healed", 0) == 2 * chunk  # the control: hits through the same connection
+    for engine in (writer, reader):
+        _quiescent(engine)
+
+
+def _restart(service: NodeCacheService, path: str) -> NodeCacheService:
+    """The service dies and a successor (a new epoch) listens on the same path."""
+    service.close()
+    return NodeCacheService(ServiceOptions(path, StoreConfig(cpu_bytes=256 << 20))).start()
+
+
+def test_a_worker_never_runs_one_epochs_commands_against_anothers_pages(make_engine, node, monkeypatch) -> None:
+    """The review's R7 (issue 39, H2): E1 -> E2 -> E3. The scheduler adopts E2 and sends its loads and stores; E2 dies
+    and E3 is up when the worker, still on E1, follows: it maps E3, where those slots are other chunks' or empty.
+    Before, the loads read E3's bytes into the request's pages (the step's row check fails) and the stores wrote
+    E3's slots (its bytes change); now the worker refuses them, the load recomputes and the store is not made. (The
+    scheduler waits for its workers to map an epoch before it hands out its commands: that wait is switched off here,
+    so the worker's own check is what is tested.)"""
+    from lmcache_npu.integration.vllm.scheduler import SchedulerHalf
+
+    mapped = SchedulerHalf._node_mapped
+    monkeypatch.setattr(SchedulerHalf, "_node_mapped", lambda half: half.index.epoch is not None)
+    service, path = node
+    engine = _engine(make_engine, "llama3-8b", path)
+    half = engine.connector.scheduler_half
+    client = half.index
+    chunk = half.chunk_tokens
+    worker_half = engine.workers[0].worker_half
+    first_epoch = worker_half._node.epoch
+    second = _restart(service, path)  # E2: another engine stores a prompt there
+    other = _engine(make_engine, "llama3-8b", path)
+    hit = prompt(2 * chunk + chunk // 2, seed=61)
+    other.add(hit, max_tokens=2, request_id="other")
+    other.run()
+    client.retry_s, client._next_try = 0.0, 0.0
+    deadline = time.monotonic() + 10
+    while client.epoch != second.instance + "/0" and time.monotonic() < deadline:  # the scheduler adopts E2 ...
+        client.presence([])
+        time.sleep(0.01)
+    assert client.epoch == second.instance + "/0" and worker_half._node.epoch == first_epoch  # ... its worker not yet
+    client.retry_s = 3600.0  # the scheduler stays away from E3 for the rest of the test: only the worker maps it
+    third: list[NodeCacheService] = []
+    build = engine.connector.build_connector_meta
+
+    def e2_dies_after_this_step_is_built(scheduler_output: Any) -> Any:
+        meta = build(scheduler_output)
+        if meta.commands and not third:
+            assert {c.epoch for c in meta.commands} == {meta.node_epoch} == {client.epoch}
+            third.append(_restart(second, path))  # E3, before the worker follows the step's epoch
+            deadline = time.monotonic() + 10
+            while worker_half._node.epoch != third[0].instance + "/0" and time.monotonic() < deadline:
+                worker_half._node._next_try = 0.0
+                worker_half._node.start(1.0)  # the worker maps E3 first (its background attach, done in time)
+                time.sleep(0.01)
+            assert worker_half._node.epoch == third[0].instance + "/0"
+        return meta
+
+    engine.connector.build_connector_meta = e2_dies_after_this_step_is_built
+    engine.add(hit + prompt(10, seed=62), max_tokens=2, request_id="loads")  # 2 chunks hit in E2
+    engine.add(prompt(chunk + 10, seed=63), max_tokens=2, request_id="stores")  # 1 chunk stored in E2
+    engine.run()  # the row check of every step raised here before (E3's bytes loaded as the hit)
+    assert third and worker_half._node.epoch != second.instance + "/0"  # E2 was never mapped here
+    assert len(engine.output_tokens("loads")) == 2  # recomputed: every row its forward read was checked
+    (pool,) = third[0].pools.values()  # only this worker maps E3: no byte of it may have changed
+    arena = pool.arenas[0]
+    assert not any(arena.slot_array(slot).any() for slot in range(arena.num_slots)), "E2's store wrote E3's slots"
+    assert engine.stats.data.get("load_failures", 0) >= 1 and engine.stats.data.get("store_failures", 0) >= 1
+    third[0].close()
+    # the control: the same worker's own commands of E3's epoch do write E3's slots (the byte check sees a write)
+    successor = _restart(third[0], path)
+    client.retry_s, client._next_try = 0.0, 0.0
+    engine.connector.build_connector_meta = build
+    monkeypatch.setattr(SchedulerHalf, "_node_mapped", mapped)  # commands once the worker has mapped the epoch
+    deadline = time.monotonic() + 10
+    while (client.epoch is None or worker_half._node.epoch != client.epoch) and time.monotonic() < deadline:
+        client.presence([])  # the scheduler adopts the successor ...
+        worker_half._node._next_try = 0.0
+        worker_half._node.start(1.0)  # ... and the worker maps it (in the background, done in time)
+        time.sleep(0.01)
+    engine.add(prompt(10, seed=65), max_tokens=2, request_id="tells")  # the worker says it has mapped the epoch
+    engine.run()
+    engine.add(prompt(chunk + 10, seed=64), max_tokens=2, request_id="fresh")
+    engine.run()
+    assert client.epoch == successor.instance + "/0" == worker_half._node.epoch
+    (pool,) = successor.pools.values()
+    arena = pool.arenas[0]
+    assert any(arena.slot_array(slot).any() for slot in range(arena.num_slots))
+    successor.close()

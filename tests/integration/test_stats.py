@@ -60,11 +60,13 @@ def test_the_node_cache_counters_reach_vllm_and_prometheus():
     client.add(Metric.NODE_CACHE_DISCONNECTS)
     client.add(Metric.NODE_CACHE_UNREACHABLE, 3)
     client.add(Metric.NODE_CACHE_RECONNECTS)
+    client.add(Metric.NODE_CACHE_ERROR_REPLIES, 2)  # replies taken as misses (issue 39, H6)
+    client.add(Metric.NODE_CACHE_MALFORMED_REPLIES)
     worker = TierCounters()
     worker.add(Metric.EPOCH_CHANGES)
     stats = LMCacheNPUStats.of(deltas.take()).aggregate(LMCacheNPUStats.of(worker.drain()))
     expected = {"node_cache_disconnects": 1, "node_cache_unreachable": 3, "node_cache_reconnects": 1,
-                "epoch_changes": 1}
+                "node_cache_error_replies": 2, "node_cache_malformed_replies": 1, "epoch_changes": 1}
     assert {name: stats.reduce().get(name) for name in expected} == expected
     registry = CollectorRegistry()
 

@@ -14,14 +14,14 @@ import time
 from lmcache_npu.node.attachment import attach_worker_arena
 from lmcache_npu.node.client import NodeCacheClient
 
-from tests.node.harness import geometry, keys_of
+from tests.node.harness import WEIGHTS, geometry, keys_of
 
 
 def main(argv: list[str]) -> int:
     path, ready, engine = argv[1], argv[2], argv[3]
     geo = geometry(world=1)
-    client = NodeCacheClient(path, engine, geo, connect_timeout_s=10.0)
-    worker = attach_worker_arena(path, engine, geo, 0, pinned=False, timeout_s=10.0)
+    client = NodeCacheClient(path, engine, geo, weights=WEIGHTS, connect_timeout_s=10.0)
+    worker = attach_worker_arena(path, engine, geo, 0, weights=WEIGHTS, pinned=False, timeout_s=10.0)
     held = keys_of(0, 3)
     found = client.lookup("pinned", held)
     loads = client.prepare_load("pinned", [(0, held[0]), (1, held[1])])

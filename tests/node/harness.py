@@ -15,7 +15,7 @@ import pytest
 
 from lmcache_npu.node.attachment import WorkerAttachment, attach_worker_arena
 from lmcache_npu.node.client import NodeCacheClient
-from lmcache_npu.node.messages import PoolGeometry
+from lmcache_npu.node.messages import WEIGHTS_CONTENT, PoolGeometry
 from lmcache_npu.node.pool import ENGINE_SEPARATOR, NodePool
 from lmcache_npu.node.service import NodeCacheService, ServiceOptions
 from lmcache_npu.store.arena import slot_bytes_for
@@ -30,6 +30,7 @@ NAMESPACE = "0" * 32  # tests.store.fakes.make_key's default
 OBJECT_BYTES = 4096  # one page of KV per rank and chunk: a slot is two pages with its envelope
 FINGERPRINT = b"node-test-layout"
 WAIT_S = 20.0  # bounded waits for what another thread or process does (never a timing assertion)
+WEIGHTS = WEIGHTS_CONTENT  # the test engines' weights are named by their content
 
 
 def short_dir() -> str:
@@ -105,12 +106,14 @@ class Node:
         self.workers: list[WorkerAttachment] = []
 
     def client(self, engine: str, geo: Optional[PoolGeometry] = None, **options: float) -> NodeCacheClient:
-        client = NodeCacheClient(self.path, engine, geo or geometry(), connect_timeout_s=5.0, **options)
+        client = NodeCacheClient(self.path, engine, geo or geometry(), weights=WEIGHTS, connect_timeout_s=5.0,
+                                 **options)
         self.clients.append(client)
         return client
 
     def worker(self, engine: str, rank: int, geo: Optional[PoolGeometry] = None) -> WorkerAttachment:
-        attachment = attach_worker_arena(self.path, engine, geo or geometry(), rank, pinned=False, timeout_s=5.0)
+        attachment = attach_worker_arena(self.path, engine, geo or geometry(), rank, weights=WEIGHTS, pinned=False,
+                                         timeout_s=5.0)
         self.workers.append(attachment)
         return attachment
 

@@ -7,21 +7,23 @@ from __future__ import annotations
 
 import re
 import socket
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from lmcache_npu.node import wire
+from lmcache_npu.node.client import NodeCacheClient
 from lmcache_npu.node.messages import Attach, Attached, PoolGeometry, Refused
 from lmcache_npu.node.service import ONEWAY
 from lmcache_npu.store.arena import slot_bytes_for
 from lmcache_npu.store.commands import Completion
+from lmcache_npu.store.index.contract import DiskState, LookupResult, SlotState
 from lmcache_npu.store.keys import ChunkKey
 from lmcache_npu.store.metrics import Metric
 
-from .harness import NAMESPACE, OBJECT_BYTES, Node, geometry, keys_of, short_dir, store_config
+from .harness import NAMESPACE, OBJECT_BYTES, WEIGHTS, Node, geometry, keys_of, short_dir, store_config
 
 OTHER = "1" * 32
 
@@ -29,13 +31,20 @@ OTHER = "1" * 32
 def test_keys_of_another_namespace_are_refused_naming_both_and_the_client_keeps_working(start_node):
     node = start_node(store_config(4, 1))
     engine = node.engine("A", geometry(1))
+    strict = node.client("A-strict", geometry(1), strict=True)  # the service's refusal raised, as tests want it
     foreign = keys_of(0, 1, namespace=OTHER)
-    for call in (lambda: engine.client.lookup("q", foreign), lambda: engine.client.presence(foreign),
-                 lambda: engine.client.prepare_store("q", [(0, foreign[0])]),
-                 lambda: engine.client.location(foreign[0])):
-        with pytest.raises(ValueError, match=f"key of namespace '{OTHER}' sent to the pool of namespace "
-                                             f"'{NAMESPACE}'"):
+
+    def calls(client: NodeCacheClient) -> tuple[Callable[[], Any], ...]:
+        return (lambda: client.lookup("q", foreign), lambda: client.presence(foreign),
+                lambda: client.prepare_store("q", [(0, foreign[0])]), lambda: client.location(foreign[0]))
+
+    for call in calls(strict):
+        with pytest.raises(ValueError, match=f"key of namespace '{OTHER}' sent to the pool of namespace '{NAMESPACE}'"):
             call()
+    # an engine's client answers the same refusals as misses, counted (it never raises into vLLM's scheduler)
+    assert [call() for call in calls(engine.client)] == [LookupResult(0, 0), [False], [],
+                                                          (None, SlotState.FREE, DiskState.NONE)]
+    assert engine.client.counters[Metric.NODE_CACHE_ERROR_REPLIES] == 4
     mixed = keys_of(0, 1) + foreign
     with pytest.raises(ValueError, match=f"keys of 2 namespaces in one call \\({NAMESPACE}, {OTHER}\\)"):
         engine.client.lookup("q", mixed)
@@ -66,7 +75,7 @@ class RawPeer:
 @pytest.fixture
 def peer(start_node) -> Iterator[RawPeer]:
     node = start_node(store_config(4, 1))
-    raw = RawPeer(node.path, Attach("raw", geometry(1)))
+    raw = RawPeer(node.path, Attach("raw", geometry(1), weights=WEIGHTS))
     assert isinstance(raw.reply, Attached)
     yield raw
     raw.close()
@@ -130,7 +139,7 @@ def test_any_sequence_of_requests_of_plain_values_leaves_the_connection_serving(
     directory = short_dir()
     node = Node(directory, store_config(4, 1))
     try:
-        raw = RawPeer(node.path, Attach("fuzz", geometry(1)))
+        raw = RawPeer(node.path, Attach("fuzz", geometry(1), weights=WEIGHTS))
         for verb, arguments in requests:
             wire.send(raw.sock, (verb, *arguments))
             if verb not in ONEWAY:
@@ -144,11 +153,15 @@ def test_any_sequence_of_requests_of_plain_values_leaves_the_connection_serving(
 @pytest.mark.parametrize("first, reason", [
     (("lookup", "r", []), "the first message must be an Attach"),
     (Attach("e", "geometry"), "the first message must be an Attach"),  # type: ignore[arg-type]
-    (Attach("e", PoolGeometry("xyz", b"f", 1, OBJECT_BYTES, 256)), "namespace must be 32 hex characters"),
-    (Attach("e", PoolGeometry(NAMESPACE, "f", 1, OBJECT_BYTES, 256)), "layout fingerprint must be bytes"),
-    (Attach("e", PoolGeometry(NAMESPACE, b"f", 0, OBJECT_BYTES, 256)), "world must be a positive integer, got 0"),
-    (Attach("e", PoolGeometry(NAMESPACE, b"f", 1, True, 256)), "object_bytes must be a positive integer, got True"),
-    (Attach("e", geometry(1), 3), "rank 3 is not a rank of this pool (1 ranks)"),
+    (Attach("e", PoolGeometry("xyz", b"f", 1, OBJECT_BYTES, 256), weights=WEIGHTS),
+     "namespace must be 32 hex characters"),
+    (Attach("e", PoolGeometry(NAMESPACE, "f", 1, OBJECT_BYTES, 256), weights=WEIGHTS),
+     "layout fingerprint must be bytes"),
+    (Attach("e", PoolGeometry(NAMESPACE, b"f", 0, OBJECT_BYTES, 256), weights=WEIGHTS),
+     "world must be a positive integer, got 0"),
+    (Attach("e", PoolGeometry(NAMESPACE, b"f", 1, True, 256), weights=WEIGHTS),
+     "object_bytes must be a positive integer, got True"),
+    (Attach("e", geometry(1), 3, weights=WEIGHTS), "rank 3 is not a rank of this pool (1 ranks)"),
 ])
 def test_a_first_message_that_is_no_valid_attach_is_refused_with_the_reason(start_node, first, reason):
     node = start_node(store_config(4, 1))

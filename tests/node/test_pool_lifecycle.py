@@ -15,7 +15,7 @@ from lmcache_npu.node import client as client_module
 from lmcache_npu.node.client import NodeCacheUnavailable, connect
 from lmcache_npu.node.messages import Attach
 
-from .harness import NAMESPACE, WAIT_S, SlowPools, geometry, store_config, wait_for, wait_released
+from .harness import NAMESPACE, WAIT_S, WEIGHTS, SlowPools, geometry, store_config, wait_for, wait_released
 
 OTHER = "1" * 32
 
@@ -39,11 +39,11 @@ def test_a_slow_pool_creation_fails_neither_its_first_engine_nor_an_engine_of_an
     node.client("A", geometry(1))  # the pool of A's geometry exists
     slow = SlowPools(monkeypatch, OTHER)
     firsts: list = []
-    threads = [attach_in_thread(node.path, Attach(f"B{i}", geometry(1, namespace=OTHER)), firsts) for i in range(2)]
+    threads = [attach_in_thread(node.path, Attach(f"B{i}", geometry(1, namespace=OTHER), weights=WEIGHTS), firsts) for i in range(2)]
     try:
         assert slow.began.wait(WAIT_S)
         began = time.monotonic()
-        sock, attached, _ = connect(node.path, Attach("A2", geometry(1)), 5.0)  # no wait behind B's creation
+        sock, attached, _ = connect(node.path, Attach("A2", geometry(1), weights=WEIGHTS), 5.0)  # no wait behind B's creation
         assert not slow.release.is_set() and attached.epoch == node.service.pools[geometry(1)].epoch
         sock.close()
         time.sleep(max(0.0, began + 1.2 - time.monotonic()))  # B's pool takes more than twice CALL_TIMEOUT_S
@@ -62,7 +62,7 @@ def test_a_pool_made_while_the_service_closes_is_closed_and_its_engine_refused(s
     node = start_node(store_config(4, 1))
     slow = SlowPools(monkeypatch, NAMESPACE)
     results: list = []
-    thread = attach_in_thread(node.path, Attach("A", geometry(1)), results)
+    thread = attach_in_thread(node.path, Attach("A", geometry(1), weights=WEIGHTS), results)
     try:
         assert slow.began.wait(WAIT_S)
         node.service.close()
@@ -81,12 +81,12 @@ def test_an_idle_pool_gives_its_place_to_a_new_geometry_beyond_max_pools(start_n
     old = node.engine("old", geometry(1))
     new = geometry(1, namespace=OTHER)
     with pytest.raises(NodeCacheUnavailable, match=r"--max-pools 1"):  # control: the old model's engine holds it
-        connect(node.path, Attach("new", new), 1.0)
+        connect(node.path, Attach("new", new, weights=WEIGHTS), 1.0)
     old.client.close()
     for worker in old.workers:
         worker.close()
     assert wait_released(node.service, "old") == []
-    sock, attached, _ = connect(node.path, Attach("new", new), 1.0)  # R9: the old model's lease is gone
+    sock, attached, _ = connect(node.path, Attach("new", new, weights=WEIGHTS), 1.0)  # R9: the old model's lease is gone
     assert set(node.service.pools) == {new} and attached.epoch == node.service.pools[new].epoch
     assert node.service.pools_reclaimed == 1
     sock.close()

@@ -12,13 +12,13 @@ from lmcache_npu.node.client import NodeCacheClient
 from lmcache_npu.store.index.contract import LookupResult
 from lmcache_npu.store.metrics import Metric
 
-from .harness import NAMESPACE, Engine, SlowPools, geometry, keys_of, store_config, wait_for
+from .harness import NAMESPACE, WEIGHTS, Engine, SlowPools, geometry, keys_of, store_config, wait_for
 
 OTHER = "1" * 32
 
 
 def test_an_engine_started_with_no_service_serves_misses_and_attaches_once_it_is_up(node_dir, start_node):
-    client = NodeCacheClient(os.path.join(node_dir, "s"), "A", geometry(1), connect_timeout_s=2.0, retry_s=0.05)
+    client = NodeCacheClient(os.path.join(node_dir, "s"), "A", geometry(1), weights=WEIGHTS, connect_timeout_s=2.0, retry_s=0.05)
     keys = keys_of(0, 2)
     assert client.epoch is None
     assert client.lookup("q", keys) == LookupResult(0, 0) and client.prepare_store("s", [(0, keys[0])]) == []
@@ -37,7 +37,7 @@ def test_an_engine_whose_pool_is_being_made_starts_without_it_and_attaches_once_
     node = start_node(store_config(4, 1))
     slow = SlowPools(monkeypatch, NAMESPACE)
     try:
-        client = NodeCacheClient(node.path, "A", geometry(1), connect_timeout_s=0.2, retry_s=0.05)
+        client = NodeCacheClient(node.path, "A", geometry(1), weights=WEIGHTS, connect_timeout_s=0.2, retry_s=0.05)
         assert slow.began.is_set() and client.epoch is None  # its attach waits for the pool in the background
         assert client.lookup("q", keys_of(0, 1)) == LookupResult(0, 0)
     finally:

@@ -15,11 +15,12 @@ from lmcache_npu.node.worker_mapping import WorkerNodeMapping
 from lmcache_npu.store.metrics import Metric
 from lmcache_npu.store.tier import TierCounters
 
-from .harness import WAIT_S, geometry, memfd_mapped, store_config, wait_for
+from .harness import WAIT_S, WEIGHTS, geometry, memfd_mapped, store_config, wait_for
 
 
 def mapping(node: Any, counters: TierCounters) -> WorkerNodeMapping:
-    mapped = WorkerNodeMapping(node.path, "A", geometry(1), 0, counters, pinned=False, retry_s=0.05)
+    mapped = WorkerNodeMapping(node.path, "A", geometry(1), 0, counters, weights=WEIGHTS, pinned=False,
+                               retry_s=0.05)
     mapped.start(WAIT_S)
     return mapped
 

@@ -8,8 +8,10 @@ TP size and the block-hash algorithm. The scheduler never computes its own: it a
 the handshake, so a worker-side rewrite (vllm-ascend's fp8 `cache_dtype` on A5) cannot split the two halves.
 
 Weights that are not local files (random `dummy` weights, a remote streamer, a custom loader, a hub id that is not
-in the local cache) have no content fingerprint: the operator names them with `model_fingerprint`, or only the host
-arena runs (it lives and dies with this engine, so nothing another model computed can reach it).
+in the local cache) have no content fingerprint: the operator names them with `model_fingerprint`, or only the
+engine's own host arena runs (it lives and dies with this engine, so nothing another model computed can reach it).
+The disk and Mooncake tiers and the node cache keep chunks beyond the engine and share them with other engines, so
+they refuse such weights (and the node cache service refuses an engine whose attach says so).
 """
 
 from __future__ import annotations
@@ -20,18 +22,19 @@ from dataclasses import dataclass
 from typing import Any, Iterable
 
 from ...config import ConnectorConfig
+from ...node.messages import WEIGHTS_UNNAMED
 from ...store.keys import model_fingerprint
 from . import adapter
 
 logger = logging.getLogger(__name__)
 
 # The namespace of an engine whose weights could not be named: usable only by tiers that die with the engine.
-UNNAMED_WEIGHTS = "unnamed"
+UNNAMED_WEIGHTS = WEIGHTS_UNNAMED
 
 
 class UnnamedWeightsError(ValueError):
-    """Persistent or shared tiers are configured, but nothing names the weights: their chunks could be loaded by an
-    engine running other weights."""
+    """Persistent or shared tiers (disk, Mooncake, the node cache) are configured, but nothing names the weights:
+    their chunks could be loaded by an engine running other weights."""
 
 
 @dataclass(frozen=True)
@@ -44,6 +47,12 @@ class EngineIdentity:
 
     def describe(self) -> dict[str, str]:
         return dict(self.description)
+
+    @property
+    def weights_naming(self) -> str:
+        """How the weights are named: "sha256" (content), "named" (model_fingerprint) or "unnamed" (node.messages'
+        WEIGHTS_*, what a node cache attach says)."""
+        return self.weights.split(":", 1)[0]
 
 
 def _weights(config: ConnectorConfig, vllm_config: Any) -> tuple[str, dict[str, str]]:
@@ -70,17 +79,17 @@ def _weights(config: ConnectorConfig, vllm_config: Any) -> tuple[str, dict[str, 
 
 def engine_identity(config: ConnectorConfig, vllm_config: Any, layer_names: Iterable[str],
                     persistent_tiers: bool) -> EngineIdentity:
-    """This worker's model identity. Raises `UnnamedWeightsError` when `persistent_tiers` (disk or Mooncake) are
-    configured and the weights cannot be named."""
+    """This worker's model identity. Raises `UnnamedWeightsError` when `persistent_tiers` (disk, Mooncake or the
+    node cache: anything that keeps chunks beyond this engine) are configured and the weights cannot be named."""
     started = time.perf_counter()
     weights, how = _weights(config, vllm_config)
     if weights == UNNAMED_WEIGHTS and persistent_tiers:
         raise UnnamedWeightsError(
-            f"lmcache_npu: the disk and Mooncake tiers keep chunks beyond this engine, so they need the weights "
-            f"named by their content, and here they cannot be ({how['weights']}). Set model_fingerprint in "
-            "kv_connector_extra_config to a string that names these exact weights (e.g. the checkpoint's sha256 "
-            "or an immutable release tag, changed whenever the weights change), or run with the host arena alone "
-            "(no disk_path, no mooncake)")
+            f"lmcache_npu: the disk and Mooncake tiers and the node cache keep chunks beyond this engine (and share "
+            f"them), so they need the weights named by their content, and here they cannot be ({how['weights']}). "
+            "Set model_fingerprint in kv_connector_extra_config to a string that names these exact weights (e.g. the "
+            "checkpoint's sha256 or an immutable release tag, changed whenever the weights change), or run with the "
+            "engine's own host arena alone (no disk_path, mooncake or node_cache)")
     facts = adapter.model_facts(vllm_config, config.model_name)
     facts["weights"] = weights
     facts["kv_cache_scales"] = adapter.kv_cache_scales(vllm_config, layer_names)

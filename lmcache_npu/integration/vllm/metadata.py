@@ -19,6 +19,7 @@ from typing import Mapping, Optional, Sequence
 import numpy as np
 
 from ...layout.discovery import LayoutGroup
+from ...node.messages import WEIGHTS_UNNAMED
 from ...store.commands import Command, Completion
 from ...transfer.plans import LoadPlan, StorePlan
 from .adapter import KVConnectorHandshakeMetadata, KVConnectorMetadata, KVConnectorWorkerMetadata
@@ -94,6 +95,7 @@ class WorkerGeometry(KVConnectorHandshakeMetadata):
     device: str = ""
     identity: tuple[tuple[str, str], ...] = ()  # what the rank's model fingerprint was made of (`EngineIdentity`)
     node_epoch: Optional[str] = None  # the node cache epoch the rank had mapped at the handshake ("" none)
+    weights: str = WEIGHTS_UNNAMED  # how that identity names the weights (`EngineIdentity.weights_naming`)
 
     @staticmethod
     def agree(geometries: Sequence["WorkerGeometry"], world: int) -> Optional["WorkerGeometry"]:

@@ -145,7 +145,8 @@ class SchedulerHalf:
         store = self.config.store
         if self.config.node_cache is not None:
             self.index = NodeCacheClient(self.config.node_cache, adapter.engine_name(self.vllm_config), PoolGeometry(
-                agreed.namespace, agreed.layout_fingerprint, self.place.world, agreed.object_bytes, self.chunk_tokens))
+                agreed.namespace, agreed.layout_fingerprint, self.place.world, agreed.object_bytes, self.chunk_tokens),
+                weights=agreed.weights, connect_timeout_s=self.config.node_cache_start_wait_ms / 1000)
         else:
             if store.mooncake is not None and self._remote is None:
                 self._remote = scheduler_mooncake_client(store)

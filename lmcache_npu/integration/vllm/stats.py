@@ -103,6 +103,10 @@ INDEX_METRICS: dict[str, tuple[str, str]] = {
                                                               "was away"),
     "node_cache_refused": (Metric.NODE_CACHE_REFUSED, "attaches the node cache refused (no pool for this engine's "
                                                       "geometry): the engine serves without it meanwhile"),
+    "node_cache_error_replies": (Metric.NODE_CACHE_ERROR_REPLIES, "node cache calls the service answered with an "
+                                                                  "error, taken as misses"),
+    "node_cache_malformed_replies": (Metric.NODE_CACHE_MALFORMED_REPLIES, "node cache replies of an unexpected shape "
+                                                                          "(another release?), taken as misses"),
 }
 DISK_METRICS: dict[str, tuple[str, str]] = {
     "disk_writes": (Metric.WRITES, "chunk files written (summed over ranks)"),

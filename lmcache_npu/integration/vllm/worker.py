@@ -62,7 +62,6 @@ from ...config import ConnectorConfig
 from ...layout.discovery import KVLayout, LayoutPolicy, default_chunk_tokens, discover_layout, token_granularity
 from ...ops import BackendUnavailable, Direction, TransferBackend, get_backend
 from ...ops.backend import backend_for_device
-from ...node.client import START_WAIT_S
 from ...node.messages import PoolGeometry
 from ...node.worker_mapping import WorkerNodeMapping
 from ...store.commands import Command, Completion, Load, Store
@@ -169,8 +168,10 @@ class WorkerHalf:
             self.geometry = WorkerGeometry(self.place.rank, self.place.world, enabled=False, reason=reason)
             return
         store = self.config.store
+        # the node cache is persistent and shared like a disk or Mooncake tier: weights nothing names are refused
         self.identity = engine_identity(self.config, self.vllm_config, kv_caches,
-                                        persistent_tiers=store.disk_path is not None or store.mooncake is not None)
+                                        persistent_tiers=store.disk_path is not None or store.mooncake is not None
+                                        or self.config.node_cache is not None)
         self._load_wait = StepLoadWait() if plan.device.type == "cpu" else None
         # replicated planes: this rank stores its own planes and a 1/share_ranks share of the rest, loads exchange them
         self.shares = (tp_share.share_layout(plan, tp_share.tp_rank(), layout.share_ranks)
@@ -183,6 +184,8 @@ class WorkerHalf:
             arena_for=None if self.config.node_cache is None else
             lambda namespace, fingerprint, object_bytes: self._attach_node(PoolGeometry(
                 namespace or "", fingerprint, self.place.world, object_bytes, plan.chunk_tokens)))
+        if self._node is not None:  # the node's commands run only against the epoch they were issued for
+            pipeline.executor.epoch = self._node.epoch
         backend = pipeline.mover.backends[Direction.LOAD].name
         for tier, names in ((pipeline.disk, DISK_METRICS), (pipeline.remote, REMOTE_METRICS)):
             if tier is not None:
@@ -192,7 +195,8 @@ class WorkerHalf:
             layout_fingerprint=pipeline.layout_fingerprint, chunk_tokens=plan.chunk_tokens,
             object_bytes=pipeline.object_bytes, num_slots=pipeline.arena.num_slots,
             usable_slots=self._take_usable_change(), groups=plan_group_geometry(layout.groups), backend=backend,
-            device=str(plan.device), identity=self.identity.description, node_epoch=self._take_epoch_change())
+            device=str(plan.device), identity=self.identity.description, node_epoch=self._take_epoch_change(),
+            weights=self.identity.weights_naming)
         logger.info("lmcache_npu rank %d: %d planes in %d groups, %d B per %d-token chunk, %s backend, %d arena slots",
                     self.place.rank, len(plan.moved_planes), len(layout.groups), plan.object_bytes, plan.chunk_tokens,
                     backend, pipeline.arena.num_slots)
@@ -200,11 +204,12 @@ class WorkerHalf:
     def _attach_node(self, geometry: PoolGeometry) -> Any:
         """This rank's segments of the node cache's pool, mapped (and registered with the device) in the background:
         the arena of no slot until they are (the service away, its pool being made, registration under way)."""
-        assert self.config.node_cache is not None
+        assert self.config.node_cache is not None and self.identity is not None
         self._node = WorkerNodeMapping(self.config.node_cache, adapter.engine_name(self.vllm_config), geometry,
-                                       self.place.rank, self.counters, pinned=self.config.store.pinned,
+                                       self.place.rank, self.counters, weights=self.identity.weights_naming,
+                                       pinned=self.config.store.pinned,
                                        npu_host_memory=self.config.store.npu_host_memory)
-        self._node.start(START_WAIT_S)
+        self._node.start(self.config.node_cache_start_wait_ms / 1000)
         return self._node.arena
 
     def _follow_node_epoch(self, meta: LMCacheNPUConnectorMetadata) -> bool:
@@ -214,7 +219,8 @@ class WorkerHalf:
             return True
         assert self.executor is not None
         ready = self._node.follow(meta.node_epoch, self._in_flight)
-        self.executor.arena = self._node.arena  # commands in flight keep an old mapping alive through their slots
+        # commands in flight keep an old mapping alive through their slots; later ones run only on this epoch's pages
+        self.executor.use_arena(self._node.arena, self._node.epoch)
         if not ready and meta.commands:
             self.counters.add(Metric.NODE_UNMAPPED_COMMANDS, len(meta.commands))
             self.executor.refuse(meta.commands, f"the node cache's epoch {meta.node_epoch or '(none)'} is not mapped "
