@@ -4,7 +4,7 @@ Mooncake client, and every engine on the node uses it through a Unix socket.
 Security: the socket is created mode 0600 (0660 with `group`), every peer's credentials are checked with
 `SO_PEERCRED` (this uid, or with `group` that primary gid: a supplementary membership opens the socket but does
 not pass), and the shared segments are memory files in no filesystem, reachable only through descriptors this
-service hands to checked peers. Messages are allow-listed pickles (wire.py).
+service hands to checked peers. Peers' messages are of a closed encoding (codec.py, wire.py).
 Engines attach with their pool geometry; each geometry gets a pool (`pool.py`), up to `max_pools`, each an equal
 share of `cpu_bytes` and `disk_bytes`. One lock serialises the verbs: they are index operations of microseconds.
 """
@@ -154,7 +154,7 @@ class NodeCacheService:
         pool: Optional[NodePool] = None
         lease: Optional[EngineLease] = None
         try:
-            attach = wire.receive(connection)
+            attach = wire.receive_request(connection)
             if not isinstance(attach, Attach) or not isinstance(attach.geometry, PoolGeometry):
                 wire.send(connection, Refused("the first message must be an Attach"))
                 return
@@ -172,10 +172,10 @@ class NodeCacheService:
             logger.info("node cache: engine %s %s attached (%s)", attach.engine,
                         "scheduler" if attach.rank is None else f"rank {attach.rank}", attach.geometry.describe())
             while True:
-                request = wire.receive(connection)
+                request = wire.receive_request(connection)
                 reply = self._answer(pool, lease, request)
                 if reply is not None:
-                    wire.send(connection, reply)
+                    wire.send_reply(connection, reply)
         except (ConnectionError, OSError) as exc:
             logger.debug("node cache: connection %d closed: %s", number, exc)
         except Exception:  # a bug must cost this connection (its lease ends below), never the service
