@@ -115,7 +115,7 @@ def _put_sequence(out: bytearray, items: Any, depth: int) -> None:
         kinds = set(map(type, items))  # C speed: a lookup's 512 hashes take microseconds
         if kinds == {bytes}:
             lengths = set(map(len, items))
-            if len(lengths) == 1:  # chunk hashes: one length, no table of lengths
+            if len(lengths) == 1 and 0 not in lengths:  # chunk hashes: one length, no table of lengths
                 out += (b"H" if is_list else b"h") + _U32.pack(len(items)) + _U32.pack(lengths.pop())
             else:
                 out += (b"X" if is_list else b"x") + _U32.pack(len(items))
@@ -281,7 +281,7 @@ class _Reader:
     def hashes(self, depth: int) -> list[bytes]:
         number = self.count(0)
         size = self.unpack(_U32)
-        if number * max(size, 1) > len(self.data) - self.pos:  # an empty bytes costs its count a byte at least
+        if size == 0 or number * size > len(self.data) - self.pos:  # empty ones go as `X`: each costs bytes
             raise CodecError(f"{number} items of {size} B at offset {self.pos} exceed the message")
         self.spend((_OBJECT + _POINTER + size) * number)
         return list(struct.unpack_from(f"{size}s" * number, self.data, self.take(number * size)))  # C speed

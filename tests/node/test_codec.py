@@ -29,7 +29,7 @@ def tags(message: Any) -> bytes:
 @pytest.mark.parametrize("value, tag", [
     ([b"h" * 32] * 3, b"H"), ((b"h" * 32, b"i" * 32), b"h"), ([b"a", b"bc"], b"X"), ([1, -2, 3], b"Q"),
     ((1, 2), b"q"), ([True, False], b"O"), (["", "x", ""], b"S"), ([(1, 0, True, ""), (2, 1, False, "x")], b"G"),
-    ([1, 2**70], b"l"), ([], b"l"), ((), b"t"), (2**70, b"I"), (-(2**63), b"i"), (keys_of(0, 1)[0], b"K"),
+    ([b"", b""], b"X"), ([(1, b"")], b"G"), ([1, 2**70], b"l"), ([], b"l"), ((), b"t"), (2**70, b"I"), (-(2**63), b"i"), (keys_of(0, 1)[0], b"K"),
     (Tier.DISK, b"E"), (Attach("e", geometry(2)), b"D"), ({"a": [1.5]}, b"d"), ({1}, b"e"), (frozenset(), b"z"),
 ])
 def test_values_round_trip_in_their_packed_form(value, tag):
@@ -64,6 +64,7 @@ def test_any_cut_or_padded_message_is_refused(value, data):
 @pytest.mark.parametrize("body, error", [
     (b"l" + U32.pack(5) + b"N", "a count of 5 items"),
     (b"H" + U32.pack(1 << 28) + U32.pack(32), "items of 32 B"),
+    (b"H" + U32.pack(1 << 28) + U32.pack(0), "items of 0 B"),  # 2**28 empty bytes from 9 B: never
     (b"Q" + U32.pack(3) + b"\0" * 16, "a count of 3 items"),
     (b"s" + U32.pack(1 << 31), "the message would decode to more than"),
     (b"O" + U32.pack(2) + b"\x01\x02", "neither 0 nor 1"),
