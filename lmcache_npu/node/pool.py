@@ -105,6 +105,8 @@ class NodePool:
         self.payloads: OrderedDict[ChunkKey, tuple] = OrderedDict()  # what engines described, for the others' events
         self.max_payloads = self.index.num_slots + self.index.disk_chunks + PAYLOAD_SLACK
         self.index.set_tier_listener(self._tell)
+        self.index.defer_failure_logs()
+        self._notes: list[tuple[int, str, tuple]] = []  # log records made under the lock, emitted by `flush_log`
         self._wake = threading.Event()
         self._closed = threading.Event()
         self.dispatch()  # the restart's drops of partial disk copies (the pump answers them once it runs)
@@ -160,8 +162,9 @@ class NodePool:
         self.index.counters.add(Metric.ABANDONED_COMMANDS, abandoned)
         self.index.counters.add(Metric.RELEASED_REQUESTS, len(lease.requests))
         self.dispatch()
-        logger.info("node cache: engine %s left; %d request(s) released, %d unanswered command(s) failed",
-                    lease.engine, len(lease.requests), abandoned)
+        self.note(logging.WARNING if abandoned else logging.INFO,
+                  "node cache: engine %s left; %d request(s) released, %d unanswered command(s) failed", lease.engine,
+                  len(lease.requests), abandoned)
 
     # ---- the verbs ------------------------------------------------------------------------------------------------
 
@@ -224,8 +227,8 @@ class NodePool:
             if isinstance(command, (Store, Load)):
                 engine = command.request_id.partition(ENGINE_SEPARATOR)[0]
                 if caller is None or engine != caller.engine:  # only a verb of that engine may issue its moves
-                    logger.error("node cache: command %d for engine %s issued outside its call; failed",
-                                 command.cmd_id, engine)
+                    self.note(logging.ERROR, "node cache: command %d for engine %s issued outside its call; failed",
+                              command.cmd_id, engine)
                     self.index.abandon([command.cmd_id], "issued outside its engine's call")
                     continue
                 if isinstance(command, Store):
@@ -239,6 +242,30 @@ class NodePool:
             executor.submit(tier)
         self._wake.set()
 
+    # ---- what operators read ----------------------------------------------------------------------------------------
+
+    def note(self, level: int, message: str, *args: Any) -> None:
+        """A log record made under the lock, emitted by the next `flush_log` (a stalled log sink must never hold
+        the lock every engine's verbs wait for)."""
+        self._notes.append((level, message, args))
+
+    def flush_log(self) -> None:
+        """Emits what `note` kept and the index's failed commands, one line per kind and reason (an engine's death
+        fails hundreds of commands at once). Called without the lock held; takes it only to take the records."""
+        if not self._notes and not self.index.failures_kept:  # racy peek: a record missed now goes with the next call
+            return
+        with self.lock:
+            notes, self._notes = self._notes, []
+            failures = self.index.take_failures()
+        for level, message, args in notes:
+            logger.log(level, message, *args)
+        grouped: dict[tuple[str, str], list[str]] = {}
+        for kind, chunk, why in failures:
+            grouped.setdefault((kind, why), []).append(chunk)
+        for (kind, why), chunks in grouped.items():
+            logger.warning("node cache pool %s: %d %s command(s) failed (chunk %s%s): %s", self.geometry.namespace,
+                           len(chunks), kind, chunks[0], " and others" if len(chunks) > 1 else "", why)
+
     # ---- tier completions -----------------------------------------------------------------------------------------
 
     def _pump_loop(self) -> None:
@@ -249,6 +276,7 @@ class NodePool:
                 if self._closed.is_set():
                     return
                 self.pump()
+            self.flush_log()
 
     def pump(self) -> int:
         """Feeds the executors' answers to the index (and runs what that issues); how many answers there were."""

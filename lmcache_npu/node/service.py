@@ -174,6 +174,7 @@ class NodeCacheService:
             while True:
                 request = wire.receive_request(connection)
                 reply = self._answer(pool, lease, request)
+                pool.flush_log()  # what the verb logged, now that the lock is free
                 if reply is not None:
                     wire.send_reply(connection, reply)
         except (ConnectionError, OSError) as exc:
@@ -187,6 +188,8 @@ class NodeCacheService:
                     self.connections -= 1
                     if not self._closed.is_set():  # a closed service's pools are gone with every lease in them
                         pool.drop_connection(lease.engine, number)
+            if pool is not None:
+                pool.flush_log()  # a lease's end in one line, once the lock is free
             connection.close()
 
     def _pool_for(self, geometry: PoolGeometry) -> NodePool:
@@ -223,7 +226,7 @@ class NodeCacheService:
                 value = self._run(pool, lease, verb, arguments)
             except (ValueError, TypeError, KeyError, AssertionError) as exc:  # the peer's mistake, or a check failed
                 if verb in ONEWAY:
-                    logger.warning("node cache: engine %s: %s refused: %s", lease.engine, verb, exc)
+                    pool.note(logging.WARNING, "node cache: engine %s: %s refused: %s", lease.engine, verb, exc)
                     return None
                 return ("error", "ValueError", _unscoped(f"{verb}: {exc}", lease.engine))
             if verb in ONEWAY:

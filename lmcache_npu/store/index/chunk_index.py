@@ -41,6 +41,7 @@ logger = logging.getLogger(__name__)
 _FAILED = {Store: Metric.STORE_FAILED, Load: Metric.LOAD_FAILED, Spill: Metric.SPILL_FAILED,
            Promote: Metric.PROMOTE_FAILED, Put: Metric.PUT_FAILED, Persist: Metric.PERSIST_FAILED,
            Drop: Metric.DROP_FAILED}  # a command that failed on some rank counts under its kind
+MAX_KEPT_FAILURES = 4096  # failed commands kept for `take_failures` between two calls
 
 
 @dataclass
@@ -101,6 +102,9 @@ class ChunkIndex(ChunkManager):
         self._entries: dict[ChunkKey, _Entry] = {}
         self._reserved: dict[str, set[ChunkKey]] = {}
         self._listener: Optional[TierListener] = None  # KV events for routers; None costs one check per change
+        # None: a failed command is logged at once; a list: kept for `take_failures` (the node logs them in aggregate)
+        self._failures: Optional[list[tuple[str, str, str]]] = None
+        self._quiet = False  # abandoning: the caller reports the failures in aggregate
 
     # ---- the contract -------------------------------------------------------------------------------------------
 
@@ -270,11 +274,33 @@ class ChunkIndex(ChunkManager):
 
     def abandon(self, cmd_ids: Iterable[int], reason: str) -> int:
         """Fails every rank's missing answer to `cmd_ids` (their workers are gone: an engine that died holding
-        them), so their slots and pins are given back as for any failed command; returns how many were pending."""
+        them), so their slots and pins are given back as for any failed command; returns how many were pending (the
+        caller reports them: one line, not one per command)."""
         failed = [Completion(cmd_id, rank, False, reason) for cmd_id in cmd_ids
                   for rank in sorted(self._ledger.waiting_ranks(cmd_id))]
-        self.on_completions(failed)
+        self._quiet = True
+        try:
+            self.on_completions(failed)
+        finally:
+            self._quiet = False
         return len({done.cmd_id for done in failed})
+
+    def defer_failure_logs(self) -> None:
+        """From now on a failed command is kept for `take_failures` instead of logged at once (the node cache logs
+        them in aggregate once its lock is released)."""
+        if self._failures is None:
+            self._failures = []
+
+    @property
+    def failures_kept(self) -> int:
+        return len(self._failures) if self._failures else 0
+
+    def take_failures(self) -> list[tuple[str, str, str]]:
+        """The failed commands kept since the last call: (kind, chunk hash prefix, why), oldest first."""
+        if not self._failures:
+            return []
+        failures, self._failures = self._failures, []
+        return failures
 
     def pending_command_ids(self) -> tuple[int, ...]:
         """Commands some rank has not answered, oldest first (benches answer them all)."""
@@ -479,8 +505,13 @@ class ChunkIndex(ChunkManager):
         ok = not failures
         if not ok:
             self.counters.add(_FAILED[type(command)])
-            logger.warning("%s of chunk %s failed: %s", type(command).__name__, command.key.chunk_hash.hex()[:16],
-                           "; ".join(failures))
+            if self._quiet:
+                pass
+            elif self._failures is None:
+                logger.warning("%s of chunk %s failed: %s", type(command).__name__, command.key.chunk_hash.hex()[:16],
+                               "; ".join(failures))
+            elif len(self._failures) < MAX_KEPT_FAILURES:  # beyond: only counted (nobody is taking them)
+                self._failures.append((type(command).__name__, command.key.chunk_hash.hex()[:16], "; ".join(failures)))
         entry = self._entries.get(command.key)
         if entry is None:
             return
