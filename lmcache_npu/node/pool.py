@@ -109,6 +109,7 @@ class NodePool:
         self._notes: list[tuple[int, str, tuple]] = []  # log records made under the lock, emitted by `flush_log`
         self._wake = threading.Event()
         self._closed = threading.Event()
+        self.turned = time.monotonic()  # when the pump last held the lock (it tries every second): /healthz reads it
         self.dispatch()  # the restart's drops of partial disk copies (the pump answers them once it runs)
         self._pump = threading.Thread(target=self._pump_loop, name="lmcache-node-pump", daemon=True)
         self._pump.start()
@@ -273,6 +274,7 @@ class NodePool:
             self._wake.wait(PUMP_IDLE_S if self._busy() else 1.0)
             self._wake.clear()
             with self.lock:
+                self.turned = time.monotonic()
                 if self._closed.is_set():
                     return
                 self.pump()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import grp
+import json
 import logging
 import os
 import secrets
@@ -26,12 +27,13 @@ from functools import partial
 from itertools import repeat
 from typing import Any, Callable, Optional
 
+from .. import __version__
 from ..store.commands import Completion, Tier
 from ..store.config import StoreConfig
 from ..store.index.contract import ChunkView
 from ..store.keys import ChunkKey
 from ..store.metrics import Metric
-from . import wire
+from . import codec, wire
 from .exporter import MetricsServer, exposition
 from .messages import Attach, PoolGeometry, Refused
 from .pool import EngineLease, NodePool, PoolRefused, scoped
@@ -44,6 +46,9 @@ ONEWAY = frozenset({"release", "on_completions", "describe"})
 _new_key = partial(tuple.__new__, ChunkKey)  # ChunkKey(namespace, hash) without its Python-level __new__
 HIT_CHUNKS = {Tier.ARENA: Metric.HIT_CHUNKS_CPU, Tier.DISK: Metric.HIT_CHUNKS_DISK,
               Tier.REMOTE: Metric.HIT_CHUNKS_REMOTE}
+WEDGED_AFTER_S = 60.0  # a pool's pump has not had the lock this long: a verb hangs, /healthz says so
+MAX_CONNECTIONS = 4096  # open at once (a DP=16 TP=8 node holds 144); each costs a thread
+FIRST_MESSAGE_S = 10.0  # a connection's Attach (or ping) must arrive within this
 
 
 @dataclass(frozen=True)
@@ -68,17 +73,21 @@ class NodeCacheService:
         self._pool_creation = threading.Lock()  # one pool is made at a time, outside `lock`
         self.pools: dict[PoolGeometry, NodePool] = {}
         self.refused_peers = 0
+        self.refused_crowd = 0  # connections refused beyond MAX_CONNECTIONS
         self.connections = 0
         self.started_at = time.time()
         self._group_gid = group_id(options.group) if options.group else None
         self._next_connection = 0
         self._closed = threading.Event()
+        self._accepting = threading.Event()  # the accept loop runs (what /readyz and a ping report)
         self._threads: list[threading.Thread] = []
         self._open: set[socket.socket] = set()  # live connections: closing the service ends them too
+        self._open_lock = threading.Lock()  # guards _open and _next_connection: accepting never waits on a verb
         self._listener = self._bind(options.socket_path)
         self._metrics: Optional[MetricsServer] = None
         if options.metrics_port is not None:
-            self._metrics = MetricsServer(options.metrics_host, options.metrics_port, self.metrics_text)
+            self._metrics = MetricsServer(options.metrics_host, options.metrics_port, self.metrics_text,
+                                          self._probes())
 
     # ---- the socket -----------------------------------------------------------------------------------------------
 
@@ -117,6 +126,13 @@ class NodeCacheService:
         logger.info("node cache: serving %s (%d B host memory, %d pool(s)%s)", self.options.socket_path,
                     self.options.store.cpu_bytes, self.options.max_pools,
                     f", disk {self.options.store.disk_path}" if self.options.store.disk_path else "")
+        self._accepting.set()
+        try:
+            self._accept_loop()
+        finally:
+            self._accepting.clear()
+
+    def _accept_loop(self) -> None:
         while not self._closed.is_set():
             try:
                 connection, _ = self._listener.accept()
@@ -127,13 +143,22 @@ class NodeCacheService:
             if not self._peer_allowed(connection):
                 connection.close()
                 continue
-            with self.lock:
+            with self._open_lock:
                 if self._closed.is_set():
                     connection.close()
                     return
-                self._next_connection += 1
-                number = self._next_connection
-                self._open.add(connection)
+                crowded = len(self._open) >= MAX_CONNECTIONS
+                if not crowded:
+                    self._next_connection += 1
+                    number = self._next_connection
+                    self._open.add(connection)
+            if crowded:  # a thread per connection: a peer opening thousands must not exhaust the service's
+                self.refused_crowd += 1
+                if self.refused_crowd & (self.refused_crowd - 1) == 0:  # the 1st, 2nd, 4th...: a flood is no flood
+                    logger.warning("node cache: refused a connection (%d so far): %d are open, the most it serves",
+                                   self.refused_crowd, MAX_CONNECTIONS)
+                connection.close()
+                continue
             thread = threading.Thread(target=self._serve, args=(connection, number), daemon=True,
                                       name=f"lmcache-node-conn{number}")
             thread.start()
@@ -154,7 +179,12 @@ class NodeCacheService:
         pool: Optional[NodePool] = None
         lease: Optional[EngineLease] = None
         try:
+            connection.settimeout(FIRST_MESSAGE_S)  # a peer that connects and says nothing holds a thread
             attach = wire.receive_request(connection)
+            connection.settimeout(None)
+            if attach == ("ping",):  # a probe (`lmcache-npu node-ping`): answered without the lock, then closed
+                wire.send_reply(connection, ("pong", self.about()))
+                return
             if not isinstance(attach, Attach) or not isinstance(attach.geometry, PoolGeometry):
                 wire.send(connection, Refused("the first message must be an Attach"))
                 return
@@ -182,8 +212,9 @@ class NodeCacheService:
         except Exception:  # a bug must cost this connection (its lease ends below), never the service
             logger.exception("node cache: connection %d failed", number)
         finally:
-            with self.lock:
+            with self._open_lock:
                 self._open.discard(connection)
+            with self.lock:
                 if pool is not None and lease is not None:
                     self.connections -= 1
                     if not self._closed.is_set():  # a closed service's pools are gone with every lease in them
@@ -246,8 +277,32 @@ class NodeCacheService:
     # ---- what operators see ---------------------------------------------------------------------------------------
 
     def metrics_text(self) -> str:
-        with self.lock:
-            return exposition(self)
+        return exposition(self)  # read under the lock, formatted outside it
+
+    def about(self) -> dict[str, Any]:
+        """What `/version` and a ping answer: read without the lock (plain attributes)."""
+        return {"service": "lmcache-npu node-cache", "version": __version__, "encoding": codec.MAGIC[1],
+                "epoch": self.instance, "started_at": self.started_at, "pid": os.getpid(),
+                "serving": self.serving}
+
+    @property
+    def serving(self) -> bool:
+        """Accepting engines: bound, its accept loop running, not closed (no lock: a probe never waits on a verb)."""
+        return self._accepting.is_set() and not self._closed.is_set()
+
+    def _probes(self) -> dict[str, Callable[[], tuple[int, str, str]]]:
+        def state(ok: bool, what: str) -> tuple[int, str, str]:
+            return (200, "text/plain", "ok\n") if ok else (503, "text/plain", f"not {what}\n")
+
+        def alive() -> tuple[int, str, str]:
+            held = max((time.monotonic() - pool.turned for pool in list(self.pools.values())), default=0.0)
+            if held > WEDGED_AFTER_S:
+                return state(False, f"alive: the service's lock has been held for {held:.0f} s")
+            return state(not self._closed.is_set(), "alive: closed")
+
+        return {"/healthz": alive,
+                "/readyz": lambda: state(self.serving, "ready: not accepting engines"),
+                "/version": lambda: (200, "application/json", json.dumps(self.about()) + "\n")}
 
     @property
     def metrics_address(self) -> Optional[tuple[str, int]]:
@@ -266,7 +321,7 @@ class NodeCacheService:
         self._listener.close()
         if self._metrics is not None:
             self._metrics.close()
-        with self.lock:
+        with self.lock, self._open_lock:
             pools, self.pools = list(self.pools.values()), {}
             for connection in self._open:  # an engine must see the service gone, not be answered by closed pools
                 try:

@@ -143,6 +143,18 @@ def _node_cache(args: argparse.Namespace) -> int:
     return 0
 
 
+def _node_ping(args: argparse.Namespace) -> int:
+    from ..node.probe import PingFailed, ping
+
+    try:
+        about = ping(args.socket, args.timeout)
+    except PingFailed as exc:
+        print(f"lmcache-npu node-ping: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(about, sort_keys=True))
+    return 0 if about.get("serving") else 1
+
+
 def _selftest(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
@@ -591,6 +603,12 @@ def build_parser() -> argparse.ArgumentParser:
     node.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port (0: any free one)")
     node.add_argument("--metrics-host", default="127.0.0.1", help="the metrics address (default 127.0.0.1)")
     node.set_defaults(func=_node_cache)
+
+    ping = sub.add_parser("node-ping", help="exit 0 when the node cache at --socket answers and accepts engines (a "
+                          "probe: a dead service's stale socket fails; the answer never waits on the service's lock)")
+    ping.add_argument("--socket", required=True, help="the node cache's Unix socket")
+    ping.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the answer (default 5)")
+    ping.set_defaults(func=_node_ping)
 
     sched = sub.add_parser("bench-scheduler", help="host time the connector adds to vLLM's scheduler: lookups of a "
                            "128K-token prompt, connector metadata for 64 running requests")

@@ -6,10 +6,12 @@ and reason outside it, and /metrics is formatted outside it from a snapshot take
 from __future__ import annotations
 
 import logging
+import urllib.request
 from typing import Iterator
 
 import pytest
 
+from lmcache_npu.node import exporter
 from lmcache_npu.node.service import NodeCacheService
 
 from .harness import answer, geometry, keys_of, store_config, sync, wait_released
@@ -78,3 +80,32 @@ def test_failed_answers_are_logged_by_kind_and_reason_outside_the_lock(watch):
     assert handler.under_lock() == []
     failed = [text for text in handler.messages(logging.WARNING) if "command(s) failed" in text]
     assert len(failed) == 1 and "40 Store command(s) failed" in failed[0] and "rank 0: device: test" in failed[0]
+
+
+def test_metrics_are_formatted_outside_the_lock(start_node, monkeypatch):
+    node = start_node(store_config(8, 2), metrics_port=0)
+    node.engine("A").store("w", keys_of(0, 4))
+    formatted: list[bool] = []
+    original = exporter._sample
+
+    def watched(name: str, labels: dict[str, str], value: float) -> str:
+        formatted.append(node.service.lock._is_owned())  # type: ignore[attr-defined]
+        return original(name, labels, value)
+
+    monkeypatch.setattr(exporter, "_sample", watched)
+    text = node.service.metrics_text()
+    assert 'lmcache_npu:node_stores_total{engine="A"' in text
+    assert len(formatted) > 20 and not any(formatted)
+    taken: list[bool] = []
+    original_snapshot = exporter.snapshot
+
+    def snapshot(service: NodeCacheService) -> list:
+        taken.append(service.lock._is_owned())  # type: ignore[attr-defined]
+        return original_snapshot(service)
+
+    monkeypatch.setattr(exporter, "snapshot", snapshot)
+    formatted.clear()
+    host, port = node.service.metrics_address
+    with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=10) as response:  # the scrape's thread
+        assert response.read().decode() == text
+    assert taken == [True] and len(formatted) > 20 and not any(formatted)

@@ -270,3 +270,33 @@ def test_negative_control_a_segment_in_dev_shm_would_be_seen():
         finally:
             view.close()
             os.unlink(path)
+
+
+def test_a_peer_that_says_nothing_is_hung_up_on(start_node, monkeypatch):
+    monkeypatch.setattr(service_module, "FIRST_MESSAGE_S", 0.2, raising=False)
+    node = start_node(store_config(2, 1))
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(10)
+        sock.connect(node.path)
+        assert sock.recv(1) == b""  # hung up: the silent connection's thread is free again
+    assert node.client("next", geometry(1)).lookup("q", keys_of(0, 1)) == LookupResult(0, 0)
+
+
+def test_connections_beyond_the_cap_are_refused_and_counted(start_node, monkeypatch):
+    monkeypatch.setattr(service_module, "MAX_CONNECTIONS", 3, raising=False)
+    node = start_node(store_config(2, 1))
+    first = node.client("A", geometry(1))
+    idle = []
+    for _ in range(2):
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.connect(node.path)
+        idle.append(sock)
+    wait_for(lambda: len(node.service._open) == 3, "three open connections")
+    with pytest.raises(NodeCacheUnavailable):
+        node.client("B", geometry(1))
+    assert node.service.refused_crowd == 1
+    assert 'lmcache_npu:node_refused_connections_total{engine="node"} 1' in node.service.metrics_text()
+    for sock in idle:
+        sock.close()
+    wait_for(lambda: len(node.service._open) == 1, "the idle connections to be gone")
+    assert node.client("C", geometry(1)).epoch is not None and first.lookup("q", keys_of(0, 1)).hit_chunks == 0
