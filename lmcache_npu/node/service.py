@@ -252,6 +252,8 @@ class NodeCacheService:
         if not isinstance(request, tuple) or not request or not isinstance(request[0], str):
             return ("error", "ValueError", "a request is a tuple (verb, *arguments)")
         verb, arguments = request[0], request[1:]
+        if verb in REMOTE_KEYS and pool.index.remote_configured:  # the Mooncake RPC, asked before the lock
+            _prefetch(pool, REMOTE_KEYS[verb](arguments))
         with self.lock:
             try:
                 value = self._run(pool, lease, verb, arguments)
@@ -475,6 +477,25 @@ def _prepare(verb: str) -> Callable[..., list[tuple[int, int, int, bytes]]]:
         return pool.hand_out(lease, pool.call(lease, lambda: getattr(pool.index, verb)(name, chunks)))
 
     return prepare
+
+
+def _prefetch(pool: NodePool, batch: Optional[tuple]) -> None:
+    """The remote store's answers for a lookup's or presence's (namespace, hashes), asked without the lock
+    (malformed arguments: nothing, the verb refuses them under the lock)."""
+    if batch is None or len(batch) != 2:
+        return
+    try:
+        keys = _hashed(pool, *batch)
+    except ValueError:
+        return
+    pool.index.prefetch_remote(keys)
+
+
+# the verbs that may ask the remote store: their (namespace, hashes) arguments when they will
+REMOTE_KEYS: dict[str, Callable[[tuple], Optional[tuple]]] = {
+    "lookup": lambda arguments: arguments[1:3],
+    "presence": lambda arguments: arguments[0:2] if len(arguments) == 3 and arguments[2] else None,
+}
 
 
 def _release(pool: NodePool, lease: EngineLease, request_id: Any) -> None:

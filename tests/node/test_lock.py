@@ -109,3 +109,21 @@ def test_metrics_are_formatted_outside_the_lock(start_node, monkeypatch):
     with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=10) as response:  # the scrape's thread
         assert response.read().decode() == text
     assert taken == [True] and len(formatted) > 20 and not any(formatted)
+
+
+def test_the_remote_existence_check_is_asked_without_the_lock(start_node):
+    node = start_node(store_config(8, 1))
+    engine = node.engine("A", ONE_RANK)
+    engine.store("w", keys_of(0, 2))
+    asked: list[tuple[int, bool]] = []
+
+    def exists(keys: list) -> list[bool]:  # the Mooncake batch_is_exist RPC (up to a second on a sick master)
+        asked.append((len(keys), node.service.lock._is_owned()))  # type: ignore[attr-defined]
+        return [False] * len(keys)
+
+    node.pool.index._remote._exists = exists  # a remote tier for this pool (white box: no Mooncake master here)
+    keys = keys_of(0, 6)
+    assert engine.client.lookup("q", keys).hit_chunks == 2
+    assert engine.client.presence(keys) == [True, True, False, False, False, False]
+    assert engine.client.presence(keys, remote=False) == [True, True, False, False, False, False]
+    assert asked == [(4, False), (4, False)]  # the 4 keys past the local prefix, once per verb, lock free

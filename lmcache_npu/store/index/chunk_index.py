@@ -193,6 +193,24 @@ class ChunkIndex(ChunkManager):
         found = iter(self._remote.present(missing) if missing and remote else [False] * len(missing))
         return [here or next(found) for here in held]
 
+    @property
+    def remote_configured(self) -> bool:
+        return self._remote.configured
+
+    def prefetch_remote(self, keys: Sequence[ChunkKey]) -> None:
+        """Asks the remote store now about what a `lookup` or `presence` of `keys` would ask it (the keys from the
+        first one no local tier holds on); that call of this thread then answers from it. The node cache calls it
+        before it takes its lock: the tables are only read (a stale read costs the call one more ask)."""
+        if not self._remote.configured:
+            return
+        entries = self._entries
+        for position, key in enumerate(keys):
+            entry = entries.get(key)
+            if entry is None or (entry.slot is None and entry.disk is not DiskState.PRESENT):
+                self._remote.prefetch(keys[position:])
+                return
+        self._remote.prefetch([])
+
     def prepare_load(self, request_id: str, chunks: NumberedChunks) -> list[Load]:
         """Loads for the request's chunks (chunk number, key); each must be ready (a lookup said so). Checked for
         all chunks before any load is issued: on error nothing is."""
