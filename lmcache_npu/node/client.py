@@ -124,17 +124,19 @@ class NodeCacheClient(ChunkManager):
         self._ledger = CommandLedger(geometry.world, self.counters)
         self._occupancy: Optional[tuple[float, dict[Tier, tuple[int, int]]]] = None
         self.epoch: Optional[str] = None
+        self.lease = ""  # the token the service issued this engine's lease (its workers present it)
         sock, attached, _ = connect(path, self._attach_message(), connect_timeout_s)
         self._adopt(sock, attached)
 
     # ---- the connection -------------------------------------------------------------------------------------------
 
     def _attach_message(self) -> Attach:
-        return Attach(self.engine, self.geometry, None, self._events)
+        return Attach(self.engine, self.geometry, None, self._events, lease=self.lease)
 
     def _adopt(self, sock: socket.socket, attached: Attached) -> None:
         self._sock = sock
         self.epoch = attached.epoch
+        self.lease = attached.lease
         self.num_slots = attached.num_slots
         self.disk_chunks = attached.disk_chunks
         self._policy = attached.eviction_policy

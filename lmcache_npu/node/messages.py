@@ -8,8 +8,10 @@ every reply is `("ok", value, counters, tier_changes)` or `("error", kind, text)
 - `("lookup", request_id, namespace, hashes)` -> LookupResult; `("presence", namespace, hashes, remote)` -> [bool]
 - `("prepare_load" | "prepare_store", request_id, namespace, chunk_numbers, hashes)` -> [command tuple]
 - `("release", request_id)` and `("on_completions", [(command id, rank, ok, reason)])`: one-way, no reply
+- `("join", lease token)`, from a worker: binds its connection to its scheduler's lease -> bool
 - `("events", wanted)`, `("occupancy",)`, `("location", ChunkKey)`, `("chunks",)`, `("adopt_disk", [ChunkKey])`,
   `("drop_disk_copies", [ChunkKey])`: rare, plain values.
+A first message `("ping",)` instead of an Attach is answered `("pong", {version, epoch, ...})` (probes).
 """
 
 from __future__ import annotations
@@ -36,13 +38,17 @@ class PoolGeometry:
 @dataclass(frozen=True)
 class Attach:
     """The first message on a connection. `engine` names the engine (its KV transfer engine id and data-parallel
-    rank): its scheduler and every worker attach under it, and what the engine holds is released once the last of
-    its connections closes. `rank` is a worker's rank (None: the scheduler)."""
+    rank): its scheduler and every worker attach under it, and what the engine holds is released once its
+    scheduler's connection and those of the workers bound to its lease are closed. `rank` is a worker's rank (None:
+    the scheduler). `lease` is the token the service issued the engine's scheduler (`Attached.lease`): a scheduler
+    presents it when it attaches again, a worker to be bound to that lease (one that has none yet joins it later,
+    with the `join` verb, when the scheduler's step names it)."""
 
     engine: str
     geometry: PoolGeometry
     rank: int | None = None
     events: bool = False  # the scheduler publishes vLLM KV events: send it the pool's tier changes
+    lease: str = ""
 
 
 @dataclass(frozen=True)
@@ -58,6 +64,7 @@ class Attached:
     hugepages: str
     disk_chunks: int
     eviction_policy: str
+    lease: str = ""  # the engine's lease token: to a scheduler, and to a worker that presented it
 
 
 @dataclass(frozen=True)

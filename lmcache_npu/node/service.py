@@ -36,7 +36,7 @@ from ..store.metrics import Metric
 from . import codec, wire
 from .exporter import MetricsServer, exposition
 from .messages import Attach, PoolGeometry, Refused
-from .pool import EngineLease, NodePool, PoolRefused, scoped
+from .pool import ENGINE_SEPARATOR, EngineLease, LeaseLimits, NodePool, PoolRefused, scoped
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +61,8 @@ class ServiceOptions:
     group: Optional[str] = None  # a group (name or numeric gid) whose processes may attach too (socket 0660)
     metrics_port: Optional[int] = None
     metrics_host: str = "127.0.0.1"
+    lease_slot_share: float = 0.25  # of a pool's slots one engine may reserve and load while others attach too
+    reservation_ttl_s: float = 120.0  # a request's reservations no lookup renewed for this long are released
 
 
 class NodeCacheService:
@@ -68,6 +70,7 @@ class NodeCacheService:
         if options.max_pools < 1:
             raise ValueError(f"max_pools must be at least 1, got {options.max_pools}")
         self.options = options
+        self._limits = LeaseLimits(options.lease_slot_share, options.reservation_ttl_s)
         self.instance = secrets.token_hex(6)  # a restarted service is a new epoch for every engine
         self.lock = threading.RLock()
         self._pool_creation = threading.Lock()  # one pool is made at a time, outside `lock`
@@ -192,18 +195,23 @@ class NodeCacheService:
                 pool = self._pool_for(attach.geometry)
                 with self.lock:
                     fds = pool.segment_fds(attach.rank) if attach.rank is not None else []
-                    lease = pool.lease(attach.engine, number, attach.events)
+                    lease = pool.lease(attach.engine, number, attach.events, self._limits, rank=attach.rank,
+                                       token=attach.lease)
                     self.connections += 1
             except (PoolRefused, ValueError, TypeError, MemoryError, OSError) as exc:
                 logger.warning("node cache: refused engine %s: %s", attach.engine, exc)
                 wire.send(connection, Refused(str(exc)))
                 return
-            wire.send(connection, pool.attached(), fds)
+            token = lease.token if attach.rank is None or number in lease.bound else ""  # set once, at the claim
+            wire.send(connection, dataclasses.replace(pool.attached(), lease=token), fds)
             logger.info("node cache: engine %s %s attached (%s)", attach.engine,
                         "scheduler" if attach.rank is None else f"rank {attach.rank}", attach.geometry.describe())
             while True:
                 request = wire.receive_request(connection)
-                reply = self._answer(pool, lease, request)
+                if type(request) is tuple and len(request) == 2 and request[0] == "join":  # a worker, its lease's
+                    lease, reply = self._join(pool, lease, number, request[1])
+                else:
+                    reply = self._answer(pool, lease, request)
                 pool.flush_log()  # what the verb logged, now that the lock is free
                 if reply is not None:
                     wire.send_reply(connection, reply)
@@ -268,6 +276,15 @@ class NodeCacheService:
             lease.counters.clear()
             changes, lease.tier_changes = lease.tier_changes, []
             return ("ok", value, counters, changes)
+
+    def _join(self, pool: NodePool, lease: EngineLease, number: int, token: Any) -> tuple[EngineLease, tuple]:
+        """A worker's connection presents its scheduler's lease token (`pool.join`): True when bound to it."""
+        with self.lock:
+            joined = pool.join(lease.engine, number, token) if isinstance(token, str) else None
+        if joined is None:
+            logger.warning("node cache: engine %s: a worker's connection presented a lease token no live lease of "
+                           "the engine holds; its commands will be refused", lease.engine)
+        return joined or lease, ("ok", joined is not None, {}, [])
 
     @staticmethod
     def _run(pool: NodePool, lease: EngineLease, verb: str, arguments: tuple) -> Any:
@@ -378,6 +395,8 @@ def _as_seen_by(engine: str, view: ChunkView) -> ChunkView:
 def _text(value: Any) -> str:
     if not isinstance(value, str):
         raise ValueError(f"a request id must be a string, got {type(value).__name__}")
+    if ENGINE_SEPARATOR in value:  # "A\x1fB" + "r" would be "A" + "B\x1fr": another engine's request
+        raise ValueError(f"a request id may not hold \\x1f, got {value!r}")
     return value
 
 
@@ -453,6 +472,7 @@ def _completions(completions: Any) -> list[Completion]:
 def _lookup(pool: NodePool, lease: EngineLease, request_id: Any, namespace: Any, hashes: Any) -> Any:
     keys = _hashed(pool, namespace, hashes)
     name = scoped(lease.engine, _text(request_id))
+    lease.looked_up[name] = time.monotonic()  # renews its reservations (LeaseLimits.reservation_ttl_s)
     if name not in lease.requests:
         lease.requests.add(name)
         pool.lookup_counters[Metric.LOOKUPS] += 1
@@ -502,6 +522,7 @@ def _release(pool: NodePool, lease: EngineLease, request_id: Any) -> None:
     name = scoped(lease.engine, _text(request_id))
     pool.call(lease, lambda: pool.index.release(name))
     lease.requests.discard(name)
+    lease.looked_up.pop(name, None)
 
 
 VERBS: dict[str, Callable[..., Any]] = {

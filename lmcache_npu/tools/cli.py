@@ -124,7 +124,9 @@ def _node_cache(args: argparse.Namespace) -> int:
     store = StoreConfig.from_dict(values)
     try:
         service = NodeCacheService(ServiceOptions(args.socket, store, max_pools=args.max_pools, group=args.group,
-                                                  metrics_port=args.metrics_port, metrics_host=args.metrics_host))
+                                                  metrics_port=args.metrics_port, metrics_host=args.metrics_host,
+                                                  lease_slot_share=args.lease_slot_share,
+                                                  reservation_ttl_s=args.reservation_ttl))
     except FileExistsError as exc:  # a live service, or a file that is not a socket, at --socket
         raise ValueError(f"node-cache: {exc}") from None
     except OSError as exc:  # the socket's directory missing or closed to this user, the metrics port taken
@@ -602,6 +604,11 @@ def build_parser() -> argparse.ArgumentParser:
                       "gid must be it (the socket becomes 0660)")
     node.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port (0: any free one)")
     node.add_argument("--metrics-host", default="127.0.0.1", help="the metrics address (default 127.0.0.1)")
+    node.add_argument("--lease-slot-share", type=float, default=0.25,
+                      help="while several engines hold leases on a pool, the share of its slots one engine may "
+                      "reserve and load at once (default 0.25; alone it may use all)")
+    node.add_argument("--reservation-ttl", type=float, default=120.0,
+                      help="seconds after which a request's reservations no lookup renewed are released (default 120)")
     node.set_defaults(func=_node_cache)
 
     ping = sub.add_parser("node-ping", help="exit 0 when the node cache at --socket answers and accepts engines (a "

@@ -40,6 +40,8 @@ class LMCacheNPUConnectorMetadata(KVConnectorMetadata):
     # the node cache's epoch these commands are of (None without one): a worker whose mapping is of another epoch
     # maps the node's segments again before it runs them
     node_epoch: Optional[str] = None
+    # the node cache's token of this engine's lease: a worker's connection joins that lease before it runs them
+    node_lease: Optional[str] = None
 
 
 SlotRanges = tuple[tuple[int, int], ...]  # [first, end) arena slot ranges

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Iterable, Optional, Sequence, Union
+from typing import Callable, Iterable, Optional, Sequence, Union
 
 from ...checks import check_int
 from ..commands import Command, Completion, Drop, Load, Persist, Promote, Put, Spill, Store, Tier
@@ -55,6 +55,7 @@ class _Entry:
     disk_readers: int = 0  # in-flight promotions reading the file
     disk_cmd: int = 0  # the spill or persist that is writing the current disk copy
     remote_put: bool = False  # a put of this chunk is in flight or done
+    holders: Optional[dict[str, int]] = None  # per holder (limit_holders): its reservations and loads of this chunk
 
     @property
     def pinned(self) -> bool:
@@ -105,6 +106,9 @@ class ChunkIndex(ChunkManager):
         # None: a failed command is logged at once; a list: kept for `take_failures` (the node logs them in aggregate)
         self._failures: Optional[list[tuple[str, str, str]]] = None
         self._quiet = False  # abandoning: the caller reports the failures in aggregate
+        self._holder_of: Optional[Callable[[str], str]] = None  # request id -> who holds for it (limit_holders)
+        self._holder_cap: Optional[int] = None
+        self._held: dict[str, int] = {}  # holder -> chunks its requests reserve or load
 
     # ---- the contract -------------------------------------------------------------------------------------------
 
@@ -140,8 +144,8 @@ class ChunkIndex(ChunkManager):
         held_before = set(reserved)
         for key in keys:  # pin what the arena already holds first: promotions below must not evict our own hits
             entry = self._entries.get(key)
-            if entry is not None and entry.slot is not None:
-                self._reserve(entry, request_id, reserved)
+            if entry is not None and entry.slot is not None and not self._reserve(entry, request_id, reserved):
+                break  # its holder holds all it may: the hit ends here
         first_ask = self._gate.count(request_id, keys)
         gated_puts = self._gate.gates(Tier.REMOTE)
         remote_from, remote_present = 0, None  # asked once, for the keys from the first local miss on
@@ -149,6 +153,8 @@ class ChunkIndex(ChunkManager):
         for position, key in enumerate(keys):
             entry = self._entries.get(key)
             if entry is not None and entry.slot is not None:
+                if self._holder_cap is not None and request_id not in entry.reservations:
+                    break  # not reserved above: its holder's cap
                 if entry.slot_state is SlotState.READY:
                     self._slots.policy.touch(key, reuse=first_ask[position])
                     ready += ready == position
@@ -156,8 +162,7 @@ class ChunkIndex(ChunkManager):
                         self._put_if_admitted(entry)
                 sources.append(Tier.ARENA)
             elif entry is not None and entry.disk is DiskState.PRESENT:
-                self._reserve(entry, request_id, reserved)
-                if not self._promote(entry, Tier.DISK):
+                if not self._reserve(entry, request_id, reserved) or not self._promote(entry, Tier.DISK):
                     break
                 sources.append(Tier.DISK)
             else:
@@ -166,7 +171,9 @@ class ChunkIndex(ChunkManager):
                 if not remote_present[position - remote_from]:
                     break
                 entry = self._entries.setdefault(key, _Entry(key))
-                self._reserve(entry, request_id, reserved)  # kept while its own promotion may evict and drop
+                if not self._reserve(entry, request_id, reserved):  # kept while its promotion may evict and drop
+                    self._forget_if_empty(entry)
+                    break
                 if not self._promote(entry, Tier.REMOTE):
                     break
                 sources.append(Tier.REMOTE)
@@ -175,7 +182,7 @@ class ChunkIndex(ChunkManager):
             entry = self._entries.get(key)
             if key in reserved and key not in held_before and entry is not None:
                 reserved.discard(key)
-                entry.reservations.discard(request_id)
+                self._unreserve(entry, request_id)
                 self._forget_if_empty(entry)
         self.counters.add(Metric.LOOKUP_CHUNKS, len(keys))
         self.counters.add(Metric.LOOKUP_HIT_CHUNKS, hit)
@@ -192,6 +199,21 @@ class ChunkIndex(ChunkManager):
         missing = [key for key, here in zip(keys, held) if not here]
         found = iter(self._remote.present(missing) if missing and remote else [False] * len(missing))
         return [here or next(found) for here in held]
+
+    def limit_holders(self, holder_of: Callable[[str], str], cap: Optional[int]) -> None:
+        """Counts, per holder (`holder_of(request_id)`: the node cache's engines), the chunks its requests reserve
+        or load, and lets no holder reserve more than `cap` (None: no cap; a lookup's hit ends at the chunk that
+        would exceed it, counted as `lease_cap_misses`). Counting starts with the first call, before any lookup;
+        later calls only change the cap."""
+        if self._holder_of is None:
+            if self._reserved:  # loads in flight are fine: one that no holder counted is not uncounted either
+                raise ValueError("limit_holders must be called before the index reserves anything")
+            self._holder_of = holder_of
+        self._holder_cap = cap
+
+    def held_by(self, holder: str) -> int:
+        """How many chunks `holder`'s requests reserve or load now (limit_holders)."""
+        return self._held.get(holder, 0)
 
     @property
     def remote_configured(self) -> bool:
@@ -225,9 +247,10 @@ class ChunkIndex(ChunkManager):
         for chunk_index, key in chunks:
             entry = self._entries[key]
             entry.readers += 1
+            self._hold(entry, request_id)  # the load holds what the reservation held (until every rank answered)
             if key in reserved:
                 reserved.discard(key)
-                entry.reservations.discard(request_id)
+                self._unreserve(entry, request_id)
             self._slots.policy.touch(key, reuse=False)
             loads.append(self._emit(Load(self._ledger.new_id(), key, entry.slot, request_id,  # type: ignore[arg-type]
                                          chunk_index)))
@@ -240,7 +263,7 @@ class ChunkIndex(ChunkManager):
         for key in self._reserved.pop(request_id, set()):
             entry = self._entries.get(key)
             if entry is not None:
-                entry.reservations.discard(request_id)
+                self._unreserve(entry, request_id)
                 self._forget_if_empty(entry)
 
     def prepare_store(self, request_id: str, chunks: NumberedChunks) -> list[Store]:
@@ -379,6 +402,12 @@ class ChunkIndex(ChunkManager):
             assert entry.readers >= 0 and entry.disk_readers >= 0
         self._slots.check_invariants(owners)
         assert len(self._disk) <= self.disk_chunks
+        if self._holder_of is not None:
+            held: dict[str, int] = {}
+            for entry in self._entries.values():
+                for holder in entry.holders or ():
+                    held[holder] = held.get(holder, 0) + 1
+            assert held == self._held, f"holders hold {held}, the index counts {self._held}"
         ready = sum(entry.slot_state is SlotState.READY for entry in self._entries.values())
         assert len(policy) == ready, f"policy holds {len(policy)} chunks, {ready} are ready"
         assert len(self._gate) <= self._gate.capacity
@@ -403,9 +432,56 @@ class ChunkIndex(ChunkManager):
     def _emit(self, command: Command) -> Command:
         return self._ledger.emit(command)
 
-    def _reserve(self, entry: _Entry, request_id: str, reserved: set[ChunkKey]) -> None:
+    def _reserve(self, entry: _Entry, request_id: str, reserved: set[ChunkKey]) -> bool:
+        """Reserves the chunk for the request; False (counted) when its holder may hold no more chunks."""
+        if self._holder_of is not None and request_id not in entry.reservations:
+            if not self._may_hold(entry, request_id):
+                self.counters.add(Metric.LEASE_CAP_MISSES)
+                return False
+            self._hold(entry, request_id)
         entry.reservations.add(request_id)
         reserved.add(entry.key)
+        return True
+
+    def _unreserve(self, entry: _Entry, request_id: str) -> None:
+        if self._holder_of is not None and request_id in entry.reservations:
+            self._unhold(entry, request_id)
+        entry.reservations.discard(request_id)
+
+    def _may_hold(self, entry: _Entry, request_id: str) -> bool:
+        if self._holder_cap is None:
+            return True
+        holder = self._holder_of(request_id)  # type: ignore[misc]
+        return (entry.holders is not None and holder in entry.holders) or self._held.get(holder, 0) < self._holder_cap
+
+    def _hold(self, entry: _Entry, request_id: str) -> None:
+        """One more reservation or load of `request_id`'s holder on the chunk (a chunk it did not hold counts)."""
+        if self._holder_of is None:
+            return
+        holder = self._holder_of(request_id)
+        if entry.holders is None:
+            entry.holders = {}
+        count = entry.holders.get(holder, 0)
+        entry.holders[holder] = count + 1
+        if not count:
+            self._held[holder] = self._held.get(holder, 0) + 1
+
+    def _unhold(self, entry: _Entry, request_id: str) -> None:
+        if self._holder_of is None or entry.holders is None:
+            return
+        holder = self._holder_of(request_id)
+        count = entry.holders.get(holder, 0) - 1
+        if count > 0:
+            entry.holders[holder] = count
+            return
+        entry.holders.pop(holder, None)
+        if not entry.holders:
+            entry.holders = None
+        left = self._held.get(holder, 0) - 1
+        if left > 0:
+            self._held[holder] = left
+        else:
+            self._held.pop(holder, None)
 
     def _put_if_admitted(self, entry: _Entry) -> None:
         """A ready chunk that passes the gate and is not in the remote store yet is put there (slot pinned)."""
@@ -564,6 +640,7 @@ class ChunkIndex(ChunkManager):
 
     def _finish_load(self, entry: _Entry, command: Load, ok: bool) -> None:
         entry.readers -= 1
+        self._unhold(entry, command.request_id)
 
     def _finish_put(self, entry: _Entry, command: Put, ok: bool) -> None:
         entry.readers -= 1
