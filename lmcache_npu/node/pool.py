@@ -141,7 +141,7 @@ class NodePool:
         self.payloads: OrderedDict[ChunkKey, tuple] = OrderedDict()  # what engines described, for the others' events
         self.max_payloads = self.index.num_slots + self.index.disk_chunks + PAYLOAD_SLACK
         self.index.set_tier_listener(self._tell)
-        self.index.defer_failure_logs()
+        self.index.failure_log.defer()
         self.limits = LeaseLimits()
         self.index.limit_holders(_engine_of, None)  # capped once a second engine holds a lease (_update_cap)
         self._swept = time.monotonic()
@@ -353,11 +353,11 @@ class NodePool:
     def flush_log(self) -> None:
         """Emits what `note` kept and the index's failed commands, one line per kind and reason (an engine's death
         fails hundreds of commands at once). Called without the lock held; takes it only to take the records."""
-        if not self._notes and not self.index.failures_kept:  # racy peek: a record missed now goes with the next call
+        if not self._notes and not self.index.failure_log.kept:  # racy peek: one missed now goes with the next call
             return
         with self.lock:
             notes, self._notes = self._notes, []
-            failures = self.index.take_failures()
+            failures = self.index.failure_log.take()
         for level, message, args in notes:
             logger.log(level, message, *args)
         grouped: dict[tuple[str, str], list[str]] = {}

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import grp
+import importlib.metadata
 import json
 import logging
 import os
@@ -27,7 +28,6 @@ from functools import partial
 from itertools import repeat
 from typing import Any, Callable, Optional
 
-from .. import __version__
 from ..store.commands import Completion, Tier
 from ..store.config import StoreConfig
 from ..store.index.contract import ChunkView
@@ -300,7 +300,7 @@ class NodeCacheService:
 
     def about(self) -> dict[str, Any]:
         """What `/version` and a ping answer: read without the lock (plain attributes)."""
-        return {"service": "lmcache-npu node-cache", "version": __version__, "encoding": codec.MAGIC[1],
+        return {"service": "lmcache-npu node-cache", "version": _version(), "encoding": codec.MAGIC[1],
                 "epoch": self.instance, "started_at": self.started_at, "pid": os.getpid(),
                 "serving": self.serving}
 
@@ -353,6 +353,13 @@ class NodeCacheService:
             os.unlink(self.options.socket_path)
         except FileNotFoundError:
             pass
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("lmcache-npu")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown"
 
 
 def group_id(group: str) -> int:

@@ -122,6 +122,7 @@ def test_the_remote_existence_check_is_asked_without_the_lock(start_node):
         return [False] * len(keys)
 
     node.pool.index._remote._exists = exists  # a remote tier for this pool (white box: no Mooncake master here)
+    node.pool.index.remote_configured = True
     keys = keys_of(0, 6)
     assert engine.client.lookup("q", keys).hit_chunks == 2
     assert engine.client.presence(keys) == [True, True, False, False, False, False]

@@ -34,7 +34,7 @@ def test_one_engines_reservations_leave_slots_for_another(start_node):
     greedy, other = node.engine("greedy", ONE_RANK), node.engine("other", ONE_RANK)
     found = greedy.client.lookup("all", keys_of(0, 8))  # reserves what it may until its load
     assert (found.hit_chunks, found.ready_chunks) == (2, 2)  # a quarter of 8 slots: the hit ends at the cap
-    assert greedy.client.counters[Metric.LEASE_CAP_MISSES] == 1 and node.pool.index.held_by("greedy") == 2
+    assert greedy.client.counters[Metric.LEASE_CAP_MISSES] == 1 and node.pool.index.holders.held_by("greedy") == 2
     stores = other.store("mine", keys_of(100, 6))
     assert len(stores) == 6  # every slot greedy does not hold is still the pool's to give
     assert greedy.client.lookup("all", keys_of(0, 2)).ready_chunks == 2  # what it reserved is still its own
@@ -68,12 +68,12 @@ def test_loads_count_against_the_cap_until_every_rank_answered(start_node):
     engine.client.release("a")
     engine.client.take_commands()
     sync(engine.client)
-    assert node.pool.index.held_by("E") == 2  # pinned by its loads now
+    assert node.pool.index.holders.held_by("E") == 2  # pinned by its loads now
     assert engine.client.lookup("b", keys_of(2, 2)).hit_chunks == 0  # the cap is spent on the loads
     engine.client.release("b")
     answer(engine.client, loads, [0])
     sync(engine.client)
-    assert node.pool.index.held_by("E") == 0
+    assert node.pool.index.holders.held_by("E") == 0
     assert engine.client.lookup("b", keys_of(2, 2)).ready_chunks == 2
 
 

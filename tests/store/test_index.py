@@ -325,14 +325,15 @@ def test_a_holder_reserves_and_loads_at_most_its_cap_of_distinct_chunks():
     cluster.store("w", keys)
     assert index.lookup("a/1", keys).hit_chunks == 3  # the cap ends the hit
     assert index.lookup("a/2", keys[:3]).hit_chunks == 3  # a chunk its holder holds already costs nothing
-    assert index.lookup("b/1", keys).hit_chunks == 3 and index.held_by("a") == 3 and index.held_by("b") == 3
+    assert index.lookup("b/1", keys).hit_chunks == 3
+    assert index.holders.held_by("a") == 3 and index.holders.held_by("b") == 3
     loads = index.prepare_load("a/1", list(enumerate(keys[:2])))
     index.release("a/1")
     index.release("a/2")
-    assert index.held_by("a") == 2  # its loads hold what its reservations held, until every rank answered
+    assert index.holders.held_by("a") == 2  # its loads hold what its reservations held, until every rank answered
     index.take_commands()
     index.on_completions([Completion(load.cmd_id, 0, True) for load in loads])
-    assert index.held_by("a") == 0
+    assert index.holders.held_by("a") == 0
     index.check_invariants()  # the holders' counts agree with the chunks'
     index.limit_holders(lambda request_id: "?", None)  # later calls only change the cap
     assert index.lookup("a/3", keys).hit_chunks == 8

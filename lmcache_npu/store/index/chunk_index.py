@@ -30,6 +30,8 @@ from ..tier import TierCounters
 from .contract import (ChunkManager, ChunkView, DiskState, LookupResult, NumberedChunks, RemoteExists, SlotState,
                        TierListener)
 from .disk_catalog import DiskCatalog
+from .failure_log import FailureLog
+from .holders import Holders
 from .ledger import CommandLedger
 from .remote_presence import RemotePresence
 from .reuse_gate import ReuseGate
@@ -41,7 +43,6 @@ logger = logging.getLogger(__name__)
 _FAILED = {Store: Metric.STORE_FAILED, Load: Metric.LOAD_FAILED, Spill: Metric.SPILL_FAILED,
            Promote: Metric.PROMOTE_FAILED, Put: Metric.PUT_FAILED, Persist: Metric.PERSIST_FAILED,
            Drop: Metric.DROP_FAILED}  # a command that failed on some rank counts under its kind
-MAX_KEPT_FAILURES = 4096  # failed commands kept for `take_failures` between two calls
 
 
 @dataclass
@@ -96,6 +97,7 @@ class ChunkIndex(ChunkManager):
         self._disk = DiskCatalog(disk_chunks)
         self._ledger = CommandLedger(num_ranks, self.counters, check_int("first_cmd_id", first_cmd_id, lo=1))
         self._remote = RemotePresence(remote_exists, self.counters)
+        self.remote_configured = remote_exists is not None
         self._gate = ReuseGate(num_slots + disk_chunks, remote_admit_hits, disk_admit_hits)
         self._put_to_remote = put_to_remote and remote_exists is not None
         self._write_through = disk_write_through and disk_chunks > 0
@@ -103,12 +105,8 @@ class ChunkIndex(ChunkManager):
         self._entries: dict[ChunkKey, _Entry] = {}
         self._reserved: dict[str, set[ChunkKey]] = {}
         self._listener: Optional[TierListener] = None  # KV events for routers; None costs one check per change
-        # None: a failed command is logged at once; a list: kept for `take_failures` (the node logs them in aggregate)
-        self._failures: Optional[list[tuple[str, str, str]]] = None
-        self._quiet = False  # abandoning: the caller reports the failures in aggregate
-        self._holder_of: Optional[Callable[[str], str]] = None  # request id -> who holds for it (limit_holders)
-        self._holder_cap: Optional[int] = None
-        self._held: dict[str, int] = {}  # holder -> chunks its requests reserve or load
+        self.failure_log = FailureLog()  # how failed commands are reported (the node cache defers them)
+        self.holders: Optional[Holders] = None  # who holds which chunks (limit_holders)
 
     # ---- the contract -------------------------------------------------------------------------------------------
 
@@ -153,7 +151,7 @@ class ChunkIndex(ChunkManager):
         for position, key in enumerate(keys):
             entry = self._entries.get(key)
             if entry is not None and entry.slot is not None:
-                if self._holder_cap is not None and request_id not in entry.reservations:
+                if self.holders is not None and self.holders.cap is not None and request_id not in entry.reservations:
                     break  # not reserved above: its holder's cap
                 if entry.slot_state is SlotState.READY:
                     self._slots.policy.touch(key, reuse=first_ask[position])
@@ -171,10 +169,9 @@ class ChunkIndex(ChunkManager):
                 if not remote_present[position - remote_from]:
                     break
                 entry = self._entries.setdefault(key, _Entry(key))
-                if not self._reserve(entry, request_id, reserved):  # kept while its promotion may evict and drop
+                # reserved: kept while its own promotion may evict and drop; not: forgotten (it holds nothing)
+                if not self._reserve(entry, request_id, reserved) or not self._promote(entry, Tier.REMOTE):
                     self._forget_if_empty(entry)
-                    break
-                if not self._promote(entry, Tier.REMOTE):
                     break
                 sources.append(Tier.REMOTE)
             hit += 1
@@ -201,37 +198,16 @@ class ChunkIndex(ChunkManager):
         return [here or next(found) for here in held]
 
     def limit_holders(self, holder_of: Callable[[str], str], cap: Optional[int]) -> None:
-        """Counts, per holder (`holder_of(request_id)`: the node cache's engines), the chunks its requests reserve
-        or load, and lets no holder reserve more than `cap` (None: no cap; a lookup's hit ends at the chunk that
-        would exceed it, counted as `lease_cap_misses`). Counting starts with the first call, before any lookup;
-        later calls only change the cap."""
-        if self._holder_of is None:
-            if self._reserved:  # loads in flight are fine: one that no holder counted is not uncounted either
-                raise ValueError("limit_holders must be called before the index reserves anything")
-            self._holder_of = holder_of
-        self._holder_cap = cap
-
-    def held_by(self, holder: str) -> int:
-        """How many chunks `holder`'s requests reserve or load now (limit_holders)."""
-        return self._held.get(holder, 0)
-
-    @property
-    def remote_configured(self) -> bool:
-        return self._remote.configured
+        """Counts per holder (the node's engines) the chunks its requests reserve or load (holders.py); a lookup's
+        hit ends where `cap` would be passed (`lease_cap_misses`). First call before any lookup; later: the cap."""
+        if self.holders is None:
+            self.holders = Holders(holder_of)
+        self.holders.cap = cap
 
     def prefetch_remote(self, keys: Sequence[ChunkKey]) -> None:
-        """Asks the remote store now about what a `lookup` or `presence` of `keys` would ask it (the keys from the
-        first one no local tier holds on); that call of this thread then answers from it. The node cache calls it
-        before it takes its lock: the tables are only read (a stale read costs the call one more ask)."""
-        if not self._remote.configured:
-            return
-        entries = self._entries
-        for position, key in enumerate(keys):
-            entry = entries.get(key)
-            if entry is None or (entry.slot is None and entry.disk is not DiskState.PRESENT):
-                self._remote.prefetch(keys[position:])
-                return
-        self._remote.prefetch([])
+        """What a lookup/presence of `keys` will ask the remote store, asked now (the node cache, before its lock)."""
+        self._remote.prefetch_from_first(keys, lambda key: (entry := self._entries.get(key)) is not None and (
+            entry.slot is not None or entry.disk is DiskState.PRESENT))  # read only: a stale read costs an ask
 
     def prepare_load(self, request_id: str, chunks: NumberedChunks) -> list[Load]:
         """Loads for the request's chunks (chunk number, key); each must be ready (a lookup said so). Checked for
@@ -247,7 +223,8 @@ class ChunkIndex(ChunkManager):
         for chunk_index, key in chunks:
             entry = self._entries[key]
             entry.readers += 1
-            self._hold(entry, request_id)  # the load holds what the reservation held (until every rank answered)
+            if self.holders is not None:  # the load holds what the reservation held, until every rank answered
+                self.holders.hold(entry, request_id)
             if key in reserved:
                 reserved.discard(key)
                 self._unreserve(entry, request_id)
@@ -315,33 +292,12 @@ class ChunkIndex(ChunkManager):
 
     def abandon(self, cmd_ids: Iterable[int], reason: str) -> int:
         """Fails every rank's missing answer to `cmd_ids` (their workers are gone: an engine that died holding
-        them), so their slots and pins are given back as for any failed command; returns how many were pending (the
-        caller reports them: one line, not one per command)."""
+        them), so their slots and pins are given back as for any failed command; returns how many were pending."""
         failed = [Completion(cmd_id, rank, False, reason) for cmd_id in cmd_ids
                   for rank in sorted(self._ledger.waiting_ranks(cmd_id))]
-        self._quiet = True
-        try:
+        with self.failure_log.quieted():  # the caller reports them: one line, not one per command
             self.on_completions(failed)
-        finally:
-            self._quiet = False
         return len({done.cmd_id for done in failed})
-
-    def defer_failure_logs(self) -> None:
-        """From now on a failed command is kept for `take_failures` instead of logged at once (the node cache logs
-        them in aggregate once its lock is released)."""
-        if self._failures is None:
-            self._failures = []
-
-    @property
-    def failures_kept(self) -> int:
-        return len(self._failures) if self._failures else 0
-
-    def take_failures(self) -> list[tuple[str, str, str]]:
-        """The failed commands kept since the last call: (kind, chunk hash prefix, why), oldest first."""
-        if not self._failures:
-            return []
-        failures, self._failures = self._failures, []
-        return failures
 
     def pending_command_ids(self) -> tuple[int, ...]:
         """Commands some rank has not answered, oldest first (benches answer them all)."""
@@ -402,12 +358,8 @@ class ChunkIndex(ChunkManager):
             assert entry.readers >= 0 and entry.disk_readers >= 0
         self._slots.check_invariants(owners)
         assert len(self._disk) <= self.disk_chunks
-        if self._holder_of is not None:
-            held: dict[str, int] = {}
-            for entry in self._entries.values():
-                for holder in entry.holders or ():
-                    held[holder] = held.get(holder, 0) + 1
-            assert held == self._held, f"holders hold {held}, the index counts {self._held}"
+        if self.holders is not None:
+            self.holders.check_invariants(self._entries.values())
         ready = sum(entry.slot_state is SlotState.READY for entry in self._entries.values())
         assert len(policy) == ready, f"policy holds {len(policy)} chunks, {ready} are ready"
         assert len(self._gate) <= self._gate.capacity
@@ -433,55 +385,17 @@ class ChunkIndex(ChunkManager):
         return self._ledger.emit(command)
 
     def _reserve(self, entry: _Entry, request_id: str, reserved: set[ChunkKey]) -> bool:
-        """Reserves the chunk for the request; False (counted) when its holder may hold no more chunks."""
-        if self._holder_of is not None and request_id not in entry.reservations:
-            if not self._may_hold(entry, request_id):
-                self.counters.add(Metric.LEASE_CAP_MISSES)
-                return False
-            self._hold(entry, request_id)
+        if self.holders is not None and not self.holders.reserve(entry, request_id):
+            self.counters.add(Metric.LEASE_CAP_MISSES)
+            return False
         entry.reservations.add(request_id)
         reserved.add(entry.key)
         return True
 
     def _unreserve(self, entry: _Entry, request_id: str) -> None:
-        if self._holder_of is not None and request_id in entry.reservations:
-            self._unhold(entry, request_id)
+        if self.holders is not None:
+            self.holders.unreserve(entry, request_id)
         entry.reservations.discard(request_id)
-
-    def _may_hold(self, entry: _Entry, request_id: str) -> bool:
-        if self._holder_cap is None:
-            return True
-        holder = self._holder_of(request_id)  # type: ignore[misc]
-        return (entry.holders is not None and holder in entry.holders) or self._held.get(holder, 0) < self._holder_cap
-
-    def _hold(self, entry: _Entry, request_id: str) -> None:
-        """One more reservation or load of `request_id`'s holder on the chunk (a chunk it did not hold counts)."""
-        if self._holder_of is None:
-            return
-        holder = self._holder_of(request_id)
-        if entry.holders is None:
-            entry.holders = {}
-        count = entry.holders.get(holder, 0)
-        entry.holders[holder] = count + 1
-        if not count:
-            self._held[holder] = self._held.get(holder, 0) + 1
-
-    def _unhold(self, entry: _Entry, request_id: str) -> None:
-        if self._holder_of is None or entry.holders is None:
-            return
-        holder = self._holder_of(request_id)
-        count = entry.holders.get(holder, 0) - 1
-        if count > 0:
-            entry.holders[holder] = count
-            return
-        entry.holders.pop(holder, None)
-        if not entry.holders:
-            entry.holders = None
-        left = self._held.get(holder, 0) - 1
-        if left > 0:
-            self._held[holder] = left
-        else:
-            self._held.pop(holder, None)
 
     def _put_if_admitted(self, entry: _Entry) -> None:
         """A ready chunk that passes the gate and is not in the remote store yet is put there (slot pinned)."""
@@ -599,13 +513,7 @@ class ChunkIndex(ChunkManager):
         ok = not failures
         if not ok:
             self.counters.add(_FAILED[type(command)])
-            if self._quiet:
-                pass
-            elif self._failures is None:
-                logger.warning("%s of chunk %s failed: %s", type(command).__name__, command.key.chunk_hash.hex()[:16],
-                               "; ".join(failures))
-            elif len(self._failures) < MAX_KEPT_FAILURES:  # beyond: only counted (nobody is taking them)
-                self._failures.append((type(command).__name__, command.key.chunk_hash.hex()[:16], "; ".join(failures)))
+            self.failure_log.report(command, failures)
         entry = self._entries.get(command.key)
         if entry is None:
             return
@@ -640,7 +548,8 @@ class ChunkIndex(ChunkManager):
 
     def _finish_load(self, entry: _Entry, command: Load, ok: bool) -> None:
         entry.readers -= 1
-        self._unhold(entry, command.request_id)
+        if self.holders is not None:
+            self.holders.unhold(entry, command.request_id)
 
     def _finish_put(self, entry: _Entry, command: Put, ok: bool) -> None:
         entry.readers -= 1

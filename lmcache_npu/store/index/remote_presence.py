@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from ..keys import ChunkKey
 from ..tier import TierCounters
@@ -41,6 +41,13 @@ class RemotePresence:
             self._asked.answers = None
             return
         self._asked.answers = (time.monotonic(), dict(zip(keys, self._ask(keys))))
+
+    def prefetch_from_first(self, keys: Sequence[ChunkKey], held: Callable[[ChunkKey], bool]) -> None:
+        """`prefetch` of the keys from the first one no local tier holds (`held`) on: what a lookup asks."""
+        if self._exists is None:
+            return
+        position = next((position for position, key in enumerate(keys) if not held(key)), len(keys))
+        self.prefetch(keys[position:])
 
     def _ask(self, keys: Sequence[ChunkKey]) -> list[bool]:
         """The store's answer for each key; a failing store answers misses (it must never break a lookup)."""
