@@ -295,7 +295,7 @@ class ChunkIndex(ChunkManager):
         them), so their slots and pins are given back as for any failed command; returns how many were pending."""
         failed = [Completion(cmd_id, rank, False, reason) for cmd_id in cmd_ids
                   for rank in sorted(self._ledger.waiting_ranks(cmd_id))]
-        with self.failure_log.quieted():  # the caller reports them: one line, not one per command
+        with self.failure_log.quieted(), self._slots.quarantining():  # reported by the caller; slots rest first
             self.on_completions(failed)
         return len({done.cmd_id for done in failed})
 
