@@ -183,7 +183,11 @@ class NodeCacheService:
         lease: Optional[EngineLease] = None
         try:
             connection.settimeout(FIRST_MESSAGE_S)  # a peer that connects and says nothing holds a thread
-            attach = wire.receive_request(connection)
+            try:
+                attach = wire.receive_request(connection)
+            except wire.PickledRequest as exc:  # an older engine: it reads a pickled Refused, and is told why
+                wire.send_reply(connection, Refused(str(exc)))
+                return
             connection.settimeout(None)
             if attach == ("ping",):  # a probe (`lmcache-npu node-ping`): answered without the lock, then closed
                 wire.send_reply(connection, ("pong", self.about()))

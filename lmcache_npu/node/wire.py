@@ -41,6 +41,11 @@ class WireError(ConnectionError):
     """The peer sent something that is not a message of this protocol, or the connection broke mid-message."""
 
 
+class PickledRequest(WireError):
+    """A peer sent the service a pickle: an engine of a release from before the closed encoding (it can read a
+    pickled Refused that says so)."""
+
+
 class _AllowListUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) not in _ALLOWED:
@@ -66,6 +71,9 @@ def encode_reply(message: Any) -> bytes:
 
 def decode_request(payload: bytes) -> Any:
     """What a peer sent the service: the closed encoding only."""
+    if payload[:1] == b"\x80":  # a pickle's PROTO opcode: never decoded, but told apart for a clear refusal
+        raise PickledRequest("the peer sent a pickle: it is an engine of an older lmcache-npu than this node cache "
+                             "service (which reads only its own encoding); upgrade the engine or the service")
     try:
         return codec.decode(payload)
     except (ValueError, TypeError, OverflowError, struct.error) as exc:  # CodecError, a bad UTF-8 or field value

@@ -98,7 +98,8 @@ def test_a_hostile_first_message_costs_only_its_own_connection(start_node, node_
         sock.connect(node.path)
         payload = pickle.dumps(RunsOnLoad(os.system, f"touch {marker}"))
         sock.sendall(struct.pack(">I", len(payload)) + payload)
-        assert sock.recv(1) == b""  # the service hung up
+        assert isinstance(wire.receive(sock), Refused)  # refused unread: a pickle is never decoded
+        assert sock.recv(1) == b""  # and the service hung up
     assert not os.path.exists(marker)
     assert node.client("next", geometry(1)).lookup("q", keys_of(0, 1)) == LookupResult(0, 0)  # still serving
 
@@ -156,13 +157,16 @@ def test_a_few_bytes_never_make_the_service_build_hundreds_of_mib(start_node, pa
             sock.settimeout(30)
             sock.connect(node.path)
             sock.sendall(struct.pack(">I", len(payload)) + payload)
-            answered = sock.recv(1)  # b"": the service hung up without building anything or answering
+            try:  # a pickle is answered with a Refused (built from nothing it sent), anything else hung up on
+                answered = wire.receive(sock)
+            except wire.WireError:
+                answered = None
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
     assert peak < 32 << 20, f"the service built {peak >> 20} MiB from {len(payload)} B"
-    assert answered == b""
-    with pytest.raises(wire.WireError, match="undecodable"):
+    assert answered is None or (isinstance(answered, Refused) and "sent a pickle" in answered.reason)
+    with pytest.raises(wire.WireError):
         wire.decode_request(payload)
     assert node.client("next", geometry(1)).lookup("q", keys_of(0, 1)) == LookupResult(0, 0)  # still serving
 
@@ -191,17 +195,19 @@ def test_the_decoded_size_of_a_request_is_capped(monkeypatch):
         wire.decode_request(empty_sets)
 
 
-def test_the_service_reads_no_pickle_at_all(start_node):
+def test_the_service_reads_no_pickle_and_tells_an_older_engine_why(start_node):
     node = start_node(store_config(2, 1))
-    attach = pickle.dumps(Attach("pickled", geometry(1)), protocol=5)  # a well-formed pickle of an allowed class
-    with pytest.raises(wire.WireError, match="undecodable"):
+    attach = pickle.dumps(Attach("pickled", geometry(1)), protocol=5)  # what an engine of the old wire sends
+    with pytest.raises(wire.PickledRequest, match="an engine of an older lmcache-npu"):
         wire.decode_request(attach)
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.settimeout(30)
         sock.connect(node.path)
         sock.sendall(struct.pack(">I", len(attach)) + attach)
+        reply = wire.receive(sock)  # a pickle, as the old engine reads it
         assert sock.recv(1) == b""
-    wait_for(lambda: node.service.connections == 0, "the refused connection to be gone")
+    assert isinstance(reply, Refused) and "upgrade the engine or the service" in reply.reason
+    assert node.service.connections == 0 and not node.service.pools
 
 
 def _receive(data: bytes) -> object:
