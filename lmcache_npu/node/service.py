@@ -24,7 +24,7 @@ import struct
 import threading
 import time
 from dataclasses import dataclass
-from functools import partial
+from functools import cache, partial
 from itertools import repeat
 from typing import Any, Callable, Optional
 
@@ -359,6 +359,7 @@ class NodeCacheService:
             pass
 
 
+@cache
 def _version() -> str:
     try:
         return importlib.metadata.version("lmcache-npu")
