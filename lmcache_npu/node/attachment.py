@@ -5,6 +5,7 @@ device moves read and write (the same kernels and lanes as a private arena), and
 
 from __future__ import annotations
 
+import logging
 import socket
 from dataclasses import dataclass
 from typing import Optional
@@ -16,28 +17,47 @@ from . import wire
 from .client import connect
 from .messages import PROTOCOL_VERSION, Attach, Attached, PoolGeometry
 
+logger = logging.getLogger(__name__)
+
 
 @dataclass
 class WorkerAttachment:
-    """A worker's mapping of its rank's shared arena, and the connection that holds its lease."""
+    """A worker's mapping of its rank's shared arena, and the connection that holds its lease once bound to it
+    (`lease`: the token of its scheduler's lease, "" before it joined one)."""
 
     sock: socket.socket
     arena: HostArena
     epoch: str
+    lease: str = ""
+
+    def join(self, token: str) -> bool:
+        """Binds this connection to the lease of `token` (its scheduler's, named in the step's metadata) before
+        any of that scheduler's commands runs here; False when no live lease has it (or the service is gone)."""
+        try:
+            wire.send(self.sock, ("join", token))
+            reply = wire.receive(self.sock)
+        except (OSError, wire.WireError) as exc:
+            logger.warning("lmcache_npu: could not join the node cache lease: %s", exc)
+            return False
+        joined = isinstance(reply, tuple) and len(reply) == 4 and reply[:2] == ("ok", True)
+        if joined:
+            self.lease = token
+        return joined
 
     def close(self) -> None:
         self.sock.close()
 
 
 def attach_worker_arena(path: str, engine: str, geometry: PoolGeometry, rank: int, *, weights: str,
-                        pinned: Optional[bool], npu_host_memory: str = "auto",
-                        timeout_s: float = 30.0) -> WorkerAttachment:
+                        pinned: Optional[bool], npu_host_memory: str = "auto", timeout_s: float = 30.0,
+                        lease: str = "") -> WorkerAttachment:
     """Maps rank `rank`'s segments of the pool for `geometry`; pinned (None: where an accelerator is) means every
     segment is registered with the device before this returns (the node's slots are all live, so a worker must
     reach all of them), and a segment that cannot be is an error naming why. `weights`: how the engine's identity
-    names its weights (messages.WEIGHTS_*)."""
-    sock, attached, fds = connect(path, Attach(engine, geometry, rank, weights=weights, protocol=PROTOCOL_VERSION),
-                                  timeout_s)
+    names its weights (messages.WEIGHTS_*). `lease`: the scheduler's lease token when this worker knows it (bound
+    at once; otherwise it joins with the first step that names it)."""
+    sock, attached, fds = connect(path, Attach(engine, geometry, rank, weights=weights, protocol=PROTOCOL_VERSION,
+                                               lease=lease), timeout_s)
     return map_worker_arena(sock, attached, fds, rank, pinned=pinned, npu_host_memory=npu_host_memory)
 
 
@@ -64,7 +84,7 @@ def map_worker_arena(sock: socket.socket, attached: Attached, fds: list[int], ra
             raise MemoryError(f"rank {rank}: node cache segments {[s.index for s in failed]} could not be made "
                               f"DMA-able for this device ({failed[0].error}); the node cache needs host registration "
                               "of shared memory (docs/deployment.md, \"Node cache\")")
-    return WorkerAttachment(sock, arena, attached.epoch)
+    return WorkerAttachment(sock, arena, attached.epoch, attached.lease)
 
 
 class UnmappedArena:

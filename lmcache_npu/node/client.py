@@ -167,6 +167,7 @@ class NodeCacheClient(ChunkManager):
         self._closed = False
         self._refusal = ""  # the last refusal's reason, said once
         self._away = ""  # why the last attach failed otherwise
+        self.lease = ""  # the token the service issued this engine's lease (its workers present it)
         # the first attach runs as every later one does, in the background; the start waits for it a little
         with self._retry_lock:
             retrying = self._retrying = threading.Thread(target=self._reattach, name="lmcache-node-attach",
@@ -181,11 +182,13 @@ class NodeCacheClient(ChunkManager):
     # ---- the connection -------------------------------------------------------------------------------------------
 
     def _attach_message(self) -> Attach:
-        return Attach(self.engine, self.geometry, None, self._events, weights=self.weights, protocol=PROTOCOL_VERSION)
+        return Attach(self.engine, self.geometry, None, self._events, weights=self.weights, protocol=PROTOCOL_VERSION,
+                      lease=self.lease)
 
     def _adopt(self, sock: socket.socket, attached: Attached) -> None:
         self._sock = sock
         self.epoch = attached.epoch
+        self.lease = attached.lease
         self.num_slots = attached.num_slots
         self.disk_chunks = attached.disk_chunks
         self._policy = attached.eviction_policy

@@ -8,12 +8,15 @@ every reply is `("ok", value, counters, tier_changes)` or `("error", kind, text)
 - `("lookup", request_id, namespace, hashes)` -> LookupResult; `("presence", namespace, hashes, remote)` -> [bool]
 - `("prepare_load" | "prepare_store", request_id, namespace, chunk_numbers, hashes)` -> [command tuple]
 - `("release", request_id)` and `("on_completions", [(command id, rank, ok, reason)])`: one-way, no reply
+- `("join", lease token)`, from a worker: binds its connection to its scheduler's lease -> bool
 - `("events", wanted)`, `("occupancy",)`, `("location", ChunkKey)`, `("chunks",)`, `("adopt_disk", [ChunkKey])`,
   `("drop_disk_copies", [ChunkKey])`: rare, plain values.
 
 Attach and Attached say the protocol version each side speaks (`PROTOCOL_VERSION`): the service refuses an engine of
 another version (it answers `Refused` naming both), and an engine refuses a service that answers with another, so a
 DaemonSet upgraded apart from its engines means misses, never a verb or a reply one side cannot read.
+
+A first message `("ping",)` instead of an Attach is answered `("pong", {version, epoch, ...})` (probes).
 """
 
 from __future__ import annotations
@@ -51,7 +54,10 @@ class Attach:
     """The first message on a connection. `engine` names the engine (its KV transfer engine id and data-parallel
     rank): its scheduler and every worker attach under it, and what the engine holds is released once the last of
     its connections closes. `rank` is a worker's rank (None: the scheduler). `weights` says how the engine's model
-    identity names its weights (`WEIGHTS_*`); the service takes only named ones."""
+    identity names its weights (`WEIGHTS_*`); the service takes only named ones. `lease` is the token the service
+    issued the engine's scheduler (`Attached.lease`): a scheduler presents it when it attaches again, a worker to be
+    bound to that lease (one that has none yet joins it later, with the `join` verb, when the scheduler's step names
+    it); what the engine holds is released once its scheduler's connection and those of its bound workers close."""
 
     engine: str
     geometry: PoolGeometry
@@ -59,6 +65,7 @@ class Attach:
     events: bool = False  # the scheduler publishes vLLM KV events: send it the pool's tier changes
     weights: str = WEIGHTS_UNNAMED  # an engine that does not say is taken for one whose weights nothing names
     protocol: int = PROTOCOL_VERSION
+    lease: str = ""
 
 
 @dataclass(frozen=True)
@@ -75,6 +82,7 @@ class Attached:
     disk_chunks: int
     eviction_policy: str
     protocol: int = PROTOCOL_VERSION
+    lease: str = ""  # the engine's lease token: to a scheduler, and to a worker that presented it
 
 
 @dataclass(frozen=True)

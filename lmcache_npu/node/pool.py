@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import secrets
 import threading
 import time
 from collections import Counter, OrderedDict
@@ -41,15 +42,40 @@ class PoolRefused(ValueError):
     """The pool cannot be made (no memory for one slot per rank, a disk tier that holds no chunk)."""
 
 
+class LeaseTaken(ValueError):
+    """Another live engine holds the lease of this engine name (two engines configured with one engine id)."""
+
+
+@dataclass(frozen=True)
+class LeaseLimits:
+    """What one engine may hold of a pool it shares: its requests reserve and load at most `slot_share` of the
+    pool's slots while another engine holds a lease too (alone it may use all), and a request's reservations that
+    no lookup renewed for `reservation_ttl_s` are released (a hung engine pins nothing for ever)."""
+
+    slot_share: float = 0.25
+    reservation_ttl_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.slot_share <= 1:
+            raise ValueError(f"a lease's slot share must be in (0, 1], got {self.slot_share}")
+        if not self.reservation_ttl_s > 0:
+            raise ValueError(f"the reservation TTL must be positive, got {self.reservation_ttl_s}")
+
+
 @dataclass
 class EngineLease:
-    """What one engine holds in a pool, kept while any of its connections is open."""
+    """What one engine holds in a pool, kept while its scheduler's connection or a worker's bound to it is open
+    (before a scheduler claimed it: while any of its connections is)."""
 
     engine: str
     connections: set[int] = field(default_factory=set)
+    token: str = ""  # issued to the scheduler that claimed the lease; "" before one did
+    scheduler: Optional[int] = None  # that scheduler's connection while it is open
+    bound: set[int] = field(default_factory=set)  # worker connections that presented the token
     requests: set[str] = field(default_factory=set)  # scoped request ids that may hold reservations
     commands: set[int] = field(default_factory=set)  # Store and Load commands handed to its workers
     counters: Counter = field(default_factory=Counter)  # index counter moves of its calls, not yet told to it
+    looked_up: dict[str, float] = field(default_factory=dict)  # scoped request id -> its last lookup (monotonic)
     events: bool = False
     # (chunk hash, tier, entered, its event payload where an engine described it)
     tier_changes: list[tuple[bytes, Tier, bool, Optional[tuple]]] = field(default_factory=list)
@@ -58,6 +84,16 @@ class EngineLease:
 
 def scoped(engine: str, request_id: str) -> str:
     return f"{engine}{ENGINE_SEPARATOR}{request_id}"
+
+
+def _check_engine_name(engine: object) -> None:
+    if not isinstance(engine, str) or not engine or ENGINE_SEPARATOR in engine or len(engine) > 256:
+        raise ValueError(f"an engine name must be 1-256 characters without \\x1f, got {engine!r}")
+
+
+def _engine_of(name: str) -> str:
+    """The engine a scoped request id is of (the index's holder of its reservations and loads)."""
+    return name.partition(ENGINE_SEPARATOR)[0]
 
 
 class NodePool:
@@ -106,8 +142,14 @@ class NodePool:
         self.payloads: OrderedDict[ChunkKey, tuple] = OrderedDict()  # what engines described, for the others' events
         self.max_payloads = self.index.num_slots + self.index.disk_chunks + PAYLOAD_SLACK
         self.index.set_tier_listener(self._tell)
+        self.index.failure_log.defer()
+        self.limits = LeaseLimits()
+        self.index.limit_holders(_engine_of, None)  # capped once a second engine holds a lease (_update_cap)
+        self._swept = time.monotonic()
+        self._notes: list[tuple[int, str, tuple]] = []  # log records made under the lock, emitted by `flush_log`
         self._wake = threading.Event()
         self._closed = threading.Event()
+        self.turned = time.monotonic()  # when the pump last held the lock (it tries every second): /healthz reads it
         self.dispatch()  # the restart's drops of partial disk copies (the pump answers them once it runs)
         self._pump = threading.Thread(target=self._pump_loop, name="lmcache-node-pump", daemon=True)
         self._pump.start()
@@ -130,23 +172,84 @@ class NodePool:
 
     # ---- leases ---------------------------------------------------------------------------------------------------
 
-    def lease(self, engine: str, connection: int, events: bool = False) -> EngineLease:
+    def lease(self, engine: str, connection: int, events: bool = False, limits: Optional[LeaseLimits] = None, *,
+              rank: Optional[int] = None, token: str = "") -> EngineLease:
+        """`connection` in `engine`'s lease. A scheduler (rank None) claims the lease and is issued its token; while
+        the claimed lease lives, another scheduler under that name is refused (LeaseTaken) unless it presents the
+        token (the same engine attaching again). A worker presenting the token is bound to the lease; one without it
+        (workers attach before their scheduler) counts only once it joins (`join`)."""
+        _check_engine_name(engine)
         lease = self.leases.get(engine)
         if lease is None:
             lease = self.leases[engine] = EngineLease(engine)
+        if rank is None:
+            if lease.token and token != lease.token:
+                raise LeaseTaken(f"engine name {engine!r} is held by a live engine on this node (its scheduler or "
+                                 "workers are attached): two engines share one kv_transfer_config.engine_id; give "
+                                 "each engine (and each data-parallel deployment) its own")
+            lease.token = lease.token or secrets.token_hex(16)
+            lease.scheduler = connection
+        elif token and token == lease.token:
+            lease.bound.add(connection)
         lease.connections.add(connection)
         lease.events = lease.events or events
+        if limits is not None:
+            self.limits = limits
+        self._update_cap()
         return lease
 
+    def join(self, engine: str, connection: int, token: str) -> Optional[EngineLease]:
+        """A worker's connection presents the token of its scheduler's lease and is bound to it; None when no live
+        lease of this engine has that token (the commands of that scheduler must not run)."""
+        lease = self.leases.get(engine)
+        if lease is None or not token or token != lease.token:
+            return None
+        lease.connections.add(connection)  # it may have attached to the lease's predecessor
+        lease.bound.add(connection)
+        return lease
+
+    def _update_cap(self) -> None:
+        """An engine alone in the pool may hold all of it; with others, `limits.slot_share` of its slots."""
+        cap = max(1, int(self.limits.slot_share * self.index.num_slots)) if len(self.leases) > 1 else None
+        self.index.limit_holders(_engine_of, cap)
+
+    def expire_reservations(self, now: float) -> int:
+        """Releases every request's reservations no lookup renewed for `limits.reservation_ttl_s` (its engine may
+        still load them: a prepare_load of a chunk still ready succeeds, of one evicted since is refused, and vLLM
+        recomputes it); how many requests."""
+        ttl = self.limits.reservation_ttl_s
+        expired = 0
+        for lease in self.leases.values():
+            stale = [name for name, when in lease.looked_up.items() if now - when > ttl]
+            for name in stale:
+                del lease.looked_up[name]
+                self.index.release(name)
+                lease.requests.discard(name)
+            if stale:
+                expired += len(stale)
+                self.note(logging.WARNING, "node cache: engine %s: %d request(s) held reservations for more than "
+                          "%.0f s without a lookup; released", lease.engine, len(stale), ttl)
+        if expired:
+            self.index.counters.add(Metric.RESERVATIONS_EXPIRED, expired)
+            self.dispatch()
+        return expired
+
     def drop_connection(self, engine: str, connection: int) -> bool:
-        """The connection closed; when it was the engine's last, its lease ends (True)."""
+        """The connection closed; when it was the last that holds the engine's lease, the lease ends (True). Workers
+        that never joined it stay, in a new lease of the name (their scheduler may claim it later)."""
         lease = self.leases.get(engine)
         if lease is None:
             return False
         lease.connections.discard(connection)
-        if lease.connections:
+        lease.bound.discard(connection)
+        if lease.scheduler == connection:
+            lease.scheduler = None
+        if (lease.scheduler is not None or lease.bound) if lease.token else lease.connections:
             return False
         self.end_lease(lease)
+        if lease.connections:
+            self.leases[engine] = EngineLease(engine, set(lease.connections), events=lease.events)
+        self._update_cap()
         return True
 
     def end_lease(self, lease: EngineLease) -> None:
@@ -163,8 +266,9 @@ class NodePool:
         self.index.counters.add(Metric.ABANDONED_COMMANDS, abandoned)
         self.index.counters.add(Metric.RELEASED_REQUESTS, len(lease.requests))
         self.dispatch()
-        logger.info("node cache: engine %s left; %d request(s) released, %d unanswered command(s) failed",
-                    lease.engine, len(lease.requests), abandoned)
+        self.note(logging.WARNING if abandoned else logging.INFO,
+                  "node cache: engine %s left; %d request(s) released, %d unanswered command(s) failed", lease.engine,
+                  len(lease.requests), abandoned)
 
     # ---- the verbs ------------------------------------------------------------------------------------------------
 
@@ -227,8 +331,8 @@ class NodePool:
             if isinstance(command, (Store, Load)):
                 engine = command.request_id.partition(ENGINE_SEPARATOR)[0]
                 if caller is None or engine != caller.engine:  # only a verb of that engine may issue its moves
-                    logger.error("node cache: command %d for engine %s issued outside its call; failed",
-                                 command.cmd_id, engine)
+                    self.note(logging.ERROR, "node cache: command %d for engine %s issued outside its call; failed",
+                              command.cmd_id, engine)
                     self.index.abandon([command.cmd_id], "issued outside its engine's call")
                     continue
                 if isinstance(command, Store):
@@ -242,6 +346,30 @@ class NodePool:
             executor.submit(tier)
         self._wake.set()
 
+    # ---- what operators read ----------------------------------------------------------------------------------------
+
+    def note(self, level: int, message: str, *args: Any) -> None:
+        """A log record made under the lock, emitted by the next `flush_log` (a stalled log sink must never hold
+        the lock every engine's verbs wait for)."""
+        self._notes.append((level, message, args))
+
+    def flush_log(self) -> None:
+        """Emits what `note` kept and the index's failed commands, one line per kind and reason (an engine's death
+        fails hundreds of commands at once). Called without the lock held; takes it only to take the records."""
+        if not self._notes and not self.index.failure_log.kept:  # racy peek: one missed now goes with the next call
+            return
+        with self.lock:
+            notes, self._notes = self._notes, []
+            failures = self.index.failure_log.take()
+        for level, message, args in notes:
+            logger.log(level, message, *args)
+        grouped: dict[tuple[str, str], list[str]] = {}
+        for kind, chunk, why in failures:
+            grouped.setdefault((kind, why), []).append(chunk)
+        for (kind, why), chunks in grouped.items():
+            logger.warning("node cache pool %s: %d %s command(s) failed (chunk %s%s): %s", self.geometry.namespace,
+                           len(chunks), kind, chunks[0], " and others" if len(chunks) > 1 else "", why)
+
     # ---- tier completions -----------------------------------------------------------------------------------------
 
     def _pump_loop(self) -> None:
@@ -249,9 +377,14 @@ class NodePool:
             self._wake.wait(PUMP_IDLE_S if self._busy() else 1.0)
             self._wake.clear()
             with self.lock:
+                self.turned = time.monotonic()
                 if self._closed.is_set():
                     return
                 self.pump()
+                if self.turned - self._swept >= 1.0:
+                    self._swept = self.turned
+                    self.expire_reservations(self.turned)
+            self.flush_log()
 
     def pump(self) -> int:
         """Feeds the executors' answers to the index (and runs what that issues); how many answers there were."""

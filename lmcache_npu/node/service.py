@@ -4,7 +4,7 @@ Mooncake client, and every engine on the node uses it through a Unix socket.
 Security: the socket is created mode 0600 (0660 with `group`), every peer's credentials are checked with
 `SO_PEERCRED` (this uid, or with `group` that primary gid: a supplementary membership opens the socket but does
 not pass), and the shared segments are memory files in no filesystem, reachable only through descriptors this
-service hands to checked peers. Messages are allow-listed pickles (wire.py).
+service hands to checked peers. Peers' messages are of a closed encoding (codec.py, wire.py).
 Engines attach with their pool geometry; each geometry gets a pool (`pool.py`), up to `max_pools`, each an equal
 share of `cpu_bytes` and `disk_bytes`; a pool no engine holds is given back after `pool_idle_s` or when a new
 geometry needs its place (`pool_table.py`). One lock serialises the verbs: they are index operations.
@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 import grp
+import importlib.metadata
+import json
 import logging
 import os
 import secrets
@@ -23,7 +25,7 @@ import struct
 import threading
 import time
 from dataclasses import dataclass
-from functools import partial
+from functools import cache, partial
 from itertools import repeat
 from typing import Any, Callable, Optional
 
@@ -32,10 +34,10 @@ from ..store.config import StoreConfig
 from ..store.index.contract import ChunkView
 from ..store.keys import ChunkKey
 from ..store.metrics import Metric
-from . import wire
+from . import codec, wire
 from .exporter import MetricsServer, exposition
 from .messages import NAMED_WEIGHTS, PROTOCOL_VERSION, Attach, PoolGeometry, Refused, protocol_of
-from .pool import EngineLease, NodePool, PoolRefused, scoped
+from .pool import ENGINE_SEPARATOR, EngineLease, LeaseLimits, NodePool, PoolRefused, scoped
 from .pool_table import PoolTable
 
 logger = logging.getLogger(__name__)
@@ -46,6 +48,9 @@ ONEWAY = frozenset({"release", "on_completions", "describe"})
 _new_key = partial(tuple.__new__, ChunkKey)  # ChunkKey(namespace, hash) without its Python-level __new__
 HIT_CHUNKS = {Tier.ARENA: Metric.HIT_CHUNKS_CPU, Tier.DISK: Metric.HIT_CHUNKS_DISK,
               Tier.REMOTE: Metric.HIT_CHUNKS_REMOTE}
+WEDGED_AFTER_S = 60.0  # a pool's pump has not had the lock this long: a verb hangs, /healthz says so
+MAX_CONNECTIONS = 4096  # open at once (a DP=16 TP=8 node holds 144); each costs a thread
+FIRST_MESSAGE_S = 10.0  # a connection's Attach (or ping) must arrive within this
 
 
 @dataclass(frozen=True)
@@ -59,6 +64,8 @@ class ServiceOptions:
     metrics_port: Optional[int] = None
     metrics_host: str = "127.0.0.1"
     pool_idle_s: float = 300.0  # a pool no engine has attached to for this long is given back (its memory freed)
+    lease_slot_share: float = 0.25  # of a pool's slots one engine may reserve and load while others attach too
+    reservation_ttl_s: float = 120.0  # a request's reservations no lookup renewed for this long are released
 
 
 class NodeCacheService:
@@ -66,9 +73,11 @@ class NodeCacheService:
         if options.max_pools < 1:
             raise ValueError(f"max_pools must be at least 1, got {options.max_pools}")
         self.options = options
+        self._limits = LeaseLimits(options.lease_slot_share, options.reservation_ttl_s)
         self.instance = secrets.token_hex(6)  # a restarted service is a new epoch for every engine
         self.lock = threading.RLock()
         self.refused_peers = 0
+        self.refused_crowd = 0  # connections refused beyond MAX_CONNECTIONS
         self.connections = 0
         self.started_at = time.time()
         self._group_gid = group_id(options.group) if options.group else None
@@ -76,12 +85,15 @@ class NodeCacheService:
         self._closed = threading.Event()
         self._table = PoolTable(options.store, options.max_pools, options.pool_idle_s, self.instance, self.lock,
                                 self._closed)
+        self._accepting = threading.Event()  # the accept loop runs (what /readyz and a ping report)
         self._threads: list[threading.Thread] = []
         self._open: set[socket.socket] = set()  # live connections: closing the service ends them too
+        self._open_lock = threading.Lock()  # guards _open and _next_connection: accepting never waits on a verb
         self._listener = self._bind(options.socket_path)
         self._metrics: Optional[MetricsServer] = None
         if options.metrics_port is not None:
-            self._metrics = MetricsServer(options.metrics_host, options.metrics_port, self.metrics_text)
+            self._metrics = MetricsServer(options.metrics_host, options.metrics_port, self.metrics_text,
+                                          self._probes())
 
     # ---- the socket -----------------------------------------------------------------------------------------------
 
@@ -138,6 +150,13 @@ class NodeCacheService:
         logger.info("node cache: serving %s (%d B host memory, %d pool(s)%s)", self.options.socket_path,
                     self.options.store.cpu_bytes, self.options.max_pools,
                     f", disk {self.options.store.disk_path}" if self.options.store.disk_path else "")
+        self._accepting.set()
+        try:
+            self._accept_loop()
+        finally:
+            self._accepting.clear()
+
+    def _accept_loop(self) -> None:
         while not self._closed.is_set():
             try:
                 connection, _ = self._listener.accept()
@@ -148,13 +167,22 @@ class NodeCacheService:
             if not self._peer_allowed(connection):
                 connection.close()
                 continue
-            with self.lock:
+            with self._open_lock:
                 if self._closed.is_set():
                     connection.close()
                     return
-                self._next_connection += 1
-                number = self._next_connection
-                self._open.add(connection)
+                crowded = len(self._open) >= MAX_CONNECTIONS
+                if not crowded:
+                    self._next_connection += 1
+                    number = self._next_connection
+                    self._open.add(connection)
+            if crowded:  # a thread per connection: a peer opening thousands must not exhaust the service's
+                self.refused_crowd += 1
+                if self.refused_crowd & (self.refused_crowd - 1) == 0:  # the 1st, 2nd, 4th...: a flood is no flood
+                    logger.warning("node cache: refused a connection (%d so far): %d are open, the most it serves",
+                                   self.refused_crowd, MAX_CONNECTIONS)
+                connection.close()
+                continue
             thread = threading.Thread(target=self._serve, args=(connection, number), daemon=True,
                                       name=f"lmcache-node-conn{number}")
             thread.start()
@@ -175,7 +203,16 @@ class NodeCacheService:
         pool: Optional[NodePool] = None
         lease: Optional[EngineLease] = None
         try:
-            attach = wire.receive(connection)
+            connection.settimeout(FIRST_MESSAGE_S)  # a peer that connects and says nothing holds a thread
+            try:
+                attach = wire.receive_request(connection)
+            except wire.PickledRequest as exc:  # an older engine: it reads a pickled Refused, and is told why
+                wire.send_reply(connection, Refused(str(exc)))
+                return
+            connection.settimeout(None)
+            if attach == ("ping",):  # a probe (`lmcache-npu node-ping`): answered without the lock, then closed
+                wire.send_reply(connection, ("pong", self.about()))
+                return
             if not isinstance(attach, Attach) or not isinstance(attach.geometry, PoolGeometry):
                 wire.send(connection, Refused("the first message must be an Attach"))
                 return
@@ -192,31 +229,39 @@ class NodeCacheService:
                 logger.warning("node cache: refused engine %s: %s", attach.engine, exc)
                 wire.send(connection, Refused(str(exc)))
                 return
-            wire.send(connection, pool.attached(), fds)
+            token = lease.token if attach.rank is None or number in lease.bound else ""  # set once, at the claim
+            wire.send(connection, dataclasses.replace(pool.attached(), lease=token), fds)
             logger.info("node cache: engine %s %s attached (%s)", attach.engine,
                         "scheduler" if attach.rank is None else f"rank {attach.rank}", attach.geometry.describe())
             while True:
-                request = wire.receive(connection)
-                reply = self._answer(pool, lease, request)
+                request = wire.receive_request(connection)
+                if type(request) is tuple and len(request) == 2 and request[0] == "join":  # a worker, its lease's
+                    lease, reply = self._join(pool, lease, number, request[1])
+                else:
+                    reply = self._answer(pool, lease, request)
+                pool.flush_log()  # what the verb logged, now that the lock is free
                 if reply is not None:
-                    wire.send(connection, reply)
+                    wire.send_reply(connection, reply)
         except (ConnectionError, OSError) as exc:
             logger.debug("node cache: connection %d closed: %s", number, exc)
         except Exception:  # a bug must cost this connection (its lease ends below), never the service
             logger.exception("node cache: connection %d failed", number)
         finally:
-            with self.lock:
+            with self._open_lock:
                 self._open.discard(connection)
+            with self.lock:
                 if pool is not None and lease is not None:
                     self.connections -= 1
                     if not self._closed.is_set():  # a closed service's pools are gone with every lease in them
                         pool.drop_connection(lease.engine, number)
+            if pool is not None:
+                pool.flush_log()  # a lease's end in one line, once the lock is free
             connection.close()
 
     def _lease(self, pool: NodePool, attach: Attach, number: int) -> tuple[list[int], EngineLease]:
         """The attaching connection's segment files and lease in `pool` (under the lock)."""
         fds = pool.segment_fds(attach.rank) if attach.rank is not None else []
-        lease = pool.lease(attach.engine, number, attach.events)
+        lease = pool.lease(attach.engine, number, attach.events, self._limits, rank=attach.rank, token=attach.lease)
         self.connections += 1
         return fds, lease
 
@@ -224,12 +269,14 @@ class NodeCacheService:
         if not isinstance(request, tuple) or not request or not isinstance(request[0], str):
             return ("error", "ValueError", "a request is a tuple (verb, *arguments)")
         verb, arguments = request[0], request[1:]
+        if verb in REMOTE_KEYS and pool.index.remote_configured:  # the Mooncake RPC, asked before the lock
+            _prefetch(pool, REMOTE_KEYS[verb](arguments))
         with self.lock:
             try:
                 value = self._run(pool, lease, verb, arguments)
             except (ValueError, TypeError, KeyError, AssertionError) as exc:  # the peer's mistake, or a check failed
                 if verb in ONEWAY:
-                    logger.warning("node cache: engine %s: %s refused: %s", lease.engine, verb, exc)
+                    pool.note(logging.WARNING, "node cache: engine %s: %s refused: %s", lease.engine, verb, exc)
                     return None
                 return ("error", "ValueError", _unscoped(f"{verb}: {exc}", lease.engine))
             if verb in ONEWAY:
@@ -238,6 +285,15 @@ class NodeCacheService:
             lease.counters.clear()
             changes, lease.tier_changes = lease.tier_changes, []
             return ("ok", value, counters, changes)
+
+    def _join(self, pool: NodePool, lease: EngineLease, number: int, token: Any) -> tuple[EngineLease, tuple]:
+        """A worker's connection presents its scheduler's lease token (`pool.join`): True when bound to it."""
+        with self.lock:
+            joined = pool.join(lease.engine, number, token) if isinstance(token, str) else None
+        if joined is None:
+            logger.warning("node cache: engine %s: a worker's connection presented a lease token no live lease of "
+                           "the engine holds; its commands will be refused", lease.engine)
+        return joined or lease, ("ok", joined is not None, {}, [])
 
     @staticmethod
     def _run(pool: NodePool, lease: EngineLease, verb: str, arguments: tuple) -> Any:
@@ -249,8 +305,32 @@ class NodeCacheService:
     # ---- what operators see ---------------------------------------------------------------------------------------
 
     def metrics_text(self) -> str:
-        with self.lock:
-            return exposition(self)
+        return exposition(self)  # read under the lock, formatted outside it
+
+    def about(self) -> dict[str, Any]:
+        """What `/version` and a ping answer: read without the lock (plain attributes)."""
+        return {"service": "lmcache-npu node-cache", "version": _version(), "encoding": codec.MAGIC[1],
+                "epoch": self.instance, "started_at": self.started_at, "pid": os.getpid(),
+                "serving": self.serving}
+
+    @property
+    def serving(self) -> bool:
+        """Accepting engines: bound, its accept loop running, not closed (no lock: a probe never waits on a verb)."""
+        return self._accepting.is_set() and not self._closed.is_set()
+
+    def _probes(self) -> dict[str, Callable[[], tuple[int, str, str]]]:
+        def state(ok: bool, what: str) -> tuple[int, str, str]:
+            return (200, "text/plain", "ok\n") if ok else (503, "text/plain", f"not {what}\n")
+
+        def alive() -> tuple[int, str, str]:
+            held = max((time.monotonic() - pool.turned for pool in list(self.pools.values())), default=0.0)
+            if held > WEDGED_AFTER_S:
+                return state(False, f"alive: the service's lock has been held for {held:.0f} s")
+            return state(not self._closed.is_set(), "alive: closed")
+
+        return {"/healthz": alive,
+                "/readyz": lambda: state(self.serving, "ready: not accepting engines"),
+                "/version": lambda: (200, "application/json", json.dumps(self.about()) + "\n")}
 
     @property
     def metrics_address(self) -> Optional[tuple[str, int]]:
@@ -269,7 +349,7 @@ class NodeCacheService:
         self._listener.close()
         if self._metrics is not None:
             self._metrics.close()
-        with self.lock:
+        with self.lock, self._open_lock:
             pools = self._table.take_all()
             for connection in self._open:  # an engine must see the service gone, not be answered by closed pools
                 try:
@@ -282,6 +362,14 @@ class NodeCacheService:
             os.unlink(self.options.socket_path)
         except FileNotFoundError:
             pass
+
+
+@cache
+def _version() -> str:
+    try:
+        return importlib.metadata.version("lmcache-npu")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown"
 
 
 def group_id(group: str) -> int:
@@ -339,6 +427,8 @@ def _as_seen_by(engine: str, view: ChunkView) -> ChunkView:
 def _text(value: Any) -> str:
     if not isinstance(value, str):
         raise ValueError(f"a request id must be a string, got {type(value).__name__}")
+    if ENGINE_SEPARATOR in value:  # "A\x1fB" + "r" would be "A" + "B\x1fr": another engine's request
+        raise ValueError(f"a request id may not hold \\x1f, got {value!r}")
     return value
 
 
@@ -414,6 +504,7 @@ def _completions(completions: Any) -> list[Completion]:
 def _lookup(pool: NodePool, lease: EngineLease, request_id: Any, namespace: Any, hashes: Any) -> Any:
     keys = _hashed(pool, namespace, hashes)
     name = scoped(lease.engine, _text(request_id))
+    lease.looked_up[name] = time.monotonic()  # renews its reservations (LeaseLimits.reservation_ttl_s)
     if name not in lease.requests:
         lease.requests.add(name)
         pool.lookup_counters[Metric.LOOKUPS] += 1
@@ -440,10 +531,30 @@ def _prepare(verb: str) -> Callable[..., list[tuple[int, int, int, bytes]]]:
     return prepare
 
 
+def _prefetch(pool: NodePool, batch: Optional[tuple]) -> None:
+    """The remote store's answers for a lookup's or presence's (namespace, hashes), asked without the lock
+    (malformed arguments: nothing, the verb refuses them under the lock)."""
+    if batch is None or len(batch) != 2:
+        return
+    try:
+        keys = _hashed(pool, *batch)
+    except ValueError:
+        return
+    pool.index.prefetch_remote(keys)
+
+
+# the verbs that may ask the remote store: their (namespace, hashes) arguments when they will
+REMOTE_KEYS: dict[str, Callable[[tuple], Optional[tuple]]] = {
+    "lookup": lambda arguments: arguments[1:3],
+    "presence": lambda arguments: arguments[0:2] if len(arguments) == 3 and arguments[2] else None,
+}
+
+
 def _release(pool: NodePool, lease: EngineLease, request_id: Any) -> None:
     name = scoped(lease.engine, _text(request_id))
     pool.call(lease, lambda: pool.index.release(name))
     lease.requests.discard(name)
+    lease.looked_up.pop(name, None)
 
 
 VERBS: dict[str, Callable[..., Any]] = {

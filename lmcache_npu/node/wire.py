@@ -1,9 +1,12 @@
 """The node cache's wire format: length-prefixed messages over a Unix stream socket, file descriptors beside them.
 
-A message is a 4-byte big-endian length and a pickle that may name only the classes below (an allow-list
-unpickler): a peer passed the service's `SO_PEERCRED` check, but a bug or a hostile process of the same user must
-still not get code run by sending a crafted pickle. Descriptors (the shared segment files) travel as `SCM_RIGHTS`
-ancillary data of the message that names them.
+What a peer sends the service (its Attach, then its requests) is in the closed encoding of `codec.py`: the service
+decodes nothing else, so no message can run code or make the service build more than a bounded multiple of its size
+(a peer passed the service's `SO_PEERCRED` check, but a bug or a hostile process of the same user or `--group` must
+still not get either). The service's replies are pickles that may name only the classes below (an allow-list
+unpickler, no builtins callable): an engine reads them from a service whose credentials it checked
+(`client.check_service_peer`), and its replies carry the index's own types at C speed. Descriptors (the shared
+segment files) travel as `SCM_RIGHTS` ancillary data of the message that names them.
 """
 
 from __future__ import annotations
@@ -16,15 +19,16 @@ import socket
 import struct
 from typing import Any, Sequence
 
+from . import codec
+
 MAX_MESSAGE_BYTES = 64 << 20  # a 128K-token lookup is ~40 KB; anything near this is a broken or hostile peer
 MAX_FDS = 4096  # segment files in one attach reply (a 2 TB arena of 1 GiB segments is 2048)
 _LENGTH = struct.Struct(">I")
+_PROTOCOL = 5  # the first with opcodes for sets and bytearrays: a reply names no builtin
 
-# (module, name) a message may contain: our plain values and the builtins they are made of
+# (module, name) a reply may contain: our plain values. No builtins: pickle protocol 5 has an opcode for every
+# builtin container, and a named builtin is a callable (`bytearray(1 << 40)` from a 30-byte message)
 _ALLOWED = {
-    ("builtins", name) for name in ("set", "frozenset", "dict", "list", "tuple", "bytes", "bytearray", "str", "int",
-                                    "float", "bool", "complex")
-} | {
     ("lmcache_npu.store.keys", "ChunkKey"),
     *(("lmcache_npu.store.commands", name) for name in ("Tier", "Medium", "Store", "Load", "Spill", "Promote", "Put",
                                                          "Persist", "Drop", "Completion")),
@@ -37,6 +41,11 @@ class WireError(ConnectionError):
     """The peer sent something that is not a message of this protocol, or the connection broke mid-message."""
 
 
+class PickledRequest(WireError):
+    """A peer sent the service a pickle: an engine of a release from before the closed encoding (it can read a
+    pickled Refused that says so)."""
+
+
 class _AllowListUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) not in _ALLOWED:
@@ -44,14 +53,37 @@ class _AllowListUnpickler(pickle.Unpickler):
         return super().find_class(module, name)
 
 
-def encode(message: Any) -> bytes:
-    payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+def _framed(payload: bytes) -> bytes:
     if len(payload) > MAX_MESSAGE_BYTES:
         raise ValueError(f"a node cache message of {len(payload)} B exceeds {MAX_MESSAGE_BYTES} B")
     return _LENGTH.pack(len(payload)) + payload
 
 
+def encode(message: Any) -> bytes:
+    """A message to the service (or any message of plain values and the protocol's dataclasses), framed."""
+    return _framed(codec.encode(message))
+
+
+def encode_reply(message: Any) -> bytes:
+    """A reply of the service, framed: an allow-listed pickle (protocol 5: builtins need no class reference)."""
+    return _framed(pickle.dumps(message, protocol=_PROTOCOL))
+
+
+def decode_request(payload: bytes) -> Any:
+    """What a peer sent the service: the closed encoding only."""
+    if payload[:1] == b"\x80":  # a pickle's PROTO opcode: never decoded, but told apart for a clear refusal
+        raise PickledRequest("the peer sent a pickle: it is an engine of an older lmcache-npu than this node cache "
+                             "service (which reads only its own encoding); upgrade the engine or the service")
+    try:
+        return codec.decode(payload)
+    except (ValueError, TypeError, OverflowError, struct.error) as exc:  # CodecError, a bad UTF-8 or field value
+        raise WireError(f"undecodable node cache message: {exc}") from exc
+
+
 def decode(payload: bytes) -> Any:
+    """What the service sent an engine: a reply pickle, or a message of the closed encoding."""
+    if payload[:len(codec.MAGIC)] == codec.MAGIC:
+        return decode_request(payload)
     try:
         return _AllowListUnpickler(io.BytesIO(payload)).load()
     except WireError:
@@ -61,7 +93,16 @@ def decode(payload: bytes) -> Any:
 
 
 def send(sock: socket.socket, message: Any, fds: Sequence[int] = ()) -> None:
-    data = encode(message)
+    """Sends `message` in the closed encoding (what the service reads), with `fds` beside it."""
+    _send(sock, encode(message), fds)
+
+
+def send_reply(sock: socket.socket, message: Any) -> None:
+    """The service's answer to a verb (a pickle of the index's types, read by engines)."""
+    _send(sock, encode_reply(message), ())
+
+
+def _send(sock: socket.socket, data: bytes, fds: Sequence[int]) -> None:
     if fds:
         if len(fds) > MAX_FDS:
             raise ValueError(f"{len(fds)} descriptors in one message (at most {MAX_FDS})")
@@ -81,12 +122,22 @@ def _read_exact(sock: socket.socket, nbytes: int) -> bytes:
     return b"".join(chunks)
 
 
-def receive(sock: socket.socket) -> Any:
+def _receive_payload(sock: socket.socket) -> bytes:
     header = _read_exact(sock, _LENGTH.size)
     (length,) = _LENGTH.unpack(header)
     if length > MAX_MESSAGE_BYTES:
         raise WireError(f"a node cache message announced {length} B (at most {MAX_MESSAGE_BYTES})")
-    return decode(_read_exact(sock, length))
+    return _read_exact(sock, length)
+
+
+def receive(sock: socket.socket) -> Any:
+    """A message from the service (an engine's side)."""
+    return decode(_receive_payload(sock))
+
+
+def receive_request(sock: socket.socket) -> Any:
+    """A message from a peer (the service's side): the closed encoding only, never a pickle."""
+    return decode_request(_receive_payload(sock))
 
 
 def receive_with_fds(sock: socket.socket) -> tuple[Any, list[int]]:

@@ -88,6 +88,16 @@ class WorkerNodeMapping:
         """The epoch mapped (and registered) here, None while none is."""
         return self.current.epoch if self.current is not None else None
 
+    @property
+    def lease(self) -> str:
+        """The scheduler's lease the current mapping's connection is bound to ("" none yet)."""
+        return self.current.lease if self.current is not None else ""
+
+    def join(self, token: str) -> bool:
+        """Binds the current mapping's connection to the scheduler's lease `token` (WorkerAttachment.join); False
+        when nothing is mapped or no live lease has it."""
+        return self.current is not None and self.current.join(token)
+
     def start(self, wait_s: float) -> None:
         """Attaches in the background and waits up to `wait_s` for it (the pool exists: milliseconds); an engine
         starts without the node cache when it is not done by then (the service away, the pool being made)."""

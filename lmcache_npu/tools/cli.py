@@ -125,7 +125,9 @@ def _node_cache(args: argparse.Namespace) -> int:
     try:
         service = NodeCacheService(ServiceOptions(args.socket, store, max_pools=args.max_pools, group=args.group,
                                                   metrics_port=args.metrics_port, metrics_host=args.metrics_host,
-                                                  pool_idle_s=args.pool_idle_seconds))
+                                                  pool_idle_s=args.pool_idle_seconds,
+                                                  lease_slot_share=args.lease_slot_share,
+                                                  reservation_ttl_s=args.reservation_ttl))
     except FileExistsError as exc:  # a live service, or a file that is not a socket, at --socket
         raise ValueError(f"node-cache: {exc}") from None
     except OSError as exc:  # the socket's directory missing or closed to this user, the metrics port taken
@@ -142,6 +144,18 @@ def _node_cache(args: argparse.Namespace) -> int:
     stop.wait()
     service.close()  # the disk tiers flush their write-behind queues before the process ends
     return 0
+
+
+def _node_ping(args: argparse.Namespace) -> int:
+    from ..node.probe import PingFailed, ping
+
+    try:
+        about = ping(args.socket, args.timeout)
+    except PingFailed as exc:
+        print(f"lmcache-npu node-ping: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(about, sort_keys=True))
+    return 0 if about.get("serving") else 1
 
 
 def _selftest(args: argparse.Namespace) -> int:
@@ -594,7 +608,18 @@ def build_parser() -> argparse.ArgumentParser:
                       "gid must be it (the socket becomes 0660)")
     node.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port (0: any free one)")
     node.add_argument("--metrics-host", default="127.0.0.1", help="the metrics address (default 127.0.0.1)")
+    node.add_argument("--lease-slot-share", type=float, default=0.25,
+                      help="while several engines hold leases on a pool, the share of its slots one engine may "
+                      "reserve and load at once (default 0.25; alone it may use all)")
+    node.add_argument("--reservation-ttl", type=float, default=120.0,
+                      help="seconds after which a request's reservations no lookup renewed are released (default 120)")
     node.set_defaults(func=_node_cache)
+
+    ping = sub.add_parser("node-ping", help="exit 0 when the node cache at --socket answers and accepts engines (a "
+                          "probe: a dead service's stale socket fails; the answer never waits on the service's lock)")
+    ping.add_argument("--socket", required=True, help="the node cache's Unix socket")
+    ping.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the answer (default 5)")
+    ping.set_defaults(func=_node_ping)
 
     sched = sub.add_parser("bench-scheduler", help="host time the connector adds to vLLM's scheduler: lookups of a "
                            "128K-token prompt, connector metadata for 64 running requests")

@@ -275,3 +275,17 @@ def test_a_worker_never_runs_one_epochs_commands_against_anothers_pages(make_eng
     arena = pool.arenas[0]
     assert any(arena.slot_array(slot).any() for slot in range(arena.num_slots))
     successor.close()
+
+
+def test_every_worker_joins_its_schedulers_lease(make_engine, node) -> None:
+    service, path = node
+    writer = _engine(make_engine, "llama3-8b", path, world=2)
+    reader = _engine(make_engine, "llama3-8b", path, world=2)
+    (pool,) = service.pools.values()
+    names = [engine.connector.scheduler_half.index.engine for engine in (writer, reader)]
+    assert all(pool.leases[name].token and not pool.leases[name].bound for name in names)  # workers attach first
+    _store_then_load(writer, reader, seed=51)
+    for engine, name in zip((writer, reader), names):  # the first step named the lease: both ranks joined it
+        lease = pool.leases[name]
+        assert lease.token == engine.connector.scheduler_half.index.lease and len(lease.bound) == 2
+        assert lease.scheduler is not None and lease.connections == lease.bound | {lease.scheduler}

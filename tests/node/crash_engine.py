@@ -21,7 +21,8 @@ def main(argv: list[str]) -> int:
     path, ready, engine = argv[1], argv[2], argv[3]
     geo = geometry(world=1)
     client = NodeCacheClient(path, engine, geo, weights=WEIGHTS, connect_timeout_s=10.0)
-    worker = attach_worker_arena(path, engine, geo, 0, weights=WEIGHTS, pinned=False, timeout_s=10.0)
+    worker = attach_worker_arena(path, engine, geo, 0, weights=WEIGHTS, pinned=False, timeout_s=10.0,
+                                 lease=client.lease)
     held = keys_of(0, 3)
     found = client.lookup("pinned", held)
     loads = client.prepare_load("pinned", [(0, held[0]), (1, held[1])])

@@ -95,13 +95,16 @@ class Node:
     """One service on `directory`/s and everything attached to it; `close()` ends them all (attachments first)."""
 
     def __init__(self, directory: str, store: StoreConfig, *, max_pools: int = 1, group: Optional[str] = None,
-                 metrics_port: Optional[int] = None, socket_name: str = "s", pool_idle_s: Optional[float] = None
-                 ) -> None:
+                 metrics_port: Optional[int] = None, socket_name: str = "s", pool_idle_s: Optional[float] = None,
+                 lease_slot_share: float = 1.0, reservation_ttl_s: float = 120.0) -> None:
+        """`lease_slot_share` 1.0: these pools of a few slots are shared by engines that each reserve most of them;
+        the per-engine cap (0.25 by default) is tested on its own (test_tenancy.py)."""
         self.directory = directory
         self.path = os.path.join(directory, socket_name)
         idle = {} if pool_idle_s is None else {"pool_idle_s": pool_idle_s}
         self.service = NodeCacheService(ServiceOptions(self.path, store, max_pools=max_pools, group=group,
-                                                       metrics_port=metrics_port, **idle)).start()
+                                                       metrics_port=metrics_port, lease_slot_share=lease_slot_share,
+                                                       reservation_ttl_s=reservation_ttl_s, **idle)).start()
         self.clients: list[NodeCacheClient] = []
         self.workers: list[WorkerAttachment] = []
 
@@ -111,16 +114,18 @@ class Node:
         self.clients.append(client)
         return client
 
-    def worker(self, engine: str, rank: int, geo: Optional[PoolGeometry] = None) -> WorkerAttachment:
+    def worker(self, engine: str, rank: int, geo: Optional[PoolGeometry] = None, lease: str = "") -> WorkerAttachment:
+        """A worker's mapping; bound to the lease of token `lease` (its scheduler's), else to none yet."""
         attachment = attach_worker_arena(self.path, engine, geo or geometry(), rank, weights=WEIGHTS, pinned=False,
-                                         timeout_s=5.0)
+                                         timeout_s=5.0, lease=lease)
         self.workers.append(attachment)
         return attachment
 
     def engine(self, name: str, geo: Optional[PoolGeometry] = None) -> "Engine":
-        """A whole engine: its scheduler's client and a worker mapping per rank."""
+        """A whole engine: its scheduler's client and a worker mapping per rank, bound to its lease."""
         geo = geo or geometry()
-        return Engine(self.client(name, geo), [self.worker(name, rank, geo) for rank in range(geo.world)])
+        client = self.client(name, geo)
+        return Engine(client, [self.worker(name, rank, geo, client.lease) for rank in range(geo.world)])
 
     @property
     def pool(self) -> NodePool:

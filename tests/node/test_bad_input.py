@@ -120,7 +120,7 @@ def test_a_malformed_request_gets_a_clear_error_and_the_connection_keeps_serving
 @pytest.mark.parametrize("verb", sorted(ONEWAY))
 def test_a_malformed_one_way_request_is_dropped_without_a_reply_and_the_connection_keeps_serving(peer, verb):
     wire.send(peer.sock, (verb, 12))
-    wire.send(peer.sock, (verb, [Completion(1, 0, True)] if verb == "on_completions" else 5))  # objects: refused
+    wire.send(peer.sock, (verb, [KEY] if verb == "on_completions" else 5))  # a key for an answer: refused
     assert peer.ask(HEALTHY)[:2] == ("ok", [])  # the next reply is this request's: nothing answered the two above
 
 
@@ -129,7 +129,7 @@ VERBS = ["lookup", "presence", "prepare_load", "prepare_store", "release", "on_c
 plain = st.recursive(
     st.none() | st.booleans() | st.integers(-2, 2**70) | st.text(max_size=4) | st.binary(max_size=4)
     | st.sampled_from([KEY, HASH, NAMESPACE, OTHER, keys_of(1, 1, OTHER)[0], ChunkKey(NAMESPACE, 7),
-                      Completion(1, 0, True), (1, 0, True, "")]),
+                      (1, 0, True, ""), [(1, 0, True, ""), (2, 1, False, "x")]]),
     lambda inner: st.lists(inner, max_size=3) | st.tuples(inner, inner) | st.frozensets(st.integers(), max_size=2),
     max_leaves=8)
 

@@ -92,3 +92,11 @@ def test_negative_control_a_dead_services_socket_is_replaced_and_served(short_di
         process.wait(timeout=60)
     assert process.returncode == 0
     assert not os.path.exists(path)  # SIGTERM closes the service, which removes its socket
+
+
+def test_a_lease_slot_share_or_ttl_out_of_range_is_refused_before_the_socket_exists(short_dir: Path) -> None:
+    path = short_dir / "node.sock"
+    _refused(_node_cache("--socket", str(path), "--lease-slot-share", "2"),
+             "lmcache-npu: a lease's slot share must be in (0, 1], got 2.0")
+    _refused(_node_cache("--socket", str(path), "--reservation-ttl", "0"), "the reservation TTL must be positive")
+    assert not path.exists()

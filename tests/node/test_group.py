@@ -6,11 +6,9 @@ from __future__ import annotations
 
 import grp
 import os
-import pickle
 import shutil
 import socket
 import stat
-import struct
 import subprocess
 import sys
 import tempfile
@@ -20,6 +18,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from lmcache_npu.node import wire
 from lmcache_npu.node.service import NodeCacheService, ServiceOptions, group_id
 from lmcache_npu.store.config import StoreConfig
 
@@ -32,10 +31,9 @@ ANSWERED, CLOSED, NO_ACCESS = 10, 11, 12  # the peer's exit codes
 
 def _peer(socket_path: str, gid: int, extra_groups: list[int]) -> int:
     """Connects as OTHER_UID with primary `gid` from a forked child (an interpreter under /root would not run as
-    another uid) and sends a message the allow-list admits but that is no Attach: a service that let the peer in
+    another uid) and sends a well-formed message that is no Attach: a service that let the peer in
     answers with a Refused, one that did not closes the connection before reading."""
-    message = pickle.dumps(("hello",))
-    framed = struct.pack(">I", len(message)) + message
+    framed = wire.encode(("hello",))
     pid = os.fork()
     if pid == 0:  # the child runs only syscalls of modules already imported, then leaves without cleanup
         code = 13

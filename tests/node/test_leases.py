@@ -11,12 +11,14 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Iterator
 
 import pytest
 
 from lmcache_npu.node.pool import NodePool
+from lmcache_npu.store.index import slots as slots_module
 from lmcache_npu.store.index.contract import SlotState
 from lmcache_npu.store.metrics import Metric
 
@@ -68,7 +70,8 @@ def node_with_chunks(start_node) -> Iterator[Node]:
     yield node
 
 
-def test_a_killed_engine_process_gives_back_everything_and_its_slots_are_usable(node_with_chunks):
+def test_a_killed_engine_process_gives_back_everything_and_its_slots_are_usable(node_with_chunks, monkeypatch):
+    monkeypatch.setattr(slots_module, "QUARANTINE_S", 0.05)
     node = node_with_chunks
     index = node.pool.index
     before = index.counters.snapshot()
@@ -87,7 +90,9 @@ def test_a_killed_engine_process_gives_back_everything_and_its_slots_are_usable(
     assert after.get(Metric.ABANDONED_COMMANDS, 0) - before.get(Metric.ABANDONED_COMMANDS, 0) == 4
     assert not any(view.readers or view.reservations or view.slot_state is SlotState.WRITING
                    for view in index.chunks())
-    # another engine takes every slot: the two the child was writing, and the three it had pinned (evicted now)
+    # another engine takes every slot: the two the child was writing (once out of quarantine), and the three it had
+    # pinned (evicted now)
+    time.sleep(0.1)
     stores = node.engine("Q", ONE_RANK).store("next", keys_of(20, 6))
     assert len(stores) == 6 and {c.slot for c in stores} == set(range(6))
 
@@ -124,3 +129,20 @@ def test_negative_control_a_pool_that_never_ends_leases_is_caught_by_the_detecto
     held = wait_released(node.service, "doomed", child.cmd_ids, child.slots, timeout_s=0.5)
     assert held[0] == "the lease of engine doomed (0 connection(s))"
     assert kinds(held) == {"lease": 1, "reservations": 1, "slot": 4, "command": 4}
+
+
+def test_a_dead_engines_half_written_slots_rest_before_another_engine_writes_them(start_node, monkeypatch):
+    monkeypatch.setattr(slots_module, "QUARANTINE_S", 0.5, raising=False)
+    node = start_node(store_config(4, 1))
+    doomed = node.engine("doomed", ONE_RANK)
+    stores = doomed.client.prepare_store("w", list(enumerate(keys_of(0, 2))))  # its worker may be mid-DMA
+    doomed.client.take_commands()
+    doomed.client.close()
+    doomed.workers[0].close()
+    assert wait_released(node.service, "doomed", [c.cmd_id for c in stores]) == []
+    other = node.engine("other", ONE_RANK)
+    first = other.store("a", keys_of(10, 4))
+    assert sorted(c.slot for c in first) == [2, 3]  # a late write of the dead worker cannot land in a new chunk
+    time.sleep(0.6)
+    assert sorted(c.slot for c in other.store("b", keys_of(20, 2))) == [0, 1]  # then they serve again
+    node.pool.index.check_invariants()

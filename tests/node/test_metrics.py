@@ -64,3 +64,26 @@ def test_lmcache_npu_status_shows_the_node(start_node, node_dir, capsys):
     node.service.close()  # control: a node that is gone is an error naming the address, not an empty report
     assert main(["status", "--url", url, "--timeout", "2"]) == 2
     assert f"cannot read {url}/metrics" in capsys.readouterr().err
+
+
+def test_every_family_has_one_type_line_named_as_its_samples(start_node, node_dir):
+    node, url = served(start_node, node_dir)
+    node.service.refused_peers = 2
+    text = fetch_metrics(url)
+    types: dict[str, str] = {}
+    families_seen: list[str] = []  # family per sample line, in order
+    for line in text.splitlines():
+        if line.startswith("# TYPE "):
+            _, _, name, kind = line.split(" ")
+            assert name not in types, f"a second # TYPE line for {name}"
+            types[name] = kind
+        elif line and not line.startswith("#"):
+            families_seen.append(line.split("{")[0])
+    assert set(families_seen) == set(types)  # every sample typed under its exact name, no TYPE without samples
+    runs = [name for i, name in enumerate(families_seen) if i == 0 or families_seen[i - 1] != name]
+    assert len(runs) == len(set(runs)), "a family's samples are not together"
+    assert types["lmcache_npu:node_refused_peers_total"] == "counter"
+    assert types["lmcache_npu:segments_total"] == "gauge" and types["lmcache_npu:cpu_used_chunks"] == "gauge"
+    assert all(kind == "counter" for name, kind in types.items()
+               if name.endswith("_total") and name != "lmcache_npu:segments_total")
+    assert 'lmcache_npu:node_refused_peers_total{engine="node"} 2' in text

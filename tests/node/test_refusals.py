@@ -9,6 +9,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import re
 
 import logging
@@ -68,8 +70,7 @@ def test_the_client_of_an_engine_with_unnamed_weights_is_refused_and_named_ones_
 @pytest.mark.parametrize("attach", [
     Attach("e", geometry(WORLD), weights=WEIGHTS, protocol=PROTOCOL_VERSION - 1),
     Attach("e", geometry(WORLD), weights=WEIGHTS, protocol=PROTOCOL_VERSION + 1),
-    _legacy(Attach("e", geometry(WORLD), weights=WEIGHTS), "protocol"),  # before versions: 1
-], ids=["older", "newer", "unversioned"])
+], ids=["older", "newer"])  # an engine from before versions sends pickles: refused as such (test_security)
 def test_an_engine_of_another_protocol_version_is_refused_naming_both(start_node, attach: Attach) -> None:
     node = start_node(store_config(4, WORLD))
     peer = RawPeer(node.path, attach)
@@ -85,7 +86,7 @@ def test_an_engine_of_another_protocol_version_is_refused_naming_both(start_node
 def test_an_engine_refuses_a_service_of_another_protocol_version(start_node, monkeypatch) -> None:
     node = start_node(store_config(4, WORLD))
     attached = NodePool.attached
-    monkeypatch.setattr(NodePool, "attached", lambda pool: _legacy(attached(pool), "protocol"))  # an older service
+    monkeypatch.setattr(NodePool, "attached", lambda pool: dataclasses.replace(attached(pool), protocol=1))  # older
     client = node.client("A", geometry(WORLD))  # the engine starts and serves misses, the reason said once
     assert client.epoch is None and f"speaks protocol 1 and this engine {PROTOCOL_VERSION}" in client._refusal
     with pytest.raises(NodeCacheRefused, match="speaks protocol 1"):

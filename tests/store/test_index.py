@@ -295,6 +295,52 @@ def test_a_remote_chunk_that_fails_to_promote_is_a_miss_for_a_while_then_tried_a
     reader.close()
 
 
+def test_prefetched_remote_answers_serve_the_next_lookup_of_that_thread_once(monkeypatch):
+    shared: dict[str, bytes] = {}
+    Cluster(num_slots=4, object_bytes=OBJECT_BYTES, remote=MemoryRemote(shared)).store("a", [make_key(1)])
+    reader = Cluster(num_slots=4, object_bytes=OBJECT_BYTES, remote=MemoryRemote(shared))
+    asked: list[int] = []
+    exists = reader.index._remote._exists
+    reader.index._remote._exists = lambda keys: asked.append(len(keys)) or exists(keys)
+    keys = [make_key(1), make_key(2)]
+    reader.index.prefetch_remote(keys)
+    assert asked == [2]
+    assert reader.index.lookup("b", keys).hit_chunks == 1 and asked == [2]  # answered from the prefetch
+    reader.index.release("b")
+    assert reader.index.presence(keys) == [True, False] and asked == [2, 1]  # taken once: asked again
+    reader.index.prefetch_remote([make_key(3)])
+    assert reader.index.presence(keys) == [True, False] and asked == [2, 1, 1, 1]  # key 2 not prefetched: asked
+    reader.index.prefetch_remote(keys)
+    later = time.monotonic() + index_module.PREFETCH_TTL_S + 1
+    monkeypatch.setattr(index_module.time, "monotonic", lambda: later)
+    assert reader.index.presence(keys) == [True, False] and asked == [2, 1, 1, 1, 1, 1]  # too old: asked again
+    reader.close()
+
+
+def test_a_holder_reserves_and_loads_at_most_its_cap_of_distinct_chunks():
+    cluster = Cluster(num_slots=8, object_bytes=OBJECT_BYTES, num_ranks=1)
+    index = cluster.index
+    index.limit_holders(lambda request_id: request_id.split("/")[0], 3)
+    keys = [make_key(i) for i in range(8)]
+    cluster.store("w", keys)
+    assert index.lookup("a/1", keys).hit_chunks == 3  # the cap ends the hit
+    assert index.lookup("a/2", keys[:3]).hit_chunks == 3  # a chunk its holder holds already costs nothing
+    assert index.lookup("b/1", keys).hit_chunks == 3
+    assert index.holders.held_by("a") == 3 and index.holders.held_by("b") == 3
+    loads = index.prepare_load("a/1", list(enumerate(keys[:2])))
+    index.release("a/1")
+    index.release("a/2")
+    assert index.holders.held_by("a") == 2  # its loads hold what its reservations held, until every rank answered
+    index.take_commands()
+    index.on_completions([Completion(load.cmd_id, 0, True) for load in loads])
+    assert index.holders.held_by("a") == 0
+    index.check_invariants()  # the holders' counts agree with the chunks'
+    index.limit_holders(lambda request_id: "?", None)  # later calls only change the cap
+    assert index.lookup("a/3", keys).hit_chunks == 8
+    index.check_invariants()
+    cluster.close()
+
+
 def test_executor_reports_every_command_even_without_tiers():
     cluster = Cluster(num_slots=2, object_bytes=OBJECT_BYTES, num_ranks=1)
     key = make_key(3)

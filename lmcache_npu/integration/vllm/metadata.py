@@ -42,6 +42,8 @@ class LMCacheNPUConnectorMetadata(KVConnectorMetadata):
     # worker maps that epoch's segments in the background and fails its commands until it has them; a mapping of a
     # service that is gone is unmapped once its commands settled
     node_epoch: Optional[str] = None
+    # the node cache's token of this engine's lease: a worker's connection joins that lease before it runs them
+    node_lease: Optional[str] = None
 
 
 SlotRanges = tuple[tuple[int, int], ...]  # [first, end) arena slot ranges

@@ -374,7 +374,9 @@ class SchedulerHalf:
             loads=self._loads, stores=stores, delayed_free=self._delayed_free,
             fenced_stores=self._fenced_stores(scheduler_output, writes) if writes is not None else [],
             idle=scheduler_output.total_num_scheduled_tokens == 0,
-            node_epoch=node_epoch)
+            node_epoch=node_epoch,
+            node_lease=(self.index.lease or None) if isinstance(self.index, NodeCacheClient) and self.index.epoch
+            else None)
         self.fence.end_step()
         self._loads, self._delayed_free = [], []
         return meta

@@ -233,6 +233,20 @@ class WorkerHalf:
         assert self.executor is not None
         self.executor.submit(commands)
 
+    def _join_node_lease(self, meta: LMCacheNPUConnectorMetadata) -> bool:
+        """This rank's connection joins the lease the scheduler holds (named in the step) before it runs the step's
+        commands: the service then keeps that lease, and the slots the commands use, while this rank lives. False
+        when it cannot (the lease is gone, another engine's), and every command of the step is answered as failed."""
+        if self._node is None or not meta.node_lease or meta.node_lease == self._node.lease:
+            return True
+        assert self.executor is not None
+        if self._node.join(meta.node_lease):
+            return True
+        logger.warning("lmcache_npu rank %d: the node cache has no live lease of this engine's scheduler; the step's "
+                       "node commands are refused", self.place.rank)
+        self.executor.refuse(meta.commands, "this rank could not join its scheduler's node cache lease")
+        return False
+
     @property
     def mover(self) -> Optional[KVMover]:
         return self.pipeline.mover if self.pipeline is not None else None
@@ -273,7 +287,7 @@ class WorkerHalf:
         if self._fenced is not meta:  # a runner that skips handle_preemptions: fence here, before any load is queued
             self.handle_preemptions(meta)
         self._fenced = None
-        if not self._follow_node_epoch(meta):
+        if not self._follow_node_epoch(meta) or not self._join_node_lease(meta):
             meta = dataclasses.replace(meta, commands=[])
         self._idle_step = meta.idle
         self.mover.expect([*meta.loads, *meta.stores])

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Iterable, Optional, Sequence, Union
+from typing import Callable, Iterable, Optional, Sequence, Union
 
 from ...checks import check_int
 from ..commands import Command, Completion, Drop, Load, Persist, Promote, Put, Spill, Store, Tier
@@ -30,6 +30,8 @@ from ..tier import TierCounters
 from .contract import (ChunkManager, ChunkView, DiskState, LookupResult, NumberedChunks, RemoteExists, SlotState,
                        TierListener)
 from .disk_catalog import DiskCatalog
+from .failure_log import FailureLog
+from .holders import Holders
 from .ledger import CommandLedger
 from .remote_presence import RemotePresence
 from .reuse_gate import ReuseGate
@@ -54,6 +56,7 @@ class _Entry:
     disk_readers: int = 0  # in-flight promotions reading the file
     disk_cmd: int = 0  # the spill or persist that is writing the current disk copy
     remote_put: bool = False  # a put of this chunk is in flight or done
+    holders: Optional[dict[str, int]] = None  # per holder (limit_holders): its reservations and loads of this chunk
 
     @property
     def pinned(self) -> bool:
@@ -94,6 +97,7 @@ class ChunkIndex(ChunkManager):
         self._disk = DiskCatalog(disk_chunks)
         self._ledger = CommandLedger(num_ranks, self.counters, check_int("first_cmd_id", first_cmd_id, lo=1))
         self._remote = RemotePresence(remote_exists, self.counters)
+        self.remote_configured = remote_exists is not None
         self._gate = ReuseGate(num_slots + disk_chunks, remote_admit_hits, disk_admit_hits)
         self._put_to_remote = put_to_remote and remote_exists is not None
         self._write_through = disk_write_through and disk_chunks > 0
@@ -101,6 +105,8 @@ class ChunkIndex(ChunkManager):
         self._entries: dict[ChunkKey, _Entry] = {}
         self._reserved: dict[str, set[ChunkKey]] = {}
         self._listener: Optional[TierListener] = None  # KV events for routers; None costs one check per change
+        self.failure_log = FailureLog()  # how failed commands are reported (the node cache defers them)
+        self.holders: Optional[Holders] = None  # who holds which chunks (limit_holders)
 
     # ---- the contract -------------------------------------------------------------------------------------------
 
@@ -136,8 +142,8 @@ class ChunkIndex(ChunkManager):
         held_before = set(reserved)
         for key in keys:  # pin what the arena already holds first: promotions below must not evict our own hits
             entry = self._entries.get(key)
-            if entry is not None and entry.slot is not None:
-                self._reserve(entry, request_id, reserved)
+            if entry is not None and entry.slot is not None and not self._reserve(entry, request_id, reserved):
+                break  # its holder holds all it may: the hit ends here
         first_ask = self._gate.count(request_id, keys)
         gated_puts = self._gate.gates(Tier.REMOTE)
         remote_from, remote_present = 0, None  # asked once, for the keys from the first local miss on
@@ -145,6 +151,8 @@ class ChunkIndex(ChunkManager):
         for position, key in enumerate(keys):
             entry = self._entries.get(key)
             if entry is not None and entry.slot is not None:
+                if self.holders is not None and self.holders.cap is not None and request_id not in entry.reservations:
+                    break  # not reserved above: its holder's cap
                 if entry.slot_state is SlotState.READY:
                     self._slots.policy.touch(key, reuse=first_ask[position])
                     ready += ready == position
@@ -152,8 +160,7 @@ class ChunkIndex(ChunkManager):
                         self._put_if_admitted(entry)
                 sources.append(Tier.ARENA)
             elif entry is not None and entry.disk is DiskState.PRESENT:
-                self._reserve(entry, request_id, reserved)
-                if not self._promote(entry, Tier.DISK):
+                if not self._reserve(entry, request_id, reserved) or not self._promote(entry, Tier.DISK):
                     break
                 sources.append(Tier.DISK)
             else:
@@ -162,8 +169,9 @@ class ChunkIndex(ChunkManager):
                 if not remote_present[position - remote_from]:
                     break
                 entry = self._entries.setdefault(key, _Entry(key))
-                self._reserve(entry, request_id, reserved)  # kept while its own promotion may evict and drop
-                if not self._promote(entry, Tier.REMOTE):
+                # reserved: kept while its own promotion may evict and drop; not: forgotten (it holds nothing)
+                if not self._reserve(entry, request_id, reserved) or not self._promote(entry, Tier.REMOTE):
+                    self._forget_if_empty(entry)
                     break
                 sources.append(Tier.REMOTE)
             hit += 1
@@ -171,7 +179,7 @@ class ChunkIndex(ChunkManager):
             entry = self._entries.get(key)
             if key in reserved and key not in held_before and entry is not None:
                 reserved.discard(key)
-                entry.reservations.discard(request_id)
+                self._unreserve(entry, request_id)
                 self._forget_if_empty(entry)
         self.counters.add(Metric.LOOKUP_CHUNKS, len(keys))
         self.counters.add(Metric.LOOKUP_HIT_CHUNKS, hit)
@@ -189,6 +197,18 @@ class ChunkIndex(ChunkManager):
         found = iter(self._remote.present(missing) if missing and remote else [False] * len(missing))
         return [here or next(found) for here in held]
 
+    def limit_holders(self, holder_of: Callable[[str], str], cap: Optional[int]) -> None:
+        """Counts per holder (the node's engines) the chunks its requests reserve or load (holders.py); a lookup's
+        hit ends where `cap` would be passed (`lease_cap_misses`). First call before any lookup; later: the cap."""
+        if self.holders is None:
+            self.holders = Holders(holder_of)
+        self.holders.cap = cap
+
+    def prefetch_remote(self, keys: Sequence[ChunkKey]) -> None:
+        """What a lookup/presence of `keys` will ask the remote store, asked now (the node cache, before its lock)."""
+        self._remote.prefetch_from_first(keys, lambda key: (entry := self._entries.get(key)) is not None and (
+            entry.slot is not None or entry.disk is DiskState.PRESENT))  # read only: a stale read costs an ask
+
     def prepare_load(self, request_id: str, chunks: NumberedChunks) -> list[Load]:
         """Loads for the request's chunks (chunk number, key); each must be ready (a lookup said so). Checked for
         all chunks before any load is issued: on error nothing is."""
@@ -203,9 +223,11 @@ class ChunkIndex(ChunkManager):
         for chunk_index, key in chunks:
             entry = self._entries[key]
             entry.readers += 1
+            if self.holders is not None:  # the load holds what the reservation held, until every rank answered
+                self.holders.hold(entry, request_id)
             if key in reserved:
                 reserved.discard(key)
-                entry.reservations.discard(request_id)
+                self._unreserve(entry, request_id)
             self._slots.policy.touch(key, reuse=False)
             loads.append(self._emit(Load(self._ledger.new_id(), key, entry.slot, request_id,  # type: ignore[arg-type]
                                          chunk_index)))
@@ -218,7 +240,7 @@ class ChunkIndex(ChunkManager):
         for key in self._reserved.pop(request_id, set()):
             entry = self._entries.get(key)
             if entry is not None:
-                entry.reservations.discard(request_id)
+                self._unreserve(entry, request_id)
                 self._forget_if_empty(entry)
 
     def prepare_store(self, request_id: str, chunks: NumberedChunks) -> list[Store]:
@@ -273,7 +295,8 @@ class ChunkIndex(ChunkManager):
         them), so their slots and pins are given back as for any failed command; returns how many were pending."""
         failed = [Completion(cmd_id, rank, False, reason) for cmd_id in cmd_ids
                   for rank in sorted(self._ledger.waiting_ranks(cmd_id))]
-        self.on_completions(failed)
+        with self.failure_log.quieted(), self._slots.quarantining():  # reported by the caller; slots rest first
+            self.on_completions(failed)
         return len({done.cmd_id for done in failed})
 
     def pending_command_ids(self) -> tuple[int, ...]:
@@ -335,6 +358,8 @@ class ChunkIndex(ChunkManager):
             assert entry.readers >= 0 and entry.disk_readers >= 0
         self._slots.check_invariants(owners)
         assert len(self._disk) <= self.disk_chunks
+        if self.holders is not None:
+            self.holders.check_invariants(self._entries.values())
         ready = sum(entry.slot_state is SlotState.READY for entry in self._entries.values())
         assert len(policy) == ready, f"policy holds {len(policy)} chunks, {ready} are ready"
         assert len(self._gate) <= self._gate.capacity
@@ -359,9 +384,18 @@ class ChunkIndex(ChunkManager):
     def _emit(self, command: Command) -> Command:
         return self._ledger.emit(command)
 
-    def _reserve(self, entry: _Entry, request_id: str, reserved: set[ChunkKey]) -> None:
+    def _reserve(self, entry: _Entry, request_id: str, reserved: set[ChunkKey]) -> bool:
+        if self.holders is not None and not self.holders.reserve(entry, request_id):
+            self.counters.add(Metric.LEASE_CAP_MISSES)
+            return False
         entry.reservations.add(request_id)
         reserved.add(entry.key)
+        return True
+
+    def _unreserve(self, entry: _Entry, request_id: str) -> None:
+        if self.holders is not None:
+            self.holders.unreserve(entry, request_id)
+        entry.reservations.discard(request_id)
 
     def _put_if_admitted(self, entry: _Entry) -> None:
         """A ready chunk that passes the gate and is not in the remote store yet is put there (slot pinned)."""
@@ -479,8 +513,7 @@ class ChunkIndex(ChunkManager):
         ok = not failures
         if not ok:
             self.counters.add(_FAILED[type(command)])
-            logger.warning("%s of chunk %s failed: %s", type(command).__name__, command.key.chunk_hash.hex()[:16],
-                           "; ".join(failures))
+            self.failure_log.report(command, failures)
         entry = self._entries.get(command.key)
         if entry is None:
             return
@@ -515,6 +548,8 @@ class ChunkIndex(ChunkManager):
 
     def _finish_load(self, entry: _Entry, command: Load, ok: bool) -> None:
         entry.readers -= 1
+        if self.holders is not None:
+            self.holders.unhold(entry, command.request_id)
 
     def _finish_put(self, entry: _Entry, command: Put, ok: bool) -> None:
         entry.readers -= 1

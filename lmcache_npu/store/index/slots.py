@@ -1,12 +1,18 @@
 """The arena's slot table: which key owns each slot, which slots are free, which are withheld (their segment left
-the usable set, `limit_slots`), and the eviction policy that orders the ready ones. It knows nothing of pins or tiers:
-the index decides what may be evicted and what happens to an evicted chunk."""
+the usable set, `limit_slots`), which are in quarantine (a dead engine's worker was writing them: a late DMA may still
+land, so they are reused only after QUARANTINE_S), and the eviction policy that orders the ready ones. It knows
+nothing of pins or tiers: the index decides what may be evicted and what happens to an evicted chunk."""
 
 from __future__ import annotations
 
-from typing import Hashable, Optional, Sequence, Union
+import time
+from collections import deque
+from contextlib import contextmanager
+from typing import Hashable, Iterator, Optional, Sequence, Union
 
 from ..policies import EvictionPolicy
+
+QUARANTINE_S = 1.0  # a slot given back while abandoning (`quarantining`) is reused no sooner
 
 
 class SlotTable:
@@ -17,9 +23,34 @@ class SlotTable:
         self._free: list[int] = list(range(num_slots - 1, -1, -1))  # lowest slot handed out first
         self._usable = bytearray(b"\x01") * num_slots  # slots of live arena segments on every rank
         self._withheld: set[int] = set()  # free slots outside the usable set: never handed out
+        self._quarantine: deque[tuple[float, int]] = deque()  # (free again at, slot), oldest first
+        self._quarantining = False
+
+    @contextmanager
+    def quarantining(self) -> Iterator[None]:
+        """Slots given back inside go to quarantine (their writer may be a killed process's device)."""
+        self._quarantining = True
+        try:
+            yield
+        finally:
+            self._quarantining = False
 
     def pop_free(self) -> Optional[int]:
+        if self._quarantine and self._quarantine[0][0] <= time.monotonic():
+            self._end_quarantine()
         return self._free.pop() if self._free else None
+
+    def _end_quarantine(self) -> None:
+        now, released = time.monotonic(), False
+        while self._quarantine and self._quarantine[0][0] <= now:
+            slot = self._quarantine.popleft()[1]
+            if self._usable[slot]:
+                self._free.append(slot)
+                released = True
+            else:
+                self._withheld.add(slot)
+        if released:  # lowest slot first, as at start
+            self._free.sort(reverse=True)
 
     def occupy(self, slot: int, key: Hashable) -> None:
         self._owner[slot] = key
@@ -29,8 +60,10 @@ class SlotTable:
         self._owner[slot] = None
 
     def give_back(self, slot: int) -> None:
-        """A vacated slot becomes free, or withheld when its segment is not usable."""
-        if self._usable[slot]:
+        """A vacated slot becomes free, or withheld when its segment is not usable (or quarantined first)."""
+        if self._quarantining:
+            self._quarantine.append((time.monotonic() + QUARANTINE_S, slot))
+        elif self._usable[slot]:
             self._free.append(slot)
         else:
             self._withheld.add(slot)
@@ -67,15 +100,21 @@ class SlotTable:
         return len(self._free)
 
     @property
+    def quarantined(self) -> int:
+        return len(self._quarantine)
+
+    @property
     def held(self) -> int:
-        """Slots owned by a chunk (being written, ready or read)."""
+        """Slots owned by a chunk (being written, ready or read), or in quarantine."""
         return self.num_slots - len(self._free) - len(self._withheld)
 
     def check_invariants(self, owners: dict[int, Hashable]) -> None:
         """Raises AssertionError unless `owners` (slot -> key, from the index's entries) matches this table."""
         for slot, key in owners.items():
             assert self._owner[slot] == key, f"slot {slot} is owned by {self._owner[slot]!r}, the index says {key!r}"
-        assert len(owners) + len(self._free) + len(self._withheld) == self.num_slots
+        quarantined = {slot for _, slot in self._quarantine}
+        assert len(owners) + len(self._free) + len(self._withheld) + len(self._quarantine) == self.num_slots
         assert set(self._free).isdisjoint(owners) and self._withheld.isdisjoint(owners)
+        assert quarantined.isdisjoint(owners) and quarantined.isdisjoint(self._free)
         assert all(self._usable[slot] for slot in self._free)
         assert not any(self._usable[slot] for slot in self._withheld)
