@@ -123,6 +123,7 @@ class _Bench:
         from ...config import load_config
         from ...integration.vllm.metadata import WorkerGeometry, plan_group_geometry
         from ...integration.vllm.scheduler import SchedulerHalf
+        from ...node.messages import WEIGHTS_CONTENT
         from ..presets import preset_layout
         from ...store.keys import model_fingerprint, namespace_of
 
@@ -133,7 +134,8 @@ class _Bench:
         extra: dict[str, Any] = {"cpu_bytes": arena_chunks * (layout.plan.object_bytes + 4096)}
         object_bytes = layout.plan.object_bytes
         if node is not None:
-            extra, object_bytes = {"node_cache": node}, NODE_OBJECT_BYTES
+            # the service is up in this process: the half attaches before it is timed, however loaded the host
+            extra, object_bytes = {"node_cache": node, "node_cache_start_wait_ms": 60_000}, NODE_OBJECT_BYTES
         self.vllm_config = VllmConfig(
             model_config=ModelConfig(model=_model_dir(), skip_tokenizer_init=True, max_model_len=LOOKUP_TOKENS + 1024),
             cache_config=CacheConfig(block_size=block, enable_prefix_caching=mamba,
@@ -153,7 +155,8 @@ class _Bench:
         namespace = namespace_of(model_fingerprint(**adapter.model_facts(self.vllm_config, None)), fingerprint)
         self.half.set_worker_geometry([WorkerGeometry(
             0, 1, True, namespace=namespace, layout_fingerprint=fingerprint, chunk_tokens=layout.plan.chunk_tokens,
-            object_bytes=object_bytes, num_slots=arena_chunks, groups=plan_group_geometry(layout.groups))])
+            object_bytes=object_bytes, num_slots=arena_chunks, groups=plan_group_geometry(layout.groups),
+            weights=WEIGHTS_CONTENT)])  # the bench's model is named by its content, as a node cache requires
         init_none_hash(sha256)
         self.hasher = get_request_block_hasher(self.half.hash_block_size, sha256)
         self.groups = len(groups)
