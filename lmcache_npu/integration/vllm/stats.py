@@ -6,12 +6,15 @@ Both halves count into named sums; vLLM merges every rank's sums with the schedu
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any, Mapping
 
 from ...store.metrics import Metric
 from ...store.tier import TierCounters
 from .adapter import KVConnectorPromMetrics, KVConnectorStats
+
+logger = logging.getLogger(__name__)
 
 # name -> Prometheus help text; every counter either half keeps (sums over ranks and steps)
 METRICS: dict[str, str] = {  # Metric keys: a member is its name
@@ -265,6 +268,9 @@ class LMCacheNPUPromMetrics(KVConnectorPromMetrics):
                 self._set_state(name, value, engine_idx)
                 continue
             if name not in self._counters or not value:
+                continue
+            if value < 0:  # a source that started over (a new node cache epoch's counters): never crash the logger
+                logger.debug("lmcache_npu: counter %s went back by %s; not exported", name, -value)
                 continue
             bound = self._bound.get((engine_idx, name))
             if bound is None:
