@@ -34,7 +34,7 @@ from ..store.metrics import Metric
 from . import wire
 from .exporter import MetricsServer, exposition
 from .messages import Attach, PoolGeometry, Refused
-from .pool import EngineLease, NodePool, PoolRefused, scoped
+from .pool import COMMAND_TTL_S, EngineLease, NodePool, PoolRefused, scoped
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +56,7 @@ class ServiceOptions:
     group: Optional[str] = None  # a group (name or numeric gid) whose processes may attach too (socket 0660)
     metrics_port: Optional[int] = None
     metrics_host: str = "127.0.0.1"
+    command_ttl_s: float = COMMAND_TTL_S  # a device command unanswered this long fails (its slot or pin freed)
 
 
 class NodeCacheService:
@@ -212,7 +213,8 @@ class NodeCacheService:
         pools = self.options.max_pools
         share = dataclasses.replace(self.options.store, cpu_bytes=self.options.store.cpu_bytes // pools,
                                     disk_bytes=self.options.store.disk_bytes // pools)
-        return NodePool(geometry, share, f"{self.instance}/{len(self.pools)}", self.lock)
+        return NodePool(geometry, share, f"{self.instance}/{len(self.pools)}", self.lock,
+                        command_ttl_s=self.options.command_ttl_s)
 
     def _answer(self, pool: NodePool, lease: EngineLease, request: Any) -> Optional[tuple]:
         if not isinstance(request, tuple) or not request or not isinstance(request[0], str):

@@ -28,6 +28,7 @@ class Metric(StrEnum):
     EVICTED_NOT_REUSED = "evicted_not_reused"
     EVICTIONS = "evictions"
     EXISTS_ERRORS = "exists_errors"
+    EXPIRED_COMMANDS = "expired_commands"
     FENCE_SKIPS = "fence_skips"
     FENCE_UNKNOWN_STEPS = "fence_unknown_steps"
     FENCE_WAITS = "fence_waits"

@@ -12,7 +12,7 @@ from typing import Callable, Iterable, Optional, Sequence
 from lmcache_npu.node.attachment import WorkerAttachment, attach_worker_arena
 from lmcache_npu.node.client import NodeCacheClient
 from lmcache_npu.node.messages import PoolGeometry
-from lmcache_npu.node.pool import ENGINE_SEPARATOR, NodePool
+from lmcache_npu.node.pool import COMMAND_TTL_S, ENGINE_SEPARATOR, NodePool
 from lmcache_npu.node.service import NodeCacheService, ServiceOptions
 from lmcache_npu.store.arena import slot_bytes_for
 from lmcache_npu.store.commands import Completion, Load, Store
@@ -58,11 +58,12 @@ class Node:
     """One service on `directory`/s and everything attached to it; `close()` ends them all (attachments first)."""
 
     def __init__(self, directory: str, store: StoreConfig, *, max_pools: int = 1, group: Optional[str] = None,
-                 metrics_port: Optional[int] = None, socket_name: str = "s") -> None:
+                 metrics_port: Optional[int] = None, socket_name: str = "s",
+                 command_ttl_s: float = COMMAND_TTL_S) -> None:
         self.directory = directory
         self.path = os.path.join(directory, socket_name)
         self.service = NodeCacheService(ServiceOptions(self.path, store, max_pools=max_pools, group=group,
-                                                       metrics_port=metrics_port)).start()
+                                                       metrics_port=metrics_port, command_ttl_s=command_ttl_s)).start()
         self.clients: list[NodeCacheClient] = []
         self.workers: list[WorkerAttachment] = []
 
