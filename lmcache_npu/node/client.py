@@ -4,8 +4,12 @@
 The service going away never stops an engine: every verb then answers as a cache that holds nothing (lookups miss,
 stores are not made, a load already promised is refused, so vLLM recomputes it), and the client attaches again at
 most once per `retry_s`; the new attachment is a new epoch, which the scheduler sends its workers with each step so
-they map the new segments before they move a byte. Commands of an earlier epoch are forgotten: their answers are
-dropped and they count as no longer pending.
+they map the new segments before they move a byte.
+
+A command handed to vLLM is never forgotten, since the step's load and store plans name it and its workers wait for
+it: one that had not reached the workers when the service was lost is handed out as refused (`take_refused`: the
+workers answer it as failed, so a load recomputes and a store settles); one they already run is answered by them.
+Their answers settle the commands here; the answers to an earlier attachment's commands go nowhere.
 """
 
 from __future__ import annotations
@@ -122,6 +126,8 @@ class NodeCacheClient(ChunkManager):
         self.payload_sink: Optional[Callable[[ChunkKey, tuple], None]] = None
         # this engine's device commands: the outbox and every rank's answers, as the in-process index keeps them
         self._ledger = CommandLedger(geometry.world, self.counters)
+        self._orphans: list[CommandLedger] = []  # earlier attachments' commands the workers have not all answered
+        self._refused: list[Command] = []  # queued when the service was lost: the workers answer them as failed
         self._occupancy: Optional[tuple[float, dict[Tier, tuple[int, int]]]] = None
         self.epoch: Optional[str] = None
         sock, attached, _ = connect(path, self._attach_message(), connect_timeout_s)
@@ -138,6 +144,9 @@ class NodeCacheClient(ChunkManager):
         self.num_slots = attached.num_slots
         self.disk_chunks = attached.disk_chunks
         self._policy = attached.eviction_policy
+        if self._ledger.in_flight:  # an earlier attachment's: the workers' answers settle them here, and go nowhere
+            self._orphans.append(self._ledger)
+            self._ledger = CommandLedger(self.geometry.world, self.counters)
 
     def _lost(self, why: BaseException) -> None:
         if self._sock is not None:
@@ -147,8 +156,11 @@ class NodeCacheClient(ChunkManager):
             self.counters.add(Metric.NODE_CACHE_DISCONNECTS)
         self._sock = None
         self.epoch = None
-        # the service's successor knows none of them: their answers are dropped
-        self._ledger = CommandLedger(self.geometry.world, self.counters)
+        # the step's plans already name the queued commands: never run now, they are answered as failed
+        queued = self._ledger.take()
+        if queued:
+            self._refused.extend(queued)
+            self.counters.add(Metric.NODE_CACHE_REFUSED_COMMANDS, len(queued))
         self._occupancy = None
         with self._retry_lock:
             self._next_try = time.monotonic() + self.retry_s
@@ -286,31 +298,48 @@ class NodeCacheClient(ChunkManager):
     def take_commands(self) -> list[Command]:
         return self._ledger.take()
 
+    def take_refused(self) -> list[Command]:
+        """Commands the step's plans may name that the service was lost before they reached the workers: each rank
+        answers them as failed without running them (a load recomputes, a store settles)."""
+        refused, self._refused = self._refused, []
+        return refused
+
     def queued_commands(self) -> tuple[Command, ...]:
-        return self._ledger.queued()
+        return (*self._refused, *self._ledger.queued())
+
+    def _ledger_of(self, cmd_id: int, rank: int) -> Optional[CommandLedger]:
+        """The ledger waiting for `rank`'s answer to `cmd_id`: this epoch's, or an earlier one's."""
+        for ledger in (self._ledger, *self._orphans):
+            if rank in ledger.waiting_ranks(cmd_id):
+                return ledger
+        return None
 
     def on_completions(self, completions: Iterable[Completion]) -> None:
         mine = []
         for done in completions:
-            if done.rank not in self._ledger.waiting_ranks(done.cmd_id):  # an earlier epoch's, or a repeat
+            ledger = self._ledger_of(done.cmd_id, done.rank)
+            if ledger is None:  # a repeat, or of a command this engine never had
                 self.counters.add(Metric.UNEXPECTED_COMPLETIONS)
                 continue
-            mine.append(done)
-            for _ in self._ledger.answer((done,)):  # settled once its last rank answered
+            for _ in ledger.answer((done,)):  # settled once its last rank answered
                 pass
-        if mine:  # plain tuples: a step's answers pickle in microseconds
+            if ledger is self._ledger:
+                mine.append(done)
+        if self._orphans:
+            self._orphans = [ledger for ledger in self._orphans if ledger.in_flight]
+        if mine and self._sock is not None:  # plain tuples: a step's answers pickle in microseconds
             self._send("on_completions", [(done.cmd_id, done.rank, done.ok, done.reason) for done in mine])
 
     def is_pending(self, cmd_id: int) -> bool:
-        return self._ledger.is_pending(cmd_id)
+        return self._ledger.is_pending(cmd_id) or any(ledger.is_pending(cmd_id) for ledger in self._orphans)
 
     def pending_command_ids(self) -> tuple[int, ...]:
         """This engine's commands some rank has not answered, oldest first (benches answer them all)."""
-        return self._ledger.pending_ids()
+        return tuple(cmd_id for ledger in (*self._orphans, self._ledger) for cmd_id in ledger.pending_ids())
 
     @property
     def in_flight(self) -> int:
-        return self._ledger.in_flight
+        return self._ledger.in_flight + sum(ledger.in_flight for ledger in self._orphans)
 
     @property
     def eviction_policy(self) -> str:

@@ -40,6 +40,8 @@ class LMCacheNPUConnectorMetadata(KVConnectorMetadata):
     # the node cache's epoch these commands are of (None without one): a worker whose mapping is of another epoch
     # maps the node's segments again before it runs them
     node_epoch: Optional[str] = None
+    # commands the plans may name that the node cache was lost before sending: every rank answers them as failed
+    refused: list[Command] = field(default_factory=list)
 
 
 SlotRanges = tuple[tuple[int, int], ...]  # [first, end) arena slot ranges

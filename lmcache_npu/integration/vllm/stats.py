@@ -97,6 +97,9 @@ INDEX_METRICS: dict[str, tuple[str, str]] = {
                                                             "epoch)"),
     "node_cache_unreachable": (Metric.NODE_CACHE_UNREACHABLE, "node cache calls answered as misses while the service "
                                                               "was away"),
+    "node_cache_refused_commands": (Metric.NODE_CACHE_REFUSED_COMMANDS, "node cache commands a step had handed "
+                                    "out when the service was lost, answered as failed by the workers (loads "
+                                    "recompute)"),
 }
 DISK_METRICS: dict[str, tuple[str, str]] = {
     "disk_writes": (Metric.WRITES, "chunk files written (summed over ranks)"),

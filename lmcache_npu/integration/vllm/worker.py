@@ -279,6 +279,8 @@ class WorkerHalf:
             self._owner.update((c, plan.request_id) for c in plan.cmd_ids)
         for request_id in meta.delayed_free:
             self._sends.setdefault(request_id, _Sends()).delayed = True
+        if meta.refused:  # the plans name them, the node cache was lost before they were sent: failed, never run
+            self.executor.refuse(meta.refused, "the node cache was lost before this command reached the workers")
         others = [c for c in meta.commands if not isinstance(c, (Load, Store))]
         loads = [c for c in meta.commands if isinstance(c, Load)]
         self._stores = [c for c in meta.commands if isinstance(c, Store)]
