@@ -9,7 +9,9 @@ they map the new segments before they move a byte.
 A command handed to vLLM is never forgotten, since the step's load and store plans name it and its workers wait for
 it: one that had not reached the workers when the service was lost is handed out as refused (`take_refused`: the
 workers answer it as failed, so a load recomputes and a store settles); one they already run is answered by them.
-Their answers settle the commands here; the answers to an earlier attachment's commands go nowhere.
+Their answers settle the commands here. An attachment to the same epoch (a slow call timed out, the service lives)
+keeps them and sends the service the answers it has not had, so their slots and pins are given back; the answers to
+an earlier epoch's commands go nowhere.
 """
 
 from __future__ import annotations
@@ -124,10 +126,13 @@ class NodeCacheClient(ChunkManager):
         self._reattached: Optional[tuple[socket.socket, Attached]] = None  # its result, for the next call
         # told the payload (builtins: what a router needs to name a chunk) another engine of the node described
         self.payload_sink: Optional[Callable[[ChunkKey, tuple], None]] = None
-        # this engine's device commands: the outbox and every rank's answers, as the in-process index keeps them
+        # this engine's device commands of epoch `_ledger_epoch`: the outbox and every rank's answers, as the
+        # in-process index keeps them
         self._ledger = CommandLedger(geometry.world, self.counters)
-        self._orphans: list[CommandLedger] = []  # earlier attachments' commands the workers have not all answered
+        self._ledger_epoch: Optional[str] = None
+        self._orphans: list[CommandLedger] = []  # earlier epochs' commands the workers have not all answered yet
         self._refused: list[Command] = []  # queued when the service was lost: the workers answer them as failed
+        self._unacked: list[tuple[int, int, bool, str]] = []  # answers of `_ledger_epoch` the service has not had
         self._occupancy: Optional[tuple[float, dict[Tier, tuple[int, int]]]] = None
         self.epoch: Optional[str] = None
         sock, attached, _ = connect(path, self._attach_message(), connect_timeout_s)
@@ -144,9 +149,16 @@ class NodeCacheClient(ChunkManager):
         self.num_slots = attached.num_slots
         self.disk_chunks = attached.disk_chunks
         self._policy = attached.eviction_policy
-        if self._ledger.in_flight:  # an earlier attachment's: the workers' answers settle them here, and go nowhere
+        if attached.epoch == self._ledger_epoch:  # the same service: its commands and their answers still count
+            return
+        if self._ledger.in_flight:  # a dead epoch's: the workers' answers settle them here, and go nowhere
             self._orphans.append(self._ledger)
-            self._ledger = CommandLedger(self.geometry.world, self.counters)
+        if self._unacked:
+            logger.info("lmcache_npu: %d answer(s) to the node cache's epoch %s dropped: it is gone",
+                        len(self._unacked), self._ledger_epoch)
+        self._ledger = CommandLedger(self.geometry.world, self.counters)
+        self._ledger_epoch = attached.epoch
+        self._unacked = []
 
     def _lost(self, why: BaseException) -> None:
         if self._sock is not None:
@@ -182,7 +194,8 @@ class NodeCacheClient(ChunkManager):
         self._adopt(sock, attached)
         self.counters.add(Metric.NODE_CACHE_RECONNECTS)
         logger.info("lmcache_npu: attached to the node cache at %s again (epoch %s)", self.path, self.epoch)
-        return True
+        self._deliver(replay=True)  # the same epoch's answers given while it was away
+        return self._sock is not None
 
     def _reattach(self) -> None:
         try:
@@ -315,7 +328,6 @@ class NodeCacheClient(ChunkManager):
         return None
 
     def on_completions(self, completions: Iterable[Completion]) -> None:
-        mine = []
         for done in completions:
             ledger = self._ledger_of(done.cmd_id, done.rank)
             if ledger is None:  # a repeat, or of a command this engine never had
@@ -323,12 +335,26 @@ class NodeCacheClient(ChunkManager):
                 continue
             for _ in ledger.answer((done,)):  # settled once its last rank answered
                 pass
-            if ledger is self._ledger:
-                mine.append(done)
+            if ledger is self._ledger:  # plain tuples: a step's answers pickle in microseconds
+                self._unacked.append((done.cmd_id, done.rank, done.ok, done.reason))
         if self._orphans:
             self._orphans = [ledger for ledger in self._orphans if ledger.in_flight]
-        if mine and self._sock is not None:  # plain tuples: a step's answers pickle in microseconds
-            self._send("on_completions", [(done.cmd_id, done.rank, done.ok, done.reason) for done in mine])
+        self._deliver()
+
+    def _deliver(self, replay: bool = False) -> None:
+        """Sends the answers the service has not had; kept while it is away, for an attachment to the same epoch."""
+        if not self._unacked or not self._connected() or not self._unacked:  # attaching again may have sent them
+            return
+        assert self._sock is not None
+        answers, self._unacked = self._unacked, []
+        try:
+            wire.send(self._sock, ("on_completions", answers))
+        except OSError as exc:  # the service has none of them (a message cut short is dropped whole)
+            self._unacked = answers + self._unacked
+            self._lost(exc)
+            return
+        if replay:
+            self.counters.add(Metric.NODE_CACHE_REPLAYED_COMPLETIONS, len(answers))
 
     def is_pending(self, cmd_id: int) -> bool:
         return self._ledger.is_pending(cmd_id) or any(ledger.is_pending(cmd_id) for ledger in self._orphans)

@@ -61,6 +61,7 @@ class Metric(StrEnum):
     NODE_CACHE_DISCONNECTS = "node_cache_disconnects"
     NODE_CACHE_RECONNECTS = "node_cache_reconnects"
     NODE_CACHE_REFUSED_COMMANDS = "node_cache_refused_commands"
+    NODE_CACHE_REPLAYED_COMPLETIONS = "node_cache_replayed_completions"
     NODE_CACHE_UNREACHABLE = "node_cache_unreachable"
     PENDING_READS = "pending_reads"
     PERSIST_FAILED = "persist_failed"

@@ -1,10 +1,19 @@
-"""No command an engine was handed is lost: the service dies between a verb's answer and the step's
-`take_commands`; commands still queued are handed out as refused (the workers answer them as failed), commands the
-workers already run take their answers; neither is forgotten, and a new epoch is never told about them.
+"""No command an engine was handed is lost.
+
+- The service dies between a verb's answer and the step's `take_commands`: commands still queued are handed out as
+  refused (the workers answer them as failed), commands the workers already run take their answers; neither is
+  forgotten, and a new epoch is never told about them.
+- A slow (not dead) service: a call times out, the client attaches again to the same epoch, keeps its commands and
+  sends the answers the service has not had, so the store commits, the other engine sees it and the engine's own
+  lookups are no longer pending.
 """
 
 from __future__ import annotations
 
+import time
+from typing import Any
+
+from lmcache_npu.node import client as client_module
 from lmcache_npu.node.pool import NodePool
 from lmcache_npu.store.metrics import Metric
 
@@ -56,3 +65,50 @@ def test_a_new_epoch_is_never_told_of_the_dead_ones_commands(start_node, monkeyp
     sync(client)
     assert client.in_flight == 0 and client.counters[Metric.UNEXPECTED_COMPLETIONS] == 0
     assert told == [new.cmd_id] * WORLD  # control: the new epoch's answers reach it, the dead one's never do
+
+
+def _slow_once(monkeypatch: Any, node: Any, verb: str, seconds: float) -> list[str]:
+    """The pool's index answers the first `verb` after `seconds` (under the service's lock, as a stalled Mooncake
+    check or log pipe would); the list records that it happened."""
+    index = node.pool.index
+    real = getattr(index, verb)
+    slowed: list[str] = []
+
+    def slow(*arguments: Any) -> Any:
+        if not slowed:
+            slowed.append(verb)
+            time.sleep(seconds)
+        return real(*arguments)
+
+    monkeypatch.setattr(index, verb, slow)
+    return slowed
+
+
+def test_after_a_timeout_on_a_live_service_the_store_commits_and_nothing_stays_pending(start_node,
+                                                                                      monkeypatch) -> None:
+    monkeypatch.setattr(client_module, "CALL_TIMEOUT_S", 0.3)
+    node = start_node(store_config(6, WORLD))
+    a, b = node.engine("A"), node.engine("B")
+    a.client.retry_s = QUICK
+    epoch = a.client.epoch
+    keys = keys_of(0, 2)
+    stores = a.client.prepare_store("w", list(enumerate(keys)))
+    a.client.take_commands()
+    slowed = _slow_once(monkeypatch, node, "presence", 0.9)
+    assert a.client.presence(keys_of(5, 1)) == [False]  # timed out: answered as a miss, the service counts as lost
+    assert slowed and a.client.epoch is None
+    answer(a.client, stores, range(WORLD))  # the workers answer while the client is away: kept for the service
+    assert a.client.in_flight == 0
+
+    wait_for(lambda: a.client.presence([]) is not None and a.client.epoch is not None, "A to attach again")
+    assert a.client.epoch == epoch and a.client.counters[Metric.NODE_CACHE_RECONNECTS] == 1  # the same service
+    sync(a.client)
+    found = b.client.lookup("b", keys)
+    assert (found.hit_chunks, found.ready_chunks) == (2, 2)  # committed: the other engine sees it
+    b.client.release("b")
+    own = a.client.lookup("again", keys)
+    assert (own.ready_chunks, own.pending) == (2, False)  # the engine's own lookups are not pending
+    a.client.release("again")
+    sync(a.client)
+    assert a.client.counters[Metric.NODE_CACHE_REPLAYED_COMPLETIONS] == len(stores) * WORLD
+    assert not node.pool.writing and not node.pool.handed

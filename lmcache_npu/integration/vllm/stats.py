@@ -100,6 +100,8 @@ INDEX_METRICS: dict[str, tuple[str, str]] = {
     "node_cache_refused_commands": (Metric.NODE_CACHE_REFUSED_COMMANDS, "node cache commands a step had handed "
                                     "out when the service was lost, answered as failed by the workers (loads "
                                     "recompute)"),
+    "node_cache_replayed_completions": (Metric.NODE_CACHE_REPLAYED_COMPLETIONS, "answers sent again to the node cache "
+                                        "after a timeout, on attaching to the same service (its slots are freed)"),
 }
 DISK_METRICS: dict[str, tuple[str, str]] = {
     "disk_writes": (Metric.WRITES, "chunk files written (summed over ranks)"),
