@@ -63,6 +63,7 @@ class Metric(StrEnum):
     NODE_CACHE_REFUSED_COMMANDS = "node_cache_refused_commands"
     NODE_CACHE_REPLAYED_COMPLETIONS = "node_cache_replayed_completions"
     NODE_CACHE_UNREACHABLE = "node_cache_unreachable"
+    OVERDUE_COMMANDS = "overdue_commands"
     PENDING_READS = "pending_reads"
     PERSIST_FAILED = "persist_failed"
     PERSIST_NO_ROOM = "persist_no_room"

@@ -61,6 +61,8 @@ METRICS: dict[str, str] = {  # Metric keys: a member is its name
                             "chunk's first token",
     Metric.EPOCH_CHANGES: "times a worker mapped the segments of a restarted node cache (a new epoch; summed over "
                      "ranks)",
+    Metric.OVERDUE_COMMANDS: "load and store commands a worker waited for past its deadline and answered as failed "
+                             "(the load recomputes, the store is dropped; summed over ranks)",
 }
 # the host arena's segments, counted up as they go live (so sums over steps are the current state, summed over ranks)
 ARENA_METRICS: dict[str, str] = {
