@@ -10,8 +10,8 @@ A command handed to vLLM is never forgotten, since the step's load and store pla
 it: one that had not reached the workers when the service was lost is handed out as refused (`take_refused`: the
 workers answer it as failed, so a load recomputes and a store settles); one they already run is answered by them.
 Their answers settle the commands here. An attachment to the same epoch (a slow call timed out, the service lives)
-keeps them and sends the service the answers it has not had, so their slots and pins are given back; the answers to
-an earlier epoch's commands go nowhere.
+keeps them and sends the service what it missed meanwhile (releases, then answers), so its slots, pins and
+reservations are given back; the answers to an earlier epoch's commands go nowhere.
 """
 
 from __future__ import annotations
@@ -42,6 +42,9 @@ RETRY_S = 1.0  # at most one attach attempt per second while the service is away
 CALL_TIMEOUT_S = 10.0  # a verb the service has not answered by then counts as the service being away
 _FIRST, _SECOND = itemgetter(0), itemgetter(1)
 OCCUPANCY_TTL_S = 1.0  # the gauges vLLM's stats read every step: asked at most once a second
+# releases kept while the service is away, for an attachment to the same epoch (those of the requests that looked
+# up before it went away come first; beyond, the reservations wait for the lease's end)
+MAX_UNSENT_RELEASES = 4096
 ATTACH_TIMEOUT_S = 900.0  # the first attach of a geometry maps and pre-faults its pool: minutes on a large node
 _PEERCRED = struct.Struct("3i")  # pid, uid, gid
 
@@ -133,6 +136,7 @@ class NodeCacheClient(ChunkManager):
         self._orphans: list[CommandLedger] = []  # earlier epochs' commands the workers have not all answered yet
         self._refused: list[Command] = []  # queued when the service was lost: the workers answer them as failed
         self._unacked: list[tuple[int, int, bool, str]] = []  # answers of `_ledger_epoch` the service has not had
+        self._unreleased: dict[str, None] = {}  # requests released while `_ledger_epoch`'s service was away
         self._occupancy: Optional[tuple[float, dict[Tier, tuple[int, int]]]] = None
         self.epoch: Optional[str] = None
         sock, attached, _ = connect(path, self._attach_message(), connect_timeout_s)
@@ -159,6 +163,7 @@ class NodeCacheClient(ChunkManager):
         self._ledger = CommandLedger(self.geometry.world, self.counters)
         self._ledger_epoch = attached.epoch
         self._unacked = []
+        self._unreleased = {}
 
     def _lost(self, why: BaseException) -> None:
         if self._sock is not None:
@@ -194,8 +199,17 @@ class NodeCacheClient(ChunkManager):
         self._adopt(sock, attached)
         self.counters.add(Metric.NODE_CACHE_RECONNECTS)
         logger.info("lmcache_npu: attached to the node cache at %s again (epoch %s)", self.path, self.epoch)
-        self._deliver(replay=True)  # the same epoch's answers given while it was away
+        self._replay()
         return self._sock is not None
+
+    def _replay(self) -> None:
+        """What the same epoch's service missed while this engine was away: its releases (a reply it never read may
+        have reserved chunks), then its workers' answers."""
+        for request_id in list(self._unreleased):
+            if not self._send("release", request_id):
+                return  # away again: the rest wait for the next attachment
+            del self._unreleased[request_id]
+        self._deliver(replay=True)
 
     def _reattach(self) -> None:
         try:
@@ -240,15 +254,17 @@ class NodeCacheClient(ChunkManager):
                 self._listener(key, tier, entered)
         return value
 
-    def _send(self, verb: str, *arguments: Any) -> None:
-        """A verb the engine does not wait for (its counters come with the next answer)."""
+    def _send(self, verb: str, *arguments: Any) -> bool:
+        """A verb the engine does not wait for (its counters come with the next answer); whether it was sent."""
         if not self._connected():
-            return
+            return False
         assert self._sock is not None
         try:
             wire.send(self._sock, (verb, *arguments))
         except OSError as exc:
             self._lost(exc)
+            return False
+        return True
 
     def close(self) -> None:
         if self._sock is not None:
@@ -289,7 +305,8 @@ class NodeCacheClient(ChunkManager):
         return self._track(Load, request_id, chunks, moves)
 
     def release(self, request_id: str) -> None:
-        self._send("release", request_id)
+        if not self._send("release", request_id) and len(self._unreleased) < MAX_UNSENT_RELEASES:
+            self._unreleased[request_id] = None
 
     def describe(self, key: ChunkKey, payload: tuple) -> None:
         """What routers need to name `key` (this engine stored or promoted it): the node keeps it for the others."""

@@ -5,7 +5,7 @@
   forgotten, and a new epoch is never told about them.
 - A slow (not dead) service: a call times out, the client attaches again to the same epoch, keeps its commands and
   sends the answers the service has not had, so the store commits, the other engine sees it and the engine's own
-  lookups are no longer pending.
+  lookups are no longer pending; the releases it could not send free what the late answer to a lookup reserved.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from lmcache_npu.node import client as client_module
 from lmcache_npu.node.pool import NodePool
 from lmcache_npu.store.metrics import Metric
 
-from .harness import answer, keys_of, store_config, sync, wait_for
+from .harness import answer, engine_holdings, keys_of, store_config, sync, wait_for
 
 WORLD = 2
 QUICK = 0.02  # retry_s of the clients that must attach again within the test
@@ -112,3 +112,23 @@ def test_after_a_timeout_on_a_live_service_the_store_commits_and_nothing_stays_p
     sync(a.client)
     assert a.client.counters[Metric.NODE_CACHE_REPLAYED_COMPLETIONS] == len(stores) * WORLD
     assert not node.pool.writing and not node.pool.handed
+
+
+def test_after_a_timeout_on_a_live_service_what_a_late_lookup_reserved_is_released(start_node, monkeypatch) -> None:
+    monkeypatch.setattr(client_module, "CALL_TIMEOUT_S", 0.3)
+    node = start_node(store_config(6, WORLD))
+    a = node.engine("A")
+    a.client.retry_s = QUICK
+    keys = keys_of(0, 2)
+    a.store("w", keys)
+    slowed = _slow_once(monkeypatch, node, "lookup", 0.9)
+    assert a.client.lookup("r", keys).hit_chunks == 0 and slowed  # timed out: a miss, so the scheduler releases
+    a.client.release("r")  # while the client is away
+
+    def reserved() -> list[str]:
+        return [held for held in engine_holdings(node.service, "A") if held.startswith("reservations")]
+
+    wait_for(lambda: len(reserved()) == 2, "the late lookup's reservations")  # control: the service reserved both
+    wait_for(lambda: a.client.presence([]) is not None and a.client.epoch is not None, "A to attach again")
+    sync(a.client)
+    assert reserved() == []  # the release sent on attaching again to the same epoch
