@@ -7,7 +7,7 @@ import os
 import shutil
 import tempfile
 import time
-from typing import Callable, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 from lmcache_npu.node.attachment import WorkerAttachment, attach_worker_arena
 from lmcache_npu.node.client import NodeCacheClient
@@ -26,6 +26,8 @@ NAMESPACE = "0" * 32  # tests.store.fakes.make_key's default
 OBJECT_BYTES = 4096  # one page of KV per rank and chunk: a slot is two pages with its envelope
 FINGERPRINT = b"node-test-layout"
 WAIT_S = 20.0  # bounded waits for what another thread or process does (never a timing assertion)
+SLOWED_TIMEOUT_S = 0.5  # the call timeout of a client whose next call a test slows down
+SLOWED_CALL_S = 2.0  # how long that call takes in the service: well past the timeout above
 
 
 def short_dir() -> str:
@@ -43,6 +45,26 @@ def store_config(slots: int, world: int, object_bytes: int = OBJECT_BYTES, pools
     hugepages: a test arena of a few pages)."""
     cpu_bytes = pools * slots * world * slot_bytes_for(object_bytes)
     return StoreConfig(cpu_bytes=cpu_bytes, pinned=False, hugepages="off", **extra)  # type: ignore[arg-type]
+
+
+def slow_next_call(monkeypatch: Any, node: "Node", client: NodeCacheClient, verb: str) -> list[str]:
+    """The pool's index answers the next `verb` after SLOWED_CALL_S (under the service's lock, as a stalled Mooncake
+    check or log pipe would) and `client`'s connection times out after SLOWED_TIMEOUT_S, so its call counts the live
+    service as lost; attaching again waits with the usual timeout. The list records that the slowdown happened."""
+    index = node.pool.index
+    real = getattr(index, verb)
+    slowed: list[str] = []
+
+    def slow(*arguments: Any) -> Any:
+        if not slowed:
+            slowed.append(verb)
+            time.sleep(SLOWED_CALL_S)
+        return real(*arguments)
+
+    monkeypatch.setattr(index, verb, slow)
+    assert client._sock is not None
+    client._sock.settimeout(SLOWED_TIMEOUT_S)
+    return slowed
 
 
 def wait_for(condition: Callable[[], object], what: str, timeout_s: float = WAIT_S) -> None:

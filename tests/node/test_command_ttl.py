@@ -7,45 +7,24 @@ costing a scan of every store in flight on the node.
 from __future__ import annotations
 
 import time
-from typing import Any
 
-from lmcache_npu.node import client as client_module
 from lmcache_npu.store.commands import Load, Store
 from lmcache_npu.store.index.contract import SlotState
 from lmcache_npu.store.metrics import Metric
 
-from .harness import answer, keys_of, store_config, sync, wait_for
+from .harness import answer, keys_of, slow_next_call, store_config, sync, wait_for
 
 WORLD = 2
 QUICK = 0.02  # retry_s of the clients that must attach again within the test
 
 
-def _slow_once(monkeypatch: Any, node: Any, verb: str, seconds: float) -> list[str]:
-    """The pool's index answers the first `verb` after `seconds` (under the service's lock, as a stalled Mooncake
-    check or log pipe would); the list records that it happened."""
-    index = node.pool.index
-    real = getattr(index, verb)
-    slowed: list[str] = []
-
-    def slow(*arguments: Any) -> Any:
-        if not slowed:
-            slowed.append(verb)
-            time.sleep(seconds)
-        return real(*arguments)
-
-    monkeypatch.setattr(index, verb, slow)
-    return slowed
-
-
-
 def test_a_command_no_one_answers_fails_after_the_ttl_and_frees_its_slot(start_node, monkeypatch) -> None:
-    monkeypatch.setattr(client_module, "CALL_TIMEOUT_S", 0.3)
-    node = start_node(store_config(6, WORLD), command_ttl_s=3.0)
+    node = start_node(store_config(6, WORLD), command_ttl_s=5.0)
     a, b = node.engine("A"), node.engine("B")
     a.client.retry_s = QUICK
     key = keys_of(0, 1)[0]
     # a store whose reply A never read: the index hands it out after A's call timed out
-    slowed = _slow_once(monkeypatch, node, "prepare_store", 0.9)
+    slowed = slow_next_call(monkeypatch, node, a.client, "prepare_store")
     assert a.client.prepare_store("w", [(0, key)]) == [] and slowed
     wait_for(lambda: a.client.presence([]) is not None and a.client.epoch is not None, "A to attach again")
     (cmd_id,) = node.pool.handed

@@ -10,14 +10,10 @@
 
 from __future__ import annotations
 
-import time
-from typing import Any
-
-from lmcache_npu.node import client as client_module
 from lmcache_npu.node.pool import NodePool
 from lmcache_npu.store.metrics import Metric
 
-from .harness import answer, engine_holdings, keys_of, store_config, sync, wait_for
+from .harness import answer, engine_holdings, keys_of, slow_next_call, store_config, sync, wait_for
 
 WORLD = 2
 QUICK = 0.02  # retry_s of the clients that must attach again within the test
@@ -67,26 +63,8 @@ def test_a_new_epoch_is_never_told_of_the_dead_ones_commands(start_node, monkeyp
     assert told == [new.cmd_id] * WORLD  # control: the new epoch's answers reach it, the dead one's never do
 
 
-def _slow_once(monkeypatch: Any, node: Any, verb: str, seconds: float) -> list[str]:
-    """The pool's index answers the first `verb` after `seconds` (under the service's lock, as a stalled Mooncake
-    check or log pipe would); the list records that it happened."""
-    index = node.pool.index
-    real = getattr(index, verb)
-    slowed: list[str] = []
-
-    def slow(*arguments: Any) -> Any:
-        if not slowed:
-            slowed.append(verb)
-            time.sleep(seconds)
-        return real(*arguments)
-
-    monkeypatch.setattr(index, verb, slow)
-    return slowed
-
-
 def test_after_a_timeout_on_a_live_service_the_store_commits_and_nothing_stays_pending(start_node,
                                                                                       monkeypatch) -> None:
-    monkeypatch.setattr(client_module, "CALL_TIMEOUT_S", 0.3)
     node = start_node(store_config(6, WORLD))
     a, b = node.engine("A"), node.engine("B")
     a.client.retry_s = QUICK
@@ -94,7 +72,7 @@ def test_after_a_timeout_on_a_live_service_the_store_commits_and_nothing_stays_p
     keys = keys_of(0, 2)
     stores = a.client.prepare_store("w", list(enumerate(keys)))
     a.client.take_commands()
-    slowed = _slow_once(monkeypatch, node, "presence", 0.9)
+    slowed = slow_next_call(monkeypatch, node, a.client, "presence")
     assert a.client.presence(keys_of(5, 1)) == [False]  # timed out: answered as a miss, the service counts as lost
     assert slowed and a.client.epoch is None
     answer(a.client, stores, range(WORLD))  # the workers answer while the client is away: kept for the service
@@ -115,13 +93,12 @@ def test_after_a_timeout_on_a_live_service_the_store_commits_and_nothing_stays_p
 
 
 def test_after_a_timeout_on_a_live_service_what_a_late_lookup_reserved_is_released(start_node, monkeypatch) -> None:
-    monkeypatch.setattr(client_module, "CALL_TIMEOUT_S", 0.3)
     node = start_node(store_config(6, WORLD))
     a = node.engine("A")
     a.client.retry_s = QUICK
     keys = keys_of(0, 2)
     a.store("w", keys)
-    slowed = _slow_once(monkeypatch, node, "lookup", 0.9)
+    slowed = slow_next_call(monkeypatch, node, a.client, "lookup")
     assert a.client.lookup("r", keys).hit_chunks == 0 and slowed  # timed out: a miss, so the scheduler releases
     a.client.release("r")  # while the client is away
 
