@@ -7,13 +7,19 @@ client attaches on a thread of its own, at most once per `retry_s` (`REFUSED_RET
 a geometry beyond its pools), waiting up to `ATTACH_TIMEOUT_S` for a pool the service is still making. An engine
 starts with a short wait for that attach and serves without the node cache when it is not done by then. Each
 attachment is an epoch, which the scheduler sends its workers with each step so they map its segments before they
-move a byte. Commands of an earlier epoch are forgotten: their answers are dropped and they count as no longer
-pending.
+move a byte.
 
 Nor does a service that answers wrongly: an error reply (a verb the service refused, a bug there, another release's
 arguments) or a reply of the wrong shape answers as the same miss, counted (`node_cache_error_replies`,
 `node_cache_malformed_replies`) and logged once per verb, never as an exception in vLLM's scheduler. A service of
 another protocol version is refused at attach (messages.py), and the engine serves without it.
+
+A command handed to vLLM is never forgotten, since the step's load and store plans name it and its workers wait for
+it: one that had not reached the workers when the service was lost is handed out as refused (`take_refused`: the
+workers answer it as failed, so a load recomputes and a store settles); one they already run is answered by them.
+Their answers settle the commands here. An attachment to the same epoch (a slow call timed out, the service lives)
+keeps them and sends the service what it missed meanwhile (releases, then answers), so its slots, pins and
+reservations are given back; the answers to an earlier epoch's commands go nowhere.
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ from ..store.index.ledger import CommandLedger
 from ..store.keys import ChunkKey
 from ..store.metrics import Metric
 from ..store.tier import TierCounters
-from . import wire
+from . import replies, wire
 from .messages import PROTOCOL_VERSION, Attach, Attached, PoolGeometry, Refused, protocol_of
 
 logger = logging.getLogger(__name__)
@@ -47,6 +53,9 @@ CALL_TIMEOUT_S = 10.0  # a verb the service has not answered by then counts as t
 START_WAIT_S = 5.0  # how long an engine's start waits for its first attach (a pool being made takes longer)
 _FIRST, _SECOND = itemgetter(0), itemgetter(1)
 OCCUPANCY_TTL_S = 1.0  # the gauges vLLM's stats read every step: asked at most once a second
+# releases kept while the service is away, for an attachment to the same epoch (those of the requests that looked
+# up before it went away come first; beyond, the reservations wait for the lease's end)
+MAX_UNSENT_RELEASES = 4096
 ATTACH_TIMEOUT_S = 900.0  # the first attach of a geometry maps and pre-faults its pool: minutes on a large node
 _PEERCRED = struct.Struct("3i")  # pid, uid, gid
 
@@ -122,7 +131,7 @@ def connect(path: str, attach: Attach, timeout_s: float) -> tuple[socket.socket,
                                        f"{PROTOCOL_VERSION}: run the engines and the service of one lmcache_npu "
                                        "release (upgrade the older side)")
             raise NodeCacheUnavailable(f"the node cache at {path} answered {type(reply).__name__}, not Attached")
-        if not _attached(reply):  # the pool's sizes build this engine's arena and gauges: a wrong type is no pool
+        if not replies.attached(reply):  # the pool's sizes build this engine's arena and gauges: a wrong type: no pool
             sock.close()
             for fd in fds:
                 wire.close_fd(fd)
@@ -157,8 +166,14 @@ class NodeCacheClient(ChunkManager):
         self._reattached: Optional[tuple[socket.socket, Attached]] = None  # its result, for the next call
         # told the payload (builtins: what a router needs to name a chunk) another engine of the node described
         self.payload_sink: Optional[Callable[[ChunkKey, tuple], None]] = None
-        # this engine's device commands: the outbox and every rank's answers, as the in-process index keeps them
+        # this engine's device commands of epoch `_ledger_epoch`: the outbox and every rank's answers, as the
+        # in-process index keeps them
         self._ledger = CommandLedger(geometry.world, self.counters)
+        self._ledger_epoch: Optional[str] = None
+        self._orphans: list[CommandLedger] = []  # earlier epochs' commands the workers have not all answered yet
+        self._refused: list[Command] = []  # queued when the service was lost: the workers answer them as failed
+        self._unacked: list[tuple[int, int, bool, str]] = []  # answers of `_ledger_epoch` the service has not had
+        self._unreleased: dict[str, None] = {}  # requests released while `_ledger_epoch`'s service was away
         self._occupancy: Optional[tuple[float, dict[Tier, tuple[int, int]]]] = None
         self.epoch: Optional[str] = None
         self.num_slots = 0  # the pool's, once attached
@@ -192,6 +207,17 @@ class NodeCacheClient(ChunkManager):
         self.num_slots = attached.num_slots
         self.disk_chunks = attached.disk_chunks
         self._policy = attached.eviction_policy
+        if attached.epoch == self._ledger_epoch:  # the same service: its commands and their answers still count
+            return
+        if self._ledger.in_flight:  # a dead epoch's: the workers' answers settle them here, and go nowhere
+            self._orphans.append(self._ledger)
+        if self._unacked:
+            logger.info("lmcache_npu: %d answer(s) to the node cache's epoch %s dropped: it is gone",
+                        len(self._unacked), self._ledger_epoch)
+        self._ledger = CommandLedger(self.geometry.world, self.counters)
+        self._ledger_epoch = attached.epoch
+        self._unacked = []
+        self._unreleased = {}
 
     def _lost(self, why: BaseException) -> None:
         if self._sock is not None:
@@ -201,8 +227,11 @@ class NodeCacheClient(ChunkManager):
             self.counters.add(Metric.NODE_CACHE_DISCONNECTS)
         self._sock = None
         self.epoch = None
-        # the service's successor knows none of them: their answers are dropped
-        self._ledger = CommandLedger(self.geometry.world, self.counters)
+        # the step's plans already name the queued commands: never run now, they are answered as failed
+        queued = self._ledger.take()
+        if queued:
+            self._refused.extend(queued)
+            self.counters.add(Metric.NODE_CACHE_REFUSED_COMMANDS, len(queued))
         self._occupancy = None
         with self._retry_lock:
             self._next_try = time.monotonic() + self.retry_s
@@ -225,10 +254,20 @@ class NodeCacheClient(ChunkManager):
         self._adopt(sock, attached)
         if first:
             logger.info("lmcache_npu: attached to the node cache at %s (epoch %s)", self.path, self.epoch)
-        else:
-            self.counters.add(Metric.NODE_CACHE_RECONNECTS)
-            logger.info("lmcache_npu: attached to the node cache at %s again (epoch %s)", self.path, self.epoch)
-        return True
+            return True
+        self.counters.add(Metric.NODE_CACHE_RECONNECTS)
+        logger.info("lmcache_npu: attached to the node cache at %s again (epoch %s)", self.path, self.epoch)
+        self._replay()
+        return self._sock is not None
+
+    def _replay(self) -> None:
+        """What the same epoch's service missed while this engine was away: its releases (a reply it never read may
+        have reserved chunks), then its workers' answers."""
+        for request_id in list(self._unreleased):
+            if not self._send("release", request_id):
+                return  # away again: the rest wait for the next attachment
+            del self._unreleased[request_id]
+        self._deliver(replay=True)
 
     def _reattach(self) -> None:
         try:
@@ -282,11 +321,12 @@ class NodeCacheClient(ChunkManager):
             self.counters.add(Metric.NODE_CACHE_UNREACHABLE)
             return missing
         try:  # everything the service sent is checked before any of it is used
-            if _is_error(reply):
+            if replies.is_error(reply):
                 problem: Optional[tuple[Metric, str]] = (Metric.NODE_CACHE_ERROR_REPLIES,
                                                          f"it answered an error: {reply[2]}")
-            elif not (_is_ok(reply) and (valid or _none)(reply[1])):
-                problem = (Metric.NODE_CACHE_MALFORMED_REPLIES, f"it answered a malformed reply ({_describe(reply)})")
+            elif not (replies.is_ok(reply) and (valid or replies.none)(reply[1])):
+                problem = (Metric.NODE_CACHE_MALFORMED_REPLIES,
+                           f"it answered a malformed reply ({replies.describe(reply)})")
             else:
                 problem = None
         except (TypeError, ValueError, AttributeError) as exc:  # a value whose own methods fail: malformed too
@@ -327,15 +367,17 @@ class NodeCacheClient(ChunkManager):
         self._told.add((verb, what))
         return True
 
-    def _send(self, verb: str, *arguments: Any) -> None:
-        """A verb the engine does not wait for (its counters come with the next answer)."""
+    def _send(self, verb: str, *arguments: Any) -> bool:
+        """A verb the engine does not wait for (its counters come with the next answer); whether it was sent."""
         if not self._connected():
-            return
+            return False
         assert self._sock is not None
         try:
             wire.send(self._sock, (verb, *arguments))
         except OSError as exc:
             self._lost(exc)
+            return False
+        return True
 
     def close(self) -> None:
         if self._sock is not None:
@@ -362,16 +404,16 @@ class NodeCacheClient(ChunkManager):
 
     def lookup(self, request_id: str, keys: Sequence[ChunkKey]) -> LookupResult:
         return self._call("lookup", request_id, *self._batch(keys), missing=LookupResult(0, 0),
-                          valid=partial(_lookup_result, len(keys)))
+                          valid=partial(replies.lookup_result, len(keys)))
 
     def presence(self, keys: Sequence[ChunkKey], remote: bool = True) -> list[bool]:
         return self._call("presence", *self._batch(keys), remote, missing=[False] * len(keys),
-                          valid=partial(_bools, len(keys)))
+                          valid=partial(replies.bools, len(keys)))
 
     def prepare_load(self, request_id: str, chunks: NumberedChunks) -> list[Load]:
         namespace, numbers, hashes = self._numbered(chunks)
         moves = self._call("prepare_load", request_id, namespace, numbers, hashes, missing=None,
-                           valid=partial(_moves, set(hashes), self.num_slots))
+                           valid=partial(replies.moves, set(hashes), self.num_slots))
         if moves is None:  # a hit was promised and is not loadable: refused, so vLLM recomputes these tokens
             if self._sock is None:
                 raise ValueError(f"the node cache at {self.path} went away between the lookup and the load")
@@ -379,7 +421,8 @@ class NodeCacheClient(ChunkManager):
         return self._track(Load, request_id, chunks, moves)
 
     def release(self, request_id: str) -> None:
-        self._send("release", request_id)
+        if not self._send("release", request_id) and len(self._unreleased) < MAX_UNSENT_RELEASES:
+            self._unreleased[request_id] = None
 
     def describe(self, key: ChunkKey, payload: tuple) -> None:
         """What routers need to name `key` (this engine stored or promoted it): the node keeps it for the others."""
@@ -388,7 +431,7 @@ class NodeCacheClient(ChunkManager):
     def prepare_store(self, request_id: str, chunks: NumberedChunks) -> list[Store]:
         namespace, numbers, hashes = self._numbered(chunks)
         moves = self._call("prepare_store", request_id, namespace, numbers, hashes, missing=[],
-                           valid=partial(_moves, set(hashes), self.num_slots))
+                           valid=partial(replies.moves, set(hashes), self.num_slots))
         return self._track(Store, request_id, chunks, moves)
 
     def _track(self, kind: type, request_id: str, chunks: NumberedChunks,
@@ -403,31 +446,61 @@ class NodeCacheClient(ChunkManager):
     def take_commands(self) -> list[Command]:
         return self._ledger.take()
 
+    def take_refused(self) -> list[Command]:
+        """Commands the step's plans may name that the service was lost before they reached the workers: each rank
+        answers them as failed without running them (a load recomputes, a store settles)."""
+        refused, self._refused = self._refused, []
+        return refused
+
     def queued_commands(self) -> tuple[Command, ...]:
-        return self._ledger.queued()
+        return (*self._refused, *self._ledger.queued())
+
+    def _ledger_of(self, cmd_id: int, rank: int) -> Optional[CommandLedger]:
+        """The ledger waiting for `rank`'s answer to `cmd_id`: this epoch's, or an earlier one's."""
+        for ledger in (self._ledger, *self._orphans):
+            if rank in ledger.waiting_ranks(cmd_id):
+                return ledger
+        return None
 
     def on_completions(self, completions: Iterable[Completion]) -> None:
-        mine = []
         for done in completions:
-            if done.rank not in self._ledger.waiting_ranks(done.cmd_id):  # an earlier epoch's, or a repeat
+            ledger = self._ledger_of(done.cmd_id, done.rank)
+            if ledger is None:  # a repeat, or of a command this engine never had
                 self.counters.add(Metric.UNEXPECTED_COMPLETIONS)
                 continue
-            mine.append(done)
-            for _ in self._ledger.answer((done,)):  # settled once its last rank answered
+            for _ in ledger.answer((done,)):  # settled once its last rank answered
                 pass
-        if mine:  # plain tuples: a step's answers pickle in microseconds
-            self._send("on_completions", [(done.cmd_id, done.rank, done.ok, done.reason) for done in mine])
+            if ledger is self._ledger:  # plain tuples: a step's answers pickle in microseconds
+                self._unacked.append((done.cmd_id, done.rank, done.ok, done.reason))
+        if self._orphans:
+            self._orphans = [ledger for ledger in self._orphans if ledger.in_flight]
+        self._deliver()
+
+    def _deliver(self, replay: bool = False) -> None:
+        """Sends the answers the service has not had; kept while it is away, for an attachment to the same epoch."""
+        if not self._unacked or not self._connected() or not self._unacked:  # attaching again may have sent them
+            return
+        assert self._sock is not None
+        answers, self._unacked = self._unacked, []
+        try:
+            wire.send(self._sock, ("on_completions", answers))
+        except OSError as exc:  # the service has none of them (a message cut short is dropped whole)
+            self._unacked = answers + self._unacked
+            self._lost(exc)
+            return
+        if replay:
+            self.counters.add(Metric.NODE_CACHE_REPLAYED_COMPLETIONS, len(answers))
 
     def is_pending(self, cmd_id: int) -> bool:
-        return self._ledger.is_pending(cmd_id)
+        return self._ledger.is_pending(cmd_id) or any(ledger.is_pending(cmd_id) for ledger in self._orphans)
 
     def pending_command_ids(self) -> tuple[int, ...]:
         """This engine's commands some rank has not answered, oldest first (benches answer them all)."""
-        return self._ledger.pending_ids()
+        return tuple(cmd_id for ledger in (*self._orphans, self._ledger) for cmd_id in ledger.pending_ids())
 
     @property
     def in_flight(self) -> int:
-        return self._ledger.in_flight
+        return self._ledger.in_flight + sum(ledger.in_flight for ledger in self._orphans)
 
     @property
     def eviction_policy(self) -> str:
@@ -442,17 +515,17 @@ class NodeCacheClient(ChunkManager):
         now = time.monotonic()
         if self._occupancy is not None and now - self._occupancy[0] < OCCUPANCY_TTL_S:
             return self._occupancy[1]
-        use = self._call("occupancy", missing=None, valid=_occupancy)
+        use = self._call("occupancy", missing=None, valid=replies.occupancy)
         if use is None:
             return {Tier.ARENA: (0, self.num_slots), Tier.DISK: (0, self.disk_chunks)}
         self._occupancy = (now, use)
         return use
 
     def location(self, key: ChunkKey) -> tuple[Optional[int], SlotState, DiskState]:
-        return self._call("location", key, missing=(None, SlotState.FREE, DiskState.NONE), valid=_location)
+        return self._call("location", key, missing=(None, SlotState.FREE, DiskState.NONE), valid=replies.location)
 
     def chunks(self) -> list[ChunkView]:
-        return self._call("chunks", missing=[], valid=_chunk_views)
+        return self._call("chunks", missing=[], valid=replies.chunk_views)
 
     def sync(self) -> None:
         """Collects what one-way calls caused since the last answer (their counters, the node's tier changes): the
@@ -465,7 +538,7 @@ class NodeCacheClient(ChunkManager):
         self._call("check_invariants", strict=True)
 
     def adopt_disk(self, keys: Iterable[ChunkKey]) -> int:
-        return self._call("adopt_disk", list(keys), missing=0, valid=_count)
+        return self._call("adopt_disk", list(keys), missing=0, valid=replies.count)
 
     def drop_disk_copies(self, keys: Iterable[ChunkKey]) -> None:
         self._call("drop_disk_copies", list(keys))
@@ -480,84 +553,3 @@ class NodeCacheClient(ChunkManager):
         if wanted != self._events:
             self._events = wanted  # also said by every later attach (a reconnect)
             self._call("events", wanted)
-
-
-# ---- the shapes of replies (checked before any of a reply is used) --------------------------------------------------
-
-def _none(value: Any) -> bool:
-    return value is None
-
-
-def _is_int(value: Any) -> bool:
-    return type(value) is int
-
-
-def _is_error(reply: Any) -> bool:
-    return type(reply) is tuple and len(reply) == 3 and reply[0] == "error" and isinstance(reply[2], str)
-
-
-def _is_ok(reply: Any) -> bool:
-    """("ok", value, {counter name: int}, [(chunk hash, tier, entered, payload or None)])."""
-    if type(reply) is not tuple or len(reply) != 4 or reply[0] != "ok":
-        return False
-    _, _, counters, changes = reply
-    return (type(counters) is dict and all(type(k) is str and _is_int(v) for k, v in counters.items())
-            and type(changes) is list and all(
-                type(c) is tuple and len(c) == 4 and type(c[0]) is bytes and isinstance(c[1], Tier)
-                and type(c[2]) is bool and (c[3] is None or type(c[3]) is tuple) for c in changes))
-
-
-def _attached(attached: Attached) -> bool:
-    sizes = (attached.num_slots, attached.object_bytes, attached.segment_bytes, attached.disk_chunks)
-    return (type(attached.epoch) is str and all(_is_int(size) and size >= 0 for size in sizes)
-            and type(attached.hugepages) is str and type(attached.eviction_policy) is str)
-
-
-def _describe(reply: Any) -> str:
-    if type(reply) is not tuple:
-        return f"a {type(reply).__name__}, not a tuple"
-    head = reply[0] if reply else None
-    if head in ("ok", "error"):
-        return f"{head!r} with {len(reply) - 1} value(s) of an unexpected shape"
-    return f"a tuple of {len(reply)} starting {head!r}"
-
-
-def _lookup_result(count: int, value: Any) -> bool:
-    return (isinstance(value, LookupResult) and _is_int(value.hit_chunks) and _is_int(value.ready_chunks)
-            and 0 <= value.ready_chunks <= value.hit_chunks <= count and type(value.sources) is tuple
-            and len(value.sources) <= value.hit_chunks and all(isinstance(t, Tier) for t in value.sources))
-
-
-def _bools(count: int, value: Any) -> bool:
-    return type(value) is list and len(value) == count and set(map(type, value)) <= {bool}  # map/set: C speed
-
-
-def _moves(hashes: set[bytes], num_slots: int, value: Any) -> bool:
-    """(command id, slot, chunk number, chunk hash) of the chunks asked for, each in a slot the pool has (checked
-    column by column: 512 moves in some microseconds)."""
-    if type(value) is not list or not value:
-        return type(value) is list
-    if set(map(type, value)) != {tuple} or set(map(len, value)) != {4}:
-        return False
-    ids, slots, numbers, named = zip(*value)
-    return (set(map(type, ids)) == set(map(type, slots)) == set(map(type, numbers)) == {int}
-            and 0 <= min(slots) and max(slots) < num_slots and set(named) <= hashes)
-
-
-def _occupancy(value: Any) -> bool:
-    return type(value) is dict and {Tier.ARENA, Tier.DISK} <= value.keys() and all(
-        isinstance(tier, Tier) and type(use) is tuple and len(use) == 2 and all(map(_is_int, use))
-        for tier, use in value.items())
-
-
-def _location(value: Any) -> bool:
-    return (type(value) is tuple and len(value) == 3 and (value[0] is None or _is_int(value[0]))
-            and isinstance(value[1], SlotState) and isinstance(value[2], DiskState))
-
-
-def _chunk_views(value: Any) -> bool:
-    return type(value) is list and all(isinstance(view, ChunkView) for view in value)
-
-
-def _count(value: Any) -> bool:
-    return _is_int(value) and value >= 0

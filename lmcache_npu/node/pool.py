@@ -6,7 +6,9 @@ commands a verb returns go to the engine that called it); the pool's own executo
 else (spills, promotions, puts, persists, drops) against the same shared pages, so a chunk one engine stored is
 promoted, spilled and loaded by every engine of the node. An engine's request ids are scoped by its name, so two
 engines' requests never meet in the index; an engine whose connections are all gone gives back what its requests
-reserved and its unanswered commands fail (their slots are freed, their pins dropped).
+reserved and its unanswered commands fail (their slots are freed, their pins dropped). A command no answer settles
+within the pool's command TTL fails the same way while its engine lives (a reply the engine never read, an engine
+that misbehaves): nothing is held forever.
 """
 
 from __future__ import annotations
@@ -36,6 +38,9 @@ ENGINE_SEPARATOR = "\x1f"  # between an engine's name and its request id in the 
 PAYLOAD_SLACK = 1024  # payloads kept beyond the chunks the tiers hold: room for stores and promotions in flight
 MAX_QUEUED_TIER_CHANGES = 1 << 16  # per engine between two of its calls; beyond, the oldest are dropped and counted
 PUMP_IDLE_S = 0.002  # how often the pump looks for tier completions while some are outstanding
+# a device command unanswered this long fails (slot freed, pin dropped); longer than a worker's own deadline
+# (integration/vllm/worker.COMMAND_DEADLINE_S), so a live engine's workers always answer first
+COMMAND_TTL_S = 600.0
 
 
 class PoolRefused(ValueError):
@@ -100,8 +105,12 @@ class NodePool:
     """`store` is the node's configuration with `cpu_bytes` and `disk_bytes` this pool's share (all ranks together).
     Every method runs under the service's lock except the pump's own thread, which takes `lock`."""
 
-    def __init__(self, geometry: PoolGeometry, store: StoreConfig, epoch: str, lock: threading.RLock) -> None:
+    def __init__(self, geometry: PoolGeometry, store: StoreConfig, epoch: str, lock: threading.RLock,
+                 command_ttl_s: float = COMMAND_TTL_S) -> None:
+        if not command_ttl_s > 0:
+            raise ValueError(f"command_ttl_s must be a positive number of seconds, got {command_ttl_s!r}")
         self.geometry = geometry
+        self.command_ttl_s = command_ttl_s
         self.epoch = epoch
         self.lock = lock
         world = geometry.world
@@ -137,6 +146,9 @@ class NodePool:
         self.leases: dict[str, EngineLease] = {}
         self.idle_since = time.monotonic()  # when its last lease ended (its making, before the first)
         self.writing: dict[ChunkKey, tuple[str, int]] = {}  # chunk -> (engine, store command) not committed yet
+        # every device command handed out and not settled: id -> (engine, the chunk a Store writes, when it expires);
+        # in hand-out order, so in expiry order (one TTL)
+        self.handed: dict[int, tuple[str, Optional[ChunkKey], float]] = {}
         # the engines' lookups for status: requests looked up (Metric.LOOKUPS), hit chunks per tier (HIT_CHUNKS_*)
         self.lookup_counters: Counter = Counter()
         self.payloads: OrderedDict[ChunkKey, tuple] = OrderedDict()  # what engines described, for the others' events
@@ -261,7 +273,7 @@ class NodePool:
         for request_id in lease.requests:
             self.index.release(request_id)
         abandoned = self.index.abandon(lease.commands, f"engine {lease.engine} is gone")  # counts the pending ones
-        self._settle_writes()
+        self._settle(lease.commands)
         self.index.counters.add(Metric.LEASES_ENDED)
         self.index.counters.add(Metric.ABANDONED_COMMANDS, abandoned)
         self.index.counters.add(Metric.RELEASED_REQUESTS, len(lease.requests))
@@ -290,18 +302,20 @@ class NodePool:
         """Device commands a verb returned, now in the engine's lease, as the wire carries them: (command id, slot,
         chunk number, chunk hash) each (the engine makes its Store or Load of its own key and request id)."""
         lease.commands.update(command.cmd_id for command in commands)
+        expires = time.monotonic() + self.command_ttl_s
         for command in commands:
-            if isinstance(command, Store):
-                self.writing[command.key] = (lease.engine, command.cmd_id)
+            written = command.key if isinstance(command, Store) else None
+            if written is not None:
+                self.writing[written] = (lease.engine, command.cmd_id)
+            self.handed[command.cmd_id] = (lease.engine, written, expires)
         return [(command.cmd_id, command.slot, command.chunk_index, command.key.chunk_hash) for command in commands]
 
     def on_completions(self, lease: EngineLease, completions: Iterable[Completion]) -> None:
         answers = [done for done in completions if done.cmd_id in lease.commands]
         self.index.on_completions(answers)
-        for done in answers:
-            if not self.index.is_pending(done.cmd_id):
-                lease.commands.discard(done.cmd_id)
-        self._settle_writes()
+        settled = {done.cmd_id for done in answers if not self.index.is_pending(done.cmd_id)}
+        lease.commands -= settled
+        self._settle(settled)
 
     def visible(self, lease: EngineLease, keys: list[ChunkKey], count: bool = True) -> list[ChunkKey]:
         """The keys up to the first chunk another engine is still storing: a store is seen by other engines only
@@ -317,10 +331,40 @@ class NodePool:
                 return keys[:position]
         return keys
 
-    def _settle_writes(self) -> None:
-        for key, (_, cmd_id) in list(self.writing.items()):
-            if not self.index.is_pending(cmd_id):
-                del self.writing[key]
+    def _settle(self, cmd_ids: Iterable[int]) -> None:
+        """Forgets the settled ones of `cmd_ids` (only those: a step's answers cost no scan of the node's stores); a
+        store's chunk is seen by the other engines from now on, or is gone where it failed."""
+        for cmd_id in cmd_ids:
+            if self.index.is_pending(cmd_id):
+                continue
+            handed = self.handed.pop(cmd_id, None)
+            if handed is not None and handed[1] is not None and self.writing.get(handed[1]) == (handed[0], cmd_id):
+                del self.writing[handed[1]]
+
+    def expire(self, now: Optional[float] = None) -> int:
+        """Fails the device commands handed out more than the TTL ago and still unanswered (their slots are freed,
+        their pins dropped, as for an engine that is gone); how many."""
+        now = time.monotonic() if now is None else now
+        overdue = []
+        for cmd_id, (engine, _, expires) in self.handed.items():
+            if expires > now:
+                break
+            overdue.append((engine, cmd_id))
+        if not overdue:
+            return 0
+        cmd_ids = [cmd_id for _, cmd_id in overdue]
+        expired = self.index.abandon(cmd_ids, f"unanswered for {self.command_ttl_s:.0f} s")
+        for engine, cmd_id in overdue:
+            lease = self.leases.get(engine)
+            if lease is not None:
+                lease.commands.discard(cmd_id)  # a late answer is not the engine's any more
+        self._settle(cmd_ids)
+        self.index.counters.add(Metric.EXPIRED_COMMANDS, expired)
+        self.dispatch()
+        self.note(logging.WARNING, "node cache %s: %d command(s) of engine(s) %s unanswered for %.0f s failed (slots "
+                  "freed, pins dropped)", self.geometry.namespace, expired, sorted({engine for engine, _ in overdue}),
+                  self.command_ttl_s)
+        return expired
 
     def dispatch(self, caller: Optional[EngineLease] = None) -> None:
         """Routes what the index issued: device moves belong to the engine whose verb returned them; every other
@@ -384,6 +428,8 @@ class NodePool:
                 if self.turned - self._swept >= 1.0:
                     self._swept = self.turned
                     self.expire_reservations(self.turned)
+                if self.handed:
+                    self.expire()
             self.flush_log()
 
     def pump(self) -> int:

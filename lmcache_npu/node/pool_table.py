@@ -22,7 +22,7 @@ from typing import Callable, TypeVar
 
 from ..store.config import StoreConfig
 from .messages import PoolGeometry
-from .pool import NodePool, PoolRefused
+from .pool import COMMAND_TTL_S, NodePool, PoolRefused
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ class PoolTable:
     `max_pools`; `closed` set means no pool is made any more."""
 
     def __init__(self, store: StoreConfig, max_pools: int, idle_s: float, instance: str, lock: threading.RLock,
-                 closed: threading.Event) -> None:
+                 closed: threading.Event, command_ttl_s: float = COMMAND_TTL_S) -> None:
         if idle_s < 0:
             raise ValueError(f"the idle time before a pool is given back must be >= 0 seconds, got {idle_s}")
         self.store = store
@@ -43,6 +43,7 @@ class PoolTable:
         self.instance = instance
         self.lock = lock
         self.closed = closed
+        self.command_ttl_s = command_ttl_s
         self.pools: dict[PoolGeometry, NodePool] = {}
         self.reclaimed = 0  # pools given back (idle past idle_s, or to make room for a new geometry)
         self._making: dict[PoolGeometry, Future] = {}  # geometry -> its creation under way
@@ -82,7 +83,7 @@ class PoolTable:
         if not mine:
             return future.result(), None  # that creation's pool, or its error
         try:
-            pool = NodePool(geometry, self._share(), epoch, self.lock)
+            pool = NodePool(geometry, self._share(), epoch, self.lock, command_ttl_s=self.command_ttl_s)
         except Exception as exc:
             with self.lock:
                 del self._making[geometry]

@@ -37,7 +37,7 @@ from ..store.metrics import Metric
 from . import codec, wire
 from .exporter import MetricsServer, exposition
 from .messages import NAMED_WEIGHTS, PROTOCOL_VERSION, Attach, PoolGeometry, Refused, protocol_of
-from .pool import ENGINE_SEPARATOR, EngineLease, LeaseLimits, NodePool, PoolRefused, scoped
+from .pool import COMMAND_TTL_S, ENGINE_SEPARATOR, EngineLease, LeaseLimits, NodePool, PoolRefused, scoped
 from .pool_table import PoolTable
 
 logger = logging.getLogger(__name__)
@@ -66,6 +66,7 @@ class ServiceOptions:
     pool_idle_s: float = 300.0  # a pool no engine has attached to for this long is given back (its memory freed)
     lease_slot_share: float = 0.25  # of a pool's slots one engine may reserve and load while others attach too
     reservation_ttl_s: float = 120.0  # a request's reservations no lookup renewed for this long are released
+    command_ttl_s: float = COMMAND_TTL_S  # a device command unanswered this long fails (its slot or pin freed)
 
 
 class NodeCacheService:
@@ -84,7 +85,7 @@ class NodeCacheService:
         self._next_connection = 0
         self._closed = threading.Event()
         self._table = PoolTable(options.store, options.max_pools, options.pool_idle_s, self.instance, self.lock,
-                                self._closed)
+                                self._closed, options.command_ttl_s)
         self._accepting = threading.Event()  # the accept loop runs (what /readyz and a ping report)
         self._threads: list[threading.Thread] = []
         self._open: set[socket.socket] = set()  # live connections: closing the service ends them too

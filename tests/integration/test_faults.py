@@ -178,3 +178,37 @@ def test_with_the_fail_policy_a_failed_load_fails_its_request_and_the_log_says_s
     assert "vLLM fails the request (kv_load_failure_policy is 'fail'" in caplog.text
     assert engine.requests["b"].status.name == "FINISHED_ERROR" and engine.output_tokens("b") == []
     assert_quiescent(engine)
+
+
+@pytest.mark.parametrize("lost", ["Load", "Store"])
+def test_a_command_the_workers_never_receive_fails_at_its_deadline_and_nothing_hangs(make_engine, monkeypatch, lost):
+    """A plan names a command whose bytes never reach the workers (a bug of some future path, as the node cache's
+    lost outbox was): at the worker's deadline a load recomputes and a store settles, so the request leaves
+    WAITING_FOR_REMOTE_KVS, the delayed free is reported and every block comes back."""
+    from lmcache_npu.integration.vllm import worker as worker_module
+
+    monkeypatch.setattr(worker_module, "COMMAND_DEADLINE_S", 0.5)
+    engine = preset_engine(make_engine, "llama3-8b", "ascend")
+    index = engine.connector.scheduler_half.index
+    text = prompt(2 * 256 + 10, seed=31)
+    if lost == "Load":
+        engine.add(text, max_tokens=2, request_id="a")
+        engine.run()
+    real = index.take_commands
+    dropped: list[int] = []
+
+    def losing() -> list:
+        commands = real()
+        if not dropped:
+            dropped.extend(c.cmd_id for c in commands if type(c).__name__ == lost)
+        return [c for c in commands if c.cmd_id not in dropped]
+
+    index.take_commands = losing
+    engine.add(text + [5, 6], max_tokens=2, request_id="b")
+    engine.run(max_steps=1000)  # without a deadline "b" waits for its KV (or its blocks) forever
+    assert dropped and len(engine.output_tokens("b")) == 2
+    assert engine.stats.data["overdue_commands"] == len(dropped)
+    failures = "load_failures" if lost == "Load" else "store_failures"
+    last = engine.connector.scheduler_half.stats().data  # counted with the last step's output, not yet reported
+    assert engine.stats.data.get(failures, 0) + last.get(failures, 0) == len(dropped)
+    assert_quiescent(engine)

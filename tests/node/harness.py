@@ -16,7 +16,7 @@ import pytest
 from lmcache_npu.node.attachment import WorkerAttachment, attach_worker_arena
 from lmcache_npu.node.client import NodeCacheClient
 from lmcache_npu.node.messages import WEIGHTS_CONTENT, PoolGeometry
-from lmcache_npu.node.pool import ENGINE_SEPARATOR, NodePool
+from lmcache_npu.node.pool import COMMAND_TTL_S, ENGINE_SEPARATOR, NodePool
 from lmcache_npu.node.service import NodeCacheService, ServiceOptions
 from lmcache_npu.store.arena import slot_bytes_for
 from lmcache_npu.store.commands import Completion, Load, Store
@@ -31,6 +31,8 @@ OBJECT_BYTES = 4096  # one page of KV per rank and chunk: a slot is two pages wi
 FINGERPRINT = b"node-test-layout"
 WAIT_S = 20.0  # bounded waits for what another thread or process does (never a timing assertion)
 WEIGHTS = WEIGHTS_CONTENT  # the test engines' weights are named by their content
+SLOWED_TIMEOUT_S = 0.5  # the call timeout of a client whose next call a test slows down
+SLOWED_CALL_S = 2.0  # how long that call takes in the service: well past the timeout above
 
 
 def short_dir() -> str:
@@ -58,6 +60,26 @@ def memfd_mapped(base: int, span: int) -> bool:
             if low < base + span and high > base and "memfd:" in line:
                 return True
     return False
+
+
+def slow_next_call(monkeypatch: Any, node: "Node", client: NodeCacheClient, verb: str) -> list[str]:
+    """The pool's index answers the next `verb` after SLOWED_CALL_S (under the service's lock, as a stalled Mooncake
+    check or log pipe would) and `client`'s connection times out after SLOWED_TIMEOUT_S, so its call counts the live
+    service as lost; attaching again waits with the usual timeout. The list records that the slowdown happened."""
+    index = node.pool.index
+    real = getattr(index, verb)
+    slowed: list[str] = []
+
+    def slow(*arguments: Any) -> Any:
+        if not slowed:
+            slowed.append(verb)
+            time.sleep(SLOWED_CALL_S)
+        return real(*arguments)
+
+    monkeypatch.setattr(index, verb, slow)
+    assert client._sock is not None
+    client._sock.settimeout(SLOWED_TIMEOUT_S)
+    return slowed
 
 
 def wait_for(condition: Callable[[], object], what: str, timeout_s: float = WAIT_S) -> None:
@@ -96,7 +118,8 @@ class Node:
 
     def __init__(self, directory: str, store: StoreConfig, *, max_pools: int = 1, group: Optional[str] = None,
                  metrics_port: Optional[int] = None, socket_name: str = "s", pool_idle_s: Optional[float] = None,
-                 lease_slot_share: float = 1.0, reservation_ttl_s: float = 120.0) -> None:
+                 lease_slot_share: float = 1.0, reservation_ttl_s: float = 120.0,
+                 command_ttl_s: float = COMMAND_TTL_S) -> None:
         """`lease_slot_share` 1.0: these pools of a few slots are shared by engines that each reserve most of them;
         the per-engine cap (0.25 by default) is tested on its own (test_tenancy.py)."""
         self.directory = directory
@@ -104,7 +127,8 @@ class Node:
         idle = {} if pool_idle_s is None else {"pool_idle_s": pool_idle_s}
         self.service = NodeCacheService(ServiceOptions(self.path, store, max_pools=max_pools, group=group,
                                                        metrics_port=metrics_port, lease_slot_share=lease_slot_share,
-                                                       reservation_ttl_s=reservation_ttl_s, **idle)).start()
+                                                       reservation_ttl_s=reservation_ttl_s, command_ttl_s=command_ttl_s,
+                                                       **idle)).start()
         self.clients: list[NodeCacheClient] = []
         self.workers: list[WorkerAttachment] = []
 

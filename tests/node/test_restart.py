@@ -1,6 +1,7 @@
 """The service going away never stops an engine: every verb answers as a cache that holds nothing (lookups miss,
-stores are not made, a promised load is refused so vLLM recomputes), nothing raises on the one-way verbs, and the
-client attaches again at most once per `retry_s`, to a new epoch whose segments a worker maps afresh."""
+stores are not made, a promised load is refused so vLLM recomputes, commands the step handed out but never sent are
+refused), nothing raises on the one-way verbs, and the client attaches again at most once per `retry_s`, to a new
+epoch whose segments a worker maps afresh."""
 
 from __future__ import annotations
 
@@ -30,18 +31,20 @@ def test_a_closed_service_is_a_cache_that_holds_nothing_and_the_client_never_rai
     node.service.close()
 
     assert client.lookup("q2", keys) == LookupResult(0, 0)
-    assert client.epoch is None and client.in_flight == 0  # the dead service's commands are forgotten
+    assert client.epoch is None and client.in_flight == 1  # the dead service's store waits for its ranks' answers
+    assert client.take_commands() == [] and client.take_refused() == unanswered  # never sent: refused
     assert client.presence(keys) == [False, False]
     assert client.prepare_store("s", [(0, keys_of(9, 1)[0])]) == []
     with pytest.raises(ValueError, match="went away between the lookup and the load"):
         client.prepare_load("q", [(0, keys[0])])
     client.release("q")
-    client.on_completions([Completion(unanswered[0].cmd_id, rank, True) for rank in range(WORLD)])
+    client.on_completions([Completion(unanswered[0].cmd_id, rank, False, "refused") for rank in range(WORLD)])
+    assert client.in_flight == 0  # the refused store settled here: nothing waits for the dead service
     assert client.occupancy() == {Tier.ARENA: (0, 4), Tier.DISK: (0, 0)}
     assert client.location(keys[0]) == (None, SlotState.FREE, DiskState.NONE) and client.chunks() == []
     assert client.counters[Metric.NODE_CACHE_DISCONNECTS] == 1
     assert client.counters[Metric.NODE_CACHE_UNREACHABLE] >= 5
-    assert client.counters[Metric.UNEXPECTED_COMPLETIONS] == WORLD  # answers of the old epoch's store: dropped
+    assert client.counters[Metric.UNEXPECTED_COMPLETIONS] == 0  # the old epoch's store took its answers
 
 
 def test_a_restarted_service_is_found_again_after_retry_s_as_a_new_epoch_and_workers_map_its_segments(start_node):

@@ -44,6 +44,8 @@ class LMCacheNPUConnectorMetadata(KVConnectorMetadata):
     node_epoch: Optional[str] = None
     # the node cache's token of this engine's lease: a worker's connection joins that lease before it runs them
     node_lease: Optional[str] = None
+    # commands the plans may name that the node cache was lost before sending: every rank answers them as failed
+    refused: list[Command] = field(default_factory=list)
 
 
 SlotRanges = tuple[tuple[int, int], ...]  # [first, end) arena slot ranges

@@ -369,14 +369,15 @@ class SchedulerHalf:
                 plan = self._plan_stores(state, scheduled.num_computed_tokens, computed_after)
                 if plan is not None:
                     stores.append(plan)
+        node = self.index if isinstance(self.index, NodeCacheClient) else None
         meta = LMCacheNPUConnectorMetadata(
             commands=self.index.take_commands() if self.index is not None else [],
             loads=self._loads, stores=stores, delayed_free=self._delayed_free,
             fenced_stores=self._fenced_stores(scheduler_output, writes) if writes is not None else [],
             idle=scheduler_output.total_num_scheduled_tokens == 0,
             node_epoch=node_epoch,
-            node_lease=(self.index.lease or None) if isinstance(self.index, NodeCacheClient) and self.index.epoch
-            else None)
+            node_lease=(node.lease or None) if node is not None and node.epoch else None,
+            refused=node.take_refused() if node is not None else [])
         self.fence.end_step()
         self._loads, self._delayed_free = [], []
         return meta

@@ -68,6 +68,8 @@ METRICS: dict[str, str] = {  # Metric keys: a member is its name
                            "commands had settled (summed over ranks)",
     Metric.NODE_UNMAPPED_COMMANDS: "node cache commands a worker failed because the epoch they were issued for was not "
                               "mapped there (yet): loads recompute, stores are not made (summed over ranks)",
+    Metric.OVERDUE_COMMANDS: "load and store commands a worker waited for past its deadline and answered as failed "
+                             "(the load recomputes, the store is dropped; summed over ranks)",
 }
 # the host arena's segments, counted up as they go live (so sums over steps are the current state, summed over ranks)
 ARENA_METRICS: dict[str, str] = {
@@ -110,6 +112,11 @@ INDEX_METRICS: dict[str, tuple[str, str]] = {
                                                                   "error, taken as misses"),
     "node_cache_malformed_replies": (Metric.NODE_CACHE_MALFORMED_REPLIES, "node cache replies of an unexpected shape "
                                                                           "(another release?), taken as misses"),
+    "node_cache_refused_commands": (Metric.NODE_CACHE_REFUSED_COMMANDS, "node cache commands a step had handed "
+                                    "out when the service was lost, answered as failed by the workers (loads "
+                                    "recompute)"),
+    "node_cache_replayed_completions": (Metric.NODE_CACHE_REPLAYED_COMPLETIONS, "answers sent again to the node cache "
+                                        "after a timeout, on attaching to the same service (its slots are freed)"),
 }
 DISK_METRICS: dict[str, tuple[str, str]] = {
     "disk_writes": (Metric.WRITES, "chunk files written (summed over ranks)"),

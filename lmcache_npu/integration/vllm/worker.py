@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
@@ -80,6 +81,9 @@ from .stats import DISK_METRICS, REMOTE_METRICS, CounterDeltas, LMCacheNPUStats
 from ...store.metrics import Metric, per_rank
 
 logger = logging.getLogger(__name__)
+# a load or store a plan names and no answer settled by then fails (the load recomputes, the store is dropped): no
+# lost command can hang a request; far beyond any transfer, and shorter than the node cache's command TTL
+COMMAND_DEADLINE_S = 120.0
 
 
 class LoadFailedError(RuntimeError):
@@ -131,6 +135,8 @@ class WorkerHalf:
         self._recv: dict[str, _Recv] = {}
         self._sends: dict[str, _Sends] = {}
         self._owner: dict[int, str] = {}  # in-flight load/store cmd id -> request id
+        self._due: dict[int, float] = {}  # the same ids -> their deadline (monotonic), in arrival: deadline order
+        self._late: set[int] = set()  # ids answered as failed at their deadline: a later answer is dropped
         self._outbox: list[Completion] = []
         self._reported_usable: Optional[tuple[tuple[int, int], ...]] = None  # arena slot ranges last told
         self._arena_told: dict[str, int] = {}  # the arena's segment stats as of the last stats() report
@@ -291,15 +297,20 @@ class WorkerHalf:
             meta = dataclasses.replace(meta, commands=[])
         self._idle_step = meta.idle
         self.mover.expect([*meta.loads, *meta.stores])
+        due = time.monotonic() + COMMAND_DEADLINE_S
         for plan in meta.loads:
             self._recv[plan.request_id] = _Recv(plan, set(plan.cmd_ids), f"refused: {plan.refused}" if plan.refused
                                                 else "")
             self._owner.update((c, plan.request_id) for c in plan.cmd_ids)
+            self._due.update((c, due) for c in plan.cmd_ids)
         for plan in meta.stores:
             self._sends.setdefault(plan.request_id, _Sends()).pending.update(plan.cmd_ids)
             self._owner.update((c, plan.request_id) for c in plan.cmd_ids)
+            self._due.update((c, due) for c in plan.cmd_ids)
         for request_id in meta.delayed_free:
             self._sends.setdefault(request_id, _Sends()).delayed = True
+        if meta.refused:  # the plans name them, the node cache was lost before they were sent: failed, never run
+            self.executor.refuse(meta.refused, "the node cache was lost before this command reached the workers")
         others = [c for c in meta.commands if not isinstance(c, (Load, Store))]
         loads = [c for c in meta.commands if isinstance(c, Load)]
         self._stores = [c for c in meta.commands if isinstance(c, Store)]
@@ -332,6 +343,13 @@ class WorkerHalf:
                     self.counters.add(Metric.STEP_LOAD_WAIT_MISSES)
             self._load_wait.end()
         completions = self.executor.poll()
+        if self._late:
+            completions = [done for done in completions if not self._dropped_late(done.cmd_id)]
+        for done in completions:
+            self._due.pop(done.cmd_id, None)
+        now = time.monotonic()
+        if self._due and next(iter(self._due.values())) <= now:  # the oldest first: one look when none is due
+            completions += self._overdue(now)
         self._outbox.extend(completions)
         if completions:
             self._in_flight.difference_update(done.cmd_id for done in completions)
@@ -364,6 +382,30 @@ class WorkerHalf:
         for request_id in [r for r, s in self._sends.items() if not s.pending and not s.delayed]:
             del self._sends[request_id]
         return sending, recving, failed
+
+    def _overdue(self, now: float) -> list[Completion]:
+        """Failed answers to the commands waited for past their deadline (a load then recomputes, a store's request
+        is freed); whatever their transfer answers later is dropped."""
+        overdue = []
+        for cmd_id, due in self._due.items():
+            if due > now:
+                break
+            overdue.append(cmd_id)
+        for cmd_id in overdue:
+            del self._due[cmd_id]
+        self._late.update(overdue)
+        self.counters.add(Metric.OVERDUE_COMMANDS, len(overdue))
+        logger.error("lmcache_npu rank %d: %d command(s) unanswered after %g s, answered as failed (loads recompute, "
+                     "stores are dropped): %s", self.place.rank, len(overdue), COMMAND_DEADLINE_S, overdue[:8])
+        return [Completion(cmd_id, self.place.rank, False, f"no answer within {COMMAND_DEADLINE_S:g} s")
+                for cmd_id in overdue]
+
+    def _dropped_late(self, cmd_id: int) -> bool:
+        """Whether this answer comes after its command's deadline answered it (then it is dropped)."""
+        if cmd_id not in self._late:
+            return False
+        self._late.discard(cmd_id)
+        return True
 
     def _load_failed(self, recv: _Recv) -> None:
         plan = recv.plan

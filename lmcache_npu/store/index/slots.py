@@ -36,9 +36,12 @@ class SlotTable:
             self._quarantining = False
 
     def pop_free(self) -> Optional[int]:
+        self._end_due_quarantine()
+        return self._free.pop() if self._free else None
+
+    def _end_due_quarantine(self) -> None:
         if self._quarantine and self._quarantine[0][0] <= time.monotonic():
             self._end_quarantine()
-        return self._free.pop() if self._free else None
 
     def _end_quarantine(self) -> None:
         now, released = time.monotonic(), False
@@ -97,6 +100,7 @@ class SlotTable:
 
     @property
     def free_count(self) -> int:
+        self._end_due_quarantine()  # a rested slot counts as free as soon as it may be handed out
         return len(self._free)
 
     @property
