@@ -206,6 +206,11 @@ class LMCacheNPUStats(KVConnectorStats):
     def reset(self) -> None:
         self.data = {}
 
+    def __getitem__(self, field_name: str) -> Any:
+        """A field by name, as in the stats' serialized form: vLLM 0.28's MultiConnector reads a child's stats as
+        that dict (`stats["data"]`), which in an engine without multiprocessing they are not."""
+        return getattr(self, field_name)
+
     def aggregate(self, other: KVConnectorStats) -> "LMCacheNPUStats":
         for name, value in (other.data or {}).items():
             if name in GAUGES or name == STORE_INFO:  # a state, not a count: the latest report wins
