@@ -91,6 +91,7 @@ class Metric(StrEnum):
     REJECTED = "rejected"
     RELEASED_REQUESTS = "released_requests"
     REMOTE_LOOKUP_ERRORS = "remote_lookup_errors"
+    REMOTE_PREFILL_DEFERRED = "remote_prefill_deferred"
     RESERVATIONS_EXPIRED = "reservations_expired"
     SEGMENTS_LIVE = "segments_live"
     SEGMENTS_TOTAL = "segments_total"

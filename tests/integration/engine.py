@@ -30,7 +30,9 @@ from vllm.config import (  # noqa: E402
     VllmConfig,
 )
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator  # noqa: E402
+from vllm.distributed.kv_transfer import kv_transfer_state  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector  # noqa: E402
 from vllm.sampling_params import SamplingParams  # noqa: E402
 from vllm.utils.hashing import sha256  # noqa: E402
 from vllm.v1.core.kv_cache_utils import (  # noqa: E402
@@ -49,6 +51,7 @@ from lmcache_npu.integration.vllm.stats import LMCacheNPUStats  # noqa: E402
 from lmcache_npu.tools.presets import PresetKV, build_preset  # noqa: E402
 
 from . import vllm_cpu  # noqa: F401  (forces the CPU platform before vLLM is used)
+from .pd_stub import PDStubConnector  # noqa: E402
 from .sim import SimModel, prefix_hashes  # noqa: E402
 from .vllm_cpu import tiny_model_dir  # noqa: E402
 
@@ -99,6 +102,8 @@ class EngineSpec:
     loads_after_forward: bool = False  # vLLM >= 0.30 without synchronous loads: start_load_kv after the forward
     device: str = "cpu"  # where the preset's KV caches live (the NPU suite runs the same scenarios on npu:0)
     model_dir: Optional[str] = None  # the model directory vLLM is told about (its weights name the chunks); None: tiny
+    # "before" / "after": a P/D connector stand-in (pd_stub.py) beside ours in vLLM's MultiConnector, in that place
+    beside: Optional[str] = None
 
 
 class Runner:
@@ -145,22 +150,31 @@ class Engine:
         self.scheduler: Scheduler = scheduler_cls(
             vllm_config=vc, kv_cache_config=scheduler_config, structured_output_manager=StructuredOutputManager(vc),
             block_size=self.block_size, hash_block_size=self.hash_block_size, log_stats=True)
-        assert isinstance(self.scheduler.connector, LMCacheNPUConnector)
-        self.connector = self.scheduler.connector
+        self.top = self.scheduler.connector  # what vLLM calls: ours, or a MultiConnector holding ours
+        self.connector = _ours(self.top)
+        self.pd_stub = next((c for c in getattr(self.top, "_connectors", ()) if isinstance(c, PDStubConnector)), None)
+        PDStubConnector.writer = self._received_rows
         self._build_meta = self.connector.build_connector_meta
         self.connector.build_connector_meta = self._checked_build_meta
-        make = worker_factory or LMCacheNPUConnector
-        self.workers = [make(self.configs[r], KVConnectorRole.WORKER, self.presets[r].kv_cache_config)
-                        for r in range(spec.world)]
+        make = worker_factory or (MultiConnector if spec.beside else LMCacheNPUConnector)
+        self.engine_workers = [make(self.configs[r], KVConnectorRole.WORKER, self.presets[r].kv_cache_config)
+                               for r in range(spec.world)]
+        self.workers = [_ours(worker) for worker in self.engine_workers]
+        handshake = {}
         with contextlib.ExitStack() as stack:
             if self.presets[0].model.fractal_nz:  # 310P: the preset lays NZ bytes into plain tensors, on any device
                 from lmcache_npu.integration.vllm import worker as worker_module
 
                 stack.enter_context(mock.patch.object(worker_module, "_fractal_nz", lambda caches: True))
-            for worker, preset in zip(self.workers, self.presets):
-                worker.register_kv_caches(preset.kv_caches)
-        handshake = {(0, r): pickle.loads(pickle.dumps(w.get_handshake_metadata())) for r, w in enumerate(self.workers)}
-        self.connector.set_xfer_handshake_metadata_pp_aware(handshake)
+            for rank, (worker, preset) in enumerate(zip(self.engine_workers, self.presets)):
+                # each rank's process keeps its engine connector where vLLM's kv_transfer_state says
+                with mock.patch.object(kv_transfer_state, "_KV_CONNECTOR_AGENT", worker):
+                    worker.register_kv_caches(preset.kv_caches)
+                    metadata = worker.get_handshake_metadata()
+                if metadata is not None:
+                    handshake[(0, rank)] = pickle.loads(pickle.dumps(metadata))
+        if handshake:  # as vLLM's engine core: only when some worker has any
+            self.top.set_xfer_handshake_metadata_pp_aware(handshake)
         self.sims = [SimModel(r, w.worker_half.layout) for r, w in enumerate(self.workers)]
         self.runners = [Runner() for _ in self.workers]
         self.aggregator = KVOutputAggregator(spec.world)
@@ -180,13 +194,21 @@ class Engine:
         # the scenarios' budgets (blocks, preemptions, fenced pages) were sized for 256-token chunks; mamba models
         # keep their state interval's size; tests/replay/test_defaults.py and the engines cover the automatic size
         sized = {} if mamba else {"chunk_tokens": SCENARIO_CHUNK_TOKENS}
-        kt = KVTransferConfig(kv_connector="LMCacheNPUConnector", kv_connector_module_path="lmcache_npu.integration.vllm",
-                              kv_role=spec.kv_role, kv_load_failure_policy=spec.failure_policy,
-                              kv_connector_extra_config={"backend": spec.backend, **sized, **spec.extra_config,
-                                                         # a node cache's engines have no arena size of their own
-                                                         **({} if "node_cache" in spec.extra_config
-                                                            else {"cpu_bytes": spec.extra_config.get("cpu_bytes",
-                                                                                                     "64MiB")})})
+        ours = dict(kv_connector="LMCacheNPUConnector", kv_connector_module_path="lmcache_npu.integration.vllm",
+                    kv_role=spec.kv_role, kv_load_failure_policy=spec.failure_policy,
+                    kv_connector_extra_config={"backend": spec.backend, **sized, **spec.extra_config,
+                                               # a node cache's engines have no arena size of their own
+                                               **({} if "node_cache" in spec.extra_config
+                                                  else {"cpu_bytes": spec.extra_config.get("cpu_bytes", "64MiB")})})
+        if spec.beside is None:
+            kt = KVTransferConfig(**ours)
+        else:
+            stub = dict(kv_connector="PDStubConnector", kv_connector_module_path="tests.integration.pd_stub",
+                        kv_role=spec.kv_role)
+            children = [stub, ours] if spec.beside == "before" else [ours, stub]
+            kt = KVTransferConfig(kv_connector="MultiConnector", kv_role=spec.kv_role,
+                                  kv_load_failure_policy=spec.failure_policy,
+                                  kv_connector_extra_config={"connectors": children})
         cache = CacheConfig(block_size=block_size, enable_prefix_caching=mamba,
                             mamba_cache_mode="align" if mamba else "none")
         vc = VllmConfig(
@@ -218,10 +240,12 @@ class Engine:
     # ---- requests -------------------------------------------------------------------------------------------
 
     def add(self, tokens: list[int], max_tokens: int = 4, request_id: Optional[str] = None,
-            lora_request: Any = None) -> str:
+            lora_request: Any = None, kv_transfer_params: Optional[dict] = None) -> str:
         request_id = request_id or f"r{next(self._ids)}"
-        request = Request(request_id, list(tokens), SamplingParams(max_tokens=max_tokens, temperature=0.0), None,
-                          block_hasher=self.hasher, lora_request=lora_request)
+        extra = None if kv_transfer_params is None else {"kv_transfer_params": dict(kv_transfer_params)}
+        sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, extra_args=extra)
+        request = Request(request_id, list(tokens), sampling, None, block_hasher=self.hasher,
+                          lora_request=lora_request)
         self.scheduler.add_request(request)
         self.requests[request_id] = request
         return request_id
@@ -307,7 +331,7 @@ class Engine:
         meta = so.kv_connector_metadata
         scheduled, starts, samples = self._plan_step(so)
         outputs = []
-        for rank, (worker, sim, runner) in enumerate(zip(self.workers, self.sims, self.runners)):
+        for rank, (worker, sim, runner) in enumerate(zip(self.engine_workers, self.sims, self.runners)):
             worker.handle_preemptions(meta)
             worker.bind_connector_metadata(meta)
             if not self.spec.loads_after_forward:
@@ -345,7 +369,9 @@ class Engine:
         for engine_output in self.scheduler.update_from_output(so, output).values():
             stats = engine_output.scheduler_stats
             if stats is not None and stats.kv_connector_stats:  # what vLLM's stat loggers receive
-                self.stats.aggregate(LMCacheNPUStats(data=dict(stats.kv_connector_stats)))
+                data = dict(stats.kv_connector_stats)
+                ours = data.get(LMCacheNPUConnector.__name__)  # a MultiConnector's stats are kept per child
+                self.stats.aggregate(LMCacheNPUStats(data=dict(ours.data if ours is not None else data)))
         for index, req_id in enumerate(getattr(output, "req_ids", []) or []):
             applied = len(output.sampled_token_ids[index])
             self.pending[req_id] = self.pending.get(req_id, [])[applied:]
@@ -364,6 +390,18 @@ class Engine:
         return bool(half.requests) or (half.index is not None and half.index.in_flight > 0)
 
     def close(self) -> None:
-        for worker in self.workers:
+        for worker in self.engine_workers:
             worker.shutdown()
-        self.connector.shutdown()
+        self.top.shutdown()
+
+    def _received_rows(self, rank: int, request_id: str, tables: list[list[int]], first: int, end: int) -> None:
+        """The rows a prefill engine computed for [first, end) of the request, as the P/D stand-in receives them."""
+        self.sims[rank].forward(self._hashes(self.requests[request_id]), tables, first, end)
+
+
+def _ours(connector: Any) -> LMCacheNPUConnector:
+    """The plugin's connector: `connector` itself, or its child inside a MultiConnector."""
+    for candidate in (connector, *getattr(connector, "_connectors", ())):
+        if isinstance(candidate, LMCacheNPUConnector):
+            return candidate
+    raise AssertionError(f"no LMCacheNPUConnector in {type(connector).__name__}")

@@ -304,6 +304,20 @@ def worker_metadata(connector_output: Any) -> Any:
     return getattr(connector_output, "kv_connector_worker_meta", None)
 
 
+def composed(connector: Any) -> bool:
+    """Whether `connector` is one child of the engine's KV connector (vLLM's MultiConnector, vllm-ascend's
+    AscendMultiConnector). Read on a worker, where vLLM keeps the engine's connector; False where it keeps none."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    return has_kv_transfer_group() and get_kv_transfer_group() is not connector
+
+
+def remote_prefill(request: Any) -> bool:
+    """The request's prompt KV is to come from a prefill engine (a P/D connector's `do_remote_prefill`)."""
+    params = getattr(request, "kv_transfer_params", None)
+    return isinstance(params, dict) and bool(params.get("do_remote_prefill"))
+
+
 def transfer_results(finished_sending: set[str], finished_recving: set[str], failed_recving: set[str]) -> Any:
     """vLLM >= 0.30's `KVConnectorTransferResults`."""
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults

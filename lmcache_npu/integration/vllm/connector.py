@@ -52,10 +52,13 @@ class LMCacheNPUConnector(KVConnectorBase_V1, SupportsHMA):
     # ---- worker side ------------------------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self.worker_half.register_kv_caches(kv_caches)
+        self.worker_half.register_kv_caches(kv_caches, composed=adapter.composed(self))
 
     def get_handshake_metadata(self) -> Optional[WorkerGeometry]:
-        return self.worker_half.geometry
+        """The rank's plan, when this is the engine's only connector. A MultiConnector hands the first child's
+        handshake to every child, so beside another connector (NIXL has one) the plan goes in the worker metadata."""
+        geometry = self.worker_half.geometry
+        return None if geometry is None or geometry.composed else geometry
 
     def handle_preemptions(self, kv_connector_metadata: Any) -> None:
         self.worker_half.handle_preemptions(kv_connector_metadata)
@@ -105,7 +108,14 @@ class LMCacheNPUConnector(KVConnectorBase_V1, SupportsHMA):
     # ---- scheduler side ---------------------------------------------------------------------------------------
 
     def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
-        self.scheduler_half.set_worker_geometry([m for m in metadata.values() if isinstance(m, WorkerGeometry)])
+        """Our workers' plans; inside a MultiConnector, maybe another child's handshake (ours then come with the
+        workers' metadata)."""
+        plans = [m for m in metadata.values() if isinstance(m, WorkerGeometry)]
+        if plans:
+            self.scheduler_half.set_worker_geometry(plans)
+        else:
+            logger.info("lmcache_npu: the workers' handshake is another connector's (%s); their plans come with their "
+                        "first step's metadata", ", ".join(sorted({type(m).__name__ for m in metadata.values()})))
 
     def on_new_request(self, request: Any) -> None:
         self.scheduler_half.on_new_request(request)

@@ -4,9 +4,11 @@ Scheduler → every worker, once per step (`LMCacheNPUConnectorMetadata`): the s
 every rank runs them, for the requests those commands move the block ids they touch, and the earlier stores whose
 pages this step writes (the page fence waits for those only). Workers → scheduler
 (`LMCacheNPUWorkerMetadata`): each rank's command completions, merged by vLLM across ranks with `aggregate`.
-At start-up each worker reports its plan once (`WorkerGeometry`, vLLM's handshake metadata): the scheduler builds
-its index and reads the plan groups from it, because vLLM hands the scheduler a KV-cache config whose multi-spec
-groups are collapsed to one arbitrary layer's spec.
+At start-up each worker reports its plan (`WorkerGeometry`): the scheduler builds its index and reads the plan
+groups from it, because vLLM hands the scheduler a KV-cache config whose multi-spec groups are collapsed to one
+arbitrary layer's spec. The plan travels as vLLM's handshake metadata when this connector is the engine's only one,
+and always in the workers' metadata until the scheduler says it has it: a MultiConnector hands one child's handshake
+to every child, so beside a P/D connector (NIXL) only the worker metadata, which it keeps per child, reaches us.
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ class LMCacheNPUConnectorMetadata(KVConnectorMetadata):
     # vLLM computes nothing this step (every runnable request waits for its KV): the workers may wait for a load to
     # finish instead of letting the engine spin through empty steps
     idle: bool = False
+    # the scheduler has every rank's plan (from the handshake or the workers' metadata): they stop sending it
+    geometry_known: bool = False
     # the node cache's epoch these commands are of (None without a node cache; "" while the scheduler has none): a
     # worker maps that epoch's segments in the background and fails its commands until it has them; a mapping of a
     # service that is gone is unmapped once its commands settled
@@ -71,13 +75,16 @@ class LMCacheNPUWorkerMetadata(KVConnectorWorkerMetadata):
     usable_slots: dict[int, SlotRanges] = field(default_factory=dict)
     # rank -> the node cache epoch it has mapped whole ("" none), sent when it changes
     node_epochs: dict[int, str] = field(default_factory=dict)
+    # rank -> its plan, sent with every step until the scheduler's metadata says it has every rank's
+    geometries: dict[int, "WorkerGeometry"] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> "LMCacheNPUWorkerMetadata":
         if not isinstance(other, LMCacheNPUWorkerMetadata):
             raise TypeError(f"cannot aggregate {type(other).__name__} into LMCacheNPUWorkerMetadata")
         return LMCacheNPUWorkerMetadata(self.completions + other.completions,
                                         {**self.usable_slots, **other.usable_slots},
-                                        {**self.node_epochs, **other.node_epochs})
+                                        {**self.node_epochs, **other.node_epochs},
+                                        {**self.geometries, **other.geometries})
 
 
 @dataclass(frozen=True)
@@ -100,6 +107,7 @@ class WorkerGeometry(KVConnectorHandshakeMetadata):
     identity: tuple[tuple[str, str], ...] = ()  # what the rank's model fingerprint was made of (`EngineIdentity`)
     node_epoch: Optional[str] = None  # the node cache epoch the rank had mapped at the handshake ("" none)
     weights: str = WEIGHTS_UNNAMED  # how that identity names the weights (`EngineIdentity.weights_naming`)
+    composed: bool = False  # the rank's connector is one child of a MultiConnector (beside a P/D connector, maybe)
 
     @staticmethod
     def agree(geometries: Sequence["WorkerGeometry"], world: int) -> Optional["WorkerGeometry"]:

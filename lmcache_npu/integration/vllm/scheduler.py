@@ -41,6 +41,8 @@ from ...store.metrics import Metric
 
 logger = logging.getLogger(__name__)
 # a hit chunk counts under the tier the lookup found it in
+# outputs of the workers a lookup waits for their plans through (they come with the first: more means they never will)
+PLAN_WAIT_OUTPUTS = 8
 _HIT_CHUNKS = {Tier.ARENA: Metric.HIT_CHUNKS_CPU, Tier.DISK: Metric.HIT_CHUNKS_DISK, Tier.REMOTE: Metric.HIT_CHUNKS_REMOTE}
 
 
@@ -115,6 +117,10 @@ class SchedulerHalf:
         self._delayed_free: list[str] = []
         self.fence = PageFence(WriteGeometry.of(self.groups, self.num_scheduler_groups))
         self._warned_idle = False
+        self._geometry_known = False  # every rank's plan arrived (the index is built, or the plugin is idle)
+        self._plans: dict[int, WorkerGeometry] = {}  # rank -> the plan its step metadata carried (MultiConnector)
+        self._outputs_without_plans = 0  # workers' outputs seen before every plan arrived
+        self.composed = False  # the workers' connector is one child of a MultiConnector
         self._adapters = LoadedAdapters()
         self._usable_by_rank: dict[int, tuple[tuple[int, int], ...]] = {}  # live arena slot ranges each rank told
         self._events_enabled = kv_events_enabled(vllm_config)  # routers listen: the index reports its tier changes
@@ -131,6 +137,8 @@ class SchedulerHalf:
         """Every rank's plan (vLLM's handshake): the ranks must agree, then the index is built with as many slots as
         every rank's arena holds."""
         agreed = WorkerGeometry.agree(geometries, self.place.world)
+        self._geometry_known = True
+        self.composed = any(g.composed for g in geometries)
         if agreed is None:
             return
         if agreed.chunk_tokens % self.hash_block_size:
@@ -176,12 +184,26 @@ class SchedulerHalf:
                     dict(agreed.identity).get("weights", "?"))
 
     def _ready(self) -> bool:
-        """The index exists (the workers' handshake arrived); says once if it has not."""
-        if self.index is None and not self._warned_idle:
+        """The index exists (the workers' plans arrived); says once if it has not."""
+        if self.index is None and not self._warned_idle and not self._awaiting_plans():
             self._warned_idle = True
-            logger.warning("lmcache_npu has no worker handshake yet: no lookups or stores until the workers report "
-                           "their plans")
+            logger.warning("lmcache_npu has no worker plans yet: no lookups or stores until the workers report them")
         return self.index is not None
+
+    def _awaiting_plans(self) -> bool:
+        """The plans have not arrived and may yet, with the workers' next outputs (inside a MultiConnector they come
+        with the first step's): lookups ask again meanwhile, for at most PLAN_WAIT_OUTPUTS outputs."""
+        return not self._geometry_known and self._outputs_without_plans < PLAN_WAIT_OUTPUTS
+
+    def _take_plans(self, plans: dict[int, WorkerGeometry]) -> None:
+        """The plans the workers' step metadata carried: once every rank's arrived, as if from the handshake."""
+        if self._geometry_known:
+            return
+        self._plans.update(plans)
+        if len(self._plans) < self.place.world:
+            self._outputs_without_plans += 1
+            return
+        self.set_worker_geometry(list(self._plans.values()))
 
     def _node_mapped(self) -> bool:
         """Without a node cache True; with one, whether its epoch is mapped on every rank: until then nothing of it is
@@ -275,8 +297,15 @@ class SchedulerHalf:
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[Optional[int], bool]:
         state = self._state(request)
         state.lookup = None
+        if self.loads_enabled and self._awaiting_plans():
+            return None, False  # the workers' plans come with their next output: ask again then
         if (not (self.loads_enabled and self._ready() and self._node_mapped()) or state.no_hits or state.bypass
                 or adapter.skips_prefix_cache(request)):
+            return 0, False
+        if self.composed and adapter.remote_prefill(request):
+            # its prompt comes from a prefill engine through the P/D connector beside us: claiming part of it here
+            # would leave that connector nothing to read while the prefill engine holds the blocks for it
+            self.counters.add(Metric.REMOTE_PREFILL_DEFERRED)
             return 0, False
         assert self.index is not None
         chunk = self.chunk_tokens
@@ -374,7 +403,7 @@ class SchedulerHalf:
             commands=self.index.take_commands() if self.index is not None else [],
             loads=self._loads, stores=stores, delayed_free=self._delayed_free,
             fenced_stores=self._fenced_stores(scheduler_output, writes) if writes is not None else [],
-            idle=scheduler_output.total_num_scheduled_tokens == 0,
+            idle=scheduler_output.total_num_scheduled_tokens == 0, geometry_known=self._geometry_known,
             node_epoch=node_epoch,
             node_lease=(node.lease or None) if node is not None and node.epoch else None,
             refused=node.take_refused() if node is not None else [])
@@ -473,6 +502,8 @@ class SchedulerHalf:
     def update_connector_output(self, connector_output: Any) -> None:
         """Every rank's completions reach the index; a request's command counts as done once all ranks answered."""
         meta = adapter.worker_metadata(connector_output)
+        if not self._geometry_known:
+            self._take_plans(meta.geometries if isinstance(meta, LMCacheNPUWorkerMetadata) else {})
         if isinstance(meta, LMCacheNPUWorkerMetadata) and meta.usable_slots:
             self._apply_usable_slots(meta.usable_slots)
         if isinstance(meta, LMCacheNPUWorkerMetadata) and meta.node_epochs:

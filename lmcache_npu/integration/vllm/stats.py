@@ -28,6 +28,8 @@ METRICS: dict[str, str] = {  # Metric keys: a member is its name
     Metric.STORE_CHUNKS: "chunks the scheduler sent to be stored",
     Metric.STORE_CHUNKS_UNSAFE: "completed chunks not stored because vLLM may already have freed some of their rows",
     Metric.DELAYED_FREES: "finished requests whose blocks vLLM kept until their stores had read them",
+    Metric.REMOTE_PREFILL_DEFERRED: "requests whose prompt a prefill engine sends (do_remote_prefill) left to the P/D "
+                                    "connector beside this one (MultiConnector) instead of a local hit",
     Metric.LORA_BYPASSED_REQUESTS: "LoRA requests served without the plugin: their adapter's files could not be read, so "
                               "nothing names their KV",
     Metric.LOAD_FAILURES: "load commands that failed on some rank (the request recomputes)",
@@ -203,6 +205,11 @@ class LMCacheNPUStats(KVConnectorStats):
 
     def reset(self) -> None:
         self.data = {}
+
+    def __getitem__(self, field_name: str) -> Any:
+        """A field by name, as in the stats' serialized form: vLLM 0.28's MultiConnector reads a child's stats as
+        that dict (`stats["data"]`), which in an engine without multiprocessing they are not."""
+        return getattr(self, field_name)
 
     def aggregate(self, other: KVConnectorStats) -> "LMCacheNPUStats":
         for name, value in (other.data or {}).items():

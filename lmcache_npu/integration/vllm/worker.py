@@ -148,6 +148,7 @@ class WorkerHalf:
         self._node: Optional[WorkerNodeMapping] = None  # this rank's mapping of the node cache (node_cache only)
         self._reported_epoch: Optional[str] = None  # the node epoch last told to the scheduler as mapped here
         self._in_flight: set[int] = set()  # commands submitted and not yet polled (a retired mapping waits for its)
+        self._geometry_known = False  # the scheduler said it has every rank's plan: no more sending it
 
     # ---- start-up ---------------------------------------------------------------------------------------------
 
@@ -159,7 +160,8 @@ class WorkerHalf:
         granularity = token_granularity(self.kv_cache_config, LayoutPolicy(skip_spec_kinds=self.config.skip_spec_kinds))
         return default_chunk_tokens(granularity, self.hash_block_size)
 
-    def register_kv_caches(self, kv_caches: Mapping[str, Any]) -> None:
+    def register_kv_caches(self, kv_caches: Mapping[str, Any], composed: bool = False) -> None:
+        """`composed`: this connector is one child of the engine's (MultiConnector), which its plan says."""
         policy = LayoutPolicy(chunk_tokens=self.chunk_tokens(), skip_spec_kinds=self.config.skip_spec_kinds,
                               hash_block_size=self.hash_block_size, fractal_nz=_fractal_nz(kv_caches))
         policy = tp_share.with_tp(policy, self.vllm_config, self.config.tp_share)
@@ -171,7 +173,8 @@ class WorkerHalf:
         if plan.object_bytes == 0:
             reason = "every KV-cache group is skipped (see `lmcache-npu inspect`), so no chunk has bytes to store"
             logger.warning("lmcache_npu rank %d: %s", self.place.rank, reason)
-            self.geometry = WorkerGeometry(self.place.rank, self.place.world, enabled=False, reason=reason)
+            self.geometry = WorkerGeometry(self.place.rank, self.place.world, enabled=False, reason=reason,
+                                           composed=composed)
             return
         store = self.config.store
         # the node cache is persistent and shared like a disk or Mooncake tier: weights nothing names are refused
@@ -202,7 +205,7 @@ class WorkerHalf:
             object_bytes=pipeline.object_bytes, num_slots=pipeline.arena.num_slots,
             usable_slots=self._take_usable_change(), groups=plan_group_geometry(layout.groups), backend=backend,
             device=str(plan.device), identity=self.identity.description, node_epoch=self._take_epoch_change(),
-            weights=self.identity.weights_naming)
+            weights=self.identity.weights_naming, composed=composed)
         logger.info("lmcache_npu rank %d: %d planes in %d groups, %d B per %d-token chunk, %s backend, %d arena slots",
                     self.place.rank, len(plan.moved_planes), len(layout.groups), plan.object_bytes, plan.chunk_tokens,
                     backend, pipeline.arena.num_slots)
@@ -288,6 +291,7 @@ class WorkerHalf:
         self.mover.release_pages(fenced)
 
     def start_load_kv(self, meta: LMCacheNPUConnectorMetadata) -> None:
+        self._geometry_known = self._geometry_known or meta.geometry_known
         if self.executor is None or self.mover is None:
             return
         if self._fenced is not meta:  # a runner that skips handle_preemptions: fence here, before any load is queued
@@ -430,9 +434,12 @@ class WorkerHalf:
     def build_worker_meta(self) -> Optional[LMCacheNPUWorkerMetadata]:
         usable = self._take_usable_change()
         epoch = self._take_epoch_change()
-        if not self._outbox and usable is None and epoch is None:
+        plan = None if self._geometry_known else self.geometry
+        if not self._outbox and usable is None and epoch is None and plan is None:
             return None
         meta, self._outbox = LMCacheNPUWorkerMetadata(self._outbox), []
+        if plan is not None:
+            meta.geometries[self.place.rank] = plan
         if usable is not None:
             meta.usable_slots[self.place.rank] = usable
         if epoch is not None:
