@@ -218,7 +218,10 @@ class StoreConfig:
     disk_write_through: bool = True
     mooncake: Optional[Mapping[str, Any]] = None  # L3: MooncakeConfig keys (master, metadata, ...); None: off
     put_to_remote: bool = True  # write every stored chunk through to Mooncake (how other instances find it)
-    io_threads: int = 4  # per worker: promotions, puts and remote drops run on these
+    io_threads: int = 4  # per worker: promotions and gets run on these, persists, puts and remote drops on as many more
+    # background store work (sealing, disk write-through, puts) runs only on cores the model leaves idle (Linux
+    # SCHED_IDLE, platform/threads.py); false: at normal priority, beside the forward
+    yield_to_compute: bool = True
     eviction_policy: str = "arc"  # the arena's eviction order: arc, lru or s3fifo (chosen in docs/performance.md)
     # reuse gates (0: off): a chunk is put to Mooncake only once this many later requests looked it up
     remote_admit_hits: int = 0
@@ -256,6 +259,8 @@ class StoreConfig:
             raise ValueError(f"disk_write_through must be true or false, got {self.disk_write_through!r}")
         if not isinstance(self.put_to_remote, bool):
             raise ValueError(f"put_to_remote must be true or false, got {self.put_to_remote!r}")
+        if not isinstance(self.yield_to_compute, bool):
+            raise ValueError(f"yield_to_compute must be true or false, got {self.yield_to_compute!r}")
         if not isinstance(self.eviction_policy, str) or self.eviction_policy not in POLICIES:
             raise ValueError(f"eviction_policy must be one of {', '.join(sorted(POLICIES))}, "
                              f"got {self.eviction_policy!r}")

@@ -44,6 +44,7 @@ from typing import Callable, Optional, Union
 import numpy as np
 import xxhash
 
+from ..platform.threads import in_background
 from .keys import ChunkKey
 
 logger = logging.getLogger(__name__)
@@ -70,7 +71,8 @@ _BLAKE3_THREADED_FROM = 1 << 20
 def _blake3(data: memoryview) -> bytes:
     import blake3  # a dependency of the package; imported here so the no-secret path never needs it
 
-    threads = _BLAKE3_THREADS if data.nbytes >= _BLAKE3_THREADED_FROM else 1
+    # a thread that yields to compute (sealing for disk and puts) hashes alone: BLAKE3's helpers run at normal priority
+    threads = _BLAKE3_THREADS if data.nbytes >= _BLAKE3_THREADED_FROM and not in_background() else 1
     return blake3.blake3(data, max_threads=threads).digest()
 
 

@@ -2,18 +2,23 @@
 
 Commands run in the order given, each by the handler of its route (source, destination: `commands.Route`), the way
 vLLM's OffloadingWorker dispatches by medium pair; consecutive device moves, and consecutive remote gets or puts, go
-as one batch. Spills copy the slot into the disk tier's write-behind queue before the next
-command, so a slot evicted and reused in the same step is safe. Persists queue the slot itself (no copy: the index
-pins it until every rank completes) for the disk tier's writer threads. Promotions and puts run on background
-threads (the slot is writing or pinned in the index until every rank completes). Stores and loads move bytes between the
-device and the arena: they go to a `DeviceMover` (the connector's transfer backend; a fake in tests). Every
-command gets exactly one `Completion`, collected by `poll()`.
+as one batch. Spills copy the slot into the disk tier's write-behind queue before the next command, so a slot evicted
+and reused in the same step is safe. Persists queue the slot itself (no copy: the index pins it until every rank
+completes) for the disk tier's writer threads. Promotions and puts run on threads of their own (the slot is writing
+or pinned in the index until every rank completes). Stores and loads move bytes between the device and the arena:
+they go to a `DeviceMover` (the connector's transfer backend; a fake in tests). Every command gets exactly one
+`Completion`, collected by `poll()`.
+
+Background work yields to compute (`platform/threads.py`, with `yields`): persists (sealing, the disk tier's queue),
+puts and remote drops run on threads the OS schedules only where the model leaves a core idle, so they never take a
+core from a forward; promotions and gets, which a waiting request needs, run on io threads of normal priority.
 
 Envelopes (`envelope.py`): a slot's bytes leave for disk or Mooncake only sealed (object + trailer for this key and
-rank). Spills seal here, before the copy (the slot is reused by the next command); persists and puts seal on the io
-threads. A slot is sealed once per content: the executor remembers which key each slot's trailer seals, forgetting
-it when a Store or a Promote writes the slot. Every promotion verifies the envelope before it answers ok; one that
-does not verify fails ("rejected: <why>"), so the index frees the slot and the chunk is never loaded nor persisted.
+rank). Spills seal here, before the copy (the slot is reused by the next command); persists and puts seal on the
+background threads. A slot is sealed once per content: the executor remembers which key each slot's trailer seals,
+forgetting it when a Store or a Promote writes the slot. Every promotion verifies the envelope before it answers ok;
+one that does not verify fails ("rejected: <why>"), so the index frees the slot and the chunk is never loaded nor
+persisted.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from typing import TYPE_CHECKING, Callable, Collection, Optional, Protocol, Sequ
 
 import torch
 
+from ..platform.threads import yield_to_compute
 from .arena import HostArena
 from .commands import (ARENA_TO_DEVICE, ARENA_TO_DISK, ARENA_TO_REMOTE, DEVICE_TO_ARENA, DISK_TO_ARENA,
                        REMOTE_TO_ARENA, Command, Completion, Drop, Load, Persist, Promote, Put, Route, Spill, Store,
@@ -45,7 +51,7 @@ Report = Callable[[int, TierResult], None]
 RouteHandler = Callable[[Sequence[Transfer]], None]
 # routes whose consecutive commands go as one batch (one device transfer, one remote round trip)
 _BATCHED = frozenset({DEVICE_TO_ARENA, ARENA_TO_DEVICE, REMOTE_TO_ARENA, ARENA_TO_REMOTE})
-_SEAL_STRIPES = 64  # locks over slots: two io threads never seal one slot at once, unrelated slots never wait
+_SEAL_STRIPES = 64  # locks over slots: two background threads never seal one slot at once, unrelated slots never wait
 
 
 class DeviceMover(Protocol):
@@ -60,10 +66,12 @@ class DeviceMover(Protocol):
 
 class StoreExecutor:
     """One per worker process (rank). `disk` is a `DiskTier`, `remote` a `MooncakeTier`; either may be None.
-    `sealer` seals and verifies envelopes (digest only when None: no store secret)."""
+    `sealer` seals and verifies envelopes (digest only when None: no store secret). `yields`: persists, puts and
+    remote drops run on threads that yield to compute (the factory passes the `yield_to_compute` key)."""
 
     def __init__(self, rank: int, arena: HostArena, mover: Optional[DeviceMover] = None,
-                 disk: Optional[DiskTier] = None, remote: Optional[MooncakeTier] = None, io_threads: int = 4, sealer: Optional[Sealer] = None) -> None:
+                 disk: Optional[DiskTier] = None, remote: Optional[MooncakeTier] = None, io_threads: int = 4,
+                 sealer: Optional[Sealer] = None, yields: bool = False) -> None:
         self.rank = rank
         self.arena = arena
         self.epoch: Optional[str] = None  # the node cache epoch `arena` maps (None: a private arena), see use_arena
@@ -76,7 +84,11 @@ class StoreExecutor:
         self._seal_locks = [threading.Lock() for _ in range(max(1, min(_SEAL_STRIPES, arena.num_slots)))]
         self._disk_rejections = RejectionLog("disk")
         self._remote_rejections = RejectionLog("mooncake")
+        # promotions and gets: a request waits for them
         self._io = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix=f"lmcache-store-r{rank}")
+        # persists, puts, remote drops: nothing waits for them, so they wait for idle cores
+        self._background = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix=f"lmcache-background-r{rank}",
+                                              initializer=yield_to_compute if yields else None)
         self._lock = threading.Lock()
         self._done: deque[Completion] = deque()
         self._outstanding = 0
@@ -87,7 +99,7 @@ class StoreExecutor:
         self._handlers: dict[Route, RouteHandler] = {
             DEVICE_TO_ARENA: self._run_device, ARENA_TO_DEVICE: self._run_device,
             REMOTE_TO_ARENA: lambda batch: self._io.submit(self._run_remote, batch, True),
-            ARENA_TO_REMOTE: lambda batch: self._io.submit(self._run_remote, batch, False),
+            ARENA_TO_REMOTE: lambda batch: self._background.submit(self._run_remote, batch, False),
             DISK_TO_ARENA: self._promote_from_disk_async, ARENA_TO_DISK: self._write_to_disk_async,
         }
         if remote is not None:
@@ -212,6 +224,7 @@ class StoreExecutor:
             self._closed = True
             self._idle.wait_for(lambda: self._submitting == 0)  # a submit in progress finishes first
         self._io.shutdown(wait=True)
+        self._background.shutdown(wait=True)
         for tier in (self.disk, self.remote):
             if isinstance(tier, TierStore):
                 tier.close()
@@ -254,7 +267,7 @@ class StoreExecutor:
             if isinstance(command, Spill):
                 self._spill(command)
             else:  # pinned until every rank answers: writers read the slot in place, no copy
-                self._io.submit(self._persist, command)
+                self._background.submit(self._persist, command)
 
     def _promote_from_disk_async(self, batch: Sequence[Promote]) -> None:
         for command in batch:
@@ -279,7 +292,7 @@ class StoreExecutor:
         self._report(cmd_id, result)
 
     def _persist(self, command: Persist) -> None:
-        """On an io thread: seal, then queue the slot itself for the disk tier's writers (they answer)."""
+        """On a background thread: seal, then queue the slot itself for the disk tier's writers (they answer)."""
         try:
             self._seal(command.slot, command.key)
             self._write_to_disk(command, copy=False)
@@ -308,7 +321,7 @@ class StoreExecutor:
         elif self.remote is None:
             self._report(command.cmd_id, OK)
         else:
-            self._io.submit(self._guarded, command.cmd_id, self._drop_remote, name)
+            self._background.submit(self._guarded, command.cmd_id, self._drop_remote, name)
 
     def _drop_remote(self, name: str) -> TierResult:
         self.remote.delete([name])
@@ -331,7 +344,7 @@ class StoreExecutor:
         return OK
 
     def _run_remote(self, batch: Sequence[Union[Promote, Put]], get: bool) -> None:
-        """On an io thread: one batch of remote gets (promotions into the arena) or puts."""
+        """On an io thread, one batch of remote gets (promotions into the arena); on a background thread, one of puts."""
         try:
             if self.remote is None:
                 results = [TierResult.fail(Failure.NO_REMOTE_TIER)] * len(batch)
@@ -342,7 +355,7 @@ class StoreExecutor:
                 if get:
                     results = list(self.remote.get_into(names, views, verify=checks))
                 else:
-                    for command in batch:  # here, on an io thread, never on the model's
+                    for command in batch:  # here, on a background thread, never on the model's
                         self._seal(command.slot, command.key)
                     results = list(self.remote.put(names, views, verify=checks))
                 if len(results) != len(batch):

@@ -142,7 +142,8 @@ def build_executor(config: StoreConfig, rank: int, object_bytes: int, layout_fin
         disk = DiskTier(config.disk_path, layout_fingerprint, capacity_bytes=config.disk_bytes,
                         max_pending_bytes=config.disk_max_pending_bytes, writer_threads=config.disk_writer_threads,
                         owns=storage_names_of(namespace, rank),
-                        lock_name=None if namespace is None else f"{namespace}-r{rank}")
+                        lock_name=None if namespace is None else f"{namespace}-r{rank}",
+                        yields=config.yield_to_compute)
     if remote is None and config.mooncake is not None:
         from .mooncake import MooncakeTier
 
@@ -153,4 +154,5 @@ def build_executor(config: StoreConfig, rank: int, object_bytes: int, layout_fin
                            mooncake.bounce_bytes, sealed_bytes(object_bytes), arena.slot_bytes)
             mooncake = dataclasses.replace(mooncake, bounce_bytes=arena.slot_bytes)
         remote = MooncakeTier(mooncake)
-    return StoreExecutor(rank, arena, mover, disk=disk, remote=remote, io_threads=config.io_threads, sealer=sealer)
+    return StoreExecutor(rank, arena, mover, disk=disk, remote=remote, io_threads=config.io_threads, sealer=sealer,
+                         yields=config.yield_to_compute)

@@ -43,6 +43,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+from ...platform.threads import yield_to_compute
 from ..tier import OK, Failure, TierCounters, TierResult
 from .format import (FILE_SUFFIX, FOREIGN_PROBLEMS, HEADER_BYTES, TEMP_SUFFIX, Header, check_fingerprint,
                      check_lock_name, check_name, fan_of, read_header)
@@ -91,13 +92,17 @@ class DiskTier:
 
     def __init__(self, path: str | os.PathLike[str], layout_fingerprint: bytes, capacity_bytes: Optional[int] = None,
                  max_pending_bytes: int = 256 << 20, writer_threads: int = 1,
-                 owns: Optional[Callable[[str], bool]] = None, lock_name: Optional[str] = None) -> None:
+                 owns: Optional[Callable[[str], bool]] = None, lock_name: Optional[str] = None,
+                 yields: bool = False) -> None:
         """`owns(name)` says which valid files found at start are this tier's (count against its capacity): ranks
         and models may share one directory, each tier counting only its own names. None: every file.
 
         `lock_name` (e.g. f"{namespace}-r{rank}"): hold an exclusive lock on that name for the tier's lifetime, and
         treat fresh temp files of owned names as a crashed holder's leftovers; `owns` must then accept no name that a
-        tier under another lock name writes. None: no lock (tools, tiers sharing names), temp files go only by age."""
+        tier under another lock name writes. None: no lock (tools, tiers sharing names), temp files go only by age.
+
+        `yields`: the writer threads yield to compute (`platform/threads.py`): nothing waits for a write but the
+        queue's bound, and the copy into the page cache and the fsync must not take a core from the model."""
         check_fingerprint(layout_fingerprint)
         check_lock_name(lock_name)
         if writer_threads < 1:
@@ -136,6 +141,7 @@ class DiskTier:
             raise
         self._on_disk: dict[str, int] = {e.name: HEADER_BYTES + e.payload_bytes for e in entries}
         self._used = sum(self._on_disk.values())
+        self._yields = yields
         self._threads = [threading.Thread(target=self._run_writer, name=f"lmcache-npu-disk-writer-{i}", daemon=True)
                          for i in range(writer_threads)]
         for thread in self._threads:
@@ -244,6 +250,8 @@ class DiskTier:
             del self._pending[item.name]
 
     def _run_writer(self) -> None:
+        if self._yields:
+            yield_to_compute()
         landed: list[_PendingWrite] = []  # renamed, waiting for their directory fsync before `done`
         dirty_fans: set[str] = set()
         while True:
