@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 from ..store.arena import HostArena, slot_bytes_for
-from ..store.commands import Completion, Load, Store, Tier
+from ..store.commands import COMMAND_TTL_S, Completion, Load, Store, Tier
 from ..store.config import StoreConfig
 from ..store.executor import StoreExecutor
 from ..store.factory import build_executor, build_index
@@ -38,9 +38,6 @@ ENGINE_SEPARATOR = "\x1f"  # between an engine's name and its request id in the 
 PAYLOAD_SLACK = 1024  # payloads kept beyond the chunks the tiers hold: room for stores and promotions in flight
 MAX_QUEUED_TIER_CHANGES = 1 << 16  # per engine between two of its calls; beyond, the oldest are dropped and counted
 PUMP_IDLE_S = 0.002  # how often the pump looks for tier completions while some are outstanding
-# a device command unanswered this long fails (slot freed, pin dropped); longer than a worker's own deadline
-# (integration/vllm/worker.COMMAND_DEADLINE_S), so a live engine's workers always answer first
-COMMAND_TTL_S = 600.0
 
 
 class PoolRefused(ValueError):

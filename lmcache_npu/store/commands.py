@@ -14,6 +14,12 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import ClassVar, Optional, Union
 
+# a load or store a worker waits for no longer (answered as failed then: the load recomputes, the store is dropped);
+# a node cache's command TTL must be longer, so a live engine's workers always answer first
+COMMAND_DEADLINE_S = 120.0
+# the node cache service fails a device command no answer settled for this long (its slot freed, its pin dropped)
+COMMAND_TTL_S = 600.0
+
 from .keys import ChunkKey
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from ..ops import BACKEND_NAMES, BackendUnavailable
+from ..store.commands import COMMAND_DEADLINE_S, COMMAND_TTL_S
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -107,6 +108,16 @@ def _status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _command_ttl(seconds: float) -> float:
+    """--command-ttl, refused unless the workers' own deadline comes first (a live engine must answer before the
+    service fails its command and hands the slot to another)."""
+    if not seconds > COMMAND_DEADLINE_S:
+        raise ValueError(f"node-cache: --command-ttl {seconds:g} must be more than the workers' command deadline "
+                         f"({COMMAND_DEADLINE_S:g} s): a live engine's command would fail while its worker still "
+                         "waits for it")
+    return seconds
+
+
 def _node_cache(args: argparse.Namespace) -> int:
     import signal
     import threading
@@ -127,7 +138,8 @@ def _node_cache(args: argparse.Namespace) -> int:
                                                   metrics_port=args.metrics_port, metrics_host=args.metrics_host,
                                                   pool_idle_s=args.pool_idle_seconds,
                                                   lease_slot_share=args.lease_slot_share,
-                                                  reservation_ttl_s=args.reservation_ttl))
+                                                  reservation_ttl_s=args.reservation_ttl,
+                                                  command_ttl_s=_command_ttl(args.command_ttl)))
     except FileExistsError as exc:  # a live service, or a file that is not a socket, at --socket
         raise ValueError(f"node-cache: {exc}") from None
     except OSError as exc:  # the socket's directory missing or closed to this user, the metrics port taken
@@ -613,6 +625,10 @@ def build_parser() -> argparse.ArgumentParser:
                       "reserve and load at once (default 0.25; alone it may use all)")
     node.add_argument("--reservation-ttl", type=float, default=120.0,
                       help="seconds after which a request's reservations no lookup renewed are released (default 120)")
+    node.add_argument("--command-ttl", type=float, default=COMMAND_TTL_S,
+                      help=f"seconds after which a device command no engine answered fails, its slot freed or its pin "
+                      f"dropped (default {COMMAND_TTL_S:g}; more than the workers' own {COMMAND_DEADLINE_S:g} s "
+                      "deadline)")
     node.set_defaults(func=_node_cache)
 
     ping = sub.add_parser("node-ping", help="exit 0 when the node cache at --socket answers and accepts engines (a "

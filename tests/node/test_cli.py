@@ -99,4 +99,16 @@ def test_a_lease_slot_share_or_ttl_out_of_range_is_refused_before_the_socket_exi
     _refused(_node_cache("--socket", str(path), "--lease-slot-share", "2"),
              "lmcache-npu: a lease's slot share must be in (0, 1], got 2.0")
     _refused(_node_cache("--socket", str(path), "--reservation-ttl", "0"), "the reservation TTL must be positive")
+    _refused(_node_cache("--socket", str(path), "--command-ttl", "120"),
+             "node-cache: --command-ttl 120 must be more than the workers' command deadline (120 s)")
     assert not path.exists()
+
+
+def test_a_command_ttl_past_the_workers_deadline_is_taken() -> None:
+    from lmcache_npu.store.commands import COMMAND_DEADLINE_S, COMMAND_TTL_S
+    from lmcache_npu.tools.cli import _command_ttl
+
+    assert COMMAND_TTL_S > COMMAND_DEADLINE_S  # the default itself passes the rule
+    assert _command_ttl(COMMAND_DEADLINE_S + 1) == COMMAND_DEADLINE_S + 1
+    with pytest.raises(ValueError, match="must be more than the workers' command deadline"):
+        _command_ttl(COMMAND_DEADLINE_S)

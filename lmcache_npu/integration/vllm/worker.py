@@ -65,7 +65,7 @@ from ...ops import BackendUnavailable, Direction, TransferBackend, get_backend
 from ...ops.backend import backend_for_device
 from ...node.messages import PoolGeometry
 from ...node.worker_mapping import WorkerNodeMapping
-from ...store.commands import Command, Completion, Load, Store
+from ...store.commands import COMMAND_DEADLINE_S, Command, Completion, Load, Store
 from ...store.disk import check_disk_parent
 from ...store.executor import StoreExecutor
 from ...store.tier import TierCounters
@@ -81,9 +81,6 @@ from .stats import DISK_METRICS, REMOTE_METRICS, CounterDeltas, LMCacheNPUStats
 from ...store.metrics import Metric, per_rank
 
 logger = logging.getLogger(__name__)
-# a load or store a plan names and no answer settled by then fails (the load recomputes, the store is dropped): no
-# lost command can hang a request; far beyond any transfer, and shorter than the node cache's command TTL
-COMMAND_DEADLINE_S = 120.0
 
 
 class LoadFailedError(RuntimeError):
