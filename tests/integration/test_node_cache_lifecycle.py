@@ -17,13 +17,12 @@ from typing import Any, Callable, Iterator
 import pytest
 
 from lmcache_npu.integration.vllm.scheduler import SchedulerHalf
-from lmcache_npu.node import attachment as attachment_module
 from lmcache_npu.node import client as client_module
 from lmcache_npu.node.service import NodeCacheService, ServiceOptions
 from lmcache_npu.store.config import StoreConfig
 from lmcache_npu.store.metrics import Metric
 
-from ..node.harness import memfd_mapped
+from ..node.harness import hold_registration, memfd_mapped
 from .conftest import preset_engine, prompt
 
 WAIT_S = 30.0
@@ -131,14 +130,7 @@ def test_a_new_epoch_is_mapped_off_the_step_and_its_commands_wait_for_it(make_en
     first.close()
     second = serve()
     other = _engine(make_engine, node_path)  # an engine of the new epoch: it stores what `engine` may hit
-    release = threading.Event()
-    original = attachment_module.HostArena
-
-    def slow_registration(*args: Any, **kwargs: Any) -> Any:
-        release.wait(WAIT_S)  # the device registers every segment: minutes per TiB
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(attachment_module, "HostArena", slow_registration)
+    release = hold_registration(monkeypatch)
     chunk = half.chunk_tokens
     shared = prompt(2 * chunk + chunk // 2, seed=21)
     other.add(shared, max_tokens=2)

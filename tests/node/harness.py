@@ -62,6 +62,22 @@ def memfd_mapped(base: int, span: int) -> bool:
     return False
 
 
+def hold_registration(monkeypatch: Any) -> threading.Event:
+    """Workers' mappings of node segments wait for the returned event (at most WAIT_S) before they register them, as
+    a device registering every segment does (minutes per TiB)."""
+    from lmcache_npu.node import attachment as attachment_module
+
+    release = threading.Event()
+    original = attachment_module.HostArena
+
+    def slow_registration(*args: Any, **kwargs: Any) -> Any:
+        release.wait(WAIT_S)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(attachment_module, "HostArena", slow_registration)
+    return release
+
+
 def slow_next_call(monkeypatch: Any, node: "Node", client: NodeCacheClient, verb: str) -> list[str]:
     """The pool's index answers the next `verb` after SLOWED_CALL_S (under the service's lock, as a stalled Mooncake
     check or log pipe would) and `client`'s connection times out after SLOWED_TIMEOUT_S, so its call counts the live

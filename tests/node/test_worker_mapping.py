@@ -6,16 +6,14 @@ scheduler names no epoch (a slow call is not a dead service)."""
 from __future__ import annotations
 
 import gc
-import threading
 import time
 from typing import Any
 
-from lmcache_npu.node import attachment as attachment_module
 from lmcache_npu.node.worker_mapping import WorkerNodeMapping
 from lmcache_npu.store.metrics import Metric
 from lmcache_npu.store.tier import TierCounters
 
-from .harness import WAIT_S, WEIGHTS, geometry, memfd_mapped, store_config, wait_for
+from .harness import WAIT_S, WEIGHTS, geometry, hold_registration, memfd_mapped, store_config, wait_for
 
 
 def mapping(node: Any, counters: TierCounters) -> WorkerNodeMapping:
@@ -62,14 +60,7 @@ def test_a_new_epoch_is_mapped_off_the_step_and_its_commands_run_once_it_is(star
     mapped = mapping(node, counters)
     node.service.close()
     successor = start_node(store_config(4, 1), socket_name="s")
-    release = threading.Event()
-    original = attachment_module.HostArena
-
-    def slow_registration(*args: Any, **kwargs: Any) -> Any:
-        release.wait(WAIT_S)  # the device registers the segments: minutes per TiB
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(attachment_module, "HostArena", slow_registration)
+    release = hold_registration(monkeypatch)
     successor.client("scheduler", geometry(1))  # the pool exists
     epoch = successor.pool.epoch
     try:
