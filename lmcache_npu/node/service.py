@@ -7,7 +7,8 @@ not pass), and the shared segments are memory files in no filesystem, reachable 
 service hands to checked peers. Peers' messages are of a closed encoding (codec.py, wire.py).
 Engines attach with their pool geometry; each geometry gets a pool (`pool.py`), up to `max_pools`, each an equal
 share of `cpu_bytes` and `disk_bytes`; a pool no engine holds is given back after `pool_idle_s` or when a new
-geometry needs its place (`pool_table.py`). One lock serialises the verbs: they are index operations.
+geometry needs its place (`pool_table.py`). One lock serialises the verbs: they are index operations; Mooncake
+existence checks, log lines and metrics formatting run outside it.
 """
 
 from __future__ import annotations
