@@ -14,7 +14,7 @@ from vllm.v1.request import RequestStatus
 from lmcache_npu.store.commands import Tier
 from lmcache_npu.store.metrics import Metric
 
-from .conftest import prompt
+from .conftest import assert_engine_settled, prompt
 from .test_node_cache_sim import _engine, node  # noqa: F401  (node: the service fixture)
 
 STEPS = 300  # far more than either scenario needs; a lost command would keep the engine busy for all of them
@@ -23,13 +23,8 @@ STEPS = 300  # far more than either scenario needs; a lost command would keep th
 def _settled(engine: Any) -> None:
     """Nothing waits and nothing leaked, whether or not the node is still there: vLLM's requests are done with every
     block free, the scheduler half tracks no request or command, the workers wait for no answer."""
-    scheduler = engine.scheduler
-    assert not scheduler.requests and not scheduler.running and not scheduler.waiting
-    pool = scheduler.kv_cache_manager.block_pool
-    assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1, "vLLM blocks still held"
+    assert_engine_settled(engine)
     half = engine.connector.scheduler_half
-    assert not half.requests and not half._owner and not half._loads and not half._delayed_free
-    assert len(half.fence.reads) == 0
     assert half.index.in_flight == 0 and not half.index.queued_commands()
     for worker in engine.workers:
         wh = worker.worker_half

@@ -23,7 +23,7 @@ from lmcache_npu.store.config import StoreConfig
 from lmcache_npu.store.index.contract import SlotState
 
 from ..kv_events_view import ours
-from .conftest import preset_engine, prompt
+from .conftest import assert_engine_settled, preset_engine, prompt
 from .test_events import Recorder, request_chunks
 
 
@@ -63,13 +63,9 @@ def _store_then_load(writer: Any, reader: Any, seed: int) -> tuple[int, int]:
 
 def _quiescent(engine: Any) -> None:
     """conftest's `assert_quiescent`, asked of the node: nothing in flight, reserved, pinned or half-written."""
-    scheduler = engine.scheduler
-    assert not scheduler.requests and not scheduler.running and not scheduler.waiting
-    pool = scheduler.kv_cache_manager.block_pool
-    assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1, "vLLM blocks still held"
+    assert_engine_settled(engine)
     half = engine.connector.scheduler_half
-    assert not half.requests and not half._owner and not half._loads and not half._delayed_free
-    assert len(half.fence.reads) == 0 and not half.fence.step_reads
+    assert not half.fence.step_reads
     index = half.index
     index.check_invariants()  # run by the service on the node's index
     assert index.in_flight == 0 and not index.queued_commands()
