@@ -48,7 +48,7 @@ MIN_VLLM = (0, 23)
 # transfer config is set; read in every release from v0.20.2rc1 through v0.25.1rc1. A newer release is unknown.
 REASON_310P = "KV cache transfer is not supported for 310P"
 KV_TRANSFER_REFUSED_ON_310P_THROUGH = (0, 25)
-PYTHON_RANGE = ((3, 10), (3, 12))  # vllm-ascend 0.23 supports >=3.10,<3.13
+PYTHON_RANGE = ((3, 11), (3, 12))  # the package needs 3.11 (StrEnum); vllm-ascend 0.23 supports <3.13
 
 
 @dataclass(frozen=True)
@@ -85,7 +85,7 @@ def check_python(version_info: Sequence[int] = tuple(sys.version_info[:3])) -> C
     low, high = PYTHON_RANGE
     text = ".".join(map(str, version_info))
     if tuple(version_info[:2]) < low:
-        return Check("python", FAIL, f"Python {text}", "use Python 3.10 to 3.12 (vllm-ascend 0.23 needs >=3.10,<3.13)")
+        return Check("python", FAIL, f"Python {text}", "use Python 3.11 or 3.12 (the plugin needs 3.11; vllm-ascend 0.23 needs <3.13)")
     if tuple(version_info[:2]) > high:
         return Check("python", WARN, f"Python {text}: newer than vllm-ascend 0.23 supports (<3.13)",
                      "on Ascend use the vllm-ascend image's Python (3.11/3.12)")

@@ -53,6 +53,7 @@ def test_ascend_packages_are_not_needed_off_ascend() -> None:
 def test_python_range() -> None:
     assert doctor.check_python((3, 11, 7)).verdict == OK
     assert doctor.check_python((3, 9, 1)).verdict == FAIL
+    assert doctor.check_python((3, 10, 14)).verdict == FAIL  # StrEnum: the package needs 3.11
     assert doctor.check_python((3, 13, 0)).verdict == WARN
 
 
