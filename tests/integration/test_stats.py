@@ -47,6 +47,15 @@ def test_prometheus_counters_are_labelled_per_engine():
     # in vLLM's stat logger (Prometheus counters refuse it: the engine stopped before)
     metrics.observe({"hit_tokens": -100}, engine_idx=1)
     assert registry.get_sample_value("lmcache_npu:hit_tokens_total", {"model_name": "m", "engine": "1"}) == 768
+    # the arena's sizes are levels: a node cache epoch unmapped after a restart takes them down (the negative change
+    # that stopped vLLM 0.28's engine when they were counters), and the new epoch's mapping brings them back
+    engine = {"model_name": "m", "engine": "1"}
+    metrics.observe({"arena_bytes": 8 << 20, "segments_live": 2}, engine_idx=1)
+    metrics.observe({"arena_bytes": -(8 << 20), "segments_live": -2}, engine_idx=1)
+    assert registry.get_sample_value("lmcache_npu:arena_bytes", engine) == 0
+    metrics.observe({"arena_bytes": 4 << 20, "segments_live": 1}, engine_idx=1)
+    assert registry.get_sample_value("lmcache_npu:arena_bytes", engine) == 4 << 20
+    assert registry.get_sample_value("lmcache_npu:segments_live", engine) == 1
 
 
 def test_the_node_cache_counters_reach_vllm_and_prometheus():

@@ -241,7 +241,8 @@ def _per_rank(name: str) -> bool:
 
 
 class LMCacheNPUPromMetrics(KVConnectorPromMetrics):
-    """One Prometheus counter per entry of `METRICS`, named `lmcache_npu:<name>` (seconds and bytes as floats)."""
+    """One Prometheus counter per entry of `METRICS`, named `lmcache_npu:<name>` (seconds and bytes as floats), but a
+    gauge for each of `ARENA_METRICS` (levels that go down too)."""
 
     def __init__(self, vllm_config: Any, metric_types: Any, labelnames: list[str],
                  per_engine_labelvalues: dict[int, list[object]]) -> None:
@@ -249,7 +250,12 @@ class LMCacheNPUPromMetrics(KVConnectorPromMetrics):
         _unregister_previous_counters()
         self._counters = {name: self._counter_cls(name=f"lmcache_npu:{name}", documentation=text,
                                                   labelnames=labelnames)
-                          for name, text in METRICS.items()}
+                          for name, text in METRICS.items() if name not in ARENA_METRICS}
+        # the arena's sizes travel as changes (summed over ranks and steps) but are levels: they go down when a
+        # worker unmaps a node cache epoch, which a Prometheus counter refuses
+        self._levels = {name: self._gauge_cls(name=f"lmcache_npu:{name}", documentation=text, multiprocess_mode="sum",
+                                              labelnames=labelnames)
+                        for name, text in ARENA_METRICS.items()}
         self._bound: dict[tuple[int, str], Any] = {}
         self._gauges = {name: self._gauge_cls(name=f"lmcache_npu:{name}", documentation=text,
                                               multiprocess_mode="mostrecent", labelnames=labelnames)
@@ -281,15 +287,15 @@ class LMCacheNPUPromMetrics(KVConnectorPromMetrics):
             if name in GAUGES or name == STORE_INFO:
                 self._set_state(name, value, engine_idx)
                 continue
-            if name not in self._counters or not value:
+            family = self._levels.get(name) or self._counters.get(name)
+            if family is None or not value:
                 continue
-            if value < 0:  # a source that started over (a new node cache epoch's counters): never crash the logger
-                logger.debug("lmcache_npu: counter %s went back by %s; not exported", name, -value)
+            if value < 0 and name not in self._levels:  # a counter never goes back: a bug, never an engine stop
+                logger.warning("lmcache_npu: counter %s went back by %s; not exported", name, -value)
                 continue
             bound = self._bound.get((engine_idx, name))
             if bound is None:
-                bound = self._bound[(engine_idx, name)] = self._counters[name].labels(
-                    *self.per_engine_labelvalues[engine_idx])
+                bound = self._bound[(engine_idx, name)] = family.labels(*self.per_engine_labelvalues[engine_idx])
             bound.inc(value)
 
 
