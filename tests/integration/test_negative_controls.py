@@ -1,5 +1,5 @@
 """The page check must see a wrong load: a load that delivers the neighbouring position's rows, or leaves one plane
-out, fails the scenario that passes with a correct load (test_presets.py)."""
+out, fails the scenario that passes with a correct load (test_layout_presets_served.py)."""
 
 from __future__ import annotations
 
