@@ -16,7 +16,6 @@ Where each rule comes from (finding B4 of the 2026-11 first-contact audit):
 
 from __future__ import annotations
 
-import logging
 import os
 import platform
 import re
@@ -28,7 +27,6 @@ from typing import Callable, Mapping, Optional
 
 from .npu_smi import Runner, detected_soc, driver_version_from_table, run_command, soc_family
 
-logger = logging.getLogger(__name__)
 
 NPU_HOST_MEMORY_KEY = "npu_host_memory"
 HOST_REGISTER_MIN_DRIVER = 25  # LMCache-Ascend: aclrtHostRegister from driver 25 on, halHostRegister below
@@ -212,10 +210,3 @@ def probe_ascend_host(read_file: Callable[[str], Optional[str]] = _read_text, ru
     return AscendHostFacts(soc=soc, driver_version=numbers, driver_version_text=text, kernel_release=release(),
                            memlock_bytes=memlock)
 
-
-def chain_for_host(requested: str = "auto", facts: Optional[AscendHostFacts] = None) -> HostMemoryChain:
-    """The chain for this host (probed unless `facts` are given), logged once with the facts it came from."""
-    facts = probe_ascend_host() if facts is None else facts
-    chain = host_memory_chain(facts, requested)
-    logger.info("%s (%s)", chain.describe(), facts.describe())
-    return chain
