@@ -226,6 +226,30 @@ def verify(view: Buffer, key: ChunkKey, rank: int, sealer: Sealer) -> Optional[s
     return None
 
 
+def unseal(view: Buffer) -> None:
+    """Voids `view`'s envelope (its magic): new bytes are coming, and until they are sealed again the slot names no
+    chunk, so a restart that finds it mid-write never takes it for its old chunk."""
+    data = _bytes_of(view, writable=True)
+    data[-ENVELOPE_BYTES:-ENVELOPE_BYTES + len(MAGIC)] = bytes(len(MAGIC))
+
+
+def sealed_names(trailers: np.ndarray) -> list[Optional[tuple[str, bytes, int]]]:
+    """For each row of `trailers` (n x ENVELOPE_BYTES uint8: the trailers of n sealed slots) the (namespace, chunk
+    hash, rank) its envelope names, None where it is no envelope of this format. A name proves nothing: `verify`
+    checks the bytes against it."""
+    if trailers.ndim != 2 or trailers.shape[1] != ENVELOPE_BYTES or trailers.dtype != np.uint8:
+        raise ValueError(f"trailers must be an n x {ENVELOPE_BYTES} uint8 array, got {trailers.shape} "
+                         f"{trailers.dtype}")
+    sealed = (trailers[:, :len(MAGIC)] == np.frombuffer(MAGIC, np.uint8)).all(axis=1)  # C speed for 500K slots
+    names: list[Optional[tuple[str, bytes, int]]] = [None] * len(trailers)
+    for row in np.flatnonzero(sealed):
+        (_, version, size, _, _, hash_len, _, namespace, rank, _, _, chunk_hash, _) = _FIELDS.unpack_from(
+            trailers[row].tobytes())
+        if version == ENVELOPE_VERSION and size == ENVELOPE_BYTES and hash_len <= MAX_CHUNK_HASH_BYTES:
+            names[row] = (namespace.hex(), chunk_hash[:hash_len], rank)
+    return names
+
+
 _HINTS = {
     "mac missing": "the object has no MAC but this store has a secret: written by a client without the secret",
     "unexpected mac": "the object has a MAC but this store has no secret: set mooncake.secret_file or "
