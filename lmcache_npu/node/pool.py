@@ -33,10 +33,12 @@ from ..store.config import StoreConfig
 from ..store.executor import StoreExecutor
 from ..store.factory import build_executor, build_index
 from ..store.index.chunk_index import ChunkIndex
+from ..store.index.contract import SlotState
 from ..store.keys import ChunkKey
 from ..store.metrics import Metric
 from .messages import Attached, PoolGeometry
 from .rebuild import ArenaRebuild, InheritedArena
+from .seal_behind import SealBehind
 
 logger = logging.getLogger(__name__)
 
@@ -112,9 +114,11 @@ class NodePool:
     Every method runs under the service's lock except the pump's own thread, which takes `lock`."""
 
     def __init__(self, geometry: PoolGeometry, store: StoreConfig, epoch: str, lock: threading.RLock,
-                 command_ttl_s: float = COMMAND_TTL_S, inherited: Optional[InheritedArena] = None) -> None:
+                 command_ttl_s: float = COMMAND_TTL_S, inherited: Optional[InheritedArena] = None,
+                 seal_behind: bool = False) -> None:
         """`inherited`: the predecessor's memory to adopt instead of making the arena (this pool owns its files from
-        now on, also when it refuses them: PoolRefused when this configuration would lay the arena out otherwise)."""
+        now on, also when it refuses them: PoolRefused when this configuration would lay the arena out otherwise).
+        `seal_behind`: seal every committed store off the lock (a crash can be recovered: systemd keeps the memory)."""
         self.geometry = geometry
         self.command_ttl_s = command_ttl_s
         self.lock = lock
@@ -187,6 +191,7 @@ class NodePool:
         self.dispatch()  # the restart's drops of partial disk copies (the pump answers them once it runs)
         self._pump = threading.Thread(target=self._pump_loop, name="lmcache-node-pump", daemon=True)
         self._pump.start()
+        self.sealing: Optional[SealBehind] = SealBehind(self) if seal_behind else None
         self.rebuild: Optional[ArenaRebuild] = None
         if inherited is not None:
             self.rebuild = ArenaRebuild(self, inherited.torn)
@@ -216,7 +221,8 @@ class NodePool:
         """`connection` in `engine`'s lease. A scheduler (rank None) claims the lease and is issued its token; while
         the claimed lease lives, another scheduler under that name is refused (LeaseTaken) unless it presents the
         token (the same engine attaching again). A worker presenting the token is bound to the lease; one without it
-        (workers attach before their scheduler) counts only once it joins (`join`)."""
+        (workers attach before their scheduler) counts only once it joins (`join`). The token a predecessor issued
+        the engine (`carried_tokens`, a hand-over) is honoured once, by the first of its scheduler and workers."""
         _check_engine_name(engine)
         lease = self.leases.get(engine)
         if lease is None:
@@ -230,6 +236,9 @@ class NodePool:
             lease.token = lease.token or (token if token and token == carried else secrets.token_hex(16))
             lease.scheduler = connection
         elif token and token == lease.token:
+            lease.bound.add(connection)
+        elif token and not lease.token and token == self.carried_tokens.get(engine):  # the predecessor's workers
+            lease.token = self.carried_tokens.pop(engine)
             lease.bound.add(connection)
         lease.connections.add(connection)
         lease.events = lease.events or events
@@ -373,6 +382,10 @@ class NodePool:
             handed = self.handed.pop(cmd_id, None)
             if handed is not None and handed[1] is not None and self.writing.get(handed[1]) == (handed[0], cmd_id):
                 del self.writing[handed[1]]
+            if handed is not None and handed[1] is not None and self.sealing is not None:
+                slot, state, _ = self.index.location(handed[1])
+                if slot is not None and state in (SlotState.READY, SlotState.READING):
+                    self.sealing.note(slot, handed[1])
 
     def expire(self, now: Optional[float] = None) -> int:
         """Fails the device commands handed out more than the TTL ago and still unanswered (their slots are freed,
@@ -506,9 +519,9 @@ class NodePool:
             lease.tier_changes.append((key.chunk_hash, tier, entered, payload))  # the pool's namespace: the engine's
 
     def close(self) -> None:
-        rebuild = getattr(self, "rebuild", None)
-        if rebuild is not None:
-            rebuild.stop()
+        for helper in (getattr(self, "rebuild", None), getattr(self, "sealing", None)):
+            if helper is not None:
+                helper.stop()
         pump = getattr(self, "_pump", None)  # a pool whose making failed has no pump yet
         if pump is not None:
             self._closed.set()

@@ -49,7 +49,7 @@ class PoolTable:
 
     def __init__(self, store: StoreConfig, max_pools: int, idle_s: float, instance: str, lock: threading.RLock,
                  closed: threading.Event, command_ttl_s: float = COMMAND_TTL_S,
-                 keeper: Optional[PoolKeeper] = None) -> None:
+                 keeper: Optional[PoolKeeper] = None, seal_behind: bool = False) -> None:
         if idle_s < 0:
             raise ValueError(f"the idle time before a pool is given back must be >= 0 seconds, got {idle_s}")
         self.store = store
@@ -60,6 +60,7 @@ class PoolTable:
         self.closed = closed
         self.command_ttl_s = command_ttl_s
         self.keeper = keeper
+        self.seal_behind = seal_behind  # pools seal committed stores off the lock (a crash can be recovered)
         self.pools: dict[PoolGeometry, NodePool] = {}
         self.reclaimed = 0  # pools given back (idle past idle_s, or to make room for a new geometry)
         self._making: dict[PoolGeometry, Future] = {}  # geometry -> its creation under way
@@ -99,7 +100,8 @@ class PoolTable:
         if not mine:
             return future.result(), None  # that creation's pool, or its error
         try:
-            pool = NodePool(geometry, self._share(), epoch, self.lock, command_ttl_s=self.command_ttl_s)
+            pool = NodePool(geometry, self._share(), epoch, self.lock, command_ttl_s=self.command_ttl_s,
+                            seal_behind=self.seal_behind)
         except Exception as exc:
             with self.lock:
                 del self._making[geometry]
@@ -139,7 +141,7 @@ class PoolTable:
                 continue
             try:
                 pool = NodePool(geometry, self._share(), inherited.epoch, self.lock, command_ttl_s=self.command_ttl_s,
-                                inherited=inherited)
+                                inherited=inherited, seal_behind=self.seal_behind)
             except (PoolRefused, ValueError, OSError, MemoryError) as exc:
                 logger.error("node cache: the inherited pool of %s is not adopted: %s", geometry.describe(), exc)
                 continue

@@ -70,6 +70,7 @@ class ServiceOptions:
     take_over: bool = False  # take the pools and the socket over from the service running at socket_path
     hand_over_drain_s: float = DRAIN_S  # how long a predecessor waits for its engines' device commands
     systemd_fd_store: bool = True  # under systemd (NOTIFY_SOCKET), keep and find pools in its descriptor store
+    seal_behind: Optional[bool] = None  # seal committed stores off the lock (None: where systemd keeps the pools)
 
 
 class NodeCacheService:
@@ -90,8 +91,9 @@ class NodeCacheService:
         self._frozen = False  # handing over: no device command is handed out
         self.handed_over = threading.Event()  # its pools and socket went to a successor
         self._fd_store = SystemdFdStore.from_environment() if options.systemd_fd_store else None
+        seal_behind = self._fd_store is not None if options.seal_behind is None else options.seal_behind
         self._table = PoolTable(options.store, options.max_pools, options.pool_idle_s, self.instance, self.lock,
-                                self._closed, options.command_ttl_s, keeper=self._fd_store)
+                                self._closed, options.command_ttl_s, keeper=self._fd_store, seal_behind=seal_behind)
         self._accepting = threading.Event()  # the accept loop runs (what /readyz and a ping report)
         self._pause = threading.Event()  # the accept loop is asked to stop (a hand-over, or closing)
         self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)  # wakes the accept loop's poll

@@ -95,6 +95,7 @@ class Metric(StrEnum):
     RELEASED_REQUESTS = "released_requests"
     REMOTE_LOOKUP_ERRORS = "remote_lookup_errors"
     RESERVATIONS_EXPIRED = "reservations_expired"
+    SEALED_BEHIND = "sealed_behind"
     SEGMENTS_LIVE = "segments_live"
     SEGMENTS_TOTAL = "segments_total"
     SHARE_EXCHANGED_BYTES = "share_exchanged_bytes"

@@ -74,6 +74,21 @@ class RestartAdoption:
         """Slots set aside while a restart checks them."""
         return self._slots.held_back
 
+    def pin_for_sealing(self, key: ChunkKey, slot: int) -> bool:
+        """Keeps `key`'s ready copy in `slot` from eviction and reuse while its envelope is written off the lock;
+        False when it is not there, or not ready, any more."""
+        entry = self._entries.get(key)
+        if entry is None or entry.slot != slot or entry.slot_state is not SlotState.READY:
+            return False
+        entry.sealing += 1
+        return True
+
+    def unpin_sealed(self, key: ChunkKey) -> None:
+        entry = self._entries.get(key)
+        if entry is not None and entry.sealing:
+            entry.sealing -= 1
+            self._forget_if_empty(entry)
+
     def ready_chunks(self) -> list[tuple[int, ChunkKey]]:
         """(slot, key) of every chunk ready in the arena, pinned or not (what a hand-over seals)."""
         return [(entry.slot, key) for key, entry in self._entries.items()

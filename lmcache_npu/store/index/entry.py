@@ -21,10 +21,11 @@ class Entry:
     disk_cmd: int = 0  # the spill or persist that is writing the current disk copy
     remote_put: bool = False  # a put of this chunk is in flight or done
     holders: Optional[dict[str, int]] = None  # per holder (limit_holders): its reservations and loads of this chunk
+    sealing: int = 0  # its slot's envelope is being written off the lock (not a reader: reports stay READY)
 
     @property
     def pinned(self) -> bool:
-        return self.readers > 0 or bool(self.reservations)
+        return self.readers > 0 or bool(self.reservations) or self.sealing > 0
 
     @property
     def has_copy(self) -> bool:
