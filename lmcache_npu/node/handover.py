@@ -117,6 +117,7 @@ class Handover:
             return False
         began = time.monotonic()
         committed = False
+        fds: list[int] = []
         try:
             left = self._drain(drain_s)
             with service.lock:
@@ -133,6 +134,8 @@ class Handover:
             logger.warning("node cache: the hand-over to a successor failed (%s); serving on", exc)
             return False
         finally:
+            for fd in fds:  # the successor holds its own now
+                os.close(fd)
             if not committed:
                 service.thaw()
         chunks = sum(pool["chunks"] for pool in state["pools"])
@@ -163,8 +166,8 @@ class Handover:
             torn = pool.index.pending_slots()
             ready = [(slot, key) for slot, key in pool.index.ready_chunks() if slot not in torn]
             _seal(pool, ready)
-            for rank in range(pool.geometry.world):
-                fds += pool.segment_fds(rank)
+            for rank in range(pool.geometry.world):  # duplicates: a pool given back meanwhile closes only its own
+                fds += [os.dup(fd) for fd in pool.segment_fds(rank)]
             arena = pool.arenas[0]
             pools.append({"geometry": pool.geometry, "epoch": pool.epoch, "num_slots": arena.num_slots,
                           "segment_bytes": pool.store.arena_segment_bytes, "hugepages": pool.store.hugepages,

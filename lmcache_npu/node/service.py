@@ -298,6 +298,9 @@ class NodeCacheService:
                 logger.warning("node cache: refused engine %s: %s", attach.engine, refusal)
                 wire.send(connection, Refused(refusal))
                 return
+            if self._frozen and attach.geometry not in self.pools:  # a pool made now would not be handed over
+                wire.send(connection, Refused("the node cache is handing over to its successor: attach to it"))
+                return
             try:
                 _check_geometry(attach.geometry)
                 pool, (fds, lease) = self._table.acquire(attach.geometry, lambda found: self._lease(found, attach,

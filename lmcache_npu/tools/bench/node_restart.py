@@ -264,6 +264,37 @@ def _step(client: Any, mappings: list[Any]) -> Optional[str]:
     return epoch
 
 
+def _watch(client: Any, mappings: list[Any], stored: list[Any], spare: Any, old: subprocess.Popen, began: float,
+           cold: bool) -> dict[str, Optional[float]]:
+    """Steps the engine until the new service answers every stored chunk as a hit (cold: until it stores again):
+    the longest stretch without a hit, and when the new service answered its first hit and every hit."""
+    longest = 0.0
+    missing_since: Optional[float] = 0.0
+    first_new = every = None
+    while time.monotonic() < began + WAIT_S and every is None:
+        now = time.monotonic() - began
+        epoch = _step(client, mappings)
+        hit = whole = False
+        if epoch is not None and all(mapping.epoch == epoch for mapping in mappings):
+            if cold:
+                hit = whole = bool(client.prepare_store("after", [(0, spare)]))
+            else:
+                found = client.lookup("after", stored)
+                client.release("after")
+                hit, whole = found.ready_chunks > 0, found.ready_chunks == len(stored)
+        if hit and missing_since is not None:
+            longest, missing_since = max(longest, now - missing_since), None
+        elif not hit and missing_since is None:
+            missing_since = now
+        successor = old.poll() is not None  # the old service is gone: what answers now is the new one
+        if successor and hit and first_new is None:
+            first_new = now
+        if successor and whole:
+            every = now
+        time.sleep(STEP_S)
+    return {"no_hit_s": longest if every is not None else None, "first_hit_s": first_new, "all_hits_s": every}
+
+
 def run_one(mode: str, cpu_bytes: int, chunk_bytes: int, ranks: int, fill: float, hugepages: str) -> dict[str, Any]:
     directory = tempfile.mkdtemp(prefix="lmcn-bench-", dir="/tmp")
     bench = Bench(directory, cpu_bytes, chunk_bytes, ranks, hugepages)
@@ -289,26 +320,13 @@ def run_one(mode: str, cpu_bytes: int, chunk_bytes: int, ranks: int, fill: float
                 old.wait(timeout=WAIT_S)
                 passed = dict(bench.systemd.fds) if bench.systemd is not None else None
                 bench.start_service(passed=passed)
-            first = every = None
-            deadline = began + WAIT_S
-            while time.monotonic() < deadline and every is None:
-                epoch = _step(client, mappings)
-                if epoch is None or not all(mapping.epoch == epoch for mapping in mappings):
-                    time.sleep(STEP_S)
-                    continue
-                if mode == "cold":  # nothing to hit: the time until the engine stores again
-                    if client.prepare_store("after", [(0, keys[-1])]):
-                        first = every = time.monotonic() - began
-                    continue
-                found = client.lookup("after", stored)
-                client.release("after")
-                if found.ready_chunks and first is None:
-                    first = time.monotonic() - began
-                if found.ready_chunks == len(stored):
-                    every = time.monotonic() - began
-                time.sleep(STEP_S)
+            timeline = _watch(client, mappings, stored, keys[-1], old, began, cold=mode == "cold")
+        from ...store.metrics import Metric
+
         hits = 0 if mode == "cold" else client.lookup("count", stored).ready_chunks
-        result.update(first_hit_s=first, all_hits_s=every, hits_after=hits,
+        result.update(timeline, hits_after=hits,
+                      worker_maps=sum(mapping.counters[Metric.EPOCH_CHANGES] for mapping in mappings),
+                      worker_rebinds=sum(mapping.counters[Metric.NODE_REBINDS] for mapping in mappings),
                       extra_memfd_bytes=max(0, sampler.peak_files - sampler.base_files),
                       extra_pss_bytes=max(0, sampler.peak_pss - sampler.base_pss),
                       epoch_kept=mode != "cold")
@@ -333,14 +351,16 @@ def render(results: list[dict]) -> str:
     def seconds(value: Optional[float]) -> str:
         return "never" if value is None else f"{value:.2f}"
 
-    lines = [f"{'restart':8} {'chunks':>7} {'first hit s':>12} {'all hits s':>11} {'hits after':>11} "
-             f"{'extra memfd GiB':>16} {'extra PSS GiB':>14}"]
+    lines = [f"{'restart':8} {'chunks':>7} {'no hit s':>9} {'first hit s':>12} {'all hits s':>11} "
+             f"{'hits after':>11} {'extra memfd GiB':>16} {'extra PSS GiB':>14} {'worker maps':>12}"]
     for row in results:
-        first = "(store) " + seconds(row["first_hit_s"]) if row["mode"] == "cold" else seconds(row["first_hit_s"])
-        lines.append(f"{row['mode']:8} {row['chunks']:>7} {first:>12} {seconds(row['all_hits_s']):>11} "
-                     f"{row['hits_after']:>11} {row['extra_memfd_bytes'] / 2**30:>16.2f} "
-                     f"{row['extra_pss_bytes'] / 2**30:>14.2f}")
+        lines.append(f"{row['mode']:8} {row['chunks']:>7} {seconds(row['no_hit_s']):>9} "
+                     f"{seconds(row['first_hit_s']):>12} {seconds(row['all_hits_s']):>11} {row['hits_after']:>11} "
+                     f"{row['extra_memfd_bytes'] / 2**30:>16.2f} {row['extra_pss_bytes'] / 2**30:>14.2f} "
+                     f"{row['worker_maps']:>12}")
     pool = results[0]["pool_bytes"] / 2**30 if results else 0
-    lines.append(f"(a pool of {pool:.2f} GiB, {results[0]['ranks'] if results else 0} rank(s); cold: the time until "
-                 "the engine can store again, nothing is a hit)")
+    lines.append(f"(a pool of {pool:.2f} GiB, {results[0]['ranks'] if results else 0} rank(s); seconds from the "
+                 "restart: the longest stretch without a hit, the first hit and every hit answered by the new "
+                 "service; cold: nothing is a hit, its columns say when the engine could store again; worker maps: "
+                 "ranks that mapped and registered the pool again)")
     return "\n".join(lines)
