@@ -23,7 +23,7 @@ import os
 import re
 import socket
 from collections import defaultdict
-from typing import TYPE_CHECKING, Mapping, MutableMapping, Optional
+from typing import TYPE_CHECKING, Mapping, MutableMapping, Optional, Sequence
 
 from .messages import PoolGeometry
 from .rebuild import InheritedArena
@@ -45,7 +45,7 @@ class FdStoreError(ValueError):
     """What systemd passed cannot be adopted (names the pool and the rule): that pool starts cold."""
 
 
-def notify(state: str, fds: list[int] = (), environ: Mapping[str, str] = os.environ) -> bool:  # type: ignore[assignment]
+def notify(state: str, fds: Sequence[int] = (), environ: Mapping[str, str] = os.environ) -> bool:
     """Sends `state` (and `fds`) to the service manager at $NOTIFY_SOCKET; False when there is none."""
     path = environ.get("NOTIFY_SOCKET", "")
     if not path:
@@ -89,12 +89,12 @@ def sealed_file(name: str, data: bytes) -> int:
 class SystemdFdStore:
     """Keeps pools' memory in systemd's descriptor store (`pool_table.PoolKeeper`)."""
 
-    def __init__(self, environ: Mapping[str, str] = os.environ) -> None:  # type: ignore[assignment]
+    def __init__(self, environ: Mapping[str, str] = os.environ) -> None:
         self.environ = environ
         self.kept: dict[str, list[str]] = {}  # pool tag -> the names stored for it
 
     @classmethod
-    def from_environment(cls, environ: Mapping[str, str] = os.environ) -> Optional["SystemdFdStore"]:  # type: ignore
+    def from_environment(cls, environ: Mapping[str, str] = os.environ) -> Optional["SystemdFdStore"]:
         return cls(environ) if environ.get("NOTIFY_SOCKET") else None
 
     def keep(self, pool: "NodePool") -> None:
@@ -135,7 +135,7 @@ class SystemdFdStore:
         notify("READY=1", (), self.environ)
 
 
-def passed_fds(environ: MutableMapping[str, str] = os.environ) -> dict[str, int]:  # type: ignore[assignment]
+def passed_fds(environ: MutableMapping[str, str] = os.environ) -> dict[str, int]:
     """Name -> descriptor of what systemd passed this process (ours by their prefix; the variables are unset so no
     child inherits them). Empty when nothing was passed to this very process."""
     if environ.get("LISTEN_PID") != str(os.getpid()):

@@ -114,8 +114,15 @@ class NodeCacheService:
         self._listener.setblocking(False)
         self._metrics: Optional[MetricsServer] = None
         if options.metrics_port is not None:
-            self._metrics = MetricsServer(options.metrics_host, options.metrics_port, self.metrics_text,
-                                          self._probes())
+            try:
+                self._metrics = MetricsServer(options.metrics_host, options.metrics_port, self.metrics_text,
+                                              self._probes())
+            except OSError as exc:
+                if succession is None:
+                    raise
+                # the host cache is ours now: serving it without metrics beats losing it to a taken port
+                logger.error("node cache: no metrics on %s:%d (%s); serving the taken-over pools without them",
+                             options.metrics_host, options.metrics_port, exc)
 
     # ---- the socket -----------------------------------------------------------------------------------------------
 

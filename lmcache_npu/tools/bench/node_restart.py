@@ -203,6 +203,31 @@ def _wait_serving(path: str, process: subprocess.Popen) -> None:
     raise RuntimeError(f"no node cache served {path} within {WAIT_S:.0f} s")
 
 
+class _Serving:
+    """When the new service (`pid`) first answers a ping on `path`, in seconds from `began` (on a thread)."""
+
+    def __init__(self, path: str, pid: int, began: float) -> None:
+        self.seconds: Optional[float] = None
+        self._thread = threading.Thread(target=self._run, args=(path, pid, began), daemon=True)
+        self._thread.start()
+
+    def _run(self, path: str, pid: int, began: float) -> None:
+        from ...node.probe import PingFailed, ping
+
+        while time.monotonic() < began + WAIT_S:
+            try:
+                if ping(path, 1.0).get("pid") == pid:
+                    self.seconds = time.monotonic() - began
+                    return
+            except PingFailed:
+                pass
+            time.sleep(0.01)
+
+    def result(self) -> Optional[float]:
+        self._thread.join()
+        return self.seconds
+
+
 def _engine(bench: Bench) -> tuple[Any, list[Any], list[Any]]:
     from ...node.client import NodeCacheClient
     from ...node.worker_mapping import WorkerNodeMapping
@@ -264,7 +289,7 @@ def _step(client: Any, mappings: list[Any]) -> Optional[str]:
     return epoch
 
 
-def _watch(client: Any, mappings: list[Any], stored: list[Any], spare: Any, old: subprocess.Popen, began: float,
+def _watch(client: Any, mappings: list[Any], stored: list[Any], spare: Any, up: "_Serving", began: float,
            cold: bool) -> dict[str, Optional[float]]:
     """Steps the engine until the new service answers every stored chunk as a hit (cold: until it stores again):
     the longest stretch without a hit, and when the new service answered its first hit and every hit."""
@@ -286,7 +311,7 @@ def _watch(client: Any, mappings: list[Any], stored: list[Any], spare: Any, old:
             longest, missing_since = max(longest, now - missing_since), None
         elif not hit and missing_since is None:
             missing_since = now
-        successor = old.poll() is not None  # the old service is gone: what answers now is the new one
+        successor = up.seconds is not None  # the new service answers on the socket: what answers now is it
         if successor and hit and first_new is None:
             first_new = now
         if successor and whole:
@@ -314,13 +339,15 @@ def run_one(mode: str, cpu_bytes: int, chunk_bytes: int, ranks: int, fill: float
         with Sampler(bench.pids) as sampler:
             began = time.monotonic()
             if mode == "warm":
-                bench.start_service("--take-over")
+                new = bench.start_service("--take-over")
             else:
                 old.send_signal(signal.SIGKILL if mode == "crash" else signal.SIGTERM)
                 old.wait(timeout=WAIT_S)
                 passed = dict(bench.systemd.fds) if bench.systemd is not None else None
-                bench.start_service(passed=passed)
-            timeline = _watch(client, mappings, stored, keys[-1], old, began, cold=mode == "cold")
+                new = bench.start_service(passed=passed)
+            up = _Serving(bench.path, new.pid, began)
+            timeline = _watch(client, mappings, stored, keys[-1], up, began, cold=mode == "cold")
+            timeline["service_up_s"] = up.result()
         from ...store.metrics import Metric
 
         hits = 0 if mode == "cold" else client.lookup("count", stored).ready_chunks
@@ -351,16 +378,17 @@ def render(results: list[dict]) -> str:
     def seconds(value: Optional[float]) -> str:
         return "never" if value is None else f"{value:.2f}"
 
-    lines = [f"{'restart':8} {'chunks':>7} {'no hit s':>9} {'first hit s':>12} {'all hits s':>11} "
+    lines = [f"{'restart':8} {'chunks':>7} {'serves s':>9} {'no hit s':>9} {'first hit s':>12} {'all hits s':>11} "
              f"{'hits after':>11} {'extra memfd GiB':>16} {'extra PSS GiB':>14} {'worker maps':>12}"]
     for row in results:
-        lines.append(f"{row['mode']:8} {row['chunks']:>7} {seconds(row['no_hit_s']):>9} "
+        lines.append(f"{row['mode']:8} {row['chunks']:>7} {seconds(row['service_up_s']):>9} "
+                     f"{seconds(row['no_hit_s']):>9} "
                      f"{seconds(row['first_hit_s']):>12} {seconds(row['all_hits_s']):>11} {row['hits_after']:>11} "
                      f"{row['extra_memfd_bytes'] / 2**30:>16.2f} {row['extra_pss_bytes'] / 2**30:>14.2f} "
                      f"{row['worker_maps']:>12}")
     pool = results[0]["pool_bytes"] / 2**30 if results else 0
     lines.append(f"(a pool of {pool:.2f} GiB, {results[0]['ranks'] if results else 0} rank(s); seconds from the "
-                 "restart: the longest stretch without a hit, the first hit and every hit answered by the new "
-                 "service; cold: nothing is a hit, its columns say when the engine could store again; worker maps: "
+                 "restart: the new service answers, the longest stretch without a hit, the first hit and every hit "
+                 "answered by the new service; cold: nothing is a hit, its columns say when the engine could store again; worker maps: "
                  "ranks that mapped and registered the pool again)")
     return "\n".join(lines)
