@@ -200,7 +200,10 @@ class NodeCacheService:
                     f", disk {self.options.store.disk_path}" if self.options.store.disk_path else "")
         self._accepting.set()
         if self._fd_store is not None:
-            self._fd_store.ready()
+            try:
+                self._fd_store.ready()
+            except OSError as exc:  # systemd's socket gone: it serves all the same
+                logger.warning("node cache: could not tell systemd it serves: %s", exc)
         try:
             self._accept_loop()
         finally:

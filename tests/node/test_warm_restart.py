@@ -222,3 +222,20 @@ def test_a_successor_that_never_acknowledges_leaves_its_predecessor_serving(star
     wait_for(lambda: engine.client.lookup("q", keys).ready_chunks == 2, "the predecessor to serve again")
     assert not node.service.handed_over.is_set() and node.client("B").epoch == node.pool.epoch
     workers.close()
+
+
+def test_a_hand_over_with_a_disk_tier_keeps_the_arena_and_readopts_the_files(start_node, node_dir):
+    disk = {"disk_path": os.path.join(node_dir, "kv"), "disk_bytes": 1 << 20, "disk_write_through": True}
+    node = start_node(store_config(SLOTS, WORLD, **disk), socket_name="s")
+    engine, workers = attached_engine(node)
+    keys = keys_of(0, 3)
+    engine.store("w", keys)
+    wait_for(lambda: all(node.pool.index.location(key)[2] is DiskState.PRESENT for key in keys), "the disk copies")
+
+    successor = start_node(store_config(SLOTS, WORLD, **disk), socket_name="s", take_over=True)
+    pool = successor.pool  # made: the predecessor let go of the directory's lock before the successor took it
+    assert pool.rebuild is not None and pool.rebuild.done.wait(WAIT_S) and pool.rebuild.report.adopted == 3
+    for key in keys:  # in the arena (adopted) and on disk (found as on any start)
+        assert pool.index.location(key)[1:] == (SlotState.READY, DiskState.PRESENT)
+    wait_for(lambda: engine.client.lookup("q", keys).ready_chunks == 3, "the client to attach to the successor")
+    workers.close()
