@@ -32,6 +32,7 @@ the secret cannot make an object that verifies.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import hmac
 import logging
@@ -231,6 +232,12 @@ def unseal(view: Buffer) -> None:
     chunk, so a restart that finds it mid-write never takes it for its old chunk."""
     data = _bytes_of(view, writable=True)
     data[-ENVELOPE_BYTES:-ENVELOPE_BYTES + len(MAGIC)] = bytes(len(MAGIC))
+
+
+def unseal_at(trailer_address: int) -> None:
+    """`unseal` of the trailer at `trailer_address` (a slot's address plus its object bytes): a store handed out
+    pays a few bytes' write, not a view."""
+    ctypes.memset(trailer_address, 0, len(MAGIC))
 
 
 def sealed_names(trailers: np.ndarray) -> list[Optional[tuple[str, bytes, int]]]:

@@ -30,7 +30,7 @@ from .arena import HostArena
 from .commands import (ARENA_TO_DEVICE, ARENA_TO_DISK, ARENA_TO_REMOTE, DEVICE_TO_ARENA, DISK_TO_ARENA,
                        REMOTE_TO_ARENA, Command, Completion, Drop, Load, Persist, Promote, Put, Route, Spill, Store,
                        Tier, Transfer)
-from .envelope import RejectionLog, Sealer, seal, unseal, verify
+from .envelope import RejectionLog, Sealer, seal, unseal_at, verify
 from .keys import ChunkKey
 from .tier import OK, Failure, TierResult, TierStore
 from .metrics import Metric
@@ -242,7 +242,7 @@ class StoreExecutor:
         restart that finds the slot mid-write never adopts its old chunk."""
         with self._seal_locks[slot % len(self._seal_locks)]:
             self._sealed.pop(slot, None)
-            unseal(self.arena.sealed_view(slot))
+            unseal_at(self.arena.slot_address(slot) + self.arena.object_bytes)
 
     def _seal(self, slot: int, key: ChunkKey) -> None:
         """Writes the slot's trailer for `key` unless it already seals these bytes for it."""
