@@ -16,7 +16,10 @@ Attach and Attached say the protocol version each side speaks (`PROTOCOL_VERSION
 another version (it answers `Refused` naming both), and an engine refuses a service that answers with another, so a
 DaemonSet upgraded apart from its engines means misses, never a verb or a reply one side cannot read.
 
-A first message `("ping",)` instead of an Attach is answered `("pong", {version, epoch, ...})` (probes).
+A first message `("ping",)` instead of an Attach is answered `("pong", {version, epoch, ...})` (probes), and
+`(HANDOVER, protocol, drain seconds)` from a process of the service's own uid starts a planned hand-over to it
+(handover.py). Before it closes a worker's connection for good, a service that handed its pools over sends the worker
+`(HANDOVER, [epochs])`: those epochs live on in its successor, so the worker keeps its mapping and attaches again.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from typing import Any
 # bumped whenever a verb, its arguments or its reply change; messages from before it existed carry none (version 1)
 PROTOCOL_VERSION = 2
 UNVERSIONED = 1
+HANDOVER = "handover"
 # how an engine's weights are named (engine_identity.py): by their content, by the operator's model_fingerprint, or
 # by nothing; the node keeps chunks beyond the engine and shares them, so it takes only weights something names
 WEIGHTS_CONTENT, WEIGHTS_NAMED, WEIGHTS_UNNAMED = "sha256", "named", "unnamed"

@@ -9,6 +9,11 @@ engines' requests never meet in the index; an engine whose connections are all g
 reserved and its unanswered commands fail (their slots are freed, their pins dropped). A command no answer settles
 within the pool's command TTL fails the same way while its engine lives (a reply the engine never read, an engine
 that misbehaves): nothing is held forever.
+
+A pool may inherit its memory from a predecessor (`InheritedArena`: a planned hand-over, or systemd's descriptor store
+after a crash): it keeps that epoch, so the engines' mappings stay valid, and rebuilds its index from the slots'
+sealed envelopes (`rebuild.py`). Every store handed out voids its slot's envelope first, so a slot being written never
+names its old chunk to a successor.
 """
 
 from __future__ import annotations
@@ -28,9 +33,12 @@ from ..store.config import StoreConfig
 from ..store.executor import StoreExecutor
 from ..store.factory import build_executor, build_index
 from ..store.index.chunk_index import ChunkIndex
+from ..store.index.contract import SlotState
 from ..store.keys import ChunkKey
 from ..store.metrics import Metric
 from .messages import Attached, PoolGeometry
+from .rebuild import ArenaRebuild, InheritedArena
+from .seal_behind import SealBehind
 
 logger = logging.getLogger(__name__)
 
@@ -103,28 +111,41 @@ class NodePool:
     Every method runs under the service's lock except the pump's own thread, which takes `lock`."""
 
     def __init__(self, geometry: PoolGeometry, store: StoreConfig, epoch: str, lock: threading.RLock,
-                 command_ttl_s: float = COMMAND_TTL_S) -> None:
-        if not command_ttl_s > 0:
-            raise ValueError(f"command_ttl_s must be a positive number of seconds, got {command_ttl_s!r}")
+                 command_ttl_s: float = COMMAND_TTL_S, inherited: Optional[InheritedArena] = None,
+                 seal_behind: bool = False) -> None:
+        """`inherited`: the predecessor's memory to adopt instead of making the arena (this pool owns its files from
+        now on, also when it refuses them: PoolRefused when this configuration would lay the arena out otherwise).
+        `seal_behind`: seal every committed store off the lock (a crash can be recovered: systemd keeps the memory)."""
         self.geometry = geometry
         self.command_ttl_s = command_ttl_s
-        self.epoch = epoch
         self.lock = lock
-        world = geometry.world
-        slot_bytes = slot_bytes_for(geometry.object_bytes)
-        num_slots = store.cpu_bytes // (world * slot_bytes)
-        if num_slots < 1:
-            raise PoolRefused(f"the node cache's {store.cpu_bytes} B for this pool hold no slot of {slot_bytes} B on "
-                              f"each of {world} ranks ({geometry.describe()}); raise --cpu-bytes")
-        per_rank = dataclasses.replace(store, cpu_bytes=num_slots * slot_bytes, disk_bytes=store.disk_bytes // world)
-        self.store = per_rank
         self.arenas: list[HostArena] = []
         self.executors: list[StoreExecutor] = []
+        world = geometry.world
+        try:
+            if not command_ttl_s > 0:
+                raise ValueError(f"command_ttl_s must be a positive number of seconds, got {command_ttl_s!r}")
+            slot_bytes = slot_bytes_for(geometry.object_bytes)
+            num_slots = store.cpu_bytes // (world * slot_bytes)
+            if num_slots < 1:
+                raise PoolRefused(f"the node cache's {store.cpu_bytes} B for this pool hold no slot of {slot_bytes} B "
+                                  f"on each of {world} ranks ({geometry.describe()}); raise --cpu-bytes")
+            if inherited is not None:
+                _check_inherited(inherited, geometry, store, num_slots)
+                epoch = inherited.epoch  # the same pages: the engines' mappings of this epoch stay valid
+        except BaseException:
+            if inherited is not None:
+                inherited.close(range(len(inherited.fds)))
+            raise
+        self.epoch = epoch
+        per_rank = dataclasses.replace(store, cpu_bytes=num_slots * slot_bytes, disk_bytes=store.disk_bytes // world)
+        self.store = per_rank
         try:
             for rank in range(world):
-                arena = HostArena(num_slots, geometry.object_bytes, pinned=False, share=True,
+                arena = HostArena(num_slots, geometry.object_bytes, pinned=False, share=inherited is None,
                                   numa_node=store.numa_node, segment_bytes=store.arena_segment_bytes,
-                                  hugepages=store.hugepages)
+                                  hugepages=store.hugepages, prefault=inherited is None,
+                                  shared_fds=None if inherited is None else inherited.fds[rank])
                 self.arenas.append(arena)
                 arena.wait_ready()  # pre-faulted before any engine maps it: engines never fault the node's pages
             remote = None
@@ -134,12 +155,17 @@ class NodePool:
                 remote = executor.remote  # one Mooncake client for the pool's ranks
                 self.executors.append(executor)
             # command ids of an earlier run of the service must never be taken for this one's
+            first_cmd_id = max(time.time_ns() // 1000, inherited.next_cmd_id if inherited is not None else 0)
             self.index: ChunkIndex = build_index(per_rank, geometry.object_bytes, world, geometry.namespace,
                                                  geometry.layout_fingerprint, remote_client=remote,
-                                                 num_slots=num_slots, first_cmd_id=time.time_ns() // 1000)
+                                                 num_slots=num_slots, first_cmd_id=first_cmd_id)
         except BaseException:
+            if inherited is not None:  # the ranks whose arena was made close their files with it
+                inherited.close(range(len(self.arenas), len(inherited.fds)))
             self.close()
             raise
+        # engine -> the lease token its scheduler held in the predecessor: given back to it alone
+        self.carried_tokens: dict[str, str] = dict(inherited.tokens) if inherited is not None else {}
         self.leases: dict[str, EngineLease] = {}
         self.idle_since = time.monotonic()  # when its last lease ended (its making, before the first)
         self.writing: dict[ChunkKey, tuple[str, int]] = {}  # chunk -> (engine, store command) not committed yet
@@ -162,9 +188,15 @@ class NodePool:
         self.dispatch()  # the restart's drops of partial disk copies (the pump answers them once it runs)
         self._pump = threading.Thread(target=self._pump_loop, name="lmcache-node-pump", daemon=True)
         self._pump.start()
-        logger.info("node cache pool %s: %d slots x %d rank(s) of %d B (%.2f GiB), %d disk chunks per rank, %s",
+        self.sealing: Optional[SealBehind] = SealBehind(self) if seal_behind else None
+        self.rebuild: Optional[ArenaRebuild] = None
+        if inherited is not None:
+            self.rebuild = ArenaRebuild(self, inherited.torn)
+            self.rebuild.start()
+        logger.info("node cache pool %s: %d slots x %d rank(s) of %d B (%.2f GiB), %d disk chunks per rank, %s%s",
                     geometry.namespace, num_slots, world, slot_bytes, num_slots * world * slot_bytes / 2**30,
-                    self.index.disk_chunks, self.index.eviction_policy)
+                    self.index.disk_chunks, self.index.eviction_policy,
+                    f", epoch {epoch} inherited (its index is rebuilt from the slots' envelopes)" if inherited else "")
 
     # ---- what an engine is told ---------------------------------------------------------------------------------
 
@@ -186,7 +218,8 @@ class NodePool:
         """`connection` in `engine`'s lease. A scheduler (rank None) claims the lease and is issued its token; while
         the claimed lease lives, another scheduler under that name is refused (LeaseTaken) unless it presents the
         token (the same engine attaching again). A worker presenting the token is bound to the lease; one without it
-        (workers attach before their scheduler) counts only once it joins (`join`)."""
+        (workers attach before their scheduler) counts only once it joins (`join`). The token a predecessor issued
+        the engine (`carried_tokens`, a hand-over) is honoured once, by the first of its scheduler and workers."""
         _check_engine_name(engine)
         lease = self.leases.get(engine)
         if lease is None:
@@ -196,9 +229,13 @@ class NodePool:
                 raise LeaseTaken(f"engine name {engine!r} is held by a live engine on this node (its scheduler or "
                                  "workers are attached): two engines share one kv_transfer_config.engine_id; give "
                                  "each engine (and each data-parallel deployment) its own")
-            lease.token = lease.token or secrets.token_hex(16)
+            carried = self.carried_tokens.pop(engine, "")  # the predecessor's token, once, for that scheduler only
+            lease.token = lease.token or (token if token and token == carried else secrets.token_hex(16))
             lease.scheduler = connection
         elif token and token == lease.token:
+            lease.bound.add(connection)
+        elif token and not lease.token and token == self.carried_tokens.get(engine):  # the predecessor's workers
+            lease.token = self.carried_tokens.pop(engine)
             lease.bound.add(connection)
         lease.connections.add(connection)
         lease.events = lease.events or events
@@ -304,11 +341,16 @@ class NodePool:
             written = command.key if isinstance(command, Store) else None
             if written is not None:
                 self.writing[written] = (lease.engine, command.cmd_id)
+                for executor in self.executors:  # after any spill sealed the old chunk: the device may write now
+                    executor.unseal_slot(command.slot)
             self.handed[command.cmd_id] = (lease.engine, written, expires)
         return [(command.cmd_id, command.slot, command.chunk_index, command.key.chunk_hash) for command in commands]
 
     def on_completions(self, lease: EngineLease, completions: Iterable[Completion]) -> None:
+        completions = list(completions)
         answers = [done for done in completions if done.cmd_id in lease.commands]
+        if len(answers) != len(completions):  # a predecessor's commands, or ones expired or abandoned here: no effect
+            self.index.counters.add(Metric.STALE_COMPLETIONS, len(completions) - len(answers))
         self.index.on_completions(answers)
         settled = {done.cmd_id for done in answers if not self.index.is_pending(done.cmd_id)}
         lease.commands -= settled
@@ -337,6 +379,10 @@ class NodePool:
             handed = self.handed.pop(cmd_id, None)
             if handed is not None and handed[1] is not None and self.writing.get(handed[1]) == (handed[0], cmd_id):
                 del self.writing[handed[1]]
+            if handed is not None and handed[1] is not None and self.sealing is not None:
+                slot, state, _ = self.index.location(handed[1])
+                if slot is not None and state in (SlotState.READY, SlotState.READING):
+                    self.sealing.note(slot, handed[1])
 
     def expire(self, now: Optional[float] = None) -> int:
         """Fails the device commands handed out more than the TTL ago and still unanswered (their slots are freed,
@@ -470,6 +516,9 @@ class NodePool:
             lease.tier_changes.append((key.chunk_hash, tier, entered, payload))  # the pool's namespace: the engine's
 
     def close(self) -> None:
+        for helper in (getattr(self, "rebuild", None), getattr(self, "sealing", None)):
+            if helper is not None:
+                helper.stop()
         pump = getattr(self, "_pump", None)  # a pool whose making failed has no pump yet
         if pump is not None:
             self._closed.set()
@@ -480,3 +529,16 @@ class NodePool:
         for arena in self.arenas:
             arena.memory.close_segment_files()
             arena.close()
+
+
+def _check_inherited(inherited: InheritedArena, geometry: PoolGeometry, store: StoreConfig, num_slots: int) -> None:
+    """The predecessor's arena must be the one this configuration makes (slots, segments, pages), one file list per
+    rank: otherwise a slot number would name other bytes here than in the engines' mappings."""
+    ours = (num_slots, store.arena_segment_bytes, store.hugepages, geometry.world)
+    theirs = (inherited.num_slots, inherited.segment_bytes, inherited.hugepages, len(inherited.fds))
+    if ours != theirs:
+        raise PoolRefused(f"the inherited arena of epoch {inherited.epoch} ({geometry.describe()}) has {theirs[0]} "
+                          f"slots, {theirs[1]} B segments, hugepages {theirs[2]} and {theirs[3]} rank(s); this "
+                          f"service's configuration makes {ours[0]} slots, {ours[1]} B segments, hugepages {ours[2]} "
+                          f"and {ours[3]} rank(s) (--cpu-bytes, --max-pools, arena_segment_bytes or hugepages "
+                          "changed): its chunks are not adopted, the pool starts cold")

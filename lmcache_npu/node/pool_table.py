@@ -9,6 +9,9 @@
   the one idle longest first; with none idle it is refused, and the engine serves without the node cache.
 - `reap()` gives back the pools idle for `idle_s` (the service calls it from a thread of its own), so a model
   roll-out does not hold the old model's memory until the service restarts.
+- `inherit()` takes in the pools a predecessor left (a hand-over, systemd's descriptor store): each keeps its epoch
+  and counts as idle until an engine attaches. A `keeper` (systemd's descriptor store) is told of every pool made and
+  every one given back, so it holds the memory of exactly the pools in the table.
 """
 
 from __future__ import annotations
@@ -18,15 +21,26 @@ import logging
 import threading
 import time
 from concurrent.futures import Future
-from typing import Callable, TypeVar
+from typing import Callable, Optional, Protocol, TypeVar
 
 from ..store.config import StoreConfig
 from .messages import PoolGeometry
 from .pool import COMMAND_TTL_S, NodePool, PoolRefused
+from .rebuild import InheritedArena
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+
+class PoolKeeper(Protocol):
+    """Keeps pools' memory beyond this process (systemd's descriptor store)."""
+
+    def keep(self, pool: NodePool) -> None:
+        ...
+
+    def forget(self, pool: NodePool) -> None:
+        ...
 
 
 class PoolTable:
@@ -34,7 +48,8 @@ class PoolTable:
     `max_pools`; `closed` set means no pool is made any more."""
 
     def __init__(self, store: StoreConfig, max_pools: int, idle_s: float, instance: str, lock: threading.RLock,
-                 closed: threading.Event, command_ttl_s: float = COMMAND_TTL_S) -> None:
+                 closed: threading.Event, command_ttl_s: float = COMMAND_TTL_S,
+                 keeper: Optional[PoolKeeper] = None, seal_behind: bool = False) -> None:
         if idle_s < 0:
             raise ValueError(f"the idle time before a pool is given back must be >= 0 seconds, got {idle_s}")
         self.store = store
@@ -44,6 +59,8 @@ class PoolTable:
         self.lock = lock
         self.closed = closed
         self.command_ttl_s = command_ttl_s
+        self.keeper = keeper
+        self.seal_behind = seal_behind  # pools seal committed stores off the lock (a crash can be recovered)
         self.pools: dict[PoolGeometry, NodePool] = {}
         self.reclaimed = 0  # pools given back (idle past idle_s, or to make room for a new geometry)
         self._making: dict[PoolGeometry, Future] = {}  # geometry -> its creation under way
@@ -83,7 +100,8 @@ class PoolTable:
         if not mine:
             return future.result(), None  # that creation's pool, or its error
         try:
-            pool = NodePool(geometry, self._share(), epoch, self.lock, command_ttl_s=self.command_ttl_s)
+            pool = NodePool(geometry, self._share(), epoch, self.lock, command_ttl_s=self.command_ttl_s,
+                            seal_behind=self.seal_behind)
         except Exception as exc:
             with self.lock:
                 del self._making[geometry]
@@ -106,7 +124,40 @@ class PoolTable:
             future.set_exception(refused)
             raise refused
         future.set_result(pool)
+        self._keep(pool)
         return pool, taken
+
+    def inherit(self, pools: list[tuple[PoolGeometry, InheritedArena]]) -> list[NodePool]:
+        """Makes the pools a predecessor left, each on its memory and epoch (at most `max_pools`; the others, and one
+        this configuration would lay out otherwise, are refused: their files closed, their chunks lost, never
+        misread). Called before the service accepts engines."""
+        made = []
+        for number, (geometry, inherited) in enumerate(pools):
+            if number >= self.max_pools or geometry in self.pools:
+                logger.error("node cache: the inherited pool of %s (epoch %s) is not kept: %s", geometry.describe(),
+                             inherited.epoch, f"--max-pools is {self.max_pools}" if number >= self.max_pools else
+                             "a second pool of that geometry")
+                inherited.close(range(len(inherited.fds)))
+                continue
+            try:
+                pool = NodePool(geometry, self._share(), inherited.epoch, self.lock, command_ttl_s=self.command_ttl_s,
+                                inherited=inherited, seal_behind=self.seal_behind)
+            except (PoolRefused, ValueError, OSError, MemoryError) as exc:
+                logger.error("node cache: the inherited pool of %s is not adopted: %s", geometry.describe(), exc)
+                continue
+            with self.lock:
+                self.pools[geometry] = pool
+            self._keep(pool)
+            made.append(pool)
+        return made
+
+    def _keep(self, pool: NodePool) -> None:
+        if self.keeper is not None:
+            try:
+                self.keeper.keep(pool)
+            except OSError as exc:  # the pool serves regardless; only a crash would lose its chunks
+                logger.warning("node cache: the pool of %s is not kept beyond this process: %s",
+                               pool.geometry.describe(), exc)
 
     def _share(self) -> StoreConfig:
         pools = self.max_pools
@@ -148,9 +199,14 @@ class PoolTable:
         self._close(victims)
         return len(victims)
 
-    @staticmethod
-    def _close(pools: list[NodePool]) -> None:
+    def _close(self, pools: list[NodePool]) -> None:
         for pool in pools:
+            if self.keeper is not None:
+                try:
+                    self.keeper.forget(pool)  # given back for good: not held beyond this process either
+                except OSError as exc:
+                    logger.warning("node cache: the pool of %s is still kept beyond this process: %s",
+                                   pool.geometry.describe(), exc)
             pool.close()  # its disk tier flushes; its memory goes once nothing maps it (no engine does: no lease)
 
     def take_all(self) -> list[NodePool]:

@@ -9,6 +9,9 @@ Engines attach with their pool geometry; each geometry gets a pool (`pool.py`), 
 share of `cpu_bytes` and `disk_bytes`; a pool no engine holds is given back after `pool_idle_s` or when a new
 geometry needs its place (`pool_table.py`). One lock serialises the verbs: they are index operations; Mooncake
 existence checks, log lines and metrics formatting run outside it.
+Restarts keep the host cache warm: a successor started with `take_over` takes the pools and the listening socket over
+(`handover.py`), and under systemd every pool's memory is kept in its descriptor store for the next start
+(`fd_store.py`); either way the pools keep their epochs and rebuild their index from the slots' envelopes.
 """
 
 from __future__ import annotations
@@ -20,38 +23,35 @@ import json
 import logging
 import os
 import secrets
+import select
 import socket
 import stat
 import struct
 import threading
 import time
 from dataclasses import dataclass
-from functools import cache, partial
-from itertools import repeat
+from functools import cache
 from typing import Any, Callable, Optional
 
-from ..store.commands import Completion, Tier
 from ..store.config import StoreConfig
-from ..store.index.contract import ChunkView
-from ..store.keys import ChunkKey
-from ..store.metrics import Metric
 from . import codec, wire
 from .exporter import MetricsServer, exposition
-from .messages import NAMED_WEIGHTS, PROTOCOL_VERSION, Attach, PoolGeometry, Refused, protocol_of
-from .pool import COMMAND_TTL_S, ENGINE_SEPARATOR, EngineLease, LeaseLimits, NodePool, PoolRefused, scoped
+from .fd_store import SystemdFdStore, inherited_pools, passed_fds
+from .handover import DRAIN_S, Handover, frozen_answer, same_uid, take_over
+from .messages import HANDOVER, NAMED_WEIGHTS, PROTOCOL_VERSION, Attach, PoolGeometry, Refused, protocol_of
+from .pool import COMMAND_TTL_S, EngineLease, LeaseLimits, NodePool, PoolRefused
 from .pool_table import PoolTable
+from .verbs import REMOTE_KEYS, VERBS, prefetch, unscoped
 
 logger = logging.getLogger(__name__)
 
 _PEERCRED = struct.Struct("3i")  # pid, uid, gid
 # the engine does not wait for these: their counters ride the next reply
 ONEWAY = frozenset({"release", "on_completions", "describe"})
-_new_key = partial(tuple.__new__, ChunkKey)  # ChunkKey(namespace, hash) without its Python-level __new__
-HIT_CHUNKS = {Tier.ARENA: Metric.HIT_CHUNKS_CPU, Tier.DISK: Metric.HIT_CHUNKS_DISK,
-              Tier.REMOTE: Metric.HIT_CHUNKS_REMOTE}
 WEDGED_AFTER_S = 60.0  # a pool's pump has not had the lock this long: a verb hangs, /healthz says so
 MAX_CONNECTIONS = 4096  # open at once (a DP=16 TP=8 node holds 144); each costs a thread
 FIRST_MESSAGE_S = 10.0  # a connection's Attach (or ping) must arrive within this
+BACKLOG = 1024  # connections waiting to be accepted: every engine's reattach after a hand-over lands at once
 
 
 @dataclass(frozen=True)
@@ -68,6 +68,10 @@ class ServiceOptions:
     lease_slot_share: float = 0.25  # of a pool's slots one engine may reserve and load while others attach too
     reservation_ttl_s: float = 120.0  # a request's reservations no lookup renewed for this long are released
     command_ttl_s: float = COMMAND_TTL_S  # a device command unanswered this long fails (its slot or pin freed)
+    take_over: bool = False  # take the pools and the socket over from the service running at socket_path
+    hand_over_drain_s: float = DRAIN_S  # how long a predecessor waits for its engines' device commands
+    systemd_fd_store: bool = True  # under systemd (NOTIFY_SOCKET), keep and find pools in its descriptor store
+    seal_behind: Optional[bool] = None  # seal committed stores off the lock (None: where systemd keeps the pools)
 
 
 class NodeCacheService:
@@ -85,17 +89,41 @@ class NodeCacheService:
         self._group_gid = group_id(options.group) if options.group else None
         self._next_connection = 0
         self._closed = threading.Event()
+        self._frozen = False  # handing over: no device command is handed out
+        self.handed_over = threading.Event()  # its pools and socket went to a successor
+        self._fd_store = SystemdFdStore.from_environment() if options.systemd_fd_store else None
+        seal_behind = self._fd_store is not None if options.seal_behind is None else options.seal_behind
         self._table = PoolTable(options.store, options.max_pools, options.pool_idle_s, self.instance, self.lock,
-                                self._closed, options.command_ttl_s)
+                                self._closed, options.command_ttl_s, keeper=self._fd_store, seal_behind=seal_behind)
         self._accepting = threading.Event()  # the accept loop runs (what /readyz and a ping report)
+        self._pause = threading.Event()  # the accept loop is asked to stop (a hand-over, or closing)
+        self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)  # wakes the accept loop's poll
         self._threads: list[threading.Thread] = []
-        self._open: set[socket.socket] = set()  # live connections: closing the service ends them too
+        self._acceptor: Optional[threading.Thread] = None
+        self._open: dict[socket.socket, bool] = {}  # live connections (True: a worker's): closing ends them too
         self._open_lock = threading.Lock()  # guards _open and _next_connection: accepting never waits on a verb
-        self._listener = self._bind(options.socket_path)
+        succession = take_over(options.socket_path, options.hand_over_drain_s) if options.take_over else None
+        if succession is not None:
+            self._listener = succession.listener
+            self._listener.listen(BACKLOG)
+            self._table.inherit(succession.pools)
+            logger.info("node cache: took %d pool(s) over from pid %d on %s", len(succession.pools),
+                        succession.predecessor_pid, options.socket_path)
+        else:
+            self._listener = self._bind(options.socket_path)
+            self._inherit_from_systemd()
+        self._listener.setblocking(False)
         self._metrics: Optional[MetricsServer] = None
         if options.metrics_port is not None:
-            self._metrics = MetricsServer(options.metrics_host, options.metrics_port, self.metrics_text,
-                                          self._probes())
+            try:
+                self._metrics = MetricsServer(options.metrics_host, options.metrics_port, self.metrics_text,
+                                              self._probes())
+            except OSError as exc:
+                if succession is None:
+                    raise
+                # the host cache is ours now: serving it without metrics beats losing it to a taken port
+                logger.error("node cache: no metrics on %s:%d (%s); serving the taken-over pools without them",
+                             options.metrics_host, options.metrics_port, exc)
 
     # ---- the socket -----------------------------------------------------------------------------------------------
 
@@ -121,8 +149,25 @@ class NodeCacheService:
         if self._group_gid is not None:
             os.chown(path, -1, self._group_gid)
             os.chmod(path, 0o660)
-        listener.listen(64)
+        listener.listen(BACKLOG)
         return listener
+
+    def _inherit_from_systemd(self) -> None:
+        """The pools systemd kept for this service across its last exit (a crash, a restart), adopted warm."""
+        store = self._fd_store
+        if store is None:
+            return
+        found = inherited_pools(passed_fds(), store)
+        for _, _, tag, names in found:
+            store.adopted(tag, names)
+        made = {pool.epoch for pool in self._table.inherit([(geometry, arena) for geometry, arena, _, _ in found])}
+        for _, arena, tag, names in found:
+            if arena.epoch not in made:  # refused (its layout is not this configuration's): systemd lets it go
+                store.kept.pop(tag, None)
+                store.forget_tag(tag, names)
+        if found:
+            logger.info("node cache: adopted %d of %d pool(s) systemd kept across the last exit", len(made),
+                        len(found))
 
     @property
     def pools(self) -> dict[PoolGeometry, NodePool]:
@@ -133,16 +178,18 @@ class NodeCacheService:
         return self._table.reclaimed
 
     def start(self) -> "NodeCacheService":
-        for target, name in ((self.serve_forever, "lmcache-node-accept"), (self._reap_forever, "lmcache-node-reap")):
-            thread = threading.Thread(target=target, name=name, daemon=True)
-            thread.start()
-            self._threads.append(thread)
+        self.resume_accepting()
+        reaper = threading.Thread(target=self._reap_forever, name="lmcache-node-reap", daemon=True)
+        reaper.start()
+        self._threads.append(reaper)
         return self
 
     def _reap_forever(self) -> None:
         """Gives back idle pools, looking a few times per `pool_idle_s` (at most every 30 s)."""
         every = min(30.0, max(0.05, self.options.pool_idle_s / 4))
         while not self._closed.wait(every):
+            if self._frozen:  # a hand-over is describing the pools: none may go meanwhile
+                continue
             try:
                 self._table.reap()
             except Exception:  # a pool that fails to close must not end the reaping of the others
@@ -153,19 +200,29 @@ class NodeCacheService:
                     self.options.store.cpu_bytes, self.options.max_pools,
                     f", disk {self.options.store.disk_path}" if self.options.store.disk_path else "")
         self._accepting.set()
+        if self._fd_store is not None:
+            try:
+                self._fd_store.ready()
+            except OSError as exc:  # systemd's socket gone: it serves all the same
+                logger.warning("node cache: could not tell systemd it serves: %s", exc)
         try:
             self._accept_loop()
         finally:
             self._accepting.clear()
 
     def _accept_loop(self) -> None:
-        while not self._closed.is_set():
+        poller = select.poll()
+        poller.register(self._listener, select.POLLIN)
+        poller.register(self._wake_r, select.POLLIN)
+        while not self._closed.is_set() and not self._pause.is_set():
+            poller.poll()
+            if self._closed.is_set() or self._pause.is_set():
+                return
             try:
                 connection, _ = self._listener.accept()
-            except OSError:
-                if self._closed.is_set():
-                    return
-                raise
+            except (BlockingIOError, InterruptedError):  # woken, or another waiter took it
+                continue
+            connection.setblocking(True)
             if not self._peer_allowed(connection):
                 connection.close()
                 continue
@@ -177,7 +234,7 @@ class NodeCacheService:
                 if not crowded:
                     self._next_connection += 1
                     number = self._next_connection
-                    self._open.add(connection)
+                    self._open[connection] = False
             if crowded:  # a thread per connection: a peer opening thousands must not exhaust the service's
                 self.refused_crowd += 1
                 if self.refused_crowd & (self.refused_crowd - 1) == 0:  # the 1st, 2nd, 4th...: a flood is no flood
@@ -188,6 +245,26 @@ class NodeCacheService:
             thread = threading.Thread(target=self._serve, args=(connection, number), daemon=True,
                                       name=f"lmcache-node-conn{number}")
             thread.start()
+
+    def pause_accepting(self) -> None:
+        """Stops the accept loop (connections wait in the listener's backlog) and waits until it has."""
+        self._pause.set()
+        os.write(self._wake_w, b"x")
+        if self._acceptor is not None and self._acceptor is not threading.current_thread():
+            self._acceptor.join()
+        self._acceptor = None
+
+    def resume_accepting(self) -> None:
+        if self._acceptor is not None or self._closed.is_set():
+            return
+        self._pause.clear()
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except BlockingIOError:
+            pass
+        self._acceptor = threading.Thread(target=self.serve_forever, name="lmcache-node-accept", daemon=True)
+        self._acceptor.start()
 
     def _peer_allowed(self, connection: socket.socket) -> bool:
         pid, uid, gid = _PEERCRED.unpack(connection.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
@@ -215,6 +292,15 @@ class NodeCacheService:
             if attach == ("ping",):  # a probe (`lmcache-npu node-ping`): answered without the lock, then closed
                 wire.send_reply(connection, ("pong", self.about()))
                 return
+            if type(attach) is tuple and attach[:1] == (HANDOVER,):  # a successor (`node-cache --take-over`)
+                with self._open_lock:
+                    self._open.pop(connection, None)  # the hand-over's own: not ended with the engines'
+                if not same_uid(connection):
+                    wire.send(connection, Refused("only a process of the service's own uid may take it over"))
+                    return
+                connection.settimeout(None)
+                Handover(self).run(connection, attach)
+                return
             if not isinstance(attach, Attach) or not isinstance(attach.geometry, PoolGeometry):
                 wire.send(connection, Refused("the first message must be an Attach"))
                 return
@@ -222,6 +308,9 @@ class NodeCacheService:
             if refusal is not None:
                 logger.warning("node cache: refused engine %s: %s", attach.engine, refusal)
                 wire.send(connection, Refused(refusal))
+                return
+            if self._frozen and attach.geometry not in self.pools:  # a pool made now would not be handed over
+                wire.send(connection, Refused("the node cache is handing over to its successor: attach to it"))
                 return
             try:
                 _check_geometry(attach.geometry)
@@ -233,6 +322,9 @@ class NodeCacheService:
                 return
             token = lease.token if attach.rank is None or number in lease.bound else ""  # set once, at the claim
             wire.send(connection, dataclasses.replace(pool.attached(), lease=token), fds)
+            with self._open_lock:
+                if connection in self._open:
+                    self._open[connection] = attach.rank is not None  # a worker's: told of a hand-over
             logger.info("node cache: engine %s %s attached (%s)", attach.engine,
                         "scheduler" if attach.rank is None else f"rank {attach.rank}", attach.geometry.describe())
             while True:
@@ -250,7 +342,7 @@ class NodeCacheService:
             logger.exception("node cache: connection %d failed", number)
         finally:
             with self._open_lock:
-                self._open.discard(connection)
+                self._open.pop(connection, None)
             with self.lock:
                 if pool is not None and lease is not None:
                     self.connections -= 1
@@ -272,7 +364,7 @@ class NodeCacheService:
             return ("error", "ValueError", "a request is a tuple (verb, *arguments)")
         verb, arguments = request[0], request[1:]
         if verb in REMOTE_KEYS and pool.index.remote_configured:  # the Mooncake RPC, asked before the lock
-            _prefetch(pool, REMOTE_KEYS[verb](arguments))
+            prefetch(pool, REMOTE_KEYS[verb](arguments))
         with self.lock:
             try:
                 value = self._run(pool, lease, verb, arguments)
@@ -280,7 +372,7 @@ class NodeCacheService:
                 if verb in ONEWAY:
                     pool.note(logging.WARNING, "node cache: engine %s: %s refused: %s", lease.engine, verb, exc)
                     return None
-                return ("error", "ValueError", _unscoped(f"{verb}: {exc}", lease.engine))
+                return ("error", "ValueError", unscoped(f"{verb}: {exc}", lease.engine))
             if verb in ONEWAY:
                 return None
             counters = {str.__str__(name): amount for name, amount in lease.counters.items()}  # plain str on the wire
@@ -297,8 +389,11 @@ class NodeCacheService:
                            "the engine holds; its commands will be refused", lease.engine)
         return joined or lease, ("ok", joined is not None, {}, [])
 
-    @staticmethod
-    def _run(pool: NodePool, lease: EngineLease, verb: str, arguments: tuple) -> Any:
+    def _run(self, pool: NodePool, lease: EngineLease, verb: str, arguments: tuple) -> Any:
+        if self._frozen:
+            frozen, value = frozen_answer(verb, arguments)
+            if frozen:
+                return value
         handler = VERBS.get(verb)
         if handler is None:
             raise ValueError(f"unknown verb {verb!r} (this service speaks {', '.join(sorted(VERBS))})")
@@ -338,16 +433,63 @@ class NodeCacheService:
     def metrics_address(self) -> Optional[tuple[str, int]]:
         return self._metrics.address if self._metrics is not None else None
 
+    # ---- a hand-over (handover.py drives these) -------------------------------------------------------------------
+
+    def freeze(self) -> bool:
+        """Hands out no device command from now on (a hand-over began); False when one is under way already."""
+        with self.lock:
+            if self._frozen or self._closed.is_set():
+                return False
+            self._frozen = True
+            return True
+
+    def thaw(self) -> None:
+        """The hand-over failed: serving on as before."""
+        with self.lock:
+            self._frozen = False
+        self.resume_accepting()
+
+    @property
+    def listener_fd(self) -> int:
+        return self._listener.fileno()
+
+    def retire_after_handover(self) -> None:
+        """The successor holds the pools' memory and the listening socket: tells every worker its epoch lives on,
+        ends every connection, and closes the pools (the disk tiers flush) and this service, leaving the socket."""
+        self.handed_over.set()
+        self._closed.set()
+        self.pause_accepting()
+        if self._metrics is not None:
+            self._metrics.close()
+        with self.lock, self._open_lock:
+            notice = wire.encode((HANDOVER, sorted(pool.epoch for pool in self.pools.values())))
+            pools = self._table.take_all()
+            for connection, worker in self._open.items():
+                try:
+                    if worker:
+                        connection.sendall(notice)
+                    connection.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+        for pool in pools:
+            pool.close()
+        self._listener.close()  # the successor's duplicate listens on
+        self._close_wake()
+
+    def _close_wake(self) -> None:
+        for fd in (self._wake_r, self._wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
     def close(self) -> None:
         """Stops accepting, ends the live connections, closes the pools (their disk tiers flush) and removes the
         socket; once (a second call must not unlink a successor's socket of the same path)."""
         if self._closed.is_set():
             return
         self._closed.set()
-        try:
-            self._listener.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
+        self.pause_accepting()
         self._listener.close()
         if self._metrics is not None:
             self._metrics.close()
@@ -360,6 +502,7 @@ class NodeCacheService:
                     pass
         for pool in pools:
             pool.close()
+        self._close_wake()
         try:
             os.unlink(self.options.socket_path)
         except FileNotFoundError:
@@ -411,172 +554,3 @@ def _check_geometry(geometry: PoolGeometry) -> None:
         value = getattr(geometry, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"a pool geometry's {name} must be a positive integer, got {value!r}")
-
-
-def _unscoped(text: str, engine: str) -> str:
-    """`text` with the engine's scope taken off its request ids (as written and as repr() writes them)."""
-    scope = scoped(engine, "")
-    return text.replace(scope, "").replace(repr(scope)[1:-1], "")
-
-
-def _as_seen_by(engine: str, view: ChunkView) -> ChunkView:
-    """`view` as `engine` sees it: its own requests' reservations by the ids it gave, others' engine-scoped."""
-    own = scoped(engine, "")
-    names = frozenset(name[len(own):] if name.startswith(own) else name for name in view.reservations)
-    return view if names == view.reservations else dataclasses.replace(view, reservations=names)
-
-
-def _text(value: Any) -> str:
-    if not isinstance(value, str):
-        raise ValueError(f"a request id must be a string, got {type(value).__name__}")
-    if ENGINE_SEPARATOR in value:  # "A\x1fB" + "r" would be "A" + "B\x1fr": another engine's request
-        raise ValueError(f"a request id may not hold \\x1f, got {value!r}")
-    return value
-
-
-def _keys(keys: Any, namespace: str) -> list[ChunkKey]:
-    if not isinstance(keys, (list, tuple)):
-        raise ValueError(f"keys must be a list, got {type(keys).__name__}")
-    for key in keys:
-        if not isinstance(key, ChunkKey) or not isinstance(key.chunk_hash, bytes):
-            raise ValueError(f"a key must be a ChunkKey, got {key!r}")
-        if key.namespace != namespace:  # another model's or layout's chunks never meet this pool's
-            raise ValueError(f"key of namespace {key.namespace!r} sent to the pool of namespace {namespace!r}")
-    return list(keys)
-
-
-def _hashed(pool: NodePool, namespace: Any, hashes: Any) -> list[ChunkKey]:
-    """The keys a batch names: its namespace, which must be the pool's, and its chunk hashes (messages.py)."""
-    if namespace != pool.geometry.namespace:  # another model's or layout's chunks never meet this pool's
-        raise ValueError(f"key of namespace {namespace!r} sent to the pool of namespace {pool.geometry.namespace!r}")
-    if not isinstance(hashes, list) or not set(map(type, hashes)) <= {bytes}:  # map/set: C speed for 512 hashes
-        raise ValueError(f"chunk hashes must be a list of bytes, got {_shape(hashes)}")
-    return list(map(_new_key, zip(repeat(pool.geometry.namespace), hashes)))
-
-
-def _numbered(pool: NodePool, namespace: Any, numbers: Any, hashes: Any) -> list[tuple[int, ChunkKey]]:
-    keys = _hashed(pool, namespace, hashes)
-    if (not isinstance(numbers, list) or len(numbers) != len(keys) or not set(map(type, numbers)) <= {int}
-            or (numbers and min(numbers) < 0)):
-        raise ValueError(f"chunk numbers must be a list of ints >= 0, one per hash ({len(keys)}), got "
-                         f"{_shape(numbers)}")
-    return list(zip(numbers, keys))
-
-
-def _shape(value: Any) -> str:
-    if not isinstance(value, list):
-        return type(value).__name__
-    return f"a list of {len(value)} ({', '.join(sorted({type(item).__name__ for item in value}))})"
-
-
-def _payload(payload: Any, chunk_tokens: int) -> tuple:
-    """A chunk's event payload as `ChunkPayload.to_plain` makes it: (block hashes, parent hash, token ids as int32
-    bytes, LoRA id, LoRA name)."""
-    if not isinstance(payload, tuple) or len(payload) != 5:
-        raise ValueError("a chunk payload is (block hashes, parent hash, token bytes, lora id, lora name)")
-    hashes, parent, token_bytes, lora_id, lora_name = payload
-    if (not isinstance(hashes, tuple) or len(hashes) > chunk_tokens
-            or not all(isinstance(h, (int, bytes)) and not isinstance(h, bool) for h in hashes)):
-        raise ValueError("a chunk payload's block hashes must be a tuple of ints or bytes, one per hash block")
-    if parent is not None and (not isinstance(parent, (int, bytes)) or isinstance(parent, bool)):
-        raise ValueError("a chunk payload's parent hash must be an int, bytes or None")
-    if not isinstance(token_bytes, bytes) or len(token_bytes) != 4 * chunk_tokens:
-        raise ValueError(f"a chunk payload's token ids must be {chunk_tokens} int32 values")
-    if lora_id is not None and (not isinstance(lora_id, int) or isinstance(lora_id, bool)):
-        raise ValueError("a chunk payload's LoRA id must be an int or None")
-    if lora_name is not None and not isinstance(lora_name, str):
-        raise ValueError("a chunk payload's LoRA name must be a string or None")
-    return payload
-
-
-def _completions(completions: Any) -> list[Completion]:
-    if not isinstance(completions, list):
-        raise ValueError(f"completions must be a list, got {type(completions).__name__}")
-    answers = []
-    for done in completions:
-        if (not isinstance(done, tuple) or len(done) != 4 or set(map(type, done[:2])) != {int}
-                or type(done[2]) is not bool or not isinstance(done[3], str)):
-            raise ValueError(f"a completion must be (command id, rank, ok, reason), got {done!r}")
-        answers.append(Completion(*done))
-    return answers
-
-
-# ---- the verbs: handler(pool, lease, *arguments) -> the reply's value (messages.py says what each sends) ------------
-
-def _lookup(pool: NodePool, lease: EngineLease, request_id: Any, namespace: Any, hashes: Any) -> Any:
-    keys = _hashed(pool, namespace, hashes)
-    name = scoped(lease.engine, _text(request_id))
-    lease.looked_up[name] = time.monotonic()  # renews its reservations (LeaseLimits.reservation_ttl_s)
-    if name not in lease.requests:
-        lease.requests.add(name)
-        pool.lookup_counters[Metric.LOOKUPS] += 1
-    found = pool.call(lease, lambda: pool.index.lookup(name, pool.visible(lease, keys)))
-    for tier, metric in HIT_CHUNKS.items():  # per tier, for status's hit rates (tuple.count: C speed)
-        pool.lookup_counters[metric] += found.sources.count(tier)
-    return found
-
-
-def _presence(pool: NodePool, lease: EngineLease, namespace: Any, hashes: Any, remote: Any) -> list[bool]:
-    keys = _hashed(pool, namespace, hashes)
-    # as lookup will see them: nothing from another engine's store in flight on
-    visible = len(pool.visible(lease, keys, count=False))
-    return pool.index.presence(keys[:visible], bool(remote)) + [False] * (len(keys) - visible)
-
-
-def _prepare(verb: str) -> Callable[..., list[tuple[int, int, int, bytes]]]:
-    def prepare(pool: NodePool, lease: EngineLease, request_id: Any, namespace: Any, numbers: Any,
-                hashes: Any) -> list[tuple[int, int, int, bytes]]:
-        chunks = _numbered(pool, namespace, numbers, hashes)
-        name = scoped(lease.engine, _text(request_id))
-        return pool.hand_out(lease, pool.call(lease, lambda: getattr(pool.index, verb)(name, chunks)))
-
-    return prepare
-
-
-def _prefetch(pool: NodePool, batch: Optional[tuple]) -> None:
-    """The remote store's answers for a lookup's or presence's (namespace, hashes), asked without the lock
-    (malformed arguments: nothing, the verb refuses them under the lock)."""
-    if batch is None or len(batch) != 2:
-        return
-    try:
-        keys = _hashed(pool, *batch)
-    except ValueError:
-        return
-    pool.index.prefetch_remote(keys)
-
-
-# the verbs that may ask the remote store: their (namespace, hashes) arguments when they will
-REMOTE_KEYS: dict[str, Callable[[tuple], Optional[tuple]]] = {
-    "lookup": lambda arguments: arguments[1:3],
-    "presence": lambda arguments: arguments[0:2] if len(arguments) == 3 and arguments[2] else None,
-}
-
-
-def _release(pool: NodePool, lease: EngineLease, request_id: Any) -> None:
-    name = scoped(lease.engine, _text(request_id))
-    pool.call(lease, lambda: pool.index.release(name))
-    lease.requests.discard(name)
-    lease.looked_up.pop(name, None)
-
-
-VERBS: dict[str, Callable[..., Any]] = {
-    "lookup": _lookup,
-    "presence": _presence,
-    "prepare_load": _prepare("prepare_load"),
-    "prepare_store": _prepare("prepare_store"),
-    "release": _release,
-    "on_completions": lambda pool, lease, completions: pool.call(
-        lease, lambda: pool.on_completions(lease, _completions(completions))),
-    "events": lambda pool, lease, wanted: setattr(lease, "events", bool(wanted)),
-    "describe": lambda pool, lease, key, payload: pool.describe(_keys([key], pool.geometry.namespace)[0],
-                                                                _payload(payload, pool.geometry.chunk_tokens)),
-    "check_invariants": lambda pool, lease: pool.index.check_invariants(),
-    "sync": lambda pool, lease: None,  # nothing but the reply: the counters and tier changes of one-way calls
-    "occupancy": lambda pool, lease: pool.index.occupancy(),
-    "location": lambda pool, lease, key: pool.index.location(_keys([key], pool.geometry.namespace)[0]),
-    "chunks": lambda pool, lease: [_as_seen_by(lease.engine, view) for view in pool.index.chunks()],
-    "adopt_disk": lambda pool, lease, keys: pool.call(
-        lease, lambda: pool.index.adopt_disk(_keys(keys, pool.geometry.namespace))),
-    "drop_disk_copies": lambda pool, lease, keys: pool.call(
-        lease, lambda: pool.index.drop_disk_copies(_keys(keys, pool.geometry.namespace))),
-}

@@ -165,6 +165,24 @@ def receive_with_fds(sock: socket.socket) -> tuple[Any, list[int]]:
         raise
 
 
+def peek_message(sock: socket.socket) -> Any:
+    """The whole message waiting at the head of `sock`, left there (None when there is none, or only part of one);
+    never blocks. How a worker, which reads nothing after its attach, finds what the service said before closing."""
+    try:
+        data = sock.recv(_LENGTH.size + 4096, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except OSError:
+        return None
+    if len(data) < _LENGTH.size:
+        return None
+    (length,) = _LENGTH.unpack(data[:_LENGTH.size])
+    if len(data) < _LENGTH.size + length:
+        return None
+    try:
+        return decode(data[_LENGTH.size:_LENGTH.size + length])
+    except WireError:
+        return None
+
+
 def close_fd(fd: int) -> None:
     """Closes a received descriptor nobody will map (a refused attach, a failed mapping)."""
     try:

@@ -11,6 +11,10 @@ background, and giving back the ones that are gone.
   held by every engine (twice the memory; with hugepages the new pool could not even be made). A mapping whose
   service lives is kept while the scheduler is away (a slow call is not a dead service) and replaced once the epoch
   the scheduler names is mapped.
+- A warm restart keeps the epoch (the successor adopted the very pages). A mapping whose service closed it is kept
+  when that service said its epoch lives on (a planned hand-over) or when the scheduler names that same epoch again:
+  the worker attaches again in the background without mapping or registering a byte (`node_rebinds`), and serves
+  from its mapping meanwhile. Only when that attach finds the epoch gone is the mapping retired.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from ..store.tier import TierCounters
 from . import client, wire
 from .attachment import UnmappedArena, WorkerAttachment, map_worker_arena
 from .client import RETRY_S, NodeCacheRefused, connect
-from .messages import PROTOCOL_VERSION, Attach, PoolGeometry
+from .messages import HANDOVER, PROTOCOL_VERSION, Attach, Attached, PoolGeometry
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +53,14 @@ def service_alive(sock: socket.socket) -> bool:
         return True
     except OSError:
         return False
+
+
+def handed_over(sock: socket.socket) -> list[str]:
+    """The epochs the service said live on in its successor before it closed `sock` (empty: it said nothing)."""
+    said = wire.peek_message(sock)
+    if type(said) is tuple and len(said) == 2 and said[0] == HANDOVER and isinstance(said[1], list):
+        return [epoch for epoch in said[1] if isinstance(epoch, str)]
+    return []
 
 
 class WorkerNodeMapping:
@@ -76,6 +88,9 @@ class WorkerNodeMapping:
         self._said = ""  # the last failure logged as a warning (said once)
         self._closed = False
         self._mapped_once = False
+        self._rebinding = False  # the current mapping's service closed it, and its epoch may live on: attaching again
+        self._rebound: Optional[tuple[socket.socket, Attached]] = None  # that attach's connection, same epoch
+        self._rebind_failed = False  # that attach found the epoch gone, or no service
         self.retired: list[tuple[WorkerAttachment, set[int]]] = []  # old mappings and their commands in flight
 
     @property
@@ -114,13 +129,23 @@ class WorkerNodeMapping:
         current = self.current
         if wanted is None:  # a scheduler that does not name epochs: whatever is mapped
             return current is not None
+        if current is not None and not self._rebinding and not service_alive(current.sock):
+            if current.epoch == wanted or current.epoch in handed_over(current.sock):
+                self._rebind()  # the same pages live on in a successor: attach again, map nothing
+            else:
+                self._retire(current, in_flight)  # that epoch is gone: unmapped once its commands settle
+                current = None
         if current is not None and current.epoch == wanted:
             return True
-        if current is not None and not service_alive(current.sock):
-            self._retire(current, in_flight)  # that epoch is gone: unmapped once its commands settle
         if wanted:
             self._begin()
         return False
+
+    def _rebind(self) -> None:
+        self._rebinding = True
+        with self._lock:
+            self._next_try = 0.0
+        self._begin()
 
     def settle(self, completed: Iterable[int]) -> None:
         """Commands that completed: a retired mapping none of whose commands is in flight any more is given back."""
@@ -160,15 +185,20 @@ class WorkerNodeMapping:
 
     def _attach(self) -> None:
         mapped: Optional[WorkerAttachment] = None
+        rebound: Optional[tuple[socket.socket, Attached]] = None
+        current, rebinding = self.current, self._rebinding
         retry_s = self.retry_s
         try:
-            sock, attached, fds = connect(self.path, Attach(self.engine, self.geometry, self.rank,
-                                                          weights=self.weights, protocol=PROTOCOL_VERSION), 0.0)
-            current = self.current
-            if current is not None and attached.epoch == current.epoch:  # mapped already: nothing to register
-                sock.close()
+            lease = current.lease if rebinding and current is not None else ""
+            sock, attached, fds = connect(self.path, Attach(self.engine, self.geometry, self.rank, weights=self.weights,
+                                                          protocol=PROTOCOL_VERSION, lease=lease), 0.0)
+            if current is not None and _same_pages(attached, current):  # mapped already: nothing to register
                 for fd in fds:
                     wire.close_fd(fd)
+                if rebinding:
+                    rebound = (sock, attached)
+                else:
+                    sock.close()
             else:
                 mapped = map_worker_arena(sock, attached, fds, self.rank, pinned=self.pinned,
                                           npu_host_memory=self.npu_host_memory)
@@ -182,17 +212,38 @@ class WorkerNodeMapping:
         with self._lock:
             self._attaching = None
             self._next_try = time.monotonic() + retry_s
-            if mapped is not None and self._closed:
-                mapped.arena.close()
-                mapped.close()
+            if self._closed:
+                if mapped is not None:
+                    mapped.arena.close()
+                    mapped.close()
+                if rebound is not None:
+                    rebound[0].close()
             elif mapped is not None:
                 self._done = mapped
+            elif rebound is not None:
+                self._rebound = rebound
+            elif rebinding:
+                self._rebind_failed = True
 
     def _take_up(self, in_flight: Collection[int]) -> None:
         with self._lock:
             done, self._done = self._done, None
+            rebound, self._rebound = self._rebound, None
+            failed, self._rebind_failed = self._rebind_failed, False
+        current = self.current
+        if rebound is not None and current is not None:
+            self._rebinding = False
+            stale, current.sock, current.lease = current.sock, rebound[0], rebound[1].lease
+            stale.close()
+            self.counters.add(Metric.NODE_REBINDS)
+            logger.info("lmcache_npu rank %d: the node cache at %s kept epoch %s across its restart: mapping kept, "
+                        "attached again", self.rank, self.path, current.epoch)
+        elif failed and current is not None and self._rebinding and done is None:
+            self._rebinding = False
+            self._retire(current, in_flight)  # no successor has that epoch: unmapped once its commands settle
         if done is None:
             return
+        self._rebinding = False
         if self.current is not None:
             self._retire(self.current, in_flight)
         self.current = done
@@ -222,3 +273,10 @@ class WorkerNodeMapping:
             attachment.close()
 
         threading.Thread(target=release, name=f"lmcache-node-unmap-r{self.rank}", daemon=True).start()
+
+
+def _same_pages(attached: Attached, mapping: WorkerAttachment) -> bool:
+    """Whether an attach's answer is the pool `mapping` maps: its epoch, laid out as mapped."""
+    arena = mapping.arena
+    return (attached.epoch == mapping.epoch and attached.num_slots == arena.num_slots
+            and attached.object_bytes == arena.object_bytes)

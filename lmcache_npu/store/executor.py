@@ -36,7 +36,7 @@ from .arena import HostArena
 from .commands import (ARENA_TO_DEVICE, ARENA_TO_DISK, ARENA_TO_REMOTE, DEVICE_TO_ARENA, DISK_TO_ARENA,
                        REMOTE_TO_ARENA, Command, Completion, Drop, Load, Persist, Promote, Put, Route, Spill, Store,
                        Tier, Transfer)
-from .envelope import RejectionLog, Sealer, seal, verify
+from .envelope import RejectionLog, Sealer, seal, unseal_at, verify
 from .keys import ChunkKey
 from .tier import OK, Failure, TierResult, TierStore
 from .metrics import Metric
@@ -245,6 +245,18 @@ class StoreExecutor:
         with self._seal_locks[slot % len(self._seal_locks)]:
             self._sealed.pop(slot, None)
 
+    def seal_slot(self, slot: int, key: ChunkKey) -> None:
+        """Seals `slot` for `key` unless its trailer already seals these bytes (a node cache handing its arena over:
+        its successor adopts only sealed slots). The caller keeps the slot from being written meanwhile."""
+        self._seal(slot, key)
+
+    def unseal_slot(self, slot: int) -> None:
+        """A device is about to write `slot` (the node cache hands a store out): its envelope is voided, so a
+        restart that finds the slot mid-write never adopts its old chunk."""
+        with self._seal_locks[slot % len(self._seal_locks)]:
+            self._sealed.pop(slot, None)
+            unseal_at(self.arena.slot_address(slot) + self.arena.object_bytes)
+
     def _seal(self, slot: int, key: ChunkKey) -> None:
         """Writes the slot's trailer for `key` unless it already seals these bytes for it."""
         with self._seal_locks[slot % len(self._seal_locks)]:
@@ -257,8 +269,9 @@ class StoreExecutor:
         """The check a promotion of `key` runs on the bytes it read (the slot itself, or a bounce buffer first)."""
         return lambda view: verify(view, key, self.rank, self.sealer)
 
-    def _mark_sealed(self, slot: int, key: ChunkKey) -> None:
-        """A promotion verified the slot's trailer for `key`: a later persist or put need not seal it again."""
+    def mark_sealed(self, slot: int, key: ChunkKey) -> None:
+        """The slot's trailer verified for `key` (a promotion, a restart's check): a later persist or put need not
+        seal it again."""
         with self._seal_locks[slot % len(self._seal_locks)]:
             self._sealed[slot] = key
 
@@ -340,7 +353,7 @@ class StoreExecutor:
             self.disk.counters.add(Metric.REJECTED)
             self._disk_rejections.record(name, why)
             return TierResult.fail(Failure.REJECTED, why)
-        self._mark_sealed(command.slot, command.key)
+        self.mark_sealed(command.slot, command.key)
         return OK
 
     def _run_remote(self, batch: Sequence[Union[Promote, Put]], get: bool) -> None:
@@ -363,7 +376,7 @@ class StoreExecutor:
                 if get:
                     for name, command, result in zip(names, batch, results):
                         if result.ok:
-                            self._mark_sealed(command.slot, command.key)
+                            self.mark_sealed(command.slot, command.key)
                         elif result.kind is Failure.REJECTED:  # the tier counted it
                             self._remote_rejections.record(name, result.detail)
         except Exception as exc:  # the serving path turns any tier fault into failed commands

@@ -197,7 +197,7 @@ class SegmentedMemory:
     # ---- set-up -------------------------------------------------------------------------------------------------
 
     def _check_hugepage_pool(self) -> None:
-        if not self.hugetlb_bytes:
+        if not self.hugetlb_bytes or self.attached:  # another process's files hold their pages already
             return
         needed = self.span_bytes // self.page_bytes
         free = free_hugepages(self.page_bytes)

@@ -1,4 +1,5 @@
-"""`lmcache-npu`: the command line (replay, bench, inspect, store-bench, bench-scheduler, bench-connector, doctor, bench-serve, status)."""
+"""`lmcache-npu`: the command line (replay, bench, inspect, store-bench, bench-scheduler, bench-connector, doctor, bench-serve,
+status; the node cache's commands are node_commands.py's)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from ..ops import BACKEND_NAMES, BackendUnavailable
-from ..store.commands import COMMAND_DEADLINE_S, COMMAND_TTL_S
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -106,68 +106,6 @@ def _status(args: argparse.Namespace) -> int:
         return 2
     print(to_json(statuses) if args.json else render(statuses))
     return 0
-
-
-def _command_ttl(seconds: float) -> float:
-    """--command-ttl, refused unless the workers' own deadline comes first (a live engine must answer before the
-    service fails its command and hands the slot to another)."""
-    if not seconds > COMMAND_DEADLINE_S:
-        raise ValueError(f"node-cache: --command-ttl {seconds:g} must be more than the workers' command deadline "
-                         f"({COMMAND_DEADLINE_S:g} s): a live engine's command would fail while its worker still "
-                         "waits for it")
-    return seconds
-
-
-def _node_cache(args: argparse.Namespace) -> int:
-    import signal
-    import threading
-
-    from ..config import read_config_file
-    from ..node.service import NodeCacheService, ServiceOptions
-    from ..store.config import StoreConfig
-
-    values = read_config_file(args.config) if args.config else {}
-    for key, flag in (("cpu_bytes", args.cpu_bytes), ("disk_path", args.disk_path), ("disk_bytes", args.disk_bytes)):
-        if flag is not None:
-            values[key] = flag
-    if "cpu_bytes" not in values:
-        raise ValueError("node-cache: --cpu-bytes (or cpu_bytes in --config) is required: the node's host cache size")
-    store = StoreConfig.from_dict(values)
-    try:
-        service = NodeCacheService(ServiceOptions(args.socket, store, max_pools=args.max_pools, group=args.group,
-                                                  metrics_port=args.metrics_port, metrics_host=args.metrics_host,
-                                                  pool_idle_s=args.pool_idle_seconds,
-                                                  lease_slot_share=args.lease_slot_share,
-                                                  reservation_ttl_s=args.reservation_ttl,
-                                                  command_ttl_s=_command_ttl(args.command_ttl)))
-    except FileExistsError as exc:  # a live service, or a file that is not a socket, at --socket
-        raise ValueError(f"node-cache: {exc}") from None
-    except OSError as exc:  # the socket's directory missing or closed to this user, the metrics port taken
-        metrics = "" if args.metrics_port is None else f" and --metrics-port {args.metrics_port}"
-        raise ValueError(f"node-cache: cannot serve --socket {args.socket}{metrics}: {exc.strerror or exc}") from None
-    stop = threading.Event()
-    for number in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(number, lambda *_: stop.set())
-    service.start()
-    where = f", metrics on http://{args.metrics_host}:{service.metrics_address[1]}/metrics" \
-        if service.metrics_address else ""
-    print(f"lmcache-npu node-cache: serving {args.socket} ({store.cpu_bytes / 2**30:.2f} GiB host memory"
-          f"{', disk ' + store.disk_path if store.disk_path else ''}){where}", flush=True)
-    stop.wait()
-    service.close()  # the disk tiers flush their write-behind queues before the process ends
-    return 0
-
-
-def _node_ping(args: argparse.Namespace) -> int:
-    from ..node.probe import PingFailed, ping
-
-    try:
-        about = ping(args.socket, args.timeout)
-    except PingFailed as exc:
-        print(f"lmcache-npu node-ping: {exc}", file=sys.stderr)
-        return 1
-    print(json.dumps(about, sort_keys=True))
-    return 0 if about.get("serving") else 1
 
 
 def _selftest(args: argparse.Namespace) -> int:
@@ -603,39 +541,9 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--json", action="store_true", help="print the status as JSON")
     status.set_defaults(func=_status)
 
-    node = sub.add_parser("node-cache", help="one KV cache for every engine on this node: host memory, disk tier and "
-                          "Mooncake client shared through a Unix socket (engines set node_cache: PATH)")
-    node.add_argument("--socket", required=True, help="the Unix socket engines attach to (created mode 0600)")
-    node.add_argument("--cpu-bytes", help="host memory for the whole node, all engines and ranks (e.g. 512GiB)")
-    node.add_argument("--disk-path", help="the node's disk tier directory (local NVMe)")
-    node.add_argument("--disk-bytes", help="the disk tier's capacity for the whole node")
-    node.add_argument("--config", help="a YAML file of store keys (eviction_policy, hugepages, numa_node, mooncake, "
-                      "...); the flags above override it")
-    node.add_argument("--max-pools", type=int, default=1,
-                      help="model geometries served side by side, each with an equal share of the memory (default 1)")
-    node.add_argument("--pool-idle-seconds", type=float, default=300.0,
-                      help="a pool no engine has attached to for this long is given back, its memory freed (default "
-                      "300); a new geometry beyond --max-pools takes an idle pool's place at once")
-    node.add_argument("--group", help="a group (name or numeric gid) whose processes may attach too: their primary "
-                      "gid must be it (the socket becomes 0660)")
-    node.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port (0: any free one)")
-    node.add_argument("--metrics-host", default="127.0.0.1", help="the metrics address (default 127.0.0.1)")
-    node.add_argument("--lease-slot-share", type=float, default=0.25,
-                      help="while several engines hold leases on a pool, the share of its slots one engine may "
-                      "reserve and load at once (default 0.25; alone it may use all)")
-    node.add_argument("--reservation-ttl", type=float, default=120.0,
-                      help="seconds after which a request's reservations no lookup renewed are released (default 120)")
-    node.add_argument("--command-ttl", type=float, default=COMMAND_TTL_S,
-                      help=f"seconds after which a device command no engine answered fails, its slot freed or its pin "
-                      f"dropped (default {COMMAND_TTL_S:g}; more than the workers' own {COMMAND_DEADLINE_S:g} s "
-                      "deadline)")
-    node.set_defaults(func=_node_cache)
+    from .node_commands import add_node_commands  # node-cache, node-ping, bench-node-restart
 
-    ping = sub.add_parser("node-ping", help="exit 0 when the node cache at --socket answers and accepts engines (a "
-                          "probe: a dead service's stale socket fails; the answer never waits on the service's lock)")
-    ping.add_argument("--socket", required=True, help="the node cache's Unix socket")
-    ping.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the answer (default 5)")
-    ping.set_defaults(func=_node_ping)
+    add_node_commands(sub)
 
     sched = sub.add_parser("bench-scheduler", help="host time the connector adds to vLLM's scheduler: lookups of a "
                            "128K-token prompt, connector metadata for 64 running requests")

@@ -1,6 +1,7 @@
 """The node cache's lifecycle as vLLM's scheduler sees it (simulated workers, every row a forward reads checked): an
 engine starts without the service and attaches once it is up; a dead service's segments are unmapped by the workers
-and the restarted service adopted; a new epoch is mapped off the step (nothing waits for a slow registration, and
+and the restarted service adopted; a hand-over to a successor keeps the hits and the workers' mappings (the same
+epoch); a new epoch is mapped off the step (nothing waits for a slow registration, and
 commands of an epoch a worker has not mapped fail cleanly and recompute); an engine whose geometry finds no pool
 left runs without the node cache and attaches once the old model's pool is idle."""
 
@@ -117,6 +118,28 @@ def test_a_dead_epoch_is_unmapped_and_a_restarted_service_adopted(make_engine, n
     serve()
     _run_until(engine, lambda: _attached(engine), "the engine to adopt the restarted service")
     assert _loaded_after_store(engine, seed=13) > 0
+
+
+def test_a_hand_over_keeps_the_engines_hits_and_its_workers_mappings(make_engine, node_path, serve):
+    serve()
+    engine = _engine(make_engine, node_path)
+    half = engine.connector.scheduler_half
+    chunk = half.chunk_tokens
+    first = prompt(2 * chunk + chunk // 2, seed=21)
+    engine.add(first, max_tokens=2)
+    engine.run()
+    arenas = [worker.worker_half.executor.arena for worker in engine.workers]
+    epoch = half.index.epoch
+    serve(take_over=True)  # a planned upgrade: the successor takes the pool over, warm
+    _run_until(engine, lambda: half.index.counters[Metric.NODE_CACHE_RECONNECTS] == 1 and _attached(engine),
+               "the engine to attach to the successor", seed=930)
+    assert half.index.epoch == epoch
+    again = engine.add(first + prompt(chunk // 2, seed=22), max_tokens=2)
+    engine.run()
+    assert engine.loaded_tokens.get(again, 0) >= 2 * chunk  # the chunks stored before the hand-over are hits
+    assert [worker.worker_half.executor.arena for worker in engine.workers] == arenas  # the same mappings
+    assert engine.stats.data.get(Metric.EPOCH_CHANGES, 0) == 0
+    assert engine.stats.data.get(Metric.NODE_REBINDS) == len(engine.workers)
 
 
 @pytest.mark.parametrize("gated", [True, False], ids=["scheduler-waits-for-workers", "commands-before-mapping"])

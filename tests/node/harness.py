@@ -135,16 +135,17 @@ class Node:
     def __init__(self, directory: str, store: StoreConfig, *, max_pools: int = 1, group: Optional[str] = None,
                  metrics_port: Optional[int] = None, socket_name: str = "s", pool_idle_s: Optional[float] = None,
                  lease_slot_share: float = 1.0, reservation_ttl_s: float = 120.0,
-                 command_ttl_s: float = COMMAND_TTL_S) -> None:
+                 command_ttl_s: float = COMMAND_TTL_S, **restart: Any) -> None:
         """`lease_slot_share` 1.0: these pools of a few slots are shared by engines that each reserve most of them;
-        the per-engine cap (0.25 by default) is tested on its own (test_tenancy.py)."""
+        the per-engine cap (0.25 by default) is tested on its own (test_tenancy.py). `restart`: the service's
+        options of a warm restart (take_over, hand_over_drain_s, systemd_fd_store)."""
         self.directory = directory
         self.path = os.path.join(directory, socket_name)
         idle = {} if pool_idle_s is None else {"pool_idle_s": pool_idle_s}
         self.service = NodeCacheService(ServiceOptions(self.path, store, max_pools=max_pools, group=group,
                                                        metrics_port=metrics_port, lease_slot_share=lease_slot_share,
                                                        reservation_ttl_s=reservation_ttl_s, command_ttl_s=command_ttl_s,
-                                                       **idle)).start()
+                                                       **idle, **restart)).start()
         self.clients: list[NodeCacheClient] = []
         self.workers: list[WorkerAttachment] = []
 

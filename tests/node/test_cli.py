@@ -106,9 +106,46 @@ def test_a_lease_slot_share_or_ttl_out_of_range_is_refused_before_the_socket_exi
 
 def test_a_command_ttl_past_the_workers_deadline_is_taken() -> None:
     from lmcache_npu.store.commands import COMMAND_DEADLINE_S, COMMAND_TTL_S
-    from lmcache_npu.tools.cli import _command_ttl
+    from lmcache_npu.tools.node_commands import _command_ttl
 
     assert COMMAND_TTL_S > COMMAND_DEADLINE_S  # the default itself passes the rule
     assert _command_ttl(COMMAND_DEADLINE_S + 1) == COMMAND_DEADLINE_S + 1
     with pytest.raises(ValueError, match="must be more than the workers' command deadline"):
         _command_ttl(COMMAND_DEADLINE_S)
+
+
+def _serving(path: str, *flags: str) -> subprocess.Popen:
+    process = subprocess.Popen([sys.executable, "-m", "lmcache_npu.tools.cli", "node-cache", "--cpu-bytes", "16MiB",
+                                "--socket", path, *flags], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert process.stdout is not None
+    line = process.stdout.readline()
+    assert line.startswith(f"lmcache-npu node-cache: serving {path}"), line + process.stderr.read()  # type: ignore
+    return process
+
+
+def test_take_over_hands_the_cache_over_and_the_old_process_exits_or_waits(short_dir: Path) -> None:
+    path = str(short_dir / "node.sock")
+    old = _serving(path, "--after-hand-over", "wait")
+    new = None
+    try:
+        new = _serving(path, "--take-over")
+        assert old.stdout is not None
+        said = old.stdout.readline()
+        assert said.startswith("lmcache-npu node-cache: handed the host cache over") and "waiting" in said, said
+        assert old.poll() is None  # it waits to be stopped: a restarted container would take the cache back
+        newest = _serving(path, "--take-over", "--hand-over-drain-seconds", "0")
+        new.wait(timeout=60)  # the default: once handed over, it exits
+        assert new.returncode == 0
+        new = newest
+    finally:
+        for process in (old, new):
+            if process is not None and process.poll() is None:
+                process.terminate()
+                process.wait(timeout=60)
+    assert old.returncode == 0 and not os.path.exists(path)  # the last one removed the socket when stopped
+
+
+def test_take_over_with_a_bad_drain_time_is_refused_before_anything_is_asked(short_dir: Path) -> None:
+    path = short_dir / "node.sock"
+    _refused(_node_cache("--socket", str(path), "--take-over", "--hand-over-drain-seconds", "-1"),
+             "--hand-over-drain-seconds must be 0-3600")

@@ -11,7 +11,7 @@ from typing import Any, Optional
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lmcache_npu.node import service as service_module
+from lmcache_npu.node import verbs as verbs_module
 from lmcache_npu.node.pool import scoped
 from lmcache_npu.store.commands import Completion
 from lmcache_npu.store.index.chunk_index import ChunkIndex
@@ -120,6 +120,6 @@ def test_negative_control_a_node_that_does_not_scope_request_ids_is_caught(monke
     story = [("store", "A", "r", [0], True), ("lookup", "A", "r", [0]), ("release", "B", "r"),
              ("lookup", "B", "s", [1])]
     assert first_difference(story) is None  # control: the real node keeps A's reservation through B's release
-    monkeypatch.setattr(service_module, "scoped", lambda engine, request_id: request_id)
+    monkeypatch.setattr(verbs_module, "scoped", lambda engine, request_id: request_id)
     difference = first_difference(story)  # requests of both engines meet in the index (and lose their engine)
     assert difference is not None and difference.startswith("step 1 ('lookup', 'A', 'r', [0]): node LookupResult(")

@@ -68,6 +68,8 @@ METRICS: dict[str, str] = {  # Metric keys: a member is its name
                      "ranks)",
     Metric.NODE_EPOCH_RELEASES: "times a worker unmapped a node cache epoch that was gone or replaced, once its "
                            "commands had settled (summed over ranks)",
+    Metric.NODE_REBINDS: "times a worker attached again to a restarted node cache that kept its epoch (a warm "
+                         "restart): its mapping kept, nothing mapped or registered again (summed over ranks)",
     Metric.NODE_UNMAPPED_COMMANDS: "node cache commands a worker failed because the epoch they were issued for was not "
                               "mapped there (yet): loads recompute, stores are not made (summed over ranks)",
     Metric.OVERDUE_COMMANDS: "load and store commands a worker waited for past its deadline and answered as failed "

@@ -19,7 +19,6 @@ load is never evicted or reused, whatever the policy proposes.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 from typing import Callable, Iterable, Optional, Sequence, Union
 
 from ...checks import check_int
@@ -29,7 +28,9 @@ from ..policies import EvictionPolicy, make_policy
 from ..tier import TierCounters
 from .contract import (ChunkManager, ChunkView, DiskState, LookupResult, NumberedChunks, RemoteExists, SlotState,
                        TierListener)
+from .adoption import RestartAdoption
 from .disk_catalog import DiskCatalog
+from .entry import Entry
 from .failure_log import FailureLog
 from .holders import Holders
 from .ledger import CommandLedger
@@ -45,29 +46,7 @@ _FAILED = {Store: Metric.STORE_FAILED, Load: Metric.LOAD_FAILED, Spill: Metric.S
            Drop: Metric.DROP_FAILED}  # a command that failed on some rank counts under its kind
 
 
-@dataclass
-class _Entry:
-    key: ChunkKey
-    slot: Optional[int] = None
-    slot_state: SlotState = SlotState.FREE
-    readers: int = 0  # in-flight loads, puts and persists reading the slot
-    reservations: set[str] = field(default_factory=set)  # requests between lookup and load
-    disk: DiskState = DiskState.NONE
-    disk_readers: int = 0  # in-flight promotions reading the file
-    disk_cmd: int = 0  # the spill or persist that is writing the current disk copy
-    remote_put: bool = False  # a put of this chunk is in flight or done
-    holders: Optional[dict[str, int]] = None  # per holder (limit_holders): its reservations and loads of this chunk
-
-    @property
-    def pinned(self) -> bool:
-        return self.readers > 0 or bool(self.reservations)
-
-    @property
-    def has_copy(self) -> bool:
-        return self.slot is not None or self.disk is not DiskState.NONE
-
-
-class ChunkIndex(ChunkManager):
+class ChunkIndex(RestartAdoption, ChunkManager):
     """One per scheduler; capacities are in chunks (`arena.slots_for_capacity` and `disk.disk_chunks_for_capacity`
     convert the configured bytes). `remote_exists` answers batch existence in the remote store (None: no remote tier).
     `disk_write_through`: every chunk stored or promoted from the remote store is also written to disk (`Persist`),
@@ -102,36 +81,13 @@ class ChunkIndex(ChunkManager):
         self._put_to_remote = put_to_remote and remote_exists is not None
         self._write_through = disk_write_through and disk_chunks > 0
         self._to_persist: list[tuple[ChunkKey, int]] = []  # (key, slot) written to the arena by this batch of answers
-        self._entries: dict[ChunkKey, _Entry] = {}
+        self._entries: dict[ChunkKey, Entry] = {}
         self._reserved: dict[str, set[ChunkKey]] = {}
         self._listener: Optional[TierListener] = None  # KV events for routers; None costs one check per change
         self.failure_log = FailureLog()  # how failed commands are reported (the node cache defers them)
         self.holders: Optional[Holders] = None  # who holds which chunks (limit_holders)
 
     # ---- the contract -------------------------------------------------------------------------------------------
-
-    def adopt_disk(self, keys: Iterable[ChunkKey]) -> int:
-        """Restart: chunks whose files every rank has on disk, oldest first. Returns how many were adopted
-        (beyond `disk_chunks` the oldest are dropped)."""
-        adopted = 0
-        for key in keys:
-            if self.disk_chunks == 0:
-                break
-            entry = self._entries.setdefault(key, _Entry(key))
-            if entry.disk is DiskState.NONE:
-                self._make_disk_room()
-                entry.disk = DiskState.PRESENT
-                self._disk.add(key)
-                self._tell(key, Tier.DISK, True)
-                adopted += 1
-        return adopted
-
-    def drop_disk_copies(self, keys: Iterable[ChunkKey]) -> None:
-        """Restart: chunks only some ranks have on disk cannot be loaded; every rank deletes its file of them."""
-        for key in keys:
-            entry = self._entries.get(key)
-            if entry is None or entry.disk is DiskState.NONE:
-                self._emit(Drop(self._ledger.new_id(), key, Tier.DISK))
 
     def lookup(self, request_id: str, keys: Sequence[ChunkKey]) -> LookupResult:
         """The longest prefix of `keys` held by some tier. Chunks found on disk or remote are promoted into the
@@ -168,7 +124,7 @@ class ChunkIndex(ChunkManager):
                     remote_from, remote_present = position, self._remote.present(keys[position:])
                 if not remote_present[position - remote_from]:
                     break
-                entry = self._entries.setdefault(key, _Entry(key))
+                entry = self._entries.setdefault(key, Entry(key))
                 # reserved: kept while its own promotion may evict and drop; not: forgotten (it holds nothing)
                 if not self._reserve(entry, request_id, reserved) or not self._promote(entry, Tier.REMOTE):
                     self._forget_if_empty(entry)
@@ -257,7 +213,7 @@ class ChunkIndex(ChunkManager):
             if slot is None:
                 self.counters.add(Metric.STORE_NO_SLOT, len(chunks) - len(stores))
                 break
-            entry = self._entries.setdefault(key, _Entry(key))
+            entry = self._entries.setdefault(key, Entry(key))
             self._occupy(entry, slot)
             stores.append(self._emit(Store(self._ledger.new_id(), key, slot, request_id, chunk_index)))
         self.counters.add(Metric.STORES, len(stores))
@@ -367,7 +323,7 @@ class ChunkIndex(ChunkManager):
     # ---- internals ----------------------------------------------------------------------------------------------
 
     @staticmethod
-    def _reported_state(entry: _Entry) -> SlotState:
+    def _reported_state(entry: Entry) -> SlotState:
         return SlotState.READING if entry.slot_state is SlotState.READY and entry.readers else entry.slot_state
 
     def _tell(self, key: ChunkKey, tier: Tier, entered: bool) -> None:
@@ -384,7 +340,7 @@ class ChunkIndex(ChunkManager):
     def _emit(self, command: Command) -> Command:
         return self._ledger.emit(command)
 
-    def _reserve(self, entry: _Entry, request_id: str, reserved: set[ChunkKey]) -> bool:
+    def _reserve(self, entry: Entry, request_id: str, reserved: set[ChunkKey]) -> bool:
         if self.holders is not None and not self.holders.reserve(entry, request_id):
             self.counters.add(Metric.LEASE_CAP_MISSES)
             return False
@@ -392,12 +348,12 @@ class ChunkIndex(ChunkManager):
         reserved.add(entry.key)
         return True
 
-    def _unreserve(self, entry: _Entry, request_id: str) -> None:
+    def _unreserve(self, entry: Entry, request_id: str) -> None:
         if self.holders is not None:
             self.holders.unreserve(entry, request_id)
         entry.reservations.discard(request_id)
 
-    def _put_if_admitted(self, entry: _Entry) -> None:
+    def _put_if_admitted(self, entry: Entry) -> None:
         """A ready chunk that passes the gate and is not in the remote store yet is put there (slot pinned)."""
         if (not self._put_to_remote or entry.remote_put or entry.slot is None
                 or entry.slot_state is not SlotState.READY or not self._gate.admits(entry.key, Tier.REMOTE)):
@@ -406,7 +362,7 @@ class ChunkIndex(ChunkManager):
         entry.readers += 1
         self._emit(Put(self._ledger.new_id(), entry.key, entry.slot))
 
-    def _occupy(self, entry: _Entry, slot: int) -> None:
+    def _occupy(self, entry: Entry, slot: int) -> None:
         entry.slot = slot
         entry.slot_state = SlotState.WRITING
         self._slots.occupy(slot, entry.key)
@@ -429,7 +385,7 @@ class ChunkIndex(ChunkManager):
                 return slot
             self._slots.withhold(slot)  # its segment left the usable set (limit_slots): never reused
 
-    def _evict(self, entry: _Entry) -> int:
+    def _evict(self, entry: Entry) -> int:
         slot = entry.slot
         assert slot is not None
         self._detach_slot(entry, evicted=True)
@@ -461,14 +417,14 @@ class ChunkIndex(ChunkManager):
             self._forget_if_empty(entry)
         return True
 
-    def _drop_disk(self, entry: _Entry) -> None:
+    def _drop_disk(self, entry: Entry) -> None:
         if entry.disk is DiskState.PRESENT:
             self._tell(entry.key, Tier.DISK, False)
         entry.disk = DiskState.NONE
         self._disk.discard(entry.key)
         self._emit(Drop(self._ledger.new_id(), entry.key, Tier.DISK))
 
-    def _promote(self, entry: _Entry, source: Tier) -> bool:
+    def _promote(self, entry: Entry, source: Tier) -> bool:
         """Starts moving a disk or remote copy into a slot; False when no slot can be had."""
         if source is Tier.DISK and entry.disk is not DiskState.PRESENT:
             return False  # a spill still being written is not readable by every rank yet
@@ -487,7 +443,7 @@ class ChunkIndex(ChunkManager):
         self.counters.add(Metric.PROMOTIONS_DISK if source is Tier.DISK else Metric.PROMOTIONS_REMOTE)
         return True
 
-    def _detach_slot(self, entry: _Entry, evicted: bool = False) -> None:
+    def _detach_slot(self, entry: Entry, evicted: bool = False) -> None:
         """The entry no longer holds its slot (`evicted`: the policy chose it); the caller reuses or frees the slot."""
         assert entry.slot is not None
         if entry.slot_state is SlotState.READY:
@@ -497,13 +453,13 @@ class ChunkIndex(ChunkManager):
         entry.slot = None
         entry.slot_state = SlotState.FREE
 
-    def _release_slot(self, entry: _Entry) -> None:
+    def _release_slot(self, entry: Entry) -> None:
         slot = entry.slot
         assert slot is not None
         self._detach_slot(entry)
         self._slots.give_back(slot)
 
-    def _forget_if_empty(self, entry: _Entry) -> None:
+    def _forget_if_empty(self, entry: Entry) -> None:
         if not entry.has_copy and not entry.pinned and self._entries.get(entry.key) is entry:
             del self._entries[entry.key]
 
@@ -522,14 +478,14 @@ class ChunkIndex(ChunkManager):
             finish(self, entry, command, ok)
         self._forget_if_empty(entry)
 
-    def _finish_store(self, entry: _Entry, command: Store, ok: bool) -> None:
+    def _finish_store(self, entry: Entry, command: Store, ok: bool) -> None:
         self._finish_write(entry, command.slot, ok)
         if ok and entry.slot == command.slot:
             self._put_if_admitted(entry)
         if ok and self._write_through:
             self._to_persist.append((entry.key, command.slot))
 
-    def _finish_promote(self, entry: _Entry, command: Promote, ok: bool) -> None:
+    def _finish_promote(self, entry: Entry, command: Promote, ok: bool) -> None:
         if command.source is Tier.REMOTE:
             if not ok:
                 self._remote.promotion_failed(command.key)
@@ -546,19 +502,19 @@ class ChunkIndex(ChunkManager):
         if ok and self._gate.gates(Tier.REMOTE) and entry.slot == command.slot:
             self._put_if_admitted(entry)  # reused while on disk: the gate admits it to the remote store now
 
-    def _finish_load(self, entry: _Entry, command: Load, ok: bool) -> None:
+    def _finish_load(self, entry: Entry, command: Load, ok: bool) -> None:
         entry.readers -= 1
         if self.holders is not None:
             self.holders.unhold(entry, command.request_id)
 
-    def _finish_put(self, entry: _Entry, command: Put, ok: bool) -> None:
+    def _finish_put(self, entry: Entry, command: Put, ok: bool) -> None:
         entry.readers -= 1
         if ok:
             self._tell(entry.key, Tier.REMOTE, True)
         else:
             entry.remote_put = False  # no delete: another instance may hold a good copy under the same name
 
-    def _finish_disk_write(self, entry: _Entry, command: Union[Spill, Persist], ok: bool) -> None:
+    def _finish_disk_write(self, entry: Entry, command: Union[Spill, Persist], ok: bool) -> None:
         if isinstance(command, Persist):
             entry.readers -= 1
         if entry.disk is DiskState.WRITING and entry.disk_cmd == command.cmd_id:
@@ -589,7 +545,7 @@ class ChunkIndex(ChunkManager):
             entry.disk_cmd = self._emit(Persist(self._ledger.new_id(), key, slot)).cmd_id
             self.counters.add(Metric.PERSISTS)
 
-    def _finish_write(self, entry: _Entry, slot: int, ok: bool) -> None:
+    def _finish_write(self, entry: Entry, slot: int, ok: bool) -> None:
         if entry.slot != slot or entry.slot_state is not SlotState.WRITING:
             return
         if ok:

@@ -1,6 +1,6 @@
 """Who holds which chunks of a shared index (the node cache's engines): per holder, the distinct chunks its requests
 reserve or load, and a cap on them, so that one engine cannot pin a pool every engine of the node shares. The index
-keeps a per-chunk count of each holder's reservations and loads (`_Entry.holders`); this keeps the totals."""
+keeps a per-chunk count of each holder's reservations and loads (`Entry.holders`); this keeps the totals."""
 
 from __future__ import annotations
 

@@ -73,6 +73,15 @@ class CommandLedger:
     def is_pending(self, cmd_id: int) -> bool:
         return cmd_id in self._pending
 
+    @property
+    def next_id(self) -> int:
+        """The id the next command gets: every id issued so far is below it."""
+        return self._next_id
+
+    def pending_commands(self) -> tuple[Command, ...]:
+        """Commands some rank has not answered, oldest first."""
+        return tuple(pending.command for pending in self._pending.values())
+
     def pending_ids(self) -> tuple[int, ...]:
         """Commands some rank has not answered, oldest first."""
         return tuple(self._pending)

@@ -1,6 +1,7 @@
 """The arena's slot table: which key owns each slot, which slots are free, which are withheld (their segment left
 the usable set, `limit_slots`), which are in quarantine (a dead engine's worker was writing them: a late DMA may still
-land, so they are reused only after QUARANTINE_S), and the eviction policy that orders the ready ones. It knows
+land, so they are reused only after QUARANTINE_S), which are held (a restart is checking what they hold: `hold`),
+and the eviction policy that orders the ready ones. It knows
 nothing of pins or tiers: the index decides what may be evicted and what happens to an evicted chunk."""
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from contextlib import contextmanager
-from typing import Hashable, Iterator, Optional, Sequence, Union
+from typing import Hashable, Iterable, Iterator, Optional, Sequence, Union
 
 from ..policies import EvictionPolicy
 
@@ -25,6 +26,7 @@ class SlotTable:
         self._withheld: set[int] = set()  # free slots outside the usable set: never handed out
         self._quarantine: deque[tuple[float, int]] = deque()  # (free again at, slot), oldest first
         self._quarantining = False
+        self._held: set[int] = set()  # free slots set aside until a restart's check of their bytes settles them
 
     @contextmanager
     def quarantining(self) -> Iterator[None]:
@@ -54,6 +56,26 @@ class SlotTable:
                 self._withheld.add(slot)
         if released:  # lowest slot first, as at start
             self._free.sort(reverse=True)
+
+    def hold(self, slots: Iterable[int]) -> list[int]:
+        """Takes the free ones of `slots` out of the free list until `unhold` settles each (the caller then occupies
+        it or gives it back); which were held."""
+        wanted = set(slots).difference(self._held)
+        kept = [slot for slot in self._free if slot not in wanted]
+        taken = wanted.intersection(self._free)
+        self._free = kept
+        self._held |= taken
+        return sorted(taken)
+
+    def unhold(self, slot: int) -> None:
+        if slot not in self._held:
+            raise ValueError(f"slot {slot} is not held (hold() it before a restart settles it)")
+        self._held.discard(slot)
+
+    @property
+    def held_back(self) -> int:
+        """Slots held while a restart checks them."""
+        return len(self._held)
 
     def occupy(self, slot: int, key: Hashable) -> None:
         self._owner[slot] = key
@@ -109,7 +131,7 @@ class SlotTable:
 
     @property
     def held(self) -> int:
-        """Slots owned by a chunk (being written, ready or read), or in quarantine."""
+        """Slots owned by a chunk (being written, ready or read), in quarantine, or held by a restart's check."""
         return self.num_slots - len(self._free) - len(self._withheld)
 
     def check_invariants(self, owners: dict[int, Hashable]) -> None:
@@ -117,8 +139,10 @@ class SlotTable:
         for slot, key in owners.items():
             assert self._owner[slot] == key, f"slot {slot} is owned by {self._owner[slot]!r}, the index says {key!r}"
         quarantined = {slot for _, slot in self._quarantine}
-        assert len(owners) + len(self._free) + len(self._withheld) + len(self._quarantine) == self.num_slots
+        assert (len(owners) + len(self._free) + len(self._withheld) + len(self._quarantine) + len(self._held)
+                == self.num_slots)
         assert set(self._free).isdisjoint(owners) and self._withheld.isdisjoint(owners)
+        assert self._held.isdisjoint(owners) and self._held.isdisjoint(self._free) and self._held.isdisjoint(quarantined)
         assert quarantined.isdisjoint(owners) and quarantined.isdisjoint(self._free)
         assert all(self._usable[slot] for slot in self._free)
         assert not any(self._usable[slot] for slot in self._withheld)
