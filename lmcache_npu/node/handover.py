@@ -54,7 +54,7 @@ class HandoverHost(Protocol):
     def listener_fd(self) -> int:
         ...
 
-    def retire_after_handover(self) -> None:
+    def retire_after_handover(self, last_word: Callable[[], None]) -> None:
         ...
 
 logger = logging.getLogger(__name__)
@@ -139,11 +139,7 @@ class Handover:
             if not committed:
                 service.thaw()
         chunks = sum(pool["chunks"] for pool in state["pools"])
-        service.retire_after_handover()
-        try:
-            wire.send(connection, (RELEASED,))
-        except OSError:
-            pass
+        service.retire_after_handover(lambda: _say_released(connection))
         logger.info("node cache: handed %d pool(s) (%d chunk(s), %d still-unanswered command slot(s)) to pid %s in "
                     "%.2f s", len(state["pools"]), chunks, sum(len(pool["torn"]) for pool in state["pools"]),
                     _peer_pid(connection), time.monotonic() - began)
@@ -185,6 +181,14 @@ def _seal(pool: "NodePool", ready: list[tuple[int, Any]]) -> None:
     work = [(executor, slot, key) for executor in pool.executors for slot, key in ready]
     with ThreadPoolExecutor(VERIFY_THREADS, thread_name_prefix="lmcache-node-seal") as threads:
         list(threads.map(lambda item: item[0].seal_slot(item[1], item[2]), work))
+
+
+def _say_released(connection: socket.socket) -> None:
+    """Tells the successor this service let go (its workers were told, its disk tiers flushed)."""
+    try:
+        wire.send(connection, (RELEASED,))
+    except OSError:
+        pass
 
 
 def _request_drain(request: tuple) -> Any:

@@ -90,7 +90,7 @@ class NodeCacheService:
         self._next_connection = 0
         self._closed = threading.Event()
         self._frozen = False  # handing over: no device command is handed out
-        self.handed_over = threading.Event()  # its pools and socket went to a successor
+        self.handed_over = threading.Event()  # its pools and socket went to a successor, its workers were told
         self._fd_store = SystemdFdStore.from_environment() if options.systemd_fd_store else None
         seal_behind = self._fd_store is not None if options.seal_behind is None else options.seal_behind
         self._table = PoolTable(options.store, options.max_pools, options.pool_idle_s, self.instance, self.lock,
@@ -453,10 +453,10 @@ class NodeCacheService:
     def listener_fd(self) -> int:
         return self._listener.fileno()
 
-    def retire_after_handover(self) -> None:
+    def retire_after_handover(self, last_word: Callable[[], None]) -> None:
         """The successor holds the pools' memory and the listening socket: tells every worker its epoch lives on,
-        ends every connection, and closes the pools (the disk tiers flush) and this service, leaving the socket."""
-        self.handed_over.set()
+        ends every connection, closes the pools (the disk tiers flush) and this service, leaving the socket, and says
+        `last_word` to the successor. `handed_over` is set only then: the process may exit on it."""
         self._closed.set()
         self.pause_accepting()
         if self._metrics is not None:
@@ -475,6 +475,8 @@ class NodeCacheService:
             pool.close()
         self._listener.close()  # the successor's duplicate listens on
         self._close_wake()
+        last_word()
+        self.handed_over.set()
 
     def _close_wake(self) -> None:
         for fd in (self._wake_r, self._wake_w):

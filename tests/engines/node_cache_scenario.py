@@ -297,6 +297,7 @@ class NodeCacheProcess:
     socket_path: str
     log_path: Path
     cpu_bytes: str = "64MiB"
+    take_over: bool = False  # start as the successor of the service serving the socket (a warm hand-over)
     process: Optional[subprocess.Popen] = None
     metrics_url: str = ""
 
@@ -305,7 +306,8 @@ class NodeCacheProcess:
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "lmcache_npu.tools.cli", "-v", "node-cache", "--socket", self.socket_path,
-                 "--cpu-bytes", self.cpu_bytes, "--metrics-port", "0"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                 "--cpu-bytes", self.cpu_bytes, "--metrics-port", "0", *(["--take-over"] if self.take_over else [])],
+                cwd=ROOT, env=env, stdout=subprocess.PIPE,
                 stderr=log, start_new_session=True)
         assert self.process.stdout is not None
         deadline = time.monotonic() + timeout_s
@@ -320,7 +322,11 @@ class NodeCacheProcess:
         if match is None:
             raise RuntimeError(f"the node cache did not say where its metrics are: {line!r}")
         self.metrics_url = match.group(1)
-        self.process.stdout.close()  # it said all it says there
+
+    def said(self) -> str:
+        """What the process printed after its serving line, once it exited (a hand-over's last word)."""
+        assert self.process is not None and self.process.stdout is not None and not self.alive
+        return self.process.stdout.read().decode(errors="replace")
 
     @property
     def alive(self) -> bool:

@@ -2,7 +2,7 @@
 node-cache` service. A conversation's turns alternate between the engines and each turn hits what the other engine
 stored, with the tokens of a run without the plugin, while the node holds each chunk once; an engine killed mid
 request gives its lease back and the other keeps hitting; a killed service costs hits, never tokens, and the
-engines attach again once it is back.
+engines attach again once it is back; a successor that takes the service over keeps every hit and every mapping.
 
 The engines and the service are shared by the tests of this module (node_cache_scenario.Node): starting an engine
 process pays vLLM's imports, rebuilding an engine in a live one does not."""
@@ -17,9 +17,9 @@ import pytest
 from lmcache_npu.tools.replay.compare import differences, tolerance_for
 
 from .compare import assert_identical
-from .node_cache_scenario import (LATE_LOADS, PRIVATE, Conversation, Node, ServedRank, alternate, computed_tokens, configure,
-                                  distinct_chunks, missing_cross_engine_hits, node_settings, run_rounds, wait_until,
-                                  whole_chunks)
+from .node_cache_scenario import (LATE_LOADS, PRIVATE, Conversation, Node, NodeCacheProcess, ServedRank, alternate,
+                                  computed_tokens, configure, distinct_chunks, missing_cross_engine_hits, node_settings,
+                                  run_rounds, wait_until, whole_chunks)
 
 
 @pytest.fixture(scope="module")
@@ -133,6 +133,48 @@ def test_a_killed_service_costs_hits_not_tokens_and_the_engines_attach_again(nod
         assert {name: exported.get(name) for name in ("node_cache_disconnects", "node_cache_reconnects",
                                                       "epoch_changes")} == dict.fromkeys(
             ("node_cache_disconnects", "node_cache_reconnects", "epoch_changes"), 1), exported
+
+
+@pytest.mark.one_era(0, 32)  # tests/engines/conftest.py: the node's restart handling is era-neutral, runs once
+def test_a_hand_over_to_a_successor_keeps_every_hit_and_the_engines_mappings(node: Node) -> None:
+    engines = node.serving()
+    conversations = [Conversation(6000), Conversation(6001)]
+    reference = node.reference_answers(conversations, 2)
+    first = run_rounds(engines, conversations, 1, alternate)
+    stored = node.settle(engines).value("cpu_used_chunks")
+    was = [engine.stats() for engine in engines]
+
+    # a planned restart: a successor takes the pools and the socket over; the predecessor exits once it handed over
+    predecessor = node.service
+    node.service = NodeCacheProcess(predecessor.socket_path, node.directory / "successor.log", take_over=True)
+    node.service.start()
+    assert predecessor.process is not None and predecessor.process.wait(60) == 0
+    assert predecessor.said().startswith("lmcache-npu node-cache: handed the host cache over")
+    wait_until(lambda: node.service.metrics().value("cpu_used_chunks") == stored,
+               "the successor's index holds every chunk its predecessor sealed")
+
+    def attached_again() -> bool:
+        for engine in engines:
+            engine.generate([[1, 2, 3]], 1)  # a step asks the service (after the client's 1 s between attempts)
+        now = [engine.stats() for engine in engines]
+        return all(s["epoch"] is not None and s["exported"].get("node_rebinds", 0) > w["exported"].get("node_rebinds", 0)
+                   for s, w in zip(now, was))
+
+    wait_until(attached_again, "both engines and their workers attached again to the successor", timeout_s=30,
+               every_s=0.5)
+    for now, before in zip((engine.stats() for engine in engines), was):  # same epoch: nothing mapped again
+        assert now["epoch"] == now["worker_epoch"] == before["epoch"], (now["epoch"], now["worker_epoch"])
+        assert now["exported"].get("epoch_changes", 0) == before["exported"].get("epoch_changes", 0)
+
+    # each conversation's second turn, on the engine that never saw it, loads every chunk the first turn stored
+    # before the hand-over (a crash or cold restart loses them: the killed-service test above is the control)
+    answers = []
+    for c, (turn,) in enumerate(first):
+        other = engines[1 - turn.engine]
+        second = other.generate([conversations[c].next_prompt(list(turn.prompt), turn.completion, 1)])[0]
+        assert second.cached_tokens == whole_chunks(computed_tokens(turn)), (c, second.cached_tokens)
+        answers.append([turn.completion, second])
+    assert_identical(_flat(reference), _flat(answers), _dtype())
 
 
 @pytest.mark.one_era(0, 28)  # tests/engines/conftest.py: the node's crash handling is era-neutral, runs once

@@ -10,13 +10,14 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 from typing import Any, Callable
 
 from lmcache_npu.node import wire
 from lmcache_npu.node import worker_mapping as worker_mapping_module
 from lmcache_npu.node.messages import HANDOVER, PROTOCOL_VERSION, Refused
 from lmcache_npu.node.rebuild import ArenaRebuild
-from lmcache_npu.node.worker_mapping import WorkerNodeMapping
+from lmcache_npu.node.worker_mapping import WorkerNodeMapping, handed_over, service_alive
 from lmcache_npu.store import segments as segments_module
 from lmcache_npu.store.commands import Completion
 from lmcache_npu.store.envelope import Sealer, seal
@@ -121,6 +122,37 @@ def test_a_hand_over_keeps_every_chunk_its_bytes_and_its_epoch_and_maps_nothing_
     assert all(counters[Metric.EPOCH_CHANGES] == 0 for counters in workers.counters)
     assert pool.leases["A"].bound  # the workers presented the carried lease token: bound at their attach
     client.check_invariants()
+    workers.close()
+
+
+class _Witness:
+    """Stands for a service's `handed_over`: what every worker's connection held when it was set (the process of a
+    `node-cache` exits on it, so each worker must have its notice by then)."""
+
+    def __init__(self, workers: Workers) -> None:
+        self.workers = workers
+        self.seen: list = []
+        self.event = threading.Event()
+
+    def set(self) -> None:
+        self.seen = [(service_alive(m.current.sock), handed_over(m.current.sock)) for m in self.workers.mappings]
+        self.event.set()
+
+    def is_set(self) -> bool:
+        return self.event.is_set()
+
+
+def test_a_predecessor_says_it_handed_over_only_after_every_worker_was_told_and_the_successor_heard(start_node,
+                                                                                                     caplog):
+    node = start_node(store_config(SLOTS, WORLD), socket_name="s")
+    _, workers = attached_engine(node)
+    witness, epoch = _Witness(workers), node.pool.epoch
+    node.service.handed_over = witness
+    with caplog.at_level(logging.WARNING, logger="lmcache_npu.node.handover"):
+        start_node(store_config(SLOTS, WORLD), socket_name="s", take_over=True)
+        assert witness.event.wait(WAIT_S)
+    assert witness.seen == [(False, [epoch])] * WORLD  # told, and the connection ended
+    assert not [r for r in caplog.records if "did not say it let go" in r.getMessage()]
     workers.close()
 
 
