@@ -23,11 +23,12 @@ def is_error(reply: Any) -> bool:
 
 
 def is_ok(reply: Any) -> bool:
-    """("ok", value, {counter name: int}, [(chunk hash, tier, entered, payload or None)])."""
+    """("ok", value, {counter name: int}, [(chunk hash, tier, entered, payload or None)]); the counters are what the
+    engine's calls moved, never less than 0: the engine adds them to counters it exports, which never go back."""
     if type(reply) is not tuple or len(reply) != 4 or reply[0] != "ok":
         return False
     _, _, counters, changes = reply
-    return (type(counters) is dict and all(type(k) is str and is_int(v) for k, v in counters.items())
+    return (type(counters) is dict and all(type(k) is str and count(v) for k, v in counters.items())
             and type(changes) is list and all(
                 type(c) is tuple and len(c) == 4 and type(c[0]) is bytes and isinstance(c[1], Tier)
                 and type(c[2]) is bool and (c[3] is None or type(c[3]) is tuple) for c in changes))

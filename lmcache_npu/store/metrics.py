@@ -17,6 +17,7 @@ class Metric(StrEnum):
     BOUNCE_OPS = "bounce_ops"
     COPY_OPS = "copy_ops"
     CORRUPT = "corrupt"
+    COUNTER_REGRESSIONS = "counter_regressions"
     DELAYED_FREES = "delayed_frees"
     DELETED = "deleted"
     DISK_EVICTIONS = "disk_evictions"

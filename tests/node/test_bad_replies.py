@@ -1,8 +1,8 @@
 """A service that answers wrongly never raises into vLLM's scheduler (issue 39, H6): for every verb an engine waits on,
 an error reply (the service refused or failed, injected as a KeyError in the real verb) and a malformed reply (wrong
-arity, a value of the wrong type, counters of the wrong type, no tuple at all: injected into the real service's
-answer) give the same miss the client answers while the service is away, counted apart, and the connection keeps
-serving (the control after each fault). Only `check_invariants` and a client made `strict` (tests of the service)
+arity, a value of the wrong type, counters of the wrong type or below 0, no tuple at all: injected into the real
+service's answer) give the same miss the client answers while the service is away, counted apart, and the connection
+keeps serving (the control after each fault). Only `check_invariants` and a client made `strict` (tests of the service)
 raise."""
 
 from __future__ import annotations
@@ -56,6 +56,7 @@ MALFORMED: dict[str, Callable[[tuple], Any]] = {
     "arity": lambda reply: reply + ("one more",),
     "value": lambda reply: ("ok", "not this verb's value", *reply[2:]),
     "counters": lambda reply: (*reply[:2], {"lookups": "many"}, reply[3]),
+    "counter back": lambda reply: (*reply[:2], {"lookups": -3}, reply[3]),  # the engine's counters never go back
     "no tuple": lambda reply: list(reply),
 }
 

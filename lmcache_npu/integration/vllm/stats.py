@@ -16,7 +16,7 @@ from .adapter import KVConnectorPromMetrics, KVConnectorStats
 
 logger = logging.getLogger(__name__)
 
-# name -> Prometheus help text; every counter either half keeps (sums over ranks and steps)
+# name -> Prometheus help text; every sum either half reports (over ranks and steps): counters, but ARENA_METRICS
 METRICS: dict[str, str] = {  # Metric keys: a member is its name
     Metric.LOOKUPS: "requests admitted after a lookup in the plugin's store",
     Metric.LOOKUPS_PENDING: "lookups answered 'ask again' while disk or Mooncake chunks were promoted into the arena",
@@ -74,8 +74,12 @@ METRICS: dict[str, str] = {  # Metric keys: a member is its name
                               "mapped there (yet): loads recompute, stores are not made (summed over ranks)",
     Metric.OVERDUE_COMMANDS: "load and store commands a worker waited for past its deadline and answered as failed "
                              "(the load recomputes, the store is dropped; summed over ranks)",
+    Metric.COUNTER_REGRESSIONS: "counter moves that went negative and were left out of the Prometheus counters, which "
+                                "refuse them (a bug: the log names the counter)",
 }
-# the host arena's segments, counted up as they go live (so sums over steps are the current state, summed over ranks)
+# the host arena's segments: levels, not counts. Each rank reports how they moved since its last report (up as
+# segments go live, down when a node cache epoch is unmapped), so the sum over steps and ranks is the current state;
+# exported as Prometheus gauges, since a counter refuses to go down
 ARENA_METRICS: dict[str, str] = {
     Metric.ARENA_BYTES: "bytes of host-arena slots (summed over ranks)",
     Metric.ARENA_LIVE_BYTES: "bytes of host-arena slots in live (registered) segments (summed over ranks)",
@@ -259,6 +263,7 @@ class LMCacheNPUPromMetrics(KVConnectorPromMetrics):
                                               labelnames=labelnames)
                         for name, text in ARENA_METRICS.items()}
         self._bound: dict[tuple[int, str], Any] = {}
+        self._regressed: set[str] = set()  # counters whose negative move was logged (once each)
         self._gauges = {name: self._gauge_cls(name=f"lmcache_npu:{name}", documentation=text,
                                               multiprocess_mode="mostrecent", labelnames=labelnames)
                         for name, text in GAUGES.items()}
@@ -292,9 +297,12 @@ class LMCacheNPUPromMetrics(KVConnectorPromMetrics):
             family = self._levels.get(name) or self._counters.get(name)
             if family is None or not value:
                 continue
-            if value < 0 and name not in self._levels:  # a counter never goes back: a bug, never an engine stop
-                logger.warning("lmcache_npu: counter %s went back by %s; not exported", name, -value)
-                continue
+            if value < 0 and name not in self._levels:  # Prometheus raises, and vLLM's stat logger stops the engine
+                if name not in self._regressed:
+                    self._regressed.add(name)
+                    logger.warning("lmcache_npu: counter %s moved by %s; a counter never goes back, so the move is "
+                                   "left out (counted in counter_regressions_total; please report it)", name, value)
+                name, family, value = Metric.COUNTER_REGRESSIONS, self._counters[Metric.COUNTER_REGRESSIONS], 1
             bound = self._bound.get((engine_idx, name))
             if bound is None:
                 bound = self._bound[(engine_idx, name)] = family.labels(*self.per_engine_labelvalues[engine_idx])
