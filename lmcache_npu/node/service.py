@@ -4,11 +4,13 @@ Mooncake client, and every engine on the node uses it through a Unix socket.
 Security: the socket is created mode 0600 (0660 with `group`), every peer's credentials are checked with
 `SO_PEERCRED` (this uid, or with `group` that primary gid: a supplementary membership opens the socket but does
 not pass), and the shared segments are memory files in no filesystem, reachable only through descriptors this
-service hands to checked peers. Peers' messages are of a closed encoding (codec.py, wire.py).
+service hands to checked peers. Peers' messages are of a closed encoding (codec.py, wire.py). Admission is the only
+access control: a checked peer may attach to any geometry's pool and map it read-write.
 Engines attach with their pool geometry; each geometry gets a pool (`pool.py`), up to `max_pools`, each an equal
 share of `cpu_bytes` and `disk_bytes`; a pool no engine holds is given back after `pool_idle_s` or when a new
-geometry needs its place (`pool_table.py`). One lock serialises the verbs: they are index operations; Mooncake
-existence checks, log lines and metrics formatting run outside it.
+geometry needs its place (`pool_table.py`). One lock serialises the verbs: index operations (a long prompt's lookup
+takes milliseconds), and the spills and disk drops an eviction issues; the Mooncake existence check, logging and
+metrics formatting run outside it.
 Restarts keep the host cache warm: a successor started with `take_over` takes the pools and the listening socket over
 (`handover.py`), and under systemd every pool's memory is kept in its descriptor store for the next start
 (`fd_store.py`); either way the pools keep their epochs and rebuild their index from the slots' envelopes.
