@@ -5,11 +5,16 @@ The node itself is the `engine="node"` series; an attached engine's own series c
 
 The values are read under the service's lock (`snapshot`: plain reads) and formatted after it is released
 (`render`); `/healthz`, `/readyz` and `/version` never take the lock, so a probe does not wait behind a slow verb.
+A pool's `namespace` label names the weights it serves: on a metrics address beyond loopback it is a pseudonym
+keyed by a secret of the process (`namespace_labeller`), so a scrape cannot confirm which model a node serves.
 """
 
 from __future__ import annotations
 
+import hashlib
+import ipaddress
 import logging
+import secrets
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable, Iterator, Mapping
@@ -36,13 +41,33 @@ def _sample(name: str, labels: dict[str, str], value: float) -> str:
     return f"lmcache_npu:{name}{{{text}}} {number}"
 
 
+def loopback(host: str) -> bool:
+    """Whether a metrics address is reachable from this host only ("localhost", 127.0.0.0/8, ::1)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name: it may resolve beyond this host
+        return False
+
+
+def namespace_labeller(host: str) -> Callable[[str], str]:
+    """The `namespace` label of a pool for a metrics endpoint on `host`: the namespace itself on loopback, else
+    `pool-` and 12 hex digits of a keyed BLAKE2b (stable while the process lives, unlinkable to the weights)."""
+    if loopback(host):
+        return lambda namespace: namespace
+    key = secrets.token_bytes(32)
+    return lambda namespace: "pool-" + hashlib.blake2b(namespace.encode(), key=key, digest_size=6).hexdigest()
+
+
 def _samples(service: Any) -> Iterator[Sample]:
+    label_of: Callable[[str], str] = getattr(service, "namespace_label", lambda namespace: namespace)
     yield ("node_connections", {"engine": "node"}, service.connections)
     yield ("node_refused_peers_total", {"engine": "node"}, service.refused_peers)
     yield ("node_refused_connections_total", {"engine": "node"}, service.refused_crowd)
     yield ("node_pools_reclaimed_total", {"engine": "node"}, service.pools_reclaimed)
     for pool in service.pools.values():
-        node = {"engine": "node", "namespace": pool.geometry.namespace}
+        node = {"engine": "node", "namespace": label_of(pool.geometry.namespace)}
         use = pool.index.occupancy()
         yield ("cpu_used_chunks", node, use[Tier.ARENA][0])
         yield ("cpu_capacity_chunks", node, use[Tier.ARENA][1])
@@ -69,7 +94,7 @@ def _samples(service: Any) -> Iterator[Sample]:
                 for name, value in sorted(tier.counters.snapshot().items()):
                     yield (f"{prefix}_{name}_total", {**node, "rank": str(executor.rank)}, value)
         for lease in pool.leases.values():
-            labels = {"engine": lease.engine, "namespace": pool.geometry.namespace}
+            labels = {"engine": lease.engine, "namespace": label_of(pool.geometry.namespace)}
             yield ("node_lease_connections", labels, len(lease.connections))
             yield ("node_lease_commands", labels, len(lease.commands))
             for metric in ENGINE_METRICS:

@@ -37,7 +37,7 @@ from typing import Any, Callable, Optional
 
 from ..store.config import StoreConfig
 from . import codec, wire
-from .exporter import MetricsServer, exposition
+from .exporter import MetricsServer, exposition, namespace_labeller
 from .fd_store import SystemdFdStore, inherited_pools, passed_fds
 from .handover import DRAIN_S, Handover, frozen_answer, same_uid, take_over
 from .messages import HANDOVER, NAMED_WEIGHTS, PROTOCOL_VERSION, Attach, PoolGeometry, Refused, protocol_of
@@ -116,6 +116,7 @@ class NodeCacheService:
             self._inherit_from_systemd()
         self._listener.setblocking(False)
         self._metrics: Optional[MetricsServer] = None
+        self.namespace_label = namespace_labeller(options.metrics_host)  # a pseudonym beyond loopback (M3)
         if options.metrics_port is not None:
             try:
                 self._metrics = MetricsServer(options.metrics_host, options.metrics_port, self.metrics_text,

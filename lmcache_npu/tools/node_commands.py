@@ -117,7 +117,9 @@ def add_node_commands(sub: Any) -> None:
     node.add_argument("--group", help="a group (name or numeric gid) whose processes may attach too: their primary "
                       "gid must be it (the socket becomes 0660)")
     node.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port (0: any free one)")
-    node.add_argument("--metrics-host", default="127.0.0.1", help="the metrics address (default 127.0.0.1)")
+    node.add_argument("--metrics-host", default="127.0.0.1",
+                      help="the metrics address (default 127.0.0.1); beyond loopback a pool's namespace label is a "
+                      "pseudonym, not the weights' name")
     node.add_argument("--lease-slot-share", type=float, default=0.25,
                       help="while several engines hold leases on a pool, the share of its slots one engine may "
                       "reserve and load at once (default 0.25; alone it may use all)")

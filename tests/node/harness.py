@@ -138,7 +138,7 @@ class Node:
                  command_ttl_s: float = COMMAND_TTL_S, **restart: Any) -> None:
         """`lease_slot_share` 1.0: these pools of a few slots are shared by engines that each reserve most of them;
         the per-engine cap (0.25 by default) is tested on its own (test_tenancy.py). `restart`: the service's
-        options of a warm restart (take_over, hand_over_drain_s, systemd_fd_store)."""
+        options of a warm restart (take_over, hand_over_drain_s, systemd_fd_store) and any other, e.g. metrics_host."""
         self.directory = directory
         self.path = os.path.join(directory, socket_name)
         idle = {} if pool_idle_s is None else {"pool_idle_s": pool_idle_s}

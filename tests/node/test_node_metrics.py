@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
+from lmcache_npu.node.exporter import loopback, namespace_labeller
 from lmcache_npu.tools.cli import main
 from lmcache_npu.tools.status import engine_status, fetch_metrics, parse_metrics, render
 
@@ -87,3 +89,22 @@ def test_every_family_has_one_type_line_named_as_its_samples(start_node, node_di
     assert all(kind == "counter" for name, kind in types.items()
                if name.endswith("_total") and name != "lmcache_npu:segments_total")
     assert 'lmcache_npu:node_refused_peers_total{engine="node"} 2' in text
+
+
+def test_beyond_loopback_a_pool_is_labelled_by_a_pseudonym_not_its_namespace(start_node, node_dir):
+    """The namespace names the weights a pool serves; a scrape from another host gets a keyed pseudonym (the
+    control is the loopback endpoint above, which shows the namespace itself)."""
+    node = start_node(store_config(8, 2), metrics_port=0, metrics_host="0.0.0.0")
+    node.engine("A").store("w", keys_of(0, 2))
+    text = fetch_metrics(f"http://127.0.0.1:{node.service.metrics_address[1]}")
+    assert NAMESPACE not in text and "namespace=" in text
+    labels = {sample.label("namespace") for sample in parse_metrics(text) if sample.label("namespace")}
+    assert len(labels) == 1 and re.fullmatch(r"pool-[0-9a-f]{12}", labels.pop())
+
+
+def test_which_metrics_addresses_are_loopback():
+    assert [loopback(host) for host in ("127.0.0.1", "127.1.2.3", "::1", "localhost")] == [True] * 4
+    assert [loopback(host) for host in ("0.0.0.0", "::", "10.0.0.7", "node-7.example")] == [False] * 4
+    same, other = namespace_labeller("0.0.0.0"), namespace_labeller("0.0.0.0")
+    assert same(NAMESPACE) == same(NAMESPACE) != other(NAMESPACE)  # stable in a process, keyed per process
+    assert namespace_labeller("127.0.0.1")(NAMESPACE) == NAMESPACE
