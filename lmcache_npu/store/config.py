@@ -219,10 +219,10 @@ class StoreConfig:
     mooncake: Optional[Mapping[str, Any]] = None  # L3: MooncakeConfig keys (master, metadata, ...); None: off
     put_to_remote: bool = True  # write every stored chunk through to Mooncake (how other instances find it)
     io_threads: int = 4  # per worker: promotions and gets run on these, persists, puts and remote drops on as many more
-    # background store work (sealing, disk write-through, puts) runs only on cores the model leaves idle (Linux
-    # SCHED_IDLE, platform/threads.py). Off by default: on a host the engines saturate, a write-through starved this
-    # way keeps its arena slot pinned, so later stores find no room (docs/performance.md, "Turn 1")
-    yield_to_compute: bool = False
+    # background store work (sealing, disk write-through, puts) runs on cores the model leaves idle (Linux
+    # SCHED_IDLE, platform/threads.py); work that waited YIELD_BOUND_S for one runs at normal priority, so a host the
+    # engines saturate never starves it (docs/performance.md, "Turn 1")
+    yield_to_compute: bool = True
     eviction_policy: str = "arc"  # the arena's eviction order: arc, lru or s3fifo (chosen in docs/performance.md)
     # reuse gates (0: off): a chunk is put to Mooncake only once this many later requests looked it up
     remote_admit_hits: int = 0

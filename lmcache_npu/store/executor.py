@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Callable, Collection, Optional, Protocol, Sequ
 
 import torch
 
-from ..platform.threads import yield_to_compute
+from ..platform.threads import BoundedYieldPool
 from .arena import HostArena
 from .commands import (ARENA_TO_DEVICE, ARENA_TO_DISK, ARENA_TO_REMOTE, DEVICE_TO_ARENA, DISK_TO_ARENA,
                        REMOTE_TO_ARENA, Command, Completion, Drop, Load, Persist, Promote, Put, Route, Spill, Store,
@@ -51,6 +51,8 @@ Report = Callable[[int, TierResult], None]
 RouteHandler = Callable[[Sequence[Transfer]], None]
 # routes whose consecutive commands go as one batch (one device transfer, one remote round trip)
 _BATCHED = frozenset({DEVICE_TO_ARENA, ARENA_TO_DEVICE, REMOTE_TO_ARENA, ARENA_TO_REMOTE})
+# persists that may pin more than 1/PINNED_SHARE of the arena's slots wait for no idle core: stores need the room
+PINNED_SHARE = 8
 _SEAL_STRIPES = 64  # locks over slots: two background threads never seal one slot at once, unrelated slots never wait
 
 
@@ -86,12 +88,12 @@ class StoreExecutor:
         self._remote_rejections = RejectionLog("mooncake")
         # promotions and gets: a request waits for them
         self._io = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix=f"lmcache-store-r{rank}")
-        # persists, puts, remote drops: nothing waits for them, so they wait for idle cores
-        self._background = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix=f"lmcache-background-r{rank}",
-                                              initializer=yield_to_compute if yields else None)
+        # persists, puts, remote drops: nothing waits for them, so they wait for idle cores (a bounded while)
+        self._background = BoundedYieldPool(io_threads, f"lmcache-background-r{rank}", yields=yields)
         self._lock = threading.Lock()
         self._done: deque[Completion] = deque()
         self._outstanding = 0
+        self._pinning: set[int] = set()  # persists not answered yet: each pins its arena slot until written
         self._idle = threading.Condition(self._lock)
         self._closed = False
         self._submitting = 0
@@ -233,6 +235,7 @@ class StoreExecutor:
 
     def _report(self, cmd_id: int, result: TierResult) -> None:
         with self._idle:
+            self._pinning.discard(cmd_id)
             self._done.append(Completion(cmd_id, self.rank, result.ok, result.reason))
             self._outstanding -= 1
             self._idle.notify_all()
@@ -280,7 +283,12 @@ class StoreExecutor:
             if isinstance(command, Spill):
                 self._spill(command)
             else:  # pinned until every rank answers: writers read the slot in place, no copy
-                self._background.submit(self._persist, command)
+                with self._lock:
+                    self._pinning.add(command.cmd_id)
+                    # a yielding thread that took a persist may hold it (and its slot) while no core is idle
+                    urgent = (len(self._pinning) + self._background.workers) * PINNED_SHARE > self.arena.num_slots
+                submit = self._background.submit_urgent if urgent else self._background.submit
+                submit(self._persist, command, urgent)
 
     def _promote_from_disk_async(self, batch: Sequence[Promote]) -> None:
         for command in batch:
@@ -304,16 +312,17 @@ class StoreExecutor:
             result = TierResult.fail(Failure.ERROR, str(exc))
         self._report(cmd_id, result)
 
-    def _persist(self, command: Persist) -> None:
-        """On a background thread: seal, then queue the slot itself for the disk tier's writers (they answer)."""
+    def _persist(self, command: Persist, urgent: bool) -> None:
+        """On a background thread: seal, then queue the slot itself for the disk tier's writers (they answer).
+        `urgent`: persists pin so much of the arena that stores may find no room; nothing waits for an idle core."""
         try:
             self._seal(command.slot, command.key)
-            self._write_to_disk(command, copy=False)
+            self._write_to_disk(command, copy=False, urgent=urgent)
         except Exception as exc:  # the command must still answer exactly once
             logger.exception("rank %d: persist %d raised", self.rank, command.cmd_id)
             self._report(command.cmd_id, TierResult.fail(Failure.ERROR, str(exc)))
 
-    def _write_to_disk(self, command: Union[Spill, Persist], copy: bool) -> None:
+    def _write_to_disk(self, command: Union[Spill, Persist], copy: bool, urgent: bool = False) -> None:
         """Queues the slot for the disk tier's writer threads (the write, checksum and fsync never run here, on the
         model's thread); `done` answers the command, or the refusal does at once."""
         if self.disk is None:
@@ -321,7 +330,7 @@ class StoreExecutor:
             return
         name = command.key.storage_name(self.rank)
         queued = self.disk.write_async(name, self.arena.sealed_view(command.slot),
-                                       lambda result: self._report(command.cmd_id, result), copy=copy)
+                                       lambda result: self._report(command.cmd_id, result), copy=copy, urgent=urgent)
         if not queued.ok:
             self._report(command.cmd_id, queued)
 

@@ -96,6 +96,7 @@ class Metric(StrEnum):
     RELEASED_REQUESTS = "released_requests"
     REMOTE_LOOKUP_ERRORS = "remote_lookup_errors"
     REMOTE_PREFILL_DEFERRED = "remote_prefill_deferred"
+    RESCUED_WRITES = "rescued_writes"
     RESERVATIONS_EXPIRED = "reservations_expired"
     SEALED_BEHIND = "sealed_behind"
     SEGMENTS_LIVE = "segments_live"

@@ -48,9 +48,10 @@ class HeldWrites:
     def __getattr__(self, name: str):
         return getattr(self.tier, name)
 
-    def write_async(self, name: str, data, done: Optional[Callable] = None, copy: bool = True) -> TierResult:
+    def write_async(self, name: str, data, done: Optional[Callable] = None, copy: bool = True,
+                    urgent: bool = False) -> TierResult:
         if copy or name not in self.hold:
-            return self.tier.write_async(name, data, done, copy=copy)
+            return self.tier.write_async(name, data, done, copy=copy, urgent=urgent)
 
         def later() -> None:
             self.release.wait(30)
@@ -68,7 +69,8 @@ class FailingWrites(HeldWrites):
     def __init__(self, tier: DiskTier) -> None:
         super().__init__(tier, set())
 
-    def write_async(self, name: str, data, done: Optional[Callable] = None, copy: bool = True) -> TierResult:
+    def write_async(self, name: str, data, done: Optional[Callable] = None, copy: bool = True,
+                    urgent: bool = False) -> TierResult:
         if copy:
             return self.tier.write_async(name, data, done)
         threading.Thread(target=done, args=(TierResult.fail(Failure.IO, "injected"),), daemon=True).start()
@@ -324,7 +326,7 @@ def test_a_persist_is_answered_once_without_a_disk_and_when_the_tier_raises():
     assert [(c.cmd_id, c.ok, c.reason) for c in executor.drain(10)] == [(1, False, "no disk tier")]
 
     class Raising:
-        def write_async(self, name, data, done=None, copy=True):
+        def write_async(self, name, data, done=None, copy=True, urgent=False):
             raise OSError("device gone")
 
     executor.disk = Raising()
@@ -363,3 +365,26 @@ def test_a_write_without_copy_still_counts_against_the_pending_bound(tmp_path):
     assert tier.counters["queue_full"] == 1
     tier.close()
 
+
+
+@pytest.mark.parametrize("num_slots", [4, 64])
+def test_persists_that_pin_an_eighth_of_the_arena_wait_for_no_idle_core(tmp_path, num_slots):
+    """A persist pins its slot until written; once persists (and one per yielding thread, which may hold one) could
+    pin more than 1/PINNED_SHARE of the arena, they are urgent (the rescuer runs them and their disk writes at once)
+    so stores find room. The large arena is the control: its persists wait for an idle core."""
+    from lmcache_npu.store.executor import PINNED_SHARE
+
+    cluster = Cluster(num_slots=num_slots, object_bytes=OBJECT_BYTES, num_ranks=1)
+    executor = cluster.executors[0]
+    executor.disk = DiskTier(tmp_path / "kv", FINGERPRINT, writer_threads=1)
+    kinds: list[str] = []
+    for kind in ("submit", "submit_urgent"):
+        real = getattr(executor._background, kind)
+        setattr(executor._background, kind, lambda fn, *args, real=real, kind=kind: kinds.append(kind) or real(fn, *args))
+    executor.submit([Persist(1, make_key(1), 0)])
+    assert [c.ok for c in executor.drain(10)] == [True]
+    may_pin = 1 + executor._background.workers
+    assert kinds == (["submit_urgent"] if may_pin * PINNED_SHARE > num_slots else ["submit"])
+    assert not executor._pinning  # answered: it pins nothing any more
+    executor.disk.close()
+    cluster.close()

@@ -38,11 +38,13 @@ import os
 import secrets
 import stat as stat_mode
 import threading
+import time
 import weakref
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+from ...platform import threads as platform_threads
 from ...platform.threads import yield_to_compute
 from ..tier import OK, Failure, TierCounters, TierResult
 from .format import (FILE_SUFFIX, FOREIGN_PROBLEMS, HEADER_BYTES, TEMP_SUFFIX, Header, check_fingerprint,
@@ -80,6 +82,7 @@ class _PendingWrite:
     done: Optional[Callable[[TierResult], None]]
     cancel_reason: Optional[Failure] = None  # CANCELLED (deleted) or SUPERSEDED (written again): it must not land
     counted: bool = True  # its bytes still count as pending
+    queued_at: float = 0.0  # time.monotonic() when queued: the rescuer writes what waited the yield bound
 
 
 class DiskTier:
@@ -116,6 +119,7 @@ class DiskTier:
         self._work = threading.Condition(self._lock)  # writers wait here for items
         self._idle = threading.Condition(self._lock)  # flush waits here for the last done
         self._queue: deque[_PendingWrite] = deque()
+        self._urgent: deque[_PendingWrite] = deque()  # writes something waits for: the rescuer takes them at once
         self._pending: dict[str, _PendingWrite] = {}  # latest accepted write of each name not yet on disk
         self._pending_bytes = 0  # header + payload bytes of accepted writes not yet finished
         self._unfinished = 0  # accepted writes whose `done` has not run yet
@@ -144,6 +148,9 @@ class DiskTier:
         self._yields = yields
         self._threads = [threading.Thread(target=self._run_writer, name=f"lmcache-npu-disk-writer-{i}", daemon=True)
                          for i in range(writer_threads)]
+        if yields:  # a write that waited the yield bound for an idle core runs at normal priority (platform/threads)
+            self._threads.append(threading.Thread(target=self._run_writer, args=(True,), daemon=True,
+                                                  name="lmcache-npu-disk-writer-rescuer"))
         for thread in self._threads:
             thread.start()
 
@@ -195,14 +202,15 @@ class DiskTier:
     # ---- writes -------------------------------------------------------------------------------------------------
 
     def write_async(self, name: str, data: Any, done: Optional[Callable[[TierResult], None]] = None,
-                    copy: bool = True) -> TierResult:
+                    copy: bool = True, urgent: bool = False) -> TierResult:
         """Copies `data` and queues it; OK when queued, else CLOSED, QUEUE_FULL or CAPACITY. `done` runs exactly once
         (writer thread) for queued writes only: OK, DISK_FULL, IO, UNTRUSTED, or CANCELLED/SUPERSEDED when a delete
         or a newer write overtook it.
 
         `copy=False` queues a reference to `data` instead of a copy: the caller must keep those bytes unchanged
         until `done` has run (no writer reads them after that). It still counts against `max_pending_bytes`,
-        which then bounds how much of the caller's memory waits on the disk."""
+        which then bounds how much of the caller's memory waits on the disk. `urgent`: something waits for the write
+        (the caller's memory is short): it goes first and waits for no idle core."""
         check_name(name)
         view = _byte_view(data, writable=False)
         file_bytes = HEADER_BYTES + view.nbytes
@@ -212,7 +220,7 @@ class DiskTier:
             with self._lock:
                 refusal = self._refusal(file_bytes)
                 if refusal is None:
-                    self._enqueue(_PendingWrite(name, payload, file_bytes, done))
+                    self._enqueue(_PendingWrite(name, payload, file_bytes, done), urgent)
                     return OK
         self.counters.add(_REFUSAL_COUNTERS[refusal])
         return TierResult.fail(refusal)
@@ -226,15 +234,21 @@ class DiskTier:
             return Failure.CAPACITY
         return None
 
-    def _enqueue(self, item: _PendingWrite) -> None:
+    def _enqueue(self, item: _PendingWrite, urgent: bool = False) -> None:
         previous = self._pending.get(item.name)
         if previous is not None:
             self._cancel(previous, Failure.SUPERSEDED)
         self._pending[item.name] = item
-        self._queue.append(item)
+        item.queued_at = time.monotonic()
+        if urgent and self._yields:  # never left to a writer that yields: the rescuer takes it at once
+            self._urgent.append(item)
+        elif urgent:
+            self._queue.appendleft(item)
+        else:
+            self._queue.append(item)
         self._pending_bytes += item.file_bytes
         self._unfinished += 1
-        self._work.notify()
+        self._work.notify_all()  # the rescuer too: it times the queue's head
 
     def _cancel(self, item: _PendingWrite, reason: Failure) -> None:
         """Under the lock: the write must not land; a writer already holding its bytes discards its temp file."""
@@ -249,16 +263,14 @@ class DiskTier:
         if self._pending.get(item.name) is item:
             del self._pending[item.name]
 
-    def _run_writer(self) -> None:
-        if self._yields:
+    def _run_writer(self, rescuer: bool = False) -> None:
+        if self._yields and not rescuer:
             yield_to_compute()
         landed: list[_PendingWrite] = []  # renamed, waiting for their directory fsync before `done`
         dirty_fans: set[str] = set()
         while True:
             with self._lock:
-                while not self._queue and not landed and not self._stopping:
-                    self._work.wait()
-                item = self._queue.popleft() if self._queue else None
+                item = self._take(rescuer, bool(landed))
                 payload = item.data if item is not None else None
             if item is None:
                 if not landed:
@@ -273,6 +285,25 @@ class DiskTier:
             dirty_fans.add(fan_of(item.name))
             if len(landed) >= _DIR_SYNC_BATCH:
                 self._report_landed(landed, dirty_fans)
+
+    def _take(self, rescuer: bool, landing: bool) -> Optional[_PendingWrite]:
+        """Under the lock: a writer's next item; None when it has files `landing` to report first, or the tier
+        stops. The rescuer takes the urgent items and those that waited the yield bound (any, once stopping)."""
+        while True:
+            wait: Optional[float] = None
+            if rescuer and self._urgent:
+                self.counters.add(Metric.RESCUED_WRITES)
+                return self._urgent.popleft()
+            if self._queue:
+                if not rescuer or self._stopping:
+                    return self._queue.popleft()
+                wait = self._queue[0].queued_at + platform_threads.YIELD_BOUND_S - time.monotonic()
+                if wait <= 0:
+                    self.counters.add(Metric.RESCUED_WRITES)
+                    return self._queue.popleft()
+            if landing or self._stopping:
+                return None
+            self._work.wait(wait)
 
     def _write_one(self, item: _PendingWrite, payload: Optional[bytes | memoryview]) -> TierResult:
         if payload is None:
