@@ -89,12 +89,12 @@ gpu-wheels: setup
 # CANN's CMake interface, real ACL/torch_npu/torch headers and libraries from their PyPI wheels (cached in
 # build/npu-toolchain); RUNPATH, NEEDED, symbol resolution and a real-header compile. tests/npu_build runs the same
 # in CI (make test).
-NPU_BUILD_CHECK := tools/npu_build/check_npu_build.py
+NPU_BUILD_CHECK := build_checks/npu_build/check_npu_build.py
 
 .PHONY: check-npu-build npu-toolchain
 # the toolchain alone (stdlib + pip), so CI fetches it beside the venv installs instead of inside the test run
 npu-toolchain:
-	$(PYTHON) -c "from tools.npu_build.toolchain import ensure_toolchain; ensure_toolchain()"
+	$(PYTHON) -c "from build_checks.npu_build.toolchain import ensure_toolchain; ensure_toolchain()"
 
 check-npu-build:
 	test -x $(BIN)/python || $(MAKE) setup
