@@ -58,8 +58,8 @@ logger = logging.getLogger(__name__)
 _DIR_SYNC_BATCH = 32
 # Keeps temp names of two processes with the same pid (other PID namespaces, a pid reused) apart.
 _INCARNATION = secrets.token_hex(4)
-_REFUSAL_COUNTERS = {Failure.CLOSED: "closed_refused", Failure.QUEUE_FULL: "queue_full",
-                     Failure.CAPACITY: "capacity_refused"}
+_REFUSAL_COUNTERS = {Failure.CLOSED: Metric.CLOSED_REFUSED, Failure.QUEUE_FULL: Metric.QUEUE_FULL,
+                     Failure.CAPACITY: Metric.CAPACITY_REFUSED}
 
 
 def _byte_view(buffer: Any, writable: bool) -> memoryview:
