@@ -136,7 +136,9 @@ def _doctor(args: argparse.Namespace) -> int:
     checks = run_doctor(DoctorOptions(args.device, args.kv_transfer_config,
                                       str(args.model_config) if args.model_config else None,
                                       str(args.disk_path) if args.disk_path else None, args.model,
-                                      tensor_parallel_size=args.tensor_parallel_size))
+                                      tensor_parallel_size=args.tensor_parallel_size,
+                                      data_parallel_size=args.data_parallel_size,
+                                      prefix_caching_hash_algo=args.prefix_caching_hash_algo))
     if args.json:
         print(to_json(checks))
     else:
@@ -522,6 +524,10 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("--tensor-parallel-size", type=int, default=1, metavar="TP",
                         help="the --tensor-parallel-size you pass to vllm serve: the device memory estimate counts "
                         "the TP share exchange's HCCL communicator when it is above 1")
+    doctor.add_argument("--data-parallel-size", type=int, default=1, metavar="DP",
+                        help="the --data-parallel-size you pass to vllm serve: each rank's disk directory is checked")
+    doctor.add_argument("--prefix-caching-hash-algo", default="sha256",
+                        help="the --prefix-caching-hash-algo you pass to vllm serve (default sha256, vLLM's)")
     doctor.add_argument("--selftest", action="store_true",
                         help="on an Ascend card, in under a minute: the arena's host-memory path and what ACL says of "
                         "it, a 32 MiB copy against torch's pinned copy, a kernel round trip byte-checked against the "

@@ -35,10 +35,11 @@ from ..platform.ascend_host import (
 from ..platform.npu_budget import HCCL_SHARE_BUFFER_MB, STAGING_WINDOW_BYTES_DEFAULT, TRANSFER_LANES
 from ..platform.npu_smi import npu_ids, run_board_info, run_command, soc_from_board_info
 from ..platform.vm import base_page_bytes, thp_pmd_bytes
+from .doctor_refusals import check_refusals
+from .doctor_verdict import FAIL, OK, SKIP, WARN, Check
 
 logger = logging.getLogger(__name__)
 
-OK, WARN, FAIL, SKIP = "ok", "warn", "fail", "skip"
 CONNECTOR_CLASS = "LMCacheNPUConnector"
 CONNECTOR_MODULES = ("lmcache_npu.integration.vllm", "lmcache_npu.integration.vllm.connector")
 KV_ROLES = ("kv_both", "kv_producer", "kv_consumer")
@@ -49,14 +50,6 @@ MIN_VLLM = (0, 23)
 REASON_310P = "KV cache transfer is not supported for 310P"
 KV_TRANSFER_REFUSED_ON_310P_THROUGH = (0, 25)
 PYTHON_RANGE = ((3, 11), (3, 12))  # the package needs 3.11 (StrEnum); vllm-ascend 0.23 supports <3.13
-
-
-@dataclass(frozen=True)
-class Check:
-    name: str
-    verdict: str
-    detail: str
-    fix: str = ""
 
 
 def _release(version: Optional[str]) -> Optional[tuple[int, ...]]:
@@ -590,6 +583,8 @@ class DoctorOptions:
     disk_path: Optional[str] = None
     model: Optional[str] = None  # the model directory or hub id vLLM will serve: its weights' fingerprint
     tensor_parallel_size: int = 1  # vLLM's --tensor-parallel-size: whether the TP share exchange takes device memory
+    data_parallel_size: int = 1  # vLLM's --data-parallel-size: each rank's disk directory under disk_path
+    prefix_caching_hash_algo: str = "sha256"  # vLLM's --prefix-caching-hash-algo (its default from 0.23 to 0.32)
 
 
 def _read(path: str) -> str:
@@ -657,6 +652,8 @@ def run_doctor(options: DoctorOptions, environ: Optional[Mapping[str, str]] = No
     disk_path = options.disk_path or (store.disk_path if store is not None else None)
     checks.append(check_disk(disk_path, store.disk_bytes if store is not None else 0, _read("/proc/mounts")))
     checks += check_mooncake(store.mooncake if store is not None else None)
+    checks += check_refusals(config, env, options.disk_path, options.data_parallel_size,
+                             options.prefix_caching_hash_algo)
     checks.append(check_model(options.model_config, device,
                               config.chunk_tokens if config is not None else None))
     checks.append(check_weights(options.model, config))
