@@ -484,7 +484,8 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--seed", type=int, default=0)
     replay.add_argument("--json", type=Path, help="write the report as JSON")
     replay.add_argument("--log-file", type=Path, help="where the engines' output goes (vLLM's log, progress bars, "
-                        "torch and Mooncake lines; default: a new file in the temporary directory); its path is printed")
+                        "torch and Mooncake lines; default: a new file in the temporary directory); its path is "
+                        "printed")
     replay.set_defaults(func=_replay)
 
     bench = sub.add_parser("bench", help="store and load N chunks of a model's KV geometry and report bandwidth")
