@@ -2,7 +2,7 @@
 half of every chunk's namespace.
 
 Workers compute it after the model is built and before any chunk is named (`register_kv_caches`), from what they
-actually hold: the weights' content (`store.identity.fingerprint_weights` over the checkpoint vLLM loaded), the
+actually hold: the weights' content (`identity.weights.fingerprint_weights` over the checkpoint vLLM loaded), the
 effective config, dtypes and KV-cache dtype as this process set them, the KV-cache scales of the attention layers,
 TP size and the block-hash algorithm. The scheduler never computes its own: it adopts the workers' namespace from
 the handshake, so a worker-side rewrite (vllm-ascend's fp8 `cache_dtype` on A5) cannot split the two halves.
