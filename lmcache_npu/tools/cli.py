@@ -153,7 +153,7 @@ def _inspect(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from .presets import preset_layout
-    from ..layout.report import render_layout
+    from .layout_report import render_layout
 
     skip = tuple(args.skip_spec_kinds.split(",")) if args.skip_spec_kinds is not None else None
     options = {} if skip is None else {"skip_spec_kinds": tuple(k for k in skip if k)}

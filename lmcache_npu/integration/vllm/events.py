@@ -27,8 +27,6 @@ MEDIUMS: dict[Tier, tuple[str, str]] = {
     Tier.DISK: ("STORAGE", "LOCAL"),
     Tier.REMOTE: ("MOONCAKE", "REMOTE"),
 }
-# tiers whose departures the index reports: a chunk announced there keeps its payload until it leaves
-LOCAL_TIERS = (Tier.ARENA, Tier.DISK)
 DEFAULT_MAX_EVENTS = 100_000
 _LOW_64_BITS = (1 << 64) - 1
 # payloads kept beyond the chunks the tiers can hold: room for stores and promotions in flight
