@@ -34,6 +34,7 @@ from ..platform.ascend_host import (
 )
 from ..platform.npu_budget import HCCL_SHARE_BUFFER_MB, STAGING_WINDOW_BYTES_DEFAULT, TRANSFER_LANES
 from ..platform.npu_smi import npu_ids, run_board_info, run_command, soc_from_board_info
+from ..identity.naming import content_of, unnamed_weights_refusal
 from ..platform.vm import base_page_bytes, thp_pmd_bytes
 from .doctor_refusals import check_refusals
 from .doctor_verdict import FAIL, OK, SKIP, WARN, Check
@@ -532,47 +533,39 @@ def check_model(path: Optional[str], device: str, chunk_tokens: Optional[int]) -
 
 
 def check_weights(model: Optional[str], config: Any) -> Check:
-    """The weights' content fingerprint the workers will compute (the namespace's weights part), and whether the
-    configured tiers can run with it."""
-    persistent = config is not None and (config.store.disk_path is not None or config.store.mooncake is not None
-                                         or config.node_cache is not None)
+    """The weights' content fingerprint the workers will compute (the namespace's weights part, named as the engine
+    names it: `identity/naming.py`), and whether the configured tiers can run with it (the engine's refusal if not)."""
+    persistent = config is not None and config.outlives_engine
     named = config is not None and config.model_fingerprint is not None
     if named:
         return Check("model identity", OK, f"weights named by model_fingerprint {config.model_fingerprint!r} (their "
                      "content is not read)")
     if not model:
         return Check("model identity", SKIP, "no --model given (a model directory or a cached hub id)")
-    from ..identity.weights import NoWeightsFound, find_model_dir, fingerprint_weights
-
-    model_dir = find_model_dir(model)
-    problem = f"{model!r} is neither a local directory nor a cached hub snapshot" if model_dir is None else ""
-    if model_dir is not None:
-        try:
-            weights = fingerprint_weights(model_dir)
-        except NoWeightsFound as exc:
-            problem = str(exc)
-        except (OSError, ValueError) as exc:
-            return Check("model identity", FAIL, f"{model_dir}: {exc}", "check the checkpoint's files")
-        else:
-            made_of = ", ".join(f"{k} {v}" for k, v in weights.describe().items() if k != "digest")
-            # how much of the content the namespace really covers (finding N4): sampling has a blind spot
-            if weights.read_whole:
-                coverage = f"all {weights.files} weight files read whole"
-            else:
-                coverage = (f"{weights.hub_sha256_files} of {weights.files} weight files with a full sha256 from the "
-                            f"Hugging Face cache, {weights.sampled_files} sampled only")
-                if weights.sampled_files:
-                    coverage += (f" (the fingerprint read {weights.bytes_read / 2**20:.1f} MiB of "
-                                 f"{weights.weight_bytes / 2**20:.1f} MiB: an edit to part of a tensor that misses "
-                                 "every sampled page is not seen; name such weights with model_fingerprint, e.g. "
-                                 "their sha256, if that matters)")
-            return Check("model identity", OK, f"weights sha256:{weights.digest.hex()[:32]}...; {coverage} "
-                         f"({made_of})")
+    try:
+        weights, model_dir = content_of(model)
+    except (OSError, ValueError) as exc:
+        return Check("model identity", FAIL, f"{model}: {exc}", "check the checkpoint's files")
     fix = ("set model_fingerprint in kv_connector_extra_config to a name for these exact weights, or serve with the "
            "host arena alone")
-    outcome = ("the disk and Mooncake tiers and the node cache refuse to start" if persistent else
-               "only the host arena can run")
-    return Check("model identity", FAIL if persistent else WARN, f"{problem}: {outcome}", fix)
+    if isinstance(weights, str):
+        if persistent:
+            return Check("model identity", FAIL, unnamed_weights_refusal(weights), fix)
+        return Check("model identity", WARN, f"{weights}: only the host arena can run", fix)
+    made_of = ", ".join(f"{k} {v}" for k, v in weights.describe().items() if k != "digest")
+    # how much of the content the namespace really covers (finding N4): sampling has a blind spot
+    if weights.read_whole:
+        coverage = f"all {weights.files} weight files read whole"
+    else:
+        coverage = (f"{weights.hub_sha256_files} of {weights.files} weight files with a full sha256 from the "
+                    f"Hugging Face cache, {weights.sampled_files} sampled only")
+        if weights.sampled_files:
+            coverage += (f" (the fingerprint read {weights.bytes_read / 2**20:.1f} MiB of "
+                         f"{weights.weight_bytes / 2**20:.1f} MiB: an edit to part of a tensor that misses "
+                         "every sampled page is not seen; name such weights with model_fingerprint, e.g. "
+                         "their sha256, if that matters)")
+    return Check("model identity", OK, f"weights sha256:{weights.digest.hex()[:32]}... of {model_dir}; {coverage} "
+                 f"({made_of})")
 
 
 @dataclass(frozen=True)

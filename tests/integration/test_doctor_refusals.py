@@ -11,13 +11,14 @@ import socket
 import struct
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Optional
 
 import pytest
 
 from lmcache_npu.config import load_config
 from lmcache_npu.node.client import NodeCacheUnavailable, check_service_peer
 from lmcache_npu.store.secret import SECRET_ENV
+from lmcache_npu.tools.doctor import check_weights
 from lmcache_npu.tools.doctor_refusals import check_node_cache_socket, check_refusals
 from lmcache_npu.tools.doctor_verdict import FAIL, OK, SKIP, WARN
 
@@ -37,13 +38,13 @@ def engine_refusal(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., st
     saved = getattr(kv_cache_utils, "NONE_HASH", None)
     engines: list[Any] = []
 
-    def start(env: dict[str, str], **extra_config: Any) -> str:
+    def start(env: dict[str, str], model_dir: Optional[str] = None, **extra_config: Any) -> str:
         for name in ("PYTHONHASHSEED", SECRET_ENV):
             monkeypatch.delenv(name, raising=False)
         for name, value in env.items():
             monkeypatch.setenv(name, value)
         try:
-            engines.append(Engine(EngineSpec(extra_config=extra_config)))
+            engines.append(Engine(EngineSpec(extra_config=extra_config, model_dir=model_dir)))
         except ValueError as exc:
             return str(exc)
         return ""
@@ -177,3 +178,20 @@ def test_negative_control_a_node_cache_of_this_user_passes_both(tmp_path: Path) 
     assert check.verdict == OK, check.detail
     gone = check_node_cache_socket(str(tmp_path / "none.sock"))
     assert gone.verdict == WARN and "serves without it" in gone.detail  # the engine starts and attaches later
+
+
+def test_weights_nothing_names_are_refused_by_both_with_a_tier_that_outlives_the_engine(engine_refusal,
+                                                                                         tmp_path: Path) -> None:
+    from .vllm_cpu import tiny_model_dir
+
+    bare = tmp_path / "config-only"  # a model directory without weight files: nothing names its weights
+    bare.mkdir()
+    (bare / "config.json").write_text((Path(tiny_model_dir()) / "config.json").read_text())
+    env = {"PYTHONHASHSEED": SEED}
+    extra = {"disk_path": private_dir(tmp_path, "kv"), "disk_bytes": "64MiB"}
+    refused = engine_refusal(env, model_dir=str(bare), **extra)
+    check = check_weights(str(bare), load_config(extra, env))
+    assert refused and (check.verdict, check.detail) == (FAIL, refused)
+    # the negative control: the host arena alone runs such weights, and doctor only warns
+    assert engine_refusal(env, model_dir=str(bare)) == ""
+    assert check_weights(str(bare), load_config({}, env)).verdict == WARN
