@@ -5,7 +5,6 @@ and a valid configuration passes both (the negative control: doctor does not fai
 
 from __future__ import annotations
 
-import contextlib
 import os
 import socket
 import struct
@@ -31,12 +30,7 @@ MOONCAKE = {"master": "127.0.0.1:9", "metadata": "http://127.0.0.1:9/metadata"} 
 def engine_refusal(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., str]]:
     """Starts an engine (tests/integration/engine.py) with an extra config under an environment; returns the message
     of the ValueError it refused to start with ("" when it started). vLLM's NONE_HASH is put back afterwards."""
-    from vllm.v1.core import kv_cache_utils
-
-    from .engine import Engine, EngineSpec
-
-    saved = getattr(kv_cache_utils, "NONE_HASH", None)
-    engines: list[Any] = []
+    from .engine import Engine, EngineSpec, engines_closed_after
 
     def start(env: dict[str, str], model_dir: Optional[str] = None, **extra_config: Any) -> str:
         for name in ("PYTHONHASHSEED", SECRET_ENV):
@@ -49,12 +43,8 @@ def engine_refusal(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., st
             return str(exc)
         return ""
 
-    yield start
-    for engine in engines:
-        with contextlib.suppress(Exception):
-            engine.close()
-    if saved is not None:
-        kv_cache_utils.NONE_HASH = saved
+    with engines_closed_after() as engines:
+        yield start
 
 
 def doctor_failures(env: dict[str, str], **options: Any) -> list[str]:
