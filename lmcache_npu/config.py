@@ -130,6 +130,12 @@ class ConnectorConfig:
                              "`lmcache-npu node-cache` (its flags or its --config file) and remove them here (an "
                              "engine of a node cache has no arena, disk directory or Mooncake client of its own)")
 
+    @property
+    def outlives_engine(self) -> bool:
+        """Whether a tier keeps chunks beyond this engine and shares them (disk, Mooncake, the node cache): their names
+        must be stable across processes (`store.keys.check_stable_hashing`) and the weights named."""
+        return self.store.disk_path is not None or self.store.mooncake is not None or self.node_cache is not None
+
     @classmethod
     def connector_keys(cls) -> tuple[str, ...]:
         return tuple(f.name for f in dataclasses.fields(cls) if f.name != "store")

@@ -1,35 +1,9 @@
-"""Model identity from content (DESIGN §7, issue 21): a digest of what a model's KV bytes depend on.
-
-A chunk's namespace must change when the weights change, even if the new weights were saved at the same path
-under the same name. `fingerprint_weights` digests a checkpoint directory without reading all of it:
-
-* Weight files (`*.safetensors`, `*.bin`, `*.pt`, `*.pth`, `*.gguf`, `*.ckpt`, `*.npz`, `*.msgpack`, `*.h5`):
-  relative name, size and sampled content. A safetensors shard also gives its complete header (8-byte length and
-  JSON, validated), and at least one sample inside every tensor's data range, so a fine-tune that touched one
-  tensor is seen; tensors no larger than a sample (KV scales, norms) are read whole. Other weight files give
-  their first and last page and, under 1 MiB, are read whole.
-* Spread samples: pages evenly spaced over every weight file's data, in proportion to its size, for edits that
-  touch only part of a tensor. They get an eighth of the read budget (`max_read_bytes // 8`), or what the
-  per-tensor samples left if that is less.
-* Definition files, read whole: every `*.json` but tokenizer files and `generation_config.json` (sampling defaults
-  and token ids do not change the KV bytes of a given token sequence; vLLM's block hash has the token ids), and
-  every `*.py` (trust_remote_code modelling code).
-* Full content digests where they are free: a weight file of a Hugging Face cache snapshot
-  (`<repo>/snapshots/<revision>/<file>`, a symlink to `<repo>/blobs/<name>`) whose blob name is 64 hex digits
-  also gives that name, which huggingface_hub sets to the sha256 of the whole file (the Git LFS oid; non-LFS blobs
-  are named by their 40-hex git sha1 and get nothing extra). No byte is read for it, and the samples are kept: they
-  still see an in-place edit of a blob that keeps its name. Such an entry is digested under its own kind string,
-  so a snapshot's fingerprint differs from a plain copy's; plain directories' fingerprints are as they were.
-* Nothing else: not the directory's path or name, mtimes, READMEs, tokenizers, or hidden files and folders
-  (`.cache/`, `.git/`: tool metadata). Moving or renaming a checkpoint keeps its fingerprint.
-
-What sampling misses: positions depend only on the file's name, size and header, so anyone can compute them, and
-an edit of part of a tensor (a few rows of an embedding, some bytes of one projection) that touches no sampled
-page is not seen. Whole-tensor fine-tunes, merged LoRA and re-quantisation change every sampled page and are.
-
-Where the samples fall and how the read budget is shared: `sampling.py`; how they are read: `sample_reads.py`;
-the safetensors header: `safetensors_header.py`; which files count: `checkpoint_files.py`; LoRA adapters:
-`adapters.py`.
+"""Model identity from content (DESIGN §7, issue 21): `fingerprint_weights` digests a checkpoint directory without
+reading all of it, so a chunk's namespace changes when the weights do, even when new weights are saved at the same
+path under the same name. It digests each weight file's name, size, header and sampled pages, every definition file
+whole and the sha256 a Hugging Face cache's blob name gives, and nothing about where the checkpoint lies. What it reads
+and what sampling misses: docs/storage.md §1. Sample placement: `sampling.py`; reads: `sample_reads.py`; headers:
+`safetensors_header.py`; which files count: `checkpoint_files.py`; LoRA adapters: `adapters.py`.
 """
 
 from __future__ import annotations

@@ -1,33 +1,8 @@
-"""The chunk envelope: a trailer that says whose chunk an object is and proves its bytes (DESIGN §7, issue 21).
-
-Every chunk object that leaves the host arena for disk or Mooncake carries this record right after its payload,
-inside the same arena slot, so the bytes that travel are one contiguous range (`HostArena.sealed_view`). A chunk read
-back is loaded only when its envelope verifies for the key and rank the reader asked for: another model's namespace,
-another chunk, another rank, a short or long payload, a flipped byte or (with a store-wide secret) a forged envelope
-are each a named miss, never a load.
-
-Byte layout (little-endian, `ENVELOPE_BYTES` = 256):
-
-    offset  size  field
-         0     8  magic, b"LMCNPUEV"
-         8     2  format version, u16 (`ENVELOPE_VERSION`)
-        10     2  envelope size in bytes, u16 (256)
-        12     1  payload digest algorithm id, u8 (`DIGESTS`: 1 xxh3-128, 2 blake3, 3 blake2b-256, 4 sha256)
-        13     1  flags, u8: bit 0 set = a MAC is present
-        14     1  chunk hash length, u8 (at most `MAX_CHUNK_HASH_BYTES`)
-        15     1  reserved, 0
-        16    16  namespace: the ChunkKey's 32 hex digits as 16 bytes
-        32     4  rank, u32
-        36     4  reserved, 0
-        40     8  payload length, u64
-        48    80  chunk hash (vLLM's block hash), zero-padded
-       128    32  payload digest, zero-padded (xxh3-128 fills 16)
-       160    32  MAC: HMAC-SHA256(secret, bytes 0..160), zeros when no MAC
-       192    64  reserved, zeros
-
-Without a secret the digest detects corruption and misnamed objects, and anyone can recompute it. With a secret the
-payload digest is cryptographic and the MAC covers every field above it (the digest included), so a client without
-the secret cannot make an object that verifies.
+"""The chunk envelope (DESIGN §7, issue 21): a 256-byte trailer right after a chunk object's payload, in the same arena
+slot, that says whose chunk an object is (namespace, chunk hash, rank, length) and proves its bytes (a digest; with
+the store secret a cryptographic digest and an HMAC no client without the secret can forge). A chunk read back from
+disk or Mooncake is loaded only when its envelope verifies for the key and rank the reader asked for; anything else
+is a named miss. Byte layout, digests and their cost: docs/storage.md §5a.
 """
 
 from __future__ import annotations

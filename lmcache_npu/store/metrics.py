@@ -15,6 +15,8 @@ class Metric(StrEnum):
     ARENA_BYTES = "arena_bytes"
     ARENA_LIVE_BYTES = "arena_live_bytes"
     BOUNCE_OPS = "bounce_ops"
+    CAPACITY_REFUSED = "capacity_refused"
+    CLOSED_REFUSED = "closed_refused"
     COPY_OPS = "copy_ops"
     CORRUPT = "corrupt"
     COUNTER_REGRESSIONS = "counter_regressions"

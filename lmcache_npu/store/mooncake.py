@@ -1,25 +1,9 @@
 """Mooncake tier (DESIGN §7, L3): chunk shards in a Mooncake distributed store, shared by every instance.
 
-Worker side: `put` / `get_into` between arena slots and the store, zero-copy (`batch_put_from` /
-`batch_get_into` on registered arena addresses) where the installed client has those calls and the arena is
-registered, a copy through `put` / `get` otherwise. Scheduler side: `exists` answers the index's batch existence
-checks (the scheduler's client contributes no memory to the pool).
-
-Nothing here raises in the serving path. Every client call runs on the tier's own threads with a deadline
-(`timeout_s`); a timeout, an RPC failure or an unreachable master opens a circuit breaker: for `retry_after_s` the
-tier answers misses without calling the client, then one probe decides whether it is back. Facts about the client
-(checked against mooncake-transfer-engine-non-cuda 0.3.13): a missing key reads as -704, a too small buffer as
--600, an unreachable master as -900 (some calls only after ~4.5 s); a put of an existing key returns 0 without
-writing; `health_check()` crashes the process once the master is gone, so it is never called.
-
-Trust (issues 21, 31): a get runs the caller's envelope check (`verify`, one per name) on the bytes it will report,
-in the caller's own buffer (the arena slot), never on a copy of them: with `zero_copy` off the bytes land in the
-tier's bounce buffer, which transfer-engine peers can write, are copied into the slot, which no peer can address
-(the arena is never registered), and are checked there, so what verified is what the device loads. With `zero_copy`
-on (only with `trusted_network`) the slot itself is registered and peers could rewrite it after its check. A put first
-asks which names exist (one batch call): an existing object whose envelope verifies for this key counts as stored
-(`put_existing`, not written again); one that does not (another length, a forged or corrupt envelope) is removed and
-put again (`put_replaced_invalid`), and if it cannot be removed the put fails.
+Workers `put` / `get_into` between arena slots and the store (through a bounce buffer, or zero-copy on a trusted
+network); the scheduler's client answers `exists`. Nothing here raises in the serving path: every client call runs on
+the tier's threads with a deadline behind a circuit breaker, and a get is verified in the arena slot, never in memory
+a peer can write. The client's behaviour, faults and trust: docs/storage.md §5.
 """
 
 from __future__ import annotations

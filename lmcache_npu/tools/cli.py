@@ -136,7 +136,9 @@ def _doctor(args: argparse.Namespace) -> int:
     checks = run_doctor(DoctorOptions(args.device, args.kv_transfer_config,
                                       str(args.model_config) if args.model_config else None,
                                       str(args.disk_path) if args.disk_path else None, args.model,
-                                      tensor_parallel_size=args.tensor_parallel_size))
+                                      tensor_parallel_size=args.tensor_parallel_size,
+                                      data_parallel_size=args.data_parallel_size,
+                                      prefix_caching_hash_algo=args.prefix_caching_hash_algo))
     if args.json:
         print(to_json(checks))
     else:
@@ -151,7 +153,7 @@ def _inspect(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from .presets import preset_layout
-    from ..layout.report import render_layout
+    from .layout_report import render_layout
 
     skip = tuple(args.skip_spec_kinds.split(",")) if args.skip_spec_kinds is not None else None
     options = {} if skip is None else {"skip_spec_kinds": tuple(k for k in skip if k)}
@@ -298,12 +300,30 @@ def _replay_plugin_config(args: argparse.Namespace, disk_dir: Optional[str]) -> 
 
 
 def _replay(args: argparse.Namespace) -> int:
+    import os
+    import tempfile
+
+    from .run_log import RunLog
+
+    # vLLM logs at INFO into the run log, where an engine that failed to start has its reason
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO")
+    os.environ.setdefault("PYTHONHASHSEED", "20261127")  # disk-tier chunk keys (vLLM reads it); 0 is refused
+    path = args.log_file
+    if path is None:
+        fd, name = tempfile.mkstemp(prefix="lmcache-npu-replay-", suffix=".log")
+        os.close(fd)
+        path = Path(name)
+    with RunLog(path, until_exit=True) as run_log:
+        run_log.console_err.write(f"engine logs (vLLM, torch, Mooncake, progress bars): {run_log.path}\n")
+        return _replay_in(args, run_log)
+
+
+def _replay_in(args: argparse.Namespace, run_log: Any) -> int:
+    """The replay, with the engines' output in `run_log` and the tool's on its console streams."""
     import dataclasses
     import os
     import tempfile
 
-    _quiet_vllm()
-    os.environ.setdefault("PYTHONHASHSEED", "20261127")  # disk-tier chunk keys (vLLM reads it); 0 is refused
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -320,7 +340,8 @@ def _replay(args: argparse.Namespace) -> int:
         raise ValueError(f"replay needs a real vLLM engine: {missing}")
     if args.repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
-    console = Console(width=None if sys.stdout.isatty() else 120)  # the demo's report is laid out for 120 columns
+    out, err = run_log.console_out, run_log.console_err
+    console = Console(file=out, width=None if out.isatty() else 120)  # the demo's report is laid out for 120 columns
     if args.model_config is not None:
         recipe = recipe_from_config_file(args.model_config)
         model_dir, label = str(make_model(recipe, progress=console.log)), f"{args.model_config}"
@@ -358,16 +379,22 @@ def _replay(args: argparse.Namespace) -> int:
         configs = services.runnable(configs)
         restarts = not args.no_restart and any(c.plugin for c in configs)
         total = args.repeats * len(configs) * turns + (2 * len(conversations) if restarts else 0)
+        live = err.isatty()  # off a terminal a bar cannot redraw: each phase is a line instead
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                      console=Console(stderr=True), transient=not sys.stderr.isatty()) as progress:
+                      console=Console(file=err), transient=not live, disable=not live) as progress:
             task = progress.add_task("requests", total=total)
 
             def on_turn(run: str, turn) -> None:
                 progress.update(task, advance=len(turn.completions), description=f"{run}: turn {turn.turn + 1} done")
 
+            def on_phase(text: str) -> None:
+                progress.update(task, description=text)
+                if not live:
+                    err.write(f"{text}\n")
+
             report = run_replay(label, conversations, workload, settings, configs, vocab, repeats=args.repeats,
                                 working_set_tokens=working_set_tokens(conversations), restart=not args.no_restart,
-                                on_turn=on_turn, on_phase=lambda text: progress.update(task, description=text),
+                                on_turn=on_turn, on_phase=on_phase,
                                 services=services)
     report.settings["kv_cache_memory_bytes"] = kv_bytes
     for item in render_report(report):
@@ -456,6 +483,9 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--plot", type=Path, help="write replay-ttft.png and replay-sources.png into this directory")
     replay.add_argument("--seed", type=int, default=0)
     replay.add_argument("--json", type=Path, help="write the report as JSON")
+    replay.add_argument("--log-file", type=Path, help="where the engines' output goes (vLLM's log, progress bars, "
+                        "torch and Mooncake lines; default: a new file in the temporary directory); its path is "
+                        "printed")
     replay.set_defaults(func=_replay)
 
     bench = sub.add_parser("bench", help="store and load N chunks of a model's KV geometry and report bandwidth")
@@ -522,6 +552,10 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("--tensor-parallel-size", type=int, default=1, metavar="TP",
                         help="the --tensor-parallel-size you pass to vllm serve: the device memory estimate counts "
                         "the TP share exchange's HCCL communicator when it is above 1")
+    doctor.add_argument("--data-parallel-size", type=int, default=1, metavar="DP",
+                        help="the --data-parallel-size you pass to vllm serve: each rank's disk directory is checked")
+    doctor.add_argument("--prefix-caching-hash-algo", default="sha256",
+                        help="the --prefix-caching-hash-algo you pass to vllm serve (default sha256, vLLM's)")
     doctor.add_argument("--selftest", action="store_true",
                         help="on an Ascend card, in under a minute: the arena's host-memory path and what ACL says of "
                         "it, a 32 MiB copy against torch's pinned copy, a kernel round trip byte-checked against the "

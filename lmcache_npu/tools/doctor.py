@@ -34,11 +34,13 @@ from ..platform.ascend_host import (
 )
 from ..platform.npu_budget import HCCL_SHARE_BUFFER_MB, STAGING_WINDOW_BYTES_DEFAULT, TRANSFER_LANES
 from ..platform.npu_smi import npu_ids, run_board_info, run_command, soc_from_board_info
+from ..identity.naming import content_of, unnamed_weights_refusal
 from ..platform.vm import base_page_bytes, thp_pmd_bytes
+from .doctor_refusals import check_refusals
+from .doctor_verdict import FAIL, OK, SKIP, WARN, Check
 
 logger = logging.getLogger(__name__)
 
-OK, WARN, FAIL, SKIP = "ok", "warn", "fail", "skip"
 CONNECTOR_CLASS = "LMCacheNPUConnector"
 CONNECTOR_MODULES = ("lmcache_npu.integration.vllm", "lmcache_npu.integration.vllm.connector")
 KV_ROLES = ("kv_both", "kv_producer", "kv_consumer")
@@ -49,14 +51,6 @@ MIN_VLLM = (0, 23)
 REASON_310P = "KV cache transfer is not supported for 310P"
 KV_TRANSFER_REFUSED_ON_310P_THROUGH = (0, 25)
 PYTHON_RANGE = ((3, 11), (3, 12))  # the package needs 3.11 (StrEnum); vllm-ascend 0.23 supports <3.13
-
-
-@dataclass(frozen=True)
-class Check:
-    name: str
-    verdict: str
-    detail: str
-    fix: str = ""
 
 
 def _release(version: Optional[str]) -> Optional[tuple[int, ...]]:
@@ -539,47 +533,39 @@ def check_model(path: Optional[str], device: str, chunk_tokens: Optional[int]) -
 
 
 def check_weights(model: Optional[str], config: Any) -> Check:
-    """The weights' content fingerprint the workers will compute (the namespace's weights part), and whether the
-    configured tiers can run with it."""
-    persistent = config is not None and (config.store.disk_path is not None or config.store.mooncake is not None
-                                         or config.node_cache is not None)
+    """The weights' content fingerprint the workers will compute (the namespace's weights part, named as the engine
+    names it: `identity/naming.py`), and whether the configured tiers can run with it (the engine's refusal if not)."""
+    persistent = config is not None and config.outlives_engine
     named = config is not None and config.model_fingerprint is not None
     if named:
         return Check("model identity", OK, f"weights named by model_fingerprint {config.model_fingerprint!r} (their "
                      "content is not read)")
     if not model:
         return Check("model identity", SKIP, "no --model given (a model directory or a cached hub id)")
-    from ..identity.weights import NoWeightsFound, find_model_dir, fingerprint_weights
-
-    model_dir = find_model_dir(model)
-    problem = f"{model!r} is neither a local directory nor a cached hub snapshot" if model_dir is None else ""
-    if model_dir is not None:
-        try:
-            weights = fingerprint_weights(model_dir)
-        except NoWeightsFound as exc:
-            problem = str(exc)
-        except (OSError, ValueError) as exc:
-            return Check("model identity", FAIL, f"{model_dir}: {exc}", "check the checkpoint's files")
-        else:
-            made_of = ", ".join(f"{k} {v}" for k, v in weights.describe().items() if k != "digest")
-            # how much of the content the namespace really covers (finding N4): sampling has a blind spot
-            if weights.read_whole:
-                coverage = f"all {weights.files} weight files read whole"
-            else:
-                coverage = (f"{weights.hub_sha256_files} of {weights.files} weight files with a full sha256 from the "
-                            f"Hugging Face cache, {weights.sampled_files} sampled only")
-                if weights.sampled_files:
-                    coverage += (f" (the fingerprint read {weights.bytes_read / 2**20:.1f} MiB of "
-                                 f"{weights.weight_bytes / 2**20:.1f} MiB: an edit to part of a tensor that misses "
-                                 "every sampled page is not seen; name such weights with model_fingerprint, e.g. "
-                                 "their sha256, if that matters)")
-            return Check("model identity", OK, f"weights sha256:{weights.digest.hex()[:32]}...; {coverage} "
-                         f"({made_of})")
+    try:
+        weights, model_dir = content_of(model)
+    except (OSError, ValueError) as exc:
+        return Check("model identity", FAIL, f"{model}: {exc}", "check the checkpoint's files")
     fix = ("set model_fingerprint in kv_connector_extra_config to a name for these exact weights, or serve with the "
            "host arena alone")
-    outcome = ("the disk and Mooncake tiers and the node cache refuse to start" if persistent else
-               "only the host arena can run")
-    return Check("model identity", FAIL if persistent else WARN, f"{problem}: {outcome}", fix)
+    if isinstance(weights, str):
+        if persistent:
+            return Check("model identity", FAIL, unnamed_weights_refusal(weights), fix)
+        return Check("model identity", WARN, f"{weights}: only the host arena can run", fix)
+    made_of = ", ".join(f"{k} {v}" for k, v in weights.describe().items() if k != "digest")
+    # how much of the content the namespace really covers (finding N4): sampling has a blind spot
+    if weights.read_whole:
+        coverage = f"all {weights.files} weight files read whole"
+    else:
+        coverage = (f"{weights.hub_sha256_files} of {weights.files} weight files with a full sha256 from the "
+                    f"Hugging Face cache, {weights.sampled_files} sampled only")
+        if weights.sampled_files:
+            coverage += (f" (the fingerprint read {weights.bytes_read / 2**20:.1f} MiB of "
+                         f"{weights.weight_bytes / 2**20:.1f} MiB: an edit to part of a tensor that misses "
+                         "every sampled page is not seen; name such weights with model_fingerprint, e.g. "
+                         "their sha256, if that matters)")
+    return Check("model identity", OK, f"weights sha256:{weights.digest.hex()[:32]}... of {model_dir}; {coverage} "
+                 f"({made_of})")
 
 
 @dataclass(frozen=True)
@@ -590,6 +576,8 @@ class DoctorOptions:
     disk_path: Optional[str] = None
     model: Optional[str] = None  # the model directory or hub id vLLM will serve: its weights' fingerprint
     tensor_parallel_size: int = 1  # vLLM's --tensor-parallel-size: whether the TP share exchange takes device memory
+    data_parallel_size: int = 1  # vLLM's --data-parallel-size: each rank's disk directory under disk_path
+    prefix_caching_hash_algo: str = "sha256"  # vLLM's --prefix-caching-hash-algo (its default from 0.23 to 0.32)
 
 
 def _read(path: str) -> str:
@@ -657,6 +645,8 @@ def run_doctor(options: DoctorOptions, environ: Optional[Mapping[str, str]] = No
     disk_path = options.disk_path or (store.disk_path if store is not None else None)
     checks.append(check_disk(disk_path, store.disk_bytes if store is not None else 0, _read("/proc/mounts")))
     checks += check_mooncake(store.mooncake if store is not None else None)
+    checks += check_refusals(config, env, options.disk_path, options.data_parallel_size,
+                             options.prefix_caching_hash_algo)
     checks.append(check_model(options.model_config, device,
                               config.chunk_tokens if config is not None else None))
     checks.append(check_weights(options.model, config))

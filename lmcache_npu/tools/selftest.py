@@ -33,8 +33,7 @@ from typing import Any, Callable, Optional, Protocol
 import numpy as np
 import torch
 
-from ..ops.batch import ChunkBatch
-from ..ops.plan import Direction, GroupSpec, Plane, TransferPlan
+from ..ops.plan import GroupSpec, Plane, TransferPlan
 from ..ops.torch_backend import TorchBackend
 from ..platform.ascend_host import NpuHostMethod
 from ..platform.ascend_memory import PAGE_LOCKED_LOCATIONS

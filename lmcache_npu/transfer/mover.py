@@ -1,19 +1,9 @@
 """The worker's `DeviceMover`: device pages <-> arena slots through the transfer backend, off the model's path.
 
-`run` (called by the store executor on the model's thread) only records where the model's stream is and queues
-the batch. Loads and stores each have a lane: a thread with its own backend instance (staging buffers are not
-shared) and, on NPU/CUDA, its own stream. A lane turns the commands into slot arrays (`layout/slots.py`) and runs
-the batch as one kernel launch, then reports every command.
-
-The page fence (`release_pages`): before a step lets the model write pages, the model's stream waits for a queued
-store batch (an event after its kernel; on the host, the store's end) only when the step writes a page that batch
-still reads, which the scheduler names by store command (`LMCacheNPUConnectorMetadata.fenced_stores`); with no
-such list every queued store is waited for. A batch left unfenced keeps reading beside the step; a later step that
-writes its pages fences it then, and one whose lane finished is forgotten (every backend synchronizes before it
-returns). A wait is never free where the host synchronizes the model's stream before a graph replay (vllm-ascend
-does, every step), hence the narrowing. A load waits for the model's stream as it was when the load was queued;
-the scheduler counts the pages a load writes among the step's writes, so a store still reading them was fenced
-first: a load never overwrites a page a store still reads, and the two lanes never wait for each other otherwise.
+`run` (on the model's thread) records where the model's stream is and queues the batch on a lane (a thread with its
+own backend and, on NPU/CUDA, its own stream) that runs it as one kernel launch and reports every command.
+`release_pages` is the page fence: the model's stream waits only for queued stores that read a page the step writes.
+Why that keeps every page safe: docs/architecture.md §4, "Page lifetime".
 """
 
 from __future__ import annotations

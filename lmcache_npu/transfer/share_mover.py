@@ -1,24 +1,7 @@
-"""`SharedMover`: the `DeviceMover` of a rank that stores only its share of replicated KV (docs/storage.md
-"Replicated KV"); it wraps the rank's `KVMover`, which still moves whole chunk objects.
-
-Store: the kernel writes the full object into scratch memory (device memory with the device exchange, so only the
-own part and the share cross PCIe; host memory otherwise); when the batch reports, each command's own part and this
-rank's share are copied into its arena slot (`ShareLayout.pack`), so the arena, disk files and Mooncake objects hold
-`own + tail / share_ranks` bytes per rank. No collective: a chunk counts as stored only once every rank completed it
-(the scheduler's index already waits for all ranks), so a hit always has every share.
-
-Load: the exchange is a collective, so it runs in `run`, on the model's thread, where every rank handles the same
-commands in the same order (the scheduler sends one command list to all ranks and the executor hands the mover the
-step's loads as one batch). Each rank checks its stored objects, all-reduces one ok flag per command (MIN: a share
-missing on any rank fails the command on every rank), all-gathers the shares of the commands still ok, rebuilds the
-full objects and queues them on the wrapped mover, which scatters them into pages. A command that failed anywhere
-is reported failed on every rank and writes no row, so vLLM recomputes it. The flags go over a gloo group of its
-own (never one vLLM's threads use). The shares go either over the same group in host memory, each rank then moving
-whole objects to the device ("host" exchange), or, on NPU/CUDA, to the device first and over an HCCL/NCCL group of
-their own ("device" exchange): each rank's host-to-device bytes are then its share, the rest crosses the device
-fabric, and the full objects are rebuilt in device memory, where the transfer kernels read them. The device buffers
-are taken before the flags are agreed, and a rank that could not get them makes the whole group fall back to the
-host exchange for that batch, so no rank waits in a collective the others skip.
+"""`SharedMover`: the `DeviceMover` of a rank that stores only its share of replicated KV; it wraps the rank's
+`KVMover`, which still moves whole chunk objects. A store copies the own part and this rank's share into the arena
+slot (no collective); a load is a collective on the model's thread (one ok flag per command, then the shares over the
+host or the device exchange). How and why: docs/storage.md §6b "Replicated KV".
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from lmcache_npu.ops import get_backend
 from lmcache_npu.store.arena import HostArena, slot_bytes_for
 
 from ..ops.strategies import Case, cases
-from .marks import CUDA_KERNELS
+from .cuda_marks import CUDA_KERNELS
 from .reference import cuda_reference
 
 pytestmark = CUDA_KERNELS

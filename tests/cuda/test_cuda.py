@@ -14,7 +14,7 @@ from lmcache_npu.ops import get_backend
 from ..ops.oracle import Geometry, allocate
 from ..ops.strategies import Case, cases
 from ..ops.test_conformance import run_round_trip
-from .marks import CUDA_KERNELS
+from .cuda_marks import CUDA_KERNELS
 
 pytestmark = CUDA_KERNELS
 

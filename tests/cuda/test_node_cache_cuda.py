@@ -23,7 +23,7 @@ from lmcache_npu.store.arena import slot_bytes_for
 from lmcache_npu.store.config import StoreConfig
 
 from ..ops.strategies import Case, cases
-from .marks import CUDA_KERNELS
+from .cuda_marks import CUDA_KERNELS
 from .reference import cuda_reference
 
 pytestmark = CUDA_KERNELS

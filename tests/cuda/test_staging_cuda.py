@@ -13,7 +13,7 @@ from lmcache_npu.ops import device_staging
 from lmcache_npu.ops.cuda import work_order as planner
 
 from ..ops.staging_cases import CHUNKS, HOST_GAP, gap_bytes_of_a_store_after_a_load, two_group_geometry, two_group_slots
-from .marks import CUDA_KERNELS
+from .cuda_marks import CUDA_KERNELS
 
 pytestmark = CUDA_KERNELS
 CUDA = torch.device("cuda", 0)

@@ -12,7 +12,7 @@ import torch
 from lmcache_npu.transfer import StreamKit
 
 from ..transfer import ordering
-from .marks import CUDA_KERNELS
+from .cuda_marks import CUDA_KERNELS
 
 pytestmark = CUDA_KERNELS
 CUDA = torch.device("cuda", 0)

@@ -1,5 +1,5 @@
-"""The kernel source against the real open AscendC headers (tools/check_ascendc_headers.sh), where an operator has
-them: ASC_DEVKIT, ASC_TOOLS and STUB_FUN_DIR (see the script). Skipped with the script's reason elsewhere. A
+"""The kernel source against the real open AscendC headers (build_checks/check_ascendc_headers.sh), where an operator
+has them: ASC_DEVKIT, ASC_TOOLS and STUB_FUN_DIR (see the script). Skipped with the script's reason elsewhere. A
 deliberately wrong kernel must fail the same check."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "tools" / "check_ascendc_headers.sh"
+SCRIPT = ROOT / "build_checks" / "check_ascendc_headers.sh"
 SKIPPED = 77
 
 

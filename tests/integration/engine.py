@@ -15,7 +15,7 @@ import itertools
 import pickle
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 from unittest import mock
 
 import numpy as np
@@ -405,3 +405,22 @@ def _ours(connector: Any) -> LMCacheNPUConnector:
         if isinstance(candidate, LMCacheNPUConnector):
             return candidate
     raise AssertionError(f"no LMCacheNPUConnector in {type(connector).__name__}")
+
+
+@contextlib.contextmanager
+def engines_closed_after() -> Iterator[list[Engine]]:
+    """A list to put engines in: on the way out each is closed (one failing to close does not keep the others open),
+    and vLLM's NONE_HASH, which an engine re-seeds from PYTHONHASHSEED, is put back so later tests in this process
+    hash as before."""
+    from vllm.v1.core import kv_cache_utils
+
+    saved = getattr(kv_cache_utils, "NONE_HASH", None)
+    engines: list[Engine] = []
+    try:
+        yield engines
+    finally:
+        for engine in engines:
+            with contextlib.suppress(Exception):
+                engine.close()
+        if saved is not None:
+            kv_cache_utils.NONE_HASH = saved

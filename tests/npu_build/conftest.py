@@ -20,11 +20,11 @@ from pathlib import Path
 
 import pytest
 
-from tools.npu_build.check_npu_build import (BuildResult, check_build, configure_and_build,
+from build_checks.npu_build.check_npu_build import (BuildResult, check_build, configure_and_build,
                                               post_build_checks)
-from tools.npu_build.elf_checks import CheckResult
-from tools.npu_build.standin import assemble_standin
-from tools.npu_build.toolchain import ROOT, Toolchain, ToolchainUnavailable, ensure_toolchain
+from build_checks.npu_build.elf_checks import CheckResult
+from build_checks.npu_build.standin import assemble_standin
+from build_checks.npu_build.toolchain import ROOT, Toolchain, ToolchainUnavailable, ensure_toolchain
 
 SHARED = ROOT / "build" / "npu-build-check-tests"
 

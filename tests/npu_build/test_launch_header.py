@@ -1,4 +1,4 @@
-"""The stand-in toolkit's launch-header generator (tools/npu_build/standin_cann/.../launch_header.py): the
+"""The stand-in toolkit's launch-header generator (build_checks/npu_build/standin_cann/.../launch_header.py): the
 declaration CANN's ascendc_library generates from a kernel's signature, for our kernel and for others."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from tools.npu_build.toolchain import ROOT
+from build_checks.npu_build.toolchain import ROOT
 
-SCRIPT = ROOT / "tools/npu_build/standin_cann/tools/tikcpp/ascendc_kernel_cmake/launch_header.py"
+SCRIPT = ROOT / "build_checks/npu_build/standin_cann/tools/tikcpp/ascendc_kernel_cmake/launch_header.py"
 _spec = importlib.util.spec_from_file_location("launch_header", SCRIPT)
 assert _spec and _spec.loader
 launch_header = importlib.util.module_from_spec(_spec)

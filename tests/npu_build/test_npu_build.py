@@ -1,4 +1,4 @@
-"""The _npu build against CANN's CMake rules, on x86 (tools/npu_build, docs/npu_build.md): the real build passes
+"""The _npu build against CANN's CMake rules, on x86 (build_checks/npu_build, docs/npu_build.md): the real build passes
 every check, and each check fails on the defect it exists for (negative controls)."""
 
 from __future__ import annotations
@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from tools.npu_build.check_npu_build import KERNEL_LIBRARY, RELINK_MARK, SOC_VERSION, configure_and_build
-from tools.npu_build.elf_checks import (check_needed_resolve, check_no_search_path, check_search_path,
+from build_checks.npu_build.check_npu_build import KERNEL_LIBRARY, RELINK_MARK, SOC_VERSION, configure_and_build
+from build_checks.npu_build.elf_checks import (check_needed_resolve, check_no_search_path, check_search_path,
                                         check_symbols_resolve)
-from tools.npu_build.header_check import (CompileCommand, compile_syntax_only, object_arguments,
+from build_checks.npu_build.header_check import (CompileCommand, compile_syntax_only, object_arguments,
                                           target_compile_commands)
-from tools.npu_build.standin import acl_function_names
-from tools.npu_build.toolchain import ROOT, Toolchain
+from build_checks.npu_build.standin import acl_function_names
+from build_checks.npu_build.toolchain import ROOT, Toolchain
 
 from .conftest import SharedBuild, install_script_verdict
 

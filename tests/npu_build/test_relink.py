@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from tools.npu_build.check_npu_build import KERNEL_LIBRARY, RELINK_MARK
-from tools.npu_build.elf_checks import check_no_search_path, check_search_path
-from tools.npu_build.toolchain import ROOT
+from build_checks.npu_build.check_npu_build import KERNEL_LIBRARY, RELINK_MARK
+from build_checks.npu_build.elf_checks import check_no_search_path, check_search_path
+from build_checks.npu_build.toolchain import ROOT
 
 from .conftest import SharedBuild, install_script_verdict
 
@@ -24,7 +24,7 @@ _MISSING = [tool for tool in ("cmake", "make", "g++", "readelf") if shutil.which
 if _MISSING:
     pytest.skip(f"the re-link tests need {', '.join(_MISSING)} on PATH", allow_module_level=True)
 
-RELINK = ROOT / "tools" / "npu_build" / "standin_cann" / "tools" / "tikcpp" / "ascendc_kernel_cmake" / "relink.py"
+RELINK = ROOT / "build_checks/npu_build/standin_cann/tools/tikcpp/ascendc_kernel_cmake/relink.py"
 KERNEL = ROOT / "csrc" / "ascendc" / "kv_transfer_kernel.cpp"
 # what csrc/ascendc/CMakeLists.txt gave the kernel library before the fix, and what it gives it now
 BEFORE_FIX = 'BUILD_WITH_INSTALL_RPATH TRUE INSTALL_RPATH "$ORIGIN"'

@@ -7,7 +7,7 @@ from typing import Iterator
 
 import pytest
 
-from tools.npu_build.toolchain import ToolchainUnavailable, ensure_toolchain
+from build_checks.npu_build.toolchain import ToolchainUnavailable, ensure_toolchain
 
 from .fake_build import build_fake_npu
 from .fake_npu import FakeNpu

@@ -59,8 +59,8 @@ def _compile(cxx: str, source: Path, output: Path, flags: list[str]) -> None:
         raise RuntimeError(f"compiling {source.relative_to(ROOT)} for the fake NPU failed:\n{result.stderr[-4000:]}")
 
 
-STANDIN_INCLUDE = ROOT / "tools/npu_build/standin_cann/include"
-LAUNCH_HEADER_TOOL = ROOT / "tools/npu_build/standin_cann/tools/tikcpp/ascendc_kernel_cmake/launch_header.py"
+STANDIN_INCLUDE = ROOT / "build_checks/npu_build/standin_cann/include"
+LAUNCH_HEADER_TOOL = ROOT / "build_checks/npu_build/standin_cann/tools/tikcpp/ascendc_kernel_cmake/launch_header.py"
 KERNEL_SOURCE = ROOT / "csrc/ascendc/kv_transfer_kernel.cpp"
 
 

@@ -5,7 +5,6 @@ runs."""
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any, Iterator
 
 import pytest
@@ -44,12 +43,7 @@ def test_an_unset_seed_is_still_refused_for_its_own_reason():
 def engine_with_seed(monkeypatch) -> Iterator[Any]:
     """Builds an engine (tests/integration/engine.py) under a PYTHONHASHSEED; closes it, and puts vLLM's NONE_HASH
     back (the engine re-seeds it from the variable) so later tests in this process hash as before."""
-    from vllm.v1.core import kv_cache_utils
-
-    from tests.integration.engine import Engine, EngineSpec
-
-    saved = getattr(kv_cache_utils, "NONE_HASH", None)
-    engines: list[Any] = []
+    from tests.integration.engine import Engine, EngineSpec, engines_closed_after
 
     def make(seed: str, **extra_config: Any) -> Any:
         monkeypatch.setenv("PYTHONHASHSEED", seed)
@@ -57,12 +51,8 @@ def engine_with_seed(monkeypatch) -> Iterator[Any]:
         engines.append(engine)
         return engine
 
-    yield make
-    for engine in engines:
-        with contextlib.suppress(Exception):
-            engine.close()
-    if saved is not None:
-        kv_cache_utils.NONE_HASH = saved
+    with engines_closed_after() as engines:
+        yield make
 
 
 def test_an_engine_with_a_disk_tier_refuses_seed_0(engine_with_seed, tmp_path):

@@ -35,7 +35,7 @@ needs_master = pytest.mark.skipif(bool(_real_mooncake_reason()), reason=_real_mo
 
 def _scenario(name: str, timeout: float = 240) -> dict:
     env = dict(os.environ, PYTHONPATH=str(ROOT), GLOG_minloglevel="2")
-    done = run_in_loopback_netns([sys.executable, "-m", "tests.store.mooncake_scenarios", name], env=env,
+    done = run_in_loopback_netns([sys.executable, "-m", "tests.store.mooncake_tier_scenarios", name], env=env,
                                  timeout=timeout)
     assert done.returncode == 0, f"scenario {name} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     return json.loads(done.stdout.strip().splitlines()[-1])

@@ -2,7 +2,7 @@
 half of every chunk's namespace.
 
 Workers compute it after the model is built and before any chunk is named (`register_kv_caches`), from what they
-actually hold: the weights' content (`store.identity.fingerprint_weights` over the checkpoint vLLM loaded), the
+actually hold: the weights' content (`identity.weights.fingerprint_weights` over the checkpoint vLLM loaded), the
 effective config, dtypes and KV-cache dtype as this process set them, the KV-cache scales of the attention layers,
 TP size and the block-hash algorithm. The scheduler never computes its own: it adopts the workers' namespace from
 the handshake, so a worker-side rewrite (vllm-ascend's fp8 `cache_dtype` on A5) cannot split the two halves.
@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable
 
 from ...config import ConnectorConfig
+from ...identity.naming import content_of, unnamed_weights_refusal
 from ...node.messages import WEIGHTS_UNNAMED
 from ...store.keys import model_fingerprint
 from . import adapter
@@ -63,16 +64,9 @@ def _weights(config: ConnectorConfig, vllm_config: Any) -> tuple[str, dict[str, 
     if not source.from_files:
         return UNNAMED_WEIGHTS, {"weights": f"load_format {source.load_format!r} does not read the weights from "
                                             "local files"}
-    from ...identity.weights import NoWeightsFound, find_model_dir, fingerprint_weights
-
-    model_dir = find_model_dir(source.model, source.revision, source.download_dir)
-    if model_dir is None:
-        return UNNAMED_WEIGHTS, {"weights": f"{source.model!r} is neither a local directory nor a cached hub "
-                                            "snapshot"}
-    try:
-        weights = fingerprint_weights(model_dir)
-    except NoWeightsFound as exc:
-        return UNNAMED_WEIGHTS, {"weights": str(exc)}
+    weights, model_dir = content_of(source.model, source.revision, source.download_dir)
+    if isinstance(weights, str):
+        return UNNAMED_WEIGHTS, {"weights": weights}
     facts = {f"weights.{k}": str(v) for k, v in weights.describe().items()}
     return f"sha256:{weights.digest.hex()}", {"weights": f"content of {model_dir}", **facts}
 
@@ -84,12 +78,7 @@ def engine_identity(config: ConnectorConfig, vllm_config: Any, layer_names: Iter
     started = time.perf_counter()
     weights, how = _weights(config, vllm_config)
     if weights == UNNAMED_WEIGHTS and persistent_tiers:
-        raise UnnamedWeightsError(
-            f"lmcache_npu: the disk and Mooncake tiers and the node cache keep chunks beyond this engine (and share "
-            f"them), so they need the weights named by their content, and here they cannot be ({how['weights']}). "
-            "Set model_fingerprint in kv_connector_extra_config to a string that names these exact weights (e.g. the "
-            "checkpoint's sha256 or an immutable release tag, changed whenever the weights change), or run with the "
-            "engine's own host arena alone (no disk_path, mooncake or node_cache)")
+        raise UnnamedWeightsError(unnamed_weights_refusal(how["weights"]))
     facts = adapter.model_facts(vllm_config, config.model_name)
     facts["weights"] = weights
     facts["kv_cache_scales"] = adapter.kv_cache_scales(vllm_config, layer_names)

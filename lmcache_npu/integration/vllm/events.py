@@ -1,25 +1,9 @@
 """KV-cache events for routers (issue 24): which prefixes this instance holds behind the device cache.
 
-KV-aware routers (llm-d, vLLM's router, Dynamo) read vLLM's KV event stream (`--kv-events-config`) and send a
-request to the instance that holds its prefix. vLLM's scheduler asks its connector for events every step
-(`take_events`, scheduler side, every vLLM era we support) and publishes them with its own block-pool events in one
-`KVEventBatch`. Our index lives in the scheduler process, so this is where the events start:
-
-* The index tells `KVEvents.on_tier_change` whenever a chunk becomes readable in a tier or stops being so (a store
-  or promotion completed on every rank, a spill or write-through landed, a put landed, an eviction, a disk drop).
-* A chunk is named in the event the way vLLM names its blocks: the request's block hashes for every hash block the
-  chunk covers (`block_size` is vLLM's hash block size), the hash before its first block as parent, the chunk's
-  token ids, and the LoRA id and name. The index knows only chunk keys (re-keyed for LoRA content and end state), so
-  the scheduler half hands the request over (`remember`) when it plans a store or a promotion; a chunk never
-  remembered (one adopted from disk at restart and not asked for since) is not announced, and its removal is not
-  either.
-* Medium: "CPU" for the host arena (vLLM's constant for its own CPU offloading), "STORAGE" for the local disk (vLLM's
-  constant for its file tier), "MOONCAKE" for the Mooncake store (a medium of its own, since a router must not take
-  a disk drop for the cluster copy's end). Where vLLM's events have `locality`, disk and arena say "LOCAL" and
-  Mooncake "REMOTE". Mooncake evicts on its own and tells nobody, so its chunks are announced and never removed.
-* Events are made only when vLLM's KV events are enabled; otherwise the scheduler builds no `KVEvents` and the
-  index calls no listener. Between two steps at most `max_events` wait; past that the oldest are dropped, counted
-  (`dropped`) and warned about once.
+vLLM's scheduler asks its connector for events every step (`take_events`) and publishes them with its own; the
+index, in the scheduler process, tells `KVEvents.on_tier_change` when a chunk becomes readable in a tier or stops
+being so, and the events name the chunk as vLLM names its blocks. What is announced, the names, media and bounds:
+docs/storage.md §6a.
 """
 
 from __future__ import annotations
@@ -43,8 +27,6 @@ MEDIUMS: dict[Tier, tuple[str, str]] = {
     Tier.DISK: ("STORAGE", "LOCAL"),
     Tier.REMOTE: ("MOONCAKE", "REMOTE"),
 }
-# tiers whose departures the index reports: a chunk announced there keeps its payload until it leaves
-LOCAL_TIERS = (Tier.ARENA, Tier.DISK)
 DEFAULT_MAX_EVENTS = 100_000
 _LOW_64_BITS = (1 << 64) - 1
 # payloads kept beyond the chunks the tiers can hold: room for stores and promotions in flight

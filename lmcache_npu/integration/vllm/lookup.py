@@ -1,24 +1,9 @@
 """The lookup rules: which held chunks a hit may claim, given what the tiers answer about the request's keys.
 
-End state. A chunk whose recurrent (end-state) rows vLLM did not keep is stored under a second key
-(`ChunkKey.without_end_state`); a hit may pass through such chunks but must end on a complete one, since the
-request resumes from the last chunk's end state.
-
-Speculative decoding. Draft and MTP layers' KV is stored and loaded with the rest: vLLM (and vllm-ascend) put those
-layers in KV-cache groups like any other (DeepSeek MTP layers in the target's MLA group, DeepSeek-V4's in a
-sliding-window group flagged `is_eagle_group`), and a chunk holds every group. With an EAGLE-family drafter (EAGLE,
-EAGLE-3, MTP, DFlash: `adapter.eagle_block_drop`), the drafter's row at position p is computed from the target's
-hidden state at p and the token at p + 1, so the last row of a chunk depends on a token the chunk's key does not
-name. vLLM's rule for its own prefix cache is to match one block more than it uses and drop it
-(`drop_eagle_block`); it does not trim a connector's external tokens. The rule here is the same at chunk
-granularity: a hit claims only chunks followed by one more chunk some tier holds (complete, or without its end
-state), and the extra chunk is neither reserved, promoted nor loaded; the hit thus ends one chunk earlier than
-without a drafter, as vLLM's own hits end one block earlier. Stores are unchanged: with any speculative config vLLM
-calls `wait_for_save` after drafting (`finalize_kv_connector`), so a step's stores are queued behind the draft
-model's writes too (worker.py). ngram and draft-model drafting keep no row tied to the next token: no chunk is
-dropped.
-
-The scheduler half asks the index (`presence`, `lookup`); these functions only read its answers.
+A hit may pass through chunks stored without their end state but ends on a complete one; with an EAGLE-family
+drafter it claims only chunks followed by one more held chunk (vLLM's `drop_eagle_block`, per chunk). Why:
+docs/architecture.md §4, "What a step stores" and "Speculative decoding". The scheduler half asks the index
+(`presence`, `lookup`); these functions only read its answers.
 """
 
 from __future__ import annotations

@@ -1,34 +1,9 @@
 """The disk tier's file format, version 2: names, the 64-byte header, and what a file costs on disk.
 
-File format, version 2
-----------------------
-Path: ``{dir}/{fan}/{name}.kv``. ``fan`` is the first two hex digits of ``sha256(name)``: a 256-way fan-out
-subdirectory (mode 0700). It is taken from the digest, not from ``name[:2]``, because every name of one model
-starts with the same 32-hex namespace, so ``name[:2]`` would put a whole model's files in a single directory.
-
-A 64-byte little-endian header (``struct`` format ``<8sII16sQ12s12x``), then the payload:
-
-    offset  size  field
-    0       8     magic b"LMCNPUKV"
-    8       4     format version, u32 (= 2)
-    12      4     header size, u32 (= 64)
-    16      16    layout fingerprint (``TransferPlan.fingerprint``)
-    32      8     payload length in bytes, u64
-    40      12    first 12 bytes of sha256(name.encode()): detects a file renamed or copied to another name
-    52      12    reserved, zero
-    64      ...   payload
-
-The header holds what finds, trusts and bounds a file; it has no payload checksum. The payload is a sealed chunk
-object (``envelope.py``) whose envelope digest is its one integrity check: the executor verifies it on every
-promotion before the bytes are used, so a second hash here would only read every byte twice. Version 1 files (which
-carried an xxh3-64 checksum at offset 40) are another version's: skipped at scan and refused on read, never removed.
-
-The name digest stays: the scan and the tier know names, not keys, and it lets them judge a renamed or copied file
-from its header alone (removed at scan instead of adopted, advertised to the index and rejected at its first read).
-
-Writing: a temp file ``{name}.{pid}-{incarnation}.{seq}.tmp`` in the same subdirectory (O_CREAT|O_EXCL|O_NOFOLLOW,
-mode 0600), header + payload, fsync, rename over the final name, fsync the subdirectory (batched per writer
-thread). Readers only ever open final names, and rename is atomic, so a reader sees a whole file or none.
+A chunk shard is `{dir}/{fan}/{name}.kv` (`fan`: two hex digits of sha256(name), a 256-way fan-out); its header holds
+what finds, trusts and bounds the file and no payload checksum (the sealed object's envelope is the one check of its
+bytes); it is written under a temp name and renamed, so a reader sees a whole file or none. The header's fields, why
+the name digest stays, version 1 files and the write protocol: docs/storage.md §4.
 """
 
 from __future__ import annotations

@@ -128,8 +128,8 @@ def scan_root(root_fd: int, root: str, layout_fingerprint: bytes, counters: Opti
     summary = found.snapshot()
     logger.info("disk tier %s: %d entries (%d payload bytes); removed %d invalid and %d temp files; skipped %d of "
                 "another layout and %d symlinks", root, len(entries), sum(e.payload_bytes for e in entries),
-                summary.get("corrupt", 0), summary.get("temp_removed", 0), summary.get("foreign", 0),
-                summary.get("untrusted", 0))
+                summary.get(Metric.CORRUPT, 0), summary.get(Metric.TEMP_REMOVED, 0), summary.get(Metric.FOREIGN, 0),
+                summary.get(Metric.UNTRUSTED, 0))
     if counters is not None:
         for key, amount in summary.items():
             counters.add(key, amount)

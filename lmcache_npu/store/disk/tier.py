@@ -1,32 +1,8 @@
-"""Local-disk (NVMe) tier, worker side: one file per chunk shard under one directory it does not take on trust
-(the file format in `format`, the directory checks in `trust`, the lock in `lock`, the restart scan in `scan`).
-
-Trust
------
-At start (``DiskTier`` and ``scan_disk_directory``) the root and every existing fan directory must be a real
-directory (checked with lstat, opened with O_NOFOLLOW), owned by the effective uid and writable by neither group
-nor others; anything else is refused with a ValueError that says how to fix it. A missing root is created 0700.
-With data parallelism the root is ``disk_path/dp<rank>``, and ``check_disk_parent`` (called before the root is made
-or used) holds ``disk_path`` to the same rule, except that root may own it: a sticky bit is not enough.
-After the start every operation works relative to the checked root's file descriptor; a fan directory is opened
-with O_NOFOLLOW and checked again on each use, and files are opened with O_NOFOLLOW, so a symlink or a foreign
-directory that appears later makes that one operation fail (reason "untrusted: ...", counter "untrusted") and is
-never followed. A symlink where a chunk file belongs is never read or removed (a write renames over the link).
-
-Lock: a tier given a ``lock_name`` holds an exclusive ``flock`` on ``{dir}/.lock-{lock_name}`` (0600, holding
-"pid hostname") for its lifetime; a second tier with that name, in any process on any host that shares the
-directory's locks, is refused naming the holder. `factory.build_executor` names it ``f"{namespace}-r{rank}"``.
-
-Restart: the scan validates every header and the file length, removes invalid files, skips without touching files
-of another layout fingerprint or format version (another model or build may share the directory), and returns
-the rest oldest first. Temp files: one whose final name this tier owns, found while the tier holds its lock, is a
-crashed earlier holder's leftover and is removed; any other is removed only once older than ten minutes (writer
-pids prove nothing across containers and PID namespaces).
-
-Integrity: the tier stores and returns bytes; it hashes none. Its payloads are sealed chunk objects, and the
-envelope (`envelope.verify`, run by the executor on every promotion before a device load or a remote put) is the one
-check of their bytes. The header checks here (magic, version, fingerprint, name, length) decide only whether a file
-may be this chunk at all.
+"""Local-disk (NVMe) tier, worker side: one file per chunk shard under a directory taken on trust only after it is
+checked, a write-behind queue, reads straight into arena slots, deletes (the file format in `format`, the directory
+checks in `trust`, the lock in `lock`, the restart scan in `scan`). It stores and returns bytes and hashes none: the
+envelope, verified by the executor on every promotion, is the one check of them. Trust, the lock, restart and
+integrity: docs/storage.md §4.
 """
 
 from __future__ import annotations
@@ -60,8 +36,8 @@ logger = logging.getLogger(__name__)
 _DIR_SYNC_BATCH = 32
 # Keeps temp names of two processes with the same pid (other PID namespaces, a pid reused) apart.
 _INCARNATION = secrets.token_hex(4)
-_REFUSAL_COUNTERS = {Failure.CLOSED: "closed_refused", Failure.QUEUE_FULL: "queue_full",
-                     Failure.CAPACITY: "capacity_refused"}
+_REFUSAL_COUNTERS = {Failure.CLOSED: Metric.CLOSED_REFUSED, Failure.QUEUE_FULL: Metric.QUEUE_FULL,
+                     Failure.CAPACITY: Metric.CAPACITY_REFUSED}
 
 
 def _byte_view(buffer: Any, writable: bool) -> memoryview:

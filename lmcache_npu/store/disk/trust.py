@@ -54,6 +54,18 @@ def untrusted_directory(what: str, path: str, info: os.stat_result, problem: str
         f" by no one else, or other users could plant KV the engine would load; fix: {fix}")
 
 
+def root_refusal(root: str, info: Optional[os.stat_result] = None) -> Optional[ValueError]:
+    """The refusal `open_root` raises for `root` as it stands (its lstat `info`, read when not given), or None; None
+    too for a missing root, which `open_root` makes private. `lmcache-npu doctor` asks this without making it."""
+    if info is None:
+        try:
+            info = os.lstat(root)
+        except FileNotFoundError:
+            return None
+    problem = directory_problem(info)
+    return None if problem is None else untrusted_directory("disk_path", root, info, problem)
+
+
 def open_root(root: str) -> int:
     """An fd of the checked root directory, created 0700 when missing; ValueError when it cannot be trusted."""
     created = False
@@ -66,9 +78,9 @@ def open_root(root: str) -> int:
         except FileExistsError:
             pass  # another process created it meanwhile: checked like any existing directory
         before = os.lstat(root)
-    problem = directory_problem(before)
-    if problem is not None:
-        raise untrusted_directory("disk_path", root, before, problem)
+    refusal = root_refusal(root, before)
+    if refusal is not None:
+        raise refusal
     fd = os.open(root, DIR_FLAGS)
     try:
         after = os.fstat(fd)
@@ -98,31 +110,47 @@ def _parent_problem(info: os.stat_result) -> Optional[str]:
     return None
 
 
-def check_disk_parent(parent: str) -> None:
-    """Refuses a `disk_path` whose per-rank directories (`disk_path/dp<rank>`, data-parallel engines) others could
-    rename away or create first; creates it 0700 when missing. Call it before a per-rank directory is made or used."""
+def data_parallel_root(disk_path: str, dp_rank: int) -> str:
+    """The disk tier directory of data-parallel rank `dp_rank` under `disk_path` (each engine manages its own files)."""
+    return f"{disk_path.rstrip('/')}/dp{dp_rank}"
+
+
+def parent_refusal(parent: str) -> Optional[ValueError]:
+    """The refusal `check_disk_parent` raises for `parent` as it stands, or None (None too when it is missing: it is
+    then made private). `lmcache-npu doctor` asks this without making it."""
     try:
         info = os.lstat(parent)
     except FileNotFoundError:
-        try:
-            os.makedirs(parent, mode=0o700)
-        except FileExistsError:
-            pass  # another engine created it meanwhile: checked like any existing directory
-        info = os.lstat(parent)
+        return None
     problem = _parent_problem(info)
     if problem is None:
-        return
+        return None
     if problem == "is a symlink":
         fix = "point disk_path at the real directory instead of a link"
     elif problem == "is not a directory":
         fix = "choose a directory for disk_path"
     else:
         fix = f"run `chown {os.geteuid()} {parent} && chmod 700 {parent}` as its owner or root"
-    raise ValueError(
+    return ValueError(
         f"disk tier disk_path {parent!r} {problem} (owner uid {info.st_uid}, mode "
         f"{stat_mode.S_IMODE(info.st_mode):04o}): with data parallelism it holds each engine's directory dp<rank>, "
         f"so it must be a real directory owned by the service user (uid {os.geteuid()}) or root and writable by no"
         f" one else, or other users could rename a rank's directory away or create it first; fix: {fix}")
+
+
+def check_disk_parent(parent: str) -> None:
+    """Refuses a `disk_path` whose per-rank directories (`disk_path/dp<rank>`, data-parallel engines) others could
+    rename away or create first; creates it 0700 when missing. Call it before a per-rank directory is made or used."""
+    try:
+        os.lstat(parent)
+    except FileNotFoundError:
+        try:
+            os.makedirs(parent, mode=0o700)
+        except FileExistsError:
+            pass  # another engine created it meanwhile: checked like any existing directory
+    refusal = parent_refusal(parent)
+    if refusal is not None:
+        raise refusal
 
 
 def open_fan_dir(root_fd: int, fan: str) -> int:

@@ -78,16 +78,6 @@ def _model_dir() -> str:
     return directory
 
 
-class _Blocks:
-    """What `update_state_after_alloc` reads of vLLM's KVCacheBlocks."""
-
-    def __init__(self, ids: tuple[list[int], ...]) -> None:
-        self._ids = ids
-
-    def get_block_ids(self) -> tuple[list[int], ...]:
-        return self._ids
-
-
 @contextmanager
 def node_service(slots: int) -> Iterator[str]:
     """A node cache service of `slots` one-page slots in a thread of this process; its socket path."""

@@ -1,5 +1,5 @@
 """Mooncake scenarios that run INSIDE a loopback-only network namespace (test_mooncake.py starts them there):
-`python -m tests.store.mooncake_scenarios <scenario>`. Each starts its own mooncake_master on 127.0.0.1, prints
+`python -m tests.store.mooncake_tier_scenarios <scenario>`. Each starts its own mooncake_master on 127.0.0.1, prints
 one JSON line of findings last, and exits non-zero on any failed check."""
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ def share() -> dict:
         for slot in range(count):
             arena.slot_array(slot)[:] = _data(50_000 + slot)
         assert all(r.ok for r in writer.put(_names("sh", count), [arena.slot_view(s) for s in range(count)]))
-        child = subprocess.run([sys.executable, "-m", "tests.store.mooncake_scenarios", "reader", master.master,
+        child = subprocess.run([sys.executable, "-m", "tests.store.mooncake_tier_scenarios", "reader", master.master,
                                 master.metadata, str(count)], capture_output=True, text=True, timeout=120)
         assert child.returncode == 0, child.stdout[-1500:] + child.stderr[-1500:]
         writer.close()
@@ -355,7 +355,7 @@ def bounce_race(order: str = "slot", gets: int = 2048) -> dict:
         assert all(c.ok for c in _run(executor, [Put(i, k, i) for i, k in enumerate(keys)]))
         (address, length), = tier.registered()
         stop_file = os.path.join(tempfile.mkdtemp(prefix="lmcache-race-"), "stop")
-        peer = subprocess.Popen([sys.executable, "-m", "tests.store.mooncake_scenarios", "peer_writer",
+        peer = subprocess.Popen([sys.executable, "-m", "tests.store.mooncake_tier_scenarios", "peer_writer",
                                  master.metadata, tier._store.get_hostname(), str(address), str(length), stop_file],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         assert peer.stdout is not None and peer.stdout.readline().strip() == "ready", peer.stderr.read()[-2000:]

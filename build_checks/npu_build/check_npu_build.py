@@ -8,7 +8,7 @@ the toolkit's lib64 on LD_LIBRARY_PATH; (d) every undefined symbol of _npu expor
 (e) every _npu source compiled with -fsyntax-only against the real ACL, torch_npu and torch headers; (f) the SoC
 compiled into _npu; (g) a table, non-zero exit on failure.
 
-    .venv/bin/python tools/npu_build/check_npu_build.py [--source-root DIR] [--scratch DIR]
+    .venv/bin/python build_checks/npu_build/check_npu_build.py [--source-root DIR] [--scratch DIR]
 """
 
 from __future__ import annotations
@@ -27,12 +27,12 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from tools.npu_build.elf_checks import (CheckResult, check_needed_resolve, check_no_search_path,  # noqa: E402
+from build_checks.npu_build.elf_checks import (CheckResult, check_needed_resolve, check_no_search_path,  # noqa: E402
                                         check_search_path, check_symbols_resolve)
-from tools.npu_build.header_check import (CompileCommand, check_real_headers,  # noqa: E402
+from build_checks.npu_build.header_check import (CompileCommand, check_real_headers,  # noqa: E402
                                           target_compile_commands)
-from tools.npu_build.standin import assemble_standin  # noqa: E402
-from tools.npu_build.toolchain import ROOT, Toolchain, ToolchainUnavailable, ensure_toolchain  # noqa: E402
+from build_checks.npu_build.standin import assemble_standin  # noqa: E402
+from build_checks.npu_build.toolchain import ROOT, Toolchain, ToolchainUnavailable, ensure_toolchain  # noqa: E402
 
 DEFAULT_SCRATCH = ROOT / "build" / "npu-build-check"
 SOC_VERSION = "ascend910b1"

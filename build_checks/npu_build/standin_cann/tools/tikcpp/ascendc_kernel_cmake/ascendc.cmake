@@ -1,4 +1,4 @@
-# Stand-in for CANN's ascendc.cmake, for x86 CI (tools/npu_build, docs/npu_build.md). Our own code: it reproduces
+# Stand-in for CANN's ascendc.cmake, for x86 CI (build_checks/npu_build, docs/npu_build.md). Our own code: it reproduces
 # the interface and the side effects of the real one that a consuming project sees, and nothing of bisheng.
 #   * include() runs here in the caller's scope, so, like the real host_config.cmake, it turns RPATHs off for the
 #     whole including directory: a project that wants a RUNPATH must restore it after the include;
@@ -33,7 +33,7 @@ if(NOT DEFINED RUN_MODE)
 endif()
 if(NOT EXISTS "${ASCEND_CANN_PACKAGE_PATH}/include/acl/acl.h")
   message(FATAL_ERROR "stand-in CANN at ${ASCEND_CANN_PACKAGE_PATH} has no include/acl: "
-                      "assemble it with tools/npu_build")
+                      "assemble it with build_checks/npu_build")
 endif()
 set(ASCEND_PYTHON_EXECUTABLE "python3" CACHE STRING "python for the toolkit's generator scripts")
 

@@ -18,8 +18,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tools.npu_build.elf_checks import CheckResult
-from tools.npu_build.toolchain import Toolchain
+from build_checks.npu_build.elf_checks import CheckResult
+from build_checks.npu_build.toolchain import Toolchain
 
 _DROP_WITH_VALUE = {"-o", "-MT", "-MF", "-MQ"}
 _DROP = {"-c", "-MD", "-MMD"}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .discovery import KVLayout, LayoutGroup
+from ..layout.discovery import KVLayout, LayoutGroup
 
 
 def _planes_cell(group: LayoutGroup) -> str:

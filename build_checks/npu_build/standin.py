@@ -14,7 +14,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from tools.npu_build.toolchain import Toolchain
+from build_checks.npu_build.toolchain import Toolchain
 
 HERE = Path(__file__).resolve().parent
 STANDIN_TREE = HERE / "standin_cann"
