@@ -21,6 +21,7 @@ import numpy as np
 from ...layout.discovery import LayoutGroup
 from ...node.messages import WEIGHTS_UNNAMED
 from ...store.commands import Command, Completion
+from ...store.cost import TransferSample
 from ...transfer.plans import LoadPlan, StorePlan
 from .adapter import KVConnectorHandshakeMetadata, KVConnectorMetadata, KVConnectorWorkerMetadata
 
@@ -71,13 +72,15 @@ class LMCacheNPUWorkerMetadata(KVConnectorWorkerMetadata):
     usable_slots: dict[int, SlotRanges] = field(default_factory=dict)
     # rank -> the node cache epoch it has mapped whole ("" none), sent when it changes
     node_epochs: dict[int, str] = field(default_factory=dict)
+    # every rank's timed transfer batches since its last report: the scheduler's cost model learns the tiers from them
+    timings: list[TransferSample] = field(default_factory=list)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> "LMCacheNPUWorkerMetadata":
         if not isinstance(other, LMCacheNPUWorkerMetadata):
             raise TypeError(f"cannot aggregate {type(other).__name__} into LMCacheNPUWorkerMetadata")
         return LMCacheNPUWorkerMetadata(self.completions + other.completions,
                                         {**self.usable_slots, **other.usable_slots},
-                                        {**self.node_epochs, **other.node_epochs})
+                                        {**self.node_epochs, **other.node_epochs}, self.timings + other.timings)
 
 
 @dataclass(frozen=True)

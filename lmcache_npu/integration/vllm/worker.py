@@ -67,6 +67,7 @@ from ...node.messages import PoolGeometry
 from ...node.worker_mapping import WorkerNodeMapping
 from ...store.commands import Command, Completion, Load, Store
 from ...store.disk import check_disk_parent
+from ...store.cost.timer import TransferTimer
 from ...store.executor import StoreExecutor
 from ...store.tier import TierCounters
 from ...transfer import KVMover
@@ -192,6 +193,7 @@ class WorkerHalf:
                 namespace or "", fingerprint, self.place.world, object_bytes, plan.chunk_tokens)))
         if self._node is not None:  # the node's commands run only against the epoch they were issued for
             pipeline.executor.epoch = self._node.epoch
+        pipeline.executor.timer = TransferTimer(pipeline.object_bytes)  # the scheduler's cost model learns the tiers
         backend = pipeline.mover.backends[Direction.LOAD].name
         for tier, names in ((pipeline.disk, DISK_METRICS), (pipeline.remote, REMOTE_METRICS)):
             if tier is not None:
@@ -430,9 +432,10 @@ class WorkerHalf:
     def build_worker_meta(self) -> Optional[LMCacheNPUWorkerMetadata]:
         usable = self._take_usable_change()
         epoch = self._take_epoch_change()
-        if not self._outbox and usable is None and epoch is None:
+        timings = self.executor.timer.take() if self.executor is not None and self.executor.timer is not None else []
+        if not self._outbox and usable is None and epoch is None and not timings:
             return None
-        meta, self._outbox = LMCacheNPUWorkerMetadata(self._outbox), []
+        meta, self._outbox = LMCacheNPUWorkerMetadata(self._outbox, timings=timings), []
         if usable is not None:
             meta.usable_slots[self.place.rank] = usable
         if epoch is not None:
