@@ -109,6 +109,9 @@ class CutPoint:
     def decide(self, request_id: str, hit: HitShape, result: LookupResult) -> LookupResult:
         """The lookup's answer cut where loading stops paying: a `LookupResult` of the claimed chunks (pending while
         their promotions are awaited)."""
+        if result.hit_chunks == 0:  # a miss: nothing to cut
+            self._decisions.pop(request_id, None)
+            return result
         now = self.clock()
         decision = self._decisions.get(request_id)
         if decision is None or decision.first_chunk != hit.first_chunk:  # new, or vLLM's own cache moved it on
@@ -128,8 +131,8 @@ class CutPoint:
         else:
             reason, cut = "faster", best_cut(hit, self.model)
         decision = _Decision(hit.first_chunk, cut, reason, len(hit.sources), now)
-        if cut.chunks > hit.ready:  # promotions to wait for
-            decision.deadline = now + self._allowance(hit, cut)
+        if cut.chunks > hit.ready:  # promotions to wait for (as long as they take, where the model is not in charge)
+            decision.deadline = now + self._allowance(hit, cut) if reason == "faster" else float("inf")
             waits = [Path.promotion(s) for s in hit.sources[hit.ready:cut.chunks]]
             decision.promoted = tuple((p, waits.count(p)) for p in (Path.DISK, Path.REMOTE) if p in waits)
         logger.debug("lmcache_npu cut: %d of %d hit chunks from chunk %d (%s; %d ready, tiers %s); predicted wait "
