@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from lmcache_npu.store.cost import MIN_STEPS, Path, TransferSample
+from lmcache_npu.integration.vllm import cut_point
 from lmcache_npu.integration.vllm.stats import FIT_GAUGES, GAUGES, METRICS, STORE_INFO
 
 from .conftest import assert_quiescent, preset_engine, prompt
@@ -50,7 +51,8 @@ def _warm_up(engine: Any) -> None:
     assert engine.connector.scheduler_half.cut.model.fitted
 
 
-def test_timings_reach_the_model_and_every_decision_is_counted(make_engine):
+def test_timings_reach_the_model_and_every_decision_is_counted(make_engine, monkeypatch):
+    monkeypatch.setattr(cut_point, "REPORT_EVERY", 1)  # every step's calibration and gauges reported
     engine = _engine(make_engine, "cost-model")
     SyntheticSteps(engine)
     _warm_up(engine)

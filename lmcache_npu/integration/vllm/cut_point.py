@@ -7,7 +7,8 @@ promotion time stretched by twice its observed relative error, plus the one step
 answer. Past the deadline the request re-decides with only the chunks already in the arena and computes the rest;
 the late promotions still land in the arena for later requests. A hit is only ever cut, never grown, so vLLM's own
 device cache (`num_computed_tokens`) is never claimed again. Until the compute side has seen `MIN_STEPS` steps the
-model cannot tell a slow load from a fast one, and every hit is claimed as before.
+model cannot tell a slow load from a fast one: every hit is claimed and every promotion waited for, as before (and
+as always under `load_policy: load-all`).
 
 Declined and claimed tokens are counted once per admission by reason, with the predictions against what was then
 observed (steps, transfers, promotion waits); the fit itself is reported as gauges (`lmcache-npu status`).
@@ -33,6 +34,9 @@ logger = logging.getLogger(__name__)
 # a deadline is the predicted promotion time stretched by this many relative standard deviations of its path's
 # errors (two: about one promotion in forty runs past it when the errors are normal), plus one step
 DEADLINE_SIGMAS = 2.0
+# steps' calibration and the fit's gauges are reported once per this many steps: a busy engine's stats stay quiet
+# on most steps (what vLLM ships, merges and logs each step)
+REPORT_EVERY = 64
 # (predicted, observed) counters per calibrated fit
 _CALIBRATION = {
     "step": (Metric.COST_PREDICTED_STEP_SECONDS, Metric.COST_OBSERVED_STEP_SECONDS),
@@ -70,6 +74,8 @@ class CutPoint:
         self.clock = clock
         self._decisions: dict[str, _Decision] = {}
         self._gauges: dict[str, float] = {}  # as last reported
+        self._reports = 0  # gauges() calls
+        self._steps = [0.0, 0.0, 0]  # predicted and observed seconds of steps not yet counted, and how many
 
     # ---- observations ---------------------------------------------------------------------------------------
 
@@ -80,7 +86,11 @@ class CutPoint:
                              for r in adapter.scheduled_requests(scheduler_output))
         seen = self.model.on_step(shape, self.clock())
         if seen is not None:
-            self._calibrate("step", *seen)
+            steps = self._steps
+            steps[0], steps[1], steps[2] = steps[0] + seen[0], steps[1] + seen[1], steps[2] + 1
+            if steps[2] >= REPORT_EVERY:
+                self._calibrate("step", steps[0], steps[1])
+                self._steps = [0.0, 0.0, 0]
 
     def on_commands(self, commands: list[Command]) -> None:
         self.model.on_commands(commands)
@@ -182,7 +192,11 @@ class CutPoint:
     # ---- reporting ------------------------------------------------------------------------------------------
 
     def gauges(self) -> dict[str, float]:
-        """The fit's gauges whose value moved (to three significant digits) since the last report."""
+        """The fit's gauges whose value moved (to three significant digits) since the last report; looked at on the
+        first call and every REPORT_EVERY-th."""
+        self._reports += 1
+        if (self._reports - 1) % REPORT_EVERY:
+            return {}
         a, b, c = self.model.compute.fit.coefficients
         now = {"cost_step_base_seconds": a, "cost_step_token_seconds": b, "cost_step_attention_seconds": c,
                "cost_step_observations": self.model.compute.fit.observations}

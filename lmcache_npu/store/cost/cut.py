@@ -85,14 +85,15 @@ def ttft_by_cut(hit: HitShape, costs: Costs, limit: Optional[int] = None) -> tup
     compute = costs.prefill_s(starts, hit.tokens)
     chunk_bytes = float(costs.object_bytes)
     promotion = np.zeros(count + 1)
+    waiting = hit.sources[hit.ready:count]  # chunks that are not in the arena yet
     for tier in (Tier.DISK, Tier.REMOTE):
-        # chunks of this tier among the first j that are not in the arena yet
-        moving = np.concatenate(([0], np.cumsum([s is tier and c >= hit.ready
-                                                 for c, s in enumerate(hit.sources[:count])])))
+        if tier not in waiting:
+            continue
+        moving = np.zeros(count + 1)  # chunks of this tier among the first j still to be promoted
+        moving[hit.ready + 1:] = np.cumsum([s is tier for s in waiting])
         path = Path.promotion(tier)
         assert path is not None
-        seconds = np.where(moving > 0, costs.transfer_s(path, moving * chunk_bytes), 0.0)
-        promotion = np.maximum(promotion, seconds)
+        promotion = np.maximum(promotion, np.where(moving > 0, costs.transfer_s(path, moving * chunk_bytes), 0.0))
     load = costs.transfer_s(Path.LOAD, j * chunk_bytes)
     wait = np.where(j == 0, 0.0, promotion + np.maximum(load, costs.step_floor_s()))
     return wait + compute, wait, compute, promotion
