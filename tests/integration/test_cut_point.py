@@ -21,22 +21,28 @@ CHUNK = 256
 
 
 class SyntheticSteps:
-    """The scheduler half's clock: each schedule closes the previous step, which took `base + per_token × tokens`."""
+    """The scheduler half's clock: a step's output comes back `base + per_token × tokens` after its schedule."""
 
     def __init__(self, engine: Any, base: float = 0.01, per_token: float = 1e-3) -> None:
         self.now = 0.0
         self.base, self.per_token = base, per_token
-        self._tokens = 0
+        self._tokens: dict[int, int] = {}
         cut = engine.connector.scheduler_half.cut
         cut.clock = lambda: self.now
-        inner = cut.on_step
+        schedule, output = cut.on_step, cut.on_output
 
-        def on_step(scheduler_output: Any) -> None:
-            self.now += self.base + self.per_token * self._tokens
-            self._tokens = scheduler_output.total_num_scheduled_tokens
-            inner(scheduler_output)
+        def on_step(scheduler_output: Any) -> Any:
+            step = schedule(scheduler_output)
+            if step is not None:
+                self._tokens[step] = scheduler_output.total_num_scheduled_tokens
+            return step
 
-        cut.on_step = on_step
+        def on_output(meta: Any, is_pending: Any) -> None:
+            for step in set(getattr(meta, "steps", ())):
+                self.now += self.base + self.per_token * self._tokens.pop(step, 0)
+            output(meta, is_pending)
+
+        cut.on_step, cut.on_output = on_step, on_output
 
 
 def _engine(make_engine: Any, policy: str, **extra: Any) -> Any:

@@ -79,18 +79,14 @@ class CutPoint:
 
     # ---- observations ---------------------------------------------------------------------------------------
 
-    def on_step(self, scheduler_output: Any) -> None:
-        """A schedule: the previous step's interval teaches the compute side."""
+    def on_step(self, scheduler_output: Any) -> Optional[int]:
+        """A schedule: its step number, which the workers echo once it ran (None: it computes nothing)."""
+        if not scheduler_output.total_num_scheduled_tokens:
+            return self.model.on_schedule(StepShape(0, 0.0), self.clock())
         scheduled = scheduler_output.num_scheduled_tokens
         shape = StepShape.of((r.num_computed_tokens, scheduled.get(r.request_id, 0))
                              for r in adapter.scheduled_requests(scheduler_output))
-        seen = self.model.on_step(shape, self.clock())
-        if seen is not None:
-            steps = self._steps
-            steps[0], steps[1], steps[2] = steps[0] + seen[0], steps[1] + seen[1], steps[2] + 1
-            if steps[2] >= REPORT_EVERY:
-                self._calibrate("step", steps[0], steps[1])
-                self._steps = [0.0, 0.0, 0]
+        return self.model.on_schedule(shape, self.clock())
 
     def on_commands(self, commands: list[Command]) -> None:
         self.model.on_commands(commands)
@@ -99,6 +95,12 @@ class CutPoint:
         """The workers' transfer samples teach the tiers; answered commands leave the in-flight bytes."""
         if not isinstance(meta, LMCacheNPUWorkerMetadata):
             return
+        for predicted, observed in self.model.on_done(meta.steps, self.clock()):
+            steps = self._steps
+            steps[0], steps[1], steps[2] = steps[0] + predicted, steps[1] + observed, steps[2] + 1
+            if steps[2] >= REPORT_EVERY:
+                self._calibrate("step", steps[0], steps[1])
+                self._steps = [0.0, 0.0, 0]
         for path, predicted, observed in self.model.on_samples(meta.timings):
             if path in _CALIBRATION:
                 self._calibrate(path, predicted, observed)
@@ -106,8 +108,8 @@ class CutPoint:
                                       if c.cmd_id in self.model.in_flight and not is_pending(c.cmd_id)])
 
     def idle(self) -> None:
-        """No request is left unfinished: the engine may idle before its next step."""
-        self.model.compute.interrupt()
+        """No request is left unfinished: a load would wait for no one else's step."""
+        self.model.compute.idle()
 
     def _calibrate(self, name: Any, predicted: float, observed: float) -> None:
         predicted_metric, observed_metric = _CALIBRATION[name]

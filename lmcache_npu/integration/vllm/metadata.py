@@ -47,6 +47,9 @@ class LMCacheNPUConnectorMetadata(KVConnectorMetadata):
     node_lease: Optional[str] = None
     # commands the plans may name that the node cache was lost before sending: every rank answers them as failed
     refused: list[Command] = field(default_factory=list)
+    # this step's number where it computes something: the workers echo it, and the scheduler times the step to its
+    # output (the cost model's compute side)
+    step: Optional[int] = None
 
 
 SlotRanges = tuple[tuple[int, int], ...]  # [first, end) arena slot ranges
@@ -74,13 +77,16 @@ class LMCacheNPUWorkerMetadata(KVConnectorWorkerMetadata):
     node_epochs: dict[int, str] = field(default_factory=dict)
     # every rank's timed transfer batches since its last report: the scheduler's cost model learns the tiers from them
     timings: list[TransferSample] = field(default_factory=list)
+    # the steps (`LMCacheNPUConnectorMetadata.step`) this rank ran since its last report
+    steps: list[int] = field(default_factory=list)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> "LMCacheNPUWorkerMetadata":
         if not isinstance(other, LMCacheNPUWorkerMetadata):
             raise TypeError(f"cannot aggregate {type(other).__name__} into LMCacheNPUWorkerMetadata")
         return LMCacheNPUWorkerMetadata(self.completions + other.completions,
                                         {**self.usable_slots, **other.usable_slots},
-                                        {**self.node_epochs, **other.node_epochs}, self.timings + other.timings)
+                                        {**self.node_epochs, **other.node_epochs}, self.timings + other.timings,
+                                        self.steps + other.steps)
 
 
 @dataclass(frozen=True)

@@ -352,7 +352,7 @@ class SchedulerHalf:
 
     def build_connector_meta(self, scheduler_output: Any) -> LMCacheNPUConnectorMetadata:
         stores: list[StorePlan] = []
-        self.cut.on_step(scheduler_output)
+        step = self.cut.on_step(scheduler_output)
         writes = self.fence.step_writes()
         node_epoch = self._follow_node()
         storing = self.stores_enabled and self.index is not None and self._node_mapped()
@@ -387,7 +387,7 @@ class SchedulerHalf:
             idle=scheduler_output.total_num_scheduled_tokens == 0,
             node_epoch=node_epoch,
             node_lease=(node.lease or None) if node is not None and node.epoch else None,
-            refused=node.take_refused() if node is not None else [])
+            refused=node.take_refused() if node is not None else [], step=step)
         self.fence.end_step()
         self._loads, self._delayed_free = [], []
         return meta

@@ -149,6 +149,7 @@ class WorkerHalf:
         self._node: Optional[WorkerNodeMapping] = None  # this rank's mapping of the node cache (node_cache only)
         self._reported_epoch: Optional[str] = None  # the node epoch last told to the scheduler as mapped here
         self._in_flight: set[int] = set()  # commands submitted and not yet polled (a retired mapping waits for its)
+        self._steps: list[int] = []  # step numbers run since the last worker metadata (the scheduler times them)
 
     # ---- start-up ---------------------------------------------------------------------------------------------
 
@@ -292,6 +293,8 @@ class WorkerHalf:
     def start_load_kv(self, meta: LMCacheNPUConnectorMetadata) -> None:
         if self.executor is None or self.mover is None:
             return
+        if meta.step is not None:
+            self._steps.append(meta.step)
         if self._fenced is not meta:  # a runner that skips handle_preemptions: fence here, before any load is queued
             self.handle_preemptions(meta)
         self._fenced = None
@@ -433,9 +436,10 @@ class WorkerHalf:
         usable = self._take_usable_change()
         epoch = self._take_epoch_change()
         timings = self.executor.timer.take() if self.executor is not None and self.executor.timer is not None else []
-        if not self._outbox and usable is None and epoch is None and not timings:
+        if not self._outbox and usable is None and epoch is None and not timings and not self._steps:
             return None
-        meta, self._outbox = LMCacheNPUWorkerMetadata(self._outbox, timings=timings), []
+        meta, self._outbox = LMCacheNPUWorkerMetadata(self._outbox, timings=timings, steps=self._steps), []
+        self._steps = []
         if usable is not None:
             meta.usable_slots[self.place.rank] = usable
         if epoch is not None:

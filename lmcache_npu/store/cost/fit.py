@@ -4,9 +4,10 @@ Both halves of the cost model are linear in their unknowns: a step's seconds in 
 transfer's seconds in (1, bytes). The fit keeps decayed sufficient statistics (Σ w·u·uᵀ, Σ w·u·y over features scaled
 to order one) and solves the small normal equations when asked, so an observation costs a few multiplications and
 old observations fade with a half-life counted in observations, not seconds (an idle engine forgets nothing).
-A seed enters as `prior_weight` pseudo-observations at the seed's coefficients, made before the first real one: it
-rules while nothing was measured and fades with age like any observation (a ridge of 1e-9 towards it stays, so a
-direction the data never varies, such as the latency of batches that all have one size, keeps the seed's split). Coefficients are kept non-negative (a step never gets faster with more tokens;
+A seed enters as a ridge of `prior_weight` pseudo-observations towards the seed's coefficients: it rules while
+nothing was measured and halves with every `_SEED_HALF_LIFE` observations, since it stands only for what was not
+measured yet (a ridge of 1e-9 stays, so a direction the data never varies, such as the latency of batches that all
+have one size, keeps the seed's split). Coefficients are kept non-negative (a step never gets faster with more tokens;
 a transfer never with more bytes) by refitting without any that came out negative.
 """
 
@@ -20,6 +21,7 @@ import numpy as np
 
 _RIDGE = 1e-9  # what stays of the seed's pull once its pseudo-observations have faded
 _RESOLVE = 16  # observations a solution may lag behind
+_SEED_HALF_LIFE = 8.0  # observations: a handful of measurements outweigh any seed
 
 
 @dataclass(frozen=True)
@@ -46,8 +48,9 @@ class LinearFit:
         self._prior = float(prior_weight)
         self._decay = 0.5 ** (1.0 / half_life)
         n = len(seed)
-        self._gram = self._prior * np.eye(n)
-        self._moment = self._prior * self._seed
+        self._gram = np.zeros((n, n))
+        self._moment = np.zeros(n)
+        self._count = 0  # observations ever taken (the seed's age)
         self._weight = 0.0  # decayed count of observations
         self._sq_rel_error = 0.0  # decayed mean of squared relative errors (before each update)
         self._theta = self._seed.copy()  # the last solution (scaled units)
@@ -70,6 +73,7 @@ class LinearFit:
         self._gram = d * self._gram + np.outer(u, u)
         self._moment = d * self._moment + u * y
         self._weight = d * self._weight + 1.0
+        self._count += 1
         self._stale += 1
         if self._stale >= _RESOLVE:  # the calibration counters compare against a recent solution
             self._coefficients_scaled()
@@ -103,9 +107,10 @@ class LinearFit:
         n = len(self._seed)
         free = np.ones(n, dtype=bool)
         theta = np.zeros(n)
+        ridge = self._prior * 0.5 ** (self._count / _SEED_HALF_LIFE) + _RIDGE
         for _ in range(n):
-            a = self._gram[np.ix_(free, free)] + _RIDGE * np.eye(int(free.sum()))
-            b = self._moment[free] + _RIDGE * self._seed[free]
+            a = self._gram[np.ix_(free, free)] + ridge * np.eye(int(free.sum()))
+            b = self._moment[free] + ridge * self._seed[free]
             try:
                 solved = np.linalg.solve(a, b)
             except np.linalg.LinAlgError:  # cannot happen with a positive prior; keep the seed rather than raise

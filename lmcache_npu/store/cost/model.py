@@ -45,8 +45,11 @@ class CostModel:
 
     # ---- what is observed ---------------------------------------------------------------------------------------
 
-    def on_step(self, shape: StepShape, now: float) -> Optional[tuple[float, float]]:
-        return self.compute.on_step(shape, now)
+    def on_schedule(self, shape: StepShape, now: float) -> Optional[int]:
+        return self.compute.on_schedule(shape, now)
+
+    def on_done(self, steps: Iterable[int], now: float) -> list[tuple[float, float]]:
+        return self.compute.on_done(steps, now)
 
     def on_samples(self, samples: Iterable[TransferSample]) -> list[tuple[Path, float, float]]:
         return observe_samples(self.tiers, samples)

@@ -17,7 +17,7 @@ from .fit import FitState, LinearFit
 from .samples import Path, TransferSample
 
 _SCALES = (1.0, float(64 << 20))  # a transfer, 64 MiB
-_PRIOR_WEIGHT = 1.0  # the seed counts as one batch, and ages like one
+_PRIOR_WEIGHT = 1.0  # the seed counts as one batch until measured ones outweigh it
 _HALF_LIFE = 100.0  # batches
 
 
