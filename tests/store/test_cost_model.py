@@ -4,6 +4,7 @@ time here is injected: no test reads a clock."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -281,6 +282,14 @@ def test_a_slow_tier_after_arena_chunks_cuts_at_the_arena_and_a_fast_one_claims_
     cheap_compute = World(step=(5e-3, 1e-6, 0.0))  # computing 5K tokens costs 5 ms: nothing is worth a step's wait
     assert best_cut(hit, cheap_compute).chunks == 0
     assert best_cut(hit, slow, limit=3).chunks == 3  # at a deadline: only what the arena holds
+
+
+def test_a_cut_never_ends_on_a_chunk_without_its_end_state():
+    hit = HitShape(0, 20 * 256 + 10, 0, 256, (Tier.ARENA,) * 8 + (Tier.DISK,) * 12, 8)
+    slow = World(speeds={Path.LOAD: Speed(1e-3, 20e9), Path.DISK: Speed(2e-3, 0.05e9), Path.REMOTE: Speed(5e-3, 1e9)})
+    assert best_cut(hit, slow).chunks == 8  # the control: the arena's end is the best place
+    partial = dataclasses.replace(hit, ends=tuple(c not in (6, 7) for c in range(20)))  # 7 and 8 lack end state
+    assert best_cut(partial, slow).chunks == 6
 
 
 def test_negative_control_with_a_slow_tier_load_all_loses_to_the_model_and_a_broken_model_loses_too():

@@ -212,8 +212,10 @@ class CutPoint:
         return changed
 
 
-def hit_shape(computed: int, tokens: int, first_chunk: int, chunk_tokens: int, result: LookupResult) -> HitShape:
+def hit_shape(computed: int, tokens: int, first_chunk: int, chunk_tokens: int, result: LookupResult,
+              ends: Optional[tuple[bool, ...]] = None) -> HitShape:
+    """The cut's view of a lookup; `ends` says after which hit chunks a claim may end (None: any)."""
     return HitShape(computed, tokens, first_chunk, chunk_tokens, tuple(result.sources[:result.hit_chunks]),
-                    result.ready_chunks)
+                    result.ready_chunks, ends)
 
 

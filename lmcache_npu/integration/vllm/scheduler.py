@@ -298,8 +298,9 @@ class SchedulerHalf:
             state.found_in.setdefault(first + offset, source)
             if source is not Tier.ARENA and self.events is not None:  # a promotion: its arrival is announced with these
                 self.events.remember(chosen[offset], request, first + offset)
+        ends = tuple(c == k for c, k in zip(chosen, keys)) if self.has_end_state else None  # complete chunks only
         result = self.cut.decide(request.request_id, hit_shape(num_computed_tokens, request.num_tokens, first, chunk,
-                                                               result), result)
+                                                               result, ends), result)
         if result.pending:
             self.counters.add(Metric.LOOKUPS_PENDING)
             return None, False  # promotions into the arena are in flight: ask again next step

@@ -55,6 +55,9 @@ class HitShape:
     chunk_tokens: int
     sources: tuple[Tier, ...]  # per hit chunk from `first_chunk`, the tier it was found in
     ready: int  # hit chunks loadable from the arena now (a prefix of them)
+    # per hit chunk, whether a claim may end after it (None: after any); a chunk stored without its recurrent end
+    # state may sit inside a claim, never end one (lookup.py)
+    ends: Optional[tuple[bool, ...]] = None
 
     def start(self, chunks: int) -> int:
         """The first token vLLM computes when `chunks` hit chunks are claimed."""
@@ -100,8 +103,10 @@ def ttft_by_cut(hit: HitShape, costs: Costs, limit: Optional[int] = None) -> tup
 
 
 def best_cut(hit: HitShape, costs: Costs, limit: Optional[int] = None) -> Cut:
-    """The cut of least predicted time to the first token (the longest of equals)."""
+    """The cut of least predicted time to the first token (the longest of equals) among those a claim may end at."""
     total, wait, compute, promotion = ttft_by_cut(hit, costs, limit)
+    if hit.ends is not None:
+        total = np.where(np.concatenate(([True], hit.ends[:len(total) - 1])), total, np.inf)
     chunks = int(len(total) - 1 - np.argmin(total[::-1]))
     return Cut(chunks, float(wait[chunks]), float(compute[chunks]), float(compute[0]), float(promotion[chunks]))
 
