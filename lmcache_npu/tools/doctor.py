@@ -35,6 +35,7 @@ from ..platform.ascend_host import (
 from ..platform.npu_budget import HCCL_SHARE_BUFFER_MB, STAGING_WINDOW_BYTES_DEFAULT, TRANSFER_LANES
 from ..platform.npu_smi import npu_ids, run_board_info, run_command, soc_from_board_info
 from ..platform.vm import base_page_bytes, thp_pmd_bytes
+from .cost_report import cost_model_summary
 
 logger = logging.getLogger(__name__)
 
@@ -660,6 +661,8 @@ def run_doctor(options: DoctorOptions, environ: Optional[Mapping[str, str]] = No
     checks.append(check_model(options.model_config, device,
                               config.chunk_tokens if config is not None else None))
     checks.append(check_weights(options.model, config))
+    checks.append(Check("cost model", OK, cost_model_summary(str(_setting(config, extra, "load_policy", "cost-model")),
+                                                             device)))
     return checks
 
 
