@@ -107,6 +107,19 @@ def _disk_engine(make_engine: Any, tmp_path: Any, policy: str) -> tuple[Any, lis
     return engine, text
 
 
+def _assert_disk_outcome(engine, policy: str, declined: str) -> None:
+    """After `_disk_engine`'s request "again" ran: the model computed its two disk chunks and counted them under
+    `declined`; load-all loaded them and declined nothing."""
+    data = engine.stats.data
+    if policy == "cost-model":
+        assert engine.loaded_tokens.get("again", 0) == 0
+        assert data[declined] >= 2 * CHUNK
+    else:
+        assert engine.loaded_tokens["again"] >= 2 * CHUNK
+        assert declined not in data and data["cost_claimed_tokens_load_all"] >= 2 * CHUNK
+    assert_quiescent(engine)
+
+
 @pytest.mark.parametrize("policy", ["cost-model", "load-all"])
 def test_a_slow_tier_is_computed_instead(make_engine, tmp_path, policy):
     """The disk moves a chunk in 5 s; computing one takes 0.26 s: the model computes, load-all (the negative
@@ -115,14 +128,7 @@ def test_a_slow_tier_is_computed_instead(make_engine, tmp_path, policy):
     _slow_disk(engine, 5.0)
     engine.add(text + [1], max_tokens=2, request_id="again")
     engine.run()
-    data = engine.stats.data
-    if policy == "cost-model":
-        assert engine.loaded_tokens.get("again", 0) == 0
-        assert data["cost_declined_tokens_slower"] >= 2 * CHUNK
-    else:
-        assert engine.loaded_tokens["again"] >= 2 * CHUNK
-        assert "cost_declined_tokens_slower" not in data and data["cost_claimed_tokens_load_all"] >= 2 * CHUNK
-    assert_quiescent(engine)
+    _assert_disk_outcome(engine, policy, "cost_declined_tokens_slower")
 
 
 @pytest.mark.parametrize("policy", ["cost-model", "load-all"])
@@ -152,10 +158,4 @@ def test_a_promotion_later_than_the_deadline_is_computed_instead(make_engine, tm
     finally:
         gate.set()
     engine.run()
-    data = engine.stats.data
-    if policy == "cost-model":
-        assert engine.loaded_tokens.get("again", 0) == 0
-        assert data["cost_declined_tokens_late"] >= 2 * CHUNK
-    else:
-        assert engine.loaded_tokens["again"] >= 2 * CHUNK and "cost_declined_tokens_late" not in data
-    assert_quiescent(engine)
+    _assert_disk_outcome(engine, policy, "cost_declined_tokens_late")

@@ -3,7 +3,9 @@
 Scheduler → every worker, once per step (`LMCacheNPUConnectorMetadata`): the store index's commands in the order
 every rank runs them, for the requests those commands move the block ids they touch, and the earlier stores whose
 pages this step writes (the page fence waits for those only). Workers → scheduler
-(`LMCacheNPUWorkerMetadata`): each rank's command completions, merged by vLLM across ranks with `aggregate`.
+(`LMCacheNPUWorkerMetadata`): each rank's command completions, and for the cost model the step numbers it ran (the
+echo of `LMCacheNPUConnectorMetadata.step`) and its timed transfer batches, merged by vLLM across ranks with
+`aggregate`; they travel beside the plans below, in either kind of deployment.
 At start-up each worker reports its plan (`WorkerGeometry`): the scheduler builds its index and reads the plan
 groups from it, because vLLM hands the scheduler a KV-cache config whose multi-spec groups are collapsed to one
 arbitrary layer's spec. The plan travels as vLLM's handshake metadata when this connector is the engine's only one,
