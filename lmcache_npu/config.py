@@ -51,6 +51,9 @@ def check_backend_options(backend: str, options: Mapping[str, Any]) -> None:
 
 
 TP_SHARE_MODES = ("auto", "off")
+# cost-model: claim the prefix of a hit whose load beats computing it (docs/performance.md "The cost model");
+# load-all: claim every hit, however slow its tier (the plugin before issue 40; a baseline for studies)
+LOAD_POLICIES = ("cost-model", "load-all")
 TP_SHARE_EXCHANGES = ("auto", "device", "host")
 
 
@@ -84,6 +87,7 @@ class ConnectorConfig:
     # how long an engine's start waits for its first attach to the node cache before it serves without it (and
     # attaches in the background); a pool being made takes longer, a live one milliseconds
     node_cache_start_wait_ms: int = 5000
+    load_policy: str = "cost-model"  # which hits a request claims (LOAD_POLICIES)
     store: StoreConfig = field(default_factory=StoreConfig)
 
     def __post_init__(self) -> None:
@@ -115,6 +119,8 @@ class ConnectorConfig:
         if self.node_cache is not None:
             self._check_node_cache()
         check_int("node_cache_start_wait_ms", self.node_cache_start_wait_ms, 0, 3_600_000)
+        if self.load_policy not in LOAD_POLICIES:
+            raise ValueError(f"load_policy must be one of {', '.join(LOAD_POLICIES)}, got {self.load_policy!r}")
         if self.tp_share_exchange not in TP_SHARE_EXCHANGES:
             raise ValueError(f"tp_share_exchange must be one of {', '.join(TP_SHARE_EXCHANGES)}, got "
                              f"{self.tp_share_exchange!r}")

@@ -33,6 +33,7 @@ import torch
 
 from ..platform.threads import BoundedYieldPool
 from .arena import HostArena
+from .cost.timer import TransferTimer
 from .commands import (ARENA_TO_DEVICE, ARENA_TO_DISK, ARENA_TO_REMOTE, DEVICE_TO_ARENA, DISK_TO_ARENA,
                        REMOTE_TO_ARENA, Command, Completion, Drop, Load, Persist, Promote, Put, Route, Spill, Store,
                        Tier, Transfer)
@@ -97,6 +98,7 @@ class StoreExecutor:
         self._idle = threading.Condition(self._lock)
         self._closed = False
         self._submitting = 0
+        self.timer: Optional[TransferTimer] = None  # times each batch for the scheduler's cost model (the worker sets it)
         # one handler per (source, destination); a batch is a run of consecutive commands of one batched route
         self._handlers: dict[Route, RouteHandler] = {
             DEVICE_TO_ARENA: self._run_device, ARENA_TO_DEVICE: self._run_device,
@@ -118,6 +120,8 @@ class StoreExecutor:
                 raise RuntimeError("the store executor is closed")
             self._outstanding += len(commands)
             self._submitting += 1
+        if self.timer is not None:
+            self.timer.started(commands)
         try:
             self._submit(commands)
         finally:
@@ -234,6 +238,8 @@ class StoreExecutor:
     # ---- running commands ---------------------------------------------------------------------------------------
 
     def _report(self, cmd_id: int, result: TierResult) -> None:
+        if self.timer is not None:
+            self.timer.finished(cmd_id, result.ok)
         with self._idle:
             self._pinning.discard(cmd_id)
             self._done.append(Completion(cmd_id, self.rank, result.ok, result.reason))

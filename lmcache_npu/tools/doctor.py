@@ -36,6 +36,7 @@ from ..platform.npu_budget import HCCL_SHARE_BUFFER_MB, STAGING_WINDOW_BYTES_DEF
 from ..platform.npu_smi import npu_ids, run_board_info, run_command, soc_from_board_info
 from ..identity.naming import content_of, unnamed_weights_refusal
 from ..platform.vm import base_page_bytes, thp_pmd_bytes
+from .cost_report import cost_model_summary
 from .doctor_refusals import check_refusals
 from .doctor_verdict import FAIL, OK, SKIP, WARN, Check
 
@@ -650,6 +651,8 @@ def run_doctor(options: DoctorOptions, environ: Optional[Mapping[str, str]] = No
     checks.append(check_model(options.model_config, device,
                               config.chunk_tokens if config is not None else None))
     checks.append(check_weights(options.model, config))
+    checks.append(Check("cost model", OK, cost_model_summary(str(_setting(config, extra, "load_policy", "cost-model")),
+                                                             device)))
     return checks
 
 

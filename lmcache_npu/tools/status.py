@@ -21,6 +21,8 @@ import urllib.request
 from dataclasses import asdict, dataclass, field
 from typing import Optional, Sequence
 
+from .cost_report import cost_lines
+
 logger = logging.getLogger(__name__)
 
 PREFIX = "lmcache_npu:"
@@ -155,6 +157,7 @@ class EngineStatus:
     remote: dict[str, float] = field(default_factory=dict)
     node: dict[str, float] = field(default_factory=dict)  # the node cache's own series: connections, leases
     lease: dict[str, float] = field(default_factory=dict)  # an engine's lease at the node cache (no tiers of its own)
+    cost: dict[str, float] = field(default_factory=dict)  # the cost model's fit, decisions and calibration (cost_*)
 
     @property
     def hit_rate(self) -> Optional[float]:
@@ -229,6 +232,7 @@ def _one_engine(engine: dict[str, str], v: dict[str, float], info: dict[str, str
             hit_chunks=hit_chunks, hit_rate=rate))
     status.arena = {n: v[n] for n in ARENA_NAMES if n in v}
     status.remote = {n: v[n] for n in REMOTE_NAMES if n in v}
+    status.cost = {n: value for n, value in v.items() if n.startswith("cost_")}
     return status
 
 
@@ -280,6 +284,7 @@ def render(statuses: Sequence[EngineStatus]) -> str:
         if status.remote:
             lines.append("  Mooncake " + ", ".join(f"{k.removeprefix('mooncake_')} {_number(v)}"
                                                    for k, v in status.remote.items()))
+        lines += cost_lines(status.cost)
     return "\n".join(lines)
 
 

@@ -30,7 +30,7 @@ LAYERS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "ops": (("ops",), PLATFORM),
     "layout": (("layout",), OPS),
     "store.scheduler": (("store.index", "store.keys", "store.commands", "store.policies", "store.tier", "store.metrics",
-                         "store.config"), OPS),
+                         "store.config", "store.cost"), OPS),
     "store": (("store",), STORE_SCHEDULER),
     "transfer": (("transfer",), (*STORE, "layout")),
     "node": (("node",), STORE),

@@ -196,7 +196,10 @@ class Engine:
         sized = {} if mamba else {"chunk_tokens": SCENARIO_CHUNK_TOKENS}
         ours = dict(kv_connector="LMCacheNPUConnector", kv_connector_module_path="lmcache_npu.integration.vllm",
                     kv_role=spec.kv_role, kv_load_failure_policy=spec.failure_policy,
-                    kv_connector_extra_config={"backend": spec.backend, **sized, **spec.extra_config,
+                    # every hit claimed unless a test says otherwise: the scenarios check what loads do, and a
+                    # simulated step's time says nothing of a model's (tests/integration/test_cut_point)
+                    kv_connector_extra_config={"backend": spec.backend, **sized, "load_policy": "load-all",
+                                               **spec.extra_config,
                                                # a node cache's engines have no arena size of their own
                                                **({} if "node_cache" in spec.extra_config
                                                   else {"cpu_bytes": spec.extra_config.get("cpu_bytes", "64MiB")})})

@@ -368,3 +368,13 @@ def test_the_npu_module_is_checked_against_the_soc_it_was_built_for(tmp_path: Pa
     assert "SOC_VERSION=ascend310p3" in wrong.fix
     module.write_bytes(b"\x7fELF without a tag")
     assert "does not record its SoC" in doctor.check_npu_module(Spec(), "npu", "Ascend310P3").detail
+
+
+def test_doctor_says_the_cost_models_policy_and_seeds() -> None:
+    from lmcache_npu.tools.cost_report import cost_model_summary
+
+    assert "arena->device 0.2 ms + 50 GB/s" in cost_model_summary("cost-model", "cuda")
+    assert "disk->arena 2 ms + 1 GB/s" in cost_model_summary("cost-model", "cpu")
+    assert "every hit is claimed" in cost_model_summary("load-all", "cpu")
+    checks = {c.name: c for c in doctor.run_doctor(doctor.DoctorOptions(device="cpu"), environ={})}
+    assert "Seeds until measured on cpu" in checks["cost model"].detail

@@ -1,14 +1,18 @@
 """The plugin inside vLLM's MultiConnector beside a P/D connector (pd_stub.py, NixlConnector's shape), in either
 order, on vLLM's real scheduler: the engine starts (each child gets the handshake it expects), the plugin's plans
 reach its scheduler half with the workers' first step, its hits load the right rows, and a request whose prompt a
-prefill engine sends is left to the P/D connector even where the plugin holds part of it."""
+prefill engine sends is left to the P/D connector even where the plugin holds part of it. The cost model's step echo
+and transfer timings travel in the same worker metadata as the plans."""
 
 from __future__ import annotations
+
+import itertools
 
 import pytest
 
 from lmcache_npu.integration.vllm import adapter
 from lmcache_npu.integration.vllm.metadata import LMCacheNPUConnectorMetadata, LMCacheNPUWorkerMetadata
+from lmcache_npu.store.cost import Path, TransferSample
 from lmcache_npu.store.metrics import Metric
 
 from .conftest import assert_quiescent, prompt
@@ -90,4 +94,35 @@ def test_a_request_the_prefill_engine_sends_is_left_to_the_pd_connector(make_eng
         assert hit_tokens == 3 * chunk
     # MultiConnector asks every child whoever comes first: the plugin counts the request it left in either order
     assert engine.stats.data.get(Metric.REMOTE_PREFILL_DEFERRED, 0) == (1 if deferring else 0)
+    assert_quiescent(engine)
+
+
+def test_aggregate_keeps_every_ranks_plan_beside_its_steps_and_timings():
+    plan0, plan1 = object(), object()  # stand-ins: aggregate only files them by rank
+    sample = TransferSample(Path.LOAD, 2, 2048, 0, 0.5, True)
+    rank0 = LMCacheNPUWorkerMetadata(geometries={0: plan0}, steps=[7], timings=[sample])
+    rank1 = LMCacheNPUWorkerMetadata(geometries={1: plan1}, steps=[7, 8])
+    merged = rank0.aggregate(rank1)
+    assert merged.geometries == {0: plan0, 1: plan1}
+    assert merged.steps == [7, 7, 8] and merged.timings == [sample]
+    assert merged.completions == [] and merged.usable_slots == {} and merged.node_epochs == {}
+
+
+@pytest.mark.parametrize("beside", ORDERS)
+@pytest.mark.parametrize("echo", [True, False])
+def test_the_step_echo_reaches_the_cost_model_beside_the_plans(make_engine, monkeypatch, beside, echo):
+    """Inside a MultiConnector the workers' metadata carries the plans (they build the index) and the steps they ran
+    (they time the cost model's compute side). Negative control: a scheduler that numbers no step gets no echo, and
+    its model times nothing."""
+    engine = make_engine(beside=beside)
+    half = engine.connector.scheduler_half
+    ticks = itertools.count()
+    half.cut.clock = lambda: float(next(ticks))  # strictly increasing: an echoed step always takes some time
+    if not echo:
+        monkeypatch.setattr(half.cut, "on_step", lambda scheduler_output: None)
+    engine.add(prompt(300, seed=4), max_tokens=4, request_id="a")
+    engine.run()
+    assert half.index is not None and half.composed  # the plans arrived, with the workers' first step
+    timed = half.cut.model.compute.fit.observations
+    assert timed > 0 if echo else timed == 0
     assert_quiescent(engine)

@@ -143,3 +143,24 @@ def test_the_command_reads_a_server_and_prints_json(capsys):
         server.server_close()
     assert main(["status", "--url", f"http://127.0.0.1:{server.server_port}"]) == 2
     assert "cannot read" in capsys.readouterr().err
+
+
+COST_REPORT = {"cost_step_base_seconds": 0.0102, "cost_step_token_seconds": 9.72e-4, "cost_step_attention_seconds": 0.0,
+               "cost_step_observations": 120.0, "cost_load_latency_seconds": 5e-4, "cost_load_bytes_per_second": 15e9,
+               "cost_disk_latency_seconds": 2e-3, "cost_disk_bytes_per_second": 0.2e9,
+               "cost_claimed_tokens_faster": 512, "cost_declined_tokens_slower": 768, "cost_declined_tokens_late": 256,
+               "cost_predicted_saved_seconds": 1.5, "cost_predicted_step_seconds": 2.0,
+               "cost_observed_step_seconds": 2.2, "cost_predicted_disk_seconds": 0.5, "cost_observed_disk_seconds": 2.0}
+
+
+def test_the_cost_models_fit_and_decisions_are_shown():
+    (status,) = engine_status(parse_metrics(exposition(REPORTS + [COST_REPORT])))
+    text = render([status])
+    assert "cost model: step 10.2 ms + 972 us/token" in text and "(120 steps)" in text
+    assert "arena->device 0.5 ms + 15 GB/s" in text and "disk->arena 2 ms + 0.2 GB/s" in text
+    assert "claimed tokens faster 512, unfitted 0, load-all 0; declined slower 768, late 256" in text
+    assert "predicted saving 1.5 s" in text and "observed / predicted: step 1.10, disk 4.00" in text
+    assert json.loads(to_json([status]))["engines"][0]["cost"]["cost_declined_tokens_late"] == 256
+    # negative control: an engine that reports no cost model shows none
+    assert "cost model" not in render(engine_status(parse_metrics(exposition(REPORTS))))
+

@@ -233,6 +233,11 @@ def load_failure_policy(vllm_config: Any) -> str:
     return str(getattr(vllm_config.kv_transfer_config, "kv_load_failure_policy", "fail"))
 
 
+def token_budget(vllm_config: Any) -> int:
+    """The most tokens one step schedules (`max_num_batched_tokens`): a longer prefill takes several steps."""
+    return int(getattr(vllm_config.scheduler_config, "max_num_batched_tokens", 0) or 8192)
+
+
 def kv_role(vllm_config: Any) -> tuple[bool, bool]:
     """(stores, loads): kv_producer only stores, kv_consumer only loads, kv_both does both."""
     config = vllm_config.kv_transfer_config

@@ -3,7 +3,9 @@
 Scheduler → every worker, once per step (`LMCacheNPUConnectorMetadata`): the store index's commands in the order
 every rank runs them, for the requests those commands move the block ids they touch, and the earlier stores whose
 pages this step writes (the page fence waits for those only). Workers → scheduler
-(`LMCacheNPUWorkerMetadata`): each rank's command completions, merged by vLLM across ranks with `aggregate`.
+(`LMCacheNPUWorkerMetadata`): each rank's command completions, and for the cost model the step numbers it ran (the
+echo of `LMCacheNPUConnectorMetadata.step`) and its timed transfer batches, merged by vLLM across ranks with
+`aggregate`; they travel beside the plans below, in either kind of deployment.
 At start-up each worker reports its plan (`WorkerGeometry`): the scheduler builds its index and reads the plan
 groups from it, because vLLM hands the scheduler a KV-cache config whose multi-spec groups are collapsed to one
 arbitrary layer's spec. The plan travels as vLLM's handshake metadata when this connector is the engine's only one,
@@ -23,6 +25,7 @@ import numpy as np
 from ...layout.discovery import LayoutGroup
 from ...node.messages import WEIGHTS_UNNAMED
 from ...store.commands import Command, Completion
+from ...store.cost import TransferSample
 from ...transfer.plans import LoadPlan, StorePlan
 from .adapter import KVConnectorHandshakeMetadata, KVConnectorMetadata, KVConnectorWorkerMetadata
 
@@ -50,6 +53,9 @@ class LMCacheNPUConnectorMetadata(KVConnectorMetadata):
     node_lease: Optional[str] = None
     # commands the plans may name that the node cache was lost before sending: every rank answers them as failed
     refused: list[Command] = field(default_factory=list)
+    # this step's number where it computes something: the workers echo it, and the scheduler times the step to its
+    # output (the cost model's compute side)
+    step: Optional[int] = None
 
 
 SlotRanges = tuple[tuple[int, int], ...]  # [first, end) arena slot ranges
@@ -77,14 +83,19 @@ class LMCacheNPUWorkerMetadata(KVConnectorWorkerMetadata):
     node_epochs: dict[int, str] = field(default_factory=dict)
     # rank -> its plan, sent with every step until the scheduler's metadata says it has every rank's
     geometries: dict[int, "WorkerGeometry"] = field(default_factory=dict)
+    # every rank's timed transfer batches since its last report: the scheduler's cost model learns the tiers from them
+    timings: list[TransferSample] = field(default_factory=list)
+    # the steps (`LMCacheNPUConnectorMetadata.step`) the ranks ran since their last report (one entry per rank)
+    steps: list[int] = field(default_factory=list)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> "LMCacheNPUWorkerMetadata":
         if not isinstance(other, LMCacheNPUWorkerMetadata):
             raise TypeError(f"cannot aggregate {type(other).__name__} into LMCacheNPUWorkerMetadata")
-        return LMCacheNPUWorkerMetadata(self.completions + other.completions,
-                                        {**self.usable_slots, **other.usable_slots},
-                                        {**self.node_epochs, **other.node_epochs},
-                                        {**self.geometries, **other.geometries})
+        return LMCacheNPUWorkerMetadata(completions=self.completions + other.completions,
+                                        usable_slots={**self.usable_slots, **other.usable_slots},
+                                        node_epochs={**self.node_epochs, **other.node_epochs},
+                                        geometries={**self.geometries, **other.geometries},
+                                        timings=self.timings + other.timings, steps=self.steps + other.steps)
 
 
 @dataclass(frozen=True)

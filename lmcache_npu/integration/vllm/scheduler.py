@@ -37,6 +37,7 @@ from .metadata import LMCacheNPUConnectorMetadata, LMCacheNPUWorkerMetadata, Wor
 from .store_planner import StorePlanner
 from .stats import INDEX_METRICS, CounterDeltas, LMCacheNPUStats
 from .store_gauges import StoreGauges
+from .cut_point import CutPoint, hit_shape
 from ...store.metrics import Metric
 
 logger = logging.getLogger(__name__)
@@ -130,6 +131,8 @@ class SchedulerHalf:
         # rank -> the node cache epoch it has mapped ("" none); a rank that never said counts as having every epoch
         self._node_epochs: dict[int, str] = {}
         self._node_epoch: Optional[str] = None  # the client's epoch at the last step (KV events' capacity follows it)
+        # which prefix of a hit to claim, from a cost model learned from the steps and transfers (cut_point.py)
+        self.cut = CutPoint(config.load_policy, adapter.token_budget(vllm_config), self.counters)
 
     # ---- start-up ---------------------------------------------------------------------------------------------
 
@@ -163,6 +166,7 @@ class SchedulerHalf:
                                      num_slots=agreed.num_slots)
         self.namespace = agreed.namespace
         self.object_bytes = agreed.object_bytes
+        self.cut.model.set_geometry(agreed.object_bytes, agreed.device)
         self._gauges.reset()
         self.index_counters.watch(self.index.counters, INDEX_METRICS)
         self._apply_usable_slots({g.rank: g.usable_slots for g in geometries if g.usable_slots is not None})
@@ -323,6 +327,9 @@ class SchedulerHalf:
             state.found_in.setdefault(first + offset, source)
             if source is not Tier.ARENA and self.events is not None:  # a promotion: its arrival is announced with these
                 self.events.remember(chosen[offset], request, first + offset)
+        ends = tuple(c == k for c, k in zip(chosen, keys)) if self.has_end_state else None  # complete chunks only
+        result = self.cut.decide(request.request_id, hit_shape(num_computed_tokens, request.num_tokens, first, chunk,
+                                                               result, ends), result)
         if result.pending:
             self.counters.add(Metric.LOOKUPS_PENDING)
             return None, False  # promotions into the arena are in flight: ask again next step
@@ -341,6 +348,7 @@ class SchedulerHalf:
             self.counters.add(Metric.LOOKUPS)
             self.counters.add(Metric.LOOKUP_TOKENS, request.num_tokens - state.asked)
             state.asked = None
+        self.cut.admitted(request.request_id, num_external_tokens, self.chunk_tokens)
         if self.index is None:
             return
         if num_external_tokens <= 0 or lookup is None:
@@ -374,6 +382,7 @@ class SchedulerHalf:
 
     def build_connector_meta(self, scheduler_output: Any) -> LMCacheNPUConnectorMetadata:
         stores: list[StorePlan] = []
+        step = self.cut.on_step(scheduler_output)
         writes = self.fence.step_writes()
         node_epoch = self._follow_node()
         storing = self.stores_enabled and self.index is not None and self._node_mapped()
@@ -399,14 +408,16 @@ class SchedulerHalf:
                 if plan is not None:
                     stores.append(plan)
         node = self.index if isinstance(self.index, NodeCacheClient) else None
+        commands = self.index.take_commands() if self.index is not None else []
+        self.cut.on_commands(commands)
         meta = LMCacheNPUConnectorMetadata(
-            commands=self.index.take_commands() if self.index is not None else [],
+            commands=commands,
             loads=self._loads, stores=stores, delayed_free=self._delayed_free,
             fenced_stores=self._fenced_stores(scheduler_output, writes) if writes is not None else [],
             idle=scheduler_output.total_num_scheduled_tokens == 0, geometry_known=self._geometry_known,
             node_epoch=node_epoch,
             node_lease=(node.lease or None) if node is not None and node.epoch else None,
-            refused=node.take_refused() if node is not None else [])
+            refused=node.take_refused() if node is not None else [], step=step)
         self.fence.end_step()
         self._loads, self._delayed_free = [], []
         return meta
@@ -476,6 +487,9 @@ class SchedulerHalf:
             return False, None
         state.finished = True
         state.lookup = None
+        self.cut.forget(request.request_id)
+        if not any(not s.finished for s in self.requests.values()):  # the engine may idle: no step is timed across it
+            self.cut.idle()
         delay = bool(state.stores) and not adapter.waiting_for_remote_kv(request)
         if delay:
             self._delayed_free.append(request.request_id)
@@ -508,9 +522,13 @@ class SchedulerHalf:
             self._apply_usable_slots(meta.usable_slots)
         if isinstance(meta, LMCacheNPUWorkerMetadata) and meta.node_epochs:
             self._node_epochs.update(meta.node_epochs)
-        if not isinstance(meta, LMCacheNPUWorkerMetadata) or not meta.completions or self.index is None:
+        if not isinstance(meta, LMCacheNPUWorkerMetadata) or self.index is None:
             return
-        self.index.on_completions(meta.completions)
+        if meta.completions:
+            self.index.on_completions(meta.completions)
+        self.cut.on_output(meta, self.index.is_pending)
+        if not meta.completions:
+            return
         touched: dict[int, _Request] = {}
         for completion in meta.completions:
             state = self._owner.get(completion.cmd_id)
@@ -539,7 +557,8 @@ class SchedulerHalf:
         gauges = {} if self.index is None else self._gauges.changed(
             self.index.occupancy(), self.config, self.index.eviction_policy, self.namespace,
             self.object_bytes * self.place.world, self.chunk_tokens)
-        return LMCacheNPUStats.of({**self.counters.drain(), **self.index_counters.take(), **gauges})
+        return LMCacheNPUStats.of({**self.counters.drain(), **self.index_counters.take(), **gauges,
+                                   **self.cut.gauges()})
 
     def take_events(self) -> list[Any]:
         """vLLM KV events for the chunks that entered or left a tier since the last call (empty unless vLLM's KV

@@ -76,6 +76,28 @@ METRICS: dict[str, str] = {  # Metric keys: a member is its name
                              "(the load recomputes, the store is dropped; summed over ranks)",
     Metric.COUNTER_REGRESSIONS: "counter moves that went negative and were left out of the Prometheus counters, which "
                                 "refuse them (a bug: the log names the counter)",
+    # the cost model and the cut point (integration/vllm/cut_point.py), counted at each request's admission
+    Metric.COST_CLAIMED_TOKENS_FASTER: "hit tokens claimed because the cost model predicted loading them beats "
+                                       "computing them",
+    Metric.COST_CLAIMED_TOKENS_UNFITTED: "hit tokens claimed before the cost model had seen enough steps to decline",
+    Metric.COST_CLAIMED_TOKENS_LOAD_ALL: "hit tokens claimed under load_policy load-all",
+    Metric.COST_DECLINED_TOKENS_SLOWER: "hit tokens computed instead because the cost model predicted computing them "
+                                        "is faster than loading them",
+    Metric.COST_DECLINED_TOKENS_LATE: "hit tokens computed instead because their promotion ran past the deadline the "
+                                      "cost model set",
+    Metric.COST_PREDICTED_SAVED_SECONDS: "time to first token the cost model predicted its claims saved (summed over "
+                                         "requests)",
+    Metric.COST_PREDICTED_STEP_SECONDS: "engine step seconds the cost model predicted, for the steps it observed",
+    Metric.COST_OBSERVED_STEP_SECONDS: "engine step seconds observed (the same steps)",
+    Metric.COST_PREDICTED_LOAD_SECONDS: "arena -> device load seconds the cost model predicted, for the batches the "
+                                        "workers timed",
+    Metric.COST_OBSERVED_LOAD_SECONDS: "arena -> device load seconds the workers timed (the same batches)",
+    Metric.COST_PREDICTED_DISK_SECONDS: "disk promotion seconds the cost model predicted, for the batches timed",
+    Metric.COST_OBSERVED_DISK_SECONDS: "disk promotion seconds the workers timed (the same batches)",
+    Metric.COST_PREDICTED_REMOTE_SECONDS: "Mooncake promotion seconds the cost model predicted, for the batches timed",
+    Metric.COST_OBSERVED_REMOTE_SECONDS: "Mooncake promotion seconds the workers timed (the same batches)",
+    Metric.COST_PREDICTED_WAIT_SECONDS: "seconds the cost model predicted requests would wait for their promotions",
+    Metric.COST_OBSERVED_WAIT_SECONDS: "seconds those requests waited for their promotions",
 }
 # the host arena's segments: levels, not counts. Each rank reports how they moved since its last report (up as
 # segments go live, down when a node cache epoch is unmapped), so the sum over steps and ranks is the current state;
@@ -164,6 +186,20 @@ GAUGES: dict[str, str] = {
     "chunk_bytes": "bytes of one chunk, summed over ranks (capacity in bytes is chunks times this)",
     "chunk_tokens": "tokens per chunk",
 }
+# the cost model's fit (integration/vllm/cut_point.py), reported when it moves; also gauges
+FIT_GAUGES: dict[str, str] = {
+    "cost_step_base_seconds": "the cost model's fixed seconds per engine step",
+    "cost_step_token_seconds": "the cost model's seconds per scheduled token",
+    "cost_step_attention_seconds": "the cost model's seconds per scheduled token and token of context it attends to",
+    "cost_step_observations": "engine steps the cost model's compute side learned from (recency-weighted)",
+    "cost_load_latency_seconds": "the cost model's fixed seconds of an arena -> device load",
+    "cost_load_bytes_per_second": "the cost model's arena -> device bandwidth (one rank)",
+    "cost_disk_latency_seconds": "the cost model's fixed seconds of a disk -> arena promotion",
+    "cost_disk_bytes_per_second": "the cost model's disk -> arena bandwidth (one rank)",
+    "cost_remote_latency_seconds": "the cost model's fixed seconds of a Mooncake -> arena promotion",
+    "cost_remote_bytes_per_second": "the cost model's Mooncake -> arena bandwidth (one rank)",
+}
+GAUGES.update(FIT_GAUGES)
 # `lmcache_npu:store_info{namespace=..., eviction_policy=..., tiers=...} 1`: what names this engine's chunks (a
 # digest of model content and layout, never a secret) and how it keeps them; reported as a tuple of those values
 STORE_INFO = "store_info"

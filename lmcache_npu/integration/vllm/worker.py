@@ -67,6 +67,7 @@ from ...node.messages import PoolGeometry
 from ...node.worker_mapping import WorkerNodeMapping
 from ...store.commands import COMMAND_DEADLINE_S, Command, Completion, Load, Store
 from ...store.disk import check_disk_parent
+from ...store.cost.timer import TransferTimer
 from ...store.executor import StoreExecutor
 from ...store.tier import TierCounters
 from ...transfer import KVMover
@@ -146,6 +147,7 @@ class WorkerHalf:
         self._reported_epoch: Optional[str] = None  # the node epoch last told to the scheduler as mapped here
         self._in_flight: set[int] = set()  # commands submitted and not yet polled (a retired mapping waits for its)
         self._geometry_known = False  # the scheduler said it has every rank's plan: no more sending it
+        self._steps: list[int] = []  # step numbers run since the last worker metadata (the scheduler times them)
 
     # ---- start-up ---------------------------------------------------------------------------------------------
 
@@ -192,6 +194,7 @@ class WorkerHalf:
                 namespace or "", fingerprint, self.place.world, object_bytes, plan.chunk_tokens)))
         if self._node is not None:  # the node's commands run only against the epoch they were issued for
             pipeline.executor.epoch = self._node.epoch
+        pipeline.executor.timer = TransferTimer(pipeline.object_bytes)  # the scheduler's cost model learns the tiers
         backend = pipeline.mover.backends[Direction.LOAD].name
         for tier, names in ((pipeline.disk, DISK_METRICS), (pipeline.remote, REMOTE_METRICS)):
             if tier is not None:
@@ -291,6 +294,8 @@ class WorkerHalf:
         self._geometry_known = self._geometry_known or meta.geometry_known
         if self.executor is None or self.mover is None:
             return
+        if meta.step is not None:
+            self._steps.append(meta.step)
         if self._fenced is not meta:  # a runner that skips handle_preemptions: fence here, before any load is queued
             self.handle_preemptions(meta)
         self._fenced = None
@@ -432,9 +437,11 @@ class WorkerHalf:
         usable = self._take_usable_change()
         epoch = self._take_epoch_change()
         plan = None if self._geometry_known else self.geometry
-        if not self._outbox and usable is None and epoch is None and plan is None:
+        timings = self.executor.timer.take() if self.executor is not None and self.executor.timer is not None else []
+        if not self._outbox and usable is None and epoch is None and plan is None and not timings and not self._steps:
             return None
-        meta, self._outbox = LMCacheNPUWorkerMetadata(self._outbox), []
+        meta = LMCacheNPUWorkerMetadata(self._outbox, timings=timings, steps=self._steps)
+        self._outbox, self._steps = [], []
         if plan is not None:
             meta.geometries[self.place.rank] = plan
         if usable is not None:

@@ -1,0 +1,161 @@
+"""The cut point in the real scheduler path (vLLM 0.23's `Scheduler`, simulated workers): the scheduler half learns
+a step's time from its schedules (a synthetic clock injected here: no test reads time), the workers' transfer timer
+reaches it through their metadata, a slow tier's hit is computed instead, a promotion later than the model's
+deadline is computed instead, and every decision is counted in the stats vLLM receives. Each has a negative
+control under `load_policy: load-all`, which claims everything as before."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+
+from lmcache_npu.store.cost import MIN_STEPS, Path, TransferSample
+from lmcache_npu.integration.vllm import cut_point
+from lmcache_npu.integration.vllm.stats import FIT_GAUGES, GAUGES, METRICS, STORE_INFO
+
+from .conftest import assert_quiescent, preset_engine, prompt
+
+CHUNK = 256
+
+
+class SyntheticSteps:
+    """The scheduler half's clock: a step's output comes back `base + per_token × tokens` after its schedule."""
+
+    def __init__(self, engine: Any, base: float = 0.01, per_token: float = 1e-3) -> None:
+        self.now = 0.0
+        self.base, self.per_token = base, per_token
+        self._tokens: dict[int, int] = {}
+        cut = engine.connector.scheduler_half.cut
+        cut.clock = lambda: self.now
+        schedule, output = cut.on_step, cut.on_output
+
+        def on_step(scheduler_output: Any) -> Any:
+            step = schedule(scheduler_output)
+            if step is not None:
+                self._tokens[step] = scheduler_output.total_num_scheduled_tokens
+            return step
+
+        def on_output(meta: Any, is_pending: Any) -> None:
+            for step in set(getattr(meta, "steps", ())):
+                self.now += self.base + self.per_token * self._tokens.pop(step, 0)
+            output(meta, is_pending)
+
+        cut.on_step, cut.on_output = on_step, on_output
+
+
+def _engine(make_engine: Any, policy: str, **extra: Any) -> Any:
+    return preset_engine(make_engine, "llama3-8b", "ascend", num_blocks=40,
+                         extra_config={"chunk_tokens": CHUNK, "load_policy": policy, **extra})
+
+
+def _warm_up(engine: Any) -> None:
+    """A request long enough for the compute side to be fitted (MIN_STEPS timed steps)."""
+    engine.add(prompt(CHUNK + 10, seed=70), max_tokens=MIN_STEPS + 4, request_id="warm")
+    engine.run()
+    assert engine.connector.scheduler_half.cut.model.fitted
+
+
+def test_timings_reach_the_model_and_every_decision_is_counted(make_engine, monkeypatch):
+    monkeypatch.setattr(cut_point, "REPORT_EVERY", 1)  # every step's calibration and gauges reported
+    engine = _engine(make_engine, "cost-model")
+    SyntheticSteps(engine)
+    _warm_up(engine)
+    text = prompt(2 * CHUNK + 10, seed=71)
+    engine.add(text, max_tokens=2, request_id="a")
+    engine.run()
+    engine.evict_device_cache()
+    engine.add(text + [1], max_tokens=2, request_id="b")  # computing 512 tokens: 0.5 s; loading them: ms
+    engine.run()
+    assert engine.loaded_tokens["b"] == 2 * CHUNK
+    model = engine.connector.scheduler_half.cut.model
+    assert model.tiers[Path.LOAD].measured and model.tiers[Path.STORE].measured  # the workers' timer got through
+    assert model.compute.fit.coefficients[1] == pytest.approx(1e-3, rel=0.05)  # the synthetic clock's per token
+    data = engine.stats.data
+    assert data["cost_claimed_tokens_faster"] == 2 * CHUNK and "cost_declined_tokens_slower" not in data
+    assert data["cost_predicted_saved_seconds"] > 0.3
+    assert data["cost_observed_step_seconds"] > 0 and data["cost_predicted_step_seconds"] > 0
+    assert data["cost_observed_load_seconds"] > 0 and data["cost_predicted_load_seconds"] > 0
+    assert data["cost_step_token_seconds"] == pytest.approx(1e-3, rel=0.05) and data["cost_step_observations"] > 0
+    assert set(FIT_GAUGES) <= set(data)
+    assert set(data) <= set(METRICS) | set(GAUGES) | {STORE_INFO}
+    assert_quiescent(engine)
+
+
+def _slow_disk(engine: Any, seconds_per_chunk: float) -> None:
+    """What the workers would have timed of a slow disk: the model's disk path learns it."""
+    model = engine.connector.scheduler_half.cut.model
+    chunk_bytes = model.object_bytes
+    model.on_samples([TransferSample(Path.DISK, n, n * chunk_bytes, 0, n * seconds_per_chunk, True)
+                      for n in (1, 2, 3, 1, 2, 3)])
+
+
+def _disk_engine(make_engine: Any, tmp_path: Any, policy: str) -> tuple[Any, list[int]]:
+    """An engine whose arena holds two chunks, with request a's chunks pushed out to disk by request b."""
+    slot = _engine(make_engine, policy).workers[0].worker_half.executor.arena.slot_bytes
+    engine = _engine(make_engine, policy, cpu_bytes=2 * slot, disk_path=str(tmp_path), disk_bytes="64MiB")
+    SyntheticSteps(engine)
+    _warm_up(engine)
+    text = prompt(3 * CHUNK + 10, seed=72)
+    engine.add(text, max_tokens=2, request_id="a")
+    engine.run()
+    engine.add(prompt(3 * CHUNK + 10, seed=73), max_tokens=2, request_id="b")  # pushes a's chunks to disk
+    engine.run()
+    engine.workers[0].worker_half.executor.disk.flush(30)
+    engine.evict_device_cache()
+    return engine, text
+
+
+def _assert_disk_outcome(engine, policy: str, declined: str) -> None:
+    """After `_disk_engine`'s request "again" ran: the model computed its two disk chunks and counted them under
+    `declined`; load-all loaded them and declined nothing."""
+    data = engine.stats.data
+    if policy == "cost-model":
+        assert engine.loaded_tokens.get("again", 0) == 0
+        assert data[declined] >= 2 * CHUNK
+    else:
+        assert engine.loaded_tokens["again"] >= 2 * CHUNK
+        assert declined not in data and data["cost_claimed_tokens_load_all"] >= 2 * CHUNK
+    assert_quiescent(engine)
+
+
+@pytest.mark.parametrize("policy", ["cost-model", "load-all"])
+def test_a_slow_tier_is_computed_instead(make_engine, tmp_path, policy):
+    """The disk moves a chunk in 5 s; computing one takes 0.26 s: the model computes, load-all (the negative
+    control) waits for the disk and loads."""
+    engine, text = _disk_engine(make_engine, tmp_path, policy)
+    _slow_disk(engine, 5.0)
+    engine.add(text + [1], max_tokens=2, request_id="again")
+    engine.run()
+    _assert_disk_outcome(engine, policy, "cost_declined_tokens_slower")
+
+
+@pytest.mark.parametrize("policy", ["cost-model", "load-all"])
+def test_a_promotion_later_than_the_deadline_is_computed_instead(make_engine, tmp_path, monkeypatch, policy):
+    """The disk is fast as far as the model knows, so the request waits for its promotions; they hang, the clock
+    passes the deadline, and the request computes instead (load-all, the negative control, keeps waiting and loads
+    once the disk answers)."""
+    engine, text = _disk_engine(make_engine, tmp_path, policy)
+    gate = threading.Event()
+    for worker in engine.workers:
+        disk = worker.worker_half.executor.disk
+        monkeypatch.setattr(disk, "read_into",
+                            lambda name, out, read=disk.read_into: (gate.wait(60), read(name, out))[1])
+    try:
+        half = engine.connector.scheduler_half
+        engine.add(text + [1], max_tokens=2, request_id="again")
+        engine.step()
+        decision = half.cut._decisions["again"]
+        assert decision.deadline is not None and decision.cut.chunks >= 2  # it waits for the disk
+        clock = half.cut.clock
+        late = decision.deadline + 1.0
+        half.cut.clock = lambda: max(clock(), late)  # the promotions are past their deadline
+        for _ in range(3):
+            engine.step()
+        if policy == "cost-model":
+            assert engine.requests["again"].num_computed_tokens > 0  # it computes, not waits
+    finally:
+        gate.set()
+    engine.run()
+    _assert_disk_outcome(engine, policy, "cost_declined_tokens_late")
