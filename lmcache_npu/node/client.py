@@ -28,7 +28,6 @@ import logging
 import os
 import socket
 import stat
-import struct
 import threading
 import time
 from functools import partial
@@ -43,7 +42,7 @@ from ..store.keys import ChunkKey
 from ..store.metrics import Metric
 from ..store.tier import TierCounters
 from . import replies, wire
-from .messages import PROTOCOL_VERSION, Attach, Attached, PoolGeometry, Refused, protocol_of
+from .messages import PROTOCOL_VERSION, Attach, Attached, PoolGeometry, Refused, Verb, protocol_of
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +56,6 @@ OCCUPANCY_TTL_S = 1.0  # the gauges vLLM's stats read every step: asked at most 
 # up before it went away come first; beyond, the reservations wait for the lease's end)
 MAX_UNSENT_RELEASES = 4096
 ATTACH_TIMEOUT_S = 900.0  # the first attach of a geometry maps and pre-faults its pool: minutes on a large node
-_PEERCRED = struct.Struct("3i")  # pid, uid, gid
 
 
 class NodeCacheUnavailable(ConnectionError):
@@ -73,7 +71,7 @@ def check_service_peer(sock: socket.socket, path: str) -> None:
     """The process behind `path` must be one this engine may trust with its KV: this user's, root's, or the owner of
     a socket whose directory nobody else can write (a service of another user, e.g. with --group). Anyone could
     otherwise bind a socket at a path in a shared directory first and serve forged chunks."""
-    _, uid, _ = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+    _, uid, _ = wire.peer_credentials(sock)
     if uid in (os.getuid(), 0):
         return
     try:
@@ -264,7 +262,7 @@ class NodeCacheClient(ChunkManager):
         """What the same epoch's service missed while this engine was away: its releases (a reply it never read may
         have reserved chunks), then its workers' answers."""
         for request_id in list(self._unreleased):
-            if not self._send("release", request_id):
+            if not self._send(Verb.RELEASE, request_id):
                 return  # away again: the rest wait for the next attachment
             del self._unreleased[request_id]
         self._deliver(replay=True)
@@ -304,17 +302,18 @@ class NodeCacheClient(ChunkManager):
         self._connected()
         return self.epoch
 
-    def _call(self, verb: str, *arguments: Any, missing: Any = None, valid: Optional[Callable[[Any], bool]] = None,
-              strict: bool = False) -> Any:
+    def _call(self, verb: Verb, *arguments: Any, missing: Any = None,
+              valid: Optional[Callable[[Any], bool]] = None) -> Any:
         """The verb's answer; `missing` (counted, the reason in `_miss`) when the service is away, answers an error
-        or a reply of another shape than `valid` accepts for the value (raised instead as a ValueError if `strict`)."""
+        or a reply of another shape than `valid` accepts for the value (raised instead as a ValueError by a client
+        made `strict`)."""
         self._miss = "the service is away"
         if not self._connected():
             self.counters.add(Metric.NODE_CACHE_UNREACHABLE)
             return missing
         assert self._sock is not None
         try:
-            wire.send(self._sock, (verb, *arguments))
+            wire.send(self._sock, (verb.value, *arguments))  # the closed encoding carries a plain str, no enum
             reply = wire.receive(self._sock)
         except (OSError, wire.WireError) as exc:
             self._lost(exc)
@@ -334,7 +333,7 @@ class NodeCacheClient(ChunkManager):
                                                             f"{exc})")
         if problem is not None:
             self._miss = problem[1]
-            return self._unanswered(verb, problem[0], strict, missing)
+            return self._unanswered(verb, problem[0], missing)
         _, value, counters, changes = reply
         for name, amount in counters.items():
             self.counters.add(name, amount)
@@ -346,15 +345,15 @@ class NodeCacheClient(ChunkManager):
                     try:
                         self.payload_sink(key, payload)
                     except (TypeError, ValueError) as exc:  # a payload the events cannot read: the change still counts
-                        self._unanswered("payload", Metric.NODE_CACHE_MALFORMED_REPLIES, False, None, str(exc))
+                        self._unanswered("payload", Metric.NODE_CACHE_MALFORMED_REPLIES, None, str(exc))
                 self._listener(key, tier, entered)
         return value
 
-    def _unanswered(self, verb: str, metric: Metric, strict: bool, missing: Any, why: str = "") -> Any:
+    def _unanswered(self, verb: str, metric: Metric, missing: Any, why: str = "") -> Any:
         """Counts a reply the engine cannot use and answers `missing` (the first of each kind per verb is a warning)."""
         self.counters.add(metric)
         why = why or self._miss
-        if strict or self.strict:
+        if self.strict:
             raise ValueError(f"node cache: {verb}: {why}")
         log = logger.warning if self._first(verb, metric) else logger.debug
         log("lmcache_npu: the node cache at %s could not answer %s (%s): taken as a miss", self.path, verb, why)
@@ -367,13 +366,13 @@ class NodeCacheClient(ChunkManager):
         self._told.add((verb, what))
         return True
 
-    def _send(self, verb: str, *arguments: Any) -> bool:
+    def _send(self, verb: Verb, *arguments: Any) -> bool:
         """A verb the engine does not wait for (its counters come with the next answer); whether it was sent."""
         if not self._connected():
             return False
         assert self._sock is not None
         try:
-            wire.send(self._sock, (verb, *arguments))
+            wire.send(self._sock, (verb.value, *arguments))
         except OSError as exc:
             self._lost(exc)
             return False
@@ -403,16 +402,16 @@ class NodeCacheClient(ChunkManager):
         return namespace, list(map(_FIRST, chunks)), hashes
 
     def lookup(self, request_id: str, keys: Sequence[ChunkKey]) -> LookupResult:
-        return self._call("lookup", request_id, *self._batch(keys), missing=LookupResult(0, 0),
+        return self._call(Verb.LOOKUP, request_id, *self._batch(keys), missing=LookupResult(0, 0),
                           valid=partial(replies.lookup_result, len(keys)))
 
     def presence(self, keys: Sequence[ChunkKey], remote: bool = True) -> list[bool]:
-        return self._call("presence", *self._batch(keys), remote, missing=[False] * len(keys),
+        return self._call(Verb.PRESENCE, *self._batch(keys), remote, missing=[False] * len(keys),
                           valid=partial(replies.bools, len(keys)))
 
     def prepare_load(self, request_id: str, chunks: NumberedChunks) -> list[Load]:
         namespace, numbers, hashes = self._numbered(chunks)
-        moves = self._call("prepare_load", request_id, namespace, numbers, hashes, missing=None,
+        moves = self._call(Verb.PREPARE_LOAD, request_id, namespace, numbers, hashes, missing=None,
                            valid=partial(replies.moves, set(hashes), self.num_slots))
         if moves is None:  # a hit was promised and is not loadable: refused, so vLLM recomputes these tokens
             if self._sock is None:
@@ -421,16 +420,16 @@ class NodeCacheClient(ChunkManager):
         return self._track(Load, request_id, chunks, moves)
 
     def release(self, request_id: str) -> None:
-        if not self._send("release", request_id) and len(self._unreleased) < MAX_UNSENT_RELEASES:
+        if not self._send(Verb.RELEASE, request_id) and len(self._unreleased) < MAX_UNSENT_RELEASES:
             self._unreleased[request_id] = None
 
     def describe(self, key: ChunkKey, payload: tuple) -> None:
         """What routers need to name `key` (this engine stored or promoted it): the node keeps it for the others."""
-        self._send("describe", key, payload)
+        self._send(Verb.DESCRIBE, key, payload)
 
     def prepare_store(self, request_id: str, chunks: NumberedChunks) -> list[Store]:
         namespace, numbers, hashes = self._numbered(chunks)
-        moves = self._call("prepare_store", request_id, namespace, numbers, hashes, missing=[],
+        moves = self._call(Verb.PREPARE_STORE, request_id, namespace, numbers, hashes, missing=[],
                            valid=partial(replies.moves, set(hashes), self.num_slots))
         return self._track(Store, request_id, chunks, moves)
 
@@ -483,7 +482,7 @@ class NodeCacheClient(ChunkManager):
         assert self._sock is not None
         answers, self._unacked = self._unacked, []
         try:
-            wire.send(self._sock, ("on_completions", answers))
+            wire.send(self._sock, (Verb.ON_COMPLETIONS.value, answers))
         except OSError as exc:  # the service has none of them (a message cut short is dropped whole)
             self._unacked = answers + self._unacked
             self._lost(exc)
@@ -515,33 +514,28 @@ class NodeCacheClient(ChunkManager):
         now = time.monotonic()
         if self._occupancy is not None and now - self._occupancy[0] < OCCUPANCY_TTL_S:
             return self._occupancy[1]
-        use = self._call("occupancy", missing=None, valid=replies.occupancy)
+        use = self._call(Verb.OCCUPANCY, missing=None, valid=replies.occupancy)
         if use is None:
             return {Tier.ARENA: (0, self.num_slots), Tier.DISK: (0, self.disk_chunks)}
         self._occupancy = (now, use)
         return use
 
     def location(self, key: ChunkKey) -> tuple[Optional[int], SlotState, DiskState]:
-        return self._call("location", key, missing=(None, SlotState.FREE, DiskState.NONE), valid=replies.location)
+        return self._call(Verb.LOCATION, key, missing=(None, SlotState.FREE, DiskState.NONE), valid=replies.location)
 
     def chunks(self) -> list[ChunkView]:
-        return self._call("chunks", missing=[], valid=replies.chunk_views)
+        return self._call(Verb.CHUNKS, missing=[], valid=replies.chunk_views)
 
     def sync(self) -> None:
         """Collects what one-way calls caused since the last answer (their counters, the node's tier changes): the
         scheduler asks before it hands vLLM the step's KV events."""
-        self._call("sync")
-
-    def check_invariants(self) -> None:
-        """The node's index checks its own bookkeeping (tests, `lmcache-npu status`); a broken invariant is raised
-        here as the ValueError the service answered."""
-        self._call("check_invariants", strict=True)
+        self._call(Verb.SYNC)
 
     def adopt_disk(self, keys: Iterable[ChunkKey]) -> int:
-        return self._call("adopt_disk", list(keys), missing=0, valid=replies.count)
+        return self._call(Verb.ADOPT_DISK, list(keys), missing=0, valid=replies.count)
 
     def drop_disk_copies(self, keys: Iterable[ChunkKey]) -> None:
-        self._call("drop_disk_copies", list(keys))
+        self._call(Verb.DROP_DISK_COPIES, list(keys))
 
     def set_tier_listener(self, listener: Optional[TierListener]) -> None:
         """The node's tier changes reach `listener` with the answers to this engine's calls (the service queues
@@ -552,4 +546,4 @@ class NodeCacheClient(ChunkManager):
         wanted = listener is not None
         if wanted != self._events:
             self._events = wanted  # also said by every later attach (a reconnect)
-            self._call("events", wanted)
+            self._call(Verb.EVENTS, wanted)

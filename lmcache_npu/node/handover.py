@@ -20,7 +20,6 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import struct
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -28,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
 
 from ..store.index.contract import LookupResult
 from . import wire
-from .messages import HANDOVER, PROTOCOL_VERSION, PoolGeometry, Refused
+from .messages import HANDOVER, PROTOCOL_VERSION, PoolGeometry, Refused, Verb
 from .rebuild import VERIFY_THREADS, InheritedArena
 
 if TYPE_CHECKING:
@@ -63,7 +62,6 @@ DRAIN_S = 30.0  # how long a predecessor waits for its engines' device commands 
 STATE_WAIT_S = 900.0  # beyond the drain: sealing a large arena's unsealed slots takes a while
 RELEASE_WAIT_S = 300.0  # the predecessor's disk tiers flush their write-behind queues before it lets go
 ACK_WAIT_S = 60.0
-_PEERCRED = struct.Struct("3i")  # pid, uid, gid
 STATE, FDS, ACK, RELEASED = "handover-state", "handover-fds", "handover-ack", "handover-released"
 
 
@@ -85,16 +83,16 @@ class Succession:
 def frozen_answer(verb: str, arguments: tuple) -> tuple[bool, Any]:
     """(True, the answer) for a verb that would hand out device commands while the service hands over: a cache that
     holds nothing. A load refused is recomputed by vLLM, never waited for."""
-    if verb == "lookup":
+    if verb == Verb.LOOKUP:
         return True, LookupResult(0, 0)
-    if verb == "presence":
+    if verb == Verb.PRESENCE:
         hashes = arguments[1] if len(arguments) == 3 else None
         if not isinstance(hashes, list):
             raise ValueError("presence needs (namespace, hashes, remote)")
         return True, [False] * len(hashes)
-    if verb == "prepare_store":
+    if verb == Verb.PREPARE_STORE:
         return True, []
-    if verb == "prepare_load":
+    if verb == Verb.PREPARE_LOAD:
         raise ValueError("the node cache is handing over to its successor: no load is handed out (recomputed)")
     return False, None
 
@@ -211,7 +209,7 @@ def _send_state(connection: socket.socket, state: dict, fds: list[int]) -> None:
 
 def _peer_pid(connection: socket.socket) -> int:
     try:
-        return _PEERCRED.unpack(connection.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))[0]
+        return wire.peer_credentials(connection)[0]
     except OSError:
         return -1
 
@@ -219,7 +217,7 @@ def _peer_pid(connection: socket.socket) -> int:
 def same_uid(connection: socket.socket) -> bool:
     """Only a process of this service's own uid may take it over (a `--group` member may attach, not take over)."""
     try:
-        uid = _PEERCRED.unpack(connection.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))[1]
+        uid = wire.peer_credentials(connection)[1]
     except OSError:
         return False
     return uid == os.getuid()

@@ -25,6 +25,7 @@ A first message `("ping",)` instead of an Attach is answered `("pong", {version,
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
 # bumped whenever a verb, its arguments or its reply change; messages from before it existed carry none (version 1)
@@ -35,6 +36,31 @@ HANDOVER = "handover"
 # by nothing; the node keeps chunks beyond the engine and shares them, so it takes only weights something names
 WEIGHTS_CONTENT, WEIGHTS_NAMED, WEIGHTS_UNNAMED = "sha256", "named", "unnamed"
 NAMED_WEIGHTS = frozenset({WEIGHTS_CONTENT, WEIGHTS_NAMED})
+
+
+class Verb(StrEnum):
+    """The first element of an attached engine's request: the client sends `verb.value` (the closed encoding carries
+    plain strings) and the service's table (verbs.VERBS) is keyed by it. A verb named like a `ChunkManager` method runs
+    that method on the pool's index; `DESCRIBE`, `EVENTS` and `SYNC` are the node cache's own."""
+
+    LOOKUP = "lookup"
+    PRESENCE = "presence"
+    PREPARE_LOAD = "prepare_load"
+    PREPARE_STORE = "prepare_store"
+    RELEASE = "release"
+    ON_COMPLETIONS = "on_completions"
+    DESCRIBE = "describe"
+    EVENTS = "events"
+    SYNC = "sync"
+    OCCUPANCY = "occupancy"
+    LOCATION = "location"
+    CHUNKS = "chunks"
+    ADOPT_DISK = "adopt_disk"
+    DROP_DISK_COPIES = "drop_disk_copies"
+
+
+# the engine does not wait for these: their counters ride the next reply
+ONEWAY = frozenset({Verb.RELEASE, Verb.ON_COMPLETIONS, Verb.DESCRIBE})
 
 
 @dataclass(frozen=True)

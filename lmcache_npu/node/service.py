@@ -28,28 +28,26 @@ import secrets
 import select
 import socket
 import stat
-import struct
 import threading
 import time
 from dataclasses import dataclass
 from functools import cache
 from typing import Any, Callable, Optional
 
+from ..checks import check_int
 from ..store.config import StoreConfig
 from . import codec, wire
 from .exporter import MetricsServer, exposition, namespace_labeller
 from .fd_store import SystemdFdStore, inherited_pools, passed_fds
 from .handover import DRAIN_S, Handover, frozen_answer, same_uid, take_over
-from .messages import HANDOVER, NAMED_WEIGHTS, PROTOCOL_VERSION, Attach, PoolGeometry, Refused, protocol_of
+from .messages import (HANDOVER, NAMED_WEIGHTS, ONEWAY, PROTOCOL_VERSION, Attach, PoolGeometry, Refused,
+                       protocol_of)
 from .pool import COMMAND_TTL_S, EngineLease, LeaseLimits, NodePool, PoolRefused
 from .pool_table import PoolTable
 from .verbs import REMOTE_KEYS, VERBS, prefetch, unscoped
 
 logger = logging.getLogger(__name__)
 
-_PEERCRED = struct.Struct("3i")  # pid, uid, gid
-# the engine does not wait for these: their counters ride the next reply
-ONEWAY = frozenset({"release", "on_completions", "describe"})
 WEDGED_AFTER_S = 60.0  # a pool's pump has not had the lock this long: a verb hangs, /healthz says so
 MAX_CONNECTIONS = 4096  # open at once (a DP=16 TP=8 node holds 144); each costs a thread
 FIRST_MESSAGE_S = 10.0  # a connection's Attach (or ping) must arrive within this
@@ -270,8 +268,7 @@ class NodeCacheService:
         self._acceptor.start()
 
     def _peer_allowed(self, connection: socket.socket) -> bool:
-        pid, uid, gid = _PEERCRED.unpack(connection.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
-                                                               _PEERCRED.size))
+        pid, uid, gid = wire.peer_credentials(connection)
         if uid == os.getuid() or (self._group_gid is not None and gid == self._group_gid):
             return True
         self.refused_peers += 1
@@ -556,6 +553,4 @@ def _check_geometry(geometry: PoolGeometry) -> None:
     if not isinstance(geometry.layout_fingerprint, bytes):
         raise ValueError("a pool geometry's layout fingerprint must be bytes")
     for name in ("world", "object_bytes", "chunk_tokens"):
-        value = getattr(geometry, name)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"a pool geometry's {name} must be a positive integer, got {value!r}")
+        check_int(f"a pool geometry's {name}", getattr(geometry, name), lo=1)

@@ -10,15 +10,14 @@ from functools import partial
 from itertools import repeat
 from typing import Any, Callable, Optional
 
-from ..store.commands import Completion, Tier
+from ..store.commands import Completion
 from ..store.index.contract import ChunkView
 from ..store.keys import ChunkKey
-from ..store.metrics import Metric
+from ..store.metrics import HIT_CHUNKS, Metric
+from .messages import Verb
 from .pool import ENGINE_SEPARATOR, EngineLease, NodePool, scoped
 
 _new_key = partial(tuple.__new__, ChunkKey)  # ChunkKey(namespace, hash) without its Python-level __new__
-HIT_CHUNKS = {Tier.ARENA: Metric.HIT_CHUNKS_CPU, Tier.DISK: Metric.HIT_CHUNKS_DISK,
-              Tier.REMOTE: Metric.HIT_CHUNKS_REMOTE}
 
 
 def unscoped(text: str, engine: str) -> str:
@@ -131,7 +130,7 @@ def _presence(pool: NodePool, lease: EngineLease, namespace: Any, hashes: Any, r
     return pool.index.presence(keys[:visible], bool(remote)) + [False] * (len(keys) - visible)
 
 
-def _prepare(verb: str) -> Callable[..., list[tuple[int, int, int, bytes]]]:
+def _prepare(verb: Verb) -> Callable[..., list[tuple[int, int, int, bytes]]]:
     def prepare(pool: NodePool, lease: EngineLease, request_id: Any, namespace: Any, numbers: Any,
                 hashes: Any) -> list[tuple[int, int, int, bytes]]:
         chunks = _numbered(pool, namespace, numbers, hashes)
@@ -154,9 +153,9 @@ def prefetch(pool: NodePool, batch: Optional[tuple]) -> None:
 
 
 # the verbs that may ask the remote store: their (namespace, hashes) arguments when they will
-REMOTE_KEYS: dict[str, Callable[[tuple], Optional[tuple]]] = {
-    "lookup": lambda arguments: arguments[1:3],
-    "presence": lambda arguments: arguments[0:2] if len(arguments) == 3 and arguments[2] else None,
+REMOTE_KEYS: dict[Verb, Callable[[tuple], Optional[tuple]]] = {
+    Verb.LOOKUP: lambda arguments: arguments[1:3],
+    Verb.PRESENCE: lambda arguments: arguments[0:2] if len(arguments) == 3 and arguments[2] else None,
 }
 
 
@@ -167,24 +166,23 @@ def _release(pool: NodePool, lease: EngineLease, request_id: Any) -> None:
     lease.looked_up.pop(name, None)
 
 
-VERBS: dict[str, Callable[..., Any]] = {
-    "lookup": _lookup,
-    "presence": _presence,
-    "prepare_load": _prepare("prepare_load"),
-    "prepare_store": _prepare("prepare_store"),
-    "release": _release,
-    "on_completions": lambda pool, lease, completions: pool.call(
+VERBS: dict[Verb, Callable[..., Any]] = {
+    Verb.LOOKUP: _lookup,
+    Verb.PRESENCE: _presence,
+    Verb.PREPARE_LOAD: _prepare(Verb.PREPARE_LOAD),
+    Verb.PREPARE_STORE: _prepare(Verb.PREPARE_STORE),
+    Verb.RELEASE: _release,
+    Verb.ON_COMPLETIONS: lambda pool, lease, completions: pool.call(
         lease, lambda: pool.on_completions(lease, _completions(completions))),
-    "events": lambda pool, lease, wanted: setattr(lease, "events", bool(wanted)),
-    "describe": lambda pool, lease, key, payload: pool.describe(_keys([key], pool.geometry.namespace)[0],
-                                                                _payload(payload, pool.geometry.chunk_tokens)),
-    "check_invariants": lambda pool, lease: pool.index.check_invariants(),
-    "sync": lambda pool, lease: None,  # nothing but the reply: the counters and tier changes of one-way calls
-    "occupancy": lambda pool, lease: pool.index.occupancy(),
-    "location": lambda pool, lease, key: pool.index.location(_keys([key], pool.geometry.namespace)[0]),
-    "chunks": lambda pool, lease: [_as_seen_by(lease.engine, view) for view in pool.index.chunks()],
-    "adopt_disk": lambda pool, lease, keys: pool.call(
+    Verb.EVENTS: lambda pool, lease, wanted: setattr(lease, "events", bool(wanted)),
+    Verb.DESCRIBE: lambda pool, lease, key, payload: pool.describe(_keys([key], pool.geometry.namespace)[0],
+                                                                   _payload(payload, pool.geometry.chunk_tokens)),
+    Verb.SYNC: lambda pool, lease: None,  # nothing but the reply: the counters and tier changes of one-way calls
+    Verb.OCCUPANCY: lambda pool, lease: pool.index.occupancy(),
+    Verb.LOCATION: lambda pool, lease, key: pool.index.location(_keys([key], pool.geometry.namespace)[0]),
+    Verb.CHUNKS: lambda pool, lease: [_as_seen_by(lease.engine, view) for view in pool.index.chunks()],
+    Verb.ADOPT_DISK: lambda pool, lease, keys: pool.call(
         lease, lambda: pool.index.adopt_disk(_keys(keys, pool.geometry.namespace))),
-    "drop_disk_copies": lambda pool, lease, keys: pool.call(
+    Verb.DROP_DISK_COPIES: lambda pool, lease, keys: pool.call(
         lease, lambda: pool.index.drop_disk_copies(_keys(keys, pool.geometry.namespace))),
 }

@@ -24,6 +24,7 @@ from . import codec
 MAX_MESSAGE_BYTES = 64 << 20  # a 128K-token lookup is ~40 KB; anything near this is a broken or hostile peer
 MAX_FDS = 4096  # segment files in one attach reply (a 2 TB arena of 1 GiB segments is 2048)
 _LENGTH = struct.Struct(">I")
+_PEERCRED = struct.Struct("3i")  # struct ucred of SO_PEERCRED: pid, uid, gid
 _PROTOCOL = 5  # the first with opcodes for sets and bytearrays: a reply names no builtin
 
 # (module, name) a reply may contain: our plain values. No builtins: pickle protocol 5 has an opcode for every
@@ -51,6 +52,11 @@ class _AllowListUnpickler(pickle.Unpickler):
         if (module, name) not in _ALLOWED:
             raise WireError(f"a node cache message may not contain {module}.{name}")
         return super().find_class(module, name)
+
+
+def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
+    """(pid, uid, gid) of the process at the other end of a Unix socket, as the kernel recorded them at connect."""
+    return _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
 
 
 def _framed(payload: bytes) -> bytes:

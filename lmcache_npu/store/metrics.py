@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from enum import StrEnum
 
+from .commands import Tier
+
 
 class Metric(StrEnum):
     ABANDONED_COMMANDS = "abandoned_commands"
@@ -157,3 +159,8 @@ class Metric(StrEnum):
 def per_rank(rank: int, metric: Metric) -> str:
     """The per-rank counter of `metric` (e.g. "rank1_stored_bytes"; stats.PER_RANK_METRICS exports them)."""
     return f"rank{rank}_{metric.value}"
+
+
+# a hit chunk counts under the tier the lookup found it in (an engine's scheduler and the node cache's status alike)
+HIT_CHUNKS: dict[Tier, Metric] = {Tier.ARENA: Metric.HIT_CHUNKS_CPU, Tier.DISK: Metric.HIT_CHUNKS_DISK,
+                                  Tier.REMOTE: Metric.HIT_CHUNKS_REMOTE}

@@ -23,6 +23,7 @@ from lmcache_npu.store.config import StoreConfig
 from lmcache_npu.store.index.contract import SlotState
 
 from ..kv_events_view import ours
+from ..node.harness import check_invariants
 from .conftest import assert_engine_settled, preset_engine, prompt
 from .test_events import Recorder, request_chunks
 
@@ -61,13 +62,13 @@ def _store_then_load(writer: Any, reader: Any, seed: int) -> tuple[int, int]:
     return reader.loaded_tokens.get("second", 0), expected
 
 
-def _quiescent(engine: Any) -> None:
+def _quiescent(engine: Any, service: NodeCacheService) -> None:
     """conftest's `assert_quiescent`, asked of the node: nothing in flight, reserved, pinned or half-written."""
     assert_engine_settled(engine)
     half = engine.connector.scheduler_half
     assert not half.fence.step_reads
     index = half.index
-    index.check_invariants()  # run by the service on the node's index
+    check_invariants(service)  # the node's index, in the service's process
     assert index.in_flight == 0 and not index.queued_commands()
     chunks = index.chunks()
     assert not any(c.reservations for c in chunks) and all(c.readers == 0 for c in chunks)
@@ -92,7 +93,7 @@ def test_a_second_engine_loads_what_the_first_stored_through_the_node(make_engin
     assert stored[1] <= reader_chunks - loaded // chunk  # the reader stored none of the writer's chunks again
     assert held == sum(stored)  # one copy on the node of each chunk either engine stored
     for engine in (writer, reader):
-        _quiescent(engine)
+        _quiescent(engine, service)
 
 
 def test_negative_control_engines_with_private_caches_find_nothing_of_each_other(make_engine, node) -> None:
@@ -165,7 +166,7 @@ def test_an_engine_keeps_serving_through_a_service_that_answers_wrongly(make_eng
     """The review's S3: a service-side error (or a reply of another shape) in any verb raised into vLLM's scheduler
     and stopped the engine. Now each is a miss and a counter vLLM's stats report; the rows are still checked every
     step (the engine recomputes), and once the fault is gone the same connection serves hits again (the control)."""
-    _, path = node
+    service, path = node
     with mock.patch.object(scheduler_module, "kv_events_enabled", lambda vllm_config: True):  # sync, too
         writer = _engine(make_engine, "llama3-8b", path)
         reader = _engine(make_engine, "llama3-8b", path)
@@ -188,7 +189,7 @@ def test_an_engine_keeps_serving_through_a_service_that_answers_wrongly(make_eng
     reader.run()
     assert reader.loaded_tokens.get("healed", 0) == 2 * chunk  # the control: hits through the same connection
     for engine in (writer, reader):
-        _quiescent(engine)
+        _quiescent(engine, service)
 
 
 def _restart(service: NodeCacheService, path: str) -> NodeCacheService:

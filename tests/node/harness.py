@@ -215,6 +215,14 @@ def answer(manager: ChunkManager, commands: Iterable, ranks: Iterable[int], ok: 
                             for rank in ranks])
 
 
+def check_invariants(service: NodeCacheService) -> None:
+    """Every pool of `service` checks its index's bookkeeping, under the service's lock as a verb runs (a test's
+    question: the service serves no verb for it)."""
+    with service.lock:
+        for pool in service.pools.values():
+            pool.index.check_invariants()
+
+
 def sync(client: NodeCacheClient) -> None:
     """One round trip: the service has handled every one-way message this client sent before (release, answers),
     which another engine's connection may otherwise overtake."""

@@ -28,8 +28,8 @@ from lmcache_npu.store.tier import TierCounters
 
 from tests.store.fakes import chunk_payload
 
-from .harness import (OBJECT_BYTES, WAIT_S, WEIGHTS, Engine, Node, expected_bytes, geometry, keys_of, store_config,
-                      sync, wait_for)
+from .harness import (OBJECT_BYTES, WAIT_S, WEIGHTS, Engine, Node, check_invariants, expected_bytes, geometry,
+                      keys_of, store_config, sync, wait_for)
 
 WORLD = 2
 SLOTS = 8
@@ -121,7 +121,7 @@ def test_a_hand_over_keeps_every_chunk_its_bytes_and_its_epoch_and_maps_nothing_
     assert made == [] and mapped == [] and segment_files() <= files  # no new pool, no worker mapped a byte again
     assert all(counters[Metric.EPOCH_CHANGES] == 0 for counters in workers.counters)
     assert pool.leases["A"].bound  # the workers presented the carried lease token: bound at their attach
-    client.check_invariants()
+    check_invariants(successor.service)
     workers.close()
 
 
@@ -185,7 +185,7 @@ def test_a_command_running_at_the_hand_over_rests_its_slot_and_its_late_answer_c
     fresh = client.prepare_store("y", [(i, key) for i, key in enumerate(keys_of(10, 5))])
     assert fresh and min(command.cmd_id for command in fresh) >= high_water
     assert store.slot not in {command.slot for command in fresh}  # resting: never handed out at once
-    client.check_invariants()
+    check_invariants(successor.service)
     workers.close()
 
 

@@ -38,13 +38,11 @@ from .store_planner import StorePlanner
 from .stats import INDEX_METRICS, CounterDeltas, LMCacheNPUStats
 from .store_gauges import StoreGauges
 from .cut_point import CutPoint, hit_shape
-from ...store.metrics import Metric
+from ...store.metrics import HIT_CHUNKS, Metric
 
 logger = logging.getLogger(__name__)
-# a hit chunk counts under the tier the lookup found it in
 # outputs of the workers a lookup waits for their plans through (they come with the first: more means they never will)
 PLAN_WAIT_OUTPUTS = 8
-_HIT_CHUNKS = {Tier.ARENA: Metric.HIT_CHUNKS_CPU, Tier.DISK: Metric.HIT_CHUNKS_DISK, Tier.REMOTE: Metric.HIT_CHUNKS_REMOTE}
 
 
 @dataclass
@@ -370,7 +368,7 @@ class SchedulerHalf:
         self._own(state, loads, state.loads)
         self.counters.add(Metric.HIT_TOKENS, num_external_tokens)
         for chunk_index, _ in chunks:
-            self.counters.add(_HIT_CHUNKS[state.found_in.get(chunk_index, Tier.ARENA)])
+            self.counters.add(HIT_CHUNKS[state.found_in.get(chunk_index, Tier.ARENA)])
         reported = self.failure_channel is adapter.FailureChannel.INVALID_BLOCKS  # only there vLLM takes block ids
         self._loads.append(LoadPlan(
             request_id=request.request_id, cmd_ids=cmd_ids,
