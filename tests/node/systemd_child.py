@@ -9,28 +9,15 @@ from the repository root."""
 
 from __future__ import annotations
 
-import fcntl
+import importlib.util
 import os
 import sys
 
-
-def _place_passed() -> None:
-    """The inherited descriptors at 3, 4, ... (first out of the way, so none is overwritten before it moved)."""
-    passed = [int(fd) for fd in os.environ.pop("LMCN_PASSED_FDS", "").split(",") if fd]
-    if not passed:
-        return
-    high = [fcntl.fcntl(fd, fcntl.F_DUPFD, 1000) for fd in passed]
-    for fd in passed:
-        os.close(fd)
-    for number, fd in enumerate(high):
-        os.dup2(fd, 3 + number)
-        os.close(fd)
-    os.environ["LISTEN_FDS"] = str(len(passed))
-    os.environ["LISTEN_FDNAMES"] = os.environ.pop("LMCN_PASSED_NAMES", "")
-    os.environ["LISTEN_PID"] = str(os.getpid())
-
-
-_place_passed()  # before any import opens a descriptor of its own
+# by its path: importing the package would import torch, which may open descriptors before they are in place
+_spec = importlib.util.spec_from_file_location("systemd_stand_in", "lmcache_npu/tools/bench/systemd_stand_in.py")
+_stand_in = importlib.util.module_from_spec(_spec)  # type: ignore[arg-type]
+_spec.loader.exec_module(_stand_in)  # type: ignore[union-attr]
+_stand_in.place_passed_descriptors("LMCN_")
 
 import json  # noqa: E402
 import logging  # noqa: E402

@@ -25,21 +25,18 @@ import sys
 import tempfile
 import threading
 import time
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 # run before anything else in a service process systemd "starts": the passed descriptors at 3, 4, ... and LISTEN_*
-_SYSTEMD_EXEC = """
-import fcntl, os, runpy, sys
-passed = [int(fd) for fd in os.environ.pop("BENCH_PASSED_FDS", "").split(",") if fd]
-high = [fcntl.fcntl(fd, fcntl.F_DUPFD, 1000) for fd in passed]
-for fd in passed:
-    os.close(fd)
-for number, fd in enumerate(high):
-    os.dup2(fd, 3 + number)
-    os.close(fd)
-if passed:
-    os.environ.update(LISTEN_FDS=str(len(passed)), LISTEN_PID=str(os.getpid()),
-                      LISTEN_FDNAMES=os.environ.pop("BENCH_PASSED_NAMES", ""))
+# (the stand-in is loaded by its path: importing the package would import torch, which may open descriptors first)
+_STAND_IN = str(Path(__file__).with_name("systemd_stand_in.py"))
+_SYSTEMD_EXEC = f"""
+import importlib.util, runpy, sys
+spec = importlib.util.spec_from_file_location("systemd_stand_in", {_STAND_IN!r})
+stand_in = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(stand_in)
+stand_in.place_passed_descriptors("BENCH_")
 sys.argv = ["lmcache-npu", *sys.argv[1:]]
 runpy.run_module("lmcache_npu.tools.cli", run_name="__main__")
 """
@@ -389,6 +386,6 @@ def render(results: list[dict]) -> str:
     pool = results[0]["pool_bytes"] / 2**30 if results else 0
     lines.append(f"(a pool of {pool:.2f} GiB, {results[0]['ranks'] if results else 0} rank(s); seconds from the "
                  "restart: the new service answers, the longest stretch without a hit, the first hit and every hit "
-                 "answered by the new service; cold: nothing is a hit, its columns say when the engine could store again; worker maps: "
-                 "ranks that mapped and registered the pool again)")
+                 "answered by the new service; cold: nothing is a hit, its columns say when the engine could store "
+                 "again; worker maps: ranks that mapped and registered the pool again)")
     return "\n".join(lines)
