@@ -3,7 +3,8 @@
 The scheduler half keeps a `PageFence`: per store command, the blocks its chunk reads (`StoreReads`, until every
 rank completed the store). Each step it collects what the step writes (`StepWrites`); the store commands whose
 blocks meet the writes go to the workers in the connector metadata, and only their batches hold the model's stream
-(the safety argument is in `worker.py`'s docstring). Comparison is by block id, one pool for every KV-cache group.
+(the safety argument: docs/architecture.md, "The worker's ordering arguments"). Comparison is by block id, one pool
+for every KV-cache group.
 One refinement keeps a long block (DeepSeek-V4's c128 block holds 16384 tokens) from fencing every step: a request
 writing its own block from token t on touches only rows of tokens >= t, so its own stores of chunks ending at or
 before t (their rows are of earlier tokens) are not disturbed, unless they read a recurrent state, which fills its

@@ -10,45 +10,8 @@ computes nothing (metadata `idle`: every runnable request waits for its KV) it f
 pending loads; where the model runs on the host it also waits, at most a share of a step, for the loads its own step
 queued, so they are reported in that step (`load_wait.py` says why each wait pays and why devices do not wait).
 
-Hook order with speculative decoding. With any speculative config vLLM defers `wait_for_save` and
-`clear_connector_metadata` to `finalize_kv_connector()`, after the drafter's forward: `get_finished` then sees a step
-before its stores are queued. That is safe by construction: a store's command ids join its request's pending set
-in `start_load_kv`, before either hook, and leave it only when the executor reports them completed, so a request
-whose free vLLM delayed is reported in `finished_sending` once, after its last store took its bytes, in either
-order; a completion polled in one `get_finished` is counted in that call and never again. Queued in
-`wait_for_save`, after drafting, a step's stores also read the rows the draft (EAGLE/MTP) layers wrote in that step.
-
-Why the narrow page fence is safe. A queued store reads the pages of the chunks it stores until its kernel is done;
-the model's stream must not write any of them before. The scheduler half decides, because it knows both sides: the
-blocks each store reads (per chunk, from its block window, kept until every rank completed it, which is after its
-kernel on every rank: a superset of what any worker still has in flight, even with async scheduling, where step N+1
-is built before step N runs) and everything the step writes. It names the stores whose blocks meet the step's
-writes (`fenced_stores`); the worker, which alone knows which batches are still on the device, waits for those
-that are. Block ids come from one pool shared by every KV-cache group and name the same pages in every group's
-tensors (a hybrid model's groups share buffers), so reads and writes are compared as one set of ids. A step writes:
-* for every scheduled request and group, every block from the one holding its first uncomputed token to the table's
-  end: the new tokens' rows, a recurrent state (mamba align mode keeps it in the last token's block, "none" mode in
-  the table's only block), speculative and lookahead blocks. Blocks before hold computed tokens: vLLM's own prefix
-  hits (shared, never rewritten; a full-prompt hit recomputes its last token in a new block) or rows a load wrote;
-* every block newly handed to a request, and every block vLLM zeroes (`new_block_ids_to_zero`): a block freed by a
-  preempted, finished or sliding request and given to another in this step is one of these, and so is a block that
-  vLLM evicts from its prefix cache to reuse;
-* the windows of this step's loads (blocks of a request waiting for its KV, which vLLM does not schedule).
-A request's own write of a block it already held, from token t on, touches rows of tokens >= t only, so it spares
-that request's stores of chunks ending at or before t (their rows are of earlier tokens), except where the block
-holds a recurrent state, which a write replaces whole (`fence.py`); blocks new to it count whole.
-A request the scheduler half does not track, and that only appends, has a current block no output named: the
-scheduler then sends None and every queued store is fenced. Finished requests: vLLM frees their blocks only after
-`request_finished` returns False or, when it returned True (stores in flight), after the workers reported them in
-`finished_sending`, i.e. after those stores completed; a block it frees and reuses shows up as a new block of the
-request that gets it. Preempted requests: their blocks are freed at once and come back as new blocks of some
-request (or of the same one when it resumes, with the whole table in the output). A store that a step skipped
-keeps reading beside that step, and the first step that writes one of its blocks waits for it.
-
-Stores bound by a step that never reached `wait_for_save` are queued in `handle_preemptions`, before the fence and
-before vLLM's state update: their event sits right after that step's forward, so they read what it computed, and the
-fence treats them as any queued store (the scheduler counted them in flight since it built that step). Queued in
-`start_load_kv` they would read pages after vLLM's state update, which zeroes blocks handed out in the new step.
+Why this order is safe, with speculative decoding, under the narrow page fence and for stores a step left unqueued:
+`docs/architecture.md`, "The worker's ordering arguments".
 """
 
 from __future__ import annotations
