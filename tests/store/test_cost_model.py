@@ -193,6 +193,21 @@ def test_the_timer_times_each_path_of_a_submit_as_one_batch_behind_what_is_in_fl
     assert timer.take() == []
 
 
+def test_commands_abandoned_past_their_deadline_leave_the_queue_and_their_batch_is_never_timed():
+    clock = Clock()
+    timer = TransferTimer(object_bytes=100, clock=clock)
+    timer.started([Promote(1, key(1), 1, source=Tier.DISK), Promote(2, key(2), 2, source=Tier.DISK)])
+    timer.abandon([1])  # the worker answered it as failed after its deadline
+    clock.now = 1.0
+    timer.started([Promote(3, key(3), 3, source=Tier.DISK)])
+    clock.now = 2.0
+    timer.finished(2, True)  # the abandoned batch's last answer: no sample of a batch cut short
+    timer.finished(1, True)  # the late answer of the abandoned command: ignored
+    timer.finished(3, True)
+    # 3 queued behind 2 alone (the control: without the abandon it would be behind 1's bytes too, 200)
+    assert timer.take() == [TransferSample(Path.DISK, 1, 100, 100, 1.0, True)]
+
+
 # ---- the cut ------------------------------------------------------------------------------------------------------
 
 @dataclass

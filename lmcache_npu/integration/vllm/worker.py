@@ -363,6 +363,8 @@ class WorkerHalf:
         for cmd_id in overdue:
             del self._due[cmd_id]
         self._late.update(overdue)
+        if self.executor is not None and self.executor.timer is not None:
+            self.executor.timer.abandon(overdue)
         self.counters.add(Metric.OVERDUE_COMMANDS, len(overdue))
         logger.error("lmcache_npu rank %d: %d command(s) unanswered after %g s, answered as failed (loads recompute, "
                      "stores are dropped): %s", self.place.rank, len(overdue), COMMAND_DEADLINE_S, overdue[:8])

@@ -26,6 +26,7 @@ class _Batch:
     pending: set[int] = field(default_factory=set)
     chunks: int = 0
     ok: bool = True
+    abandoned: bool = False  # a command of it was answered past its deadline: the batch is never timed
 
 
 class TransferTimer:
@@ -67,9 +68,21 @@ class TransferTimer:
             batch.pending.discard(cmd_id)
             batch.ok &= ok
             self._in_flight[batch.path] -= self.object_bytes
-            if not batch.pending:
+            if not batch.pending and not batch.abandoned:
                 self._samples.append(TransferSample(batch.path, batch.chunks, batch.chunks * self.object_bytes,
                                                     batch.queued_bytes, now - batch.started, batch.ok))
+
+    def abandon(self, cmd_ids: Sequence[int]) -> None:
+        """Commands the worker answered as failed past their deadline: no longer in flight (a queue that never
+        drains would make every later transfer on the path look slow), and their batches are never timed."""
+        with self._lock:
+            for cmd_id in cmd_ids:
+                batch = self._batch_of.pop(cmd_id, None)
+                if batch is None:
+                    continue
+                batch.pending.discard(cmd_id)
+                batch.abandoned = True
+                self._in_flight[batch.path] -= self.object_bytes
 
     def take(self) -> list[TransferSample]:
         with self._lock:
