@@ -39,7 +39,7 @@ DEFAULT_SKIP_SPEC_KINDS: tuple[str, ...] = ()
 class LayoutPolicy:
     """What discovery may decide for the user: chunk size, hash granularity, which spec kinds to skip."""
 
-    chunk_tokens: int = 256  # a policy built by hand (presets, benches, tests); the connector passes its own
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS  # by hand (presets, benches, tests); the connector passes its own
     skip_spec_kinds: tuple[str, ...] = DEFAULT_SKIP_SPEC_KINDS
     hash_block_size: Optional[int] = None  # None: the GCD of the group block sizes, as vLLM derives it
     fractal_nz: bool = False  # 310P: K/V pages are FRACTAL_NZ

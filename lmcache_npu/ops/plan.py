@@ -215,7 +215,7 @@ class TransferPlan:
     which is what lets the kernel enumerate work items arithmetically.
     """
 
-    def __init__(self, groups: Sequence[GroupSpec], planes: Sequence[Plane], chunk_tokens: int = 256):
+    def __init__(self, groups: Sequence[GroupSpec], planes: Sequence[Plane], chunk_tokens: int) -> None:
         if chunk_tokens < 1:
             raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
         self.chunk_tokens = int(chunk_tokens)

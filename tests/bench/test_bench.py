@@ -109,3 +109,11 @@ def test_geometry_round_trips_through_json() -> None:
     geometry = geometry_from_dict(data)
     again = geometry_from_dict(json.loads(json.dumps(geometry.to_dict())))
     assert again == geometry and again.groups[0].planes[1].page == "indexer"
+
+
+def test_a_geometry_without_chunk_tokens_is_refused_not_given_a_size() -> None:
+    data = {"groups": [{"tokens_per_block": 16, "planes": [
+        {"row_bytes": 64, "rows_per_block": 16, "block_stride_bytes": 1024}]}]}
+    with pytest.raises(ValueError, match=r"^geometry: missing keys \['chunk_tokens'\]$"):
+        geometry_from_dict(data)
+    assert geometry_from_dict({**data, "chunk_tokens": 32}).chunk_tokens == 32  # control: the same file with it

@@ -109,5 +109,7 @@ def test_a_bad_config_fails_when_the_connector_is_built(make_engine):
 
 
 def test_a_chunk_that_is_not_a_multiple_of_the_hash_block_is_refused(make_engine):
-    with pytest.raises(ValueError, match="chunk_tokens 200 is not a multiple of vLLM's hash block size 128"):
+    # refused where the worker lays the chunk out: the scheduler takes the size from the handshake only
+    with pytest.raises(ValueError, match="chunk_tokens 200 is not a multiple of the hash block size 128: a chunk is "
+                                         "keyed by the block hash"):
         preset_engine(make_engine, "llama3-8b", "ascend", extra_config={"chunk_tokens": 200})

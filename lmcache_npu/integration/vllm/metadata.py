@@ -100,7 +100,10 @@ class LMCacheNPUWorkerMetadata(KVConnectorWorkerMetadata):
 
 @dataclass(frozen=True)
 class WorkerGeometry(KVConnectorHandshakeMetadata):
-    """One rank's plan, reported once after `register_kv_caches`; the scheduler builds its index from these."""
+    """One rank's plan, reported once after `register_kv_caches`; the scheduler builds its index from these.
+    This handshake (or the same plan carried in worker metadata) is the scheduler's only source of `chunk_tokens`:
+    it never reads the config's, and the rule that a chunk is a multiple of the hash block was checked where the
+    worker laid the chunk out (`discover_layout`)."""
 
     rank: int
     world: int

@@ -88,9 +88,6 @@ class SchedulerHalf:
         self.stores_enabled, self.loads_enabled = adapter.kv_role(vllm_config)
         self.place = adapter.parallel_place(vllm_config)
         self.scheduler_block_size, self.hash_block_size = adapter.block_sizes(kv_cache_config, vllm_config)
-        if config.chunk_tokens is not None and config.chunk_tokens % self.hash_block_size:
-            raise ValueError(f"chunk_tokens {config.chunk_tokens} is not a multiple of vLLM's hash block size "
-                             f"{self.hash_block_size}: a chunk is keyed by the block hash at its last token")
         self.num_scheduler_groups = len(kv_cache_config.kv_cache_groups)
         self.failure_channel = adapter.failure_channel(self.num_scheduler_groups)
         # an EAGLE/MTP drafter: a hit ends one chunk before the last chunk held (lookup.py says why)
@@ -142,9 +139,6 @@ class SchedulerHalf:
         self.composed = any(g.composed for g in geometries)
         if agreed is None:
             return
-        if agreed.chunk_tokens % self.hash_block_size:
-            raise ValueError(f"the workers chose chunks of {agreed.chunk_tokens} tokens, not a multiple of the "
-                             f"scheduler's hash block size {self.hash_block_size}")
         self.chunk_tokens = agreed.chunk_tokens
         self.groups = agreed.groups
         self.planner = StorePlanner.of(self.groups, self.chunk_tokens, self.num_scheduler_groups,

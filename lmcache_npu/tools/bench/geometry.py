@@ -50,7 +50,7 @@ class GroupGeometry:
 @dataclass(frozen=True)
 class Geometry:
     groups: tuple[GroupGeometry, ...]
-    chunk_tokens: int = 256
+    chunk_tokens: int  # required: a geometry's chunk bytes depend on it, so no file may leave it to a default
     name: str = "custom"
     notes: str = ""
 
@@ -120,7 +120,7 @@ def geometry_from_dict(data: dict[str, Any], name: str = "custom") -> Geometry:
                 raise ValueError(f"groups[{gi}].planes[{pi}]: layout must be 'nd' or 'fractal_nz'")
             planes.append(plane)
         groups.append(GroupGeometry(**{**g, "planes": tuple(planes)}))
-    return Geometry(tuple(groups), data.get("chunk_tokens", 256), data.get("name", name), data.get("notes", ""))
+    return Geometry(tuple(groups), data["chunk_tokens"], data.get("name", name), data.get("notes", ""))
 
 
 def load_geometry(path: Path) -> Geometry:
