@@ -61,7 +61,7 @@ def namespace_labeller(host: str) -> Callable[[str], str]:
 
 
 def _samples(service: Any) -> Iterator[Sample]:
-    label_of: Callable[[str], str] = getattr(service, "namespace_label", lambda namespace: namespace)
+    label_of: Callable[[str], str] = service.namespace_label
     yield ("node_connections", {"engine": "node"}, service.connections)
     yield ("node_refused_peers_total", {"engine": "node"}, service.refused_peers)
     yield ("node_refused_connections_total", {"engine": "node"}, service.refused_crowd)

@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from ...platform import threads as platform_threads
-from ...platform.threads import yield_to_compute
 from ..tier import OK, Failure, TierCounters, TierResult
 from .format import (FILE_SUFFIX, FOREIGN_PROBLEMS, HEADER_BYTES, TEMP_SUFFIX, Header, check_fingerprint,
                      check_lock_name, check_name, fan_of, read_header)
@@ -241,7 +240,7 @@ class DiskTier:
 
     def _run_writer(self, rescuer: bool = False) -> None:
         if self._yields and not rescuer:
-            yield_to_compute()
+            platform_threads.yield_to_compute()
         landed: list[_PendingWrite] = []  # renamed, waiting for their directory fsync before `done`
         dirty_fans: set[str] = set()
         while True:
