@@ -33,6 +33,7 @@ class Metric(StrEnum):
     COST_OBSERVED_WAIT_SECONDS = "cost_observed_wait_seconds"
     COST_PREDICTED_DISK_SECONDS = "cost_predicted_disk_seconds"
     COST_PREDICTED_LOAD_SECONDS = "cost_predicted_load_seconds"
+    COST_PREDICTED_LOST_SECONDS = "cost_predicted_lost_seconds"
     COST_PREDICTED_REMOTE_SECONDS = "cost_predicted_remote_seconds"
     COST_PREDICTED_SAVED_SECONDS = "cost_predicted_saved_seconds"
     COST_PREDICTED_STEP_SECONDS = "cost_predicted_step_seconds"

@@ -45,7 +45,8 @@ def cost_lines(v: Mapping[str, float]) -> list[str]:
     declined = {reason: int(v.get(f"cost_declined_tokens_{reason}", 0)) for reason in ("slower", "late")}
     lines.append("  claimed tokens " + ", ".join(f"{r.replace('_', '-')} {n}" for r, n in claimed.items())
                  + "; declined " + ", ".join(f"{r} {n}" for r, n in declined.items())
-                 + f"; predicted saving {v.get('cost_predicted_saved_seconds', 0):.3g} s")
+                 + f"; predicted saving {v.get('cost_predicted_saved_seconds', 0):.3g} s"
+                 + f", loss {v.get('cost_predicted_lost_seconds', 0):.3g} s")
     ratios = []
     for name in ("step", "load", "disk", "remote", "wait"):
         predicted, observed = v.get(f"cost_predicted_{name}_seconds"), v.get(f"cost_observed_{name}_seconds")

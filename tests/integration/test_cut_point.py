@@ -129,6 +129,12 @@ def test_a_slow_tier_is_computed_instead(make_engine, tmp_path, policy):
     engine.add(text + [1], max_tokens=2, request_id="again")
     engine.run()
     _assert_disk_outcome(engine, policy, "cost_declined_tokens_slower")
+    data = engine.stats.data
+    assert "counter_regressions" not in data  # a claim predicted slower is a loss, never a saving moved back
+    if policy == "load-all":  # two 5 s promotions against 0.26 s of compute each
+        assert data["cost_predicted_lost_seconds"] > 5.0
+    else:
+        assert "cost_predicted_lost_seconds" not in data
 
 
 @pytest.mark.parametrize("policy", ["cost-model", "load-all"])

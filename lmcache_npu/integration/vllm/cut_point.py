@@ -180,8 +180,10 @@ class CutPoint:
         self.counters.add(Metric.COST_DECLINED_TOKENS_LATE, late)
         slower = (decision.hit_chunks - cut.chunks - decision.declined_late) * chunk_tokens
         self.counters.add(Metric.COST_DECLINED_TOKENS_SLOWER, max(slower, 0))
-        if claimed_tokens > 0:
-            self.counters.add(Metric.COST_PREDICTED_SAVED_SECONDS, cut.recompute_s - cut.ttft_s)
+        if claimed_tokens > 0:  # a counter never goes back: a claim predicted slower (load-all, unfitted) is a loss
+            saved = cut.recompute_s - cut.ttft_s
+            self.counters.add(Metric.COST_PREDICTED_SAVED_SECONDS if saved >= 0 else Metric.COST_PREDICTED_LOST_SECONDS,
+                              abs(saved))
         if decision.waited is not None:
             self.counters.add(Metric.COST_PREDICTED_WAIT_SECONDS, cut.promotion_s)
             self.counters.add(Metric.COST_OBSERVED_WAIT_SECONDS, decision.waited)

@@ -87,6 +87,8 @@ METRICS: dict[str, str] = {  # Metric keys: a member is its name
                                       "cost model set",
     Metric.COST_PREDICTED_SAVED_SECONDS: "time to first token the cost model predicted its claims saved (summed over "
                                          "requests)",
+    Metric.COST_PREDICTED_LOST_SECONDS: "time to first token the cost model predicted claims it did not choose cost "
+                                        "(load-all or unfitted claims slower than computing, summed over requests)",
     Metric.COST_PREDICTED_STEP_SECONDS: "engine step seconds the cost model predicted, for the steps it observed",
     Metric.COST_OBSERVED_STEP_SECONDS: "engine step seconds observed (the same steps)",
     Metric.COST_PREDICTED_LOAD_SECONDS: "arena -> device load seconds the cost model predicted, for the batches the "
