@@ -18,6 +18,7 @@ from .disk import HEADER_BYTES, DiskTier, disk_chunks_for_capacity, scan_disk_di
 from .envelope import Sealer, sealed_bytes
 from .executor import DeviceMover, StoreExecutor
 from .index.chunk_index import ChunkIndex
+from .index.contract import Admission
 from .keys import ChunkKey, storage_names_of
 from .secret import resolve_secret
 
@@ -57,10 +58,11 @@ def remote_exists_for(client: Any, num_ranks: int):
 
 def build_index(config: StoreConfig, object_bytes: int, num_ranks: int, namespace: str, layout_fingerprint: bytes,
                 remote_client: Optional[Any] = None, num_slots: Optional[int] = None,
-                first_cmd_id: int = 1) -> ChunkIndex:
+                first_cmd_id: int = 1, admission: Optional[Admission] = None) -> ChunkIndex:
     """The scheduler's index; with a disk tier it adopts what a previous run left on disk. `remote_client` (a
     `MooncakeTier` the scheduler owns, only for existence checks) is built from the config when not given.
-    `num_slots` caps the arena slots the index hands out (the smallest arena any rank reported)."""
+    `num_slots` caps the arena slots the index hands out (the smallest arena any rank reported); `admission` is the
+    cost model's say on slow-tier writes (`cost.SlowTierAdmission.pays`)."""
     disk_chunks = 0
     if config.disk_path is not None:
         disk_chunks = disk_chunks_for_capacity(config.disk_bytes, sealed_bytes(object_bytes))
@@ -78,6 +80,7 @@ def build_index(config: StoreConfig, object_bytes: int, num_ranks: int, namespac
                        disk_write_through=config.disk_write_through, eviction_policy=config.eviction_policy,
                        remote_admit_hits=config.remote_admit_hits, disk_admit_hits=config.disk_admit_hits,
                        first_cmd_id=first_cmd_id)
+    index.admission = admission
     if config.disk_path is not None:
         complete, partial = disk_keys_on_every_rank(config.disk_path, layout_fingerprint, namespace, num_ranks)
         adopted = index.adopt_disk(complete)

@@ -24,6 +24,8 @@ class Metric(StrEnum):
     COST_CLAIMED_TOKENS_FASTER = "cost_claimed_tokens_faster"
     COST_CLAIMED_TOKENS_LOAD_ALL = "cost_claimed_tokens_load_all"
     COST_CLAIMED_TOKENS_UNFITTED = "cost_claimed_tokens_unfitted"
+    COST_DECLINED_DISK_WRITES = "cost_declined_disk_writes"
+    COST_DECLINED_REMOTE_PUTS = "cost_declined_remote_puts"
     COST_DECLINED_TOKENS_LATE = "cost_declined_tokens_late"
     COST_DECLINED_TOKENS_SLOWER = "cost_declined_tokens_slower"
     COST_OBSERVED_DISK_SECONDS = "cost_observed_disk_seconds"

@@ -109,6 +109,10 @@ class TierCounters:
         with self._lock:
             return self._counts[name]
 
+    def __contains__(self, name: object) -> bool:  # without it `in` would iterate __getitem__(0), (1), ... for ever
+        with self._lock:
+            return bool(self._counts.get(name))  # type: ignore[call-overload]
+
 
 @runtime_checkable
 class TierStore(Protocol):

@@ -165,3 +165,31 @@ def test_a_promotion_later_than_the_deadline_is_computed_instead(make_engine, tm
         gate.set()
     engine.run()
     _assert_disk_outcome(engine, policy, "cost_declined_tokens_late")
+
+
+@pytest.mark.parametrize("policy", ["cost-model", "load-all"])
+def test_a_disk_slower_than_computing_gets_no_new_chunks(make_engine, tmp_path, policy):
+    """Slow-tier admission (issue 40 item 4): once the disk is known to read a chunk back slower than computing it,
+    the model writes no new chunk there (neither write-through nor spill); load-all, the control, writes them all.
+    The arena's stores are never gated: the next turn still hits them."""
+    slot = _engine(make_engine, policy).workers[0].worker_half.executor.arena.slot_bytes
+    engine = _engine(make_engine, policy, cpu_bytes=2 * slot, disk_path=str(tmp_path), disk_bytes="64MiB")
+    SyntheticSteps(engine)
+    _warm_up(engine)
+    _slow_disk(engine, 5.0)
+    before = dict(engine.stats.data)
+    text = prompt(3 * CHUNK + 10, seed=74)
+    engine.add(text, max_tokens=2, request_id="a")
+    engine.run()
+    engine.add(prompt(3 * CHUNK + 10, seed=75), max_tokens=2, request_id="b")  # evicts a's chunks
+    engine.run()
+    data = engine.stats.data
+    written = sum(data.get(k, 0) - before.get(k, 0) for k in ("spills", "disk_persists"))
+    if policy == "cost-model":
+        assert written == 0 and data["cost_declined_disk_writes"] >= 3
+    else:
+        assert written >= 3 and "cost_declined_disk_writes" not in data
+    engine.add(prompt(3 * CHUNK + 10, seed=75) + [1], max_tokens=2, request_id="b again")
+    engine.run()
+    assert engine.loaded_tokens["b again"] >= CHUNK  # the arena kept b's stores either way
+    assert_quiescent(engine)

@@ -24,6 +24,7 @@ from ...layout.discovery import LayoutGroup
 from ...store.commands import Load, Store, Tier
 from ...node.client import NodeCacheClient
 from ...node.messages import PoolGeometry
+from ...store.cost import SlowTierAdmission
 from ...store.factory import build_index, scheduler_mooncake_client
 from ...store.index.contract import ChunkManager, LookupResult
 from ...store.keys import ChunkKey, check_stable_hashing, chunk_keys
@@ -153,9 +154,12 @@ class SchedulerHalf:
         else:
             if store.mooncake is not None and self._remote is None:
                 self._remote = scheduler_mooncake_client(store)
+            # load-all keeps every slow-tier write, as before the model
+            admission = (SlowTierAdmission(self.cut.model, self.chunk_tokens).pays
+                         if self.config.load_policy == "cost-model" else None)
             self.index = build_index(store, agreed.object_bytes, self.place.world, agreed.namespace,
                                      agreed.layout_fingerprint, remote_client=self._remote,
-                                     num_slots=agreed.num_slots)
+                                     num_slots=agreed.num_slots, admission=admission)
         self.namespace = agreed.namespace
         self.object_bytes = agreed.object_bytes
         self.cut.model.set_geometry(agreed.object_bytes, agreed.device)

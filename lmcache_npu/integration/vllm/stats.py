@@ -131,6 +131,10 @@ INDEX_METRICS: dict[str, tuple[str, str]] = {
     "promote_failures": (Metric.PROMOTE_FAILED, "promotions that failed on some rank (the chunk is a miss)"),
     "remote_put_failures": (Metric.PUT_FAILED, "Mooncake puts that failed on some rank"),
     "remote_lookup_errors": (Metric.REMOTE_LOOKUP_ERRORS, "Mooncake existence checks that failed (taken as misses)"),
+    "cost_declined_disk_writes": (Metric.COST_DECLINED_DISK_WRITES, "disk writes (spills, write-throughs) the cost "
+                                  "model declined: reading the chunk back was predicted to save less than writing it costs"),
+    "cost_declined_remote_puts": (Metric.COST_DECLINED_REMOTE_PUTS, "Mooncake puts the cost model declined (the same "
+                                  "rule as for the disk)"),
     # the node cache client's (node_cache set): the service going away and coming back
     "node_cache_disconnects": (Metric.NODE_CACHE_DISCONNECTS, "times the node cache service was lost (every lookup "
                                                               "misses until it is back)"),

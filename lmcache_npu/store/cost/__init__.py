@@ -4,6 +4,7 @@ worker-side module; the workers contribute only `TransferTimer` samples."""
 
 from __future__ import annotations
 
+from .admission import SlowTierAdmission
 from .compute import MIN_STEPS, ComputeModel, StepShape, attention
 from .cut import Cut, HitShape, best_cut, claim_all, ttft_by_cut
 from .fit import FitState, LinearFit
@@ -13,5 +14,5 @@ from .tiers import SEEDS, SLOW_SEEDS, InFlight, Speed, TierModel, seeds_for
 from .timer import TransferTimer
 
 __all__ = ["CALIBRATED", "MIN_STEPS", "SEEDS", "SLOW_SEEDS", "ComputeModel", "CostModel", "Cut", "FitState",
-           "HitShape", "InFlight", "LinearFit", "Path", "Speed", "StepShape", "TierModel", "TransferSample",
+           "HitShape", "InFlight", "LinearFit", "Path", "SlowTierAdmission", "Speed", "StepShape", "TierModel", "TransferSample",
            "TransferTimer", "attention", "best_cut", "claim_all", "seeds_for", "ttft_by_cut"]

@@ -61,13 +61,21 @@ class TierModel:
         self.fit = LinearFit(seed=(seed.latency_s, 1.0 / seed.bytes_per_s), scales=_SCALES,
                              prior_weight=_PRIOR_WEIGHT, half_life=_HALF_LIFE)
         self.measured = False  # a worker timed this path (waits seen by the scheduler then no longer teach it)
+        self.batch_bytes = 0.0  # an EWMA of the batches observed: where the fit's prediction is best founded
 
     def seconds(self, nbytes: float, queued: float = 0.0) -> float:
         return self.fit.predict((1.0, queued + nbytes))
 
     def observe(self, nbytes: float, queued: float, seconds: float) -> float:
         """One batch; returns what was predicted for it."""
+        self.batch_bytes = nbytes if self.batch_bytes == 0 else 0.9 * self.batch_bytes + 0.1 * nbytes
         return self.fit.observe((1.0, queued + nbytes), seconds)
+
+    def seconds_per_byte(self, nbytes: float) -> float:
+        """A byte's share of a typical batch's time (of `nbytes` until a batch was observed): robust to how the fit
+        splits latency from bandwidth, which batches of one size leave to the seed."""
+        batch = self.batch_bytes or nbytes
+        return self.seconds(batch) / batch
 
     @property
     def speed(self) -> Speed:

@@ -26,8 +26,8 @@ from ..commands import Command, Completion, Drop, Load, Persist, Promote, Put, S
 from ..keys import ChunkKey
 from ..policies import EvictionPolicy, make_policy
 from ..tier import TierCounters
-from .contract import (ChunkManager, ChunkView, DiskState, LookupResult, NumberedChunks, RemoteExists, SlotState,
-                       TierListener)
+from .contract import (Admission, ChunkManager, ChunkView, DiskState, LookupResult, NumberedChunks, RemoteExists,
+                       SlotState, TierListener)
 from .adoption import RestartAdoption
 from .disk_catalog import DiskCatalog
 from .entry import Entry
@@ -86,6 +86,7 @@ class ChunkIndex(RestartAdoption, ChunkManager):
         self._listener: Optional[TierListener] = None  # KV events for routers; None costs one check per change
         self.failure_log = FailureLog()  # how failed commands are reported (the node cache defers them)
         self.holders: Optional[Holders] = None  # who holds which chunks (limit_holders)
+        self.admission: Optional[Admission] = None  # the cost model's say on slow-tier writes (None: the gates only)
 
     # ---- the contract -------------------------------------------------------------------------------------------
 
@@ -214,6 +215,7 @@ class ChunkIndex(RestartAdoption, ChunkManager):
                 self.counters.add(Metric.STORE_NO_SLOT, len(chunks) - len(stores))
                 break
             entry = self._entries.setdefault(key, Entry(key))
+            entry.chunk_index = chunk_index
             self._occupy(entry, slot)
             stores.append(self._emit(Store(self._ledger.new_id(), key, slot, request_id, chunk_index)))
         self.counters.add(Metric.STORES, len(stores))
@@ -356,11 +358,19 @@ class ChunkIndex(RestartAdoption, ChunkManager):
     def _put_if_admitted(self, entry: Entry) -> None:
         """A ready chunk that passes the gate and is not in the remote store yet is put there (slot pinned)."""
         if (not self._put_to_remote or entry.remote_put or entry.slot is None
-                or entry.slot_state is not SlotState.READY or not self._gate.admits(entry.key, Tier.REMOTE)):
+                or entry.slot_state is not SlotState.READY or not self._gate.admits(entry.key, Tier.REMOTE)
+                or not self._pays(entry, Tier.REMOTE)):
             return
         entry.remote_put = True
         entry.readers += 1
         self._emit(Put(self._ledger.new_id(), entry.key, entry.slot))
+
+    def _pays(self, entry: Entry, tier: Tier) -> bool:
+        """Whether the cost model admits a copy of `entry` to a slow tier; a decline is counted."""
+        if self.admission is None or self.admission(tier, entry.chunk_index, self._gate.reuses(entry.key)):
+            return True
+        self.counters.add(Metric.COST_DECLINED_DISK_WRITES if tier is Tier.DISK else Metric.COST_DECLINED_REMOTE_PUTS)
+        return False
 
     def _occupy(self, entry: Entry, slot: int) -> None:
         entry.slot = slot
@@ -391,7 +401,7 @@ class ChunkIndex(RestartAdoption, ChunkManager):
         self._detach_slot(entry, evicted=True)
         if self.disk_chunks and entry.disk is DiskState.NONE and not self._gate.admits(entry.key, Tier.DISK):
             self.counters.add(Metric.EVICTED_NOT_REUSED)  # the gate keeps one-off chunks off the disk
-        elif self.disk_chunks and entry.disk is DiskState.NONE:
+        elif self.disk_chunks and entry.disk is DiskState.NONE and self._pays(entry, Tier.DISK):
             if self._make_disk_room():
                 entry.disk = DiskState.WRITING
                 self._disk.add(entry.key)
@@ -536,6 +546,8 @@ class ChunkIndex(RestartAdoption, ChunkManager):
             if (entry is None or entry.slot != slot or entry.slot_state is not SlotState.READY
                     or entry.disk is not DiskState.NONE):
                 continue  # gone, moved, or a disk copy exists or is being written already
+            if not self._pays(entry, Tier.DISK):
+                continue
             if not self._make_disk_room():
                 self.counters.add(Metric.PERSIST_NO_ROOM)
                 continue

@@ -27,6 +27,8 @@ from ..tier import TierCounters
 TierListener = Callable[[ChunkKey, Tier, bool], None]
 # batch existence of keys in the remote store
 RemoteExists = Callable[[Sequence[ChunkKey]], Sequence[bool]]
+# (tier, the chunk's position in its request or None, its reuses) -> whether a copy in that slow tier pays
+Admission = Callable[[Tier, Optional[int], int], bool]
 # (chunk number in the request, key)
 NumberedChunks = Sequence[tuple[int, ChunkKey]]
 

@@ -21,6 +21,7 @@ class Entry:
     disk_cmd: int = 0  # the spill or persist that is writing the current disk copy
     remote_put: bool = False  # a put of this chunk is in flight or done
     holders: Optional[dict[str, int]] = None  # per holder (limit_holders): its reservations and loads of this chunk
+    chunk_index: Optional[int] = None  # its position in the request that stored it (the cost model's admission)
     sealing: int = 0  # its slot's envelope is being written off the lock (not a reader: reports stay READY)
 
     @property
