@@ -227,3 +227,17 @@ def test_kv_bytes_per_token_from_a_config(tmp_path):
     assert kv_bytes_per_token(str(tmp_path), "bfloat16") == 2 * 6 * 2 * 64 * 2
     with pytest.raises(ValueError, match="no byte width for dtype 'int4'"):
         kv_bytes_per_token(str(tmp_path), "int4")
+
+
+def test_the_turn_verdict_calls_a_turn_slower_only_beyond_the_spread():
+    from lmcache_npu.tools.replay.verdict import turn_verdict
+
+    same = Spread(1.0, 0.9, 1.1)
+    inside, faster, slower = Spread(1.05, 0.95, 1.2), Spread(0.5, 0.45, 0.55), Spread(1.3, 1.2, 1.4)
+    text, style = turn_verdict("vLLM alone", "plugin", "turn", [(same, inside, same, inside), (same, faster, same, same)],
+                               3)
+    assert style == "green" and "never slower" in text and "turn 2 p50 1000 ms -> 500 ms (2.00x faster)" in text
+    # negative control: one turn's p90 range wholly above the baseline's is caught, and named
+    text, style = turn_verdict("vLLM alone", "plugin", "turn", [(same, inside, same, inside), (same, same, same, slower)],
+                               3)
+    assert style == "red" and "SLOWER on turn 2" in text and "never slower" not in text

@@ -21,7 +21,7 @@ from .restart import RestartResult, run_restart
 from .runner import TurnRun
 from .runs import RunResult, start_engine, timed_run
 from .spread import Spread, spread_of
-from .verdict import Summary, seconds, verdict_line
+from .verdict import Summary, seconds, turn_verdict, verdict_line
 from .warmup import cold_runs
 from .workload import Conversation
 
@@ -121,6 +121,13 @@ class ReplayReport:
                        cold_runs([(r.label, r.warmup) for r in self.runs]), self.connector_kind(base),
                        self.connector_kind(cand))
 
+    def turn_verdict(self, candidate: str, baseline: str) -> tuple[str, str]:
+        """Whether `candidate` is ever slower than `baseline` on a turn (TTFT p50 or p90 beyond the spread)."""
+        base, cand = self.turn_spreads(baseline), self.turn_spreads(candidate)
+        return turn_verdict(baseline, candidate, self.step_name,
+                            [(b["ttft_p50_s"], c["ttft_p50_s"], b["ttft_p90_s"], c["ttft_p90_s"])
+                             for b, c in zip(base, cand)], self.repeats)
+
     def verdict_pairs(self) -> list[tuple[str, str]]:
         """(baseline, candidate) of every verdict: each configuration against the first, then the plugin against
         the peer when both ran (the comparison users make)."""
@@ -149,8 +156,8 @@ class ReplayReport:
                 "matching": matching, "requests": requests, "near_ties": ties}
         if len(self.configs) > 1:
             out["verdict"] = verdict_line(self.summary())[0]
-            out["verdicts"] = [{"baseline": b, "candidate": c, "text": verdict_line(self.summary(c, b))[0]}
-                               for b, c in self.verdict_pairs()]
+            out["verdicts"] = [{"baseline": b, "candidate": c, "text": verdict_line(self.summary(c, b))[0],
+                                "per_step": self.turn_verdict(c, b)[0]} for b, c in self.verdict_pairs()]
         if self.restart is not None:
             out["restart"] = self.restart.to_json()
         return out
@@ -293,6 +300,8 @@ def render_report(report: ReplayReport) -> list[Any]:
     for baseline, candidate in report.verdict_pairs():
         text, style = verdict_line(report.summary(candidate, baseline))
         out.append(Text(text, style=style))
+        if not report.summary(candidate, baseline).cold:
+            out.append(Text(*report.turn_verdict(candidate, baseline)))
     difference = report.first_difference()
     if difference:
         out.append(Text(f"tokens differed: {difference}", style="red"))

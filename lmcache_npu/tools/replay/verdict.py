@@ -93,3 +93,22 @@ def verdict_line(summary: Summary) -> tuple[str, str]:
             f"computed {_share(cand.get('computed', 0), total)}.")
     faster = all(c.high < b.low for b, c in (p50, wall))
     return text, "green" if faster else "yellow"
+
+
+def turn_verdict(baseline: str, candidate: str, step_name: str, turns: list[tuple[Spread, Spread, Spread, Spread]],
+                 repeats: int) -> tuple[str, str]:
+    """"Never slower", turn by turn (issue 40): per turn the (baseline, candidate) TTFT p50 and p90 spreads as
+    (p50 base, p50 candidate, p90 base, p90 candidate); a turn is slower only where the candidate's whole range lies
+    above the baseline's. Red when some turn is, green otherwise."""
+    slower, cells = [], []
+    for number, (p50_base, p50_cand, p90_base, p90_cand) in enumerate(turns, 1):
+        p50, p90 = change(p50_base, p50_cand), change(p90_base, p90_cand)
+        cells.append(f"{step_name} {number} p50 {seconds(p50_base.median)} -> {seconds(p50_cand.median)} "
+                     f"({p50.replace(', within the run-to-run spread', ' ~')}), p90 {p90.split(',')[0]}")
+        if "slower" in p50 or "slower" in p90:
+            slower.append(str(number))
+    head = f"{candidate} against {baseline}, per {step_name} (TTFT; ~: within the run-to-run spread"
+    head += f" of {repeats} runs)" if repeats > 1 else ", one run each: no spread)"
+    if slower:
+        return f"{head}: SLOWER on {step_name} {', '.join(slower)}. " + "; ".join(cells), "red"
+    return f"{head}: never slower. " + "; ".join(cells), "green"
