@@ -18,7 +18,6 @@ names its old chunk to a successor.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import secrets
 import threading
@@ -27,7 +26,7 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
-from ..store.arena import HostArena, slot_bytes_for
+from ..store.arena import HostArena, slots_for_capacity
 from ..store.commands import COMMAND_TTL_S, Completion, Load, Store, Tier
 from ..store.config import StoreConfig
 from ..store.executor import StoreExecutor
@@ -36,6 +35,7 @@ from ..store.index.chunk_index import ChunkIndex
 from ..store.index.contract import SlotState
 from ..store.keys import ChunkKey
 from ..store.metrics import Metric
+from .capacity import PoolRefused, PoolShare
 from .messages import Attached, PoolGeometry
 from .rebuild import ArenaRebuild, InheritedArena
 from .seal_behind import SealBehind
@@ -46,10 +46,6 @@ ENGINE_SEPARATOR = "\x1f"  # between an engine's name and its request id in the 
 PAYLOAD_SLACK = 1024  # payloads kept beyond the chunks the tiers hold: room for stores and promotions in flight
 MAX_QUEUED_TIER_CHANGES = 1 << 16  # per engine between two of its calls; beyond, the oldest are dropped and counted
 PUMP_IDLE_S = 0.002  # how often the pump looks for tier completions while some are outstanding
-
-
-class PoolRefused(ValueError):
-    """The pool cannot be made (no memory for one slot per rank, a disk tier that holds no chunk)."""
 
 
 class LeaseTaken(ValueError):
@@ -107,10 +103,10 @@ def _engine_of(name: str) -> str:
 
 
 class NodePool:
-    """`store` is the node's configuration with `cpu_bytes` and `disk_bytes` this pool's share (all ranks together).
-    Every method runs under the service's lock except the pump's own thread, which takes `lock`."""
+    """`share` is this pool's part of the node (all ranks together), `tiers` the service's tier settings. Every method
+    runs under the service's lock except the pump's own thread, which takes `lock`."""
 
-    def __init__(self, geometry: PoolGeometry, store: StoreConfig, epoch: str, lock: threading.RLock,
+    def __init__(self, geometry: PoolGeometry, share: PoolShare, tiers: StoreConfig, epoch: str, lock: threading.RLock,
                  command_ttl_s: float = COMMAND_TTL_S, inherited: Optional[InheritedArena] = None,
                  seal_behind: bool = False) -> None:
         """`inherited`: the predecessor's memory to adopt instead of making the arena (this pool owns its files from
@@ -125,26 +121,22 @@ class NodePool:
         try:
             if not command_ttl_s > 0:
                 raise ValueError(f"command_ttl_s must be a positive number of seconds, got {command_ttl_s!r}")
-            slot_bytes = slot_bytes_for(geometry.object_bytes)
-            num_slots = store.cpu_bytes // (world * slot_bytes)
-            if num_slots < 1:
-                raise PoolRefused(f"the node cache's {store.cpu_bytes} B for this pool hold no slot of {slot_bytes} B "
-                                  f"on each of {world} ranks ({geometry.describe()}); raise --cpu-bytes")
+            per_rank = share.rank_store(tiers, geometry.object_bytes, world, geometry.describe())
+            num_slots = slots_for_capacity(per_rank.cpu_bytes, geometry.object_bytes)
             if inherited is not None:
-                _check_inherited(inherited, geometry, store, num_slots)
+                _check_inherited(inherited, geometry, per_rank, num_slots)
                 epoch = inherited.epoch  # the same pages: the engines' mappings of this epoch stay valid
         except BaseException:
             if inherited is not None:
                 inherited.close(range(len(inherited.fds)))
             raise
         self.epoch = epoch
-        per_rank = dataclasses.replace(store, cpu_bytes=num_slots * slot_bytes, disk_bytes=store.disk_bytes // world)
         self.store = per_rank
         try:
             for rank in range(world):
                 arena = HostArena(num_slots, geometry.object_bytes, pinned=False, share=inherited is None,
-                                  numa_node=store.numa_node, segment_bytes=store.arena_segment_bytes,
-                                  hugepages=store.hugepages, prefault=inherited is None,
+                                  numa_node=per_rank.numa_node, segment_bytes=per_rank.arena_segment_bytes,
+                                  hugepages=per_rank.hugepages, prefault=inherited is None,
                                   shared_fds=None if inherited is None else inherited.fds[rank])
                 self.arenas.append(arena)
                 arena.wait_ready()  # pre-faulted before any engine maps it: engines never fault the node's pages
@@ -194,7 +186,7 @@ class NodePool:
             self.rebuild = ArenaRebuild(self, inherited.torn)
             self.rebuild.start()
         logger.info("node cache pool %s: %d slots x %d rank(s) of %d B (%.2f GiB), %d disk chunks per rank, %s%s",
-                    geometry.namespace, num_slots, world, slot_bytes, num_slots * world * slot_bytes / 2**30,
+                    geometry.namespace, num_slots, world, self.arenas[0].slot_bytes, per_rank.cpu_bytes * world / 2**30,
                     self.index.disk_chunks, self.index.eviction_policy,
                     f", epoch {epoch} inherited (its index is rebuilt from the slots' envelopes)" if inherited else "")
 

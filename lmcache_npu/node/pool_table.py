@@ -16,7 +16,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 import time
@@ -24,6 +23,7 @@ from concurrent.futures import Future
 from typing import Callable, Optional, Protocol, TypeVar
 
 from ..store.config import StoreConfig
+from .capacity import NodeCapacity
 from .messages import PoolGeometry
 from .pool import COMMAND_TTL_S, NodePool, PoolRefused
 from .rebuild import InheritedArena
@@ -44,15 +44,16 @@ class PoolKeeper(Protocol):
 
 
 class PoolTable:
-    """`pools` is read by the service's verbs and metrics under `lock`; each pool gets `store`'s bytes divided by
-    `max_pools`; `closed` set means no pool is made any more."""
+    """`pools` is read by the service's verbs and metrics under `lock`; each pool gets an equal share of `capacity`
+    (one of `max_pools`) and the tier settings `tiers`; `closed` set means no pool is made any more."""
 
-    def __init__(self, store: StoreConfig, max_pools: int, idle_s: float, instance: str, lock: threading.RLock,
+    def __init__(self, capacity: NodeCapacity, tiers: StoreConfig, max_pools: int, idle_s: float, instance: str, lock: threading.RLock,
                  closed: threading.Event, command_ttl_s: float = COMMAND_TTL_S,
                  keeper: Optional[PoolKeeper] = None, seal_behind: bool = False) -> None:
         if idle_s < 0:
             raise ValueError(f"the idle time before a pool is given back must be >= 0 seconds, got {idle_s}")
-        self.store = store
+        self.share = capacity.pool_share(max_pools)
+        self.tiers = tiers
         self.max_pools = max_pools
         self.idle_s = idle_s
         self.instance = instance
@@ -100,7 +101,7 @@ class PoolTable:
         if not mine:
             return future.result(), None  # that creation's pool, or its error
         try:
-            pool = NodePool(geometry, self._share(), epoch, self.lock, command_ttl_s=self.command_ttl_s,
+            pool = NodePool(geometry, self.share, self.tiers, epoch, self.lock, command_ttl_s=self.command_ttl_s,
                             seal_behind=self.seal_behind)
         except Exception as exc:
             with self.lock:
@@ -140,8 +141,8 @@ class PoolTable:
                 inherited.close(range(len(inherited.fds)))
                 continue
             try:
-                pool = NodePool(geometry, self._share(), inherited.epoch, self.lock, command_ttl_s=self.command_ttl_s,
-                                inherited=inherited, seal_behind=self.seal_behind)
+                pool = NodePool(geometry, self.share, self.tiers, inherited.epoch, self.lock,
+                                command_ttl_s=self.command_ttl_s, inherited=inherited, seal_behind=self.seal_behind)
             except (PoolRefused, ValueError, OSError, MemoryError) as exc:
                 logger.error("node cache: the inherited pool of %s is not adopted: %s", geometry.describe(), exc)
                 continue
@@ -158,11 +159,6 @@ class PoolTable:
             except OSError as exc:  # the pool serves regardless; only a crash would lose its chunks
                 logger.warning("node cache: the pool of %s is not kept beyond this process: %s",
                                pool.geometry.describe(), exc)
-
-    def _share(self) -> StoreConfig:
-        pools = self.max_pools
-        return dataclasses.replace(self.store, cpu_bytes=self.store.cpu_bytes // pools,
-                                   disk_bytes=self.store.disk_bytes // pools)
 
     def _make_room(self, geometry: PoolGeometry) -> list[NodePool]:
         """The idle pools that give their place to `geometry` (taken out of the table); PoolRefused when the table is

@@ -30,13 +30,14 @@ import socket
 import stat
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cache
 from typing import Any, Callable, Optional
 
 from ..checks import check_int
 from ..store.config import StoreConfig
 from . import codec, wire
+from .capacity import NodeCapacity, check_node_store
 from .exporter import MetricsServer, exposition, namespace_labeller
 from .fd_store import SystemdFdStore, inherited_pools, passed_fds
 from .handover import DRAIN_S, Handover, frozen_answer, same_uid, take_over
@@ -56,10 +57,12 @@ BACKLOG = 1024  # connections waiting to be accepted: every engine's reattach af
 
 @dataclass(frozen=True)
 class ServiceOptions:
-    """`store`: the node's tiers (cpu_bytes and disk_bytes for the whole node, all pools and ranks together)."""
+    """`capacity`: the node's host memory and disk for the cache (all pools and ranks together); `tiers`: every other
+    tier setting (hugepages, eviction, write-through, Mooncake), without sizes (node/capacity.py)."""
 
     socket_path: str
-    store: StoreConfig
+    capacity: NodeCapacity
+    tiers: StoreConfig = field(default_factory=StoreConfig)
     max_pools: int = 1
     group: Optional[str] = None  # a group (name or numeric gid) whose processes may attach too (socket 0660)
     metrics_port: Optional[int] = None
@@ -72,6 +75,9 @@ class ServiceOptions:
     hand_over_drain_s: float = DRAIN_S  # how long a predecessor waits for its engines' device commands
     systemd_fd_store: bool = True  # under systemd (NOTIFY_SOCKET), keep and find pools in its descriptor store
     seal_behind: Optional[bool] = None  # seal committed stores off the lock (None: where systemd keeps the pools)
+
+    def __post_init__(self) -> None:
+        check_node_store(self.capacity, self.tiers)
 
 
 class NodeCacheService:
@@ -93,7 +99,7 @@ class NodeCacheService:
         self.handed_over = threading.Event()  # its pools and socket went to a successor, its workers were told
         self._fd_store = SystemdFdStore.from_environment() if options.systemd_fd_store else None
         seal_behind = self._fd_store is not None if options.seal_behind is None else options.seal_behind
-        self._table = PoolTable(options.store, options.max_pools, options.pool_idle_s, self.instance, self.lock,
+        self._table = PoolTable(options.capacity, options.tiers, options.max_pools, options.pool_idle_s, self.instance, self.lock,
                                 self._closed, options.command_ttl_s, keeper=self._fd_store, seal_behind=seal_behind)
         self._accepting = threading.Event()  # the accept loop runs (what /readyz and a ping report)
         self._pause = threading.Event()  # the accept loop is asked to stop (a hand-over, or closing)
@@ -198,8 +204,8 @@ class NodeCacheService:
 
     def serve_forever(self) -> None:
         logger.info("node cache: serving %s (%d B host memory, %d pool(s)%s)", self.options.socket_path,
-                    self.options.store.cpu_bytes, self.options.max_pools,
-                    f", disk {self.options.store.disk_path}" if self.options.store.disk_path else "")
+                    self.options.capacity.cpu_bytes, self.options.max_pools,
+                    f", disk {self.options.capacity.disk_path}" if self.options.capacity.disk_path else "")
         self._accepting.set()
         if self._fd_store is not None:
             try:

@@ -27,7 +27,9 @@ def _node_cache(args: argparse.Namespace) -> int:
 
     from ..config import read_config_file
     from ..node.handover import HandoverFailed
+    from ..node.capacity import NodeCapacity
     from ..node.service import NodeCacheService, ServiceOptions
+    from ..store.config import parse_bytes
     from ..store.config import StoreConfig
 
     values = read_config_file(args.config) if args.config else {}
@@ -38,9 +40,12 @@ def _node_cache(args: argparse.Namespace) -> int:
         raise ValueError("node-cache: --cpu-bytes (or cpu_bytes in --config) is required: the node's host cache size")
     if not 0 <= args.hand_over_drain_seconds <= 3600:
         raise ValueError(f"node-cache: --hand-over-drain-seconds must be 0-3600, got {args.hand_over_drain_seconds}")
-    store = StoreConfig.from_dict(values)
+    # the node's sizes and disk are the service's own keys; every other key is a tier setting (node/capacity.py)
+    capacity = NodeCapacity(parse_bytes("cpu_bytes", values.pop("cpu_bytes")), values.pop("disk_path", None),
+                            parse_bytes("disk_bytes", values.pop("disk_bytes", 0)))
+    tiers = StoreConfig.from_dict(values)
     try:
-        service = NodeCacheService(ServiceOptions(args.socket, store, max_pools=args.max_pools, group=args.group,
+        service = NodeCacheService(ServiceOptions(args.socket, capacity, tiers, max_pools=args.max_pools, group=args.group,
                                                   metrics_port=args.metrics_port, metrics_host=args.metrics_host,
                                                   pool_idle_s=args.pool_idle_seconds,
                                                   lease_slot_share=args.lease_slot_share,
@@ -62,8 +67,8 @@ def _node_cache(args: argparse.Namespace) -> int:
     service.start()
     where = f", metrics on http://{args.metrics_host}:{service.metrics_address[1]}/metrics" \
         if service.metrics_address else ""
-    print(f"lmcache-npu node-cache: serving {args.socket} ({store.cpu_bytes / 2**30:.2f} GiB host memory"
-          f"{', disk ' + store.disk_path if store.disk_path else ''}){where}", flush=True)
+    print(f"lmcache-npu node-cache: serving {args.socket} ({capacity.cpu_bytes / 2**30:.2f} GiB host memory"
+          f"{', disk ' + capacity.disk_path if capacity.disk_path else ''}){where}", flush=True)
     while not stop.wait(0.2):
         if service.handed_over.is_set():
             print("lmcache-npu node-cache: handed the host cache over to a successor"

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from lmcache_npu.node.attachment import attach_worker_arena
 from lmcache_npu.node.messages import PoolGeometry
+from lmcache_npu.node.capacity import NodeCapacity
 from lmcache_npu.node.service import NodeCacheService, ServiceOptions
 from lmcache_npu.ops import get_backend
 from lmcache_npu.store.arena import slot_bytes_for
@@ -33,8 +34,8 @@ ROOT = Path(__file__).resolve().parents[2]
 def _service(object_bytes: int, slots: int, segment_slots: int) -> tuple[NodeCacheService, str]:
     socket_path = os.path.join(tempfile.mkdtemp(prefix="lmc-node-"), "node.sock")
     slot_bytes = slot_bytes_for(object_bytes)
-    store = StoreConfig(cpu_bytes=slots * slot_bytes, hugepages="off", arena_segment_bytes=segment_slots * slot_bytes)
-    return NodeCacheService(ServiceOptions(socket_path, store)).start(), socket_path
+    tiers = StoreConfig(hugepages="off", arena_segment_bytes=segment_slots * slot_bytes)
+    return NodeCacheService(ServiceOptions(socket_path, NodeCapacity(slots * slot_bytes), tiers)).start(), socket_path
 
 
 def test_a_workers_mapping_is_registered_segment_by_segment():

@@ -27,10 +27,10 @@ def _one_core_per_worker(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.fixture
 def node_cache() -> Any:
     from lmcache_npu.node.service import NodeCacheService, ServiceOptions
-    from lmcache_npu.store.config import StoreConfig
+    from lmcache_npu.node.capacity import NodeCapacity
 
     path = os.path.join(tempfile.mkdtemp(prefix="lmc-tp-"), "node.sock")  # a socket path must stay short
-    service = NodeCacheService(ServiceOptions(path, StoreConfig(cpu_bytes=128 << 20))).start()
+    service = NodeCacheService(ServiceOptions(path, NodeCapacity(128 << 20))).start()
     yield service, path
     service.close()
 

@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 
 from lmcache_npu.integration.vllm.engine_identity import UnnamedWeightsError
 from lmcache_npu.node.service import NodeCacheService, ServiceOptions
-from lmcache_npu.store.config import StoreConfig
+from lmcache_npu.node.capacity import NodeCapacity
 
 from .conftest import prompt
 from .vllm_cpu import tiny_model_dir
@@ -118,7 +118,7 @@ def test_the_node_cache_refuses_weights_nothing_names_as_the_disk_tier_does(make
     bare.mkdir()
     shutil.copy(os.path.join(tiny_model_dir(), "config.json"), bare / "config.json")
     path = os.path.join(tempfile.mkdtemp(prefix="lmc-id-", dir="/tmp"), "node.sock")  # socket paths must stay short
-    service = NodeCacheService(ServiceOptions(path, StoreConfig(cpu_bytes=256 << 20), max_pools=2)).start()
+    service = NodeCacheService(ServiceOptions(path, NodeCapacity(256 << 20), max_pools=2)).start()
     try:
         with pytest.raises(UnnamedWeightsError, match="node cache keep chunks beyond this engine.*model_fingerprint"):
             make_engine(model_dir=str(bare), extra_config={"node_cache": path})

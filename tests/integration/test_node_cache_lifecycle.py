@@ -21,7 +21,7 @@ from lmcache_npu.integration.vllm.scheduler import SchedulerHalf
 from lmcache_npu.integration.vllm.stats import LMCacheNPUStats
 from lmcache_npu.node import client as client_module
 from lmcache_npu.node.service import NodeCacheService, ServiceOptions
-from lmcache_npu.store.config import StoreConfig
+from lmcache_npu.node.capacity import NodeCapacity
 from lmcache_npu.store.metrics import Metric
 
 from ..node.harness import hold_registration, memfd_mapped
@@ -42,7 +42,7 @@ def serve(node_path: str) -> Iterator[Callable[..., NodeCacheService]]:
     services: list[NodeCacheService] = []
 
     def start(**options: Any) -> NodeCacheService:
-        services.append(NodeCacheService(ServiceOptions(node_path, StoreConfig(cpu_bytes=256 << 20),
+        services.append(NodeCacheService(ServiceOptions(node_path, NodeCapacity(256 << 20),
                                                         **options)).start())
         return services[-1]
 

@@ -19,7 +19,7 @@ from lmcache_npu.node import service as service_module
 from lmcache_npu.node.client import NodeCacheClient
 from lmcache_npu.node.service import NodeCacheService, ServiceOptions
 from lmcache_npu.store.commands import Tier
-from lmcache_npu.store.config import StoreConfig
+from lmcache_npu.node.capacity import NodeCapacity
 from lmcache_npu.store.index.contract import SlotState
 
 from ..kv_events_view import ours
@@ -31,7 +31,7 @@ from .test_events import Recorder, request_chunks
 @pytest.fixture
 def node() -> Iterator[tuple[NodeCacheService, str]]:
     path = os.path.join(tempfile.mkdtemp(prefix="lmc-sim-"), "node.sock")  # socket paths must stay short
-    service = NodeCacheService(ServiceOptions(path, StoreConfig(cpu_bytes=256 << 20))).start()
+    service = NodeCacheService(ServiceOptions(path, NodeCapacity(256 << 20))).start()
     yield service, path
     service.close()
 
@@ -195,7 +195,7 @@ def test_an_engine_keeps_serving_through_a_service_that_answers_wrongly(make_eng
 def _restart(service: NodeCacheService, path: str) -> NodeCacheService:
     """The service dies and a successor (a new epoch) listens on the same path."""
     service.close()
-    return NodeCacheService(ServiceOptions(path, StoreConfig(cpu_bytes=256 << 20))).start()
+    return NodeCacheService(ServiceOptions(path, NodeCapacity(256 << 20))).start()
 
 
 def test_a_worker_never_runs_one_epochs_commands_against_anothers_pages(make_engine, node, monkeypatch) -> None:

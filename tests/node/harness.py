@@ -9,11 +9,13 @@ import tempfile
 import threading
 import time
 from collections import Counter
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 import pytest
 
 from lmcache_npu.node.attachment import WorkerAttachment, attach_worker_arena
+from lmcache_npu.node.capacity import NodeCapacity
 from lmcache_npu.node.client import NodeCacheClient
 from lmcache_npu.node.messages import WEIGHTS_CONTENT, PoolGeometry
 from lmcache_npu.node.pool import COMMAND_TTL_S, ENGINE_SEPARATOR, NodePool
@@ -44,12 +46,21 @@ def geometry(world: int = 2, object_bytes: int = OBJECT_BYTES, namespace: str = 
     return PoolGeometry(namespace, FINGERPRINT, world, object_bytes, 256)
 
 
+@dataclass(frozen=True)
+class NodeStore:
+    """A service's sizes (the node's) and tier settings."""
+
+    capacity: NodeCapacity
+    tiers: StoreConfig
+
+
 def store_config(slots: int, world: int, object_bytes: int = OBJECT_BYTES, pools: int = 1,
-                 **extra: object) -> StoreConfig:
-    """cpu_bytes for exactly `slots` slots per rank in each of `pools` pools of this geometry (pageable, no
-    hugepages: a test arena of a few pages)."""
+                 disk_path: Optional[str] = None, disk_bytes: int = 0, **extra: object) -> NodeStore:
+    """A node of exactly `slots` slots per rank in each of `pools` pools of this geometry (pageable, no hugepages: a
+    test arena of a few pages); `disk_bytes` is the node's (all pools and ranks)."""
     cpu_bytes = pools * slots * world * slot_bytes_for(object_bytes)
-    return StoreConfig(cpu_bytes=cpu_bytes, pinned=False, hugepages="off", **extra)  # type: ignore[arg-type]
+    return NodeStore(NodeCapacity(cpu_bytes, disk_path, disk_bytes),
+                     StoreConfig(pinned=False, hugepages="off", **extra))  # type: ignore[arg-type]
 
 
 def memfd_mapped(base: int, span: int) -> bool:
@@ -132,7 +143,7 @@ class SlowPools:
 class Node:
     """One service on `directory`/s and everything attached to it; `close()` ends them all (attachments first)."""
 
-    def __init__(self, directory: str, store: StoreConfig, *, max_pools: int = 1, group: Optional[str] = None,
+    def __init__(self, directory: str, store: NodeStore, *, max_pools: int = 1, group: Optional[str] = None,
                  metrics_port: Optional[int] = None, socket_name: str = "s", pool_idle_s: Optional[float] = None,
                  lease_slot_share: float = 1.0, reservation_ttl_s: float = 120.0,
                  command_ttl_s: float = COMMAND_TTL_S, **restart: Any) -> None:
@@ -142,7 +153,7 @@ class Node:
         self.directory = directory
         self.path = os.path.join(directory, socket_name)
         idle = {} if pool_idle_s is None else {"pool_idle_s": pool_idle_s}
-        self.service = NodeCacheService(ServiceOptions(self.path, store, max_pools=max_pools, group=group,
+        self.service = NodeCacheService(ServiceOptions(self.path, store.capacity, store.tiers, max_pools=max_pools, group=group,
                                                        metrics_port=metrics_port, lease_slot_share=lease_slot_share,
                                                        reservation_ttl_s=reservation_ttl_s, command_ttl_s=command_ttl_s,
                                                        **idle, **restart)).start()

@@ -31,7 +31,8 @@ from tests.node.harness import WAIT_S, store_config  # noqa: E402
 def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="child %(name)s: %(message)s")
     path, ready, slots, world = argv[1], argv[2], int(argv[3]), int(argv[4])
-    service = NodeCacheService(ServiceOptions(path, store_config(slots, world))).start()
+    store = store_config(slots, world)
+    service = NodeCacheService(ServiceOptions(path, store.capacity, store.tiers)).start()
     pools = []
     for pool in list(service.pools.values()):
         if pool.rebuild is not None:

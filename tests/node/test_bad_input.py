@@ -188,8 +188,8 @@ def test_max_pools_two_gives_two_pools_of_half_the_bytes(start_node):
     assert len(node.service.pools) == 2
     for client, geo in zip(clients, (first, second)):
         pool = node.service.pools[geo]
-        assert client.num_slots == store.cpu_bytes // 2 // (2 * slot_bytes_for(geo.object_bytes))
-        assert sum(arena.num_slots * arena.slot_bytes for arena in pool.arenas) <= store.cpu_bytes // 2
+        assert client.num_slots == store.capacity.cpu_bytes // 2 // (2 * slot_bytes_for(geo.object_bytes))
+        assert sum(arena.num_slots * arena.slot_bytes for arena in pool.arenas) <= store.capacity.cpu_bytes // 2
     assert clients[0].num_slots == 4 and clients[1].num_slots == 2
     third = node.client("C", geometry(2, namespace="2" * 32))
     assert third.epoch is None and third.counters[Metric.NODE_CACHE_REFUSED] == 1 and len(node.service.pools) == 2

@@ -14,6 +14,7 @@ from typing import Iterator
 
 import pytest
 
+from lmcache_npu.node.capacity import NodeCapacity
 from lmcache_npu.node.service import NodeCacheService, ServiceOptions
 from lmcache_npu.store.config import StoreConfig
 
@@ -52,7 +53,7 @@ def test_a_file_that_is_not_a_socket_is_left_alone(short_dir: Path) -> None:
 
 def test_a_live_service_on_the_path_is_named(short_dir: Path) -> None:
     path = str(short_dir / "node.sock")
-    live = NodeCacheService(ServiceOptions(path, StoreConfig(cpu_bytes=16 << 20, hugepages="off"))).start()
+    live = NodeCacheService(ServiceOptions(path, NodeCapacity(16 << 20), StoreConfig(hugepages="off"))).start()
     try:
         _refused(_node_cache("--socket", path), f"node-cache: a node cache already serves {path}")
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -19,6 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lmcache_npu.node import wire
+from lmcache_npu.node.capacity import NodeCapacity
 from lmcache_npu.node.service import NodeCacheService, ServiceOptions, group_id
 from lmcache_npu.store.config import StoreConfig
 
@@ -102,8 +103,8 @@ def test_a_peer_of_another_uid_gets_in_by_its_primary_gid_only() -> None:
     directory = tempfile.mkdtemp(prefix="lmc-grp-")
     os.chmod(directory, 0o711)  # the other uid may reach the socket; the socket's own mode decides the rest
     path = os.path.join(directory, "node.sock")
-    store = StoreConfig(cpu_bytes=16 << 20, hugepages="off")
-    service = NodeCacheService(ServiceOptions(path, store, group=str(GROUP_GID))).start()
+    service = NodeCacheService(ServiceOptions(path, NodeCapacity(16 << 20), StoreConfig(hugepages="off"),
+                                              group=str(GROUP_GID))).start()
     try:
         mode = os.stat(path)
         assert stat.S_IMODE(mode.st_mode) == 0o660 and mode.st_gid == GROUP_GID
@@ -125,7 +126,7 @@ def test_negative_control_without_group_the_same_peer_cannot_even_open_the_socke
     directory = tempfile.mkdtemp(prefix="lmc-grp-")
     os.chmod(directory, 0o711)
     path = os.path.join(directory, "node.sock")
-    service = NodeCacheService(ServiceOptions(path, StoreConfig(cpu_bytes=16 << 20, hugepages="off"))).start()
+    service = NodeCacheService(ServiceOptions(path, NodeCapacity(16 << 20), StoreConfig(hugepages="off"))).start()
     try:
         assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
         assert _peer(path, GROUP_GID, []) == NO_ACCESS

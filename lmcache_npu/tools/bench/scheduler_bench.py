@@ -81,14 +81,15 @@ def _model_dir() -> str:
 @contextmanager
 def node_service(slots: int) -> Iterator[str]:
     """A node cache service of `slots` one-page slots in a thread of this process; its socket path."""
+    from ...node.capacity import NodeCapacity
     from ...node.service import NodeCacheService, ServiceOptions
     from ...store.arena import slot_bytes_for
     from ...store.config import StoreConfig
 
     directory = tempfile.mkdtemp(prefix="lmcache-npu-bench-node-", dir="/tmp")  # a Unix socket path is short
     path = os.path.join(directory, "node.sock")
-    store = StoreConfig(cpu_bytes=slots * slot_bytes_for(NODE_OBJECT_BYTES), pinned=False, hugepages="off")
-    service = NodeCacheService(ServiceOptions(path, store)).start()
+    service = NodeCacheService(ServiceOptions(path, NodeCapacity(slots * slot_bytes_for(NODE_OBJECT_BYTES)),
+                                              StoreConfig(pinned=False, hugepages="off"))).start()
     try:
         yield path
     finally:
