@@ -27,3 +27,14 @@ def check_int(key: str, value: object, lo: int | None = None, hi: int | None = N
     if (lo is not None and value < lo) or (hi is not None and value > hi):
         raise ValueError(f"{key} must be {_rule(lo, hi)}, got {value!r}")
     return value
+
+
+def hash_blocks_per_chunk(chunk_tokens: int, hash_block_size: int) -> int:
+    """How many of vLLM's hash blocks one chunk holds. A chunk is keyed by the block hash at its last token, so it
+    must hold whole blocks: the one home of that rule (layout discovery, chunk keys and KV events ask it)."""
+    check_int("chunk_tokens", chunk_tokens, lo=1)
+    check_int("the hash block size", hash_block_size, lo=1)
+    if chunk_tokens % hash_block_size:
+        raise ValueError(f"chunk_tokens {chunk_tokens} is not a multiple of the hash block size {hash_block_size}: "
+                         "a chunk is keyed by the block hash at its last token")
+    return chunk_tokens // hash_block_size

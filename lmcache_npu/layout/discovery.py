@@ -14,6 +14,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
+from ..checks import hash_blocks_per_chunk
 from ..ops import GroupSpec, PageLayout, Plane, TransferPlan
 from .components import (
     Component,
@@ -497,9 +498,7 @@ def discover_layout(kv_cache_config: Any, kv_caches: Mapping[str, KVValue],
     groups = tuple(_finish_group(gi, d, policy.chunk_tokens, infos[gi], replicated[gi]) for gi, d in enumerate(drafts))
     block_sizes = [int(g.kv_cache_spec.block_size) for g in kv_cache_config.kv_cache_groups]
     hash_block = policy.hash_block_size or math.gcd(*block_sizes)
-    if policy.chunk_tokens % hash_block:
-        raise ValueError(f"chunk_tokens {policy.chunk_tokens} is not a multiple of the hash block size {hash_block}: "
-                         "a chunk is keyed by the block hash at its last token")
+    hash_blocks_per_chunk(policy.chunk_tokens, hash_block)
     plan = TransferPlan([g.geometry for g in groups], planes, policy.chunk_tokens)
     caveats = tuple(f"group {g.index}: {g.skip_reason}" for g in groups if not g.exact_restore)
     for caveat in caveats:

@@ -16,6 +16,8 @@ import logging
 import os
 from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence
 
+from ..checks import hash_blocks_per_chunk
+
 logger = logging.getLogger(__name__)
 
 # vLLM's prefix-caching hash algorithms; all hash the same input to the same bytes in any process once
@@ -127,9 +129,7 @@ def chunk_keys(block_hashes: Sequence[bytes], hash_block_size: int, chunk_tokens
     """Keys of the request's full chunks from `first_chunk` on, in order: chunk c is named by the hash of block
     `(c + 1) * k - 1`, k = chunk_tokens / hash_block_size. `num_tokens` limits them to chunks the request already
     holds; `adapter_digest` (a LoRA request's adapter content) re-keys every chunk."""
-    if chunk_tokens % hash_block_size:
-        raise ValueError(f"chunk_tokens {chunk_tokens} is not a multiple of the hash block size {hash_block_size}")
-    per_chunk = chunk_tokens // hash_block_size
+    per_chunk = hash_blocks_per_chunk(chunk_tokens, hash_block_size)
     full = len(block_hashes) // per_chunk
     if num_tokens is not None:
         full = min(full, num_tokens // chunk_tokens)

@@ -37,3 +37,13 @@ def test_negative_control_the_bounds_are_inclusive_and_one_past_them_is_refused(
     for outside in (0, 4):
         with pytest.raises(ValueError):
             check_int("k", outside, 1, 3)
+
+
+def test_a_chunk_holds_whole_hash_blocks():
+    from lmcache_npu.checks import hash_blocks_per_chunk
+
+    assert hash_blocks_per_chunk(256, 16) == 16 and hash_blocks_per_chunk(128, 128) == 1
+    for chunk, block, rule in ((200, 16, "not a multiple of the hash block size 16"), (0, 16, "chunk_tokens"),
+                               (128, 0, "hash block size"), (True, 16, "chunk_tokens")):
+        with pytest.raises(ValueError, match=rule):
+            hash_blocks_per_chunk(chunk, block)

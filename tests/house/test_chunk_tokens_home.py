@@ -109,3 +109,24 @@ def status(v):
     return v.get("chunk_tokens", 0), v.get("chunk_bytes", 4096)
 '''
     assert own_defaults(fake) == []
+
+
+def hash_block_rules(source: str) -> list[int]:
+    """Lines taking a chunk size modulo a hash block size: the rule `hash_blocks_per_chunk` keeps in one home."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mod):
+            names = {n.attr if isinstance(n, ast.Attribute) else n.id for n in ast.walk(node.right)
+                     if isinstance(n, (ast.Attribute, ast.Name))}
+            if any("hash_block" in n for n in names):
+                found.append(node.lineno)
+    return found
+
+
+def test_the_hash_block_rule_has_one_home():
+    home = PACKAGE / "checks.py"
+    found = {str(p.relative_to(ROOT)): lines for p in PACKAGE.rglob("*.py") if p != home
+             for lines in [hash_block_rules(p.read_text())] if lines}
+    assert not found, f"chunk size checked against the hash block outside checks.hash_blocks_per_chunk: {found}"
+    assert hash_block_rules(home.read_text())  # the scan sees the home's own check
+    assert hash_block_rules("if policy.chunk_tokens % hash_block:\n    pass\n") == [1]  # negative control

@@ -14,6 +14,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+from ...checks import check_int, hash_blocks_per_chunk
 from ...store.commands import Tier
 from ...store.keys import ChunkKey
 from ...store.tier import TierCounters
@@ -67,10 +68,8 @@ def chunk_payload(request: Any, chunk_index: int, chunk_tokens: int, hash_block_
                   convert: Callable[[bytes], Any] = bytes) -> ChunkPayload:
     """The payload of the request's chunk `chunk_index` (its hash blocks must exist: the chunk is complete), with
     each block hash passed through `convert` (the event form)."""
-    if chunk_index < 0 or chunk_tokens <= 0 or hash_block_size <= 0 or chunk_tokens % hash_block_size:
-        raise ValueError(f"chunk payload needs chunk_index >= 0 and chunk_tokens a positive multiple of the hash "
-                         f"block size (got chunk {chunk_index}, {chunk_tokens} tokens, blocks of {hash_block_size})")
-    per_chunk = chunk_tokens // hash_block_size
+    check_int("chunk_index", chunk_index, lo=0)
+    per_chunk = hash_blocks_per_chunk(chunk_tokens, hash_block_size)
     first, end = chunk_index * per_chunk, (chunk_index + 1) * per_chunk
     hashes = request.block_hashes
     if len(hashes) < end:
@@ -94,9 +93,7 @@ class KVEvents:
     def __init__(self, chunk_tokens: int, hash_block_size: int, max_payloads: int, group_idx: Optional[int] = 0,
                  max_events: int = DEFAULT_MAX_EVENTS,
                  on_remember: Optional[Callable[[ChunkKey, ChunkPayload], None]] = None) -> None:
-        if chunk_tokens <= 0 or hash_block_size <= 0 or chunk_tokens % hash_block_size:
-            raise ValueError(f"KV events need chunk_tokens ({chunk_tokens}) a positive multiple of the hash block "
-                             f"size ({hash_block_size})")
+        hash_blocks_per_chunk(chunk_tokens, hash_block_size)
         if max_payloads < 1 or max_events < 1:
             raise ValueError(f"KV events need max_payloads >= 1 and max_events >= 1 "
                              f"(got {max_payloads}, {max_events})")
