@@ -32,11 +32,11 @@ import threading
 import time
 from functools import partial
 from operator import itemgetter
-from typing import Any, Callable, Iterable, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
 
 from ..store.commands import Command, Completion, Load, Store, Tier
-from ..store.index.contract import (ChunkManager, ChunkView, DiskState, LookupResult, NumberedChunks, SlotState,
-                                    TierListener)
+from ..store.index.contract import (ChunkManager, ChunkManagerView, ChunkView, DiskState, LookupResult,
+                                    NumberedChunks, PayloadSink, SlotState, TierListener)
 from ..store.index.ledger import CommandLedger
 from ..store.keys import ChunkKey
 from ..store.metrics import Metric
@@ -137,7 +137,7 @@ def connect(path: str, attach: Attach, timeout_s: float) -> tuple[socket.socket,
         return sock, reply, fds
 
 
-class NodeCacheClient(ChunkManager):
+class NodeCacheClient(ChunkManager, ChunkManagerView):
     """The manager contract over the node cache's socket, for one engine's scheduler half. The engine's own device
     commands are tracked here (their ranks' answers, `is_pending`, the outbox), so a step costs no round trip for
     them; everything about the node's chunks is asked of the service."""
@@ -163,7 +163,7 @@ class NodeCacheClient(ChunkManager):
         self._retrying: Optional[threading.Thread] = None  # attaching again in the background
         self._reattached: Optional[tuple[socket.socket, Attached]] = None  # its result, for the next call
         # told the payload (builtins: what a router needs to name a chunk) another engine of the node described
-        self.payload_sink: Optional[Callable[[ChunkKey, tuple], None]] = None
+        self.payload_sink: Optional[PayloadSink] = None
         # this engine's device commands of epoch `_ledger_epoch`: the outbox and every rank's answers, as the
         # in-process index keeps them
         self._ledger = CommandLedger(geometry.world, self.counters)
@@ -301,6 +301,21 @@ class NodeCacheClient(ChunkManager):
         starting one that is due: the scheduler asks once per step, also when no verb of the step reaches here."""
         self._connected()
         return self.epoch
+
+    def step_epoch(self) -> Optional[str]:
+        """The epoch for the step's metadata: the workers map it before they move a byte ("" while unattached)."""
+        return self.poll_epoch() or ""
+
+    def mapped_on(self, epochs: Mapping[int, str]) -> bool:
+        """Attached, and every rank that told maps this epoch (a rank that never said counts as mapping every one)."""
+        epoch = self.epoch
+        return epoch is not None and all(mapped == epoch for mapped in epochs.values())
+
+    def share_payloads(self, sink: PayloadSink) -> Optional[PayloadSink]:
+        """Every engine of the node names the node's chunks (the node is their holder): others' payloads reach
+        `sink`, this engine's go to the service (`describe`)."""
+        self.payload_sink = sink
+        return self.describe
 
     def _call(self, verb: Verb, *arguments: Any, missing: Any = None,
               valid: Optional[Callable[[Any], bool]] = None) -> Any:

@@ -16,7 +16,6 @@ from vllm.distributed.kv_events import BlockStored
 
 from lmcache_npu.integration.vllm import scheduler as scheduler_module
 from lmcache_npu.node import service as service_module
-from lmcache_npu.node.client import NodeCacheClient
 from lmcache_npu.node.service import NodeCacheService, ServiceOptions
 from lmcache_npu.store.commands import Tier
 from lmcache_npu.node.capacity import NodeCapacity
@@ -53,8 +52,7 @@ def _store_then_load(writer: Any, reader: Any, seed: int) -> tuple[int, int]:
     first = prompt(2 * chunk + chunk // 2, seed=seed)
     writer.add(first, max_tokens=2, request_id="first")
     writer.run()
-    if isinstance(writer.connector.scheduler_half.index, NodeCacheClient):  # its answers are one-way: the reader's
-        writer.connector.scheduler_half.index.sync()  # lookup must not overtake them
+    writer.connector.scheduler_half.index.sync()  # one-way answers: the reader's lookup must not overtake them
     second = first + prompt(chunk // 2, seed=seed + 1)
     reader.add(second, max_tokens=3, request_id="second")
     reader.run()

@@ -1,5 +1,5 @@
-"""The node cache's verbs are one `Verb` enum: each verb that mirrors a `ChunkManager` method bears that method's
-name, the verbs the client sends are exactly those the service serves (negative controls: a misspelt verb, a table
+"""The node cache's verbs are one `Verb` enum: each verb that mirrors a method of the manager the service serves
+(`ChunkIndex`: the contract's verbs and defaults, its view, its restart adoption) bears that method's name, the verbs the client sends are exactly those the service serves (negative controls: a misspelt verb, a table
 missing one), the closed encoding carries a verb as its plain string, and `check_invariants` is a test's helper
 (harness.py), never a verb a peer may ask."""
 
@@ -16,13 +16,13 @@ from lmcache_npu.node import client as client_module
 from lmcache_npu.node import codec
 from lmcache_npu.node.messages import ONEWAY, Verb
 from lmcache_npu.node.verbs import VERBS
-from lmcache_npu.store.index.contract import ChunkManager
+from lmcache_npu.store.index.chunk_index import ChunkIndex
 
 from .harness import check_invariants, geometry, keys_of, store_config
 
 # the node cache's own verbs: no manager method of that name (describe feeds routers, events is
-# set_tier_listener's switch, sync collects what one-way calls caused)
-OWN_VERBS = frozenset({Verb.DESCRIBE, Verb.EVENTS, Verb.SYNC})
+# set_tier_listener's switch)
+OWN_VERBS = frozenset({Verb.DESCRIBE, Verb.EVENTS})
 
 
 def misnamed(verbs: Iterable[str], manager: type, own: frozenset[str]) -> list[str]:
@@ -43,14 +43,14 @@ def uncovered(sent: Iterable[str], served: Iterable[str]) -> dict[str, list[str]
 
 
 def test_a_verb_that_mirrors_a_manager_method_bears_its_name() -> None:
-    assert misnamed(Verb, ChunkManager, OWN_VERBS) == []
+    assert misnamed(Verb, ChunkIndex, OWN_VERBS) == []
     assert len(set(Verb) - OWN_VERBS) >= 10  # the rule checked something: lookup, prepare_load, ... are mirrors
 
 
 def test_negative_control_a_misspelt_verb_or_an_own_verb_the_manager_has_is_found() -> None:
-    misspelt = StrEnum("Misspelt", {"LOOKUP": "lookup", "PREPARE_LOADS": "prepare_loads", "SYNC": "sync"})
-    assert misnamed(misspelt, ChunkManager, frozenset({"sync"})) == ["prepare_loads"]
-    assert misnamed(misspelt, ChunkManager, frozenset({"sync", "lookup"})) == ["lookup", "prepare_loads"]
+    misspelt = StrEnum("Misspelt", {"LOOKUP": "lookup", "PREPARE_LOADS": "prepare_loads", "DESCRIBE": "describe"})
+    assert misnamed(misspelt, ChunkIndex, frozenset({"describe"})) == ["prepare_loads"]
+    assert misnamed(misspelt, ChunkIndex, frozenset({"describe", "lookup"})) == ["lookup", "prepare_loads"]
 
 
 def test_the_client_sends_exactly_the_verbs_the_service_serves() -> None:

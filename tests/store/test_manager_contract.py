@@ -142,3 +142,18 @@ def test_every_argument_and_answer_is_a_plain_value(make: Factory) -> None:
     for value in values:
         assert pickle.loads(pickle.dumps(value)) == value
     assert all(isinstance(view, ChunkView) for view in manager.chunks())
+
+
+def test_the_step_epoch_and_its_mapping_are_asked_of_every_manager_alike(make: Factory) -> None:
+    """The scheduler never asks which manager it has: None means the workers' own arenas (nothing to map); a shared
+    manager names the epoch its workers must map, and is usable once every rank that told maps that one."""
+    manager = make(2, RANKS)
+    epoch = manager.step_epoch()
+    if epoch is None:
+        assert manager.epoch is None and manager.mapped_on({0: "any", 1: ""})
+    else:
+        assert epoch == manager.epoch != "" and manager.lease != ""
+        assert manager.mapped_on({0: epoch, 1: epoch}) and manager.mapped_on({})
+        assert not manager.mapped_on({0: epoch, 1: "an older epoch"})
+    assert manager.take_refused() == []
+    manager.sync()  # nothing one-way is pending: no effect, no error

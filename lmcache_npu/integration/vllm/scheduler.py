@@ -22,16 +22,15 @@ import numpy as np
 from ...config import ConnectorConfig
 from ...layout.discovery import LayoutGroup
 from ...store.commands import Load, Store, Tier
-from ...node.client import NodeCacheClient
-from ...node.messages import PoolGeometry
 from ...store.cost import SlowTierAdmission
-from ...store.factory import build_index, scheduler_mooncake_client
-from ...store.index.contract import ChunkManager, LookupResult
+from ...store.factory import scheduler_mooncake_client
+from ...store.index.contract import ChunkManager, ChunkManagerView, LookupResult
 from ...store.keys import ChunkKey, check_stable_hashing, chunk_keys
 from ...store.tier import TierCounters
 from . import adapter, lookup
 from .events import PAYLOAD_SLACK, ChunkPayload, KVEvents, kv_events_enabled
 from .lora_identity import LoadedAdapters
+from .manager_factory import build_manager
 from .fence import PageFence, StepWrites, WriteGeometry
 from ...transfer.plans import LoadPlan, StorePlan
 from .metadata import LMCacheNPUConnectorMetadata, LMCacheNPUWorkerMetadata, WorkerGeometry, usable_on_every_rank
@@ -104,6 +103,7 @@ class SchedulerHalf:
         self.planner = StorePlanner.of((), 0, self.num_scheduler_groups, self.scheduler_block_size)
         self.has_end_state = False
         self.index: Optional[ChunkManager] = None  # codes against the contract's verbs only
+        self.view: Optional[ChunkManagerView] = None  # the same manager's holdings, for the gauges
         self._remote: Optional[Any] = None  # the Mooncake client for existence checks, closed at shutdown
         self.namespace = ""
         self.requests: dict[str, _Request] = {}
@@ -147,19 +147,14 @@ class SchedulerHalf:
         self.has_end_state = any(g.recurrent for g in self.planner.moved)
         self.fence.geometry = WriteGeometry.of(self.groups, self.num_scheduler_groups)
         store = self.config.store
-        if self.config.node_cache is not None:
-            self.index = NodeCacheClient(self.config.node_cache, adapter.engine_name(self.vllm_config), PoolGeometry(
-                agreed.namespace, agreed.layout_fingerprint, self.place.world, agreed.object_bytes, self.chunk_tokens),
-                weights=agreed.weights, connect_timeout_s=self.config.node_cache_start_wait_ms / 1000)
-        else:
-            if store.mooncake is not None and self._remote is None:
-                self._remote = scheduler_mooncake_client(store)
-            # load-all keeps every slow-tier write, as before the model
-            admission = (SlowTierAdmission(self.cut.model, self.chunk_tokens).pays
-                         if self.config.load_policy == "cost-model" else None)
-            self.index = build_index(store, agreed.object_bytes, self.place.world, agreed.namespace,
-                                     agreed.layout_fingerprint, remote_client=self._remote,
-                                     num_slots=agreed.num_slots, admission=admission)
+        if self.config.node_cache is None and store.mooncake is not None and self._remote is None:
+            self._remote = scheduler_mooncake_client(store)
+        # load-all keeps every slow-tier write, as before the model
+        admission = (SlowTierAdmission(self.cut.model, self.chunk_tokens).pays
+                     if self.config.load_policy == "cost-model" else None)
+        built = build_manager(self.config, adapter.engine_name(self.vllm_config), agreed, self.place.world,
+                              remote=self._remote, admission=admission)
+        self.index, self.view = built.manager, built.view
         self.namespace = agreed.namespace
         self.object_bytes = agreed.object_bytes
         self.cut.model.set_geometry(agreed.object_bytes, agreed.device)
@@ -168,20 +163,22 @@ class SchedulerHalf:
         self._apply_usable_slots({g.rank: g.usable_slots for g in geometries if g.usable_slots is not None})
         self._node_epochs = {g.rank: g.node_epoch for g in geometries if g.node_epoch is not None}
         if self._events_enabled:
-            node = self.index if isinstance(self.index, NodeCacheClient) else None
+            tell = self.index.share_payloads(self._adopt_payload)  # a shared manager: every engine names its chunks
             self.events = KVEvents(self.chunk_tokens, self.hash_block_size,
                                    max_payloads=self.index.num_slots + self.index.disk_chunks + PAYLOAD_SLACK,
                                    group_idx=0 if self.num_scheduler_groups == 1 else None,
-                                   on_remember=None if node is None else
-                                   lambda key, payload: node.describe(key, payload.to_plain()))
-            if node is not None:  # every engine of the node names the node's chunks (the node is their holder)
-                events = self.events
-                node.payload_sink = lambda key, plain: events.adopt(key, ChunkPayload.from_plain(plain))
+                                   on_remember=None if tell is None else
+                                   lambda key, payload: tell(key, payload.to_plain()))
             self.index.set_tier_listener(self.events.on_tier_change)
         logger.info("lmcache_npu scheduler: %d ranks, %d arena slots of %d B, chunks of %d tokens, %s backend on %s, "
                     "namespace %s (weights: %s)", self.place.world, agreed.num_slots, agreed.object_bytes,
                     self.chunk_tokens, agreed.backend, agreed.device, agreed.namespace,
                     dict(agreed.identity).get("weights", "?"))
+
+    def _adopt_payload(self, key: ChunkKey, plain: tuple) -> None:
+        """A payload another engine sharing the manager described: this engine's events can name that chunk too."""
+        if self.events is not None:
+            self.events.adopt(key, ChunkPayload.from_plain(plain))
 
     def _ready(self) -> bool:
         """The index exists (the workers' plans arrived); says once if it has not."""
@@ -206,25 +203,24 @@ class SchedulerHalf:
         self.set_worker_geometry(list(self._plans.values()))
 
     def _node_mapped(self) -> bool:
-        """Without a node cache True; with one, whether its epoch is mapped on every rank: until then nothing of it is
-        looked up or stored (no command a worker would have to fail), as a cache that holds nothing."""
-        if not isinstance(self.index, NodeCacheClient):
-            return True
-        epoch = self.index.epoch
-        return epoch is not None and all(mapped == epoch for mapped in self._node_epochs.values())
+        """Whether every rank can move the manager's slots (in process always; a node cache's epoch once mapped on every
+        rank): until then nothing is looked up or stored (no command a worker would have to fail)."""
+        return self.index is None or self.index.mapped_on(self._node_epochs)
 
     def _follow_node(self) -> Optional[str]:
-        """The node cache's epoch for this step's metadata ("" none; None without a node cache), after the client took
-        up an attach that finished in the background (or started one that is due)."""
-        if not isinstance(self.index, NodeCacheClient):
+        """The epoch for this step's metadata ("" none yet; None when the slots are the workers' own arenas), after a
+        shared manager took up an attach that finished in the background (or started one that is due)."""
+        if self.index is None:
             return None
-        epoch = self.index.poll_epoch()
-        if epoch != self._node_epoch:
-            self._node_epoch = epoch
-            if epoch is not None and self.events is not None:  # the pool's size is known once attached
+        epoch = self.index.step_epoch()
+        if epoch is None:
+            return None
+        if (epoch or None) != self._node_epoch:
+            self._node_epoch = epoch or None
+            if epoch and self.events is not None:  # the pool's size is known once attached
                 self.events.max_payloads = max(self.events.max_payloads,
                                                self.index.num_slots + self.index.disk_chunks + PAYLOAD_SLACK)
-        return epoch or ""
+        return epoch
 
     # ---- requests ---------------------------------------------------------------------------------------------
 
@@ -403,8 +399,8 @@ class SchedulerHalf:
                 plan = self._plan_stores(state, scheduled.num_computed_tokens, computed_after)
                 if plan is not None:
                     stores.append(plan)
-        node = self.index if isinstance(self.index, NodeCacheClient) else None
-        commands = self.index.take_commands() if self.index is not None else []
+        manager = self.index
+        commands = manager.take_commands() if manager is not None else []
         self.cut.on_commands(commands)
         meta = LMCacheNPUConnectorMetadata(
             commands=commands,
@@ -412,8 +408,8 @@ class SchedulerHalf:
             fenced_stores=self._fenced_stores(scheduler_output, writes) if writes is not None else [],
             idle=scheduler_output.total_num_scheduled_tokens == 0, geometry_known=self._geometry_known,
             node_epoch=node_epoch,
-            node_lease=(node.lease or None) if node is not None and node.epoch else None,
-            refused=node.take_refused() if node is not None else [], step=step)
+            node_lease=(manager.lease or None) if manager is not None and manager.epoch else None,
+            refused=manager.take_refused() if manager is not None else [], step=step)
         self.fence.end_step()
         self._loads, self._delayed_free = [], []
         return meta
@@ -550,8 +546,8 @@ class SchedulerHalf:
             del self.requests[request_id]
 
     def stats(self) -> LMCacheNPUStats:
-        gauges = {} if self.index is None else self._gauges.changed(
-            self.index.occupancy(), self.config, self.index.eviction_policy, self.namespace,
+        gauges = {} if self.view is None else self._gauges.changed(
+            self.view.occupancy(), self.config, self.view.eviction_policy, self.namespace,
             self.object_bytes * self.place.world, self.chunk_tokens)
         return LMCacheNPUStats.of({**self.counters.drain(), **self.index_counters.take(), **gauges,
                                    **self.cut.gauges()})
@@ -561,12 +557,12 @@ class SchedulerHalf:
         events are enabled)."""
         if self.events is None:
             return []
-        if isinstance(self.index, NodeCacheClient):  # the node's tier changes since this engine's last answer
+        if self.index is not None:  # a shared manager's tier changes since this engine's last answer
             self.index.sync()
         return self.events.take()
 
     def shutdown(self) -> None:
-        if isinstance(self.index, NodeCacheClient):
+        if self.index is not None:
             self.index.close()
         if self._remote is not None:
             self._remote.close()

@@ -26,8 +26,8 @@ from ..commands import Command, Completion, Drop, Load, Persist, Promote, Put, S
 from ..keys import ChunkKey
 from ..policies import EvictionPolicy, make_policy
 from ..tier import TierCounters
-from .contract import (Admission, ChunkManager, ChunkView, DiskState, LookupResult, NumberedChunks, RemoteExists,
-                       SlotState, TierListener)
+from .contract import (Admission, ChunkManager, ChunkManagerView, ChunkView, DiskState, LookupResult, NumberedChunks,
+                       RemoteExists, SlotState, TierListener)
 from .adoption import RestartAdoption
 from .disk_catalog import DiskCatalog
 from .entry import Entry
@@ -46,7 +46,7 @@ _FAILED = {Store: Metric.STORE_FAILED, Load: Metric.LOAD_FAILED, Spill: Metric.S
            Drop: Metric.DROP_FAILED}  # a command that failed on some rank counts under its kind
 
 
-class ChunkIndex(RestartAdoption, ChunkManager):
+class ChunkIndex(RestartAdoption, ChunkManager, ChunkManagerView):
     """One per scheduler; capacities are in chunks (`arena.slots_for_capacity` and `disk.disk_chunks_for_capacity`
     convert the configured bytes). `remote_exists` answers batch existence in the remote store (None: no remote tier).
     `disk_write_through`: every chunk stored or promoted from the remote store is also written to disk (`Persist`),

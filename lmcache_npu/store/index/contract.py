@@ -1,15 +1,17 @@
 """What a scheduler half asks of the node's chunk manager (DESIGN §7), in the spirit of vLLM's `OffloadingManager`.
 
 Every verb takes and returns plain values (keys, ints, commands, `LookupResult`) so that a manager living in another
-process (the node cache) can implement the same contract over a socket. The verbs, in the order a request uses them:
+process (the node cache) can implement the same contract over a socket. The eight abstract verbs, in the order a
+request uses them:
 
-- `lookup(request, keys)`: the longest held prefix; reserves it for the request, promotes disk/remote copies.
+- `lookup(request, keys)` / `presence(keys)`: the longest held prefix (reserved, promoted), or a plain yes/no per key.
 - `prepare_load(request, chunks)` / `release(request)`: turn reservations into `Load` commands, or give them up.
 - `prepare_store(request, chunks)`: slots and `Store` commands for computed chunks.
-- `take_commands()` / `on_completions(answers)`: the commands for the workers, and every rank's answers; a command's
-  effect is visible only once every rank answered.
-The rest says what the manager holds (`occupancy`, `location`, `chunks`, `queued_commands`) and adapts it to the
-workers (`limit_slots`, `adopt_disk`, `drop_disk_copies`) and to routers (`set_tier_listener`).
+- `take_commands()` / `on_completions(answers)` / `is_pending(cmd_id)`: the commands for the workers, and every
+  rank's answers; a command's effect is visible only once every rank answered.
+The rest has defaults that fit a manager in process, so a caller never asks which manager it has: a manager shared
+by engines (the node cache) overrides its epoch, lease, refused commands, payload sharing, `sync` and `close`.
+Observation (`occupancy`, `location`, `chunks`, ...) is `ChunkManagerView`'s; restart adoption is the factories'.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from enum import Enum
-from typing import Callable, Iterable, Optional, Sequence, Union
+from typing import Callable, Iterable, Mapping, Optional, Sequence, Union
 
 from ..commands import Command, Completion, Load, Store, Tier
 from ..keys import ChunkKey
@@ -31,6 +33,8 @@ RemoteExists = Callable[[Sequence[ChunkKey]], Sequence[bool]]
 Admission = Callable[[Tier, Optional[int], int], bool]
 # (chunk number in the request, key)
 NumberedChunks = Sequence[tuple[int, ChunkKey]]
+# told (key, payload as builtins) what a router needs to name a chunk another engine sharing the manager described
+PayloadSink = Callable[[ChunkKey, tuple], None]
 
 
 class SlotState(str, Enum):
@@ -75,11 +79,15 @@ class ChunkView:
 
 
 class ChunkManager(ABC):
-    """The scheduler side's contract; `ChunkIndex` implements it in process."""
+    """The scheduler side's contract: eight abstract verbs; `ChunkIndex` implements it in process, `NodeCacheClient`
+    over the node cache's socket. Everything else has an in-process default (ABC keeps it from growing silently:
+    tests/house/test_manager_contract_shape.py)."""
 
     num_slots: int  # arena slots
     disk_chunks: int  # disk tier capacity in chunks (0: none)
     counters: TierCounters
+    epoch: Optional[str] = None  # the shared memory generation the workers map (None: their own arenas, or unattached)
+    lease: str = ""  # the token a shared manager issued this engine's workers ("" none)
 
     @abstractmethod
     def lookup(self, request_id: str, keys: Sequence[ChunkKey]) -> LookupResult:
@@ -114,6 +122,48 @@ class ChunkManager(ABC):
     def is_pending(self, cmd_id: int) -> bool:
         """The command still waits for some rank's answer."""
 
+    # ---- defaults: a manager in process; a shared one (the node cache) overrides them ----------------------------
+
+    def limit_slots(self, usable: Union[int, Sequence[tuple[int, int]]]) -> None:
+        """Hand out only slots of `usable` ([first, end) ranges live on every rank, or the first n); by default every
+        slot is live."""
+
+    def set_tier_listener(self, listener: Optional[TierListener]) -> None:
+        """`listener(key, tier, entered)` hears every chunk entering or leaving a tier; None stops the calls. By
+        default no change is told (a manager without routers to inform)."""
+
+    def step_epoch(self) -> Optional[str]:
+        """The epoch this step's workers must have mapped before they move a byte ("" while a shared manager is not
+        attached); None: the slots are the workers' own arenas."""
+        return None
+
+    def mapped_on(self, epochs: Mapping[int, str]) -> bool:
+        """Whether the ranks that told which epoch they mapped (`epochs`, rank -> epoch) can move this manager's
+        slots now; until then nothing is looked up or stored. In process always."""
+        return True
+
+    def take_refused(self) -> list[Command]:
+        """Commands the step's plans name that never reached the workers (a shared manager was lost): each rank
+        answers them as failed. In process none."""
+        return []
+
+    def share_payloads(self, sink: PayloadSink) -> Optional[PayloadSink]:
+        """A manager shared by engines tells `sink` the payloads others described, and returns where this engine
+        describes its own; None: nothing is shared (in process)."""
+        return None
+
+    def sync(self) -> None:
+        """Collects what one-way calls caused (counters, tier changes) before KV events are handed out; in process
+        every call already took effect."""
+
+    def close(self) -> None:
+        """Gives back what the manager holds outside this process (a connection); in process nothing."""
+
+
+class ChunkManagerView(ABC):
+    """What a manager holds, for status pages, gauges, tools and tests (never needed to run a request). The factory
+    that builds a manager hands out its view."""
+
     @property
     @abstractmethod
     def in_flight(self) -> int:
@@ -123,10 +173,6 @@ class ChunkManager(ABC):
     @abstractmethod
     def eviction_policy(self) -> str:
         """The arena's eviction policy's name."""
-
-    @abstractmethod
-    def limit_slots(self, usable: Union[int, Sequence[tuple[int, int]]]) -> None:
-        """Hand out only slots of `usable` ([first, end) ranges live on every rank, or the first n)."""
 
     @abstractmethod
     def occupancy(self) -> dict[Tier, tuple[int, int]]:
@@ -143,15 +189,3 @@ class ChunkManager(ABC):
     @abstractmethod
     def queued_commands(self) -> tuple[Command, ...]:
         """The commands `take_commands` would hand out now, without taking them."""
-
-    @abstractmethod
-    def adopt_disk(self, keys: Iterable[ChunkKey]) -> int:
-        """Restart: chunks every rank has on disk, oldest first; returns how many were adopted."""
-
-    @abstractmethod
-    def drop_disk_copies(self, keys: Iterable[ChunkKey]) -> None:
-        """Restart: chunks only some ranks have on disk; every rank deletes its file of them."""
-
-    @abstractmethod
-    def set_tier_listener(self, listener: Optional[TierListener]) -> None:
-        """`listener(key, tier, entered)` hears every chunk entering or leaving a tier; None stops the calls."""

@@ -305,7 +305,7 @@ def _held(engine: Any) -> Held:
     from ...store.commands import Tier
 
     half = engine.scheduler_connector.scheduler_half
-    used, capacity = half.index.occupancy()[Tier.ARENA]
+    used, capacity = half.view.occupancy()[Tier.ARENA]
     return Held(int(used), int(capacity), int(half.object_bytes) * int(half.place.world))
 
 
