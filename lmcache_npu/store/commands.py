@@ -39,12 +39,13 @@ class Tier(str, Enum):
 
 
 class Medium(str, Enum):
-    """An end of a byte move: the device's KV pages or one of the tiers (same names as `Tier`)."""
+    """An end of a byte move: the device's KV pages or one of the tiers (same names as `Tier`), or `GONE` (a drop)."""
 
     DEVICE = "device"
     ARENA = "cpu"
     DISK = "disk"
     REMOTE = "remote"
+    GONE = "gone"  # a drop's destination: the copy is deleted
 
     @classmethod
     def of(cls, tier: Tier) -> "Medium":
@@ -59,6 +60,8 @@ ARENA_TO_DISK: Route = (Medium.ARENA, Medium.DISK)
 DISK_TO_ARENA: Route = (Medium.DISK, Medium.ARENA)
 ARENA_TO_REMOTE: Route = (Medium.ARENA, Medium.REMOTE)
 REMOTE_TO_ARENA: Route = (Medium.REMOTE, Medium.ARENA)
+DISK_DROP: Route = (Medium.DISK, Medium.GONE)
+REMOTE_DROP: Route = (Medium.REMOTE, Medium.GONE)
 
 
 @dataclass(frozen=True)
@@ -132,9 +135,18 @@ class Drop:
     tier: Tier
     epoch: Optional[str] = field(default=None, kw_only=True)  # as SlotMove's
 
+    @property
+    def route(self) -> Route:
+        return self.route_from(self.tier)
+
+    @staticmethod
+    def route_from(tier: Tier) -> Route:
+        """The route of a drop of `tier`'s copy: from that tier to nowhere."""
+        return (Medium.of(tier), Medium.GONE)
+
 
 Command = Union[Store, Load, Spill, Promote, Put, Persist, Drop]
-Transfer = Union[Store, Load, Spill, Promote, Put, Persist]  # the commands that move bytes: each has a `route`
+Transfer = Union[Store, Load, Spill, Promote, Put, Persist]  # the commands that move bytes (every command has a `route`)
 
 
 @dataclass(frozen=True)

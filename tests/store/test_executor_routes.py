@@ -7,8 +7,8 @@ import pytest
 
 from lmcache_npu.store.arena import HostArena
 from lmcache_npu.store.commands import (ARENA_TO_DEVICE, ARENA_TO_DISK, ARENA_TO_REMOTE, DEVICE_TO_ARENA,
-                                        DISK_TO_ARENA, REMOTE_TO_ARENA, Load, Persist, Promote, Put, Spill, Store,
-                                        Tier)
+                                        DISK_DROP, DISK_TO_ARENA, REMOTE_DROP, REMOTE_TO_ARENA, Drop, Load, Persist,
+                                        Promote, Put, Spill, Store, Tier)
 from lmcache_npu.store.executor import StoreExecutor
 from lmcache_npu.store.tier import OK
 
@@ -33,6 +33,8 @@ class RecordingMover:
     (Promote(1, make_key(1), 0, Tier.DISK), DISK_TO_ARENA),
     (Promote(1, make_key(1), 0, Tier.REMOTE), REMOTE_TO_ARENA),
     (Put(1, make_key(1), 0), ARENA_TO_REMOTE),
+    (Drop(1, make_key(1), Tier.DISK), DISK_DROP),
+    (Drop(1, make_key(1), Tier.REMOTE), REMOTE_DROP),
 ])
 def test_every_byte_move_has_its_route(command, route):
     assert command.route == route
