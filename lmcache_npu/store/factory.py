@@ -16,10 +16,12 @@ from .arena import HostArena, slots_for_capacity
 from .config import StoreConfig
 from .disk import HEADER_BYTES, DiskTier, disk_chunks_for_capacity, scan_disk_directory
 from .envelope import Sealer, sealed_bytes
-from .executor import DeviceMover, StoreExecutor
+from .executor import StoreExecutor
 from .index.chunk_index import ChunkIndex
 from .index.contract import Admission
 from .keys import ChunkKey, storage_names_of
+from .routes.build import make_executor
+from .routes.device import DeviceMover
 from .secret import resolve_secret
 
 logger = logging.getLogger(__name__)
@@ -157,5 +159,5 @@ def build_executor(config: StoreConfig, rank: int, object_bytes: int, layout_fin
                            mooncake.bounce_bytes, sealed_bytes(object_bytes), arena.slot_bytes)
             mooncake = dataclasses.replace(mooncake, bounce_bytes=arena.slot_bytes)
         remote = MooncakeTier(mooncake)
-    return StoreExecutor(rank, arena, mover, disk=disk, remote=remote, io_threads=config.io_threads, sealer=sealer,
+    return make_executor(rank, arena, mover, disk=disk, remote=remote, io_threads=config.io_threads, sealer=sealer,
                          yields=config.yield_to_compute)

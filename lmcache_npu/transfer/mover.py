@@ -21,7 +21,7 @@ from ..layout.discovery import KVLayout
 from ..layout.slots import chunk_slots, row_tokens
 from ..ops import SKIP_SLOT, ChunkBatch, Direction, TransferBackend
 from ..store.commands import Load, Store
-from ..store.executor import Report
+from ..store.routes.context import Report
 from ..store.tier import OK, Failure, TierCounters, TierResult
 from .plans import LoadPlan, StorePlan
 from .streams import StreamKit

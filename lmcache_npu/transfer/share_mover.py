@@ -12,7 +12,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 
 from ..store.commands import Load, Store
-from ..store.executor import Report
+from ..store.routes.context import Report
 from ..store.tier import Failure, TierCounters, TierResult
 from .shares import ShareLayout
 from ..store.metrics import Metric, per_rank

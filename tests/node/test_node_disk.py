@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from lmcache_npu.store import executor as executor_module
+from lmcache_npu.store.routes import guard as executor_module
 from lmcache_npu.store.disk import HEADER_BYTES
 from lmcache_npu.store.index.contract import DiskState
 from lmcache_npu.store.keys import ChunkKey

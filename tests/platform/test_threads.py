@@ -21,7 +21,7 @@ from lmcache_npu.store.metrics import Metric
 from lmcache_npu.store import envelope
 from lmcache_npu.store.arena import HostArena
 from lmcache_npu.store.disk.tier import DiskTier
-from lmcache_npu.store.executor import StoreExecutor
+from lmcache_npu.store.routes.build import make_executor
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread policies are Linux's")
 
@@ -65,10 +65,10 @@ def test_a_thread_that_yields_runs_idle_and_is_marked_and_others_are_not() -> No
 def test_the_executors_background_work_yields_and_its_request_work_does_not(yields: bool, unbounded) -> None:
     if yields and _granted() is not Yielding.IDLE:
         pytest.skip("this kernel or sandbox refuses SCHED_IDLE")
-    executor = StoreExecutor(0, HostArena(2, 4096, pinned=False), io_threads=1, yields=yields)
+    executor = make_executor(0, HostArena(2, 4096, pinned=False), io_threads=1, yields=yields)
     try:
-        assert _policy_on(executor._background) == (("idle", True) if yields else ("other", False))
-        assert _policy_on(executor._io) == ("other", False)  # promotions and gets: a request waits for them
+        assert _policy_on(executor.context.background) == (("idle", True) if yields else ("other", False))
+        assert _policy_on(executor.context.io) == ("other", False)  # promotions and gets: a request waits for them
     finally:
         executor.close()
 

@@ -12,7 +12,8 @@ import torch
 
 from lmcache_npu.store.arena import HostArena
 from lmcache_npu.store.commands import Command, Completion, Load, Store
-from lmcache_npu.store.executor import Report, StoreExecutor
+from lmcache_npu.store.routes.build import make_executor
+from lmcache_npu.store.routes.context import Report
 from lmcache_npu.store.factory import remote_exists_for
 from lmcache_npu.store.index.chunk_index import ChunkIndex
 from lmcache_npu.store.keys import ChunkKey
@@ -108,7 +109,7 @@ class Cluster:
         self.remote = remote
         self.devices = [PatternDevice(rank) for rank in range(num_ranks)]
         self.executors = [
-            StoreExecutor(rank, HostArena(num_slots, object_bytes, pinned=False), self.devices[rank],
+            make_executor(rank, HostArena(num_slots, object_bytes, pinned=False), self.devices[rank],
                           disk=None if disks is None else disks[rank], remote=remote, io_threads=2)
             for rank in range(num_ranks)
         ]

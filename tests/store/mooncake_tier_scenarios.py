@@ -12,11 +12,12 @@ import time
 
 import numpy as np
 
-from lmcache_npu.store import executor as executor_module
+from lmcache_npu.store.routes import guard as executor_module
 from lmcache_npu.store.arena import HostArena
 from lmcache_npu.store.commands import Promote, Put, Tier
 from lmcache_npu.store.envelope import verify
 from lmcache_npu.store.executor import StoreExecutor
+from lmcache_npu.store.routes.build import make_executor
 from lmcache_npu.store.keys import ChunkKey
 from lmcache_npu.store.mooncake import MooncakeConfig, MooncakeTier
 from lmcache_npu.tools.mooncake_local import LocalMooncakeMaster, listening_addresses
@@ -184,7 +185,7 @@ def _keys() -> list[ChunkKey]:
 
 
 def _executor(master: LocalMooncakeMaster, **overrides) -> StoreExecutor:
-    return StoreExecutor(0, HostArena(KEY_COUNT, CHUNK, pinned=False), remote=MooncakeTier(master.config(**overrides)),
+    return make_executor(0, HostArena(KEY_COUNT, CHUNK, pinned=False), remote=MooncakeTier(master.config(**overrides)),
                          io_threads=2)
 
 
@@ -264,7 +265,7 @@ def bounce() -> dict:
         tier = MooncakeTier(master.config(zero_copy=False, bounce_bytes=bounce_bytes,
                                           global_segment_bytes=count * CHUNK + (64 << 20)))
         arena = HostArena(count, CHUNK, pinned=False)
-        executor = StoreExecutor(0, arena, remote=tier, io_threads=2)
+        executor = make_executor(0, arena, remote=tier, io_threads=2)
         registered = tier.registered()
         keys = [ChunkKey("b" * 32, i.to_bytes(4, "little") * 8) for i in range(count)]
         for slot in range(count):
@@ -348,7 +349,7 @@ def bounce_race(order: str = "slot", gets: int = 2048) -> dict:
         kind = CheckThenCopyTier if order == "bounce" else MooncakeTier
         tier = kind(master.config(bounce_bytes=4 << 20, global_segment_bytes=count * 2 * chunk + (64 << 20)))
         arena = HostArena(count, chunk, pinned=False)
-        executor = StoreExecutor(0, arena, remote=tier, io_threads=2, sealer=Sealer(b"s" * 32))
+        executor = make_executor(0, arena, remote=tier, io_threads=2, sealer=Sealer(b"s" * 32))
         keys = [ChunkKey("a" * 32, i.to_bytes(4, "little") * 8) for i in range(count)]
         for slot in range(count):
             arena.slot_array(slot)[:] = _data(slot, chunk)

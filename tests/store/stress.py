@@ -26,7 +26,7 @@ import xxhash
 
 from lmcache_npu.store.commands import Load, Store
 from lmcache_npu.store.disk import DiskTier
-from lmcache_npu.store.executor import Report
+from lmcache_npu.store.routes.context import Report
 from lmcache_npu.store.tier import OK, Failure, TierResult
 
 from .fakes import Cluster, chunk_payload, make_key

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lmcache_npu.store import executor as executor_module
+from lmcache_npu.store.routes import guard as executor_module
 from lmcache_npu.store.disk import HEADER_BYTES, DiskTier
 from lmcache_npu.store.envelope import ENVELOPE_BYTES, MAX_CHUNK_HASH_BYTES, Sealer, seal, sealed_bytes, verify
 from lmcache_npu.store.keys import ChunkKey

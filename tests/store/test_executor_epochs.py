@@ -13,6 +13,7 @@ import torch
 from lmcache_npu.store.arena import HostArena
 from lmcache_npu.store.commands import Load, Store
 from lmcache_npu.store.executor import StoreExecutor
+from lmcache_npu.store.routes.build import make_executor
 from lmcache_npu.store.tier import OK
 
 from .fakes import make_key
@@ -29,7 +30,7 @@ class WritingMover:
 
 
 def _executor(epoch: Any) -> StoreExecutor:
-    executor = StoreExecutor(0, HostArena(4, 4096, pinned=False), WritingMover(), io_threads=1)
+    executor = make_executor(0, HostArena(4, 4096, pinned=False), WritingMover(), io_threads=1)
     executor.epoch = epoch
     return executor
 

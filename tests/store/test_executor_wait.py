@@ -9,6 +9,7 @@ import threading
 from lmcache_npu.store.arena import HostArena
 from lmcache_npu.store.commands import Load, Store
 from lmcache_npu.store.executor import StoreExecutor
+from lmcache_npu.store.routes.build import make_executor
 from lmcache_npu.store.tier import OK
 
 from .fakes import make_key
@@ -36,7 +37,7 @@ class HeldMover:
 
 def _executor() -> tuple[StoreExecutor, HeldMover]:
     mover = HeldMover()
-    return StoreExecutor(0, HostArena(4, 4096, pinned=False), mover, io_threads=1), mover
+    return make_executor(0, HostArena(4, 4096, pinned=False), mover, io_threads=1), mover
 
 
 def test_waits_for_a_named_load_and_leaves_its_completion_for_poll():

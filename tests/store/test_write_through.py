@@ -11,7 +11,7 @@ from typing import Callable, Optional
 
 import pytest
 
-from lmcache_npu.store.commands import Command, Drop, Persist, Promote, Put, Spill, Tier
+from lmcache_npu.store.commands import ARENA_TO_DISK, Command, Drop, Persist, Promote, Put, Spill, Tier
 from lmcache_npu.store.config import StoreConfig
 from lmcache_npu.store.disk import HEADER_BYTES, DiskTier
 from lmcache_npu.store.envelope import ENVELOPE_BYTES, Sealer, verify
@@ -372,19 +372,19 @@ def test_persists_that_pin_an_eighth_of_the_arena_wait_for_no_idle_core(tmp_path
     """A persist pins its slot until written; once persists (and one per yielding thread, which may hold one) could
     pin more than 1/PINNED_SHARE of the arena, they are urgent (the rescuer runs them and their disk writes at once)
     so stores find room. The large arena is the control: its persists wait for an idle core."""
-    from lmcache_npu.store.executor import PINNED_SHARE
+    from lmcache_npu.store.routes.disk import PINNED_SHARE
 
     cluster = Cluster(num_slots=num_slots, object_bytes=OBJECT_BYTES, num_ranks=1)
     executor = cluster.executors[0]
     executor.disk = DiskTier(tmp_path / "kv", FINGERPRINT, writer_threads=1)
     kinds: list[str] = []
     for kind in ("submit", "submit_urgent"):
-        real = getattr(executor._background, kind)
-        setattr(executor._background, kind, lambda fn, *args, real=real, kind=kind: kinds.append(kind) or real(fn, *args))
+        real = getattr(executor.context.background, kind)
+        setattr(executor.context.background, kind, lambda fn, *args, real=real, kind=kind: kinds.append(kind) or real(fn, *args))
     executor.submit([Persist(1, make_key(1), 0)])
     assert [c.ok for c in executor.drain(10)] == [True]
-    may_pin = 1 + executor._background.workers
+    may_pin = 1 + executor.context.background.workers
     assert kinds == (["submit_urgent"] if may_pin * PINNED_SHARE > num_slots else ["submit"])
-    assert not executor._pinning  # answered: it pins nothing any more
+    assert not executor.route(ARENA_TO_DISK).pinning  # answered: it pins nothing any more
     executor.disk.close()
     cluster.close()

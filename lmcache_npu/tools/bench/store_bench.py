@@ -34,7 +34,9 @@ import xxhash
 
 from ...store.arena import HostArena
 from ...store.commands import Command, Completion, Promote, Put, Spill, Store, Tier
-from ...store.executor import Report, StoreExecutor
+from ...store.executor import StoreExecutor
+from ...store.routes.build import make_executor
+from ...store.routes.context import Report
 from ...store.index.chunk_index import ChunkIndex
 from ...store.keys import ChunkKey
 from ...store.tier import OK
@@ -201,7 +203,7 @@ def bench_cpu(chunk_bytes: int, chunks: int, progress: _Progress, seed: int = 0)
     sources = [torch.randint(0, 256, (chunk_bytes,), dtype=torch.uint8, generator=rng) for _ in range(chunks)]
     sinks = [torch.zeros(chunk_bytes, dtype=torch.uint8) for _ in range(chunks)]  # touched: no page faults timed
     arena = HostArena(chunks, chunk_bytes)
-    executor = StoreExecutor(0, arena, HostCopyMover(sources, sinks))
+    executor = make_executor(0, arena, HostCopyMover(sources, sinks))
     index = ChunkIndex(chunks, 1)
     keys = _keys(chunks, "cpu")
     with progress.phase("cpu put", chunks) as advance:
@@ -245,7 +247,7 @@ def bench_disk(chunk_bytes: int, chunks: int, progress: _Progress, disk_path: Op
         fingerprint = b"store-bench-v1\0\0"
         # Room for every put at once (sealed object + file header), so a slow disk never refuses one as queue full.
         disk = DiskTier(root, fingerprint, max_pending_bytes=chunks * (arena.sealed_bytes + HEADER_BYTES))
-        executor = StoreExecutor(0, arena, disk=disk)
+        executor = make_executor(0, arena, disk=disk)
         keys = _keys(chunks, "disk")
         dropped: list[bool] = []
         timings = _put_then_get(
@@ -287,7 +289,7 @@ def bench_mooncake(chunk_bytes: int, chunks: int, progress: _Progress, mooncake:
         tier = MooncakeTier(config)
         arena = HostArena(chunks, chunk_bytes)
         written = _fill(arena, chunks, seed)
-        executor = StoreExecutor(0, arena, remote=tier)
+        executor = make_executor(0, arena, remote=tier)
         keys = _keys(chunks, "mooncake")
         timings = _put_then_get("mooncake", executor, arena, keys, lambda i, k: Put(i + 1, k, i),
                                 lambda i, k: Promote(chunks + i + 1, k, i, Tier.REMOTE), progress, written)

@@ -225,10 +225,10 @@ class _VerifyClock:
     so one executor measures a promotion with and without verification."""
 
     def __init__(self) -> None:
-        from lmcache_npu.store import executor as executor_module
+        from lmcache_npu.store.routes import guard as guard_module
 
-        self.module = executor_module
-        self.real = executor_module.verify
+        self.module = guard_module
+        self.real = guard_module.verify
         self.enabled = True
         self.spent: list[float] = []
         self._lock = threading.Lock()
@@ -255,11 +255,11 @@ def executor_batch(master: Any, preset: str, size: int, digest: str, keyed: bool
     """BATCH chunks promoted as one batch through StoreExecutor from the peer's segment: wall time with verification
     (and the time verification took inside it) and without."""
     from lmcache_npu.store.commands import Promote, Tier
-    from lmcache_npu.store.executor import StoreExecutor
+    from lmcache_npu.store.routes.build import make_executor
 
     keys = [_key(preset, digest, i) for i in range(BATCH)]
     by_name = {o.name: o for o in objects}
-    executor = StoreExecutor(0, HostArena(BATCH, size, pinned=False), remote=_remote_tier(master), io_threads=4,
+    executor = make_executor(0, HostArena(BATCH, size, pinned=False), remote=_remote_tier(master), io_threads=4,
                              sealer=sealer_for(digest, keyed))
     walls: dict[bool, list[float]] = {True: [], False: []}
     verify_sums: list[float] = []

@@ -1,0 +1,64 @@
+"""The device <-> arena routes: stores and loads move bytes between the device's paged KV cache and arena slots
+through a `DeviceMover` (the connector's transfer lanes; a fake in tests), one batch per call."""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional, Protocol, Sequence, Union
+
+import torch
+
+from ..commands import ARENA_TO_DEVICE, DEVICE_TO_ARENA, Load, Store
+from ..tier import Failure, TierResult
+from .context import Report, RouteContext
+
+logger = logging.getLogger(__name__)
+
+
+class DeviceMover(Protocol):
+    """Moves chunk objects between the device's paged KV cache and arena slots (one batch per call). It may raise
+    only before any copy started (then the batch fails and its slots are freed); afterwards it must report."""
+
+    def run(self, commands: Sequence[Union[Store, Load]], objects: Sequence[torch.Tensor], report: Report) -> None:
+        """Store: device → objects[i]; Load: objects[i] → device. Calls `report(cmd_id, result)` once per command,
+        now or later (an asynchronous copy reports when its event completes)."""
+        ...
+
+
+class DeviceRoute:
+    """Device <-> arena on the model's thread: the mover copies (or starts copying) each batch; each command is
+    answered once even when the mover reports and then raises. `tier` is the mover (None: every command fails)."""
+
+    routes = frozenset({DEVICE_TO_ARENA, ARENA_TO_DEVICE})
+    batched = True  # consecutive stores (or loads) are one transfer, one kernel launch
+
+    def __init__(self, context: RouteContext, mover: Optional[DeviceMover]) -> None:
+        self.context = context
+        self.tier = mover
+
+    def submit(self, batch: Sequence[Union[Store, Load]]) -> None:
+        report = self.context.report
+        if self.tier is None:
+            for command in batch:
+                report(command.cmd_id, TierResult.fail(Failure.NO_DEVICE_MOVER))
+            return
+        objects = [self.context.arena.slot(c.slot) for c in batch]
+        unanswered = {c.cmd_id for c in batch}
+
+        def report_once(cmd_id: int, result: TierResult) -> None:
+            with self.context.lock:
+                if cmd_id not in unanswered:
+                    return
+                unanswered.discard(cmd_id)
+            report(cmd_id, result)
+
+        try:
+            self.tier.run(batch, objects, report_once)
+        except Exception as exc:  # a refused transfer fails its commands; the index frees their slots
+            logger.exception("rank %d: device %s of %d chunks raised", self.context.rank,
+                             "store" if isinstance(batch[0], Store) else "load", len(batch))
+            for command in batch:
+                report_once(command.cmd_id, TierResult.fail(Failure.DEVICE, str(exc)))
+
+    def close(self) -> None:
+        """The mover is the pipeline's: it closes it."""
