@@ -30,11 +30,12 @@ from ..store.arena import HostArena, slots_for_capacity
 from ..store.commands import COMMAND_TTL_S, Completion, Load, Store, Tier
 from ..store.config import StoreConfig
 from ..store.executor import StoreExecutor
-from ..store.factory import build_executor, build_index
+from ..store.factory import build_index
 from ..store.index.chunk_index import ChunkIndex
 from ..store.index.contract import SlotState
 from ..store.keys import ChunkKey
 from ..store.metrics import Metric
+from ..transfer.pipeline import build_executor
 from .capacity import PoolRefused, PoolShare
 from .messages import Attached, PoolGeometry
 from .rebuild import ArenaRebuild, InheritedArena

@@ -1,4 +1,5 @@
-"""Builds the two halves of the store from a `StoreConfig`: the scheduler's index and each rank's executor.
+"""Builds the scheduler's half of the store from a `StoreConfig` (the index), and the store sealer both halves use;
+each rank's executor is built beside the worker pipeline (`transfer.pipeline.build_executor`).
 
 Both halves derive their sizes from the same config and chunk object size, so slot numbers chosen by the index
 mean the same slot in every rank's arena. Disk files and Mooncake objects hold the sealed object (chunk object and
@@ -12,16 +13,13 @@ import dataclasses
 import logging
 from typing import Any, Mapping, Optional, Sequence
 
-from .arena import HostArena, slots_for_capacity
+from .arena import slots_for_capacity
 from .config import StoreConfig
-from .disk import HEADER_BYTES, DiskTier, disk_chunks_for_capacity, scan_disk_directory
+from .disk import HEADER_BYTES, disk_chunks_for_capacity, scan_disk_directory
 from .envelope import Sealer, sealed_bytes
-from .executor import StoreExecutor
 from .index.chunk_index import ChunkIndex
 from .index.contract import Admission
 from .keys import ChunkKey, storage_names_of
-from .routes.build import make_executor
-from .routes.device import DeviceMover
 from .secret import resolve_secret
 
 logger = logging.getLogger(__name__)
@@ -129,35 +127,3 @@ def store_sealer(config: StoreConfig, environ: Optional[Mapping[str, str]] = Non
         logger.info("secret: not configured; envelopes carry digests only (anyone who can write the disk directory "
                     "or reach the Mooncake master can forge chunks)")
     return Sealer(secret)
-
-
-def build_executor(config: StoreConfig, rank: int, object_bytes: int, layout_fingerprint: bytes,
-                   mover: Optional[DeviceMover], namespace: Optional[str] = None,
-                   arena: Optional[HostArena] = None, remote: Optional[Any] = None) -> StoreExecutor:
-    """One rank's arena, tiers and executor; closing the executor closes the tiers. The disk tier counts only
-    this rank's files of `namespace` (every file of this rank when None) against `disk_bytes`. `arena` and `remote`
-    (a `MooncakeTier`) are used as given instead of being made from the config (the node cache shares them)."""
-    sealer = store_sealer(config)  # first: a bad secret refuses start-up before any memory is allocated
-    if arena is None:
-        arena = HostArena.for_capacity(config.cpu_bytes, object_bytes, pinned=config.pinned,
-                                       numa_node=config.numa_node, segment_bytes=config.arena_segment_bytes,
-                                       hugepages=config.hugepages, npu_host_memory=config.npu_host_memory)
-    disk = None
-    if config.disk_path is not None:
-        disk = DiskTier(config.disk_path, layout_fingerprint, capacity_bytes=config.disk_bytes,
-                        max_pending_bytes=config.disk_max_pending_bytes, writer_threads=config.disk_writer_threads,
-                        owns=storage_names_of(namespace, rank),
-                        lock_name=None if namespace is None else f"{namespace}-r{rank}",
-                        yields=config.yield_to_compute)
-    if remote is None and config.mooncake is not None:
-        from .mooncake import MooncakeTier
-
-        mooncake = config.mooncake_config()
-        if not mooncake.zero_copy and mooncake.bounce_bytes < sealed_bytes(object_bytes):
-            # one sealed chunk must fit, or every transfer would fall back to the client's slower copy calls
-            logger.warning("mooncake.bounce_bytes %d is smaller than one sealed chunk (%d B); using %d B",
-                           mooncake.bounce_bytes, sealed_bytes(object_bytes), arena.slot_bytes)
-            mooncake = dataclasses.replace(mooncake, bounce_bytes=arena.slot_bytes)
-        remote = MooncakeTier(mooncake)
-    return make_executor(rank, arena, mover, disk=disk, remote=remote, io_threads=config.io_threads, sealer=sealer,
-                         yields=config.yield_to_compute)

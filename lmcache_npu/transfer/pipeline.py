@@ -1,10 +1,12 @@
 """One rank's worker side, built in one place (vLLM's `OffloadingSpec.get_handlers(kv_caches)`): the transfer lanes
 over the registered KV caches, the share exchange where this rank stores a share of replicated planes, then the store
-executor with its host arena and its disk and Mooncake tiers. The connector's worker half and the benches that time
-its path build it here, so they build the same thing in the same order."""
+executor with its host arena, its disk and Mooncake tiers and their route handlers (`build_executor`, which the node
+cache's pools call too). The connector's worker half and the benches that time its path build it here, so they
+build the same thing in the same order."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -14,10 +16,13 @@ from ..ops import TransferBackend
 from ..store.arena import HostArena
 from ..store.config import StoreConfig
 from ..store.disk.tier import DiskTier
+from ..store.envelope import sealed_bytes
 from ..store.executor import StoreExecutor
-from ..store.factory import build_executor
-from ..store.keys import namespace_of
+from ..store.factory import store_sealer
+from ..store.keys import namespace_of, storage_names_of
 from ..store.mooncake import MooncakeTier
+from ..store.routes.build import make_executor
+from ..store.routes.device import DeviceMover
 from ..store.tier import TierCounters
 from .mover import KVMover
 from .share_mover import ShareExchange, SharedMover
@@ -57,6 +62,36 @@ class WorkerPipeline:
         """The lanes first (no transfer reports after), then the executor, which closes its tiers."""
         self.mover.close()
         self.executor.close()
+
+
+def build_executor(config: StoreConfig, rank: int, object_bytes: int, layout_fingerprint: bytes,
+                   mover: Optional[DeviceMover], namespace: Optional[str] = None,
+                   arena: Optional[HostArena] = None, remote: Optional[Any] = None) -> StoreExecutor:
+    """One rank's arena, tiers and executor; closing the executor closes the tiers. The disk tier counts only
+    this rank's files of `namespace` (every file of this rank when None) against `disk_bytes`. `arena` and `remote`
+    (a `MooncakeTier`) are used as given instead of being made from the config (the node cache shares them)."""
+    sealer = store_sealer(config)  # first: a bad secret refuses start-up before any memory is allocated
+    if arena is None:
+        arena = HostArena.for_capacity(config.cpu_bytes, object_bytes, pinned=config.pinned,
+                                       numa_node=config.numa_node, segment_bytes=config.arena_segment_bytes,
+                                       hugepages=config.hugepages, npu_host_memory=config.npu_host_memory)
+    disk = None
+    if config.disk_path is not None:
+        disk = DiskTier(config.disk_path, layout_fingerprint, capacity_bytes=config.disk_bytes,
+                        max_pending_bytes=config.disk_max_pending_bytes, writer_threads=config.disk_writer_threads,
+                        owns=storage_names_of(namespace, rank),
+                        lock_name=None if namespace is None else f"{namespace}-r{rank}",
+                        yields=config.yield_to_compute)
+    if remote is None and config.mooncake is not None:
+        mooncake = config.mooncake_config()
+        if not mooncake.zero_copy and mooncake.bounce_bytes < sealed_bytes(object_bytes):
+            # one sealed chunk must fit, or every transfer would fall back to the client's slower copy calls
+            logger.warning("mooncake.bounce_bytes %d is smaller than one sealed chunk (%d B); using %d B",
+                           mooncake.bounce_bytes, sealed_bytes(object_bytes), arena.slot_bytes)
+            mooncake = dataclasses.replace(mooncake, bounce_bytes=arena.slot_bytes)
+        remote = MooncakeTier(mooncake)
+    return make_executor(rank, arena, mover, disk=disk, remote=remote, io_threads=config.io_threads, sealer=sealer,
+                         yields=config.yield_to_compute)
 
 
 def build_worker_pipeline(layout: KVLayout, store: StoreConfig, rank: int, make_backend: Callable[[], TransferBackend],

@@ -33,7 +33,7 @@ LAYERS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
                          "store.config", "store.cost"), OPS),
     "store": (("store",), STORE_SCHEDULER),
     "transfer": (("transfer",), (*STORE, "layout")),
-    "node": (("node",), STORE),
+    "node": (("node",), (*STORE, "transfer")),  # a pool builds its ranks' executors as a worker does
     "config": (("config",), (*STORE, "layout")),
     "integration": (("integration",), RUNTIME),
     "identity": (("identity",), OPS),

@@ -176,7 +176,7 @@ def serve_rank(rank: int, config: dict, object_bytes: int, layout_fingerprint: b
     """A worker process: builds its arena and tiers from the config, runs each command list it receives and
     answers with (completions, mismatched keys); None stops it."""
     from lmcache_npu.store.config import StoreConfig
-    from lmcache_npu.store.factory import build_executor
+    from lmcache_npu.transfer.pipeline import build_executor
 
     device = PatternDevice(rank)
     executor = build_executor(StoreConfig.from_dict(config), rank, object_bytes, layout_fingerprint, device, namespace)

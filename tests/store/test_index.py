@@ -459,7 +459,8 @@ def test_begin_load_issues_nothing_when_any_chunk_is_not_ready():
 
 def test_restart_counts_each_ranks_own_files_and_drops_partial_chunks(tmp_path):
     from lmcache_npu.store.config import StoreConfig
-    from lmcache_npu.store.factory import build_executor, build_index
+    from lmcache_npu.store.factory import build_index
+    from lmcache_npu.transfer.pipeline import build_executor
 
     namespace = "ab" * 16
     config = StoreConfig.from_dict({"cpu_bytes": 2 * 8192, "pinned": False, "disk_path": str(tmp_path / "kv"),

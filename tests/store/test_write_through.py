@@ -16,7 +16,8 @@ from lmcache_npu.store.config import StoreConfig
 from lmcache_npu.store.disk import HEADER_BYTES, DiskTier
 from lmcache_npu.store.envelope import ENVELOPE_BYTES, Sealer, verify
 from lmcache_npu.store.executor import StoreExecutor
-from lmcache_npu.store.factory import build_executor, build_index
+from lmcache_npu.store.factory import build_index
+from lmcache_npu.transfer.pipeline import build_executor
 from lmcache_npu.store.index.chunk_index import ChunkIndex
 from lmcache_npu.store.index.contract import DiskState, SlotState
 from lmcache_npu.store.keys import ChunkKey
