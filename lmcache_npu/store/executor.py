@@ -65,7 +65,8 @@ class StoreExecutor:
     def timer(self, timer: Optional[TransferTimer]) -> None:
         self.context.timer = timer
 
-    # what each route moves bytes through, by its handler's `tier` (None where no handler serves the route)
+    # the pipeline, the node exporter and tests read (and tests swap) what a route moves bytes through: its handler's
+    # `tier`, found by route so this module names no tier class (None where no handler serves the route)
     mover = property(lambda self: self._tier_of(DEVICE_TO_ARENA), lambda self, t: self._set_tier(DEVICE_TO_ARENA, t))
     disk = property(lambda self: self._tier_of(ARENA_TO_DISK), lambda self, t: self._set_tier(ARENA_TO_DISK, t))
     remote = property(lambda self: self._tier_of(ARENA_TO_REMOTE), lambda self, t: self._set_tier(ARENA_TO_REMOTE, t))

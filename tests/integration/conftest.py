@@ -87,7 +87,7 @@ def assert_quiescent(engine: Engine) -> None:
     for worker in engine.workers:
         wh = worker.worker_half
         assert not wh._recv and not wh._sends and not wh._owner and not wh._stores, "worker still tracks transfers"
-        assert wh.executor._outstanding == 0
+        assert wh.executor.context.outstanding == 0
 
 
 @pytest.fixture

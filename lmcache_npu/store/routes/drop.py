@@ -21,19 +21,20 @@ class Deleter(Protocol):
 
 class DropRoute:
     """Drops of one rank, each deleted by the route that holds its tier (so a tier swapped on that route is the one
-    deleted from). `tier` is the routes by tier."""
+    deleted from)."""
 
     batched = False
+    tier = None  # it holds no tier of its own: `deleters` do
 
     def __init__(self, context: RouteContext, deleters: Mapping[Tier, Deleter]) -> None:
         self.context = context
-        self.tier = dict(deleters)
+        self.deleters = dict(deleters)
         self.routes: frozenset[Route] = frozenset(Drop.route_from(tier) for tier in deleters)
 
     def submit(self, batch: Sequence[Drop]) -> None:
         context = self.context
         for command in batch:
-            deleter = self.tier[command.tier]
+            deleter = self.deleters[command.tier]
             name = command.key.storage_name(context.rank)
             if deleter.deletes_inline:
                 context.report(command.cmd_id, deleter.delete(name))
