@@ -99,7 +99,7 @@ def test_a_step_counts_from_its_schedule_or_the_previous_output_to_its_own_outpu
 def test_attention_counts_the_context_of_each_token():
     assert attention(0, 3) == 1 + 2 + 3
     assert attention(10, 2) == 11 + 12
-    assert StepShape.of([(0, 3), (10, 2)]) == StepShape(5, 29.0)
+    assert StepShape.of([(0, 3), (10, 2), (7, 0)]) == StepShape(5, 29.0, 2)  # a request that computes nothing is not counted
 
 
 # ---- the tiers ----------------------------------------------------------------------------------------------------
@@ -229,8 +229,13 @@ class World:
     def transfer_s(self, path, nbytes):
         return self.speeds[path].latency_s + nbytes / self.speeds[path].bytes_per_s
 
+    sharing: float = 0.0
+
     def step_floor_s(self):
         return self.floor
+
+    def sharers(self):
+        return self.sharing
 
 
 class FlippedBandwidth(World):
@@ -299,6 +304,18 @@ def test_a_slow_tier_after_arena_chunks_cuts_at_the_arena_and_a_fast_one_claims_
     assert best_cut(hit, slow, limit=3).chunks == 3  # at a deadline: only what the arena holds
 
 
+def test_compute_that_lengthens_the_batchs_steps_counts_for_every_request_in_it():
+    """A hit not worth a step's wait to its own request alone (computing 5K tokens takes 5 ms, the step 20 ms) is
+    claimed when fifteen requests share the steps its compute would lengthen; alone (the control) it is computed."""
+    hit = HitShape(0, 20 * 256 + 10, 0, 256, (Tier.ARENA,) * 20, 20)
+    alone = World(step=(5e-3, 1e-6, 0.0))
+    busy = dataclasses.replace(alone, sharing=15.0)
+    assert best_cut(hit, alone).chunks == 0
+    assert best_cut(hit, busy).chunks == 20
+    cut = best_cut(hit, busy)
+    assert cut.ttft_s > cut.recompute_s  # its own first token comes later: the batch's come sooner
+
+
 def test_a_cut_never_ends_on_a_chunk_without_its_end_state():
     hit = HitShape(0, 20 * 256 + 10, 0, 256, (Tier.ARENA,) * 8 + (Tier.DISK,) * 12, 8)
     slow = World(speeds={Path.LOAD: Speed(1e-3, 20e9), Path.DISK: Speed(2e-3, 0.05e9), Path.REMOTE: Speed(5e-3, 1e9)})
@@ -342,5 +359,6 @@ def test_a_model_learned_from_the_worlds_observations_decides_within_5_percent_o
             samples.append(TransferSample(path, chunks, nbytes, 0, float(world.transfer_s(path, nbytes)), True))
         model.on_samples(samples)
     model.compute.recent_step_s, model.compute.busy = world.floor, True
+    model.compute.sharing = 0  # this world's truth is one request's own first token (sharers are tested apart)
     true = ttft_by_cut(hit, world)[0]
     assert _regret(hit, model, world) <= 0.05 * true.min() + 1e-6

@@ -43,15 +43,17 @@ class StepShape:
 
     tokens: int
     attention: float
+    requests: int = 0  # requests it computes for (not a feature: who a new request's compute would delay)
 
     @classmethod
     def of(cls, scheduled: Iterable[tuple[int, int]]) -> "StepShape":
         """From (computed tokens, scheduled tokens) of each scheduled request."""
-        tokens, context = 0, 0.0
+        tokens, context, requests = 0, 0.0, 0
         for start, count in scheduled:
             tokens += count
             context += attention(start, count)
-        return cls(tokens, context)
+            requests += count > 0
+        return cls(tokens, context, requests)
 
     def features(self) -> tuple[float, float, float]:
         return (1.0, float(self.tokens), self.attention)
@@ -66,6 +68,7 @@ class ComputeModel:
         self.fit = LinearFit(seed=(0.0, 0.0, 0.0), scales=_SCALES, prior_weight=1e-3, half_life=_STEP_HALF_LIFE)
         self.recent_step_s = 0.0  # an EWMA of observed step seconds: how long a request waits for one step
         self.busy = False  # the last schedule computed something: a load waits a whole step of the others
+        self.sharing = 0  # requests the last schedule computed for: a new request's compute lengthens their steps
         self._open: dict[int, tuple[StepShape, float]] = {}  # step number -> (shape, when scheduled), until done
         self._next = 0
         self._last_done = float("-inf")  # when the last output came back
@@ -77,6 +80,7 @@ class ComputeModel:
     def on_schedule(self, shape: StepShape, now: float) -> Optional[int]:
         """A schedule at `now`: its step number (for the workers to echo), or None when it computes nothing."""
         self.busy = shape.tokens > 0
+        self.sharing = shape.requests
         if not self.busy:
             return None
         step, self._next = self._next, self._next + 1
@@ -103,6 +107,7 @@ class ComputeModel:
     def idle(self) -> None:
         """No request is left: a load waits for no one else's step."""
         self.busy = False
+        self.sharing = 0
 
     def prefill_s(self, start: np.ndarray, end: int) -> np.ndarray:
         """Predicted seconds to compute a request's tokens [start, end) per start (at least the token vLLM always
@@ -110,6 +115,10 @@ class ComputeModel:
         a, b, c = self.fit.coefficients
         count = np.maximum(end - start, 1).astype(np.float64)
         return a * np.ceil(count / self.budget) + b * count + c * attention(start, count)  # type: ignore[arg-type]
+
+    def sharers(self) -> float:
+        """Requests whose steps a new request's compute lengthens (those the last schedule computed for; 0 idle)."""
+        return float(self.sharing) if self.busy else 0.0
 
     def step_floor_s(self) -> float:
         """The least a load delays its request: while other requests compute, the step they run meanwhile (the

@@ -7,8 +7,11 @@ For a cut after j hit chunks the request's first token is predicted at
 where promotions(j) is the slowest tier's time to bring the claimed chunks it holds into the arena (tiers run side
 by side; each queues behind the bytes already in flight on it), load(j) moves the j chunks to the device, and
 `step` is the step the request sits out: a load is asynchronous, so the request computes one step later than it
-would have (at least the engine's step period when other requests run). The cut is the j of least T(j); a tie goes
-to the longer claim (less compute for the step everyone shares). Computing gets dearer along the prefix (attention)
+would have (at least the engine's step period when other requests run). The cut is the j of least
+    T(j) + s x prefill(start_j, n)
+where s is the number of requests batched with this one: every token it computes lengthens their steps too (their
+first tokens and their decodes), while its sitting out a step for a load delays only itself. On an idle engine
+s = 0 and the cut is the j of least T(j). A tie goes to the longer claim (less compute for the step everyone shares). Computing gets dearer along the prefix (attention)
 while loading does not, so a slow tier can still pay for long prompts and lose for short ones, and a cut inside the
 hit arises where a slow tier's chunks follow arena chunks.
 
@@ -42,6 +45,10 @@ class Costs(Protocol):
 
     def step_floor_s(self) -> float:
         """The least a load delays its request: one step of the engine."""
+        ...
+
+    def sharers(self) -> float:
+        """Requests batched with this one, whose steps its compute lengthens (0 on an idle engine)."""
         ...
 
 
@@ -105,6 +112,7 @@ def ttft_by_cut(hit: HitShape, costs: Costs, limit: Optional[int] = None) -> tup
 def best_cut(hit: HitShape, costs: Costs, limit: Optional[int] = None) -> Cut:
     """The cut of least predicted time to the first token (the longest of equals) among those a claim may end at."""
     total, wait, compute, promotion = ttft_by_cut(hit, costs, limit)
+    total = total + costs.sharers() * compute  # what computing costs the requests batched with this one
     if hit.ends is not None:
         total = np.where(np.concatenate(([True], hit.ends[:len(total) - 1])), total, np.inf)
     chunks = int(len(total) - 1 - np.argmin(total[::-1]))

@@ -80,6 +80,9 @@ class CostModel:
     def step_floor_s(self) -> float:
         return self.compute.step_floor_s()
 
+    def sharers(self) -> float:
+        return self.compute.sharers()
+
     @property
     def fitted(self) -> bool:
         return self.compute.fitted
