@@ -7,7 +7,8 @@ import threading
 
 import pytest
 
-from lmcache_npu.tools.bench.studies.tier_sweep import (ARENA_ONLY, COST_MODEL, LOAD_ALL, RECOMPUTE, ReadThrottle,
+from lmcache_npu.tools.bench.studies.tier_sweep import (ARENA_ONLY, COST_MODEL, LOAD_ALL, RECOMPUTE, RECOMPUTE_AGAIN,
+                                                        ReadThrottle,
                                                         crossover, oracle, point, summarize)
 
 
@@ -93,3 +94,10 @@ def test_turn_one_is_left_out_and_a_run_without_later_turns_is_refused():
     assert point("x", 1.0, _times({0: 2.0, 1: 4.0})).mean_s == pytest.approx(3.0)
     with pytest.raises(ValueError, match="no request after the first turn"):
         point("x", 1.0, {(0, 0): 1.0})
+
+
+def test_the_noise_floor_is_the_oracle_of_two_runs_of_one_policy():
+    first, again = _times({0: 1.0, 1: 2.0}), _times({0: 2.0, 1: 1.0})  # the same mean, noise per request
+    runs = {(RECOMPUTE, 0.0): first, (RECOMPUTE_AGAIN, 0.0): again, (LOAD_ALL, 1.0): first, (COST_MODEL, 1.0): first}
+    assert summarize(runs).noise_floor == pytest.approx(1.5 / 1.0 - 1)
+    assert summarize({k: v for k, v in runs.items() if k[0] != RECOMPUTE_AGAIN}).noise_floor is None

@@ -193,3 +193,29 @@ def test_a_disk_slower_than_computing_gets_no_new_chunks(make_engine, tmp_path, 
     engine.run()
     assert engine.loaded_tokens["b again"] >= CHUNK  # the arena kept b's stores either way
     assert_quiescent(engine)
+
+
+def test_arena_chunks_another_request_is_still_writing_are_waited_for_a_step_not_given_up_at_once():
+    """The first sweep found every request of a wave computing the shared system prompt: its chunks were in the
+    arena but still being written by the wave's first request, the engine had just gone idle (no step floor), so the
+    deadline was the decision itself. Now a claim of such chunks waits for their writer's step and store copy."""
+    from lmcache_npu.store.commands import Tier
+    from lmcache_npu.store.index.contract import LookupResult
+    from lmcache_npu.store.tier import TierCounters
+
+    clock = [100.0]
+    cut = cut_point.CutPoint("cost-model", 8192, TierCounters(), clock=lambda: clock[0])
+    cut.model.set_geometry(1 << 20, "cpu")
+    cut.model.compute.fit = type(cut.model.compute.fit)(seed=(0.0, 1e-3, 0.0), scales=(1.0, 1024.0, 1048576.0),
+                                                        prior_weight=1e-3)  # 1 ms a token: loading pays
+    cut.model.compute.fit._count = cut.model.compute.fit._weight = 1000  # fitted, its seed untouched
+    cut.model.compute.recent_step_s = 0.3  # the wave's steps; the engine is idle at this decision
+    writing = LookupResult(4, 0, (Tier.ARENA,) * 4)
+    answer = cut.decide("r", cut_point.hit_shape(0, 4 * 256 + 10, 0, 256, writing), writing)
+    decision = cut._decisions["r"]
+    assert decision.reason == "faster" and decision.cut.chunks == 4 and answer.pending
+    assert decision.deadline - clock[0] >= 0.6  # the writer's step, then the request's own
+    clock[0] += 0.1  # still being written one step later: waited for, not given up
+    assert cut.decide("r", cut_point.hit_shape(0, 4 * 256 + 10, 0, 256, writing), writing).hit_chunks == 4
+    clock[0] += 10.0  # control: a writer that never finishes is given up once the deadline passed
+    assert cut.decide("r", cut_point.hit_shape(0, 4 * 256 + 10, 0, 256, writing), writing).hit_chunks == 0

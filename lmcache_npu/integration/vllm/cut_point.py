@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import logging
 import time
+
+import numpy as np
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from ...store.commands import Command
+from ...store.commands import Command, Tier
 from ...store.cost import CostModel, Cut, HitShape, Path, StepShape, best_cut, claim_all
 from ...store.index.contract import LookupResult
 from ...store.metrics import Metric
@@ -155,10 +157,15 @@ class CutPoint:
         return decision
 
     def _allowance(self, hit: HitShape, cut: Cut) -> float:
-        """How long past the decision its promotions may take before the request computes instead."""
-        paths = {Path.promotion(s) for s in hit.sources[hit.ready:cut.chunks]}
+        """How long past the decision its promotions, and the stores in flight of claimed arena chunks (another
+        request of the same wave writing a shared prefix), may take before the request computes instead."""
+        waiting = hit.sources[hit.ready:cut.chunks]
+        paths = {Path.promotion(s) for s in waiting}
         spread = max((self.model.tiers[p].fit.relative_sd for p in paths if p is not None), default=1.0)
-        return cut.promotion_s * (1.0 + DEADLINE_SIGMAS * spread) + self.model.step_floor_s()
+        step = max(self.model.step_floor_s(), self.model.compute.recent_step_s)
+        writing = sum(s is Tier.ARENA for s in waiting)  # ready once their writer's step and store copy are done
+        stores = (step + float(self.model.transfer_s(Path.STORE, np.array(writing * self.model.object_bytes))))
+        return cut.promotion_s * (1.0 + DEADLINE_SIGMAS * spread) + step + (stores if writing else 0.0)
 
     def _late(self, request_id: str, decision: _Decision, hit: HitShape, now: float) -> None:
         """Past the deadline: the best cut of what the arena holds now."""
