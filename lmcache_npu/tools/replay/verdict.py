@@ -95,6 +95,10 @@ def verdict_line(summary: Summary) -> tuple[str, str]:
     return text, "green" if faster else "yellow"
 
 
+def _short(outcome: str) -> str:
+    return outcome.replace(", within the run-to-run spread", " ~")
+
+
 def turn_verdict(baseline: str, candidate: str, step_name: str, turns: list[tuple[Spread, Spread, Spread, Spread]],
                  repeats: int) -> tuple[str, str]:
     """"Never slower", turn by turn (issue 40): per turn the (baseline, candidate) TTFT p50 and p90 spreads as
@@ -104,7 +108,7 @@ def turn_verdict(baseline: str, candidate: str, step_name: str, turns: list[tupl
     for number, (p50_base, p50_cand, p90_base, p90_cand) in enumerate(turns, 1):
         p50, p90 = change(p50_base, p50_cand), change(p90_base, p90_cand)
         cells.append(f"{step_name} {number} p50 {seconds(p50_base.median)} -> {seconds(p50_cand.median)} "
-                     f"({p50.replace(', within the run-to-run spread', ' ~')}), p90 {p90.split(',')[0]}")
+                     f"({_short(p50)}), p90 {_short(p90)}")
         if "slower" in p50 or "slower" in p90:
             slower.append(str(number))
     head = f"{candidate} against {baseline}, per {step_name} (TTFT; ~: within the run-to-run spread"
