@@ -33,13 +33,12 @@ class PoolShare:
         """The per-rank configuration of a pool of `world` ranks (`tiers`' settings, this share's sizes): the arena
         holds whole slots only, so its `cpu_bytes` is a multiple of the slot. PoolRefused when a rank's part holds no
         slot."""
-        per_rank = self.cpu_bytes // world
-        if per_rank < slot_bytes_for(object_bytes):
-            raise PoolRefused(f"the node cache's {self.cpu_bytes} B for this pool hold no slot of "
-                              f"{slot_bytes_for(object_bytes)} B on each of {world} ranks ({describe}); raise "
-                              f"--cpu-bytes")
+        per_rank, slot_bytes = self.cpu_bytes // world, slot_bytes_for(object_bytes)
+        if per_rank < slot_bytes:
+            raise PoolRefused(f"the node cache's {self.cpu_bytes} B for this pool hold no slot of {slot_bytes} B on "
+                              f"each of {world} ranks ({describe}); raise --cpu-bytes")
         slots = slots_for_capacity(per_rank, object_bytes)
-        return dataclasses.replace(tiers, cpu_bytes=slots * slot_bytes_for(object_bytes), disk_path=self.disk_path,
+        return dataclasses.replace(tiers, cpu_bytes=slots * slot_bytes, disk_path=self.disk_path,
                                    disk_bytes=self.disk_bytes // world)
 
 

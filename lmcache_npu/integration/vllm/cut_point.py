@@ -163,9 +163,11 @@ class CutPoint:
         paths = {Path.promotion(s) for s in waiting}
         spread = max((self.model.tiers[p].fit.relative_sd for p in paths if p is not None), default=1.0)
         step = max(self.model.step_floor_s(), self.model.compute.recent_step_s)
+        allowance = cut.promotion_s * (1.0 + DEADLINE_SIGMAS * spread) + step
         writing = sum(s is Tier.ARENA for s in waiting)  # ready once their writer's step and store copy are done
-        stores = (step + float(self.model.transfer_s(Path.STORE, np.array(writing * self.model.object_bytes))))
-        return cut.promotion_s * (1.0 + DEADLINE_SIGMAS * spread) + step + (stores if writing else 0.0)
+        if writing:
+            allowance += step + float(self.model.transfer_s(Path.STORE, np.array(writing * self.model.object_bytes)))
+        return allowance
 
     def _late(self, request_id: str, decision: _Decision, hit: HitShape, now: float) -> None:
         """Past the deadline: the best cut of what the arena holds now."""

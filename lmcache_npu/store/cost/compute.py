@@ -118,7 +118,7 @@ class ComputeModel:
 
     def sharers(self) -> float:
         """Requests whose steps a new request's compute lengthens (those the last schedule computed for; 0 idle)."""
-        return float(self.sharing) if self.busy else 0.0
+        return float(self.sharing)  # set with `busy` from the same schedule, and 0 whenever it is not busy
 
     def step_floor_s(self) -> float:
         """The least a load delays its request: while other requests compute, the step they run meanwhile (the

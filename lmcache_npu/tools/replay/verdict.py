@@ -109,7 +109,7 @@ def turn_verdict(baseline: str, candidate: str, step_name: str, turns: list[tupl
         p50, p90 = change(p50_base, p50_cand), change(p90_base, p90_cand)
         cells.append(f"{step_name} {number} p50 {seconds(p50_base.median)} -> {seconds(p50_cand.median)} "
                      f"({_short(p50)}), p90 {_short(p90)}")
-        if "slower" in p50 or "slower" in p90:
+        if p50_cand.low > p50_base.high or p90_cand.low > p90_base.high:  # change()'s rule for "slower"
             slower.append(str(number))
     head = f"{candidate} against {baseline}, per {step_name} (TTFT; ~: within the run-to-run spread"
     head += f" of {repeats} runs)" if repeats > 1 else ", one run each: no spread)"

@@ -31,6 +31,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence
 
+from ...replay.spread import percentile
+
 logger = logging.getLogger(__name__)
 
 RECOMPUTE, ARENA_ONLY, LOAD_ALL, COST_MODEL = "recompute", "arena only", "load-all", "cost-model"
@@ -90,20 +92,12 @@ class Point:
     loaded_tokens: int = 0
 
 
-def _percentile(values: Sequence[float], q: float) -> float:
-    ordered = sorted(values)
-    position = (len(ordered) - 1) * q / 100
-    below = math.floor(position)
-    above = min(below + 1, len(ordered) - 1)
-    return ordered[below] + (ordered[above] - ordered[below]) * (position - below)
-
-
 def point(policy: str, gbps: float, times: RequestTimes, loaded_tokens: int = 0) -> Point:
     """The point of one run: turn 1 (nothing to hit) is left out."""
     values = [t for (turn, _), t in times.items() if turn > 0]
     if not values:
         raise ValueError(f"{policy} at {gbps} GB/s: no request after the first turn")
-    return Point(policy, gbps, statistics.fmean(values), _percentile(values, 50), _percentile(values, 99), len(values),
+    return Point(policy, gbps, statistics.fmean(values), percentile(values, 50), percentile(values, 99), len(values),
                  loaded_tokens)
 
 
@@ -140,26 +134,26 @@ def summarize(runs: Mapping[tuple[str, float], RequestTimes], loaded: Optional[M
               ) -> Summary:
     """From every run's per-request TTFTs (keyed by (policy, GB/s); recompute and arena only at 0 GB/s)."""
     loaded = loaded or {}
-    points = [point(policy, gbps, times, loaded.get((policy, gbps), 0)) for (policy, gbps), times in runs.items()]
+    of = {run: point(*run, times, loaded.get(run, 0)) for run, times in runs.items()}
+    points = list(of.values())
     recompute = runs[(RECOMPUTE, 0.0)]
-    base = point(RECOMPUTE, 0.0, recompute)
-    arena = point(ARENA_ONLY, 0.0, runs[(ARENA_ONLY, 0.0)]) if (ARENA_ONLY, 0.0) in runs else None
+    base = of[(RECOMPUTE, 0.0)]
+    arena = of.get((ARENA_ONLY, 0.0))
     bandwidths = sorted({g for (p, g) in runs if p in SWEPT})
     regret, gain, p50, p99 = {}, {}, {}, {}
     for gbps in bandwidths:
         best = point("oracle", gbps, oracle(recompute, runs[(LOAD_ALL, gbps)]))
         points.append(best)
-        model = point(COST_MODEL, gbps, runs[(COST_MODEL, gbps)])
-        load_all = point(LOAD_ALL, gbps, runs[(LOAD_ALL, gbps)])
+        model, load_all = of[(COST_MODEL, gbps)], of[(LOAD_ALL, gbps)]
         regret[gbps] = model.mean_s / best.mean_s - 1
         gain[gbps] = 1 - model.mean_s / min(load_all.mean_s, base.mean_s)
         if arena is not None:
             p50[gbps], p99[gbps] = model.p50_s / arena.p50_s - 1, model.p99_s / arena.p99_s - 1
-    curve = [point(LOAD_ALL, g, runs[(LOAD_ALL, g)]).mean_s for g in bandwidths]
+    curve = [of[(LOAD_ALL, g)].mean_s for g in bandwidths]
     noise = None
     if (RECOMPUTE_AGAIN, 0.0) in runs:  # a per-request min of two runs of one policy: what noise alone gives
         twice = point("oracle", 0.0, oracle(recompute, runs[(RECOMPUTE_AGAIN, 0.0)]))
-        noise = min(base.mean_s, point(RECOMPUTE_AGAIN, 0.0, runs[(RECOMPUTE_AGAIN, 0.0)]).mean_s) / twice.mean_s - 1
+        noise = min(base.mean_s, of[(RECOMPUTE_AGAIN, 0.0)].mean_s) / twice.mean_s - 1
     return Summary(points, regret, gain, p50, p99, crossover(bandwidths, curve, base.mean_s), noise)
 
 
@@ -223,6 +217,7 @@ COUNTERS = ("promotions_disk", "persists", "spills", "cost_declined_disk_writes"
 
 
 def run_sweep(args: argparse.Namespace, on_phase: Callable[[str], None]) -> tuple[dict, dict, dict]:
+    from ...replay.accounting import TIERS
     from ...replay.configs import BASELINE, PLUGIN, PLUGIN_CONNECTOR, RunConfig
     from ...replay.engine import EngineSettings
     from ...replay.models import VOCAB, make_model, model_vocab, resolve_recipe
@@ -257,17 +252,15 @@ def run_sweep(args: argparse.Namespace, on_phase: Callable[[str], None]) -> tupl
                     disk = engine.worker_connector.worker_half.executor.disk
                     disk.read_into = ReadThrottle(gbps * 1e9).wrap(disk.read_into)
                 result = timed_run(engine, config, 0, 0, conversations, vocab)
+                hits = result.total_hits().by_source()
                 if config.plugin:
                     stats = engine.plugin_stats()
                     counters[(policy, gbps)] = {**{k: float(stats.get(k, 0)) for k in COUNTERS},
-                                                **{f"{tier}_hit_tokens": float(sum(h.by_source().get(tier, 0)
-                                                                                    for h in result.hits))
-                                                   for tier in ("arena", "disk")}}
+                                                **{f"{tier}_hit_tokens": float(hits[tier]) for tier in TIERS}}
             finally:
                 engine.close()
             runs[(policy, gbps)] = _request_times(result)
-            loaded[(policy, gbps)] = int(sum(h.by_source().get(t, 0) for h in result.hits
-                                             for t in ("arena", "disk", "mooncake")))
+            loaded[(policy, gbps)] = int(sum(hits[tier] for tier in TIERS))
     return runs, loaded, counters
 
 
