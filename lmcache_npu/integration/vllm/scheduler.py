@@ -37,7 +37,7 @@ from .metadata import LMCacheNPUConnectorMetadata, LMCacheNPUWorkerMetadata, Wor
 from .store_planner import StorePlanner
 from .stats import INDEX_METRICS, CounterDeltas, LMCacheNPUStats
 from .store_gauges import StoreGauges
-from .cut_point import CutPoint, hit_shape
+from .cut_point import CutPoint, hit_shape, prefills_ahead
 from ...store.metrics import HIT_CHUNKS, Metric
 
 logger = logging.getLogger(__name__)
@@ -65,6 +65,7 @@ class _Request:
     found_in: dict[int, Tier] = field(default_factory=dict)  # chunk -> the tier its first lookup found it in
     keys: list[ChunkKey] = field(default_factory=list)  # of chunks 0.. whose hashes exist
     asked: Optional[int] = None  # tokens vLLM had computed when it last asked for a hit (counted at allocation)
+    claimed_to: int = 0  # tokens its admission's claim reaches: not computed, whatever vLLM counts while it loads
     finished: bool = False
     no_hits: bool = False  # a load of this request failed: it recomputes, and never loads again
     adapter_digest: Optional[bytes] = None  # the content of the request's LoRA adapter: re-keys its chunks
@@ -128,7 +129,8 @@ class SchedulerHalf:
         self._node_epochs: dict[int, str] = {}
         self._node_epoch: Optional[str] = None  # the client's epoch at the last step (KV events' capacity follows it)
         # which prefix of a hit to claim, from a cost model learned from the steps and transfers (cut_point.py)
-        self.cut = CutPoint(config.load_policy, adapter.token_budget(vllm_config), self.counters)
+        self.cut = CutPoint(config.load_policy, adapter.token_budget(vllm_config), self.counters,
+                            ahead=self._compute_ahead)
 
     # ---- start-up ---------------------------------------------------------------------------------------------
 
@@ -268,15 +270,35 @@ class SchedulerHalf:
                                      adapter_digest=state.adapter_digest)
         return state.keys[first:end]
 
-    def _lookup(self, request_id: str, keys: list[ChunkKey]) -> tuple[LookupResult, list[ChunkKey]]:
-        """The index's answer for the longest hit, and the key chosen per hit chunk (lookup.py's end-state rule)."""
+    def _lookup(self, request: Any, keys: list[ChunkKey], computed: int,
+                first: int) -> tuple[LookupResult, list[ChunkKey]]:
+        """The index's answer for the hit the cut claims, and the key chosen per hit chunk (lookup.py's end-state
+        rule). Where the manager can say where the hit lies, the cut decides first: only what it claims is reserved
+        and promoted."""
         assert self.index is not None
-        if not self.has_end_state:
-            return self.index.lookup(request_id, keys), keys
-        present = self.index.presence(lookup.probes(keys, self.has_end_state))
-        chosen = lookup.through_partial(keys, present)
-        result = self.index.lookup(request_id, chosen)
-        return lookup.ending_complete(result, chosen, keys)
+        chosen = keys
+        if self.has_end_state:
+            chosen = lookup.through_partial(keys, self.index.presence(lookup.probes(keys, self.has_end_state)))
+        located = self.index.locate(chosen)
+        if located is not None and located.hit_chunks:
+            hit_keys = chosen
+            if self.has_end_state:
+                located, hit_keys = lookup.ending_complete(located, chosen, keys)
+            if located.hit_chunks:
+                shape = hit_shape(computed, request.num_tokens, first, self.chunk_tokens, located,
+                                  self._ends(hit_keys, keys))
+                chosen = hit_keys[:self.cut.claim(request.request_id, shape)]
+        result = self.index.lookup(request.request_id, chosen)
+        return lookup.ending_complete(result, chosen, keys) if self.has_end_state else (result, chosen)
+
+    def _ends(self, chosen: Sequence[ChunkKey], keys: Sequence[ChunkKey]) -> Optional[tuple[bool, ...]]:
+        """Per chosen chunk whether a claim may end after it: with end-state groups, complete chunks only."""
+        return tuple(c == k for c, k in zip(chosen, keys)) if self.has_end_state else None
+
+    def _compute_ahead(self, request_id: str) -> float:
+        """Predicted seconds of the prefills vLLM schedules before this request (cut_point.prefills_ahead)."""
+        unfinished = {rid: (s.request, s.claimed_to) for rid, s in self.requests.items() if not s.finished}
+        return self.cut.model.backlog_s(prefills_ahead(request_id, unfinished))
 
     def _before_last_held(self, state: _Request, first: int, limit: int) -> list[ChunkKey]:
         """EAGLE/MTP: the keys of chunks [first, ...) a hit may claim, at most `limit` (lookup.py's one-chunk drop).
@@ -313,13 +335,13 @@ class SchedulerHalf:
         if not keys:
             self.index.release(request.request_id)
             return 0, False
-        result, chosen = self._lookup(request.request_id, keys)
+        result, chosen = self._lookup(request, keys, num_computed_tokens, first)
         state.asked = num_computed_tokens
         for offset, source in enumerate(result.sources):  # a promoted chunk is in the arena by the time it loads
             state.found_in.setdefault(first + offset, source)
             if source is not Tier.ARENA and self.events is not None:  # a promotion: its arrival is announced with these
                 self.events.remember(chosen[offset], request, first + offset)
-        ends = tuple(c == k for c, k in zip(chosen, keys)) if self.has_end_state else None  # complete chunks only
+        ends = self._ends(chosen, keys)
         result = self.cut.decide(request.request_id, hit_shape(num_computed_tokens, request.num_tokens, first, chunk,
                                                                result, ends), result)
         if result.pending:
@@ -336,6 +358,7 @@ class SchedulerHalf:
         state = self._state(request)
         state.blocks = [list(ids) for ids in adapter.block_ids_of(blocks)]
         lookup, state.lookup = state.lookup, None
+        state.claimed_to = (lookup.num_computed_tokens if lookup is not None else 0) + max(num_external_tokens, 0)
         if state.asked is not None:  # once per admission: vLLM may ask many times before it schedules a request
             self.counters.add(Metric.LOOKUPS)
             self.counters.add(Metric.LOOKUP_TOKENS, request.num_tokens - state.asked)
