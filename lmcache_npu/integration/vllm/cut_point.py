@@ -30,6 +30,7 @@ from typing import Any, Callable, Mapping, Optional
 
 from ...store.commands import Command, Tier
 from ...store.cost import CostModel, Cut, HitShape, Path, StepShape, best_cut, claim_all
+from ...store.cost.admission import PROBE_EVERY  # of the decisions that decline a tier, one probes it
 from ...store.index.contract import LookupResult
 from ...store.metrics import Metric
 from ...store.tier import TierCounters
@@ -44,9 +45,6 @@ DEADLINE_SIGMAS = 2.0
 # steps' calibration and the fit's gauges are reported once per this many steps: a busy engine's stats stay quiet
 # on most steps (what vLLM ships, merges and logs each step)
 REPORT_EVERY = 64
-# of the decisions that decline a promotion path's chunks, every this many promotes them anyway (unclaimed): the
-# path's speed is measured again, and at most one lookup in this many pays the declined bytes
-PROBE_EVERY = 32
 # (predicted, observed) counters per calibrated fit
 _CALIBRATION = {
     "step": (Metric.COST_PREDICTED_STEP_SECONDS, Metric.COST_OBSERVED_STEP_SECONDS),
