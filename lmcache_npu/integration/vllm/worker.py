@@ -39,6 +39,7 @@ from ...transfer.plans import LoadPlan
 from ...transfer.shares import ShareLayout
 from . import adapter, tp_share
 from .engine_identity import EngineIdentity, engine_identity
+from .hook_map import HookMap
 from .load_wait import IDLE_WAIT_S, StepLoadWait
 from .metadata import LMCacheNPUConnectorMetadata, LMCacheNPUWorkerMetadata, WorkerGeometry, plan_group_geometry
 from .stats import DISK_METRICS, REMOTE_METRICS, CounterDeltas, LMCacheNPUStats
@@ -111,6 +112,7 @@ class WorkerHalf:
         self._in_flight: set[int] = set()  # commands submitted and not yet polled (a retired mapping waits for its)
         self._geometry_known = False  # the scheduler said it has every rank's plan: no more sending it
         self._steps: list[int] = []  # step numbers run since the last worker metadata (the scheduler times them)
+        self.hooks = HookMap()  # the layers this runtime announces through wait_for_layer_load, learned per forward
 
     # ---- start-up ---------------------------------------------------------------------------------------------
 
@@ -292,6 +294,7 @@ class WorkerHalf:
 
     def wait_for_save(self) -> None:
         """Queues every store of the step as one transfer behind the forward; returns at once."""
+        self.hooks.end_forward()
         if self._stores and self.executor is not None:
             self._submit(self._stores)
         self._stores = []
