@@ -12,6 +12,7 @@ NIXL's variant of the same scenario runs where `nixl` imports (test_pd_nixl_over
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 from contextlib import ExitStack
@@ -23,7 +24,7 @@ import pytest
 from lmcache_npu.integration.vllm.adapter import HANDOFF_PARAMS_KEY
 from lmcache_npu.tools.replay.models import model_vocab
 from lmcache_npu.tools.servebench.metrics import parse_counters
-from lmcache_npu.tools.servebench.server import CONNECTOR, ServerSettings, http_get, vllm_server
+from lmcache_npu.tools.servebench.server import CONNECTOR, ServerSettings, free_port, http_get, vllm_server
 
 from .node_cache_scenario import ROOT, NodeCacheProcess, wait_until
 from .pd_proxy import PDProxy, post_json
@@ -41,11 +42,12 @@ def _kv(socket_path: str, engine: str) -> str:
 
 
 def _server(stack: ExitStack, model: str, logs: Path, name: str, core: str, kv: Optional[str],
-            pythonpath: str = str(ROOT)) -> str:
+            pythonpath: str = str(ROOT), **env_extra: str) -> str:
     """A server on one core (vLLM's CPU threads bound there), vLLM's prefix cache off."""
     settings = ServerSettings(model, max_model_len=1024, kv_cache_memory_bytes=64 << 20, max_num_seqs=4,
                               prefix_caching=False)
-    env = {**settings.env(), "PYTHONHASHSEED": SEED, "VLLM_CPU_OMP_THREADS_BIND": core, "PYTHONPATH": pythonpath}
+    env = {**settings.env(), "PYTHONHASHSEED": SEED, "VLLM_CPU_OMP_THREADS_BIND": core, "PYTHONPATH": pythonpath,
+           **env_extra}
     return stack.enter_context(vllm_server(model, settings.args(kv), logs / f"{name}.log", env))
 
 
@@ -148,3 +150,65 @@ def _scenario(model: str, node: NodeCacheProcess, prefill: str, decode: str, lat
         "decode_ttft_s": round(_delta(d_after, d_before, "vllm:time_to_first_token" + seconds), 4),
         "later_turn_hit_tokens": 2 * CHUNK,
     }
+
+
+# ---- the same scenario with NIXL over UCX tcp -------------------------------------------------------------------------
+
+NIXL_SITE = "LMCACHE_NPU_TEST_NIXL_SITE"  # a `pip install --target` directory holding nixl, where the venv has none
+NIXL_ASK = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None, "remote_block_ids": None,
+            "remote_host": None, "remote_port": None}  # what vLLM's toy proxy sends the prefill server
+
+
+def _nixl_site() -> Optional[str]:
+    """Where nixl imports from: "" this venv, a directory NIXL_SITE names, None nowhere."""
+    if importlib.util.find_spec("nixl") is not None:
+        return ""
+    site = os.environ.get(NIXL_SITE, "")
+    return site if site and os.path.isdir(os.path.join(site, "nixl")) else None
+
+
+@pytest.mark.one_era(0, 32)
+def test_pd_nixl_over_ucx_tcp_decodes_one_engines_tokens(model_dirs, tmp_path: Path) -> None:
+    """NixlConnector alone on both servers (kv_buffer_device cpu, UCX over tcp on loopback): the figures to compare
+    with the node cache's. NIXL's CPU wheel segfaults at interpreter exit, so the servers' exit codes are not read."""
+    site = _nixl_site()
+    if site is None:
+        pytest.skip(f"nixl is not importable in this venv: PyPI's nixl-cu12 1.5.1 runs NIXL's UCX backend on a CPU "
+                    f"host (`pip download --no-deps nixl==1.5.1 nixl-cu12==1.5.1`, `pip install --no-deps --target "
+                    f"DIR` those wheels, then set {NIXL_SITE}=DIR)")
+    model = model_dirs("llama")
+    vocab = model_vocab(model, 4000)
+    prompt = [(7 * i + 3) % vocab for i in range(PROMPT_TOKENS)]
+    kv = json.dumps({"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"})
+    nixl_env = {"UCX_TLS": "tcp,self", "UCX_NET_DEVICES": "lo", "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1"}
+    path = os.pathsep.join(p for p in (site, str(ROOT)) if p)
+    with ExitStack() as stack:
+        prefill = _server(stack, model, tmp_path, "nixl-prefill", "0", kv, path,
+                          VLLM_NIXL_SIDE_CHANNEL_PORT=str(free_port()), **nixl_env)
+        decode = _server(stack, model, tmp_path, "nixl-decode", "1", kv, path,
+                         VLLM_NIXL_SIDE_CHANNEL_PORT=str(free_port()), **nixl_env)
+        d_before, p_before = _counters(decode), _counters(prefill)
+        proxy = PDProxy(prefill, decode, NIXL_ASK)
+        with proxy as proxy_url:
+            pd_tokens = _complete(proxy_url, model, prompt)
+        d_after = _moved(decode, d_before, "vllm:external_prefix_cache_hits")
+        p_after = _counters(prefill)
+        alone = _complete(prefill, model, prompt, cache_salt="one engine alone")
+        # control of the comparison: the prompt with its last token changed decodes other tokens
+        changed = _complete(prefill, model, prompt[:-1] + [(prompt[-1] + 1) % vocab], cache_salt="one engine alone")
+    leg = proxy.legs[0]
+    assert leg.handoff is not None and leg.handoff.get("remote_block_ids"), leg.handoff
+    assert _delta(d_after, d_before, "vllm:external_prefix_cache_hits") >= PROMPT_TOKENS // CHUNK * CHUNK
+    assert pd_tokens == alone, (pd_tokens, alone)
+    assert changed != alone, "the comparison saw no change"
+    seconds = "_seconds_sum"
+    figures = {
+        "nixl_bytes": _delta(d_after, d_before, "vllm:nixl_bytes_transferred_sum"),
+        "prefill_leg_s": round(leg.prefill_s, 4), "decode_leg_s": round(leg.decode_s, 4),
+        "prefill_ttft_s": round(_delta(p_after, p_before, "vllm:time_to_first_token" + seconds), 4),
+        "decode_handoff_s": round(_delta(d_after, d_before, "vllm:request_queue_time" + seconds), 4),
+        "decode_first_step_s": round(_delta(d_after, d_before, "vllm:request_prefill_time" + seconds), 4),
+        "decode_ttft_s": round(_delta(d_after, d_before, "vllm:time_to_first_token" + seconds), 4),
+    }
+    (tmp_path / "nixl_figures.json").write_text(json.dumps(figures, indent=1))
+    print(json.dumps(figures))
