@@ -10,7 +10,8 @@ request uses them:
 - `take_commands()` / `on_completions(answers)` / `is_pending(cmd_id)`: the commands for the workers, and every
   rank's answers; a command's effect is visible only once every rank answered.
 The rest has defaults that fit a manager in process, so a caller never asks which manager it has: a manager shared
-by engines (the node cache) overrides its epoch, lease, refused commands, payload sharing, `sync` and `close`.
+by engines (the node cache) overrides its epoch, lease, refused commands, payload sharing, a P/D hand-off's writer
+(`lookup_awaiting`, `handoff_writer`), `sync` and `close`.
 Observation (`occupancy`, `location`, `chunks`, ...) is `ChunkManagerView`'s; restart adoption is the factories'.
 """
 
