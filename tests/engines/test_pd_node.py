@@ -154,7 +154,7 @@ def _scenario(model: str, node: NodeCacheProcess, prefill: str, decode: str, lat
 
 # ---- the same scenario with NIXL over UCX tcp -------------------------------------------------------------------------
 
-NIXL_SITE = "LMCACHE_NPU_TEST_NIXL_SITE"  # a `pip install --target` directory holding nixl, where the venv has none
+NIXL_SITE = "NIXL_TEST_SITE"  # a `pip install --target` directory holding nixl (not LMCACHE_NPU_*: config keys)
 NIXL_ASK = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None, "remote_block_ids": None,
             "remote_host": None, "remote_port": None}  # what vLLM's toy proxy sends the prefill server
 
