@@ -40,6 +40,7 @@ class Metric(StrEnum):
     COST_PREDICTED_SAVED_SECONDS = "cost_predicted_saved_seconds"
     COST_PREDICTED_STEP_SECONDS = "cost_predicted_step_seconds"
     COST_PREDICTED_WAIT_SECONDS = "cost_predicted_wait_seconds"
+    COST_PROBE_LOOKUPS = "cost_probe_lookups"
     COUNTER_REGRESSIONS = "counter_regressions"
     DELAYED_FREES = "delayed_frees"
     DELETED = "deleted"

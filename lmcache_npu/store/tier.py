@@ -50,6 +50,9 @@ class TierResult:
     ok: bool
     kind: Optional[Failure] = None  # None exactly when ok
     detail: str = ""  # what the kind alone does not say, e.g. which check failed
+    # the move's own seconds where its mover measured them (a device window, shared by the commands of one batch);
+    # None: only the answer's arrival times it
+    seconds: Optional[float] = None
 
     def __post_init__(self) -> None:
         if self.ok != (self.kind is None) or (self.kind is not None and not isinstance(self.kind, Failure)):

@@ -22,7 +22,7 @@ from ..layout.slots import chunk_slots, row_tokens
 from ..ops import SKIP_SLOT, ChunkBatch, Direction, TransferBackend
 from ..store.commands import Load, Store
 from ..store.routes.context import Report
-from ..store.tier import OK, Failure, TierCounters, TierResult
+from ..store.tier import Failure, TierCounters, TierResult
 from .plans import LoadPlan, StorePlan
 from .streams import StreamKit
 from ..store.metrics import Metric
@@ -198,8 +198,9 @@ class KVMover:
                                   (Metric.STORED_CHUNKS, Metric.STORED_BYTES, Metric.STORE_SECONDS))
         self.counters.add(chunks, len(commands))
         self.counters.add(moved, stats.payload_bytes)
-        self.counters.add(seconds, stats.device_seconds or stats.seconds)
-        self._report_all(job, commands, OK)
+        moved_s = stats.device_seconds or stats.seconds
+        self.counters.add(seconds, moved_s)
+        self._report_all(job, commands, TierResult(True, seconds=moved_s))  # the cost model learns the move alone
 
     def _report_all(self, job: _Job, commands: Sequence[Union[Store, Load]], result: TierResult) -> None:
         for command in commands:

@@ -8,8 +8,8 @@ import threading
 import pytest
 
 from lmcache_npu.tools.bench.studies.tier_sweep import (ARENA_ONLY, COST_MODEL, LOAD_ALL, RECOMPUTE, RECOMPUTE_AGAIN,
-                                                        ReadThrottle,
-                                                        crossover, oracle, point, summarize)
+                                                        WAVE_BOUND, ReadThrottle, crossover, oracle, point, summarize,
+                                                        wave_bound)
 
 
 class FakeClock:
@@ -101,3 +101,22 @@ def test_the_noise_floor_is_the_oracle_of_two_runs_of_one_policy():
     runs = {(RECOMPUTE, 0.0): first, (RECOMPUTE_AGAIN, 0.0): again, (LOAD_ALL, 1.0): first, (COST_MODEL, 1.0): first}
     assert summarize(runs).noise_floor == pytest.approx(1.5 / 1.0 - 1)
     assert summarize({k: v for k, v in runs.items() if k[0] != RECOMPUTE_AGAIN}).noise_floor is None
+
+
+def test_the_wave_bound_serves_each_turn_with_the_fixed_policy_that_served_it_fastest():
+    """Turn 1: load-all's mean (0.6) beats recompute's (1.0) though recompute is faster for request 0; turn 2:
+    recompute's. The bound keeps whole waves, so it is above the per-request oracle; a cost model equal to it has
+    no wave regret, and one that always loads (the control) has the wave regret the check notices."""
+    recompute = {(0, 0): 9.0, (1, 0): 0.5, (1, 1): 1.5, (2, 0): 1.0, (2, 1): 1.0}
+    load_all = {(0, 0): 9.0, (1, 0): 0.7, (1, 1): 0.5, (2, 0): 2.0, (2, 1): 2.0}
+    bound = wave_bound([recompute, load_all])
+    assert bound == {(0, 0): 9.0, (1, 0): 0.7, (1, 1): 0.5, (2, 0): 1.0, (2, 1): 1.0}
+    assert point("x", 1.0, bound).mean_s > point("x", 1.0, oracle(recompute, load_all)).mean_s
+    runs = {(RECOMPUTE, 0.0): recompute, (LOAD_ALL, 1.0): load_all, (COST_MODEL, 1.0): bound}
+    summary = summarize(runs)
+    assert summary.wave_regret[1.0] == pytest.approx(0.0)
+    assert any(p.policy == WAVE_BOUND for p in summary.points)
+    always = summarize({**runs, (COST_MODEL, 1.0): load_all})
+    assert always.wave_regret[1.0] == pytest.approx(1.3 / 0.8 - 1) and always.wave_regret[1.0] > 0.05
+    with pytest.raises(ValueError, match="same requests"):
+        wave_bound([recompute, {(0, 0): 1.0}])

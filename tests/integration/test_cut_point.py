@@ -138,6 +138,56 @@ def test_a_slow_tier_is_computed_instead(make_engine, tmp_path, policy):
 
 
 @pytest.mark.parametrize("policy", ["cost-model", "load-all"])
+def test_a_promotion_the_cut_declines_is_never_issued(make_engine, tmp_path, policy):
+    """The cut decides before the lookup reserves or promotes anything: a declined disk chunk is never read (it would
+    take the disk from the claims that need it and evict arena chunks for bytes nobody loads). Load-all, the
+    control, promotes and loads every one."""
+    engine, text = _disk_engine(make_engine, tmp_path, policy)
+    _slow_disk(engine, 5.0)
+    before = engine.stats.data.get("promotions_disk", 0)
+    engine.add(text + [1], max_tokens=2, request_id="again")
+    engine.run()
+    promoted = engine.stats.data.get("promotions_disk", 0) - before
+    assert promoted == 0 if policy == "cost-model" else promoted >= 2
+    _assert_disk_outcome(engine, policy, "cost_declined_tokens_slower")
+
+
+def test_a_declined_tier_is_measured_again_by_a_probe_that_no_request_waits_for(make_engine, tmp_path, monkeypatch):
+    """Every PROBE_EVERY-th decision that declines a slow tier promotes its chunks anyway: the disk's speed is timed
+    again (a disk that got faster would be seen), while the request still computes them and never waits."""
+    monkeypatch.setattr(cut_point, "PROBE_EVERY", 1)
+    engine, text = _disk_engine(make_engine, tmp_path, "cost-model")
+    _slow_disk(engine, 5.0)
+    disk = engine.connector.scheduler_half.cut.model.tiers[Path.DISK]
+    observations, before = disk.fit.observations, engine.stats.data.get("promotions_disk", 0)
+    engine.add(text + [1], max_tokens=2, request_id="again")
+    engine.run()
+    data = engine.stats.data
+    assert data["cost_probe_lookups"] == 1 and data.get("promotions_disk", 0) - before >= 2
+    assert disk.fit.observations > observations  # the workers timed the probe's reads
+    _assert_disk_outcome(engine, "cost-model", "cost_declined_tokens_slower")  # claimed nothing, computed all
+
+
+@pytest.mark.parametrize("ahead", [True, False])
+def test_a_slow_promotion_hides_behind_the_prefills_ahead_of_its_request(make_engine, tmp_path, ahead):
+    """The disk promotes a chunk in 0.5 s, the engine computes one in 0.26 s: alone (the control) the request
+    computes its three disk chunks; behind a 3000-token prefill that runs first (about 2 s), the promotions land
+    while it runs, so the cut claims them and the request loads them."""
+    engine, text = _disk_engine(make_engine, tmp_path, "cost-model")
+    _slow_disk(engine, 0.5)
+    if ahead:
+        engine.add(prompt(3000, seed=76), max_tokens=2, request_id="long")
+    engine.add(text + [1], max_tokens=2, request_id="again")
+    engine.run()
+    if ahead:
+        assert engine.loaded_tokens["again"] >= 2 * CHUNK
+        assert engine.stats.data["cost_claimed_tokens_faster"] >= 2 * CHUNK
+    else:
+        _assert_disk_outcome(engine, "cost-model", "cost_declined_tokens_slower")
+    assert_quiescent(engine)
+
+
+@pytest.mark.parametrize("policy", ["cost-model", "load-all"])
 def test_a_promotion_later_than_the_deadline_is_computed_instead(make_engine, tmp_path, monkeypatch, policy):
     """The disk is fast as far as the model knows, so the request waits for its promotions; they hang, the clock
     passes the deadline, and the request computes instead (load-all, the negative control, keeps waiting and loads
@@ -219,3 +269,26 @@ def test_arena_chunks_another_request_is_still_writing_are_waited_for_a_step_not
     assert cut.decide("r", cut_point.hit_shape(0, 4 * 256 + 10, 0, 256, writing), writing).hit_chunks == 4
     clock[0] += 10.0  # control: a writer that never finishes is given up once the deadline passed
     assert cut.decide("r", cut_point.hit_shape(0, 4 * 256 + 10, 0, 256, writing), writing).hit_chunks == 0
+
+
+def test_the_prefills_ahead_are_the_running_ones_and_the_waiting_ones_that_came_first():
+    """First come, first served: a request's wait hides behind the running requests' prompts and those of waiting
+    requests that arrived before it, never behind later arrivals (the control: `late`), and a load's claimed
+    tokens are not compute."""
+    from types import SimpleNamespace
+
+    from vllm.v1.request import RequestStatus
+
+    def request(arrival: float, status: RequestStatus, computed: int, prompt: int) -> SimpleNamespace:
+        return SimpleNamespace(arrival_time=arrival, status=status, num_computed_tokens=computed,
+                               num_prompt_tokens=prompt)
+
+    unfinished = {
+        "me": (request(5.0, RequestStatus.WAITING, 0, 900), 0),
+        "running later": (request(7.0, RequestStatus.RUNNING, 100, 600), 0),
+        "early": (request(1.0, RequestStatus.WAITING_FOR_REMOTE_KVS, 0, 800), 512),  # loads 512, computes the rest
+        "late": (request(9.0, RequestStatus.WAITING, 0, 5000), 0),
+    }
+    spans = cut_point.prefills_ahead("me", unfinished)
+    assert sorted(spans) == [(100, 600), (512, 800)]
+    assert cut_point.prefills_ahead("unknown", unfinished) == [(0, 900), (100, 600), (512, 800), (0, 5000)]

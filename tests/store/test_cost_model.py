@@ -193,6 +193,26 @@ def test_the_timer_times_each_path_of_a_submit_as_one_batch_behind_what_is_in_fl
     assert timer.take() == []
 
 
+def test_a_batch_the_mover_timed_is_sampled_as_the_move_alone_and_an_untimed_answer_falls_back_to_the_wall():
+    """On a GPU the loads queue behind the model's work on the device (the step the cut counts already): the mover's
+    device window is the sample, behind nothing. One answer without it (the control) times the batch from submit."""
+    clock = Clock()
+    timer = TransferTimer(object_bytes=100, clock=clock)
+    timer.started([Load(1, key(1), 1, request_id="r", chunk_index=0)])
+    timer.started([Load(i, key(i), i, request_id="r", chunk_index=i) for i in (2, 3)])  # behind load 1's bytes
+    clock.now = 1.5
+    timer.finished(1, True, 0.25)
+    timer.finished(2, True, 0.4)
+    timer.finished(3, True, 0.4)
+    assert timer.take() == [TransferSample(Path.LOAD, 1, 100, 0, 0.25, True),
+                            TransferSample(Path.LOAD, 2, 200, 0, 0.4, True)]
+    timer.started([Load(i, key(i), i, request_id="r", chunk_index=i) for i in (4, 5)])
+    clock.now = 2.0
+    timer.finished(4, True, 0.1)
+    timer.finished(5, True)  # answered without the mover's measure
+    assert timer.take() == [TransferSample(Path.LOAD, 2, 200, 0, 0.5, True)]
+
+
 def test_commands_abandoned_past_their_deadline_leave_the_queue_and_their_batch_is_never_timed():
     clock = Clock()
     timer = TransferTimer(object_bytes=100, clock=clock)
@@ -248,7 +268,7 @@ class FlippedBandwidth(World):
 def oracle_ttft(hit: HitShape, world: World, j: int) -> float:
     """T(j) written out plainly, one chunk at a time (cut.py's docstring), to check the vectorised arithmetic."""
     if j == 0:
-        return float(world.prefill_s(np.array([hit.computed]), hit.tokens)[0])
+        return hit.ahead_s + float(world.prefill_s(np.array([hit.computed]), hit.tokens)[0])
     moving = {Tier.DISK: 0, Tier.REMOTE: 0}
     for c in range(hit.ready, j):
         if hit.sources[c] in moving:
@@ -257,7 +277,8 @@ def oracle_ttft(hit: HitShape, world: World, j: int) -> float:
                     or [0.0])
     load = world.transfer_s(Path.LOAD, j * world.object_bytes)
     start = (hit.first_chunk + j) * hit.chunk_tokens
-    return promotion + max(load, world.floor) + float(world.prefill_s(np.array([start]), hit.tokens)[0])
+    wait = promotion + max(load, world.floor)
+    return max(hit.ahead_s, wait) + float(world.prefill_s(np.array([start]), hit.tokens)[0])
 
 
 def _regret(hit: HitShape, decided_by, truth: World) -> float:
@@ -267,11 +288,13 @@ def _regret(hit: HitShape, decided_by, truth: World) -> float:
 
 
 hits = st.builds(
-    lambda sources, ready, first, extra, chunk: HitShape(first * chunk + (chunk // 2 if first else 0),
-                                                        (first + len(sources)) * chunk + extra, first, chunk,
-                                                        tuple(sources), min(ready, len(sources))),
+    lambda sources, ready, first, extra, chunk, ahead: HitShape(first * chunk + (chunk // 2 if first else 0),
+                                                               (first + len(sources)) * chunk + extra, first, chunk,
+                                                               tuple(sources), min(ready, len(sources)),
+                                                               ahead_s=ahead),
     st.lists(st.sampled_from([Tier.ARENA, Tier.DISK, Tier.REMOTE]), min_size=1, max_size=40), st.integers(0, 40),
-    st.integers(0, 8), st.integers(1, 2000), st.sampled_from([16, 128, 256]))
+    st.integers(0, 8), st.integers(1, 2000), st.sampled_from([16, 128, 256]),
+    st.sampled_from([0.0, 0.0, 0.05, 2.0]))
 worlds = st.builds(
     # a step's floor is at least what every step pays (a)
     lambda a, b, c, load, disk, remote, floor: World((a, b, c), {Path.LOAD: Speed(1e-3, load * 1e9),
@@ -288,7 +311,8 @@ def test_the_cut_is_the_prefix_of_least_time_to_the_first_token(hit, world):
     plain = [oracle_ttft(hit, world, j) for j in range(len(hit.sources) + 1)]
     assert cut.ttft_s == pytest.approx(plain[cut.chunks], rel=1e-9, abs=1e-12)
     assert cut.ttft_s <= min(plain) * (1 + 1e-9) + 1e-12
-    assert cut.recompute_s == pytest.approx(plain[0])
+    assert cut.recompute_s + hit.ahead_s == pytest.approx(plain[0])
+    assert cut.saved_s == pytest.approx(plain[0] - plain[cut.chunks], abs=1e-9)
     longer = [j for j in range(cut.chunks + 1, len(plain)) if plain[j] <= cut.ttft_s * (1 - 1e-9) - 1e-12]
     assert not longer  # ties go to the longer claim only when equal; nothing longer is better
 
@@ -314,6 +338,33 @@ def test_compute_that_lengthens_the_batchs_steps_counts_for_every_request_in_it(
     assert best_cut(hit, busy).chunks == 20
     cut = best_cut(hit, busy)
     assert cut.ttft_s > cut.recompute_s  # its own first token comes later: the batch's come sooner
+
+
+def test_a_promotion_the_work_ahead_hides_is_claimed():
+    """Twelve disk chunks at 50 MB/s take 4 s to promote, computing their tokens 0.15 s: with nothing queued ahead
+    (the control) the arena's end is the cut; with 10 s of other requests' prefills ahead of it, the promotion
+    lands while they compute, and the request claims everything (its first token then comes at the same time, and
+    its tokens are no longer computed for the batch)."""
+    hit = HitShape(0, 20 * 256 + 10, 0, 256, (Tier.ARENA,) * 8 + (Tier.DISK,) * 12, 8)
+    slow = World(speeds={Path.LOAD: Speed(1e-3, 20e9), Path.DISK: Speed(2e-3, 0.05e9), Path.REMOTE: Speed(5e-3, 1e9)})
+    assert best_cut(hit, slow).chunks == 8
+    queued = dataclasses.replace(hit, ahead_s=10.0)
+    cut = best_cut(queued, slow)
+    assert cut.chunks == 20 and cut.ahead_s == 10.0
+    assert cut.ttft_s == pytest.approx(10.0 + cut.compute_s) and cut.saved_s > 0
+    short = dataclasses.replace(hit, ahead_s=1.0)  # 1 s hides two disk chunks (0.34 s each), not twelve
+    assert best_cut(short, slow).chunks == 10
+
+
+def test_a_backlog_pays_the_steps_fixed_cost_once_per_budget_not_per_request():
+    model = ComputeModel(budget=1024)
+    model.fit = LinearFit(seed=(0.01, 1e-4, 1e-8), scales=(1.0, 1024.0, 1024.0 * 1024.0), prior_weight=1.0,
+                          half_life=100.0)
+    one = float(model.prefill_s(np.array([0]), 512)[0])
+    assert model.backlog_s([(0, 512)]) == pytest.approx(one)
+    four = model.backlog_s([(0, 512)] * 4)  # 2048 tokens: two steps' fixed cost, not four
+    assert four == pytest.approx(4 * one - 2 * 0.01)
+    assert model.backlog_s([(300, 300), (10, 5)]) == 0.0  # finished or empty spans cost nothing
 
 
 def test_a_cut_never_ends_on_a_chunk_without_its_end_state():

@@ -510,3 +510,28 @@ def test_a_command_naming_a_slot_outside_the_arena_fails_alone():
     done = {c.cmd_id: c for c in executor.drain(10)}
     assert "arena slot 7 out of range (the arena has 2" in done[1].reason and done[2].ok
     cluster.close()
+
+
+def test_locate_answers_what_a_lookup_would_without_reserving_or_promoting_anything():
+    """The cut decides on `locate` before the lookup moves anything: the same hit, ready part and tier per chunk
+    (arena, disk and remote mixed), one remote existence batch shared with the lookup that follows, no command and
+    no reservation. The lookup after it (the control) promotes the same chunks."""
+    shared: dict[str, bytes] = {}
+    keys = [make_key(i) for i in range(5)]
+    Cluster(num_slots=8, object_bytes=OBJECT_BYTES, remote=MemoryRemote(shared)).store("a", keys[:4])
+    asked: list[int] = []
+    remote = MemoryRemote(shared)
+    local = Cluster(num_slots=8, object_bytes=OBJECT_BYTES, remote=remote)
+    exists = local.index._remote._exists
+    local.index._remote._exists = lambda ks: (asked.append(len(ks)), exists(ks))[1]
+    local.store("b", [keys[0], keys[2]])  # arena: 0 and 2; remote only: 1 and 3; nowhere: 4
+    located = local.index.locate(keys)
+    assert (located.hit_chunks, located.ready_chunks) == (4, 1)
+    assert located.sources == (Tier.ARENA, Tier.REMOTE, Tier.ARENA, Tier.REMOTE)
+    assert not local.index.queued_commands() and not any(v.reservations for v in local.index.chunks())
+    result = local.index.lookup("c", keys)
+    assert (result.hit_chunks, result.ready_chunks, result.sources) == (4, 1, located.sources)
+    assert [p.key for p in local.index.queued_commands() if isinstance(p, Promote)] == [keys[1], keys[3]]
+    assert asked == [4]  # the lookup took the locate's remote answers
+    local.index.release("c")
+    local.close()

@@ -49,6 +49,22 @@ def test_a_tier_slower_than_computing_is_declined_and_a_faster_one_admitted():
     assert not admission.pays(Tier.DISK, 0, reuses=50)  # no reuse makes a negative saving pay
 
 
+def test_one_declined_write_in_probe_every_is_admitted_so_the_tier_stays_measurable():
+    """A tier that turned slow still gets one write in PROBE_EVERY, per tier: it keeps chunks whose reads (the cut's
+    probes) measure it again. The faster tier's admissions do not count towards the slow one's probes."""
+    from lmcache_npu.store.cost.admission import PROBE_EVERY
+
+    model = fitted_model(per_token=1e-4, per_context=1e-9)
+    admission = SlowTierAdmission(model, CHUNK_TOKENS)
+    teach(model, Path.DISK, 0.1e9)
+    teach(model, Path.REMOTE, 2e9)
+    answers = []
+    for _ in range(2 * PROBE_EVERY):
+        answers.append(admission.pays(Tier.DISK, 0, reuses=0))
+        assert admission.pays(Tier.REMOTE, 0, reuses=0)
+    assert [i for i, admitted in enumerate(answers) if admitted] == [PROBE_EVERY - 1, 2 * PROBE_EVERY - 1]
+
+
 def test_until_fitted_and_while_the_read_path_is_only_seeded_every_chunk_is_admitted():
     unfitted = CostModel(budget=8192, object_bytes=OBJECT_BYTES)
     teach(unfitted, Path.DISK, 0.01e9)

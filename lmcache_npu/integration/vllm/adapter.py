@@ -304,6 +304,12 @@ def block_ids_of(blocks: Any) -> tuple[list[int], ...]:
     return tuple(list(ids) for ids in blocks.get_block_ids())
 
 
+def running(request: Any) -> bool:
+    from vllm.v1.request import RequestStatus
+
+    return request.status == RequestStatus.RUNNING
+
+
 def waiting_for_remote_kv(request: Any) -> bool:
     from vllm.v1.request import RequestStatus
 

@@ -1,7 +1,11 @@
 """The scheduler half's time-aware claim (issue 40): the cost model learns from every step and every transfer, and
 each lookup's hit is cut where loading stops paying (`store/cost/cut.py` has the arithmetic).
 
-Per request: the first lookup decides the cut from the model. A cut that needs promotions (disk or Mooncake chunks
+Per request: the first lookup decides the cut from the model, before anything is reserved or promoted where the
+manager can say where a hit lies (`claim`): a promotion the cut declines would take the tier's bandwidth from the
+claims that need it and evict arena chunks for bytes nobody loads. So that a declined tier is still measured (a disk
+that got faster), every `PROBE_EVERY`-th decision that declines a promotion path promotes its chunks anyway, into the
+arena for later requests, without the request waiting for them. A cut that needs promotions (disk or Mooncake chunks
 moving into the arena) waits for them, "ask again" as before, until a deadline the model sets: the predicted
 promotion time stretched by twice its observed relative error, plus the one step the scheduler needs to see an
 answer. Past the deadline the request re-decides with only the chunks already in the arena and computes the rest;
@@ -20,11 +24,13 @@ import logging
 import time
 
 import numpy as np
-from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from collections import Counter
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Mapping, Optional
 
 from ...store.commands import Command, Tier
 from ...store.cost import CostModel, Cut, HitShape, Path, StepShape, best_cut, claim_all
+from ...store.cost.admission import PROBE_EVERY  # of the decisions that decline a tier, one probes it
 from ...store.index.contract import LookupResult
 from ...store.metrics import Metric
 from ...store.tier import TierCounters
@@ -63,17 +69,21 @@ class _Decision:
     declined_late: int = 0  # chunks given up at the deadline
     waited: Optional[float] = None  # seconds it waited for promotions, once they landed
     promoted: tuple[tuple[Path, int], ...] = ()  # chunks the claim waits for, per promotion path
+    probing: bool = False  # its lookup promotes the declined chunks too (the paths' speeds are measured again)
 
 
 class CutPoint:
     """`policy`: "cost-model" or "load-all" (`load_policy`); `budget`: vLLM's tokens per step."""
 
     def __init__(self, policy: str, budget: int, counters: TierCounters,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 ahead: Callable[[str], float] = lambda request_id: 0.0) -> None:
         self.policy = policy
         self.model = CostModel(budget)
         self.counters = counters
         self.clock = clock
+        self.ahead = ahead  # request id -> predicted seconds of compute vLLM schedules before it (the scheduler's)
+        self._declines: Counter[Path] = Counter()  # decisions that declined each promotion path since its last probe
         self._decisions: dict[str, _Decision] = {}
         self._gauges: dict[str, float] = {}  # as last reported
         self._reports = 0  # gauges() calls
@@ -120,16 +130,38 @@ class CutPoint:
 
     # ---- decisions ------------------------------------------------------------------------------------------
 
+    def claim(self, request_id: str, hit: HitShape) -> int:
+        """Of a hit located before the lookup (nothing reserved or promoted yet), how many chunks to look up: the
+        cut, or the whole hit when a declined promotion path is due a probe (the claim stays the cut)."""
+        now = self.clock()
+        decision = self._decisions.get(request_id)
+        if decision is None or decision.first_chunk != hit.first_chunk:
+            decision = self._decisions[request_id] = self._first(hit, now, request_id)
+            declined = {Path.promotion(s) for s in hit.sources[max(decision.cut.chunks, hit.ready):]} - {None}
+            for path in declined:
+                self._declines[path] += 1
+            due = [path for path in declined if self._declines[path] >= PROBE_EVERY]
+            if due:
+                for path in due:
+                    self._declines[path] = 0
+                decision.probing = True
+                self.counters.add(Metric.COST_PROBE_LOOKUPS)
+                logger.debug("lmcache_npu cut: request %s promotes its declined chunks to measure %s again",
+                             request_id, ", ".join(str(p) for p in due))
+        return len(hit.sources) if decision.probing else decision.cut.chunks
+
     def decide(self, request_id: str, hit: HitShape, result: LookupResult) -> LookupResult:
         """The lookup's answer cut where loading stops paying: a `LookupResult` of the claimed chunks (pending while
         their promotions are awaited)."""
-        if result.hit_chunks == 0:  # a miss: nothing to cut
-            self._decisions.pop(request_id, None)
+        if result.hit_chunks == 0:  # a miss (or a cut that claims nothing: kept, and counted at admission)
+            kept = self._decisions.get(request_id)
+            if kept is None or kept.cut.chunks or kept.first_chunk != hit.first_chunk:
+                self._decisions.pop(request_id, None)
             return result
         now = self.clock()
         decision = self._decisions.get(request_id)
         if decision is None or decision.first_chunk != hit.first_chunk:  # new, or vLLM's own cache moved it on
-            decision = self._decisions[request_id] = self._first(hit, now)
+            decision = self._decisions[request_id] = self._first(hit, now, request_id)
         elif decision.deadline is not None and hit.ready < min(decision.cut.chunks, result.hit_chunks):
             if now > decision.deadline:
                 self._late(request_id, decision, hit, now)
@@ -138,11 +170,12 @@ class CutPoint:
             decision.waited = now - decision.since
         return LookupResult(chunks, min(result.ready_chunks, chunks), result.sources[:chunks])
 
-    def _first(self, hit: HitShape, now: float) -> _Decision:
+    def _first(self, hit: HitShape, now: float, request_id: str = "") -> _Decision:
         if self.policy == "load-all" or not self.model.fitted:
             reason = "load-all" if self.policy == "load-all" else "unfitted"
             cut = claim_all(hit, self.model)
         else:
+            hit = replace(hit, ahead_s=self.ahead(request_id))
             reason, cut = "faster", best_cut(hit, self.model)
         decision = _Decision(hit.first_chunk, cut, reason, len(hit.sources), now)
         if cut.chunks > hit.ready:  # promotions to wait for (as long as they take, where the model is not in charge)
@@ -150,10 +183,10 @@ class CutPoint:
             waits = [Path.promotion(s) for s in hit.sources[hit.ready:cut.chunks]]
             decision.promoted = tuple((p, waits.count(p)) for p in (Path.DISK, Path.REMOTE) if p in waits)
         logger.debug("lmcache_npu cut: %d of %d hit chunks from chunk %d (%s; %d ready, tiers %s); predicted wait "
-                     "%.4f s (promotions %.4f s) + compute %.4f s against %.4f s computing all; step floor %.4f s",
-                     cut.chunks, len(hit.sources), hit.first_chunk, reason, hit.ready,
+                     "%.4f s (promotions %.4f s) + compute %.4f s against %.4f s computing all, %.4f s of compute "
+                     "ahead; step floor %.4f s", cut.chunks, len(hit.sources), hit.first_chunk, reason, hit.ready,
                      "".join(t.value[0] for t in hit.sources), cut.wait_s, cut.promotion_s, cut.compute_s,
-                     cut.recompute_s, self.model.step_floor_s())
+                     cut.recompute_s, cut.ahead_s, self.model.step_floor_s())
         return decision
 
     def _allowance(self, hit: HitShape, cut: Cut) -> float:
@@ -167,10 +200,10 @@ class CutPoint:
         writing = sum(s is Tier.ARENA for s in waiting)  # ready once their writer's step and store copy are done
         if writing:
             allowance += step + float(self.model.transfer_s(Path.STORE, np.array(writing * self.model.object_bytes)))
-        return allowance
+        return max(allowance, cut.ahead_s)  # while the work ahead runs, waiting longer costs the request nothing
 
     def _late(self, request_id: str, decision: _Decision, hit: HitShape, now: float) -> None:
-        """Past the deadline: the best cut of what the arena holds now."""
+        """Past the deadline: the best cut of what the arena holds now (the work ahead is done or nearly)."""
         cut = best_cut(hit, self.model, limit=hit.ready)
         logger.debug("lmcache_npu cut: request %s waited %.4f s for promotions (deadline %.4f s): %d of %d chunks "
                      "claimed, the rest computed", request_id, now - decision.since, decision.deadline - decision.since,
@@ -190,7 +223,7 @@ class CutPoint:
         slower = (decision.hit_chunks - cut.chunks - decision.declined_late) * chunk_tokens
         self.counters.add(Metric.COST_DECLINED_TOKENS_SLOWER, max(slower, 0))
         if claimed_tokens > 0:  # a counter never goes back: a claim predicted slower (load-all, unfitted) is a loss
-            saved = cut.recompute_s - cut.ttft_s
+            saved = cut.saved_s
             self.counters.add(Metric.COST_PREDICTED_SAVED_SECONDS if saved >= 0 else Metric.COST_PREDICTED_LOST_SECONDS,
                               abs(saved))
         if decision.waited is not None:
@@ -230,3 +263,19 @@ def hit_shape(computed: int, tokens: int, first_chunk: int, chunk_tokens: int, r
                     result.ready_chunks, ends)
 
 
+
+
+def prefills_ahead(request_id: str, unfinished: Mapping[str, tuple[Any, int]]) -> list[tuple[int, int]]:
+    """The prompt spans [start, end) vLLM computes before `request_id`'s: the running requests' (they get the step's
+    token budget first) and the waiting ones' that arrived before it (first come, first served). `unfinished`:
+    request id -> (vLLM's Request, the tokens its admission's claim reaches, which a load brings, not compute)."""
+    mine = unfinished.get(request_id)
+    arrival = getattr(mine[0], "arrival_time", None) if mine is not None else None
+    spans = []
+    for other_id, (other, claimed_to) in unfinished.items():
+        if other_id == request_id:
+            continue
+        if arrival is not None and getattr(other, "arrival_time", arrival) > arrival and not adapter.running(other):
+            continue
+        spans.append((max(other.num_computed_tokens, claimed_to), other.num_prompt_tokens))
+    return spans

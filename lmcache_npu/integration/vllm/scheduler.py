@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 import numpy as np
@@ -30,6 +29,7 @@ from ...store.keys import ChunkKey, check_stable_hashing, chunk_keys
 from ...store.tier import TierCounters
 from . import adapter, lookup
 from .handoff import HandoffDesk, Receiving
+from .request_state import AnsweredLookup, RequestState
 from .events import PAYLOAD_SLACK, ChunkPayload, KVEvents, kv_events_enabled
 from .lora_identity import LoadedAdapters
 from .manager_factory import build_manager
@@ -39,43 +39,12 @@ from .metadata import LMCacheNPUConnectorMetadata, LMCacheNPUWorkerMetadata, Wor
 from .store_planner import StorePlanner, mirror_blocks
 from .stats import INDEX_METRICS, CounterDeltas, LMCacheNPUStats
 from .store_gauges import StoreGauges
-from .cut_point import CutPoint, hit_shape
+from .cut_point import CutPoint, hit_shape, prefills_ahead
 from ...store.metrics import HIT_CHUNKS, Metric
 
 logger = logging.getLogger(__name__)
 # outputs of the workers a lookup waits for their plans through (they come with the first: more means they never will)
 PLAN_WAIT_OUTPUTS = 8
-
-
-@dataclass
-class _Lookup:
-    """The last hit answered for a request, kept until `update_state_after_alloc` turns it into loads."""
-
-    first_chunk: int
-    keys: list[ChunkKey]  # the chosen key of each hit chunk (complete or without end state)
-    num_computed_tokens: int
-    through: bool = False  # the hit may end inside its last chunk (a P/D hand-off's prompt, plain groups only)
-
-
-@dataclass
-class _Request:
-    request: Any  # vLLM's Request: block hashes, token counts, status
-    blocks: list[list[int]] = field(default_factory=list)  # mirror of the block table, per scheduler group
-    next_chunk: int = 0  # chunks before it are stored, held, or passed over
-    stores: set[int] = field(default_factory=set)  # store cmd ids not yet completed by every rank
-    loads: set[int] = field(default_factory=set)
-    lookup: Optional[_Lookup] = None
-    found_in: dict[int, Tier] = field(default_factory=dict)  # chunk -> the tier its first lookup found it in
-    keys: list[ChunkKey] = field(default_factory=list)  # of chunks 0.. whose hashes exist
-    asked: Optional[int] = None  # tokens vLLM had computed when it last asked for a hit (counted at allocation)
-    finished: bool = False
-    no_hits: bool = False  # a load of this request failed: it recomputes, and never loads again
-    adapter_digest: Optional[bytes] = None  # the content of the request's LoRA adapter: re-keys its chunks
-    bypass: bool = False  # a LoRA adapter nothing may name (lora_identity.py): no loads or stores, vLLM computes
-    handoff_ask: bool = False  # a prefill engine's request for a P/D hand-off (handoff.py): its tail stored too
-    tail_planned: bool = False
-    tail_key: Optional[ChunkKey] = None  # that tail, stored (or already held)
-    receiving: Optional[Receiving] = None  # a decode engine's request: the hand-off of its prefill engine
 
 
 class SchedulerHalf:
@@ -103,10 +72,10 @@ class SchedulerHalf:
         self.view: Optional[ChunkManagerView] = None  # the same manager's holdings, for the gauges
         self._remote: Optional[Any] = None  # the Mooncake client for existence checks, closed at shutdown
         self.namespace = ""
-        self.requests: dict[str, _Request] = {}
+        self.requests: dict[str, RequestState] = {}
         self.counters = TierCounters()
         self.index_counters = CounterDeltas()  # the index's own counters, once the handshake built it
-        self._owner: dict[int, _Request] = {}  # in-flight store/load cmd id -> its request
+        self._owner: dict[int, RequestState] = {}  # in-flight store/load cmd id -> its request
         self._loads: list[LoadPlan] = []
         self._delayed_free: list[str] = []
         self.fence = PageFence(WriteGeometry.of(self.groups, self.num_scheduler_groups))
@@ -125,7 +94,8 @@ class SchedulerHalf:
         self._node_epochs: dict[int, str] = {}
         self._node_epoch: Optional[str] = None  # the client's epoch at the last step (KV events' capacity follows it)
         # which prefix of a hit to claim, from a cost model learned from the steps and transfers (cut_point.py)
-        self.cut = CutPoint(config.load_policy, adapter.token_budget(vllm_config), self.counters)
+        self.cut = CutPoint(config.load_policy, adapter.token_budget(vllm_config), self.counters,
+                            ahead=self._compute_ahead)
         self.handoffs = HandoffDesk(self.counters, config.handoff_wait_ms)
 
     # ---- start-up ---------------------------------------------------------------------------------------------
@@ -225,17 +195,17 @@ class SchedulerHalf:
 
     # ---- requests ---------------------------------------------------------------------------------------------
 
-    def _state(self, request: Any) -> _Request:
+    def _state(self, request: Any) -> RequestState:
         state = self.requests.get(request.request_id)
         if state is None or state.finished:
             state = self.requests[request.request_id] = self._new_state(request)
         return state
 
-    def _new_state(self, request: Any) -> _Request:
+    def _new_state(self, request: Any) -> RequestState:
         """A LoRA request's chunks are keyed by the content of its adapter as vLLM loaded it (vLLM's hash knows only
         the adapter's name, lora_identity.py); one whose adapter nothing may name (unreadable files, files changed
         under the loaded weights) bypasses the plugin."""
-        state = _Request(request)
+        state = RequestState(request)
         state.handoff_ask, state.receiving = self.handoffs.read(request)
         lora = adapter.lora_adapter(request)
         if lora is not None:
@@ -262,7 +232,7 @@ class SchedulerHalf:
         return chunk_keys(request.block_hashes, self.hash_block_size, self.chunk_tokens, self.namespace,
                           adapter_digest=digest)
 
-    def _keys(self, state: _Request, first: int, end: int) -> list[ChunkKey]:
+    def _keys(self, state: RequestState, first: int, end: int) -> list[ChunkKey]:
         """Keys of chunks [first, end) that exist yet; kept per request, since a block hash never changes."""
         if len(state.keys) < end:
             state.keys += chunk_keys(state.request.block_hashes, self.hash_block_size, self.chunk_tokens,
@@ -270,17 +240,37 @@ class SchedulerHalf:
                                      adapter_digest=state.adapter_digest)
         return state.keys[first:end]
 
-    def _lookup(self, request_id: str, keys: list[ChunkKey]) -> tuple[LookupResult, list[ChunkKey]]:
-        """The index's answer for the longest hit, and the key chosen per hit chunk (lookup.py's end-state rule)."""
+    def _lookup(self, request: Any, keys: list[ChunkKey], computed: int,
+                first: int) -> tuple[LookupResult, list[ChunkKey]]:
+        """The index's answer for the hit the cut claims, and the key chosen per hit chunk (lookup.py's end-state
+        rule). Where the manager can say where the hit lies, the cut decides first: only what it claims is reserved
+        and promoted."""
         assert self.index is not None
-        if not self.has_end_state:
-            return self.index.lookup(request_id, keys), keys
-        present = self.index.presence(lookup.probes(keys, self.has_end_state))
-        chosen = lookup.through_partial(keys, present)
-        result = self.index.lookup(request_id, chosen)
-        return lookup.ending_complete(result, chosen, keys)
+        chosen = keys
+        if self.has_end_state:
+            chosen = lookup.through_partial(keys, self.index.presence(lookup.probes(keys, self.has_end_state)))
+        located = self.index.locate(chosen)
+        if located is not None and located.hit_chunks:
+            hit_keys = chosen
+            if self.has_end_state:
+                located, hit_keys = lookup.ending_complete(located, chosen, keys)
+            if located.hit_chunks:
+                shape = hit_shape(computed, request.num_tokens, first, self.chunk_tokens, located,
+                                  self._ends(hit_keys, keys))
+                chosen = hit_keys[:self.cut.claim(request.request_id, shape)]
+        result = self.index.lookup(request.request_id, chosen)
+        return lookup.ending_complete(result, chosen, keys) if self.has_end_state else (result, chosen)
 
-    def _before_last_held(self, state: _Request, first: int, limit: int) -> list[ChunkKey]:
+    def _ends(self, chosen: Sequence[ChunkKey], keys: Sequence[ChunkKey]) -> Optional[tuple[bool, ...]]:
+        """Per chosen chunk whether a claim may end after it: with end-state groups, complete chunks only."""
+        return tuple(c == k for c, k in zip(chosen, keys)) if self.has_end_state else None
+
+    def _compute_ahead(self, request_id: str) -> float:
+        """Predicted seconds of the prefills vLLM schedules before this request (cut_point.prefills_ahead)."""
+        unfinished = {rid: (s.request, s.claimed_to) for rid, s in self.requests.items() if not s.finished}
+        return self.cut.model.backlog_s(prefills_ahead(request_id, unfinished))
+
+    def _before_last_held(self, state: RequestState, first: int, limit: int) -> list[ChunkKey]:
         """EAGLE/MTP: the keys of chunks [first, ...) a hit may claim, at most `limit` (lookup.py's one-chunk drop).
         Nothing is reserved or promoted for the proof."""
         assert self.index is not None
@@ -317,13 +307,13 @@ class SchedulerHalf:
         if not keys:
             self.index.release(request.request_id)
             return 0, False
-        result, chosen = self._lookup(request.request_id, keys)
+        result, chosen = self._lookup(request, keys, num_computed_tokens, first)
         state.asked = num_computed_tokens
         for offset, source in enumerate(result.sources):  # a promoted chunk is in the arena by the time it loads
             state.found_in.setdefault(first + offset, source)
             if source is not Tier.ARENA and self.events is not None:  # a promotion: its arrival is announced with these
                 self.events.remember(chosen[offset], request, first + offset)
-        ends = tuple(c == k for c, k in zip(chosen, keys)) if self.has_end_state else None  # complete chunks only
+        ends = self._ends(chosen, keys)
         result = self.cut.decide(request.request_id, hit_shape(num_computed_tokens, request.num_tokens, first, chunk,
                                                                result, ends), result)
         if result.pending:
@@ -333,10 +323,11 @@ class SchedulerHalf:
         if result.ready_chunks == 0 or hit_tokens <= 0:
             self.index.release(request.request_id)
             return 0, False
-        state.lookup = _Lookup(first, chosen[:result.ready_chunks], num_computed_tokens)
+        state.lookup = AnsweredLookup(first, chosen[:result.ready_chunks], num_computed_tokens)
         return hit_tokens, True
 
-    def _receive(self, state: _Request, receiving: Receiving, num_computed_tokens: int) -> tuple[Optional[int], bool]:
+    def _receive(self, state: RequestState, receiving: Receiving,
+                 num_computed_tokens: int) -> tuple[Optional[int], bool]:
         """A decode request's hit from its hand-off (handoff.py); one of no use is looked up as any request."""
         assert self.index is not None
         request = state.request
@@ -352,13 +343,14 @@ class SchedulerHalf:
             if hit_tokens is not None:
                 self.index.release(request.request_id)
             return (None if hit_tokens is None else 0), False  # None: its prefill engine is still storing
-        state.lookup = _Lookup(first, keys, num_computed_tokens, through=receiving.through)
+        state.lookup = AnsweredLookup(first, keys, num_computed_tokens, through=receiving.through)
         return hit_tokens, True
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         state = self._state(request)
         state.blocks = [list(ids) for ids in adapter.block_ids_of(blocks)]
         lookup, state.lookup = state.lookup, None
+        state.claimed_to = (lookup.num_computed_tokens if lookup is not None else 0) + max(num_external_tokens, 0)
         if state.asked is not None:  # once per admission: vLLM may ask many times before it schedules a request
             self.counters.add(Metric.LOOKUPS)
             self.counters.add(Metric.LOOKUP_TOKENS, request.num_tokens - state.asked)
@@ -452,7 +444,7 @@ class SchedulerHalf:
             self.counters.add(Metric.FENCED_STORE_COMMANDS, len(fenced))
         return fenced
 
-    def _plan_stores(self, state: _Request, computed_before: int, computed_after: int) -> Optional[StorePlan]:
+    def _plan_stores(self, state: RequestState, computed_before: int, computed_after: int) -> Optional[StorePlan]:
         """Stores for the chunks this step completes (and earlier ones still safe to read), one command each."""
         assert self.index is not None
         request = state.request
@@ -485,7 +477,7 @@ class SchedulerHalf:
         self.fence.step_reads.extend(reads)
         return plan
 
-    def _plan_tail(self, state: _Request) -> list[StorePlan]:
+    def _plan_tail(self, state: RequestState) -> list[StorePlan]:
         """A hand-off request's partial last prompt chunk, once computed (rows past the prompt stored as zeros)."""
         assert self.index is not None
         state.tail_planned = True
@@ -520,7 +512,7 @@ class SchedulerHalf:
         self._forget_if_settled(state)
         return delay, params
 
-    def _own(self, state: _Request, commands: Sequence[Load | Store], pending: set[int]) -> None:
+    def _own(self, state: RequestState, commands: Sequence[Load | Store], pending: set[int]) -> None:
         for command in commands:
             pending.add(command.cmd_id)
             self._owner[command.cmd_id] = state
@@ -552,7 +544,7 @@ class SchedulerHalf:
         self.cut.on_output(meta, self.index.is_pending)
         if not meta.completions:
             return
-        touched: dict[int, _Request] = {}
+        touched: dict[int, RequestState] = {}
         for completion in meta.completions:
             state = self._owner.get(completion.cmd_id)
             if state is None:
@@ -571,7 +563,7 @@ class SchedulerHalf:
                     self.fence.reads.forget(cmd_id)  # every rank is done with its pages
             self._forget_if_settled(state)
 
-    def _forget_if_settled(self, state: _Request) -> None:
+    def _forget_if_settled(self, state: RequestState) -> None:
         request_id = state.request.request_id
         if state.finished and not state.stores and not state.loads and self.requests.get(request_id) is state:
             del self.requests[request_id]

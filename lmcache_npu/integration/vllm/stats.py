@@ -91,6 +91,8 @@ METRICS: dict[str, str] = {  # Metric keys: a member is its name
                                         "is faster than loading them",
     Metric.COST_DECLINED_TOKENS_LATE: "hit tokens computed instead because their promotion ran past the deadline the "
                                       "cost model set",
+    Metric.COST_PROBE_LOOKUPS: "lookups that promoted the chunks the cost model declined on a slow tier, unclaimed, "
+                               "so that the tier's speed is measured again (one in 32 such decisions)",
     Metric.COST_PREDICTED_SAVED_SECONDS: "time to first token the cost model predicted its claims saved (summed over "
                                          "requests)",
     Metric.COST_PREDICTED_LOST_SECONDS: "time to first token the cost model predicted claims it did not choose cost "

@@ -8,12 +8,14 @@ only when the hits it can expect save more compute than the tier spends writing 
 asked again. Compute is marginal (per token and per context token: a step's fixed cost is shared by its requests);
 a transfer is the chunk's share of a typical batch of its path. Until the compute side is fitted, and while a tier's
 read path is only seeded, every chunk is admitted: a tier nobody read from cannot be judged, and declining it from a
-seed would keep it unmeasured.
+seed would keep it unmeasured. For the same reason one declined write in `PROBE_EVERY` per tier is admitted anyway:
+a tier that turned slow keeps a few chunks for the cut's probes to read (a disk that became faster is seen again).
 The arena is never gated: its first-turn stores are what make the next turn hit.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Optional
 
 from ..commands import Tier
@@ -22,6 +24,9 @@ from .model import CostModel
 from .samples import Path
 
 _WRITE_PATH = {Tier.DISK: Path.DISK_WRITE, Tier.REMOTE: Path.REMOTE_WRITE}
+# of the writes (and the cut's lookups) a tier's speed declines, one in this many goes ahead, so the tier is still
+# measured: at most that share of its declined bytes is spent on knowing its speed
+PROBE_EVERY = 32
 
 
 class SlowTierAdmission:
@@ -33,6 +38,7 @@ class SlowTierAdmission:
             raise ValueError(f"slow-tier admission needs chunk_tokens >= 1, got {chunk_tokens}")
         self.model = model
         self.chunk_tokens = chunk_tokens
+        self._declines: Counter[Tier] = Counter()  # declined writes per tier since its last probe
 
     def saving_s(self, tier: Tier, chunk_index: Optional[int]) -> float:
         """Seconds one hit on the chunk in `tier` saves against computing it (negative: reading is slower)."""
@@ -48,7 +54,13 @@ class SlowTierAdmission:
         read = Path.promotion(tier)
         if read is None or not self.model.fitted or not self.model.tiers[read].measured:
             return True
-        return (1 + max(reuses, 0)) * self.saving_s(tier, chunk_index) > self.write_s(tier)
+        if (1 + max(reuses, 0)) * self.saving_s(tier, chunk_index) > self.write_s(tier):
+            return True
+        self._declines[tier] += 1
+        if self._declines[tier] >= PROBE_EVERY:  # a probe: the tier keeps chunks whose reads measure it again
+            self._declines[tier] = 0
+            return True
+        return False
 
     def _per_byte(self, path: Optional[Path]) -> float:
         assert path is not None

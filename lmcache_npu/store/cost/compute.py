@@ -116,6 +116,17 @@ class ComputeModel:
         count = np.maximum(end - start, 1).astype(np.float64)
         return a * np.ceil(count / self.budget) + b * count + c * attention(start, count)  # type: ignore[arg-type]
 
+    def backlog_s(self, spans: Iterable[tuple[int, int]]) -> float:
+        """Predicted seconds to compute tokens [start, end) of several requests scheduled together: the step's fixed
+        cost once per budget's worth of tokens, not once per request."""
+        a, b, c = self.fit.coefficients
+        tokens, context = 0, 0.0
+        for start, end in spans:
+            if end > start:
+                tokens += end - start
+                context += attention(start, end - start)
+        return a * -(-tokens // self.budget) + b * tokens + c * context if tokens else 0.0
+
     def sharers(self) -> float:
         """Requests whose steps a new request's compute lengthens (those the last schedule computed for; 0 idle)."""
         return float(self.sharing)  # set with `busy` from the same schedule, and 0 whenever it is not busy

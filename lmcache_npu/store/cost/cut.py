@@ -2,12 +2,14 @@
 token comes soonest, the rest `[k, n)` computed by vLLM.
 
 For a cut after j hit chunks the request's first token is predicted at
-    T(0) = prefill(computed, n)                                    (vLLM computes everything, as without the plugin)
-    T(j) = promotions(j) + max(load(j), step) + prefill(start_j, n)
-where promotions(j) is the slowest tier's time to bring the claimed chunks it holds into the arena (tiers run side
-by side; each queues behind the bytes already in flight on it), load(j) moves the j chunks to the device, and
-`step` is the step the request sits out: a load is asynchronous, so the request computes one step later than it
-would have (at least the engine's step period when other requests run). The cut is the j of least
+    T(0) = A + prefill(computed, n)                                (vLLM computes everything, as without the plugin)
+    T(j) = max(A, promotions(j) + max(load(j), step)) + prefill(start_j, n)
+where A is the compute queued ahead of the request (the unfinished prefills vLLM schedules before it: first come,
+first served), promotions(j) is the slowest tier's time to bring the claimed chunks it holds into the arena (tiers
+run side by side; each queues behind the bytes already in flight on it), load(j) moves the j chunks to the device,
+and `step` is the step the request sits out: a load is asynchronous, so the request computes one step later than it
+would have (at least the engine's step period when other requests run). A load hides behind the work ahead: the
+engine computes the others meanwhile, and the request keeps its place in the queue. The cut is the j of least
     T(j) + s x prefill(start_j, n)
 where s is the number of requests batched with this one: every token it computes lengthens their steps too (their
 first tokens and their decodes), while its sitting out a step for a load delays only itself. On an idle engine
@@ -65,6 +67,7 @@ class HitShape:
     # per hit chunk, whether a claim may end after it (None: after any); a chunk stored without its recurrent end
     # state may sit inside a claim, never end one (lookup.py)
     ends: Optional[tuple[bool, ...]] = None
+    ahead_s: float = 0.0  # predicted compute vLLM schedules before this request (a load hides behind it)
 
     def start(self, chunks: int) -> int:
         """The first token vLLM computes when `chunks` hit chunks are claimed."""
@@ -80,10 +83,16 @@ class Cut:
     compute_s: float  # computing the rest
     recompute_s: float  # computing everything from `computed` (the request without the plugin)
     promotion_s: float  # the promotions' part of the wait (0: every claimed chunk was in the arena)
+    ahead_s: float = 0.0  # the compute queued ahead of the request, which a wait overlaps
 
     @property
     def ttft_s(self) -> float:
-        return self.wait_s + self.compute_s
+        return max(self.ahead_s, self.wait_s) + self.compute_s
+
+    @property
+    def saved_s(self) -> float:
+        """Predicted seconds to the first token the claim saves against computing everything (< 0: it costs)."""
+        return self.ahead_s + self.recompute_s - self.ttft_s
 
 
 def ttft_by_cut(hit: HitShape, costs: Costs, limit: Optional[int] = None) -> tuple[np.ndarray, np.ndarray,
@@ -106,7 +115,7 @@ def ttft_by_cut(hit: HitShape, costs: Costs, limit: Optional[int] = None) -> tup
         promotion = np.maximum(promotion, np.where(moving > 0, costs.transfer_s(path, moving * chunk_bytes), 0.0))
     load = costs.transfer_s(Path.LOAD, j * chunk_bytes)
     wait = np.where(j == 0, 0.0, promotion + np.maximum(load, costs.step_floor_s()))
-    return wait + compute, wait, compute, promotion
+    return np.maximum(hit.ahead_s, wait) + compute, wait, compute, promotion
 
 
 def best_cut(hit: HitShape, costs: Costs, limit: Optional[int] = None) -> Cut:
@@ -116,7 +125,8 @@ def best_cut(hit: HitShape, costs: Costs, limit: Optional[int] = None) -> Cut:
     if hit.ends is not None:
         total = np.where(np.concatenate(([True], hit.ends[:len(total) - 1])), total, np.inf)
     chunks = int(len(total) - 1 - np.argmin(total[::-1]))
-    return Cut(chunks, float(wait[chunks]), float(compute[chunks]), float(compute[0]), float(promotion[chunks]))
+    return Cut(chunks, float(wait[chunks]), float(compute[chunks]), float(compute[0]), float(promotion[chunks]),
+               hit.ahead_s)
 
 
 def claim_all(hit: HitShape, costs: Costs) -> Cut:
@@ -124,5 +134,6 @@ def claim_all(hit: HitShape, costs: Costs) -> Cut:
     predictions."""
     total, wait, compute, promotion = ttft_by_cut(hit, costs)
     last = len(total) - 1
-    return Cut(last, float(wait[last]), float(compute[last]), float(compute[0]), float(promotion[last]))
+    return Cut(last, float(wait[last]), float(compute[last]), float(compute[0]), float(promotion[last]),
+               hit.ahead_s)
 

@@ -80,6 +80,10 @@ class CostModel:
     def step_floor_s(self) -> float:
         return self.compute.step_floor_s()
 
+    def backlog_s(self, spans: Iterable[tuple[int, int]]) -> float:
+        """Seconds to compute the requests' spans [start, end) (the work queued ahead of a request)."""
+        return self.compute.backlog_s(spans)
+
     def sharers(self) -> float:
         return self.compute.sharers()
 

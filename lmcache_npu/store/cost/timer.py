@@ -1,4 +1,6 @@
-"""The worker's stopwatch on its executor's commands: each batch of one path, from submit to its last answer.
+"""The worker's stopwatch on its executor's commands: each batch of one path, from submit to its last answer, or,
+where the mover measured the move itself (the device window of a load or a store), that: the wait behind the
+model's work queued on the device is the step the cut already counts, not the transfer's.
 
 The executor calls `started` with every submitted list and `finished` with every answer; the worker sends `take()`
 to the scheduler in its per-step metadata. Both calls come from the model's thread and the io threads alike.
@@ -10,7 +12,7 @@ import threading
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 from ..commands import Command, Drop
 from .samples import Path, TransferSample
@@ -27,6 +29,8 @@ class _Batch:
     chunks: int = 0
     ok: bool = True
     abandoned: bool = False  # a command of it was answered past its deadline: the batch is never timed
+    moved_s: Optional[float] = None  # the mover's own measure of the move, while every answer carried one
+    untimed: bool = False  # an answer carried none: the batch counts from submit to its last answer
 
 
 class TransferTimer:
@@ -59,7 +63,9 @@ class TransferTimer:
             for path, batch in batches.items():
                 self._in_flight[path] += batch.chunks * self.object_bytes
 
-    def finished(self, cmd_id: int, ok: bool) -> None:
+    def finished(self, cmd_id: int, ok: bool, moved_s: Optional[float] = None) -> None:
+        """Command `cmd_id` answered; `moved_s`: the move's own seconds where the mover measured them (one batch's
+        commands all carry that batch's)."""
         now = self._clock()
         with self._lock:
             batch = self._batch_of.pop(cmd_id, None)
@@ -67,10 +73,16 @@ class TransferTimer:
                 return
             batch.pending.discard(cmd_id)
             batch.ok &= ok
+            if moved_s is None:
+                batch.untimed = True
+            else:
+                batch.moved_s = max(batch.moved_s or 0.0, moved_s)
             self._in_flight[batch.path] -= self.object_bytes
             if not batch.pending and not batch.abandoned:
-                self._samples.append(TransferSample(batch.path, batch.chunks, batch.chunks * self.object_bytes,
-                                                    batch.queued_bytes, now - batch.started, batch.ok))
+                timed = batch.moved_s is not None and not batch.untimed  # the move alone: it queued behind nothing
+                self._samples.append(TransferSample(
+                    batch.path, batch.chunks, batch.chunks * self.object_bytes, 0 if timed else batch.queued_bytes,
+                    batch.moved_s if timed else now - batch.started, batch.ok))
 
     def abandon(self, cmd_ids: Sequence[int]) -> None:
         """Commands the worker answered as failed past their deadline: no longer in flight (a queue that never

@@ -142,6 +142,26 @@ class ChunkIndex(RestartAdoption, ChunkManager, ChunkManagerView):
         self.counters.add(Metric.LOOKUP_HIT_CHUNKS, hit)
         return LookupResult(hit, ready, tuple(sources[:hit]))
 
+    def locate(self, keys: Sequence[ChunkKey]) -> LookupResult:
+        """`lookup`'s answer without its reservations and promotions (a holder's cap is not asked: it is lookup's)."""
+        ready = 0
+        sources: list[Tier] = []
+        remote_from, remote_present = 0, None
+        for position, key in enumerate(keys):
+            entry = self._entries.get(key)
+            if entry is not None and entry.slot is not None:
+                ready += ready == position and entry.slot_state is SlotState.READY
+                sources.append(Tier.ARENA)
+            elif entry is not None and entry.disk is DiskState.PRESENT:
+                sources.append(Tier.DISK)
+            else:
+                if remote_present is None:
+                    remote_from, remote_present = position, self._remote.peek(keys[position:])
+                if not remote_present[position - remote_from]:
+                    break
+                sources.append(Tier.REMOTE)
+        return LookupResult(len(sources), ready, tuple(sources))
+
     def presence(self, keys: Sequence[ChunkKey], remote: bool = True) -> list[bool]:
         """Whether some tier holds each key (the arena, a complete disk copy, or with `remote` the remote store), as
         `lookup` would find it, without reserving or promoting anything; one remote existence batch for the keys not

@@ -4,7 +4,8 @@ Every verb takes and returns plain values (keys, ints, commands, `LookupResult`)
 process (the node cache) can implement the same contract over a socket. The eight abstract verbs, in the order a
 request uses them:
 
-- `lookup(request, keys)` / `presence(keys)`: the longest held prefix (reserved, promoted), or a plain yes/no per key.
+- `lookup(request, keys)` / `presence(keys)`: the longest held prefix (reserved, promoted), or a plain yes/no per key
+  (`locate(keys)`, with a default: where the held prefix lies, before anything is reserved or moved).
 - `prepare_load(request, chunks)` / `release(request)`: turn reservations into `Load` commands, or give them up.
 - `prepare_store(request, chunks)`: slots and `Store` commands for computed chunks.
 - `take_commands()` / `on_completions(answers)` / `is_pending(cmd_id)`: the commands for the workers, and every
@@ -100,6 +101,12 @@ class ChunkManager(ABC):
     @abstractmethod
     def presence(self, keys: Sequence[ChunkKey], remote: bool = True) -> list[bool]:
         """Whether some tier holds each key, without reserving or moving anything."""
+
+    def locate(self, keys: Sequence[ChunkKey]) -> Optional[LookupResult]:
+        """What `lookup` would find for `keys` (the held prefix, its ready part, a tier per chunk) without reserving
+        or promoting anything, so that a caller can decide how much to claim before anything moves; None: this
+        manager can tell only by a lookup (a node cache decides its promotions in its service)."""
+        return None
 
     @abstractmethod
     def prepare_load(self, request_id: str, chunks: NumberedChunks) -> list[Load]:

@@ -81,5 +81,12 @@ class RemotePresence:
             present = [there and key not in self._failed for key, there in zip(keys, present)]
         return present
 
+    def peek(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        """`present`, its answers left for this thread's next `present` (a locate before a lookup asks once)."""
+        present = self.present(keys)
+        if self._exists is not None:
+            self._asked.answers = (time.monotonic(), dict(zip(keys, present)))
+        return present
+
     def promotion_failed(self, key: ChunkKey) -> None:
         self._failed[key] = time.monotonic() + REMOTE_MISS_AFTER_FAILURE_S

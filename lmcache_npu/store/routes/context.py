@@ -55,7 +55,7 @@ class RouteContext:
     def report(self, cmd_id: int, result: TierResult) -> None:
         """Answers command `cmd_id` (exactly once per command)."""
         if self.timer is not None:
-            self.timer.finished(cmd_id, result.ok)
+            self.timer.finished(cmd_id, result.ok, result.seconds)
         with self.idle:
             self.done.append(Completion(cmd_id, self.rank, result.ok, result.reason))
             self.outstanding -= 1

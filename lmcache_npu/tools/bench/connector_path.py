@@ -30,6 +30,7 @@ from ...ops.torch_backend import TorchBackend
 from ...store.arena import slot_bytes_for
 from ...store.commands import Load, Store
 from ...store.config import StoreConfig
+from ...store.cost.timer import TransferTimer
 from ...store.executor import StoreExecutor
 from ...store.keys import ChunkKey
 from ...store.tier import TierCounters
@@ -126,9 +127,10 @@ def _seconds(stats: TransferStats) -> float:
 
 def run_connector_path(source: Union[Geometry, str], backend_name: str = "auto", chunks: int = 1, repeats: int = 10,
                        device_family: Optional[str] = None, seed: int = 0, starts: Sequence[str] = ("idle",),
-                       **backend_options: object) -> PathReport:
+                       timer: Optional[TransferTimer] = None, **backend_options: object) -> PathReport:
     """Stores then loads `chunks` chunks of one request `repeats` times through each path (see the module), per
-    start in `starts`: idle, or queued behind GPU work as in serving (CUDA only)."""
+    start in `starts`: idle, or queued behind GPU work as in serving (CUDA only). `timer`: the worker's transfer
+    timer, attached to the connector path's executor as the worker half attaches it (the cost model's samples)."""
     if chunks < 1 or repeats < 1:
         raise ValueError(f"chunks ({chunks}) and repeats ({repeats}) must be >= 1")
     if not starts or set(starts) - {"idle", "queued"}:
@@ -157,6 +159,7 @@ def run_connector_path(source: Union[Geometry, str], backend_name: str = "auto",
         cleanup.callback(pipeline.arena.close)
         cleanup.callback(pipeline.close)
         arena, mover, executor = pipeline.arena, pipeline.mover, pipeline.executor
+        executor.timer = timer
         bench_objects = [arena.slot(i) for i in range(chunks)]  # the bench's transfer uses slots [0, chunks)
         # the connector's commands use slots [chunks, 2 chunks)
         bench.prepare(plan)

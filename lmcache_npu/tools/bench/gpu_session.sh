@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: install carried wheels, build, run the cuda tests, run the benchmark matrix.
-# Usage (on the GPU machine, repository root): bash lmcache_npu/tools/bench/gpu_session.sh [tests|bench|all]
+# Usage (on the GPU machine, repository root): bash lmcache_npu/tools/bench/gpu_session.sh [tests|bench|model|all]
 set -uo pipefail
 what=${1:-all}
 OUT=${OUT:-/tmp/out}
@@ -16,4 +16,9 @@ fi
 if [[ $what == bench || $what == all ]]; then
   python3 -m lmcache_npu.tools.bench.studies.cuda_matrix --json "$OUT/cuda_matrix.json" > "$OUT/bench.txt" 2>&1
   tail -60 "$OUT/bench.txt"
+fi
+if [[ $what == model || $what == all ]]; then  # the cost model's transfer side against the device (issue 40)
+  python3 -m lmcache_npu.tools.bench.studies.transfer_model_check --json "$OUT/transfer_model.json" \
+    --geometry lmcache_npu/tools/bench/geometries/{llama3-8b,deepseek-v3,deepseek-v4-flash}.json > "$OUT/model.txt" 2>&1
+  tail -60 "$OUT/model.txt"
 fi
