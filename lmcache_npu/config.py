@@ -88,6 +88,9 @@ class ConnectorConfig:
     # attaches in the background); a pool being made takes longer, a live one milliseconds
     node_cache_start_wait_ms: int = 5000
     load_policy: str = "cost-model"  # which hits a request claims (LOAD_POLICIES)
+    # how long a decode engine waits for the chunks a P/D hand-off names that its prefill engine on the node is still
+    # storing (docs/deployment.md "P/D through the node cache"); past it the decode engine computes them
+    handoff_wait_ms: int = 30000
     store: StoreConfig = field(default_factory=StoreConfig)
 
     def __post_init__(self) -> None:
@@ -119,6 +122,7 @@ class ConnectorConfig:
         if self.node_cache is not None:
             self._check_node_cache()
         check_int("node_cache_start_wait_ms", self.node_cache_start_wait_ms, 0, 3_600_000)
+        check_int("handoff_wait_ms", self.handoff_wait_ms, 0, 3_600_000)
         if self.load_policy not in LOAD_POLICIES:
             raise ValueError(f"load_policy must be one of {', '.join(LOAD_POLICIES)}, got {self.load_policy!r}")
         if self.tp_share_exchange not in TP_SHARE_EXCHANGES:

@@ -36,13 +36,13 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
 
 from ..store.commands import Command, Completion, Load, Store, Tier
 from ..store.index.contract import (ChunkManager, ChunkManagerView, ChunkView, DiskState, LookupResult,
-                                    NumberedChunks, PayloadSink, SlotState, TierListener)
+                                    NumberedChunks, PayloadSink, SlotState, TierListener, Writer)
 from ..store.index.ledger import CommandLedger
 from ..store.keys import ChunkKey
 from ..store.metrics import Metric
 from ..store.tier import TierCounters
 from . import replies, wire
-from .messages import PROTOCOL_VERSION, Attach, Attached, PoolGeometry, Refused, Verb, protocol_of
+from .messages import PROTOCOL_VERSION, Attach, lease_id, Attached, PoolGeometry, Refused, Verb, protocol_of
 
 logger = logging.getLogger(__name__)
 
@@ -419,6 +419,14 @@ class NodeCacheClient(ChunkManager, ChunkManagerView):
     def lookup(self, request_id: str, keys: Sequence[ChunkKey]) -> LookupResult:
         return self._call(Verb.LOOKUP, request_id, *self._batch(keys), missing=LookupResult(0, 0),
                           valid=partial(replies.lookup_result, len(keys)))
+
+    def lookup_awaiting(self, request_id: str, keys: Sequence[ChunkKey], writer: Writer) -> LookupResult:
+        return self._call(Verb.LOOKUP, request_id, *self._batch(keys), list(writer), missing=LookupResult(0, 0),
+                          valid=partial(replies.lookup_result, len(keys)))
+
+    def handoff_writer(self) -> Optional[Writer]:
+        """This engine under its live lease (None until the service issued one)."""
+        return (self.engine, lease_id(self.lease)) if self.lease and self.epoch is not None else None
 
     def presence(self, keys: Sequence[ChunkKey], remote: bool = True) -> list[bool]:
         return self._call(Verb.PRESENCE, *self._batch(keys), remote, missing=[False] * len(keys),

@@ -5,7 +5,8 @@ every reply is `("ok", value, counters, tier_changes)` or `("error", kind, text)
 `(chunk hash, tier, entered)` of the pool's namespace. The hot verbs carry keys as a batch, `namespace, [chunk hash]`
 (the namespace once: pickling a 128K-token prompt's 512 named tuples cost a millisecond), and device commands as
 `(command id, slot, chunk number, chunk hash)`:
-- `("lookup", request_id, namespace, hashes)` -> LookupResult; `("presence", namespace, hashes, remote)` -> [bool]
+- `("lookup", request_id, namespace, hashes[, writer])` -> LookupResult (`writer`: (engine, lease id) whose stores
+  in flight are pending hits, a P/D hand-off's prefill engine); `("presence", namespace, hashes, remote)` -> [bool]
 - `("prepare_load" | "prepare_store", request_id, namespace, chunk_numbers, hashes)` -> [command tuple]
 - `("release", request_id)` and `("on_completions", [(command id, rank, ok, reason)])`: one-way, no reply
 - `("join", lease token)`, from a worker: binds its connection to its scheduler's lease -> bool
@@ -24,12 +25,13 @@ A first message `("ping",)` instead of an Attach is answered `("pong", {version,
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
 # bumped whenever a verb, its arguments or its reply change; messages from before it existed carry none (version 1)
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 UNVERSIONED = 1
 HANDOVER = "handover"
 # how an engine's weights are named (engine_identity.py): by their content, by the operator's model_fingerprint, or
@@ -128,3 +130,9 @@ def protocol_of(message: Any) -> int:
     know the field has none of its own (the class default would wrongly answer for it), so it counts as UNVERSIONED."""
     version = vars(message).get("protocol", UNVERSIONED)
     return version if type(version) is int else UNVERSIONED
+
+
+def lease_id(token: str) -> str:
+    """The public name of a lease (32 hex chars): another engine names it to wait for that lease's stores; the token
+    itself binds workers to the lease, so it never leaves the engine."""
+    return hashlib.sha256(b"lmcache-npu lease id\x00" + token.encode()).hexdigest()[:32]

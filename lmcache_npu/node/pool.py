@@ -37,7 +37,7 @@ from ..store.keys import ChunkKey
 from ..store.metrics import Metric
 from ..transfer.pipeline import build_executor
 from .capacity import PoolRefused, PoolShare
-from .messages import Attached, PoolGeometry
+from .messages import Attached, PoolGeometry, lease_id
 from .rebuild import ArenaRebuild, InheritedArena
 from .seal_behind import SealBehind
 
@@ -247,6 +247,11 @@ class NodePool:
         lease.bound.add(connection)
         return lease
 
+    def lease_named(self, engine: str, public_id: str) -> bool:
+        """`engine` holds a live lease whose public id (`messages.lease_id`) is `public_id`."""
+        lease = self.leases.get(engine)
+        return lease is not None and bool(lease.token) and lease_id(lease.token) == public_id
+
     def _update_cap(self) -> None:
         """An engine alone in the pool may hold all of it; with others, `limits.slot_share` of its slots."""
         cap = max(1, int(self.limits.slot_share * self.index.num_slots)) if len(self.leases) > 1 else None
@@ -349,15 +354,21 @@ class NodePool:
         lease.commands -= settled
         self._settle(settled)
 
-    def visible(self, lease: EngineLease, keys: list[ChunkKey], count: bool = True) -> list[ChunkKey]:
+    def visible(self, lease: EngineLease, keys: list[ChunkKey], count: bool = True,
+                awaited: Optional[tuple[str, str]] = None) -> list[ChunkKey]:
         """The keys up to the first chunk another engine is still storing: a store is seen by other engines only
         once every rank of its engine committed it (waiting for it would spin on the socket every step, for a
-        forward pass of the other engine); the engine's own stores in flight count as its index counts them."""
+        forward pass of the other engine); the engine's own stores in flight count as its index counts them, and so
+        do those of `awaited` (engine, lease id) while that engine holds that very lease (a P/D hand-off names its
+        prefill engine, whose stores the decode engine waits for; another lease of the name is another writer)."""
         if not self.writing:
             return keys
+        waits_for = {lease.engine}
+        if awaited is not None and self.lease_named(*awaited):
+            waits_for.add(awaited[0])
         for position, key in enumerate(keys):
             writer = self.writing.get(key)
-            if writer is not None and writer[0] != lease.engine:
+            if writer is not None and writer[0] not in waits_for:
                 if count:
                     self.index.counters.add(Metric.UNCOMMITTED_MISSES)
                 return keys[:position]

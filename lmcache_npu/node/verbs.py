@@ -110,14 +110,27 @@ def _completions(completions: Any) -> list[Completion]:
 
 # ---- the verbs: handler(pool, lease, *arguments) -> the reply's value (messages.py says what each sends) ------------
 
-def _lookup(pool: NodePool, lease: EngineLease, request_id: Any, namespace: Any, hashes: Any) -> Any:
+def _writer(writer: Any) -> Optional[tuple[str, str]]:
+    """A lookup's awaited writer: [engine name, lease id] (messages.lease_id), or None."""
+    if writer is None:
+        return None
+    if (not isinstance(writer, list) or len(writer) != 2 or not all(isinstance(part, str) for part in writer)
+            or not writer[0] or len(writer[0]) > 256 or len(writer[1]) != 32):
+        raise ValueError(f"an awaited writer must be [engine name (1-256 characters), lease id (32 hex characters)], "
+                         f"got {_shape(writer)}")
+    return writer[0], writer[1]
+
+
+def _lookup(pool: NodePool, lease: EngineLease, request_id: Any, namespace: Any, hashes: Any,
+            writer: Any = None) -> Any:
     keys = _hashed(pool, namespace, hashes)
+    awaited = _writer(writer)
     name = scoped(lease.engine, _text(request_id))
     lease.looked_up[name] = time.monotonic()  # renews its reservations (LeaseLimits.reservation_ttl_s)
     if name not in lease.requests:
         lease.requests.add(name)
         pool.lookup_counters[Metric.LOOKUPS] += 1
-    found = pool.call(lease, lambda: pool.index.lookup(name, pool.visible(lease, keys)))
+    found = pool.call(lease, lambda: pool.index.lookup(name, pool.visible(lease, keys, awaited=awaited)))
     for tier, metric in HIT_CHUNKS.items():  # per tier, for status's hit rates (tuple.count: C speed)
         pool.lookup_counters[metric] += found.sources.count(tier)
     return found

@@ -33,6 +33,8 @@ _SEED_FIX = ("set PYTHONHASHSEED to one secret random value shared by the instan
              "`python3 -c 'import secrets; print(secrets.randbelow(2**32 - 1) + 1)'`, kept like a password")
 # Domain of a chunk hash re-keyed by a LoRA adapter's content digest.
 _ADAPTER_DOMAIN = b"lmcache-npu adapter chunk v1\x00"
+# Domain of a prompt's last, partial chunk (P/D hand-off): no vLLM block hash ends there, so it is named by its own.
+_TAIL_DOMAIN = b"lmcache-npu prompt tail chunk v1\x00"
 
 
 def check_stable_hashing(algorithm: str, environ: Optional[Mapping[str, str]] = None,
@@ -137,3 +139,22 @@ def chunk_keys(block_hashes: Sequence[bytes], hash_block_size: int, chunk_tokens
     if adapter_digest is not None:
         hashes = [adapter_chunk_hash(h, adapter_digest) for h in hashes]
     return [ChunkKey(namespace, h) for h in hashes]
+
+
+def tail_chunk_key(block_hashes: Sequence[bytes], hash_block_size: int, chunk_tokens: int, namespace: str,
+                   token_ids: Sequence[int], num_tokens: int,
+                   adapter_digest: Optional[bytes] = None) -> Optional[ChunkKey]:
+    """The key of the partial chunk that ends at token `num_tokens` (a prompt's tail, stored for a P/D hand-off), or
+    None where there is none to name: the tokens end on a chunk boundary, or no whole hash block precedes them (the
+    chain's hash carries the LoRA name, cache salt and earlier multimodal inputs; the caller refuses a tail holding
+    multimodal inputs of its own). Named by vLLM's hash of the last whole hash block and the token ids after it."""
+    whole = num_tokens // hash_block_size
+    if num_tokens % chunk_tokens == 0 or whole == 0 or len(block_hashes) < whole or len(token_ids) < num_tokens:
+        return None
+    tail = token_ids[whole * hash_block_size:num_tokens]
+    body = b"".join(int(t).to_bytes(4, "little", signed=True) for t in tail)
+    digest = hashlib.sha256(_TAIL_DOMAIN + bytes(block_hashes[whole - 1]) + num_tokens.to_bytes(8, "little")
+                            + body).digest()
+    if adapter_digest is not None:
+        digest = adapter_chunk_hash(digest, adapter_digest)
+    return ChunkKey(namespace, digest)

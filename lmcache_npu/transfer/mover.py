@@ -239,12 +239,19 @@ class KVMover:
             sg = g.scheduler_group
             matrix = chunk_slots(g, chunk, plan.window.block_ids[sg], index, first_block=plan.window.first_block[sg])
             if isinstance(plan, LoadPlan):
-                matrix[row_tokens(g, chunk, index) < plan.first_token] = SKIP_SLOT  # vLLM's own cached rows
+                tokens = row_tokens(g, chunk, index)
+                matrix[tokens < plan.first_token] = SKIP_SLOT  # vLLM's own cached rows
                 if g.recurrent and (command.chunk_index + 1) * chunk != plan.end_token:
                     matrix[:] = SKIP_SLOT  # only the hit's last state is read back
+                elif not g.recurrent:
+                    matrix[tokens >= plan.end_token] = SKIP_SLOT  # a hit ending inside a chunk (a P/D hand-off)
             elif g.recurrent and command.cmd_id in plan.without_end_state:
                 matrix[:] = SKIP_SLOT
-            elif (matrix < 0).any():
-                return None
+            else:
+                past = (row_tokens(g, chunk, index) >= plan.tail_end) if plan.tail_end else None
+                if (matrix[~past] if past is not None else matrix).min(initial=0) < 0:
+                    return None
+                if past is not None:  # a prompt's partial last chunk: rows past the prompt are not the request's yet
+                    matrix[past] = SKIP_SLOT
             out.append(matrix)
         return out

@@ -23,7 +23,7 @@ class LoadPlan:
     cmd_ids: tuple[int, ...]  # one Load per chunk, in chunk order
     window: BlockWindow
     first_token: int  # vLLM's own prefix cache computed the tokens before this one: their rows are left alone
-    end_token: int  # the hit's end; only the chunk ending here loads end-state rows (a recurrent state)
+    end_token: int  # the hit's end (rows from it on are left alone); only the chunk ending here loads end-state rows
     error_block_ids: tuple[int, ...] = ()  # what an invalid-block report names if the load fails
     refused: str = ""  # the index could not issue the loads (the reason): the worker reports a failed load
 
@@ -36,3 +36,4 @@ class StorePlan:
     cmd_ids: tuple[int, ...]
     window: BlockWindow
     without_end_state: tuple[int, ...] = ()  # cmd ids stored with their end-state rows left out (zeros)
+    tail_end: int = 0  # >0: a prompt's partial last chunk (a P/D hand-off), rows from this token on stored as zeros

@@ -61,7 +61,7 @@ def test_a_dead_writers_half_written_chunks_stop_hiding_once_its_lease_ends(star
 
 def test_negative_control_a_node_that_shows_uncommitted_stores_makes_the_other_engine_wait(start_node,
                                                                                               monkeypatch) -> None:
-    monkeypatch.setattr(NodePool, "visible", lambda self, lease, keys, count=True: keys)
+    monkeypatch.setattr(NodePool, "visible", lambda self, lease, keys, count=True, awaited=None: keys)
     _, _, b, keys, _ = _half_written(start_node)
     found = b.client.lookup("b-1", keys)
     assert found.pending and (found.hit_chunks, found.ready_chunks) == (3, 1)  # what the rule prevents

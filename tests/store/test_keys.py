@@ -169,3 +169,62 @@ def test_storage_names_of_a_namespace_and_a_rank():
     assert not owns(mine.storage_name(0)) and not owns(mine.storage_name(11))  # -r11 does not end in -r1
     assert not owns(ChunkKey(other, b"\x01" * 32).storage_name(1))
     assert storage_names_of(ns)(mine.storage_name(7)) and storage_names_of()(ChunkKey(other, b"\x02").storage_name(3))
+
+
+def _hashes(tokens: list[int]) -> list[bytes]:
+    """vLLM's block hashes of `tokens` (sha256, this process's seed)."""
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+    fn = get_hash_fn_by_name("sha256")
+    kv_cache_utils.init_none_hash(fn)
+    request = Request("r", tokens, SamplingParams(max_tokens=1), None,
+                      block_hasher=kv_cache_utils.get_request_block_hasher(HASH_BLOCK, fn))
+    return list(request.block_hashes)
+
+
+def test_a_prompts_tail_chunk_is_named_by_its_whole_prefix_and_its_tail_tokens() -> None:
+    from lmcache_npu.store.keys import tail_chunk_key
+
+    tokens = TOKENS  # 3 chunks and 10 tokens
+    key = tail_chunk_key(_hashes(tokens), HASH_BLOCK, CHUNK, "n" * 32, tokens, len(tokens))
+    assert key is not None and key.namespace == "n" * 32
+    assert key not in chunk_keys(_hashes(tokens), HASH_BLOCK, CHUNK, "n" * 32)
+    assert key == tail_chunk_key(_hashes(tokens), HASH_BLOCK, CHUNK, "n" * 32, tokens, len(tokens))
+    # negative controls: one other token in the tail, or in the prefix (through vLLM's chain), names another chunk
+    tail_changed = tokens[:-1] + [tokens[-1] + 1]
+    head_changed = [tokens[0] + 1] + tokens[1:]
+    for changed in (tail_changed, head_changed):
+        assert tail_chunk_key(_hashes(changed), HASH_BLOCK, CHUNK, "n" * 32, changed, len(changed)) != key
+    assert tail_chunk_key(_hashes(tokens), HASH_BLOCK, CHUNK, "n" * 32, tokens, len(tokens),
+                          adapter_digest=b"a" * 32) != key
+    # nothing to name: a prompt ending on a chunk boundary, or shorter than one hash block
+    whole = tokens[:3 * CHUNK]
+    assert tail_chunk_key(_hashes(whole), HASH_BLOCK, CHUNK, "n" * 32, whole, len(whole)) is None
+    short = tokens[:HASH_BLOCK - 1]
+    assert tail_chunk_key(_hashes(short), HASH_BLOCK, CHUNK, "n" * 32, short, len(short)) is None
+
+
+def test_a_hand_off_round_trips_and_bad_ones_are_refused_by_name() -> None:
+    from lmcache_npu.integration.vllm.handoff import Handoff, is_ask
+
+    handoff = Handoff(("prefill/dp0", "ab" * 16), "cd" * 16, 300, (b"\x01" * 32, b"\x02" * 32), b"\x03" * 32)
+    assert Handoff.from_params(json_round_trip(handoff.to_params())) == handoff
+    assert is_ask({"do_remote_decode": True}) and not is_ask(handoff.to_params()) and not is_ask(None)
+    good = handoff.to_params()
+    bad = {"writer": ({**good, "writer": ["prefill", "short"]}, "writer"),
+           "namespace": ({**good, "namespace": "x"}, "namespace"),
+           "prompt_tokens": ({**good, "prompt_tokens": 0}, "prompt_tokens"),
+           "chunks": ({**good, "chunks": ["zz" * 16]}, "chunks"),
+           "tail": ({**good, "tail": "abc"}, "tail"),
+           "missing": ({"writer": good["writer"]}, "needs")}
+    for value, named in bad.values():
+        with pytest.raises(ValueError, match=named):
+            Handoff.from_params(value)
+
+
+def json_round_trip(value: object) -> object:
+    import json
+
+    return json.loads(json.dumps(value))

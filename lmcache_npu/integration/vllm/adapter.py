@@ -263,6 +263,16 @@ def failure_channel(num_groups: int) -> FailureChannel:
     return FailureChannel.INVALID_BLOCKS if num_groups == 1 else FailureChannel.NONE
 
 
+def warn_about_failed_loads(channel: FailureChannel, policy: str) -> None:
+    """Once per engine: what a chunk that cannot be loaded (a lost disk file, a remote fault) does to a request."""
+    if channel is FailureChannel.NONE:
+        logger.warning("lmcache_npu: this vLLM cannot be told a load of a model with several KV-cache groups failed "
+                       "(vLLM >= 0.30 can): a failed load stops the engine rather than serve KV that may be wrong")
+    elif policy != "recompute":
+        logger.warning("lmcache_npu: kv_load_failure_policy is %r: a chunk that cannot be loaded fails its request; "
+                       "'recompute' computes those tokens instead", policy)
+
+
 # ---- scheduler objects ------------------------------------------------------------------------------------------
 
 class ScheduledRequest(NamedTuple):
@@ -327,6 +337,28 @@ def remote_prefill(request: Any) -> bool:
     """The request's prompt KV is to come from a prefill engine (a P/D connector's `do_remote_prefill`)."""
     params = getattr(request, "kv_transfer_params", None)
     return isinstance(params, dict) and bool(params.get("do_remote_prefill"))
+
+
+# our key in a request's kv_transfer_params (a P/D hand-off through the node cache); no P/D connector uses it
+HANDOFF_PARAMS_KEY = "lmcache_npu_node_pd"
+
+
+def handoff_params(request: Any) -> Any:
+    """What the request's kv_transfer_params hold under our key (None: no P/D hand-off through the node cache)."""
+    params = getattr(request, "kv_transfer_params", None)
+    return params.get(HANDOFF_PARAMS_KEY) if isinstance(params, dict) else None
+
+
+def prompt_tokens(request: Any) -> tuple[int, Sequence[int]]:
+    """(number of prompt tokens, the token ids) of a request (`prompt_token_ids` is None for embeds-only prompts)."""
+    ids = getattr(request, "prompt_token_ids", None)
+    return int(request.num_prompt_tokens), (ids if ids is not None else ())
+
+
+def has_multimodal_inputs(request: Any) -> bool:
+    """The request carries multimodal inputs (0.23's `mm_positions`, later `mm_features`): their content is in
+    vLLM's block hashes only, never in the token ids."""
+    return bool(getattr(request, "mm_features", None) or getattr(request, "mm_positions", None))
 
 
 def transfer_results(finished_sending: set[str], finished_recving: set[str], failed_recving: set[str]) -> Any:

@@ -13,8 +13,8 @@ page fence in fence.py; this module keeps the request state and runs the steps.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 import numpy as np
@@ -28,13 +28,15 @@ from ...store.index.contract import ChunkManager, ChunkManagerView, LookupResult
 from ...store.keys import ChunkKey, check_stable_hashing, chunk_keys
 from ...store.tier import TierCounters
 from . import adapter, lookup
+from .handoff import HandoffDesk, Receiving
+from .request_state import AnsweredLookup, RequestState
 from .events import PAYLOAD_SLACK, ChunkPayload, KVEvents, kv_events_enabled
 from .lora_identity import LoadedAdapters
 from .manager_factory import build_manager
 from .fence import PageFence, StepWrites, WriteGeometry
 from ...transfer.plans import LoadPlan, StorePlan
 from .metadata import LMCacheNPUConnectorMetadata, LMCacheNPUWorkerMetadata, WorkerGeometry, usable_on_every_rank
-from .store_planner import StorePlanner
+from .store_planner import StorePlanner, mirror_blocks
 from .stats import INDEX_METRICS, CounterDeltas, LMCacheNPUStats
 from .store_gauges import StoreGauges
 from .cut_point import CutPoint, hit_shape, prefills_ahead
@@ -43,43 +45,6 @@ from ...store.metrics import HIT_CHUNKS, Metric
 logger = logging.getLogger(__name__)
 # outputs of the workers a lookup waits for their plans through (they come with the first: more means they never will)
 PLAN_WAIT_OUTPUTS = 8
-
-
-@dataclass
-class _Lookup:
-    """The last hit answered for a request, kept until `update_state_after_alloc` turns it into loads."""
-
-    first_chunk: int
-    keys: list[ChunkKey]  # the chosen key of each hit chunk (complete or without end state)
-    num_computed_tokens: int
-
-
-@dataclass
-class _Request:
-    request: Any  # vLLM's Request: block hashes, token counts, status
-    blocks: list[list[int]] = field(default_factory=list)  # mirror of the block table, per scheduler group
-    next_chunk: int = 0  # chunks before it are stored, held, or passed over
-    stores: set[int] = field(default_factory=set)  # store cmd ids not yet completed by every rank
-    loads: set[int] = field(default_factory=set)
-    lookup: Optional[_Lookup] = None
-    found_in: dict[int, Tier] = field(default_factory=dict)  # chunk -> the tier its first lookup found it in
-    keys: list[ChunkKey] = field(default_factory=list)  # of chunks 0.. whose hashes exist
-    asked: Optional[int] = None  # tokens vLLM had computed when it last asked for a hit (counted at allocation)
-    claimed_to: int = 0  # tokens its admission's claim reaches: not computed, whatever vLLM counts while it loads
-    finished: bool = False
-    no_hits: bool = False  # a load of this request failed: it recomputes, and never loads again
-    adapter_digest: Optional[bytes] = None  # the content of the request's LoRA adapter: re-keys its chunks
-    bypass: bool = False  # a LoRA adapter nothing may name (lora_identity.py): no loads or stores, vLLM computes
-
-
-def _warn_about_failed_loads(channel: adapter.FailureChannel, policy: str) -> None:
-    """Once per engine: what a chunk that cannot be loaded (a lost disk file, a remote fault) does to a request."""
-    if channel is adapter.FailureChannel.NONE:
-        logger.warning("lmcache_npu: this vLLM cannot be told a load of a model with several KV-cache groups failed "
-                       "(vLLM >= 0.30 can): a failed load stops the engine rather than serve KV that may be wrong")
-    elif policy != "recompute":
-        logger.warning("lmcache_npu: kv_load_failure_policy is %r: a chunk that cannot be loaded fails its request; "
-                       "'recompute' computes those tokens instead", policy)
 
 
 class SchedulerHalf:
@@ -93,7 +58,7 @@ class SchedulerHalf:
         self.failure_channel = adapter.failure_channel(self.num_scheduler_groups)
         # an EAGLE/MTP drafter: a hit ends one chunk before the last chunk held (lookup.py says why)
         self.eagle_block_drop = adapter.eagle_block_drop(vllm_config)
-        _warn_about_failed_loads(self.failure_channel, adapter.load_failure_policy(vllm_config))
+        adapter.warn_about_failed_loads(self.failure_channel, adapter.load_failure_policy(vllm_config))
         if config.store.disk_path is not None or config.store.mooncake is not None or config.node_cache is not None:
             # chunks outliving this process must be named the same by the next one (and by other instances)
             check_stable_hashing(adapter.hash_algorithm(vllm_config),
@@ -107,10 +72,10 @@ class SchedulerHalf:
         self.view: Optional[ChunkManagerView] = None  # the same manager's holdings, for the gauges
         self._remote: Optional[Any] = None  # the Mooncake client for existence checks, closed at shutdown
         self.namespace = ""
-        self.requests: dict[str, _Request] = {}
+        self.requests: dict[str, RequestState] = {}
         self.counters = TierCounters()
         self.index_counters = CounterDeltas()  # the index's own counters, once the handshake built it
-        self._owner: dict[int, _Request] = {}  # in-flight store/load cmd id -> its request
+        self._owner: dict[int, RequestState] = {}  # in-flight store/load cmd id -> its request
         self._loads: list[LoadPlan] = []
         self._delayed_free: list[str] = []
         self.fence = PageFence(WriteGeometry.of(self.groups, self.num_scheduler_groups))
@@ -131,6 +96,7 @@ class SchedulerHalf:
         # which prefix of a hit to claim, from a cost model learned from the steps and transfers (cut_point.py)
         self.cut = CutPoint(config.load_policy, adapter.token_budget(vllm_config), self.counters,
                             ahead=self._compute_ahead)
+        self.handoffs = HandoffDesk(self.counters, config.handoff_wait_ms)
 
     # ---- start-up ---------------------------------------------------------------------------------------------
 
@@ -147,6 +113,9 @@ class SchedulerHalf:
         self.planner = StorePlanner.of(self.groups, self.chunk_tokens, self.num_scheduler_groups,
                                        self.scheduler_block_size)
         self.has_end_state = any(g.recurrent for g in self.planner.moved)
+        self.handoffs.set_geometry(agreed.namespace, self.chunk_tokens, self.hash_block_size, not self.eagle_block_drop
+                                   and all(g.keeps_blocks and not g.recurrent and g.compress_ratio == 1
+                                           and g.stored_tokens == self.chunk_tokens for g in self.planner.moved))
         self.fence.geometry = WriteGeometry.of(self.groups, self.num_scheduler_groups)
         store = self.config.store
         if self.config.node_cache is None and store.mooncake is not None and self._remote is None:
@@ -226,17 +195,18 @@ class SchedulerHalf:
 
     # ---- requests ---------------------------------------------------------------------------------------------
 
-    def _state(self, request: Any) -> _Request:
+    def _state(self, request: Any) -> RequestState:
         state = self.requests.get(request.request_id)
         if state is None or state.finished:
             state = self.requests[request.request_id] = self._new_state(request)
         return state
 
-    def _new_state(self, request: Any) -> _Request:
+    def _new_state(self, request: Any) -> RequestState:
         """A LoRA request's chunks are keyed by the content of its adapter as vLLM loaded it (vLLM's hash knows only
         the adapter's name, lora_identity.py); one whose adapter nothing may name (unreadable files, files changed
         under the loaded weights) bypasses the plugin."""
-        state = _Request(request)
+        state = RequestState(request)
+        state.handoff_ask, state.receiving = self.handoffs.read(request)
         lora = adapter.lora_adapter(request)
         if lora is not None:
             state.adapter_digest = self._adapters.digest(lora)
@@ -262,7 +232,7 @@ class SchedulerHalf:
         return chunk_keys(request.block_hashes, self.hash_block_size, self.chunk_tokens, self.namespace,
                           adapter_digest=digest)
 
-    def _keys(self, state: _Request, first: int, end: int) -> list[ChunkKey]:
+    def _keys(self, state: RequestState, first: int, end: int) -> list[ChunkKey]:
         """Keys of chunks [first, end) that exist yet; kept per request, since a block hash never changes."""
         if len(state.keys) < end:
             state.keys += chunk_keys(state.request.block_hashes, self.hash_block_size, self.chunk_tokens,
@@ -300,7 +270,7 @@ class SchedulerHalf:
         unfinished = {rid: (s.request, s.claimed_to) for rid, s in self.requests.items() if not s.finished}
         return self.cut.model.backlog_s(prefills_ahead(request_id, unfinished))
 
-    def _before_last_held(self, state: _Request, first: int, limit: int) -> list[ChunkKey]:
+    def _before_last_held(self, state: RequestState, first: int, limit: int) -> list[ChunkKey]:
         """EAGLE/MTP: the keys of chunks [first, ...) a hit may claim, at most `limit` (lookup.py's one-chunk drop).
         Nothing is reserved or promoted for the proof."""
         assert self.index is not None
@@ -328,6 +298,8 @@ class SchedulerHalf:
         assert self.index is not None
         chunk = self.chunk_tokens
         first = num_computed_tokens // chunk
+        if state.receiving is not None and not self.has_end_state and not self.eagle_block_drop:
+            return self._receive(state, state.receiving, num_computed_tokens)
         last = (request.num_tokens - 1) // chunk  # vLLM computes at least the last token itself
         keys = self._keys(state, first, last)
         if self.eagle_block_drop:
@@ -351,7 +323,27 @@ class SchedulerHalf:
         if result.ready_chunks == 0 or hit_tokens <= 0:
             self.index.release(request.request_id)
             return 0, False
-        state.lookup = _Lookup(first, chosen[:result.ready_chunks], num_computed_tokens)
+        state.lookup = AnsweredLookup(first, chosen[:result.ready_chunks], num_computed_tokens)
+        return hit_tokens, True
+
+    def _receive(self, state: RequestState, receiving: Receiving,
+                 num_computed_tokens: int) -> tuple[Optional[int], bool]:
+        """A decode request's hit from its hand-off (handoff.py); one of no use is looked up as any request."""
+        assert self.index is not None
+        request = state.request
+        if receiving.keys is None and not self.handoffs.settle(
+                receiving, request, self._keys(state, 0, self.handoffs.full_chunks(request)), state.adapter_digest):
+            state.receiving = None
+            return self.get_num_new_matched_tokens(request, num_computed_tokens)
+        hit_tokens, keys, result = self.handoffs.lookup(self.index, receiving, request, num_computed_tokens)
+        state.asked, first = num_computed_tokens, num_computed_tokens // self.chunk_tokens
+        for offset, source in enumerate(result.sources):
+            state.found_in.setdefault(first + offset, source)
+        if hit_tokens is None or hit_tokens <= 0:
+            if hit_tokens is not None:
+                self.index.release(request.request_id)
+            return (None if hit_tokens is None else 0), False  # None: its prefill engine is still storing
+        state.lookup = AnsweredLookup(first, keys, num_computed_tokens, through=receiving.through)
         return hit_tokens, True
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
@@ -372,7 +364,8 @@ class SchedulerHalf:
         chunk = self.chunk_tokens
         first_token = lookup.num_computed_tokens
         end_token = first_token + num_external_tokens
-        count = min(len(lookup.keys), end_token // chunk - lookup.first_chunk)
+        ends_at = -(-end_token // chunk) if lookup.through else end_token // chunk  # a hand-off may end mid-chunk
+        count = min(len(lookup.keys), ends_at - lookup.first_chunk)
         chunks = [(lookup.first_chunk + i, lookup.keys[i]) for i in range(count)]
         refused = ""
         try:
@@ -384,6 +377,8 @@ class SchedulerHalf:
         cmd_ids = tuple(c.cmd_id for c in loads)
         self._own(state, loads, state.loads)
         self.counters.add(Metric.HIT_TOKENS, num_external_tokens)
+        if state.receiving is not None:
+            self.counters.add(Metric.HANDOFFS_RECEIVED)
         for chunk_index, _ in chunks:
             self.counters.add(HIT_CHUNKS[state.found_in.get(chunk_index, Tier.ARENA)])
         reported = self.failure_channel is adapter.FailureChannel.INVALID_BLOCKS  # only there vLLM takes block ids
@@ -410,13 +405,15 @@ class SchedulerHalf:
                     writes.collect_untracked(scheduled)
                 continue
             had_table = bool(state.blocks)
-            self._mirror(state, scheduled)
+            state.blocks = mirror_blocks(state.blocks, scheduled)
             if writes is not None:
                 writes.collect(scheduled, state.blocks, had_table)
             if storing and not state.bypass:
                 computed_after = scheduled.num_computed_tokens + num_scheduled[scheduled.request_id]
                 if spec_tokens:
                     computed_after -= len(spec_tokens.get(scheduled.request_id, ()))
+                if state.handoff_ask and not state.tail_planned and computed_after >= state.request.num_prompt_tokens:
+                    stores.extend(self._plan_tail(state))
                 if computed_after // self.chunk_tokens <= state.next_chunk:  # no chunk completes (most decode steps)
                     continue
                 plan = self._plan_stores(state, scheduled.num_computed_tokens, computed_after)
@@ -437,18 +434,6 @@ class SchedulerHalf:
         self._loads, self._delayed_free = [], []
         return meta
 
-    @staticmethod
-    def _mirror(state: _Request, scheduled: adapter.ScheduledRequest) -> None:
-        """The request's block-table mirror takes this step's ids: a whole table (new or resumed request, or a mirror
-        that has none yet) or the newly allocated ones."""
-        if scheduled.block_ids is None:
-            return
-        if scheduled.replace or not state.blocks:
-            state.blocks = [list(ids) for ids in scheduled.block_ids]
-        else:
-            for table, new in zip(state.blocks, scheduled.block_ids):
-                table.extend(new)
-
     def _fenced_stores(self, scheduler_output: Any, writes: StepWrites) -> Optional[list[int]]:
         """The in-flight stores that read a block this step writes; None when some write could not be placed."""
         writes.collect_outside_forward(self._loads, adapter.blocks_to_zero(scheduler_output))
@@ -459,7 +444,7 @@ class SchedulerHalf:
             self.counters.add(Metric.FENCED_STORE_COMMANDS, len(fenced))
         return fenced
 
-    def _plan_stores(self, state: _Request, computed_before: int, computed_after: int) -> Optional[StorePlan]:
+    def _plan_stores(self, state: RequestState, computed_before: int, computed_after: int) -> Optional[StorePlan]:
         """Stores for the chunks this step completes (and earlier ones still safe to read), one command each."""
         assert self.index is not None
         request = state.request
@@ -492,6 +477,19 @@ class SchedulerHalf:
         self.fence.step_reads.extend(reads)
         return plan
 
+    def _plan_tail(self, state: RequestState) -> list[StorePlan]:
+        """A hand-off request's partial last prompt chunk, once computed (rows past the prompt stored as zeros)."""
+        assert self.index is not None
+        state.tail_planned = True
+        state.tail_key, commands = self.handoffs.store_tail(self.index, state.request, state.adapter_digest)
+        if not commands:
+            return []
+        self._own(state, commands, state.stores)
+        self.counters.add(Metric.STORE_CHUNKS, len(commands))
+        plan, reads = self.planner.plan(state.request.request_id, state.blocks, commands, set())
+        self.fence.step_reads.extend(reads)
+        return [dataclasses.replace(plan, tail_end=state.request.num_prompt_tokens)]
+
     def request_finished(self, request: Any, block_ids: Sequence[Sequence[int]]) -> tuple[bool, Optional[dict]]:
         """Delays the free while stores of the request still read its pages (reported later as finished_sending).
         A request still waiting for its loads is freed by vLLM itself once the load reports finished_recving."""
@@ -502,6 +500,8 @@ class SchedulerHalf:
             return False, None
         state.finished = True
         state.lookup = None
+        params = self.handoffs.params(self.index, request, self._keys(state, 0, self.handoffs.full_chunks(request)),
+                                      state.tail_key) if state.handoff_ask else None
         self.cut.forget(request.request_id)
         if not any(not s.finished for s in self.requests.values()):  # the engine may idle: no step is timed across it
             self.cut.idle()
@@ -510,9 +510,9 @@ class SchedulerHalf:
             self._delayed_free.append(request.request_id)
             self.counters.add(Metric.DELAYED_FREES)
         self._forget_if_settled(state)
-        return delay, None
+        return delay, params
 
-    def _own(self, state: _Request, commands: Sequence[Load | Store], pending: set[int]) -> None:
+    def _own(self, state: RequestState, commands: Sequence[Load | Store], pending: set[int]) -> None:
         for command in commands:
             pending.add(command.cmd_id)
             self._owner[command.cmd_id] = state
@@ -544,7 +544,7 @@ class SchedulerHalf:
         self.cut.on_output(meta, self.index.is_pending)
         if not meta.completions:
             return
-        touched: dict[int, _Request] = {}
+        touched: dict[int, RequestState] = {}
         for completion in meta.completions:
             state = self._owner.get(completion.cmd_id)
             if state is None:
@@ -563,7 +563,7 @@ class SchedulerHalf:
                     self.fence.reads.forget(cmd_id)  # every rank is done with its pages
             self._forget_if_settled(state)
 
-    def _forget_if_settled(self, state: _Request) -> None:
+    def _forget_if_settled(self, state: RequestState) -> None:
         request_id = state.request.request_id
         if state.finished and not state.stores and not state.loads and self.requests.get(request_id) is state:
             del self.requests[request_id]

@@ -30,6 +30,12 @@ METRICS: dict[str, str] = {  # Metric keys: a member is its name
     Metric.DELAYED_FREES: "finished requests whose blocks vLLM kept until their stores had read them",
     Metric.REMOTE_PREFILL_DEFERRED: "requests whose prompt a prefill engine sends (do_remote_prefill) left to the P/D "
                                     "connector beside this one (MultiConnector) instead of a local hit",
+    Metric.HANDOFFS_SENT: "P/D hand-offs through the node cache this prefill engine answered (kv_transfer_params)",
+    Metric.HANDOFF_TAIL_CHUNKS: "prompts' partial last chunks stored for a P/D hand-off",
+    Metric.HANDOFFS_RECEIVED: "P/D hand-offs through the node cache this decode engine loaded from",
+    Metric.HANDOFF_WAITS: "lookups answered 'ask again' while the prefill engine was still storing hand-off chunks",
+    Metric.HANDOFFS_EXPIRED: "hand-offs whose pending chunks were given up after handoff_wait_ms (computed instead)",
+    Metric.HANDOFFS_REFUSED: "hand-offs not used: malformed, another namespace, or keys this engine does not compute",
     Metric.LORA_BYPASSED_REQUESTS: "LoRA requests served without the plugin: their adapter's files could not be read, so "
                               "nothing names their KV",
     Metric.LOAD_FAILURES: "load commands that failed on some rank (the request recomputes)",

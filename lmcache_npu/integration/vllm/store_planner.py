@@ -120,3 +120,15 @@ class StorePlanner:
         block = self.scheduler_block_size
         ids = tables[0][first_token // block:(end_token + block - 1) // block]
         return tuple(i for i in ids if i != 0)
+
+
+def mirror_blocks(blocks: list[list[int]], scheduled: adapter.ScheduledRequest) -> list[list[int]]:
+    """A request's block-table mirror after this step's ids: a whole table (new or resumed request, or a mirror that
+    has none yet) or the newly allocated ones appended."""
+    if scheduled.block_ids is None:
+        return blocks
+    if scheduled.replace or not blocks:
+        return [list(ids) for ids in scheduled.block_ids]
+    for table, new in zip(blocks, scheduled.block_ids):
+        table.extend(new)
+    return blocks

@@ -11,7 +11,8 @@ request uses them:
 - `take_commands()` / `on_completions(answers)` / `is_pending(cmd_id)`: the commands for the workers, and every
   rank's answers; a command's effect is visible only once every rank answered.
 The rest has defaults that fit a manager in process, so a caller never asks which manager it has: a manager shared
-by engines (the node cache) overrides its epoch, lease, refused commands, payload sharing, `sync` and `close`.
+by engines (the node cache) overrides its epoch, lease, refused commands, payload sharing, a P/D hand-off's writer
+(`lookup_awaiting`, `handoff_writer`), `sync` and `close`.
 Observation (`occupancy`, `location`, `chunks`, ...) is `ChunkManagerView`'s; restart adoption is the factories'.
 """
 
@@ -36,6 +37,8 @@ Admission = Callable[[Tier, Optional[int], int], bool]
 NumberedChunks = Sequence[tuple[int, ChunkKey]]
 # told (key, payload as builtins) what a router needs to name a chunk another engine sharing the manager described
 PayloadSink = Callable[[ChunkKey, tuple], None]
+# an engine sharing the manager that writes chunks another engine may wait for: (engine name, its lease's public id)
+Writer = tuple[str, str]
 
 
 class SlotState(str, Enum):
@@ -130,6 +133,17 @@ class ChunkManager(ABC):
         """The command still waits for some rank's answer."""
 
     # ---- defaults: a manager in process; a shared one (the node cache) overrides them ----------------------------
+
+    def lookup_awaiting(self, request_id: str, keys: Sequence[ChunkKey], writer: Writer) -> LookupResult:
+        """`lookup`, where the chunks `writer` (another engine sharing the manager, under its live lease) is still
+        storing count as pending hits, not misses (a P/D hand-off names its prefill engine). In process the only
+        writer is this engine, whose stores in flight already are pending hits."""
+        return self.lookup(request_id, keys)
+
+    def handoff_writer(self) -> Optional[Writer]:
+        """What another engine names to wait for this engine's stores (`lookup_awaiting`); None where no other engine
+        can read them (in process)."""
+        return None
 
     def limit_slots(self, usable: Union[int, Sequence[tuple[int, int]]]) -> None:
         """Hand out only slots of `usable` ([first, end) ranges live on every rank, or the first n); by default every
