@@ -23,7 +23,7 @@ from lmcache_npu.integration.vllm.metadata import LMCacheNPUConnectorMetadata
 from lmcache_npu.ops import Direction
 from lmcache_npu.store.commands import Store
 from lmcache_npu.store.keys import ChunkKey
-from lmcache_npu.transfer import BlockWindow, StorePlan
+from lmcache_npu.transfer import BlockWindow, DeviceMove, StorePlan
 
 from .conftest import assert_quiescent, preset_engine, prompt
 from .sim import SimModel, prefix_hashes
@@ -222,7 +222,7 @@ def _leftover_store(engine: Any, through_handle_preemptions: bool) -> tuple[np.n
 
     def store(cmd_id: int, slot: int) -> LMCacheNPUConnectorMetadata:
         command = Store(cmd_id, ChunkKey("0" * 32, cmd_id.to_bytes(8, "little")), slot, "r", 0)
-        return LMCacheNPUConnectorMetadata(commands=[command], stores=[StorePlan("r", (cmd_id,), window)],
+        return LMCacheNPUConnectorMetadata(stores=[StorePlan("r", (DeviceMove(command, window),), window)],
                                            fenced_stores=[])
 
     def zero_pages() -> None:
