@@ -157,6 +157,10 @@ def check_slice_order(sliced: SlicePlan, layout: KVLayout) -> None:
                 raise ValueError(f"plane {planes[index].label} is in slices {owner[index]} and {piece.index}: each "
                                  "plane is loaded once")
             owner[index] = piece.index
+        subset = piece.plan.moved_planes
+        if len(subset) != len(piece.planes) or any(a is not planes[i] for a, i in zip(subset, sorted(piece.planes))):
+            raise ValueError(f"slice {piece.index}: its batch plan moves other planes than the slice names (build it "
+                             "with TransferPlan.plane_subset of the slice's planes)")
     missing = [planes[i].label for i in range(len(planes)) if i not in owner]
     if missing:
         raise ValueError(f"planes {missing[:3]} are in no slice: a sliced load must move every plane")

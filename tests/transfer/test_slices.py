@@ -138,7 +138,7 @@ def sliced_run(case: Case, mover: KVMover, slices: SlicePlan, first_token: int,
     return case.pages(), marks
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=25, deadline=None)
 @given(preset=st.sampled_from(PRESETS), data=st.data(), chunks=st.integers(1, 3), seed=st.integers(0, 2**16),
        backend=st.sampled_from(["host", "torch"]))
 def test_sliced_load_lands_the_bytes_of_the_plain_load(preset: tuple[str, str], data: st.DataObject, chunks: int,
@@ -238,12 +238,18 @@ def test_window_ends_start_small_and_cover_every_layer() -> None:
 def _misplaced(slices: SlicePlan, layout: KVLayout) -> tuple[SlicePlan, str]:
     """The negative control: one plane a slice-0 layer consumes, moved to the last slice."""
     consumers = plane_consumers(layout, slices.announced)
-    first, last = slices.slices[0], slices.slices[-1]
-    moved = next(i for i in first.planes if consumers[i] is not None)
-    pieces = list(slices.slices)
-    pieces[0] = dataclasses.replace(first, planes=tuple(i for i in first.planes if i != moved))
-    pieces[-1] = dataclasses.replace(last, planes=tuple(sorted((*last.planes, moved))))
-    return dataclasses.replace(slices, slices=tuple(pieces)), layout.plan.moved_planes[moved].label
+    moved = next(i for i in slices.slices[0].planes if consumers[i] is not None)
+    return dataclasses.replace(slices, slices=_moved_plane(slices.slices, layout, moved, 0, len(slices) - 1)), \
+        layout.plan.moved_planes[moved].label
+
+
+def _moved_plane(pieces: Sequence[Any], layout: KVLayout, plane: int, source: int, target: int) -> tuple[Any, ...]:
+    """The slices with `plane` taken from slice `source` into slice `target` (their batch plans rebuilt to match)."""
+    out = list(pieces)
+    for index, planes in ((source, [i for i in pieces[source].planes if i != plane]),
+                          (target, sorted((*pieces[target].planes, plane)))):
+        out[index] = dataclasses.replace(pieces[index], planes=tuple(planes), plan=layout.plan.plane_subset(planes))
+    return tuple(out)
 
 
 @pytest.mark.parametrize("name,family", PRESETS)
@@ -272,12 +278,14 @@ def test_unannounced_plane_outside_slice_zero_and_lost_planes_are_caught() -> No
     slices = plan_slices(case.layout, announced_layers(case.layout), 2)
     consumers = plane_consumers(case.layout, slices.announced)
     state = next(i for i in slices.slices[0].planes if consumers[i] is None)
-    pieces = [dataclasses.replace(slices.slices[0], planes=tuple(i for i in slices.slices[0].planes if i != state)),
-              dataclasses.replace(slices.slices[1], planes=tuple(sorted((*slices.slices[1].planes, state))))]
+    pieces = _moved_plane(slices.slices, case.layout, state, 0, 1)
     with pytest.raises(ValueError, match="must land before the forward"):
-        check_slice_order(dataclasses.replace(slices, slices=tuple(pieces)), case.layout)
+        check_slice_order(dataclasses.replace(slices, slices=pieces), case.layout)
     with pytest.raises(ValueError, match="in no slice"):
         check_slice_order(dataclasses.replace(slices, slices=(pieces[0], slices.slices[1])), case.layout)
+    stale_plan = dataclasses.replace(pieces[0], plan=slices.slices[0].plan)  # names one plane, its batch moves it
+    with pytest.raises(ValueError, match="other planes than the slice names"):
+        check_slice_order(dataclasses.replace(slices, slices=(stale_plan, pieces[1])), case.layout)
 
 
 class _Counting:
