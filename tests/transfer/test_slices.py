@@ -19,7 +19,7 @@ from lmcache_npu.layout.slots import layout_slots
 from lmcache_npu.layout.specs import SpecKind
 from lmcache_npu.ops import Direction, get_backend
 from lmcache_npu.ops.torch_backend import row_view
-from lmcache_npu.store.commands import BlockWindow, DeviceMove, Load
+from lmcache_npu.store.commands import BlockWindow, DeviceMove, Load, Store
 from lmcache_npu.store.keys import ChunkKey
 from lmcache_npu.store.tier import TierCounters
 from lmcache_npu.tools.bench.presets import block_tables, blocks_for
@@ -300,3 +300,41 @@ class _Counting:
     def transfer(self, batch: Any, after_kernel: Any = None) -> Any:
         self.launches.append(batch)
         return self.inner.transfer(batch, after_kernel)
+
+
+class _FailingSecondLaunch(_Counting):
+    """A device fault on the second launch of every load."""
+
+    def transfer(self, batch: Any, after_kernel: Any = None) -> Any:
+        self.launches.append(batch)
+        if len(self.launches) == 2:
+            raise RuntimeError("device fault in slice 1")
+        return self.inner.transfer(batch, after_kernel)
+
+
+def test_a_failed_slice_fails_the_load_and_releases_every_waiter() -> None:
+    case = Case("llama3-8b", "ascend", 1, seed=8)
+    slices = plan_slices(case.layout, announced_layers(case.layout), 3)
+    launches: list[Any] = []
+    mover = mover_of(case.layout, "host")
+    mover.set_backend(Direction.LOAD, _FailingSecondLaunch(mover.backends[Direction.LOAD], launches))
+    done, results = threading.Event(), []
+
+    def report(cmd_id: int, result: Any) -> None:
+        results.append(result)
+        done.set()
+
+    try:
+        progress = mover.run_sliced(case.moves(0), case.objects, report, slices)
+        assert done.wait(60)
+        assert progress.finished and "device fault" in progress.failure
+        assert not progress.wait_for_slice(0, timeout=0) and not progress.wait_for_layer("model.layers.9.attn", 0)
+        assert len(results) == 1 and not results[0].ok and "device fault" in results[0].reason
+        with pytest.raises(ValueError, match="loads only"):
+            store = DeviceMove(Store(7, ChunkKey("0" * 32, bytes(8)), 0, "r", 0), case.window)
+            mover.run_sliced([store], case.objects, report, slices)
+        with pytest.raises(ValueError, match="does not exist"):
+            progress.wait_for_slice(len(slices))
+    finally:
+        mover.close()
+    assert len(launches) == 2  # slice 2 never launched after slice 1 failed
