@@ -61,9 +61,9 @@ class LaggingStores:
     def _install(self, mover: Any) -> None:
         run, execute, release = mover.run, mover._execute, mover.release_pages
 
-        def lagged_run(commands, objects, report) -> None:
-            run(commands, objects, report)
-            if isinstance(commands[0], Store):
+        def lagged_run(moves, objects, report) -> None:
+            run(moves, objects, report)
+            if moves[0].is_store:
                 with self.cond:
                     self.queued_at[id(mover._reading[-1])] = self.engine.steps
 
@@ -76,7 +76,7 @@ class LaggingStores:
         def fence(stores: Optional[Any] = None) -> int:
             wanted = None if stores is None else set(stores)
             waited = [j for j in mover._reading if not j.finished.is_set()
-                      and (wanted is None or any(c.cmd_id in wanted for c in j.commands))]
+                      and (wanted is None or any(m.cmd_id in wanted for m in j.moves))]
             if waited:
                 with self.cond:
                     last = max(mover._reading.index(j) for j in waited)
