@@ -6,6 +6,7 @@ structs. A plan is built once (at ``register_kv_caches``) and reused for every t
 
 from __future__ import annotations
 
+import copy
 import enum
 import hashlib
 from dataclasses import dataclass
@@ -270,6 +271,27 @@ class TransferPlan:
                 cursor += self.rows_per_chunk[p.group] * p.row_bytes
         self.object_offsets: tuple[int, ...] = tuple(offsets)
         self.object_bytes: int = align_up(cursor, OBJECT_ALIGN_BYTES)
+
+    def plane_subset(self, plane_indices: Sequence[int]) -> "TransferPlan":
+        """The plan restricted to `plane_indices` (positions in `moved_planes`): a batch built on it moves only those
+        planes' rows, each at its offset in this plan's object (the object layout does not change), and groups with
+        none of them move nothing. Plan order is kept, so each group's chosen planes stay contiguous in the plane
+        table, as the kernels enumerate them."""
+        chosen = sorted(set(int(i) for i in plane_indices))
+        outside = [i for i in chosen if not 0 <= i < len(self.moved_planes)]
+        if outside:
+            raise ValueError(f"plane subset: positions {outside[:5]} are outside the plan's {len(self.moved_planes)} "
+                             "moved planes")
+        subset = copy.copy(self)
+        for derived in ("fingerprint", "plane_table", "gap_free"):  # cached over the whole plan: recomputed
+            subset.__dict__.pop(derived, None)
+        subset.moved_planes = tuple(self.moved_planes[i] for i in chosen)
+        subset.object_offsets = tuple(self.object_offsets[i] for i in chosen)
+        kept = {p.group for p in subset.moved_planes}
+        # a group none of whose planes is chosen takes no slots: batches on the subset need no rows of it
+        subset.group_rows_per_block = [rows if g in kept else None for g, rows in enumerate(self.group_rows_per_block)]
+        subset.group_num_blocks = [n if g in kept else None for g, n in enumerate(self.group_num_blocks)]
+        return subset
 
     @property
     def device(self) -> torch.device:

@@ -145,8 +145,72 @@ class Drop:
         return (Medium.of(tier), Medium.GONE)
 
 
+@dataclass(frozen=True)
+class BlockWindow:
+    """Part of one request's block table: per scheduler group, the ids of logical blocks starting at `first_block`
+    (vLLM's null block 0 marks a block it freed or never allocated)."""
+
+    first_block: tuple[int, ...]
+    block_ids: tuple[tuple[int, ...], ...]
+
+
+@dataclass(frozen=True)
+class DeviceMove:
+    """One byte move between the device's KV pages and an arena slot, both ends in one object (vLLM's `(src, dst)`
+    transfer spec): `command` is the arena end (slot, key, the request's chunk number), `window` the device end (the
+    request's blocks that chunk's rows live in). A load leaves the rows before `first_token` alone (vLLM's own prefix
+    cache computed them) and from `end_token` on (a hit ending inside a chunk: a P/D hand-off), and reads end-state
+    rows only into the chunk ending at `end_token`; a store `without_end_state` writes zeros for them, and a store
+    with an `end_token` (a prompt's partial last chunk) writes zeros for the rows from it on."""
+
+    command: Union[Store, Load]
+    window: BlockWindow
+    first_token: int = 0
+    end_token: int = 0
+    without_end_state: bool = False
+
+    @property
+    def cmd_id(self) -> int:
+        return self.command.cmd_id
+
+    @property
+    def key(self) -> ChunkKey:
+        return self.command.key
+
+    @property
+    def slot(self) -> int:
+        return self.command.slot
+
+    @property
+    def epoch(self) -> Optional[str]:
+        return self.command.epoch
+
+    @property
+    def route(self) -> Route:
+        return self.command.route
+
+    @property
+    def request_id(self) -> str:
+        return self.command.request_id
+
+    @property
+    def chunk_index(self) -> int:
+        return self.command.chunk_index
+
+    @property
+    def is_store(self) -> bool:
+        return isinstance(self.command, Store)
+
+
+def arena_end(command: Union["Command", DeviceMove]) -> "Command":
+    """The index's command behind `command` (a device move's arena end; any other command is its own)."""
+    return command.command if isinstance(command, DeviceMove) else command
+
+
 Command = Union[Store, Load, Spill, Promote, Put, Persist, Drop]
 Transfer = Union[Store, Load, Spill, Promote, Put, Persist]  # the commands that move bytes (every command has a `route`)
+# what a worker's executor runs: the index's tier commands, and device moves (a Store/Load with its device end)
+WorkerCommand = Union[Command, DeviceMove]
 
 
 @dataclass(frozen=True)

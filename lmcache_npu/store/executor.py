@@ -15,7 +15,8 @@ import logging
 from typing import TYPE_CHECKING, Any, Collection, Optional, Sequence
 
 from .arena import HostArena
-from .commands import ARENA_TO_DISK, ARENA_TO_REMOTE, DEVICE_TO_ARENA, Command, Completion, Route, SlotMove
+from .commands import (ARENA_TO_DISK, ARENA_TO_REMOTE, DEVICE_TO_ARENA, Completion, DeviceMove, Route, SlotMove,
+                       WorkerCommand)
 from .envelope import Sealer
 from .keys import ChunkKey
 from .tier import Failure, TierResult
@@ -98,7 +99,7 @@ class StoreExecutor:
 
     # ---- commands -------------------------------------------------------------------------------------------------
 
-    def submit(self, commands: Sequence[Command]) -> None:
+    def submit(self, commands: Sequence[WorkerCommand]) -> None:
         """Runs (or starts) every command in order; consecutive commands of one batched route go as one batch."""
         context = self.context
         with context.lock:
@@ -115,7 +116,7 @@ class StoreExecutor:
                 self._submitting -= 1
                 context.idle.notify_all()
 
-    def _admitted(self, commands: Sequence[Command]) -> list[Command]:
+    def _admitted(self, commands: Sequence[WorkerCommand]) -> list[WorkerCommand]:
         """The commands that may run here; each refused one is answered now."""
         admitted, stale, slots = [], [], self.arena.num_slots
         for command in commands:
@@ -124,7 +125,7 @@ class StoreExecutor:
                 self.context.report(command.cmd_id, TierResult.fail(
                     Failure.ERROR, f"issued for node cache epoch {command.epoch}, but this rank maps epoch "
                     f"{self.epoch}: never run against another epoch's pages"))
-            elif not isinstance(command, SlotMove) or 0 <= command.slot < slots:
+            elif not isinstance(command, (SlotMove, DeviceMove)) or 0 <= command.slot < slots:
                 admitted.append(command)
             else:  # index and worker disagree on the arena (cpu_bytes or chunk size): refuse, never touch memory
                 logger.error("rank %d: command %d names arena slot %d of %d", self.rank, command.cmd_id,
@@ -137,7 +138,7 @@ class StoreExecutor:
                            "recompute, stores are not made)", self.rank, len(stale), stale[0].epoch, self.epoch)
         return admitted
 
-    def _dispatch(self, commands: Sequence[Command]) -> None:
+    def _dispatch(self, commands: Sequence[WorkerCommand]) -> None:
         position = 0
         while position < len(commands):
             route = commands[position].route
@@ -158,7 +159,7 @@ class StoreExecutor:
                     self.context.report(failed.cmd_id, TierResult.fail(Failure.ERROR, str(exc)))
             position = end
 
-    def refuse(self, commands: Sequence[Command], reason: str) -> None:
+    def refuse(self, commands: Sequence[WorkerCommand], reason: str) -> None:
         """Answers `commands` as failed without running them (their arena is gone: the node cache went away)."""
         with self.context.lock:
             self.context.outstanding += len(commands)

@@ -2,11 +2,12 @@
 
 `KVMover` is the store executor's `DeviceMover`: a lane per direction (thread, backend, stream) runs each step's
 loads and stores as one kernel launch each, ordered against the model's stream by events (`streams.py`), from the
-block windows the scheduler sent (`plans.py`). Nothing here knows vLLM.
+device moves the scheduler sent (each a command with its block window, `plans.py`). Nothing here knows vLLM.
 """
 
+from ..store.commands import BlockWindow, DeviceMove
 from .mover import KVMover
-from .plans import BlockWindow, LoadPlan, StorePlan
+from .plans import LoadPlan, StorePlan
 from .streams import DeviceStreamKit, StreamKit
 
-__all__ = ["BlockWindow", "DeviceStreamKit", "KVMover", "LoadPlan", "StorePlan", "StreamKit"]
+__all__ = ["BlockWindow", "DeviceMove", "DeviceStreamKit", "KVMover", "LoadPlan", "StorePlan", "StreamKit"]

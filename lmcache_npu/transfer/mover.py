@@ -1,7 +1,10 @@
 """The worker's `DeviceMover`: device pages <-> arena slots through the transfer backend, off the model's path.
 
-`run` (on the model's thread) records where the model's stream is and queues the batch on a lane (a thread with its
-own backend and, on NPU/CUDA, its own stream) that runs it as one kernel launch and reports every command.
+`run` (on the model's thread) takes a batch of device moves (each a Store or Load with its block window, so nothing
+is joined by command id), records where the model's stream is and queues the batch on a lane (a thread with its own
+backend and, on NPU/CUDA, its own stream) that runs it as one kernel launch and reports every command.
+`run_sliced` runs a load as S launches, one per slice of `slices.py` (forward order), each followed by an event the
+model's stream can wait on (`slice_progress.SlicedLoad`).
 `release_pages` is the page fence: the model's stream waits only for queued stores that read a page the step writes.
 Why that keeps every page safe: docs/architecture.md §4, "Page lifetime".
 """
@@ -12,34 +15,59 @@ import logging
 import queue
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Collection, Optional, Sequence, Union
+from typing import Any, Callable, Collection, Optional, Sequence
 
 import numpy as np
 import torch
 
 from ..layout.discovery import KVLayout
 from ..layout.slots import chunk_slots, row_tokens
-from ..ops import SKIP_SLOT, ChunkBatch, Direction, TransferBackend
-from ..store.commands import Load, Store
+from ..ops import SKIP_SLOT, ChunkBatch, Direction, TransferBackend, TransferStats
+from ..store.commands import DeviceMove
 from ..store.routes.context import Report
 from ..store.tier import Failure, TierCounters, TierResult
-from .plans import LoadPlan, StorePlan
+from .slice_progress import SlicedLoad
+from .slices import SlicePlan, check_slice_order
 from .streams import StreamKit
 from ..store.metrics import Metric
 
 logger = logging.getLogger(__name__)
 
-Plan = Union[LoadPlan, StorePlan]
+# called on the load lane's thread once slice `index` is launched, with its event (None on the host: landed already)
+SliceDone = Callable[[int, Optional[Any]], None]
+
+
+def check_moves(moves: Sequence[object]) -> Direction:
+    """The one direction of a batch of device moves; raises (naming the rule) before anything is queued for a batch
+    that is empty, holds something else (a bare Store/Load has no device end), or mixes stores and loads."""
+    if not moves:
+        raise ValueError("a device batch needs at least one move")
+    for move in moves:
+        if not isinstance(move, DeviceMove):
+            raise TypeError(f"KVMover moves DeviceMove objects (a Store/Load with its block window), got "
+                            f"{type(move).__name__}: a command without its device end cannot be placed in pages")
+    stores = {move.is_store for move in moves}  # type: ignore[union-attr]
+    if len(stores) > 1:
+        raise ValueError("a device batch is all stores or all loads (one kernel launch has one direction)")
+    return Direction.STORE if stores.pop() else Direction.LOAD
+
+
+@dataclass(eq=False)
+class _Slicing:
+    """A sliced load's progress (what the model's thread waits on) and the caller's per-slice callback."""
+
+    progress: SlicedLoad
+    on_slice_done: Optional[SliceDone]
 
 
 @dataclass(eq=False)
 class _Job:
     direction: Direction
-    commands: list[Union[Store, Load]]
+    moves: list[DeviceMove]
     objects: list[torch.Tensor]
-    plans: list[Optional[Plan]]  # each command's request window, taken on the model's thread
     report: Report
     ready: Optional[Any]  # the model stream's position the transfer waits for
+    slicing: Optional[_Slicing] = None  # a load launched slice by slice (run_sliced)
     kernel_done: threading.Event = field(default_factory=threading.Event)  # set once pages_event exists (or None)
     pages_event: Optional[Any] = None  # completes when the kernel is done with the pages
     finished: threading.Event = field(default_factory=threading.Event)  # the lane is done: no page is read any more
@@ -54,6 +82,7 @@ class _Lane:
         self.kit = kit
         self.jobs: "queue.Queue[Optional[_Job]]" = queue.Queue()
         self.thread: Optional[threading.Thread] = None
+        self.prepared: set[int] = set()  # ids of the slice plans whose tables the backend holds (the lane's thread)
 
 
 class KVMover:
@@ -66,7 +95,6 @@ class KVMover:
         self.load_retries = load_retries
         self.counters = counters
         self.kit = make_kit()  # the model thread's view: events on the model's stream
-        self._plans: dict[int, Plan] = {}  # this step's plans by command id; only the model's thread touches it
         self._reading: list[_Job] = []  # store jobs the model's stream has not waited for, maybe still reading
         self.fence_waits = 0  # store batches the model's stream waited for (since start; stats get the deltas)
         self.fence_skips = 0  # in-flight store batches a fence let read on beside the step (counted per fence)
@@ -88,19 +116,31 @@ class KVMover:
 
     # ---- the model's thread -----------------------------------------------------------------------------------
 
-    def expect(self, plans: Sequence[Plan]) -> None:
-        """The requests behind this step's Load/Store commands: their block windows and which rows to leave alone.
-        Replaces the previous step's plans: a command the executor never passed on (a refused slot) leaves nothing."""
-        self._plans = {cmd_id: plan for plan in plans for cmd_id in plan.cmd_ids}
-
-    def run(self, commands: Sequence[Union[Store, Load]], objects: Sequence[torch.Tensor], report: Report) -> None:
-        """DeviceMover: queue one batch (all Stores or all Loads) behind everything the model has enqueued so far."""
-        direction = Direction.STORE if isinstance(commands[0], Store) else Direction.LOAD
-        plans = [self._plans.pop(c.cmd_id, None) for c in commands]
-        job = _Job(direction, list(commands), list(objects), plans, report, self.kit.record())
+    def run(self, moves: Sequence[DeviceMove], objects: Sequence[torch.Tensor], report: Report) -> None:
+        """DeviceMover: queue one batch (all stores or all loads) behind everything the model has enqueued so far."""
+        direction = check_moves(moves)
+        job = _Job(direction, list(moves), list(objects), report, self.kit.record())
         if direction == Direction.STORE:
             self._reading.append(job)
         self._lanes[direction].jobs.put(job)
+
+    def run_sliced(self, moves: Sequence[DeviceMove], objects: Sequence[torch.Tensor], report: Report,
+                   slices: SlicePlan, on_slice_done: Optional[SliceDone] = None) -> SlicedLoad:
+        """A load launched slice by slice on the load lane, each slice one batch (one kernel launch) over its plane
+        subset, in forward order, behind everything the model has enqueued so far; an event is recorded after each.
+        Returns the handle `wait_for_layer_load` waits on. Every command is reported once, after the last slice (or
+        when the load fails). Raises before anything is queued for stores, or for slices of another layout or out
+        of the forward's order."""
+        if check_moves(moves) != Direction.LOAD:
+            raise ValueError("run_sliced moves loads only: a store has no layer to wait for")
+        if len(objects) != len(moves):
+            raise ValueError(f"run_sliced: {len(moves)} moves but {len(objects)} arena objects")
+        check_slice_order(slices, self.layout)
+        progress = SlicedLoad(slices, self.kit)
+        job = _Job(Direction.LOAD, list(moves), list(objects), report, self.kit.record(),
+                   _Slicing(progress, on_slice_done))
+        self._lanes[Direction.LOAD].jobs.put(job)
+        return progress
 
     def release_pages(self, stores: Optional[Collection[int]] = None) -> int:
         """Before the model may overwrite pages: the model's stream waits until each queued store batch holding a
@@ -113,7 +153,7 @@ class KVMover:
         for job in self._reading:
             if job.finished.is_set():
                 continue  # its backend returned after synchronizing: nothing of it reads a page
-            if wanted is None or any(c.cmd_id in wanted for c in job.commands):
+            if wanted is None or any(m.cmd_id in wanted for m in job.moves):
                 job.kernel_done.wait()
                 self.kit.wait(job.pages_event)
                 waits += 1  # the stream keeps its order: later work of the model is behind this batch for good
@@ -145,7 +185,7 @@ class KVMover:
             logger.exception("rank %d: the %s thread has no device stream", self.rank, lane.name)
             failure = TierResult.fail(Failure.DEVICE, f"the {lane.name} thread could not bind its device: {exc}")
             while (job := lane.jobs.get()) is not None:
-                self._report_all(job, job.commands, failure)
+                self._fail(job, job.moves, failure.reason)
                 job.kernel_done.set()
                 job.finished.set()
             return
@@ -155,7 +195,7 @@ class KVMover:
                     self._execute(lane, job)
                 except Exception as exc:  # a bug here must fail the batch, never stop the thread or hang the index
                     logger.exception("rank %d: transfer thread error", self.rank)
-                    self._report_all(job, job.commands, TierResult.fail(Failure.DEVICE, str(exc)))
+                    self._fail(job, job.moves, str(exc))
                 finally:
                     job.kernel_done.set()  # a batch that never launched touched no page
                     job.finished.set()
@@ -169,86 +209,114 @@ class KVMover:
         job.kernel_done.set()
 
     def _execute(self, lane: _Lane, job: _Job) -> None:
-        commands, objects, slots = self._slots(job)
-        if not commands:
+        moves, objects, slots = self._slots(job)
+        sliced = job.slicing
+        if not moves:
+            if sliced is not None:
+                sliced.progress.failed("every move of the load was refused")
             return
         lane.kit.wait(job.ready)
         loads = job.direction == Direction.LOAD
-        try:
-            batch = ChunkBatch.build(self.layout.plan, slots, objects, job.direction)
+        plans = [self.layout.plan] if sliced is None else [piece.plan for piece in sliced.progress.slices.slices]
+        try:  # every slice's batch is checked before the first one launches
+            batches = [None if not plan.moved_planes and sliced is not None else
+                       ChunkBatch.build(plan, slots, objects, job.direction) for plan in plans]
         except ValueError as exc:  # validation refused it before any kernel ran: nothing was touched
             logger.error("rank %d: %s of %d chunks refused: %s", self.rank, job.direction.name.lower(),
-                         len(commands), exc)
-            self._report_all(job, commands, TierResult.fail(Failure.DEVICE, str(exc)))
+                         len(moves), exc)
+            self._fail(job, moves, str(exc))
             return
+        payload = seconds_spent = 0.0
+        for index, batch in enumerate(batches):
+            if batch is not None:
+                if id(batch.plan) not in lane.prepared:  # a slice's plane subset: its tables, once, on this lane
+                    lane.backend.prepare(batch.plan)
+                    lane.prepared.add(id(batch.plan))
+                stats = self._transfer(lane, job, batch, moves)
+                if stats is None:
+                    return
+                payload += stats.payload_bytes
+                seconds_spent += stats.device_seconds or stats.seconds
+            if sliced is not None:
+                event = lane.kit.record()  # after this slice's kernel on the lane's stream (None on the host)
+                sliced.progress.landed(index, event)
+                if sliced.on_slice_done is not None:
+                    sliced.on_slice_done(index, event)
+        chunks, moved, seconds = ((Metric.LOADED_CHUNKS, Metric.LOADED_BYTES, Metric.LOAD_SECONDS) if loads else
+                                  (Metric.STORED_CHUNKS, Metric.STORED_BYTES, Metric.STORE_SECONDS))
+        self.counters.add(chunks, len(moves))
+        self.counters.add(moved, int(payload))
+        self.counters.add(seconds, seconds_spent)
+        self._report_all(job, moves, TierResult(True, seconds=seconds_spent))  # the cost model learns the move alone
+
+    def _transfer(self, lane: _Lane, job: _Job, batch: ChunkBatch,
+                  moves: Sequence[DeviceMove]) -> Optional[TransferStats]:
+        """One launch, retried for loads (every row is rewritten); None once it failed for good (then reported)."""
+        loads = job.direction == Direction.LOAD
         attempts = 1 + (self.load_retries if loads else 0)
         for attempt in range(attempts):
             try:
-                stats = lane.backend.transfer(batch, after_kernel=lambda event: self._after_kernel(lane, job, event))
-                break
-            except Exception as exc:  # a device fault: retried for loads (every row is rewritten), else reported
+                return lane.backend.transfer(batch, after_kernel=lambda event: self._after_kernel(lane, job, event))
+            except Exception as exc:  # a device fault: retried for loads, else reported
                 self.counters.add(Metric.TRANSFER_FAILURES)
                 logger.exception("rank %d: %s of %d chunks failed (attempt %d of %d)", self.rank,
-                                 job.direction.name.lower(), len(commands), attempt + 1, attempts)
+                                 job.direction.name.lower(), len(moves), attempt + 1, attempts)
                 if attempt + 1 == attempts:
-                    self._report_all(job, commands, TierResult.fail(Failure.DEVICE, str(exc)))
-                    return
+                    self._fail(job, moves, str(exc))
+                    return None
                 self.counters.add(Metric.LOAD_RETRIES)
-        chunks, moved, seconds = ((Metric.LOADED_CHUNKS, Metric.LOADED_BYTES, Metric.LOAD_SECONDS) if loads else
-                                  (Metric.STORED_CHUNKS, Metric.STORED_BYTES, Metric.STORE_SECONDS))
-        self.counters.add(chunks, len(commands))
-        self.counters.add(moved, stats.payload_bytes)
-        moved_s = stats.device_seconds or stats.seconds
-        self.counters.add(seconds, moved_s)
-        self._report_all(job, commands, TierResult(True, seconds=moved_s))  # the cost model learns the move alone
+        return None
 
-    def _report_all(self, job: _Job, commands: Sequence[Union[Store, Load]], result: TierResult) -> None:
-        for command in commands:
-            job.report(command.cmd_id, result)
+    def _fail(self, job: _Job, moves: Sequence[DeviceMove], reason: str) -> None:
+        """Every one of `moves` failed; a sliced load's waiters are released and told why."""
+        if job.slicing is not None:
+            job.slicing.progress.failed(reason)
+        self._report_all(job, moves, TierResult.fail(Failure.DEVICE, reason))
 
-    def _slots(self, job: _Job) -> tuple[list, list, list[Optional[np.ndarray]]]:
-        """Slot matrices of the batch (one per plan group, chunks in command order) and the commands they cover;
-        a command without its plan, or a store that would write zeros for rows the model needs, is refused."""
+    def _report_all(self, job: _Job, moves: Sequence[DeviceMove], result: TierResult) -> None:
+        for move in moves:
+            job.report(move.cmd_id, result)
+
+    def _slots(self, job: _Job) -> tuple[list[DeviceMove], list[torch.Tensor], list[Optional[np.ndarray]]]:
+        """Slot matrices of the batch (one per plan group, chunks in move order) and the moves they cover; a store
+        that would write zeros for rows the model needs is refused."""
         layout, chunk = self.layout, self.layout.plan.chunk_tokens
         rows: list[list[np.ndarray]] = [[] for _ in layout.groups]
-        keep_commands, keep_objects = [], []
-        for command, obj, plan in zip(job.commands, job.objects, job.plans):
-            if plan is None:
-                job.report(command.cmd_id, TierResult.fail(Failure.DEVICE, "no block window for this command"))
-                continue
-            per_group = self._command_slots(command, plan, chunk)
+        keep_moves, keep_objects = [], []
+        for move, obj in zip(job.moves, job.objects):
+            per_group = self._move_slots(move, chunk)
             if per_group is None:
-                job.report(command.cmd_id,
-                           TierResult.fail(Failure.DEVICE, "the chunk's rows are not all in live blocks"))
+                job.report(move.cmd_id, TierResult.fail(Failure.DEVICE, "the chunk's rows are not all in live blocks"))
                 continue
             for g, matrix in enumerate(per_group):
                 rows[g].append(matrix)
-            keep_commands.append(command)
+            keep_moves.append(move)
             keep_objects.append(obj)
-        slots = [None if g.skipped or not keep_commands else np.concatenate(rows[g.index]) for g in layout.groups]
-        return keep_commands, keep_objects, slots
+        slots = [None if g.skipped or not keep_moves else np.concatenate(rows[g.index]) for g in layout.groups]
+        return keep_moves, keep_objects, slots
 
-    def _command_slots(self, command: Union[Store, Load], plan: Plan, chunk: int) -> Optional[list[np.ndarray]]:
+    def _move_slots(self, move: DeviceMove, chunk: int) -> Optional[list[np.ndarray]]:
         """(1, rows_per_chunk) slots per plan group for one chunk, with the rows this transfer leaves alone at -1."""
-        index = np.array([command.chunk_index])
+        index = np.array([move.chunk_index])
+        window = move.window
         out = []
         for g in self.layout.groups:
             if g.skipped:
                 out.append(np.zeros((1, 0), dtype=np.int64))
                 continue
             sg = g.scheduler_group
-            matrix = chunk_slots(g, chunk, plan.window.block_ids[sg], index, first_block=plan.window.first_block[sg])
-            if isinstance(plan, LoadPlan):
+            matrix = chunk_slots(g, chunk, window.block_ids[sg], index, first_block=window.first_block[sg])
+            if not move.is_store:
                 tokens = row_tokens(g, chunk, index)
-                matrix[tokens < plan.first_token] = SKIP_SLOT  # vLLM's own cached rows
-                if g.recurrent and (command.chunk_index + 1) * chunk != plan.end_token:
+                matrix[tokens < move.first_token] = SKIP_SLOT  # vLLM's own cached rows
+                if g.recurrent and (move.chunk_index + 1) * chunk != move.end_token:
                     matrix[:] = SKIP_SLOT  # only the hit's last state is read back
                 elif not g.recurrent:
-                    matrix[tokens >= plan.end_token] = SKIP_SLOT  # a hit ending inside a chunk (a P/D hand-off)
-            elif g.recurrent and command.cmd_id in plan.without_end_state:
+                    matrix[tokens >= move.end_token] = SKIP_SLOT  # a hit ending inside a chunk (a P/D hand-off)
+            elif g.recurrent and move.without_end_state:
                 matrix[:] = SKIP_SLOT
             else:
-                past = (row_tokens(g, chunk, index) >= plan.tail_end) if plan.tail_end else None
+                past = (row_tokens(g, chunk, index) >= move.end_token) if move.end_token else None
                 if (matrix[~past] if past is not None else matrix).min(initial=0) < 0:
                     return None
                 if past is not None:  # a prompt's partial last chunk: rows past the prompt are not the request's yet

@@ -1,18 +1,12 @@
-"""What the scheduler asks one step to move for one request: the chunks, the part of its block table they touch, and
-which rows to leave alone. Plain picklable dataclasses; the connector's metadata carries them to every worker."""
+"""What the scheduler asks one step to move for one request: its device moves (each a Store or Load with its block
+window, `store.commands.DeviceMove`) and what the worker reports a failed load with. Plain picklable dataclasses; the
+connector's metadata carries them to every worker (pickle keeps one copy of the window the moves share)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-
-@dataclass(frozen=True)
-class BlockWindow:
-    """Part of one request's block table: per scheduler group, the ids of logical blocks starting at `first_block`
-    (vLLM's null block 0 marks a block it freed or never allocated)."""
-
-    first_block: tuple[int, ...]
-    block_ids: tuple[tuple[int, ...], ...]
+from ..store.commands import BlockWindow, DeviceMove
 
 
 @dataclass(frozen=True)
@@ -20,12 +14,16 @@ class LoadPlan:
     """One request's loads of this step: chunks `[first_token // chunk, end_token // chunk)` into its pages."""
 
     request_id: str
-    cmd_ids: tuple[int, ...]  # one Load per chunk, in chunk order
+    moves: tuple[DeviceMove, ...]  # one load per chunk, in chunk order
     window: BlockWindow
     first_token: int  # vLLM's own prefix cache computed the tokens before this one: their rows are left alone
     end_token: int  # the hit's end (rows from it on are left alone); only the chunk ending here loads end-state rows
     error_block_ids: tuple[int, ...] = ()  # what an invalid-block report names if the load fails
     refused: str = ""  # the index could not issue the loads (the reason): the worker reports a failed load
+
+    @property
+    def cmd_ids(self) -> tuple[int, ...]:
+        return tuple(move.cmd_id for move in self.moves)
 
 
 @dataclass(frozen=True)
@@ -33,7 +31,14 @@ class StorePlan:
     """One request's stores of this step, run after the forward that computed their last tokens."""
 
     request_id: str
-    cmd_ids: tuple[int, ...]
+    moves: tuple[DeviceMove, ...]
     window: BlockWindow
-    without_end_state: tuple[int, ...] = ()  # cmd ids stored with their end-state rows left out (zeros)
-    tail_end: int = 0  # >0: a prompt's partial last chunk (a P/D hand-off), rows from this token on stored as zeros
+
+    @property
+    def cmd_ids(self) -> tuple[int, ...]:
+        return tuple(move.cmd_id for move in self.moves)
+
+    @property
+    def without_end_state(self) -> tuple[int, ...]:
+        """Cmd ids stored with their end-state rows left out (zeros)."""
+        return tuple(move.cmd_id for move in self.moves if move.without_end_state)

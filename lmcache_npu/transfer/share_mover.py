@@ -7,19 +7,21 @@ host or the device exchange). How and why: docs/storage.md §6b "Replicated KV".
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from ..store.commands import Load, Store
+from ..store.commands import DeviceMove
 from ..store.routes.context import Report
 from ..store.tier import Failure, TierCounters, TierResult
+from ..ops import Direction
+from .mover import check_moves
 from .shares import ShareLayout
 from ..store.metrics import Metric, per_rank
 
 logger = logging.getLogger(__name__)
 
-ShareCheck = Callable[[Load, torch.Tensor], str]  # "" when the rank's stored object may be loaded, else why not
+ShareCheck = Callable[[DeviceMove, torch.Tensor], str]  # "" when the rank's stored object may be loaded, else why not
 
 
 class ShareExchange:
@@ -68,7 +70,7 @@ def _out_of_memory(exc: BaseException) -> bool:
 
 
 def _size_check(layout: ShareLayout) -> ShareCheck:
-    def check(command: Load, stored: torch.Tensor) -> str:
+    def check(command: DeviceMove, stored: torch.Tensor) -> str:
         if stored.numel() < layout.object_bytes:
             return f"share missing: slot {command.slot} holds {stored.numel()} B of {layout.object_bytes}"
         return ""
@@ -92,11 +94,11 @@ class SharedMover:
         self.pin = pin  # scratch objects page-locked, as the arena is, where a device copies them
         self.rank = layout.rank if rank is None else rank  # the worker's rank, in logs and per-rank counters
 
-    def run(self, commands: Sequence[Union[Store, Load]], objects: Sequence[torch.Tensor], report: Report) -> None:
-        if isinstance(commands[0], Store):
-            self._store(commands, objects, report)
+    def run(self, moves: Sequence[DeviceMove], objects: Sequence[torch.Tensor], report: Report) -> None:
+        if check_moves(moves) == Direction.STORE:
+            self._store(moves, objects, report)
         else:
-            self._load(commands, objects, report)  # type: ignore[arg-type]
+            self._load(moves, objects, report)
 
     def _scratch(self, count: int) -> list[torch.Tensor]:
         """Zeroed full objects for the store kernel to write: in device memory with the device exchange, so only
@@ -113,7 +115,7 @@ class SharedMover:
                                self.rank, count, count * full_bytes)
         return list(torch.zeros(count, full_bytes, dtype=torch.uint8, pin_memory=self.pin).unbind(0))
 
-    def _store(self, commands: Sequence[Union[Store, Load]], objects: Sequence[torch.Tensor], report: Report) -> None:
+    def _store(self, commands: Sequence[DeviceMove], objects: Sequence[torch.Tensor], report: Report) -> None:
         scratch = self._scratch(len(commands))
         where = {c.cmd_id: (full, stored) for c, full, stored in zip(commands, scratch, objects)}
         rank = self.rank
@@ -148,7 +150,7 @@ class SharedMover:
             return None
         return gathered, full
 
-    def _load(self, commands: Sequence[Load], objects: Sequence[torch.Tensor], report: Report) -> None:
+    def _load(self, commands: Sequence[DeviceMove], objects: Sequence[torch.Tensor], report: Report) -> None:
         layout, rank = self.layout, self.rank
         local: list[str] = []
         for command, stored in zip(commands, objects):

@@ -182,28 +182,27 @@ def test_with_the_fail_policy_a_failed_load_fails_its_request_and_the_log_says_s
 
 @pytest.mark.parametrize("lost", ["Load", "Store"])
 def test_a_command_the_workers_never_receive_fails_at_its_deadline_and_nothing_hangs(make_engine, monkeypatch, lost):
-    """A plan names a command whose bytes never reach the workers (a bug of some future path, as the node cache's
-    lost outbox was): at the worker's deadline a load recomputes and a store settles, so the request leaves
+    """A plan names a device move whose bytes never run on the workers (a bug of some future path, as the node
+    cache's lost outbox was): at the worker's deadline a load recomputes and a store settles, so the request leaves
     WAITING_FOR_REMOTE_KVS, the delayed free is reported and every block comes back."""
     from lmcache_npu.integration.vllm import worker as worker_module
 
     monkeypatch.setattr(worker_module, "COMMAND_DEADLINE_S", 0.5)
     engine = preset_engine(make_engine, "llama3-8b", "ascend")
-    index = engine.connector.scheduler_half.index
     text = prompt(2 * 256 + 10, seed=31)
     if lost == "Load":
         engine.add(text, max_tokens=2, request_id="a")
         engine.run()
-    real = index.take_commands
+    executor = engine.workers[0].worker_half.executor
+    real = executor.submit
     dropped: list[int] = []
 
-    def losing() -> list:
-        commands = real()
+    def losing(commands: list) -> None:  # the worker booked the moves from the plans; their bytes never run
         if not dropped:
-            dropped.extend(c.cmd_id for c in commands if type(c).__name__ == lost)
-        return [c for c in commands if c.cmd_id not in dropped]
+            dropped.extend(c.cmd_id for c in commands if type(getattr(c, "command", c)).__name__ == lost)
+        real([c for c in commands if c.cmd_id not in dropped])
 
-    index.take_commands = losing
+    executor.submit = losing
     engine.add(text + [5, 6], max_tokens=2, request_id="b")
     engine.run(max_steps=1000)  # without a deadline "b" waits for its KV (or its blocks) forever
     assert dropped and len(engine.output_tokens("b")) == 2

@@ -49,16 +49,16 @@ class SkipsPlane(Wrapped):
 
 @pytest.mark.parametrize("preset,family", LAYOUTS)
 def test_a_load_of_the_neighbouring_rows_is_caught(make_engine, monkeypatch, preset, family):
-    original = mover_module.KVMover._command_slots
+    original = mover_module.KVMover._move_slots
 
-    def shifted(self, command, plan, chunk):
-        out = original(self, command, plan, chunk)
-        if out is not None and isinstance(plan, mover_module.LoadPlan):
+    def shifted(self, move, chunk):
+        out = original(self, move, chunk)
+        if out is not None and not move.is_store:
             for matrix in out:
                 matrix[:] = np.roll(matrix, 1, axis=1)  # row r receives row r-1's bytes
         return out
 
-    monkeypatch.setattr(mover_module.KVMover, "_command_slots", shifted)
+    monkeypatch.setattr(mover_module.KVMover, "_move_slots", shifted)
     engine = preset_engine(make_engine, preset, family)
     with pytest.raises(AssertionError, match="differ from the model's bytes"):
         _reuse(engine)

@@ -231,8 +231,9 @@ def test_a_worker_never_runs_one_epochs_commands_against_anothers_pages(make_eng
 
     def e2_dies_after_this_step_is_built(scheduler_output: Any) -> Any:
         meta = build(scheduler_output)
-        if meta.commands and not third:
-            assert {c.epoch for c in meta.commands} == {meta.node_epoch} == {client.epoch}
+        step = [*meta.commands, *meta.load_moves(), *meta.store_moves()]
+        if step and not third:
+            assert {c.epoch for c in step} == {meta.node_epoch} == {client.epoch}
             third.append(_restart(second, path))  # E3, before the worker follows the step's epoch
             deadline = time.monotonic() + 10
             while worker_half._node.epoch != third[0].instance + "/0" and time.monotonic() < deadline:

@@ -23,7 +23,7 @@ from lmcache_npu.integration.vllm.metadata import LMCacheNPUConnectorMetadata
 from lmcache_npu.ops import Direction
 from lmcache_npu.store.commands import Store
 from lmcache_npu.store.keys import ChunkKey
-from lmcache_npu.transfer import BlockWindow, StorePlan
+from lmcache_npu.transfer import BlockWindow, DeviceMove, StorePlan
 
 from .conftest import assert_quiescent, preset_engine, prompt
 from .sim import SimModel, prefix_hashes
@@ -61,9 +61,9 @@ class LaggingStores:
     def _install(self, mover: Any) -> None:
         run, execute, release = mover.run, mover._execute, mover.release_pages
 
-        def lagged_run(commands, objects, report) -> None:
-            run(commands, objects, report)
-            if isinstance(commands[0], Store):
+        def lagged_run(moves, objects, report) -> None:
+            run(moves, objects, report)
+            if moves[0].is_store:
                 with self.cond:
                     self.queued_at[id(mover._reading[-1])] = self.engine.steps
 
@@ -76,7 +76,7 @@ class LaggingStores:
         def fence(stores: Optional[Any] = None) -> int:
             wanted = None if stores is None else set(stores)
             waited = [j for j in mover._reading if not j.finished.is_set()
-                      and (wanted is None or any(c.cmd_id in wanted for c in j.commands))]
+                      and (wanted is None or any(m.cmd_id in wanted for m in j.moves))]
             if waited:
                 with self.cond:
                     last = max(mover._reading.index(j) for j in waited)
@@ -222,7 +222,7 @@ def _leftover_store(engine: Any, through_handle_preemptions: bool) -> tuple[np.n
 
     def store(cmd_id: int, slot: int) -> LMCacheNPUConnectorMetadata:
         command = Store(cmd_id, ChunkKey("0" * 32, cmd_id.to_bytes(8, "little")), slot, "r", 0)
-        return LMCacheNPUConnectorMetadata(commands=[command], stores=[StorePlan("r", (cmd_id,), window)],
+        return LMCacheNPUConnectorMetadata(stores=[StorePlan("r", (DeviceMove(command, window),), window)],
                                            fenced_stores=[])
 
     def zero_pages() -> None:

@@ -19,7 +19,7 @@ from lmcache_npu.store.arena import HostArena
 from lmcache_npu.store.commands import Load, Store
 from lmcache_npu.store.keys import ChunkKey
 from lmcache_npu.store.tier import TierCounters
-from lmcache_npu.transfer import BlockWindow, KVMover, LoadPlan, StorePlan, StreamKit
+from lmcache_npu.transfer import BlockWindow, DeviceMove, KVMover, StreamKit
 
 BLOCK = 16
 BLOCKS = 64
@@ -167,11 +167,10 @@ class Setup:
         cmd_id = self.last_cmd_id = next(self._ids)
         key = ChunkKey("0" * 32, cmd_id.to_bytes(8, "little"))
         if direction == Direction.STORE:
-            command, plan = Store(cmd_id, key, slot, "r", 0), StorePlan("r", (cmd_id,), self.window)
+            move = DeviceMove(Store(cmd_id, key, slot, "r", 0), self.window)
         else:
-            command, plan = Load(cmd_id, key, slot, "r", 0), LoadPlan("r", (cmd_id,), self.window, 0, CHUNK)
-        self.mover.expect([plan])
-        self.mover.run([command], [self.arena.slot(slot)], report)
+            move = DeviceMove(Load(cmd_id, key, slot, "r", 0), self.window, 0, CHUNK)
+        self.mover.run([move], [self.arena.slot(slot)], report)
         self.pending = done
         return results
 

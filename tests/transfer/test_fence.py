@@ -94,13 +94,14 @@ def test_the_fence_waits_for_exactly_the_batches_holding_a_named_store(batches, 
     s.mover.close()  # no lane: the jobs below are the mover's bookkeeping only
     jobs = []
     for ids in batches:
-        commands = [ordering.Store(i, ordering.ChunkKey("0" * 32, bytes(8)), 0, "r", 0) for i in ids]
-        job = _Job(Direction.STORE, commands, [], [None] * len(ids), lambda *a: None, None)
+        moves = [ordering.DeviceMove(ordering.Store(i, ordering.ChunkKey("0" * 32, bytes(8)), 0, "r", 0), s.window)
+                 for i in ids]
+        job = _Job(Direction.STORE, moves, [], lambda *a: None, None)
         job.kernel_done.set()  # the kernel is done (on the host its event is None); the lane still holds the batch
         jobs.append(job)
     s.mover._reading = list(jobs)
     waits = s.mover.release_pages(named)
-    hit = [job for job in jobs if {c.cmd_id for c in job.commands} & named]
+    hit = [job for job in jobs if {m.cmd_id for m in job.moves} & named]
     assert waits == len(hit)
     assert s.mover.fence_skips == len(jobs) - len(hit)
     assert s.mover._reading == [job for job in jobs if job not in hit]

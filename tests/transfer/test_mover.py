@@ -4,12 +4,13 @@ on CUDA (tests/cuda) and NPU (tests/npu) with streams and events."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from lmcache_npu.ops import Direction
-from lmcache_npu.store.commands import Store
+from lmcache_npu.store.commands import Load, Store
 from lmcache_npu.store.keys import ChunkKey
-from lmcache_npu.transfer import StorePlan
+from lmcache_npu.transfer import DeviceMove
 
 from . import ordering
 
@@ -28,16 +29,18 @@ def test_a_load_lands_in_the_pages():
     assert ordering.load_after_the_models_earlier_writes(CPU) == {3.0}
 
 
-def test_plans_live_for_one_step_a_command_from_an_older_step_is_refused():
+def test_a_command_without_its_device_end_is_refused_before_anything_is_queued():
     setup = ordering.Setup(CPU)
     results = setup.run(Direction.STORE)
     setup.pending.wait(60)
     assert results[0][1].ok
-    stale = Store(99, ChunkKey("0" * 32, b"stale..."), 1, "r", 0)
-    setup.mover.expect([StorePlan("r", (99,), setup.window)])
-    setup.mover.expect([])  # the next step: command 99 never reached the mover in its own step
+    bare = Store(99, ChunkKey("0" * 32, b"bare...."), 1, "r", 0)
     done = []
-    setup.mover.run([stale], [setup.arena.slot(1)], lambda cmd_id, result: done.append(result))
+    with pytest.raises(TypeError, match="DeviceMove"):
+        setup.mover.run([bare], [setup.arena.slot(1)], lambda cmd_id, result: done.append(result))
+    mixed = [DeviceMove(bare, setup.window), DeviceMove(Load(98, bare.key, 2, "r", 0), setup.window, 0, 1)]
+    with pytest.raises(ValueError, match="all stores or all loads"):
+        setup.mover.run(mixed, [setup.arena.slot(1), setup.arena.slot(2)], lambda cmd_id, result: done.append(result))
     setup.mover.release_pages()
-    assert len(done) == 1 and not done[0].ok and "no block window" in done[0].reason
+    assert done == []
     setup.mover.close()

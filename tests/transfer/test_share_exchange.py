@@ -20,7 +20,7 @@ import torch.multiprocessing as mp
 from lmcache_npu.ops import ChunkBatch, Direction, GroupSpec, Plane, TransferPlan
 from lmcache_npu.ops.backend import get_backend
 from lmcache_npu.ops.torch_backend import TorchBackend
-from lmcache_npu.store.commands import Load, Store
+from lmcache_npu.store.commands import BlockWindow, DeviceMove, Load, Store
 from lmcache_npu.store.keys import ChunkKey
 from lmcache_npu.store.tier import OK, TierCounters
 from lmcache_npu.transfer.share_mover import ShareExchange, SharedMover
@@ -30,6 +30,7 @@ BLOCKS, ROWS_PER_BLOCK, CHUNK = 12, 16, 32  # a chunk is two blocks
 SOURCE = [[0, 1], [2, 3]]  # blocks the two chunks are stored from
 TARGET = [[6, 7], [8, 9]]  # blocks they are loaded into
 SENTINEL = 0xA5
+NO_WINDOW = BlockWindow((0,), ((),))  # WholeObjectMover places chunks by SOURCE/TARGET, not by a block window
 
 
 class WholeObjectMover:
@@ -42,7 +43,7 @@ class WholeObjectMover:
         self.seen: list[torch.Tensor] = []  # the objects it was handed
 
     def run(self, commands: Sequence[Any], objects: Sequence[torch.Tensor], report: Any) -> None:
-        direction = Direction.STORE if isinstance(commands[0], Store) else Direction.LOAD
+        direction = Direction.STORE if commands[0].is_store else Direction.LOAD
         self.seen.extend(objects)
         rows = np.array([[b * ROWS_PER_BLOCK + r for b in self.blocks[c.chunk_index] for r in range(ROWS_PER_BLOCK)]
                          for c in commands], dtype=np.int64)
@@ -99,7 +100,7 @@ def _worker(rank: int, size: int, init: str, out: str, fault: str, kind: str, sh
         if rank == 1 and fault == "no_device_memory":
             mover._device_buffers = lambda count: None  # this rank's device is full: the group exchanges on the host
         arena = [torch.zeros(layout.object_bytes, dtype=torch.uint8) for _ in SOURCE]
-        mover.run([Store(i, key, i, "r", i) for i in range(len(SOURCE))], arena,
+        mover.run([DeviceMove(Store(i, key, i, "r", i), NO_WINDOW) for i in range(len(SOURCE))], arena,
                   lambda cmd_id, result: reports.__setitem__(cmd_id, result.ok))
         for p in plan.moved_planes:
             p.pages[sum(TARGET, [])] = SENTINEL
@@ -108,7 +109,7 @@ def _worker(rank: int, size: int, init: str, out: str, fault: str, kind: str, sh
         if rank == 1 and fault == "wrong_byte":
             arena[0][layout.own_bytes] ^= 0xFF  # the first byte of rank 1's share of chunk 0
         mover.inner = loads = WholeObjectMover(plan, TARGET)
-        mover.run([Load(10 + i, key, i, "r", i) for i in range(len(TARGET))], arena,
+        mover.run([DeviceMove(Load(10 + i, key, i, "r", i), NO_WINDOW) for i in range(len(TARGET))], arena,
                   lambda cmd_id, result: reports.__setitem__(cmd_id, result.ok))
         loaded = [_rows(plan, t) == _rows(_plan(rank, torch.device("cpu"), team), s) for s, t in zip(SOURCE, TARGET)]
         untouched = [all(set(p.pages[t].flatten().cpu().tolist()) == {SENTINEL} for p in plan.moved_planes)
@@ -195,7 +196,8 @@ def test_a_store_without_device_memory_uses_host_scratch(monkeypatch: pytest.Mon
         mover = SharedMover(WholeObjectMover(plan, SOURCE), layout,
                             ShareExchange(None, object(), torch.device("cpu")), counters)
         arena = [torch.full((layout.object_bytes,), 0xEE, dtype=torch.uint8) for _ in SOURCE]
-        mover.run([Store(i, ChunkKey("0" * 32, b"k"), i, "r", i) for i in range(len(SOURCE))], arena,
+        key = ChunkKey("0" * 32, b"k")
+        mover.run([DeviceMove(Store(i, key, i, "r", i), NO_WINDOW) for i in range(len(SOURCE))], arena,
                   lambda cmd_id, result: reports.__setitem__(cmd_id, result.ok))
         return arena, reports, counters
 

@@ -1,8 +1,8 @@
 """What the connector's halves tell each other: plain picklable dataclasses, no tensors.
 
-Scheduler → every worker, once per step (`LMCacheNPUConnectorMetadata`): the store index's commands in the order
-every rank runs them, for the requests those commands move the block ids they touch, and the earlier stores whose
-pages this step writes (the page fence waits for those only). Workers → scheduler
+Scheduler → every worker, once per step (`LMCacheNPUConnectorMetadata`): the store index's tier commands in the
+order every rank runs them, each request's device moves (a Load or Store with the block ids it touches), and the
+earlier stores whose pages this step writes (the page fence waits for those only). Workers → scheduler
 (`LMCacheNPUWorkerMetadata`): each rank's command completions, and for the cost model the step numbers it ran (the
 echo of `LMCacheNPUConnectorMetadata.step`) and its timed transfer batches, merged by vLLM across ranks with
 `aggregate`; they travel beside the plans below, in either kind of deployment.
@@ -24,7 +24,7 @@ import numpy as np
 
 from ...layout.discovery import LayoutGroup
 from ...node.messages import WEIGHTS_UNNAMED
-from ...store.commands import Command, Completion
+from ...store.commands import Command, Completion, DeviceMove
 from ...store.cost import TransferSample
 from ...transfer.plans import LoadPlan, StorePlan
 from .adapter import KVConnectorHandshakeMetadata, KVConnectorMetadata, KVConnectorWorkerMetadata
@@ -33,9 +33,9 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class LMCacheNPUConnectorMetadata(KVConnectorMetadata):
-    commands: list[Command] = field(default_factory=list)
-    loads: list[LoadPlan] = field(default_factory=list)
-    stores: list[StorePlan] = field(default_factory=list)
+    commands: list[Command] = field(default_factory=list)  # the tier commands (spills, promotions, puts, drops)
+    loads: list[LoadPlan] = field(default_factory=list)  # the step's device moves, per request: loads
+    stores: list[StorePlan] = field(default_factory=list)  # and stores
     delayed_free: list[str] = field(default_factory=list)  # report finished_sending once their stores settled
     # store cmd ids of earlier steps that read a block this step writes: the page fence waits for their batches only;
     # None: the scheduler could not tell (a request it does not track), so the fence waits for every queued store
@@ -56,6 +56,14 @@ class LMCacheNPUConnectorMetadata(KVConnectorMetadata):
     # this step's number where it computes something: the workers echo it, and the scheduler times the step to its
     # output (the cost model's compute side)
     step: Optional[int] = None
+
+    def load_moves(self) -> list[DeviceMove]:
+        """Every load of the step, request by request, chunks in order."""
+        return [move for plan in self.loads for move in plan.moves]
+
+    def store_moves(self) -> list[DeviceMove]:
+        """Every store of the step, request by request."""
+        return [move for plan in self.stores for move in plan.moves]
 
 
 SlotRanges = tuple[tuple[int, int], ...]  # [first, end) arena slot ranges

@@ -21,7 +21,7 @@ import numpy as np
 
 from ...config import ConnectorConfig
 from ...layout.discovery import LayoutGroup
-from ...store.commands import Load, Store, Tier
+from ...store.commands import DeviceMove, Load, Store, Tier
 from ...store.cost import SlowTierAdmission
 from ...store.factory import scheduler_mooncake_client
 from ...store.index.contract import ChunkManager, ChunkManagerView, LookupResult
@@ -374,7 +374,6 @@ class SchedulerHalf:
             loads, refused = [], str(exc)
             logger.error("lmcache_npu: request %s: %s", request.request_id, exc)
         self.index.release(request.request_id)
-        cmd_ids = tuple(c.cmd_id for c in loads)
         self._own(state, loads, state.loads)
         self.counters.add(Metric.HIT_TOKENS, num_external_tokens)
         if state.receiving is not None:
@@ -382,9 +381,10 @@ class SchedulerHalf:
         for chunk_index, _ in chunks:
             self.counters.add(HIT_CHUNKS[state.found_in.get(chunk_index, Tier.ARENA)])
         reported = self.failure_channel is adapter.FailureChannel.INVALID_BLOCKS  # only there vLLM takes block ids
+        window = self.planner.window(state.blocks, lookup.first_chunk, lookup.first_chunk + count)
         self._loads.append(LoadPlan(
-            request_id=request.request_id, cmd_ids=cmd_ids,
-            window=self.planner.window(state.blocks, lookup.first_chunk, lookup.first_chunk + count),
+            request_id=request.request_id,
+            moves=tuple(DeviceMove(load, window, first_token, end_token) for load in loads), window=window,
             first_token=first_token, end_token=end_token, refused=refused,
             error_block_ids=self.planner.error_blocks(state.blocks, first_token, end_token) if reported else ()))
 
@@ -423,7 +423,7 @@ class SchedulerHalf:
         commands = manager.take_commands() if manager is not None else []
         self.cut.on_commands(commands)
         meta = LMCacheNPUConnectorMetadata(
-            commands=commands,
+            commands=[c for c in commands if not isinstance(c, (Load, Store))],  # those travel in the plans' moves
             loads=self._loads, stores=stores, delayed_free=self._delayed_free,
             fenced_stores=self._fenced_stores(scheduler_output, writes) if writes is not None else [],
             idle=scheduler_output.total_num_scheduled_tokens == 0, geometry_known=self._geometry_known,
@@ -488,7 +488,8 @@ class SchedulerHalf:
         self.counters.add(Metric.STORE_CHUNKS, len(commands))
         plan, reads = self.planner.plan(state.request.request_id, state.blocks, commands, set())
         self.fence.step_reads.extend(reads)
-        return [dataclasses.replace(plan, tail_end=state.request.num_prompt_tokens)]
+        tail_end = state.request.num_prompt_tokens  # rows past the prompt are not the request's yet: stored as zeros
+        return [dataclasses.replace(plan, moves=tuple(dataclasses.replace(m, end_token=tail_end) for m in plan.moves))]
 
     def request_finished(self, request: Any, block_ids: Sequence[Sequence[int]]) -> tuple[bool, Optional[dict]]:
         """Delays the free while stores of the request still read its pages (reported later as finished_sending).

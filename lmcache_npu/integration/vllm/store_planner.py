@@ -15,9 +15,9 @@ import numpy as np
 
 from ...layout.discovery import LayoutGroup
 from ...layout.slots import chunk_slots, row_tokens, stored_block_span
-from ...store.commands import Store
+from ...store.commands import BlockWindow, DeviceMove, Store
 from ...store.keys import ChunkKey
-from ...transfer.plans import BlockWindow, StorePlan
+from ...transfer.plans import StorePlan
 from . import adapter
 from .fence import StoreRead
 
@@ -80,8 +80,8 @@ class StorePlanner:
         indices = [c.chunk_index for c in commands]
         window = self.window(tables, min(indices), max(indices) + 1)
         reads = [(c.cmd_id, self.read_of(request_id, window, c.chunk_index)) for c in commands]
-        partial = tuple(c.cmd_id for c in commands if c.key in without_end_state)
-        return StorePlan(request_id, tuple(c.cmd_id for c in commands), window, partial), reads
+        moves = tuple(DeviceMove(c, window, without_end_state=c.key in without_end_state) for c in commands)
+        return StorePlan(request_id, moves, window), reads
 
     def window(self, tables: BlockTables, first_chunk: int, end_chunk: int) -> BlockWindow:
         """The part of the request's block table that chunks [first_chunk, end_chunk) touch, per scheduler group."""

@@ -28,7 +28,7 @@ from ...ops import BackendUnavailable, Direction, TransferBackend, get_backend
 from ...ops.backend import backend_for_device
 from ...node.messages import PoolGeometry
 from ...node.worker_mapping import WorkerNodeMapping
-from ...store.commands import COMMAND_DEADLINE_S, Command, Completion, Load, Store
+from ...store.commands import COMMAND_DEADLINE_S, Completion, DeviceMove, WorkerCommand
 from ...store.disk import check_disk_parent
 from ...store.cost.timer import TransferTimer
 from ...store.executor import StoreExecutor
@@ -93,7 +93,7 @@ class WorkerHalf:
         self.geometry: Optional[WorkerGeometry] = None
         self.identity: Optional[EngineIdentity] = None
         self.shares: Optional[ShareLayout] = None  # this rank's share of replicated planes (tp_share), or None
-        self._stores: list[Command] = []
+        self._stores: list[DeviceMove] = []  # the step's stores, queued at wait_for_save
         self._recv: dict[str, _Recv] = {}
         self._sends: dict[str, _Sends] = {}
         self._owner: dict[int, str] = {}  # in-flight load/store cmd id -> request id
@@ -195,13 +195,21 @@ class WorkerHalf:
         ready = self._node.follow(meta.node_epoch, self._in_flight)
         # commands in flight keep an old mapping alive through their slots; later ones run only on this epoch's pages
         self.executor.use_arena(self._node.arena, self._node.epoch)
-        if not ready and meta.commands:
-            self.counters.add(Metric.NODE_UNMAPPED_COMMANDS, len(meta.commands))
-            self.executor.refuse(meta.commands, f"the node cache's epoch {meta.node_epoch or '(none)'} is not mapped "
+        commands = self._step_commands(meta)
+        if not ready and commands:
+            self.counters.add(Metric.NODE_UNMAPPED_COMMANDS, len(commands))
+            self.executor.refuse(commands, f"the node cache's epoch {meta.node_epoch or '(none)'} is not mapped "
                                  f"on rank {self.place.rank}")
         return ready
 
-    def _submit(self, commands: list[Command]) -> None:
+    @staticmethod
+    def _step_commands(meta: LMCacheNPUConnectorMetadata) -> list[WorkerCommand]:
+        """Everything the step would run: its tier commands and its device moves (not the refused ones)."""
+        refused = {c.cmd_id for c in meta.refused}
+        moves = [m for m in (*meta.load_moves(), *meta.store_moves()) if m.cmd_id not in refused]
+        return [*meta.commands, *moves]
+
+    def _submit(self, commands: list[WorkerCommand]) -> None:
         """Runs `commands`, remembered until polled: a retired node mapping goes once none of its is in flight."""
         self._in_flight.update(c.cmd_id for c in commands)
         assert self.executor is not None
@@ -218,7 +226,7 @@ class WorkerHalf:
             return True
         logger.warning("lmcache_npu rank %d: the node cache has no live lease of this engine's scheduler; the step's "
                        "node commands are refused", self.place.rank)
-        self.executor.refuse(meta.commands, "this rank could not join its scheduler's node cache lease")
+        self.executor.refuse(self._step_commands(meta), "this rank could not join its scheduler's node cache lease")
         return False
 
     @property
@@ -264,10 +272,8 @@ class WorkerHalf:
         if self._fenced is not meta:  # a runner that skips handle_preemptions: fence here, before any load is queued
             self.handle_preemptions(meta)
         self._fenced = None
-        if not self._follow_node_epoch(meta) or not self._join_node_lease(meta):
-            meta = dataclasses.replace(meta, commands=[])
+        runnable = self._follow_node_epoch(meta) and self._join_node_lease(meta)  # else every command was refused
         self._idle_step = meta.idle
-        self.mover.expect([*meta.loads, *meta.stores])
         due = time.monotonic() + COMMAND_DEADLINE_S
         for plan in meta.loads:
             self._recv[plan.request_id] = _Recv(plan, set(plan.cmd_ids), f"refused: {plan.refused}" if plan.refused
@@ -282,9 +288,13 @@ class WorkerHalf:
             self._sends.setdefault(request_id, _Sends()).delayed = True
         if meta.refused:  # the plans name them, the node cache was lost before they were sent: failed, never run
             self.executor.refuse(meta.refused, "the node cache was lost before this command reached the workers")
-        others = [c for c in meta.commands if not isinstance(c, (Load, Store))]
-        loads = [c for c in meta.commands if isinstance(c, Load)]
-        self._stores = [c for c in meta.commands if isinstance(c, Store)]
+        if not runnable:
+            self._stores = []
+            return
+        refused = {c.cmd_id for c in meta.refused}
+        others = meta.commands
+        loads = [m for m in meta.load_moves() if m.cmd_id not in refused]
+        self._stores = [m for m in meta.store_moves() if m.cmd_id not in refused]
         if others:
             self._submit(others)  # spills, promotions, puts, drops: in the index's order
         if loads:

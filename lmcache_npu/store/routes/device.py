@@ -1,5 +1,6 @@
 """The device <-> arena routes: stores and loads move bytes between the device's paged KV cache and arena slots
-through a `DeviceMover` (the connector's transfer lanes; a fake in tests), one batch per call."""
+through a `DeviceMover` (the connector's transfer lanes; a fake in tests), one batch per call. The connector's
+commands are `DeviceMove`s (each Store/Load with its block window); the route passes them on whole."""
 
 from __future__ import annotations
 
@@ -8,18 +9,21 @@ from typing import Optional, Protocol, Sequence, Union
 
 import torch
 
-from ..commands import ARENA_TO_DEVICE, DEVICE_TO_ARENA, Load, Store
+from ..commands import ARENA_TO_DEVICE, DEVICE_TO_ARENA, DeviceMove, Load, Store, arena_end
 from ..tier import Failure, TierResult
 from .context import Report, RouteContext
 
 logger = logging.getLogger(__name__)
+
+# what a device route carries: device moves (the connector's), or bare Stores/Loads for movers that need no window
+DeviceMovable = Union[DeviceMove, Store, Load]
 
 
 class DeviceMover(Protocol):
     """Moves chunk objects between the device's paged KV cache and arena slots (one batch per call). It may raise
     only before any copy started (then the batch fails and its slots are freed); afterwards it must report."""
 
-    def run(self, commands: Sequence[Union[Store, Load]], objects: Sequence[torch.Tensor], report: Report) -> None:
+    def run(self, commands: Sequence[DeviceMovable], objects: Sequence[torch.Tensor], report: Report) -> None:
         """Store: device → objects[i]; Load: objects[i] → device. Calls `report(cmd_id, result)` once per command,
         now or later (an asynchronous copy reports when its event completes)."""
         ...
@@ -36,7 +40,7 @@ class DeviceRoute:
         self.context = context
         self.tier = mover
 
-    def submit(self, batch: Sequence[Union[Store, Load]]) -> None:
+    def submit(self, batch: Sequence[DeviceMovable]) -> None:
         report = self.context.report
         if self.tier is None:
             for command in batch:
@@ -56,7 +60,7 @@ class DeviceRoute:
             self.tier.run(batch, objects, report_once)
         except Exception as exc:  # a refused transfer fails its commands; the index frees their slots
             logger.exception("rank %d: device %s of %d chunks raised", self.context.rank,
-                             "store" if isinstance(batch[0], Store) else "load", len(batch))
+                             "store" if isinstance(arena_end(batch[0]), Store) else "load", len(batch))
             for command in batch:
                 report_once(command.cmd_id, TierResult.fail(Failure.DEVICE, str(exc)))
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import threading
 from typing import Callable, Optional, Sequence
 
-from ..commands import Command, Promote, Store
+from ..commands import Promote, Store, WorkerCommand, arena_end
 from ..envelope import Sealer, seal, unseal_at, verify
 from ..keys import ChunkKey
 from .context import RouteContext
@@ -57,9 +57,9 @@ class EnvelopeGuard:
         with self._lock(slot):
             self._sealed.pop(slot, None)
 
-    def forget_written(self, batch: Sequence[Command]) -> None:
-        """Forgets the slots that `batch`'s stores and promotions are about to write."""
-        for command in batch:
+    def forget_written(self, batch: Sequence[WorkerCommand]) -> None:
+        """Forgets the slots that `batch`'s stores (bare or as device moves) and promotions are about to write."""
+        for command in map(arena_end, batch):
             if isinstance(command, (Store, Promote)):  # new bytes are coming: the old trailer seals nothing
                 self.forget(command.slot)
 

@@ -34,7 +34,7 @@ from ...store.cost.timer import TransferTimer
 from ...store.executor import StoreExecutor
 from ...store.keys import ChunkKey
 from ...store.tier import TierCounters
-from ...transfer import BlockWindow, KVMover, LoadPlan, StorePlan
+from ...transfer import BlockWindow, DeviceMove, KVMover
 from ...transfer.pipeline import build_worker_pipeline
 from .cuda_baselines import queue_gpu_work
 from .geometry import Geometry, materialize
@@ -196,8 +196,8 @@ def run_connector_path(source: Union[Geometry, str], backend_name: str = "auto",
 
 
 class _ConnectorStep:
-    """One step's stores or loads of the request's chunks as the worker half issues them: the plans the scheduler
-    sent (`KVMover.expect`), then the commands through `StoreExecutor.submit`."""
+    """One step's stores or loads of the request's chunks as the worker half issues them: the device moves the
+    scheduler sent, through `StoreExecutor.submit`."""
 
     def __init__(self, executor: StoreExecutor, mover: KVMover, counters: TierCounters, window: BlockWindow,
                  chunks: int, chunk_tokens: int) -> None:
@@ -211,15 +211,12 @@ class _ConnectorStep:
         cmd_ids = [next(self._ids) for _ in range(self.chunks)]
         keys = [ChunkKey(REQUEST, c.to_bytes(8, "little")) for c in cmd_ids]
         arena_slots = [self.chunks + i for i in range(self.chunks)]
-        step_plan: Union[StorePlan, LoadPlan]
         if direction == Direction.STORE:
-            commands: list[Union[Store, Load]] = [Store(c, k, s, REQUEST, i)
-                                                  for i, (c, k, s) in enumerate(zip(cmd_ids, keys, arena_slots))]
-            step_plan = StorePlan(REQUEST, tuple(cmd_ids), self.window)
+            commands = [DeviceMove(Store(c, k, s, REQUEST, i), self.window)
+                        for i, (c, k, s) in enumerate(zip(cmd_ids, keys, arena_slots))]
         else:
-            commands = [Load(c, k, s, REQUEST, i) for i, (c, k, s) in enumerate(zip(cmd_ids, keys, arena_slots))]
-            step_plan = LoadPlan(REQUEST, tuple(cmd_ids), self.window, 0, self.chunks * self.chunk_tokens)
-        self.mover.expect([step_plan])
+            commands = [DeviceMove(Load(c, k, s, REQUEST, i), self.window, 0, self.chunks * self.chunk_tokens)
+                        for i, (c, k, s) in enumerate(zip(cmd_ids, keys, arena_slots))]
         self.counters.drain()
         started = time.perf_counter()
         self.executor.submit(commands)

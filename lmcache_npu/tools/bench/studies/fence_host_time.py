@@ -33,7 +33,7 @@ from lmcache_npu.store.arena import HostArena
 from lmcache_npu.store.commands import Load, Store
 from lmcache_npu.store.keys import ChunkKey
 from lmcache_npu.store.tier import TierCounters
-from lmcache_npu.transfer import BlockWindow, KVMover, LoadPlan, StorePlan, StreamKit
+from lmcache_npu.transfer import BlockWindow, DeviceMove, KVMover, StreamKit
 
 BLOCK, BLOCKS, CHUNK, LAYERS = 16, 64, 256, 8
 CASES = (("writes other pages", "none"), ("writes the store's pages", "named"), ("every store (before)", "all"))
@@ -99,11 +99,10 @@ class Bench:
         done = threading.Event()
         key = ChunkKey("0" * 32, cmd_id.to_bytes(8, "little"))
         if direction == Direction.STORE:
-            command, plan = Store(cmd_id, key, slot, "r", 0), StorePlan("r", (cmd_id,), window)
+            move = DeviceMove(Store(cmd_id, key, slot, "r", 0), window)
         else:
-            command, plan = Load(cmd_id, key, slot, "r", 0), LoadPlan("r", (cmd_id,), window, 0, CHUNK)
-        self.mover.expect([plan])
-        self.mover.run([command], [self.arena.slot(slot)], lambda c, r: done.set())
+            move = DeviceMove(Load(cmd_id, key, slot, "r", 0), window, 0, CHUNK)
+        self.mover.run([move], [self.arena.slot(slot)], lambda c, r: done.set())
         return cmd_id, done
 
     def _synchronize(self) -> None:
