@@ -89,17 +89,23 @@ def mover_of(layout: KVLayout, backend: str) -> KVMover:
     return KVMover(layout, lambda: get_backend(backend), StreamKit, 0, 0, TierCounters())
 
 
-def unsliced(case: Case, mover: KVMover, first_token: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """The pages and each moved plane's pages after one plain load."""
-    case.scrub()
+def answers(expected: int) -> tuple[Any, threading.Event, list[Any]]:
+    """A mover's `report`, an event set once `expected` commands were answered, and the answers."""
     done = threading.Event()
     results: list[Any] = []
 
     def report(cmd_id: int, result: Any) -> None:
         results.append(result)
-        if len(results) == case.chunks:
+        if len(results) == expected:
             done.set()
 
+    return report, done, results
+
+
+def unsliced(case: Case, mover: KVMover, first_token: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The pages and each moved plane's pages after one plain load."""
+    case.scrub()
+    report, done, results = answers(case.chunks)
     mover.run(case.moves(first_token), case.objects, report)
     assert done.wait(120) and all(r.ok for r in results)
     return case.pages(), case.plane_rows()
@@ -122,13 +128,7 @@ def sliced_run(case: Case, mover: KVMover, slices: SlicePlan, first_token: int,
                  if not torch.equal(now[i], expected_planes[i] if owner[i] <= index else scrubbed[i])]
         marks.append((index, wrong))
 
-    done = threading.Event()
-    results: list[Any] = []
-
-    def report(cmd_id: int, result: Any) -> None:
-        results.append(result)
-        if len(results) == case.chunks:
-            done.set()
+    report, done, results = answers(case.chunks)
 
     progress = mover.run_sliced(case.moves(first_token), case.objects, report, slices, on_slice_done)
     assert done.wait(120) and all(r.ok for r in results), [r.reason for r in results]
