@@ -168,6 +168,32 @@ def test_a_declined_tier_is_measured_again_by_a_probe_that_no_request_waits_for(
     _assert_disk_outcome(engine, "cost-model", "cost_declined_tokens_slower")  # claimed nothing, computed all
 
 
+def test_asking_again_keeps_the_standing_decision_and_locates_once(make_engine, tmp_path, monkeypatch):
+    """While a request waits for its promotions vLLM asks every step: the decision made on the first `locate`
+    stands, so later asks look up its claim without locating again (the control: the lookups it did make)."""
+    engine, text = _disk_engine(make_engine, tmp_path, "cost-model")
+    gate = threading.Event()
+    for worker in engine.workers:
+        disk = worker.worker_half.executor.disk
+        monkeypatch.setattr(disk, "read_into",
+                            lambda name, out, read=disk.read_into: (gate.wait(60), read(name, out))[1])
+    index = engine.connector.scheduler_half.index
+    calls = {"locate": 0, "lookup": 0}
+    for verb in calls:
+        monkeypatch.setattr(index, verb, lambda *a, _verb=verb, _real=getattr(index, verb): (
+            calls.__setitem__(_verb, calls[_verb] + 1), _real(*a))[1])
+    try:
+        engine.add(text + [1], max_tokens=2, request_id="again")
+        for _ in range(3):
+            engine.step()
+    finally:
+        gate.set()
+    engine.run()
+    assert calls["locate"] == 1 and calls["lookup"] >= 3
+    assert engine.loaded_tokens["again"] >= 2 * CHUNK
+    assert_quiescent(engine)
+
+
 @pytest.mark.parametrize("ahead", [True, False])
 def test_a_slow_promotion_hides_behind_the_prefills_ahead_of_its_request(make_engine, tmp_path, ahead):
     """The disk promotes a chunk in 0.5 s, the engine computes one in 0.26 s: alone (the control) the request

@@ -150,6 +150,14 @@ class CutPoint:
                              request_id, ", ".join(str(p) for p in due))
         return len(hit.sources) if decision.probing else decision.cut.chunks
 
+    def claimed(self, request_id: str, first_chunk: int) -> Optional[int]:
+        """What `claim` answered for this request's hit from `first_chunk` (the cut, since a deadline passed the
+        arena's part of it), or None when no decision stands: asking again needs no second `locate`."""
+        decision = self._decisions.get(request_id)
+        if decision is None or decision.first_chunk != first_chunk:
+            return None
+        return decision.hit_chunks if decision.probing else decision.cut.chunks
+
     def decide(self, request_id: str, hit: HitShape, result: LookupResult) -> LookupResult:
         """The lookup's answer cut where loading stops paying: a `LookupResult` of the claimed chunks (pending while
         their promotions are awaited)."""

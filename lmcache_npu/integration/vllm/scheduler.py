@@ -249,8 +249,10 @@ class SchedulerHalf:
         chosen = keys
         if self.has_end_state:
             chosen = lookup.through_partial(keys, self.index.presence(lookup.probes(keys, self.has_end_state)))
-        located = self.index.locate(chosen)
-        if located is not None and located.hit_chunks:
+        decided = self.cut.claimed(request.request_id, first)
+        if decided is not None:  # vLLM asks again (promotions in flight, no budget): the standing decision holds
+            chosen = chosen[:decided]
+        elif (located := self.index.locate(chosen)) is not None and located.hit_chunks:
             hit_keys = chosen
             if self.has_end_state:
                 located, hit_keys = lookup.ending_complete(located, chosen, keys)
