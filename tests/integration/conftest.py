@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+import os
+import tempfile
+from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 import pytest
+
+from lmcache_npu.node.capacity import NodeCapacity
+from lmcache_npu.node.service import NodeCacheService, ServiceOptions
 
 from .engine import Engine, EngineSpec
 
@@ -88,6 +93,15 @@ def assert_quiescent(engine: Engine) -> None:
         wh = worker.worker_half
         assert not wh._recv and not wh._sends and not wh._owner and not wh._stores, "worker still tracks transfers"
         assert wh.executor.context.outstanding == 0
+
+
+@pytest.fixture
+def node() -> Iterator[tuple[NodeCacheService, str]]:
+    """A node-cache service of 256 MiB and its socket path, closed after the test."""
+    path = os.path.join(tempfile.mkdtemp(prefix="lmc-node-"), "node.sock")  # socket paths must stay short
+    service = NodeCacheService(ServiceOptions(path, NodeCapacity(256 << 20))).start()
+    yield service, path
+    service.close()
 
 
 @pytest.fixture

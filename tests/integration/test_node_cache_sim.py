@@ -5,10 +5,8 @@ cache finds nothing (the control). Every engine of the node names the node's chu
 
 from __future__ import annotations
 
-import os
-import tempfile
 import time
-from typing import Any, Iterator
+from typing import Any
 from unittest import mock
 
 import pytest
@@ -25,14 +23,6 @@ from ..kv_events_view import ours
 from ..node.harness import check_invariants
 from .conftest import assert_engine_settled, preset_engine, prompt
 from .test_events import Recorder, request_chunks
-
-
-@pytest.fixture
-def node() -> Iterator[tuple[NodeCacheService, str]]:
-    path = os.path.join(tempfile.mkdtemp(prefix="lmc-sim-"), "node.sock")  # socket paths must stay short
-    service = NodeCacheService(ServiceOptions(path, NodeCapacity(256 << 20))).start()
-    yield service, path
-    service.close()
 
 
 def _engine(make_engine: Any, preset: str, path: str, **overrides: Any) -> Any:

@@ -8,30 +8,19 @@ rows one token late is caught by the row check."""
 
 from __future__ import annotations
 
-import os
-import tempfile
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import numpy as np
 import pytest
 
 from lmcache_npu.integration.vllm.adapter import HANDOFF_PARAMS_KEY
-from lmcache_npu.node.capacity import NodeCapacity
-from lmcache_npu.node.service import NodeCacheService, ServiceOptions
+from lmcache_npu.node.service import NodeCacheService
 from lmcache_npu.store.metrics import Metric
 from lmcache_npu.transfer import mover
 
 from .conftest import preset_engine, prompt
 
 ASK = {HANDOFF_PARAMS_KEY: {"do_remote_decode": True}}
-
-
-@pytest.fixture
-def node() -> Iterator[tuple[NodeCacheService, str]]:
-    path = os.path.join(tempfile.mkdtemp(prefix="lmc-pd-"), "node.sock")  # socket paths must stay short
-    service = NodeCacheService(ServiceOptions(path, NodeCapacity(256 << 20))).start()
-    yield service, path
-    service.close()
 
 
 def _engine(make_engine: Any, path: str, **extra: Any) -> Any:

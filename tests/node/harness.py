@@ -304,3 +304,21 @@ class NodeManagers:
             shutil.rmtree(directory, ignore_errors=True)
         self.nodes.clear()
         self.directories.clear()
+
+
+def half_written(start_node: Callable[..., Any], world: int) -> tuple[Any, Any, Any, list[ChunkKey], list]:
+    """Engine A's three stores handed out with their bytes in its ranks' slots, chunk 0 committed on every rank, 1
+    and 2 on rank 0 only (still being written); B is a second engine of the pool. (node, a, b, keys, stores)."""
+    node = start_node(store_config(8, world))
+    a, b = node.engine("A"), node.engine("B")
+    keys = keys_of(0, 3)
+    stores = a.client.prepare_store("a-1", list(enumerate(keys)))
+    a.client.take_commands()
+    for command in stores:
+        for rank, worker in enumerate(a.workers):
+            worker.arena.slot_array(command.slot)[:] = chunk_payload(command.key, rank, worker.arena.object_bytes)
+    answer(a.client, stores[:1], range(world))
+    answer(a.client, stores[1:], [0])
+    sync(a.client)
+    return node, a, b, keys, stores
+

@@ -12,31 +12,13 @@ from lmcache_npu.node.messages import lease_id
 from lmcache_npu.node.verbs import _writer
 from lmcache_npu.store.metrics import Metric
 
-from tests.store.fakes import chunk_payload
-
-from .harness import answer, expected_bytes, keys_of, store_config, sync, wait_for
+from .harness import answer, expected_bytes, half_written, sync, wait_for
 
 WORLD = 2
 
 
-def _writing(start_node):
-    """Engine A's three stores handed out, chunk 0 committed on every rank, 1 and 2 half written."""
-    node = start_node(store_config(8, WORLD))
-    a, b = node.engine("A"), node.engine("B")
-    keys = keys_of(0, 3)
-    stores = a.client.prepare_store("a-1", list(enumerate(keys)))
-    a.client.take_commands()
-    for command in stores:
-        for rank, worker in enumerate(a.workers):
-            worker.arena.slot_array(command.slot)[:] = chunk_payload(command.key, rank, worker.arena.object_bytes)
-    answer(a.client, stores[:1], range(WORLD))
-    answer(a.client, stores[1:], [0])
-    sync(a.client)
-    return node, a, b, keys, stores
-
-
 def test_the_named_writers_stores_in_flight_are_pending_hits_then_load_its_bytes(start_node) -> None:
-    node, a, b, keys, stores = _writing(start_node)
+    node, a, b, keys, stores = half_written(start_node, WORLD)
     writer = a.client.handoff_writer()
     assert writer == ("A", lease_id(a.client.lease)) and b.client.handoff_writer() != writer
     found = b.client.lookup_awaiting("d-1", keys, writer)
@@ -61,7 +43,7 @@ def test_the_named_writers_stores_in_flight_are_pending_hits_then_load_its_bytes
 
 @pytest.mark.parametrize("who", ["wrong lease id", "another engine's lease", "no writer"])
 def test_negative_control_without_the_writers_live_lease_its_stores_in_flight_are_misses(start_node, who) -> None:
-    node, a, b, keys, _ = _writing(start_node)
+    node, a, b, keys, _ = half_written(start_node, WORLD)
     writer = {"wrong lease id": ("A", "0" * 32), "another engine's lease": ("A", lease_id(b.client.lease)),
               "no writer": None}[who]
     found = b.client.lookup("d-1", keys) if writer is None else b.client.lookup_awaiting("d-1", keys, writer)
@@ -72,7 +54,7 @@ def test_negative_control_without_the_writers_live_lease_its_stores_in_flight_ar
 
 
 def test_the_same_engine_names_next_lease_is_another_writer(start_node) -> None:
-    node, a, b, keys, _ = _writing(start_node)
+    node, a, b, keys, _ = half_written(start_node, WORLD)
     old = a.client.handoff_writer()
     a.client.close()
     for worker in a.workers:
@@ -87,7 +69,7 @@ def test_the_same_engine_names_next_lease_is_another_writer(start_node) -> None:
 
 
 def test_a_malformed_writer_is_refused_by_name_and_answered_as_a_miss(start_node) -> None:
-    node, a, b, keys, _ = _writing(start_node)
+    node, a, b, keys, _ = half_written(start_node, WORLD)
     with pytest.raises(ValueError, match="an awaited writer must be"):
         _writer(["A"])
     with pytest.raises(ValueError, match="lease id"):

@@ -9,25 +9,13 @@ from __future__ import annotations
 from lmcache_npu.node.pool import NodePool
 from lmcache_npu.store.metrics import Metric
 
-from .harness import answer, keys_of, store_config, sync
+from .harness import answer, half_written, sync
 
 WORLD = 2
 
 
-def _half_written(start_node):
-    node = start_node(store_config(8, WORLD))
-    a, b = node.engine("A"), node.engine("B")
-    keys = keys_of(0, 3)
-    stores = a.client.prepare_store("a-1", list(enumerate(keys)))
-    a.client.take_commands()
-    answer(a.client, stores[:1], range(WORLD))  # chunk 0 committed on every rank; 1 and 2 half written
-    answer(a.client, stores[1:], [0])
-    sync(a.client)
-    return node, a, b, keys, stores
-
-
 def test_another_engines_store_in_flight_is_a_miss_and_its_own_a_pending_hit(start_node) -> None:
-    node, a, b, keys, stores = _half_written(start_node)
+    node, a, b, keys, stores = half_written(start_node, WORLD)
     found = b.client.lookup("b-1", keys)
     assert (found.hit_chunks, found.ready_chunks) == (1, 1)  # chunk 0 only: not pending on A's stores
     assert b.client.presence(keys) == [True, False, False]
@@ -46,7 +34,7 @@ def test_another_engines_store_in_flight_is_a_miss_and_its_own_a_pending_hit(sta
 
 
 def test_a_dead_writers_half_written_chunks_stop_hiding_once_its_lease_ends(start_node) -> None:
-    node, a, b, keys, _ = _half_written(start_node)
+    node, a, b, keys, _ = half_written(start_node, WORLD)
     a.client.close()
     for worker in a.workers:
         worker.close()
@@ -62,7 +50,7 @@ def test_a_dead_writers_half_written_chunks_stop_hiding_once_its_lease_ends(star
 def test_negative_control_a_node_that_shows_uncommitted_stores_makes_the_other_engine_wait(start_node,
                                                                                               monkeypatch) -> None:
     monkeypatch.setattr(NodePool, "visible", lambda self, lease, keys, count=True, awaited=None: keys)
-    _, _, b, keys, _ = _half_written(start_node)
+    _, _, b, keys, _ = half_written(start_node, WORLD)
     found = b.client.lookup("b-1", keys)
     assert found.pending and (found.hit_chunks, found.ready_chunks) == (3, 1)  # what the rule prevents
     b.client.release("b-1")
