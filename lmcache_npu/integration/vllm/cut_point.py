@@ -71,6 +71,11 @@ class _Decision:
     promoted: tuple[tuple[Path, int], ...] = ()  # chunks the claim waits for, per promotion path
     probing: bool = False  # its lookup promotes the declined chunks too (the paths' speeds are measured again)
 
+    @property
+    def looked_up(self) -> int:
+        """Hit chunks its lookups ask for: the cut, or every chunk found while it probes."""
+        return self.hit_chunks if self.probing else self.cut.chunks
+
 
 class CutPoint:
     """`policy`: "cost-model" or "load-all" (`load_policy`); `budget`: vLLM's tokens per step."""
@@ -148,7 +153,7 @@ class CutPoint:
                 self.counters.add(Metric.COST_PROBE_LOOKUPS)
                 logger.debug("lmcache_npu cut: request %s promotes its declined chunks to measure %s again",
                              request_id, ", ".join(str(p) for p in due))
-        return len(hit.sources) if decision.probing else decision.cut.chunks
+        return decision.looked_up
 
     def claimed(self, request_id: str, first_chunk: int) -> Optional[int]:
         """What `claim` answered for this request's hit from `first_chunk` (the cut, since a deadline passed the
@@ -156,7 +161,7 @@ class CutPoint:
         decision = self._decisions.get(request_id)
         if decision is None or decision.first_chunk != first_chunk:
             return None
-        return decision.hit_chunks if decision.probing else decision.cut.chunks
+        return decision.looked_up
 
     def decide(self, request_id: str, hit: HitShape, result: LookupResult) -> LookupResult:
         """The lookup's answer cut where loading stops paying: a `LookupResult` of the claimed chunks (pending while
@@ -178,7 +183,7 @@ class CutPoint:
             decision.waited = now - decision.since
         return LookupResult(chunks, min(result.ready_chunks, chunks), result.sources[:chunks])
 
-    def _first(self, hit: HitShape, now: float, request_id: str = "") -> _Decision:
+    def _first(self, hit: HitShape, now: float, request_id: str) -> _Decision:
         if self.policy == "load-all" or not self.model.fitted:
             reason = "load-all" if self.policy == "load-all" else "unfitted"
             cut = claim_all(hit, self.model)

@@ -58,6 +58,8 @@ class HookMap:
         if not now:
             return ()
         self.forwards += 1
+        if self.forwards > 1 and tuple(now) == self._order:  # every step of a steady engine: nothing to learn
+            return ()
         present = set(now)
         if self.forwards == 1:
             self._order = tuple(now)
