@@ -15,7 +15,7 @@ from lmcache_npu.store.commands import Tier
 from lmcache_npu.store.metrics import Metric
 
 from .conftest import assert_engine_settled, prompt
-from .test_node_cache_sim import _engine, node  # noqa: F401  (node: the service fixture)
+from .test_node_cache_sim import _engine
 
 STEPS = 300  # far more than either scenario needs; a lost command would keep the engine busy for all of them
 
