@@ -54,6 +54,9 @@ TP_SHARE_MODES = ("auto", "off")
 # cost-model: claim the prefix of a hit whose load beats computing it (docs/performance.md "The cost model");
 # load-all: claim every hit, however slow its tier (the plugin before issue 40; a baseline for studies)
 LOAD_POLICIES = ("cost-model", "load-all")
+# how a claimed hit loads (issue 41): auto picks per request from the cost model; async waits for the load before the
+# request is scheduled (finished_recving); sliced schedules it at once and its forward waits per slice
+LOAD_MODES = ("auto", "async", "sliced")
 TP_SHARE_EXCHANGES = ("auto", "device", "host")
 
 
@@ -88,6 +91,8 @@ class ConnectorConfig:
     # attaches in the background); a pool being made takes longer, a live one milliseconds
     node_cache_start_wait_ms: int = 5000
     load_policy: str = "cost-model"  # which hits a request claims (LOAD_POLICIES)
+    load_mode: str = "auto"  # how a claimed hit loads (LOAD_MODES)
+    load_slices: int = 4  # slices of a sliced load (the first is the smallest: the forward waits for it first)
     # how long a decode engine waits for the chunks a P/D hand-off names that its prefill engine on the node is still
     # storing (docs/deployment.md "P/D through the node cache"); past it the decode engine computes them
     handoff_wait_ms: int = 30000
@@ -125,6 +130,9 @@ class ConnectorConfig:
         check_int("handoff_wait_ms", self.handoff_wait_ms, 0, 3_600_000)
         if self.load_policy not in LOAD_POLICIES:
             raise ValueError(f"load_policy must be one of {', '.join(LOAD_POLICIES)}, got {self.load_policy!r}")
+        if self.load_mode not in LOAD_MODES:
+            raise ValueError(f"load_mode must be one of {', '.join(LOAD_MODES)}, got {self.load_mode!r}")
+        check_int("load_slices", self.load_slices, 1, 8)
         if self.tp_share_exchange not in TP_SHARE_EXCHANGES:
             raise ValueError(f"tp_share_exchange must be one of {', '.join(TP_SHARE_EXCHANGES)}, got "
                              f"{self.tp_share_exchange!r}")

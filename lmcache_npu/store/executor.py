@@ -11,11 +11,12 @@ module knows no tier. Where background work runs and how envelopes are sealed: `
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from typing import TYPE_CHECKING, Any, Collection, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Collection, Iterator, Optional, Sequence
 
 from .arena import HostArena
-from .commands import (ARENA_TO_DISK, ARENA_TO_REMOTE, DEVICE_TO_ARENA, Completion, DeviceMove, Route, SlotMove,
+from .commands import (ARENA_TO_DEVICE, ARENA_TO_DISK, ARENA_TO_REMOTE, DEVICE_TO_ARENA, Completion, DeviceMove, Route, SlotMove,
                        WorkerCommand)
 from .envelope import Sealer
 from .keys import ChunkKey
@@ -101,6 +102,28 @@ class StoreExecutor:
 
     def submit(self, commands: Sequence[WorkerCommand]) -> None:
         """Runs (or starts) every command in order; consecutive commands of one batched route go as one batch."""
+        with self._accepting(commands):
+            self._dispatch(self._admitted(commands))
+
+    def submit_sliced(self, moves: Sequence[DeviceMove], slices: Any) -> Optional[Any]:
+        """Loads into the forward about to run, launched slice by slice (`slices`: the mover's `SlicePlan`), admitted
+        as `submit` admits. Returns the mover's `SlicedLoad` the forward waits on; None when nothing of it runs
+        (every move is answered as failed)."""
+        with self._accepting(moves):
+            admitted = self._admitted(moves)
+            if not admitted:
+                return None
+            try:
+                return self.route(ARENA_TO_DEVICE).submit_sliced(admitted, slices)
+            except Exception as exc:  # nothing of it ran or answered: fail it
+                logger.exception("rank %d: sliced load %s refused", self.rank, [c.cmd_id for c in admitted])
+                for failed in admitted:
+                    self.context.report(failed.cmd_id, TierResult.fail(Failure.ERROR, str(exc)))
+                return None
+
+    @contextlib.contextmanager
+    def _accepting(self, commands: Sequence[WorkerCommand]) -> Iterator[None]:
+        """Counts `commands` outstanding and times them; `close` waits for the submit in progress."""
         context = self.context
         with context.lock:
             if self._closed:
@@ -110,7 +133,7 @@ class StoreExecutor:
         if context.timer is not None:
             context.timer.started(commands)
         try:
-            self._dispatch(self._admitted(commands))
+            yield
         finally:
             with context.idle:
                 self._submitting -= 1

@@ -20,6 +20,9 @@ class LoadPlan:
     end_token: int  # the hit's end (rows from it on are left alone); only the chunk ending here loads end-state rows
     error_block_ids: tuple[int, ...] = ()  # what an invalid-block report names if the load fails
     refused: str = ""  # the index could not issue the loads (the reason): the worker reports a failed load
+    # the request computes in this step (vLLM was told load_kv_async=False): the forward waits per slice, the load is
+    # never reported as received, and a failure is reported as `error_block_ids`
+    sliced: bool = False
 
     @property
     def cmd_ids(self) -> tuple[int, ...]:

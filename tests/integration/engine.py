@@ -48,6 +48,7 @@ from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
 from lmcache_npu.integration.vllm import LMCacheNPUConnector  # noqa: E402
 from lmcache_npu.integration.vllm.stats import LMCacheNPUStats  # noqa: E402
+from lmcache_npu.transfer.slices import layer_key  # noqa: E402
 from lmcache_npu.tools.presets import PresetKV, build_preset  # noqa: E402
 
 from . import vllm_cpu  # noqa: F401  (forces the CPU platform before vLLM is used)
@@ -104,6 +105,10 @@ class EngineSpec:
     model_dir: Optional[str] = None  # the model directory vLLM is told about (its weights name the chunks); None: tiny
     # "before" / "after": a P/D connector stand-in (pd_stub.py) beside ours in vLLM's MultiConnector, in that place
     beside: Optional[str] = None
+    # layers whose attention skips wait_for_layer_load in every forward from the `skip_hooks_from`-th computing step
+    # on (vllm-ascend's MLA on short extends; a negative control of the sliced loads' guard)
+    skip_hooks: frozenset = frozenset()
+    skip_hooks_from: int = 0
 
 
 class Runner:
@@ -176,6 +181,8 @@ class Engine:
         if handshake:  # as vLLM's engine core: only when some worker has any
             self.top.set_xfer_handshake_metadata_pp_aware(handshake)
         self.sims = [SimModel(r, w.worker_half.layout) for r, w in enumerate(self.workers)]
+        self.hook_layers = [attention_layers(p.kv_cache_config) for p in self.presets]
+        self.forwards = 0  # steps that computed something
         self.runners = [Runner() for _ in self.workers]
         self.aggregator = KVOutputAggregator(spec.world)
         self.hashes: dict[str, np.ndarray] = {}
@@ -341,9 +348,11 @@ class Engine:
                 worker.start_load_kv(None)
             runner.update(so)
             if so.total_num_scheduled_tokens:
+                self._announce(worker, rank)
                 if self.spec.check_every_step:
-                    self.check([(req, starts[req.request_id]) for req, _ in scheduled], f"step {self.steps} before",
-                               [rank])
+                    doomed = self._doomed(rank)  # vLLM drops this forward's token for them and recomputes
+                    self.check([(req, starts[req.request_id]) for req, _ in scheduled if req.request_id not in doomed],
+                               f"step {self.steps} before", [rank])
                 for request, count in scheduled:
                     start = starts[request.request_id]
                     sim.forward(self._hashes(request), runner.tables[request.request_id], start, start + count)
@@ -361,7 +370,24 @@ class Engine:
             outputs.append(self._runner_output(so, scheduled, samples, kvo))
         for req_id, new in samples.items():
             self.pending.setdefault(req_id, []).extend(new)
+        ours = next((m for m in (meta, *getattr(meta, "metadata", ())) if hasattr(m, "loads")), None)
+        if ours is not None:  # a sliced load is never reported received: vLLM took its tokens when it scheduled it
+            self.loaded_tokens.update((plan.request_id, plan.end_token) for plan in ours.loads if plan.sliced)
+        self.forwards += bool(so.total_num_scheduled_tokens)
         return self.aggregator.aggregate(outputs)
+
+    def _doomed(self, rank: int) -> set[str]:
+        """Requests whose sliced load already failed on this rank when the forward starts."""
+        step = self.workers[rank].worker_half.sliced.step if self.workers[rank].worker_half.sliced else None
+        return {plan.request_id for plan in step.plans} if step is not None and step.failure else set()
+
+    def _announce(self, worker: Any, rank: int) -> None:
+        """The forward's attention layers call wait_for_layer_load in order, as vLLM's decorator does, before any
+        reads a page (the check and the simulated forward come after)."""
+        skipping = self.forwards >= self.spec.skip_hooks_from
+        for name in self.hook_layers[rank]:
+            if not (skipping and name in self.spec.skip_hooks):
+                worker.wait_for_layer_load(name)
 
     def _apply(self, so: Any, output: Any) -> None:
         kvo = output.kv_connector_output
@@ -400,6 +426,13 @@ class Engine:
     def _received_rows(self, rank: int, request_id: str, tables: list[list[int]], first: int, end: int) -> None:
         """The rows a prefill engine computed for [first, end) of the request, as the P/D stand-in receives them."""
         self.sims[rank].forward(self._hashes(self.requests[request_id]), tables, first, end)
+
+
+def attention_layers(kv_cache_config: Any) -> list[str]:
+    """The registered layers vLLM's attention decorator announces, in forward order: every one but mamba's."""
+    names = [name for group in kv_cache_config.kv_cache_groups if type(group.kv_cache_spec).__name__ != "MambaSpec"
+             for name in group.layer_names]
+    return sorted(names, key=lambda name: (layer_key(name) if isinstance(layer_key(name), int) else 1 << 30, name))
 
 
 def _ours(connector: Any) -> LMCacheNPUConnector:

@@ -67,9 +67,9 @@ class LMCacheNPUConnector(KVConnectorBase_V1, SupportsHMA):
         self.worker_half.start_load_kv(self._metadata())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Loads are asynchronous (a request's pages are read only after vLLM saw its finished_recving); the call
-        teaches the hook map which layers the runtime announces (hook_map.py), a set lookup per layer."""
-        self.worker_half.hooks.announce(layer_name)
+        """Teaches the hook map which layers the runtime announces (hook_map.py), a set lookup per layer; in a step
+        with sliced loads the model's stream also waits for this layer's slice (sliced_loads.py)."""
+        self.worker_half.wait_for_layer(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
         """Stores run once per step for all layers (`wait_for_save`), as one kernel launch."""

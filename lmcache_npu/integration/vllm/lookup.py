@@ -35,6 +35,15 @@ def claimable_before_last_held(held: int, limit: int) -> int:
     return min(limit, max(held - 1, 0))
 
 
+def claimable_keys(keys: Sequence[ChunkKey], present: Sequence[bool], has_end_state: bool,
+                   limit: int) -> tuple[list[ChunkKey], int]:
+    """EAGLE/MTP: of `keys` (`present` answers their `probes`), the at most `limit` a hit may claim, and how many held
+    chunks within the limit the one-chunk drop gives up."""
+    held = held_run(present, len(keys), has_end_state)
+    claimable = claimable_before_last_held(held, limit)
+    return list(keys[:claimable]), min(limit, held) - claimable
+
+
 def through_partial(keys: Sequence[ChunkKey], present: Sequence[bool]) -> list[ChunkKey]:
     """The key to claim per chunk of the longest held run (`present` answers `probes` with end state): the complete
     one where held, else the one without end state; cut after the last complete chunk."""

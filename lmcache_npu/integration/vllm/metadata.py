@@ -130,6 +130,7 @@ class WorkerGeometry(KVConnectorHandshakeMetadata):
     node_epoch: Optional[str] = None  # the node cache epoch the rank had mapped at the handshake ("" none)
     weights: str = WEIGHTS_UNNAMED  # how that identity names the weights (`EngineIdentity.weights_naming`)
     composed: bool = False  # the rank's connector is one child of a MultiConnector (beside a P/D connector, maybe)
+    sliced_loads: bool = False  # the rank's mover launches a load slice by slice (not with tp_share's exchange)
 
     @staticmethod
     def agree(geometries: Sequence["WorkerGeometry"], world: int) -> Optional["WorkerGeometry"]:

@@ -19,6 +19,7 @@ class AnsweredLookup:
     keys: list[ChunkKey]  # the chosen key of each hit chunk (complete or without end state)
     num_computed_tokens: int
     through: bool = False  # the hit may end inside its last chunk (a P/D hand-off's prompt, plain groups only)
+    sliced: bool = False  # it loads into this step's forward (load_mode.py), not before the request is scheduled
 
 
 @dataclass

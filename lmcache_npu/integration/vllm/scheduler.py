@@ -40,6 +40,7 @@ from .store_planner import StorePlanner, mirror_blocks
 from .stats import INDEX_METRICS, CounterDeltas, LMCacheNPUStats
 from .store_gauges import StoreGauges
 from .cut_point import CutPoint, hit_shape, prefills_ahead
+from .load_mode import LoadMode, LoadModes
 from ...store.metrics import HIT_CHUNKS, Metric
 
 logger = logging.getLogger(__name__)
@@ -97,6 +98,7 @@ class SchedulerHalf:
         self.cut = CutPoint(config.load_policy, adapter.token_budget(vllm_config), self.counters,
                             ahead=self._compute_ahead)
         self.handoffs = HandoffDesk(self.counters, config.handoff_wait_ms)
+        self.modes = LoadModes(config.load_mode, config.load_slices, config.load_policy, self.num_scheduler_groups)
 
     # ---- start-up ---------------------------------------------------------------------------------------------
 
@@ -129,6 +131,7 @@ class SchedulerHalf:
         self.namespace = agreed.namespace
         self.object_bytes = agreed.object_bytes
         self.cut.model.set_geometry(agreed.object_bytes, agreed.device)
+        self.modes.set_workers(all(g.sliced_loads for g in geometries), "tp_share's exchange loads whole objects")
         self._gauges.reset()
         self.index_counters.watch(self.index.counters, INDEX_METRICS)
         self._apply_usable_slots({g.rank: g.usable_slots for g in geometries if g.usable_slots is not None})
@@ -273,16 +276,15 @@ class SchedulerHalf:
         return self.cut.model.backlog_s(prefills_ahead(request_id, unfinished))
 
     def _before_last_held(self, state: RequestState, first: int, limit: int) -> list[ChunkKey]:
-        """EAGLE/MTP: the keys of chunks [first, ...) a hit may claim, at most `limit` (lookup.py's one-chunk drop).
-        Nothing is reserved or promoted for the proof."""
+        """EAGLE/MTP: the keys of chunks [first, ...) a hit may claim, at most `limit` (lookup.py's one-chunk drop);
+        nothing is reserved or promoted for the proof."""
         assert self.index is not None
         keys = self._keys(state, first, state.request.num_tokens // self.chunk_tokens)
         present = self.index.presence(lookup.probes(keys, self.has_end_state))
-        held = lookup.held_run(present, len(keys), self.has_end_state)
-        claimable = lookup.claimable_before_last_held(held, limit)
-        if min(limit, held) > claimable:
-            self.counters.add(Metric.EAGLE_DROPPED_CHUNKS, min(limit, held) - claimable)
-        return keys[:claimable]
+        claimable, dropped = lookup.claimable_keys(keys, present, self.has_end_state, limit)
+        if dropped:
+            self.counters.add(Metric.EAGLE_DROPPED_CHUNKS, dropped)
+        return claimable
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[Optional[int], bool]:
         state = self._state(request)
@@ -325,8 +327,10 @@ class SchedulerHalf:
         if result.ready_chunks == 0 or hit_tokens <= 0:
             self.index.release(request.request_id)
             return 0, False
-        state.lookup = AnsweredLookup(first, chosen[:result.ready_chunks], num_computed_tokens)
-        return hit_tokens, True
+        sliced = self.modes.choose(self.cut.model, result.ready_chunks, num_computed_tokens + hit_tokens,
+                                   request.num_tokens) is LoadMode.SLICED
+        state.lookup = AnsweredLookup(first, chosen[:result.ready_chunks], num_computed_tokens, sliced=sliced)
+        return hit_tokens, not sliced  # a sliced load is vLLM's synchronous one: the request computes this step
 
     def _receive(self, state: RequestState, receiving: Receiving,
                  num_computed_tokens: int) -> tuple[Optional[int], bool]:
@@ -378,16 +382,17 @@ class SchedulerHalf:
         self.index.release(request.request_id)
         self._own(state, loads, state.loads)
         self.counters.add(Metric.HIT_TOKENS, num_external_tokens)
+        self.modes.admitted(self.counters, lookup.sliced, num_external_tokens)
         if state.receiving is not None:
             self.counters.add(Metric.HANDOFFS_RECEIVED)
         for chunk_index, _ in chunks:
             self.counters.add(HIT_CHUNKS[state.found_in.get(chunk_index, Tier.ARENA)])
-        reported = self.failure_channel is adapter.FailureChannel.INVALID_BLOCKS  # only there vLLM takes block ids
+        reported = lookup.sliced or self.failure_channel is adapter.FailureChannel.INVALID_BLOCKS  # block ids taken
         window = self.planner.window(state.blocks, lookup.first_chunk, lookup.first_chunk + count)
         self._loads.append(LoadPlan(
             request_id=request.request_id,
             moves=tuple(DeviceMove(load, window, first_token, end_token) for load in loads), window=window,
-            first_token=first_token, end_token=end_token, refused=refused,
+            first_token=first_token, end_token=end_token, refused=refused, sliced=lookup.sliced,
             error_block_ids=self.planner.error_blocks(state.blocks, first_token, end_token) if reported else ()))
 
     # ---- per step ---------------------------------------------------------------------------------------------

@@ -52,6 +52,12 @@ METRICS: dict[str, str] = {  # Metric keys: a member is its name
                        "reported in that step (no wait where they were already done; per rank, summed)",
     Metric.STEP_LOAD_WAIT_MISSES: "of those, steps whose loads were not done within the wait (reported at a later step; per "
                              "rank, summed)",
+    Metric.SLICED_LOADS: "hits loaded into the forward that computes their request (load_mode sliced or chosen by auto)",
+    Metric.SLICED_LOAD_TOKENS: "tokens of those hits",
+    Metric.SLICED_LOAD_FAILURES: "sliced loads that failed on some rank: vLLM recomputes their blocks and drops the "
+                                 "step's token (per rank, summed)",
+    Metric.SLICED_LOAD_UNWAITED: "of those, loads a forward may have read before they landed (a layer that consumes a "
+                                 "slice ran without announcing itself; per rank, summed)",
     Metric.FENCE_WAITS: "store batches the model's stream waited for before a step wrote pages they still read "
                    "(summed over ranks)",
     Metric.FENCE_SKIPS: "in-flight store batches a step let read on, since it wrote none of their pages (per step, summed "

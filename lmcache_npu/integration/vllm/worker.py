@@ -40,6 +40,7 @@ from ...transfer.shares import ShareLayout
 from . import adapter, tp_share
 from .engine_identity import EngineIdentity, engine_identity
 from .hook_map import HookMap
+from .sliced_loads import SlicedLoads, SlicedStep
 from .load_wait import IDLE_WAIT_S, StepLoadWait
 from .metadata import LMCacheNPUConnectorMetadata, LMCacheNPUWorkerMetadata, WorkerGeometry, plan_group_geometry
 from .stats import DISK_METRICS, REMOTE_METRICS, CounterDeltas, LMCacheNPUStats
@@ -113,6 +114,8 @@ class WorkerHalf:
         self._geometry_known = False  # the scheduler said it has every rank's plan: no more sending it
         self._steps: list[int] = []  # step numbers run since the last worker metadata (the scheduler times them)
         self.hooks = HookMap()  # the layers this runtime announces through wait_for_layer_load, learned per forward
+        self.sliced: Optional[SlicedLoads] = None  # loads into the step's own forward (not with tp_share's exchange)
+        self._sliced_step: Optional[SlicedStep] = None  # the last forward's sliced load, for get_finished's verdict
 
     # ---- start-up ---------------------------------------------------------------------------------------------
 
@@ -160,6 +163,7 @@ class WorkerHalf:
         if self._node is not None:  # the node's commands run only against the epoch they were issued for
             pipeline.executor.epoch = self._node.epoch
         pipeline.executor.timer = TransferTimer(pipeline.object_bytes)  # the scheduler's cost model learns the tiers
+        self.sliced = SlicedLoads(layout, self.config.load_slices, self.counters) if self.shares is None else None
         backend = pipeline.mover.backends[Direction.LOAD].name
         for tier, names in ((pipeline.disk, DISK_METRICS), (pipeline.remote, REMOTE_METRICS)):
             if tier is not None:
@@ -170,7 +174,7 @@ class WorkerHalf:
             object_bytes=pipeline.object_bytes, num_slots=pipeline.arena.num_slots,
             usable_slots=self._take_usable_change(), groups=plan_group_geometry(layout.groups), backend=backend,
             device=str(plan.device), identity=self.identity.description, node_epoch=self._take_epoch_change(),
-            weights=self.identity.weights_naming, composed=composed)
+            weights=self.identity.weights_naming, composed=composed, sliced_loads=self.sliced is not None)
         logger.info("lmcache_npu rank %d: %d planes in %d groups, %d B per %d-token chunk, %s backend, %d arena slots",
                     self.place.rank, len(plan.moved_planes), len(layout.groups), plan.object_bytes, plan.chunk_tokens,
                     backend, pipeline.arena.num_slots)
@@ -293,17 +297,40 @@ class WorkerHalf:
             return
         refused = {c.cmd_id for c in meta.refused}
         others = meta.commands
-        loads = [m for m in meta.load_moves() if m.cmd_id not in refused]
+        sliced = [plan for plan in meta.loads if plan.sliced]
+        loads = [m for plan in meta.loads if not plan.sliced for m in plan.moves if m.cmd_id not in refused]
         self._stores = [m for m in meta.store_moves() if m.cmd_id not in refused]
         if others:
             self._submit(others)  # spills, promotions, puts, drops: in the index's order
+        if sliced:  # first on the load lane: the forward about to run waits for them
+            self._start_sliced(sliced, refused)
         if loads:
             self._submit(loads)  # one transfer for every load of the step
             if self._load_wait is not None:
                 self._step_loads.update(c.cmd_id for c in loads)
 
+    def _start_sliced(self, plans: list[LoadPlan], refused: set[int]) -> None:
+        assert self.executor is not None and self.sliced is not None, "sliced loads on a rank that cannot slice"
+        moves = [m for plan in plans for m in plan.moves if m.cmd_id not in refused]
+        self._in_flight.update(m.cmd_id for m in moves)
+        self.sliced.start(self.executor, moves, plans, self.hooks.order)
+
+    def wait_for_layer(self, layer_name: str) -> None:
+        """`wait_for_layer_load`: learns the layer (hook_map.py); with a sliced load in this step, the model's stream
+        waits for that layer's slice."""
+        self.hooks.announce(layer_name)
+        if self.sliced is not None and self.sliced.step is not None:
+            self.sliced.wait_for_layer(layer_name)
+
+    def _end_sliced_forward(self) -> None:
+        """The step's forward is done (wait_for_save, or get_finished where vLLM defers wait_for_save past a
+        drafter's forward): the sliced load's guard runs while the hook map still holds this forward."""
+        if self.sliced is not None and self.sliced.step is not None:
+            self._sliced_step = self.sliced.end_forward(self.hooks.announced_now)
+
     def wait_for_save(self) -> None:
         """Queues every store of the step as one transfer behind the forward; returns at once."""
+        self._end_sliced_forward()
         self.hooks.end_forward()
         if self._stores and self.executor is not None:
             self._submit(self._stores)
@@ -313,6 +340,10 @@ class WorkerHalf:
         """(finished_sending, finished_recving, failed_recving) since the last call."""
         if self.executor is None:
             return set(), set(), set()
+        self._end_sliced_forward()
+        sliced_step, self._sliced_step = self._sliced_step, None
+        if sliced_step is not None:  # its verdict is due in this step's output: vLLM then drops the step's token
+            self.executor.wait_for_all({c for plan in sliced_step.plans for c in plan.cmd_ids}, self.sliced.wait_s)
         if self._idle_step:  # nothing runs until a load lands: wait for one here rather than spin through empty steps
             self._idle_step = False
             self.executor.wait_for_any({c for recv in self._recv.values() for c in recv.pending}, IDLE_WAIT_S)
@@ -349,9 +380,11 @@ class WorkerHalf:
             sends = self._sends.get(request_id)
             if sends is not None:
                 sends.pending.discard(done.cmd_id)
+        if sliced_step is not None:
+            self._judge_sliced(sliced_step)
         recving, failed = set(), set()
         for request_id, recv in list(self._recv.items()):
-            if recv.pending:
+            if recv.pending or recv.plan.sliced:
                 continue
             del self._recv[request_id]
             recving.add(request_id)
@@ -391,20 +424,37 @@ class WorkerHalf:
         self._late.discard(cmd_id)
         return True
 
-    def _load_failed(self, recv: _Recv) -> None:
-        plan = recv.plan
+    def _judge_sliced(self, step: SlicedStep) -> None:
+        """Every sliced load of the step is settled now: loaded, or failed (a command failed or is still unanswered,
+        or the guard found a layer that read before its slice landed)."""
+        for plan in step.plans:
+            recv = self._recv.pop(plan.request_id, None)
+            failure = step.failure or (recv.failure if recv is not None else "") or (
+                "unanswered when the forward ended" if recv is not None and recv.pending else "")
+            if failure:
+                self.counters.add(Metric.SLICED_LOAD_FAILURES)
+                self._load_failed(_Recv(plan, set(), failure), adapter.FailureChannel.INVALID_BLOCKS
+                                  if len(self.kv_cache_config.kv_cache_groups) == 1 else adapter.FailureChannel.NONE)
+
+    def _load_failed(self, recv: _Recv, channel: Optional[adapter.FailureChannel] = None) -> None:
+        """`channel`: how vLLM is told (a sliced load: as invalid blocks of one group, or not at all); by default the
+        channel of asynchronous loads."""
+        plan, channel = recv.plan, channel or self.failure_channel
         where = (f"lmcache_npu rank {self.place.rank}: loading request {plan.request_id} (tokens {plan.first_token}.."
                  f"{plan.end_token}) failed: {recv.failure}")
-        if self.failure_channel is adapter.FailureChannel.NONE:
+        if channel is adapter.FailureChannel.NONE:
+            groups = len(self.kv_cache_config.kv_cache_groups)
             raise LoadFailedError(
-                f"{where}. vLLM {'.'.join(map(str, adapter.VLLM_VERSION))} cannot recompute a failed load of a model "
-                f"with {len(self.kv_cache_config.kv_cache_groups)} KV-cache groups (its invalid-block handler maps "
-                "one group only; vLLM >= 0.30 takes request-level failures), so the engine stops instead of serving "
-                "KV that may be wrong")
+                f"{where}. vLLM {'.'.join(map(str, adapter.VLLM_VERSION))} cannot recompute a failed "
+                + (f"sliced load of a model with {groups} KV-cache groups (it takes a failed synchronous load as "
+                   "block ids of one group only; load_mode auto loads such hits asynchronously)" if plan.sliced else
+                   f"load of a model with {groups} KV-cache groups (its invalid-block handler maps one group only; "
+                   "vLLM >= 0.30 takes request-level failures)")
+                + ", so the engine stops instead of serving KV that may be wrong")
         outcome = ("vLLM recomputes these tokens" if self.load_failure_policy == "recompute" else
                    "vLLM fails the request (kv_load_failure_policy is 'fail'; 'recompute' would compute them instead)")
         logger.warning("%s; %s", where, outcome)
-        if self.failure_channel is adapter.FailureChannel.INVALID_BLOCKS:
+        if channel is adapter.FailureChannel.INVALID_BLOCKS:
             self._load_error_blocks.update(plan.error_block_ids)
 
     def take_load_error_blocks(self) -> set[int]:

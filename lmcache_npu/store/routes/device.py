@@ -5,7 +5,7 @@ commands are `DeviceMove`s (each Store/Load with its block window); the route pa
 from __future__ import annotations
 
 import logging
-from typing import Optional, Protocol, Sequence, Union
+from typing import Any, Callable, Optional, Protocol, Sequence, Union
 
 import torch
 
@@ -41,11 +41,23 @@ class DeviceRoute:
         self.tier = mover
 
     def submit(self, batch: Sequence[DeviceMovable]) -> None:
+        self._run(batch, lambda objects, report: self.tier.run(batch, objects, report))  # type: ignore[union-attr]
+
+    def submit_sliced(self, batch: Sequence[DeviceMove], slices: Any) -> Optional[Any]:
+        """Loads launched slice by slice (`SlicingMover.run_sliced`); returns the mover's handle, None when the batch
+        was refused (then every command is answered as failed)."""
+        if self.tier is not None and not hasattr(self.tier, "run_sliced"):
+            raise ValueError(f"the device mover {type(self.tier).__name__} cannot launch a load slice by slice")
+        return self._run(batch, lambda objects, report: self.tier.run_sliced(  # type: ignore[union-attr]
+            batch, objects, report, slices))
+
+    def _run(self, batch: Sequence[DeviceMovable], launch: Callable[[list[torch.Tensor], Report], Any]) -> Any:
+        """`launch(objects, report)` with each command answered once even when the mover reports and then raises."""
         report = self.context.report
         if self.tier is None:
             for command in batch:
                 report(command.cmd_id, TierResult.fail(Failure.NO_DEVICE_MOVER))
-            return
+            return None
         objects = [self.context.arena.slot(c.slot) for c in batch]
         unanswered = {c.cmd_id for c in batch}
 
@@ -57,12 +69,13 @@ class DeviceRoute:
             report(cmd_id, result)
 
         try:
-            self.tier.run(batch, objects, report_once)
+            return launch(objects, report_once)
         except Exception as exc:  # a refused transfer fails its commands; the index frees their slots
             logger.exception("rank %d: device %s of %d chunks raised", self.context.rank,
                              "store" if isinstance(arena_end(batch[0]), Store) else "load", len(batch))
             for command in batch:
                 report_once(command.cmd_id, TierResult.fail(Failure.DEVICE, str(exc)))
+            return None
 
     def close(self) -> None:
         """The mover is the pipeline's: it closes it."""
