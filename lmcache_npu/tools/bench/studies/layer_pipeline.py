@@ -134,14 +134,16 @@ class Case:
 
 
 @contextlib.contextmanager
-def open_case(geometry: Geometry, chunks: int, backend_name: str, seed: int = 0) -> Iterator[Case]:
+def open_case(geometry: Geometry, chunks: int, backend_name: str, seed: int = 0,
+              options: Optional[dict[str, Any]] = None) -> Iterator[Case]:
     """The worker's pipeline (lanes, registered arena) built as the connector builds it, around one request."""
     device = torch.device("cuda" if backend_name == "cuda" else "cpu")
     layout, tables, allocations = _geometry_request(geometry, chunks, device, seed)
     layout = with_plane_layers(layout)
     plan = layout.plan
     store = StoreConfig(cpu_bytes=2 * chunks * slot_bytes_for(plan.object_bytes), pinned=device.type != "cpu")
-    pipeline = build_worker_pipeline(layout, store, 0, lambda: get_backend(backend_name), TierCounters())
+    pipeline = build_worker_pipeline(layout, store, 0, lambda: get_backend(backend_name, **(options or {})),
+                                     TierCounters())
     try:
         arena = pipeline.arena
         generator = torch.Generator().manual_seed(seed + 2)
@@ -232,6 +234,7 @@ def layer_seconds(clock: Clock, marks: Sequence[Any]) -> float:
 class Run:
     ttft: float  # model stream: the start mark to the end of the last layer (seconds)
     compute: float  # the layers' work spans, summed
+    lane: float = 0.0  # host: run_sliced to the last slice's launch mark (the CUDA backend returns once it landed)
 
 
 def _answers(expected: int) -> tuple[Callable[[int, Any], None], threading.Event, list[Any]]:
@@ -261,13 +264,27 @@ def pipelined(case: Case, slices: SlicePlan, work: Callable[[], None], clock: Cl
     clock.sync()
     report, done, results = _answers(case.chunks)
     begin = clock.mark()
-    progress = case.mover.run_sliced(case.loads, case.load_objects, report, slices)
+    started, marked = time.perf_counter(), [0.0]
+    progress = case.mover.run_sliced(case.loads, case.load_objects, report, slices,
+                                     lambda index, event: marked.__setitem__(0, time.perf_counter()))
     marks = forward(case.announced, work, clock, progress, wait, reads)
     end = clock.mark()
     if not done.wait(WAIT_SECONDS) or not all(r.ok for r in results):
         raise RuntimeError(f"the sliced load failed: {progress.failure or [r for r in results if not r.ok][:1]}")
     clock.sync()
-    return Run(clock.seconds(begin, end), layer_seconds(clock, marks))
+    return Run(clock.seconds(begin, end), layer_seconds(clock, marks), marked[0] - started)
+
+
+def stored_like_loaded(case: Case) -> bool:
+    """Every moved plane's segment of every stored object equals the loaded object's (the pages hold the loaded
+    bytes, so a store of them writes the same segments): a store that wrote other planes' bytes is caught."""
+    plan = case.layout.plan
+    for index, plane in enumerate(plan.moved_planes):
+        begin = plan.object_offsets[index]
+        end = begin + plan.rows_per_chunk[plane.group] * plane.row_bytes
+        if not all(torch.equal(s[begin:end], o[begin:end]) for s, o in zip(case.store_objects, case.load_objects)):
+            return False
+    return True
 
 
 def device_seconds(backend: Any, plan: TransferPlan, case: Case, clock: Clock, repeats: int) -> float:
@@ -292,11 +309,11 @@ class StoreLane:
     """A store lane like the mover's (its own thread, backend and, on CUDA, high-priority side stream) that runs any
     plan's batch: `KVMover.run` stores the whole plan only, so per-slice stores are measured here."""
 
-    def __init__(self, case: Case, backend_name: str, plans: Sequence[TransferPlan], clock: Clock) -> None:
+    def __init__(self, case: Case, backend: Any, plans: Sequence[TransferPlan], clock: Clock) -> None:
         self.case, self.clock = case, clock
         self.model_kit = StreamKit.for_device(case.layout.plan.device)
         self._kit = StreamKit.for_device(case.layout.plan.device)
-        self._backend = get_backend(backend_name)
+        self._backend = backend
         self._jobs: "queue.Queue[Optional[tuple[TransferPlan, Any]]]" = queue.Queue()
         self._ends: "queue.Queue[Any]" = queue.Queue()
         self._plans = list(plans)
@@ -380,6 +397,7 @@ class Row:
     ideal: float
     achieved: float  # median TTFT
     cold: Optional[float]  # the first run with this slice plan (the lane prepares each slice's tables)
+    lane_host: float  # host ms from run_sliced until the lane marked the last slice
     over_ideal: float
     slowdown: float  # the layers' compute while slices land against alone
     serial: float  # T_load + T_compute: the load, then the forward
@@ -394,6 +412,7 @@ class StoreRow:
     t_compute: float
     tail: float  # the forward's end to the store's end, median (ms)
     slowdown: float
+    same_bytes: bool  # the stored objects hold the loaded planes' bytes (S stores of plane subsets included)
 
 
 def slice_counts(counts: Sequence[str], layers: int) -> list[int]:
@@ -416,23 +435,24 @@ class Settings:
     k: int = 4096  # the matmuls' inner size (llama3-8b's hidden size)
     sizes: Sequence[int] = (64, 256, 1024, 4096)  # the matmuls' token rows to choose from
     stores: bool = True
+    options: Optional[dict[str, Any]] = None  # backend options (e.g. path=mapped)
 
 
 def study_load(geometry: Geometry, chunks: int, settings: Settings) -> tuple[list[Row], list[StoreRow]]:
     """Every ratio and S for one load of `chunks` chunks of `geometry`."""
     rows: list[Row] = []
     store_rows: list[StoreRow] = []
-    with open_case(geometry, chunks, settings.backend) as case:
+    with open_case(geometry, chunks, settings.backend, options=settings.options) as case:
         device, clock = case.layout.plan.device, Clock(case.layout.plan.device)
         layers = len(case.announced)
         plans = {s: plan_slices(case.layout, case.announced, s) for s in slice_counts(settings.counts, layers)}
-        probe = get_backend(settings.backend)
+        probe = get_backend(settings.backend, **(settings.options or {}))
         t_load = device_seconds(probe, case.layout.plan, case, clock, settings.repeats)
         t_slice0 = {s: device_seconds(probe, p.slices[0].plan, case, clock, settings.repeats) for s, p in plans.items()}
         idle = Work(device, settings.sizes[0], settings.k, 0)
         path = statistics.median(pipelined(case, plans[1], idle, clock).ttft for _ in range(settings.repeats + 1))
         cold: dict[int, Optional[float]] = {s: None for s in plans}
-        lane = StoreLane(case, settings.backend, [piece.plan for p in plans.values() for piece in p.slices], clock) \
+        lane = StoreLane(case, get_backend(settings.backend, **(settings.options or {})), [piece.plan for p in plans.values() for piece in p.slices], clock) \
             if settings.stores else None
         try:
             for ratio in settings.ratios:
@@ -449,15 +469,20 @@ def study_load(geometry: Geometry, chunks: int, settings: Settings) -> tuple[lis
                     rows.append(Row(geometry.name, chunks, chunks * case.layout.plan.object_bytes / 1e6, ratio,
                                     t_load / t_compute, s, layers, t_load * 1e3, path * 1e3, t_compute * 1e3,
                                     t_slice0[s] * 1e3, ideal * 1e3, achieved * 1e3, cold[s],
+                                    statistics.median(r.lane for r in runs) * 1e3,
                                     over_ideal(achieved, ideal), slowdown([r.compute for r in runs],
                                                                           [r.compute for r in alone]),
                                     (t_load + t_compute) * 1e3))
                     if lane is not None:
+                        for obj in case.store_objects:
+                            obj.zero_()
                         store_after(case, lane, sliced, work, clock)  # warm: the lane's first batch of this plan
+                        same = stored_like_loaded(case)
                         stored = [store_after(case, lane, sliced, work, clock) for _ in range(settings.repeats)]
                         store_rows.append(StoreRow(geometry.name, chunks, ratio, s, t_compute * 1e3,
                                                    statistics.median(r.tail for r in stored) * 1e3,
-                                                   slowdown([r.compute for r in stored], [r.compute for r in alone])))
+                                                   slowdown([r.compute for r in stored], [r.compute for r in alone]),
+                                                   same))
         finally:
             if lane is not None:
                 lane.close()
@@ -473,69 +498,28 @@ def render(rows: Sequence[Row], store_rows: Sequence[StoreRow]) -> list[Any]:
     loads = Table(title=f"sliced loads under a per-layer forward: achieved TTFT against max(T_load, T_compute) + "
                         f"T_slice0 (target within {TARGET:.0%} for T_load/T_compute in [0.3, 3])", title_justify="left")
     for name in ("geometry", "MB", "ratio", "S", "T_load", "path", "T_compute", "T_slice0", "ideal", "achieved",
-                 "cold", "over ideal", "slowdown", "serial"):
+                 "cold", "lane", "over ideal", "slowdown", "serial"):
         loads.add_column(name, justify="left" if name == "geometry" else "right")
     for r in rows:
         mark = "" if abs(r.over_ideal) <= TARGET else " !"
-        loads.add_row(r.geometry, f"{r.load_mb:.0f}", f"{r.ratio:.2f}", str(r.slices), f"{r.t_load:.2f}",
+        loads.add_row(r.geometry, f"{r.load_mb:.1f}", f"{r.ratio:.2f}", str(r.slices), f"{r.t_load:.2f}",
                       f"{r.t_load_path:.2f}", f"{r.t_compute:.2f}", f"{r.t_slice0:.3f}", f"{r.ideal:.2f}",
-                      f"{r.achieved:.2f}", "" if r.cold is None else f"{r.cold:.1f}", f"{r.over_ideal:+.1%}{mark}",
+                      f"{r.achieved:.2f}", "" if r.cold is None else f"{r.cold:.1f}", f"{r.lane_host:.2f}",
+                      f"{r.over_ideal:+.1%}{mark}",
                       f"{r.slowdown:+.1%}", f"{r.serial:.2f}")
     stores = Table(title="stores: the forward's end to the store's end (ms), one store (S=1) or one per slice",
                    title_justify="left")
-    for name in ("geometry", "chunks", "target ratio", "S", "T_compute", "tail", "slowdown"):
+    for name in ("geometry", "chunks", "target ratio", "S", "T_compute", "tail", "slowdown", "bytes"):
         stores.add_column(name, justify="left" if name == "geometry" else "right")
     for s in store_rows:
         stores.add_row(s.geometry, str(s.chunks), f"{s.target_ratio:g}", str(s.slices), f"{s.t_compute:.2f}",
-                       f"{s.tail:.3f}", f"{s.slowdown:+.1%}")
+                       f"{s.tail:.3f}", f"{s.slowdown:+.1%}", "same" if s.same_bytes else "DIFFER")
     return [loads, stores] if store_rows else [loads]
 
 
 def environment() -> dict[str, str]:
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     return {"gpu": gpu, "torch": torch.__version__}
-
-
-def plot(data: dict, out: Path) -> None:
-    """Per geometry: over-ideal and compute slowdown against T_load/T_compute per S, and the store's tail per S."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = list(dict.fromkeys(r["geometry"] for r in data["rows"]))
-    fig, axes = plt.subplots(len(names), 3, figsize=(15, 4 * len(names)), squeeze=False)
-    for row_axes, name in zip(axes, names):
-        rows = [r for r in data["rows"] if r["geometry"] == name]
-        biggest = max(r["chunks"] for r in rows)
-        rows = [r for r in rows if r["chunks"] == biggest]
-        for s in sorted({r["slices"] for r in rows}):
-            points = sorted((r["ratio"], r["over_ideal"] * 100, r["slowdown"] * 100) for r in rows if r["slices"] == s)
-            label = f"S={s}" + (" (L)" if s == rows[0]["layers"] else "")
-            row_axes[0].plot([p[0] for p in points], [p[1] for p in points], marker="o", label=label)
-            row_axes[1].plot([p[0] for p in points], [p[2] for p in points], marker="o", label=label)
-        for ax, title in zip(row_axes[:2], ("TTFT over the ideal (%)", "compute slowdown while slices land (%)")):
-            ax.axhspan(-TARGET * 100, TARGET * 100, color="green", alpha=0.1)
-            ax.axvspan(0.3, 3, color="grey", alpha=0.08)
-            ax.set_xscale("log")
-            ax.set_xlabel("T_load / T_compute")
-            ax.set_title(f"{name}, {rows[0]['load_mb']:.0f} MB: {title}")
-            ax.grid(alpha=0.3)
-        row_axes[0].legend(fontsize=8)
-        stores = [s for s in data.get("stores", []) if s["geometry"] == name and s["chunks"] == biggest]
-        for ratio in sorted({s["target_ratio"] for s in stores}):
-            points = sorted((s["slices"], s["tail"]) for s in stores if s["target_ratio"] == ratio)
-            row_axes[2].plot([p[0] for p in points], [p[1] for p in points], marker="o", label=f"ratio {ratio:g}")
-        row_axes[2].set_xscale("log", base=2)
-        row_axes[2].set_xlabel("store batches S (1: one store after the forward)")
-        row_axes[2].set_ylabel("ms")
-        row_axes[2].set_title(f"{name}: store tail after the forward")
-        row_axes[2].grid(alpha=0.3)
-        if stores:
-            row_axes[2].legend(fontsize=8)
-    fig.suptitle(f"layer_pipeline on {data['environment']['gpu']}")
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -547,11 +531,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--slices", nargs="+", default=list(COUNTS), help="S values; L: one slice per layer")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--no-stores", action="store_true")
+    parser.add_argument("--path", choices=["auto", "mapped", "staging"], help="the CUDA backend's path option")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--plot", type=Path, help="a JSON this study wrote: plot it (--png) and exit")
     parser.add_argument("--png", type=Path)
     args = parser.parse_args(argv)
     import json
+
+    from lmcache_npu.tools.bench.studies.plot_layer_pipeline import plot
 
     if args.plot:
         plot(json.loads(args.plot.read_text()), args.png or args.plot.with_suffix(".png"))
@@ -562,7 +549,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     small = args.backend != "cuda"  # a CPU run: tiny matmuls
     settings = Settings(args.backend, args.ratios, args.slices, args.repeats, 64 if small else 4096,
-                        (8, 32) if small else Settings.sizes, not args.no_stores)
+                        (8, 32) if small else Settings.sizes, not args.no_stores,
+                        {"path": args.path} if args.path else None)
     rows, store_rows = [], []
     for path in args.geometry:
         geometry = load_geometry(path)
