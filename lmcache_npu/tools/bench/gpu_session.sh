@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: install carried wheels, build, run the cuda tests, run the benchmark matrix.
-# Usage (on the GPU machine, repository root): bash lmcache_npu/tools/bench/gpu_session.sh [tests|bench|model|all]
+# Usage (on the GPU machine, repository root): bash lmcache_npu/tools/bench/gpu_session.sh [tests|bench|model|pipeline|all]
 set -uo pipefail
 what=${1:-all}
 OUT=${OUT:-/tmp/out}
@@ -21,4 +21,10 @@ if [[ $what == model || $what == all ]]; then  # the cost model's transfer side 
   python3 -m lmcache_npu.tools.bench.studies.transfer_model_check --json "$OUT/transfer_model.json" \
     --geometry lmcache_npu/tools/bench/geometries/{llama3-8b,deepseek-v3,deepseek-v4-flash}.json > "$OUT/model.txt" 2>&1
   tail -60 "$OUT/model.txt"
+fi
+if [[ $what == pipeline ]]; then  # slice-pipelined loads under a per-layer forward, per-slice stores (issue 41)
+  python3 -m lmcache_npu.tools.bench.studies.layer_pipeline --json "$OUT/layer_pipeline.json" \
+    --png "$OUT/layer_pipeline.png" --load-mb 64 256 \
+    --geometry lmcache_npu/tools/bench/geometries/{llama3-8b,cuda/deepseek-v3}.json > "$OUT/pipeline.txt" 2>&1
+  tail -60 "$OUT/pipeline.txt"
 fi
