@@ -119,3 +119,21 @@ def test_auto_slices_a_load_worth_hiding_and_loads_a_quick_one_asynchronously(ma
         assert len(engine.output_tokens(f"hit{round_}")) == 2
     assert engine.stats.data.get("sliced_loads", 0) == (1 if expected == "sliced" else 0)  # the second hit only
     assert_quiescent(engine)
+
+
+def test_a_request_computing_a_few_tokens_loads_asynchronously_even_when_forced():
+    """A full hit computes one token: its step may replay a FULL CUDA graph, where no hook is called."""
+    modes = LoadModes("sliced", 4, "cost-model", 1)
+    modes.set_workers(True)
+    assert modes.choose(_fitted_model(), 8, 2047, 2048) is LoadMode.ASYNC
+    assert modes.choose(_fitted_model(), 8, 2040, 2048) is LoadMode.SLICED  # the control: eight tokens
+
+
+def test_the_scheduler_stops_slicing_once_the_guard_failed_twice():
+    modes = LoadModes("sliced", 4, "cost-model", 1)
+    modes.set_workers(True)
+    modes.on_unwaited(1)
+    assert modes.choose(_fitted_model(), 8, 1024, 2048) is LoadMode.SLICED  # once may be a path skipping one step
+    modes.on_unwaited(0)
+    modes.on_unwaited(1)
+    assert modes.choose(_fitted_model(), 8, 1024, 2048) is LoadMode.ASYNC

@@ -94,9 +94,10 @@ class LateSlices(Wrapped):
         return super().transfer(batch, after_kernel)
 
 
-def _skipping_engine(make_engine: Any, check_every_step: bool) -> tuple[Any, LateSlices]:
-    """Sliced loads whose later slices land 0.3 s late, and a forward whose last layer stops announcing itself once
-    the hook map has learned it (vllm-ascend's MLA skips its hook on some steps)."""
+def _skipping_engine(make_engine: Any, check_every_step: bool, every_layer: bool = False) -> tuple[Any, LateSlices]:
+    """Sliced loads whose later slices land 0.3 s late, and a forward whose last layer (`every_layer`: every layer, as
+    a replayed FULL CUDA graph) stops announcing itself once the hook map has learned it (vllm-ascend's MLA skips its
+    hook on some steps)."""
     engine = preset_engine(make_engine, "llama3-8b", "ascend", max_layers=4, extra_config=SLICED,
                            check_every_step=check_every_step)
     (late,) = wrap(engine, lambda b: LateSlices(b, engine.workers[0].worker_half.layout.plan, 0.3), Direction.LOAD)
@@ -104,7 +105,7 @@ def _skipping_engine(make_engine: Any, check_every_step: bool) -> tuple[Any, Lat
     engine.add(text, max_tokens=2, request_id="cold")
     engine.run()  # the hook map learns every layer here
     engine.evict_device_cache()
-    engine.spec.skip_hooks = frozenset({engine.hook_layers[0][-1]})
+    engine.spec.skip_hooks = frozenset(engine.hook_layers[0] if every_layer else engine.hook_layers[0][-1:])
     engine.spec.skip_hooks_from = engine.forwards
     engine.add(text + [4], max_tokens=3, request_id="warm")
     return engine, late
@@ -154,6 +155,43 @@ def test_the_guard_recomputes_a_load_a_layer_may_have_read_before_it_landed(make
         assert "sliced_load_unwaited" not in engine.stats.data
         assert 0 not in starts
     assert len(engine.output_tokens("warm")) == 3
+
+
+def test_a_layer_that_skipped_once_loads_in_slice_0_from_then_on(make_engine):
+    """The hook map drops a layer a forward skipped: the next sliced load puts its planes in slice 0, and no forward
+    reads before its slice landed again."""
+    engine, _ = _skipping_engine(make_engine, check_every_step=False)
+    engine.run()
+    text = prompt(600, seed=21)
+    engine.add(text, max_tokens=2, request_id="cold21")
+    engine.run()
+    engine.evict_device_cache()
+    engine.add(text + [4], max_tokens=2, request_id="hit21")
+    engine.run()
+    assert engine.stats.data["sliced_load_unwaited"] == 1  # "warm" only
+    assert engine.stats.data["sliced_loads"] == 2
+    worker = engine.workers[0].worker_half
+    assert worker.hooks.dropped == {engine.hook_layers[0][-1]}
+    assert_quiescent(engine)
+
+
+def test_after_two_forwards_read_before_their_slices_landed_hits_load_asynchronously(make_engine):
+    """Forwards that announce nothing (a replayed FULL CUDA graph) teach the hook map nothing, so every sliced load
+    is read unwaited: the workers' guard counts reach the scheduler (worker metadata), and after two it stops
+    slicing."""
+    engine, _ = _skipping_engine(make_engine, check_every_step=False, every_layer=True)
+    engine.run()
+    for seed in (21, 22):
+        text = prompt(600, seed=seed)
+        engine.add(text, max_tokens=2, request_id=f"cold{seed}")
+        engine.run()
+        engine.evict_device_cache()
+        engine.add(text + [4], max_tokens=2, request_id=f"hit{seed}")
+        engine.run()
+    assert engine.stats.data["sliced_load_unwaited"] == 2  # "warm" and "hit21"
+    assert engine.stats.data["sliced_loads"] == 2  # "hit22" loaded asynchronously
+    assert engine.loaded_tokens["hit22"] == 512
+    assert_quiescent(engine)
 
 
 def test_a_slice_not_launched_in_time_fails_the_load_instead_of_hanging(make_engine, monkeypatch):

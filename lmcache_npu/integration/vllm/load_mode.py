@@ -36,6 +36,12 @@ from ...store.tier import TierCounters
 
 logger = logging.getLogger(__name__)
 
+# a request computing fewer tokens loads asynchronously: its step may be a uniform decode batch, which replays a FULL
+# CUDA graph that calls no hook (vLLM's default FULL_AND_PIECEWISE) or that vllm-ascend's MLA treats as a decode
+SLICED_MIN_NEW_TOKENS = 8
+# forwards that read a sliced load before it landed (the guard's count) after which the engine stops slicing: this
+# runtime does not call wait_for_layer_load where the layer map says it does
+UNWAITED_LIMIT = 2
 # a sliced load must save at least this share of the request's async time to the first token
 SLICED_MARGIN = 0.01
 # and more than this per slice: what a slice adds whatever it moves (building its batch, a launch, an event recorded
@@ -90,6 +96,7 @@ class LoadModes:
         self.learned = policy == "cost-model"  # load-all claims as before issue 40 and 41: asynchronously
         self.single_group = scheduler_groups == 1  # a failed sliced load can be told to vLLM (the docstring)
         self.workers_slice = False  # every rank's mover can launch a load slice by slice (set from the plans)
+        self.unwaited = 0  # sliced loads the workers' guard failed: at UNWAITED_LIMIT slicing stops
         if setting == "sliced" and not self.single_group:
             logger.warning("lmcache_npu: load_mode sliced on a model of %d KV-cache groups: vLLM takes failed "
                            "synchronous loads as block ids of one group only, so a sliced load that fails stops the "
@@ -100,9 +107,21 @@ class LoadModes:
         if not can_slice and self.setting != "async":
             logger.info("lmcache_npu: hits load asynchronously: %s", why_not or "the workers cannot slice a load")
 
+    def on_unwaited(self, loads: int) -> None:
+        """The workers' guard failed `loads` sliced loads (their tokens were recomputed)."""
+        if not loads:
+            return
+        self.unwaited += loads
+        if self.unwaited >= UNWAITED_LIMIT and self.workers_slice:
+            self.workers_slice = False
+            logger.warning("lmcache_npu: %d sliced loads were read before they landed (a layer ran without calling "
+                           "wait_for_layer_load: a FULL CUDA graph, or an attention path without the hook); vLLM "
+                           "recomputed them, and hits load asynchronously from now on", self.unwaited)
+
     def choose(self, model: CostModel, chunks: int, start: int, tokens: int) -> LoadMode:
         """How `chunks` claimed arena chunks load for a request whose rest `[start, tokens)` vLLM computes."""
-        if self.setting == "async" or not self.workers_slice or chunks <= 0:
+        if (self.setting == "async" or not self.workers_slice or chunks <= 0
+                or tokens - start < SLICED_MIN_NEW_TOKENS):
             return LoadMode.ASYNC
         if self.setting == "sliced":
             return LoadMode.SLICED

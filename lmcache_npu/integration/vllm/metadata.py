@@ -95,6 +95,8 @@ class LMCacheNPUWorkerMetadata(KVConnectorWorkerMetadata):
     timings: list[TransferSample] = field(default_factory=list)
     # the steps (`LMCacheNPUConnectorMetadata.step`) the ranks ran since their last report (one entry per rank)
     steps: list[int] = field(default_factory=list)
+    # sliced loads a forward may have read before they landed (a layer ran without its hook), summed over ranks
+    unwaited_sliced: int = 0
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> "LMCacheNPUWorkerMetadata":
         if not isinstance(other, LMCacheNPUWorkerMetadata):
@@ -103,7 +105,8 @@ class LMCacheNPUWorkerMetadata(KVConnectorWorkerMetadata):
                                         usable_slots={**self.usable_slots, **other.usable_slots},
                                         node_epochs={**self.node_epochs, **other.node_epochs},
                                         geometries={**self.geometries, **other.geometries},
-                                        timings=self.timings + other.timings, steps=self.steps + other.steps)
+                                        timings=self.timings + other.timings, steps=self.steps + other.steps,
+                                        unwaited_sliced=self.unwaited_sliced + other.unwaited_sliced)
 
 
 @dataclass(frozen=True)

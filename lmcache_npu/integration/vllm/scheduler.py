@@ -541,15 +541,15 @@ class SchedulerHalf:
         meta = adapter.worker_metadata(connector_output)
         if not self._geometry_known:
             self._take_plans(meta.geometries if isinstance(meta, LMCacheNPUWorkerMetadata) else {})
-        if isinstance(meta, LMCacheNPUWorkerMetadata) and meta.usable_slots:
-            self._apply_usable_slots(meta.usable_slots)
-        if isinstance(meta, LMCacheNPUWorkerMetadata) and meta.node_epochs:
+        if isinstance(meta, LMCacheNPUWorkerMetadata):
+            self._apply_usable_slots(meta.usable_slots)  # nothing when no rank's changed
             self._node_epochs.update(meta.node_epochs)
         if not isinstance(meta, LMCacheNPUWorkerMetadata) or self.index is None:
             return
         if meta.completions:
             self.index.on_completions(meta.completions)
         self.cut.on_output(meta, self.index.is_pending)
+        self.modes.on_unwaited(meta.unwaited_sliced)
         if not meta.completions:
             return
         touched: dict[int, RequestState] = {}

@@ -116,6 +116,7 @@ class WorkerHalf:
         self.hooks = HookMap()  # the layers this runtime announces through wait_for_layer_load, learned per forward
         self.sliced: Optional[SlicedLoads] = None  # loads into the step's own forward (not with tp_share's exchange)
         self._sliced_step: Optional[SlicedStep] = None  # the last forward's sliced load, for get_finished's verdict
+        self._unwaited = 0  # sliced loads the guard failed since the last worker metadata (the scheduler stops slicing)
 
     # ---- start-up ---------------------------------------------------------------------------------------------
 
@@ -432,6 +433,7 @@ class WorkerHalf:
             failure = step.failure or (recv.failure if recv is not None else "") or (
                 "unanswered when the forward ended" if recv is not None and recv.pending else "")
             if failure:
+                self._unwaited += bool(step.unwaited)
                 self.counters.add(Metric.SLICED_LOAD_FAILURES)
                 self._load_failed(_Recv(plan, set(), failure), adapter.FailureChannel.INVALID_BLOCKS
                                   if len(self.kv_cache_config.kv_cache_groups) == 1 else adapter.FailureChannel.NONE)
@@ -466,10 +468,12 @@ class WorkerHalf:
         epoch = self._take_epoch_change()
         plan = None if self._geometry_known else self.geometry
         timings = self.executor.timer.take() if self.executor is not None and self.executor.timer is not None else []
-        if not self._outbox and usable is None and epoch is None and plan is None and not timings and not self._steps:
+        if (not self._outbox and usable is None and epoch is None and plan is None and not timings and not self._steps
+                and not self._unwaited):
             return None
-        meta = LMCacheNPUWorkerMetadata(self._outbox, timings=timings, steps=self._steps)
-        self._outbox, self._steps = [], []
+        meta = LMCacheNPUWorkerMetadata(self._outbox, timings=timings, steps=self._steps,
+                                        unwaited_sliced=self._unwaited)
+        self._outbox, self._steps, self._unwaited = [], [], 0
         if plan is not None:
             meta.geometries[self.place.rank] = plan
         if usable is not None:
