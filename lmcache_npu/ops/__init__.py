@@ -1,7 +1,7 @@
 """The transfer contract's Python face: plans, batches, backends."""
 
 from .backend import BACKEND_NAMES, get_backend
-from .transfer_backend import BackendUnavailable, TransferBackend, TransferStats
+from .transfer_backend import BackendUnavailable, PendingTransfer, TransferBackend, TransferStats
 from .batch import ChunkBatch
 from .plan import (
     LAYOUT_VERSION,
@@ -29,6 +29,7 @@ __all__ = [
     "TransferBackend",
     "TransferPlan",
     "TransferStats",
+    "PendingTransfer",
     "get_backend",
     "rows_per_chunk",
 ]

@@ -191,6 +191,39 @@ class ChunkBatch:
             total_items=int(item_cursor),
         )
 
+    def for_plan(self, plan: TransferPlan) -> "ChunkBatch":
+        """This batch on `plan`, a plane subset of its plan (`TransferPlan.plane_subset`): the same checked slots and
+        runs for the groups the subset keeps, nothing validated again (this batch was), so a sliced load checks its
+        rows once and builds each slice's batch cheaply."""
+        if plan is self.plan:
+            return self
+        own = {row.tobytes() for row in self.plan.plane_table}  # same pages at the same object offsets
+        if (plan.groups != self.plan.groups or plan.object_bytes != self.plan.object_bytes
+                or plan.rows_per_chunk != self.plan.rows_per_chunk
+                or not all(row.tobytes() in own for row in plan.plane_table)):
+            raise ValueError("for_plan: the plan is not a plane subset of the batch's plan")
+        moved = set(plan.moved_group_indices())
+        parts, table = [], np.zeros(len(plan.groups), dtype=GROUP_DESC_DTYPE)
+        run_cursor = item_cursor = 0
+        for g, group in enumerate(self.group_table):
+            plane_begin, plane_count = plan.group_plane_range(g) if g in moved else (0, 0)
+            first = int(group["run_begin"])
+            runs = self.runs[first: first + int(group["run_count"])] if g in moved else self.runs[:0]
+            table[g] = (plan.rows_per_chunk[g], plan.group_rows_per_block[g] or 0, plane_begin, plane_count,
+                        run_cursor, runs.size, item_cursor)
+            parts.append(runs)
+            run_cursor += runs.size
+            item_cursor += runs.size * plane_count
+        return ChunkBatch(
+            plan=plan,
+            direction=self.direction,
+            slots=tuple(matrix if g in moved else None for g, matrix in enumerate(self.slots)),
+            objects=self.objects,
+            runs=np.concatenate(parts) if parts else np.zeros(0, dtype=RUN_DESC_DTYPE),
+            group_table=table,
+            total_items=int(item_cursor),
+        )
+
     def chunk_windows(self, chunks_per_window: int) -> list["ChunkBatch"]:
         """The batch cut into consecutive windows of at most `chunks_per_window` chunks."""
         if chunks_per_window < 1:

@@ -9,7 +9,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from .plan import Direction, TransferPlan
+from .plan import OBJECT_ALIGN_BYTES, Direction, TransferPlan
 
 
 class PlaneTables:
@@ -125,6 +125,32 @@ class StagingBuffer:
     def dirty(self) -> tuple[int, int]:
         """The byte range a store would zero before use (for tests and logs)."""
         return self._ledger.dirty
+
+
+def plane_segments(plan: TransferPlan) -> list[tuple[int, int]]:
+    """(offset, length) of each moved plane's bytes in an object, in object order, with neighbours merged across
+    alignment gaps only (< OBJECT_ALIGN_BYTES: a plane in between is at least that far away, as planes are
+    aligned), so a partial plan's copies never cover a plane outside it."""
+    spans = sorted((offset, plan.rows_per_chunk[p.group] * p.row_bytes)
+                   for offset, p in zip(plan.object_offsets, plan.moved_planes))
+    merged: list[list[int]] = []
+    for offset, length in spans:
+        if length <= 0:
+            continue
+        if merged and offset - (merged[-1][0] + merged[-1][1]) < OBJECT_ALIGN_BYTES:
+            merged[-1][1] = offset + length - merged[-1][0]
+        else:
+            merged.append([offset, length])
+    return [(o, n) for o, n in merged]
+
+
+def object_pieces(plan: TransferPlan, num_chunks: int) -> list[tuple[int, int, int]]:
+    """The (chunk, offset, length) pieces a staged transfer copies: whole objects for a full plan (a store then
+    writes every object byte, gaps as zeros), only the planes' segments for a partial plan (`plane_subset`)."""
+    if not plan.partial:
+        return [(c, 0, plan.object_bytes) for c in range(num_chunks)]
+    segments = plane_segments(plan)
+    return [(c, offset, length) for c in range(num_chunks) for offset, length in segments]
 
 
 def host_stretches(objects: Sequence[torch.Tensor], pieces: Sequence[tuple[int, int, int]],

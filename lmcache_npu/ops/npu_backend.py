@@ -29,7 +29,7 @@ from ..platform.npu_budget import (STAGING_WINDOW_BYTES_DEFAULT, TRANSFER_CORES_
                                    TRANSFER_WAIT_TIMEOUT_MS_DEFAULT)
 from ..platform.npu_runtime import DeviceBuffer, DeviceUnavailable, NpuRuntime, PinnedBuffer
 from .batch import ChunkBatch
-from .device_staging import StagingLedger, host_stretches, pack_into, packed_offsets
+from .device_staging import StagingLedger, host_stretches, object_pieces, pack_into, packed_offsets
 from .plan import CORE_STATUS_DTYPE, Direction, TransferPlan, align_up
 from .soc import check_built_soc, check_soc_rules, soc_from_name
 from .transfer_backend import AfterKernel, BackendUnavailable, KernelReport, TransferBackend, warm_up
@@ -308,8 +308,8 @@ class NpuBackend(TransferBackend):
         """One copy per stretch contiguous in both staging and host memory (the arena's consecutive slots merge)."""
         if object_bytes == 0:
             return np.zeros(0, dtype=COPY_DTYPE)  # every group skipped: the objects hold nothing
-        stretches = host_stretches(window.objects, [(c, 0, object_bytes) for c in range(window.num_chunks)],
-                                   object_bytes)
+        # a partial plan (a slice's planes) copies its planes' segments only: other planes' bytes stay untouched
+        stretches = host_stretches(window.objects, object_pieces(window.plan, window.num_chunks), object_bytes)
         copies = np.zeros(len(stretches), dtype=COPY_DTYPE)
         for i, (chunk, offset, length) in enumerate(stretches):
             copies[i] = (staging + chunk * object_bytes + offset, window.objects[chunk].data_ptr() + offset, length)

@@ -271,6 +271,8 @@ class TransferPlan:
                 cursor += self.rows_per_chunk[p.group] * p.row_bytes
         self.object_offsets: tuple[int, ...] = tuple(offsets)
         self.object_bytes: int = align_up(cursor, OBJECT_ALIGN_BYTES)
+        # a plane subset: its transfers must touch only its planes' bytes of an object (never whole objects)
+        self.partial: bool = False
 
     def plane_subset(self, plane_indices: Sequence[int]) -> "TransferPlan":
         """The plan restricted to `plane_indices` (positions in `moved_planes`): a batch built on it moves only those
@@ -285,6 +287,7 @@ class TransferPlan:
         subset = copy.copy(self)
         for derived in ("fingerprint", "plane_table", "gap_free"):  # cached over the whole plan: recomputed
             subset.__dict__.pop(derived, None)
+        subset.partial = self.partial or len(chosen) < len(self.moved_planes)
         subset.moved_planes = tuple(self.moved_planes[i] for i in chosen)
         subset.object_offsets = tuple(self.object_offsets[i] for i in chosen)
         kept = {p.group for p in subset.moved_planes}

@@ -64,6 +64,28 @@ class _PagesFreeNotice:
         self._after_kernel(event)
 
 
+class PendingTransfer:
+    """A launched batch (`TransferBackend.launch`). Everything it moves is enqueued on the caller's current stream
+    (on the host: already done); `finish()` waits for its end once and returns its stats, raising as transfer()
+    would when the kernel did not move the whole batch. Every launched batch must be finished, in launch order."""
+
+    def __init__(self, finish: Callable[[], TransferStats], asynchronous: bool) -> None:
+        self._finish: Optional[Callable[[], TransferStats]] = finish
+        self._stats: Optional[TransferStats] = None
+        self.asynchronous = asynchronous  # False: the bytes were in place when launch() returned
+
+    @classmethod
+    def done(cls, stats: TransferStats) -> "PendingTransfer":
+        return cls(lambda: stats, asynchronous=False)
+
+    def finish(self) -> TransferStats:
+        if self._finish is not None:
+            finish, self._finish = self._finish, None
+            self._stats = finish()
+        assert self._stats is not None
+        return self._stats
+
+
 class TransferBackend(abc.ABC):
     """Moves a ChunkBatch between paged planes and chunk objects, one launch per direction."""
 
@@ -90,6 +112,17 @@ class TransferBackend(abc.ABC):
         seconds = time.perf_counter() - start
         if notice is not None and not notice.sent:
             notice(None)  # the backend returned with its copy finished: the pages are free now
+        return self._stats(batch, report, seconds)
+
+    def launch(self, batch: ChunkBatch, after_kernel: Optional[AfterKernel] = None) -> PendingTransfer:
+        """transfer() split in two where the backend can return before its copy is done (the CUDA backend's loads):
+        the batch is validated and enqueued on the current stream, `after_kernel` as transfer() says; an event the
+        caller records on that stream afterwards completes once the bytes are in place. Other backends run the
+        batch to its end here. The caller finishes every pending transfer, in launch order."""
+        return PendingTransfer.done(self.transfer(batch, after_kernel))
+
+    def _stats(self, batch: ChunkBatch, report: KernelReport, seconds: float) -> TransferStats:
+        """The checked stats of a finished batch (raises unless its kernel moved the whole batch)."""
         verify_kernel_report(batch, report)
         return TransferStats(backend=self.name, direction=batch.direction, chunks=batch.num_chunks,
                              payload_bytes=batch.payload_bytes, launches=report.launches, seconds=seconds,

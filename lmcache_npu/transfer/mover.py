@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Collection, Optional, Sequence
 
@@ -22,7 +23,8 @@ import torch
 
 from ..layout.discovery import KVLayout
 from ..layout.slots import chunk_slots, row_tokens
-from ..ops import SKIP_SLOT, ChunkBatch, Direction, TransferBackend, TransferStats
+from ..ops import SKIP_SLOT, ChunkBatch, Direction, PendingTransfer, TransferBackend, TransferStats
+from ..ops.plan import TransferPlan
 from ..store.commands import DeviceMove
 from ..store.routes.context import Report
 from ..store.tier import Failure, TierCounters, TierResult
@@ -82,7 +84,8 @@ class _Lane:
         self.kit = kit
         self.jobs: "queue.Queue[Optional[_Job]]" = queue.Queue()
         self.thread: Optional[threading.Thread] = None
-        self.prepared: set[int] = set()  # ids of the slice plans whose tables the backend holds (the lane's thread)
+        # the slice plans whose tables the backend holds (the lane's thread), by identity and weakly
+        self.prepared: "weakref.WeakSet[TransferPlan]" = weakref.WeakSet()
 
 
 class KVMover:
@@ -216,47 +219,88 @@ class KVMover:
                 sliced.progress.failed("every move of the load was refused")
             return
         lane.kit.wait(job.ready)
-        loads = job.direction == Direction.LOAD
-        plans = [self.layout.plan] if sliced is None else [piece.plan for piece in sliced.progress.slices.slices]
-        try:  # every slice's batch is checked before the first one launches
-            batches = [None if not plan.moved_planes and sliced is not None else
-                       ChunkBatch.build(plan, slots, objects, job.direction) for plan in plans]
+        try:  # the whole plan's batch: a sliced load's rows are checked once, before any kernel runs
+            batch = ChunkBatch.build(self.layout.plan, slots, objects, job.direction)
         except ValueError as exc:  # validation refused it before any kernel ran: nothing was touched
             logger.error("rank %d: %s of %d chunks refused: %s", self.rank, job.direction.name.lower(),
                          len(moves), exc)
             self._fail(job, moves, str(exc))
             return
-        payload = seconds_spent = 0.0
-        for index, batch in enumerate(batches):
-            if batch is not None:
-                if id(batch.plan) not in lane.prepared:  # a slice's plane subset: its tables, once, on this lane
-                    lane.backend.prepare(batch.plan)
-                    lane.prepared.add(id(batch.plan))
-                stats = self._transfer(lane, job, batch, moves)
-                if stats is None:
-                    return
-                payload += stats.payload_bytes
-                seconds_spent += stats.device_seconds or stats.seconds
-            if sliced is not None:
-                event = lane.kit.record()  # after this slice's kernel on the lane's stream (None on the host)
+        if sliced is None:
+            stats = self._transfer(lane, job, batch, moves)
+            if stats is not None:
+                self._finished(job, moves, [stats])
+            return
+        self._execute_sliced(lane, job, sliced, batch, moves)
+
+    def _execute_sliced(self, lane: _Lane, job: _Job, sliced: _Slicing, batch: ChunkBatch,
+                        moves: Sequence[DeviceMove]) -> None:
+        """Launches the slices back to back, marking each once enqueued (an event after it on the lane's stream),
+        then waits for all of them once and reports the job."""
+        pending: list[PendingTransfer] = []
+        try:
+            for index, piece in enumerate(sliced.progress.slices.slices):
+                if piece.planes:
+                    self._prepare(lane, piece.plan)
+                    launched = self._launch(lane, job, batch.for_plan(piece.plan), moves)
+                    if launched is None:
+                        return  # failed for good: reported, every waiter released
+                    pending.append(launched)
+                event = lane.kit.record()  # after this slice's work on the lane's stream (None on the host)
                 sliced.progress.landed(index, event)
                 if sliced.on_slice_done is not None:
                     sliced.on_slice_done(index, event)
+            stats = [launched.finish() for launched in pending]
+        except Exception as exc:  # a kernel that moved less than its batch: found once the slices had launched
+            self.counters.add(Metric.TRANSFER_FAILURES)
+            logger.exception("rank %d: sliced load of %d chunks failed", self.rank, len(moves))
+            self._fail(job, moves, str(exc))
+            return
+        finally:
+            for launched in pending:  # nothing launched may still use the backend's buffers once the job ends
+                try:
+                    launched.finish()
+                except Exception:  # already reported above
+                    pass
+        self._finished(job, moves, stats)
+
+    @staticmethod
+    def _prepare(lane: _Lane, plan: TransferPlan) -> None:
+        """A slice's plane subset readies its tables once per plan object on this lane (held weakly by identity: a
+        new plan is prepared even where it reuses a dead one's id)."""
+        if plan not in lane.prepared:
+            lane.backend.prepare(plan)
+            lane.prepared.add(plan)
+
+    def _finished(self, job: _Job, moves: Sequence[DeviceMove], stats: Sequence[TransferStats]) -> None:
+        loads = job.direction == Direction.LOAD
         chunks, moved, seconds = ((Metric.LOADED_CHUNKS, Metric.LOADED_BYTES, Metric.LOAD_SECONDS) if loads else
                                   (Metric.STORED_CHUNKS, Metric.STORED_BYTES, Metric.STORE_SECONDS))
+        spent = sum(s.device_seconds or s.seconds for s in stats)
         self.counters.add(chunks, len(moves))
-        self.counters.add(moved, int(payload))
-        self.counters.add(seconds, seconds_spent)
-        self._report_all(job, moves, TierResult(True, seconds=seconds_spent))  # the cost model learns the move alone
+        self.counters.add(moved, int(sum(s.payload_bytes for s in stats)))
+        self.counters.add(seconds, spent)
+        self._report_all(job, moves, TierResult(True, seconds=spent))  # the cost model learns the move alone
 
     def _transfer(self, lane: _Lane, job: _Job, batch: ChunkBatch,
                   moves: Sequence[DeviceMove]) -> Optional[TransferStats]:
-        """One launch, retried for loads (every row is rewritten); None once it failed for good (then reported)."""
+        """One launch run to its end, retried for loads (every row is rewritten); None once it failed for good."""
+        pending = self._launch(lane, job, batch, moves, run=True)
+        return None if pending is None else pending.finish()
+
+    def _launch(self, lane: _Lane, job: _Job, batch: ChunkBatch, moves: Sequence[DeviceMove],
+                run: bool = False) -> Optional[PendingTransfer]:
+        """One launch (`run`: run to its end), retried for loads while nothing of it is marked (every row is
+        rewritten); None once it failed for good (then reported)."""
         loads = job.direction == Direction.LOAD
         attempts = 1 + (self.load_retries if loads else 0)
         for attempt in range(attempts):
             try:
-                return lane.backend.transfer(batch, after_kernel=lambda event: self._after_kernel(lane, job, event))
+                after = lambda event: self._after_kernel(lane, job, event)  # noqa: E731
+                launch = None if run else getattr(lane.backend, "launch", None)  # a wrapper may offer transfer only
+                if launch is None:
+                    return PendingTransfer.done(lane.backend.transfer(batch, after_kernel=after))
+                return launch(batch, after_kernel=after)
             except Exception as exc:  # a device fault: retried for loads, else reported
                 self.counters.add(Metric.TRANSFER_FAILURES)
                 logger.exception("rank %d: %s of %d chunks failed (attempt %d of %d)", self.rank,

@@ -15,7 +15,7 @@ import pytest
 from lmcache_npu.integration.vllm import sliced_loads
 from lmcache_npu.ops import Direction
 
-from ..integration.test_sliced_loads import LateSlices
+from ..integration.wrappers import LateSlices
 from .compare import assert_identical, prompt
 from .conftest import ENGINE_VLLM
 from .rows import RowRecorder, assert_same_prefix_rows

@@ -7,16 +7,15 @@ slice is caught by the guard, with the control that shows such a layer would hav
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import pytest
 
-from lmcache_npu.ops import ChunkBatch, Direction, TransferStats
-from lmcache_npu.ops.transfer_backend import AfterKernel
+from lmcache_npu.ops import Direction
 from lmcache_npu.integration.vllm import sliced_loads
 
 from .conftest import assert_quiescent, preset_engine, prefix_is_loaded_exactly, prompt
-from .wrappers import Failing, Slow, Wrapped, wrap
+from .wrappers import Failing, LateSlices, Slow, wrap
 
 SLICED = {"load_mode": "sliced"}
 
@@ -76,22 +75,6 @@ def test_a_failed_sliced_load_is_recomputed_before_its_token_is_used(make_engine
     assert engine.stats.data["sliced_load_failures"] == 1
     assert len(engine.output_tokens("warm")) == 3
     assert_quiescent(engine)
-
-
-class LateSlices(Wrapped):
-    """Load batches of a slice after the first (a plane subset of the plan without its first plane) wait `seconds`
-    before they copy: they land after the forward has passed the layers that skipped their hook."""
-
-    def __init__(self, inner: Any, plan: Any, seconds: float) -> None:
-        super().__init__(inner)
-        self.plan = plan
-        self.slow = Slow(inner, Direction.LOAD, seconds)
-
-    def transfer(self, batch: ChunkBatch, after_kernel: Optional[AfterKernel] = None) -> TransferStats:
-        moved = batch.plan.moved_planes
-        if batch.direction == Direction.LOAD and moved and moved[0] is not self.plan.moved_planes[0]:
-            return self.slow.transfer(batch, after_kernel)
-        return super().transfer(batch, after_kernel)
 
 
 def _skipping_engine(make_engine: Any, check_every_step: bool, every_layer: bool = False) -> tuple[Any, LateSlices]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from lmcache_npu.ops import ChunkBatch, Direction, TransferBackend, TransferStats
 from lmcache_npu.ops.transfer_backend import AfterKernel, KernelReport
@@ -46,6 +46,22 @@ class Slow(Wrapped):
         stats = super().transfer(batch, after_kernel)
         self._hold()
         return stats
+
+
+class LateSlices(Wrapped):
+    """Load batches of a slice after the first (a plane subset of the plan without its first plane) wait `seconds`
+    before they copy: they land after the forward has passed the layers that skipped their hook."""
+
+    def __init__(self, inner: Any, plan: Any, seconds: float) -> None:
+        super().__init__(inner)
+        self.plan = plan
+        self.slow = Slow(inner, Direction.LOAD, seconds)
+
+    def transfer(self, batch: ChunkBatch, after_kernel: Optional[AfterKernel] = None) -> TransferStats:
+        moved = batch.plan.moved_planes
+        if batch.direction == Direction.LOAD and moved and moved[0] is not self.plan.moved_planes[0]:
+            return self.slow.transfer(batch, after_kernel)
+        return super().transfer(batch, after_kernel)
 
 
 class Failing(Wrapped):

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import numpy as np
@@ -24,14 +26,16 @@ import torch
 from ..batch import ChunkBatch
 from ..device_staging import PlaneTables, StagingBuffer, pack_into, packed_offsets
 from ..plan import Direction, TransferPlan
-from ..transfer_backend import AfterKernel, BackendUnavailable, KernelReport, TransferBackend, warm_up
+from ..transfer_backend import (AfterKernel, BackendUnavailable, KernelReport, PendingTransfer, TransferBackend,
+                                TransferStats, warm_up)
 from . import work_order as planner
 from .native import NativeResources, Pipeline, TransferEvent, load_cuda_module, stream_memops_supported
 from .tuning import AUTO_PATH, AUTO_PIPELINE_MIN_BYTES, CudaPath, CudaTuning
 
 logger = logging.getLogger(__name__)
 
-_STATUS_WORDS = 3  # items done, items rejected, bytes moved: the LmcacheCudaStatus counters the host reads
+_STATUS_WORDS = 3
+PREPARED_SPARES = 8  # launched loads' records made before serving (more are made when a load has more slices)  # items done, items rejected, bytes moved: the LmcacheCudaStatus counters the host reads
 
 
 class CudaBackend(TransferBackend):
@@ -56,14 +60,17 @@ class CudaBackend(TransferBackend):
         self.last_kernel_ms: Optional[float] = None
         self.last_mapped_prefix = False  # whether the last transfer's kernel moved a prefix straight to/from the host
         self._last_pipelined = False
+        self._last_state: Optional[NativeResources] = None  # the last completed transfer's events
+        self._spares: list[NativeResources] = []  # for launched loads: one each until finished
 
     @classmethod
     def option_names(cls) -> list[str]:
         return CudaTuning.option_names()
 
     def __del__(self) -> None:
-        native = getattr(self, "_native", None)
-        if native is not None:
+        for native in [getattr(self, "_native", None), *getattr(self, "_spares", [])]:
+            if native is None:
+                continue
             try:
                 native.close()
             except Exception:  # the CUDA context may already be gone at interpreter exit
@@ -90,11 +97,13 @@ class CudaBackend(TransferBackend):
     def prepare(self, plan: TransferPlan) -> None:
         self._plane_tables.upload(plan)
         warm_up(self, plan)
+        while len(self._spares) < PREPARED_SPARES:  # a sliced load's first launches make none on the lane's stream
+            self._spares.append(self._new_state(plan.device))
 
     def last_phases_ms(self) -> dict[str, float]:
         """Where the last transfer's device window went, from its events (valid until the next transfer): start to
         kernel (table upload, zeroing, a load's copies), the kernel, kernel end to the end of the window."""
-        state = self._native
+        state = self._last_state
         if state is None:
             return {}
         phases = {"to_kernel": state.elapsed_ms(TransferEvent.FIRST, TransferEvent.KERNEL_BEGIN),
@@ -151,29 +160,73 @@ class CudaBackend(TransferBackend):
             return Pipeline.NO_PIPELINE
         return Pipeline.RELEASE_SLICES if batch.direction == Direction.STORE else Pipeline.ACQUIRE_SLICES
 
+    def launch(self, batch: ChunkBatch, after_kernel: Optional[AfterKernel] = None) -> PendingTransfer:
+        """A load returns once enqueued (on its own record, tables and events, so the next launch reuses none of
+        them before it is finished); a store runs to its end (its copies out would race the next kernel's gather)."""
+        if batch.direction != Direction.LOAD:
+            return super().launch(batch, after_kernel)
+        start = time.perf_counter()
+        with self._lock:
+            state = self._spare_state(batch.plan.device)
+            try:
+                enqueued = self._enqueue(batch, after_kernel, state)
+            except BaseException:
+                self._spares.append(state)
+                raise
+        seconds = time.perf_counter() - start
+
+        def finish() -> TransferStats:
+            try:
+                report = self._complete(enqueued)
+            finally:
+                with self._lock:
+                    self._spares.append(state)
+            return self._stats(batch, report, seconds)
+
+        return PendingTransfer(finish, asynchronous=True)
+
+    def _spare_state(self, device: torch.device) -> NativeResources:
+        """A record, tables and events no launched transfer still uses (made on first need: a cold cost)."""
+        for i, state in enumerate(self._spares):
+            if state.device == device:
+                return self._spares.pop(i)
+        return self._new_state(device)
+
+    def _new_state(self, device: torch.device) -> NativeResources:
+        state = NativeResources(self._cuda, device)
+        state.next_epoch()  # the first epoch zeroes the flags and synchronizes: done here, once
+        return state
+
     def _launch_locked(self, batch: ChunkBatch, after_kernel: Optional[AfterKernel]) -> KernelReport:
+        return self._complete(self._enqueue(batch, after_kernel, self._state(batch.plan.device)))
+
+    def _order(self, batch: ChunkBatch, path: CudaPath, pipelined: bool) -> tuple[planner.WorkOrder, bool]:
+        """The kernel's work order, and whether it has a mapped prefix."""
+        tuning = self.tuning
+        prefix = self._mapped_prefix_order(batch, path, pipelined)
+        if prefix is not None:
+            return prefix, True
+        bounds = planner.slice_bounds(batch.num_chunks * batch.plan.object_bytes, batch.direction, pipelined,
+                                      tuning.store_first_slice_bytes, tuning.store_slice_growth,
+                                      tuning.load_tail_bytes, tuning.load_tail_share)
+        return planner.work_order(batch, pipelined, tuning.piece_bytes, bounds), False
+
+    def _enqueue(self, batch: ChunkBatch, after_kernel: Optional[AfterKernel],
+                 state: NativeResources) -> "_Enqueued":
+        """Everything of one transfer on the current stream, in one native call, using `state`'s buffers."""
         plan, tuning = batch.plan, self.tuning
-        device = plan.device
         path = self.path_for(batch)
         self._check_objects(batch, path)
-        staging_path = path == CudaPath.STAGING
         pipelined = self.pipelined(batch)
         object_bytes = plan.object_bytes
         total = batch.num_chunks * object_bytes
-        prefix = self._mapped_prefix_order(batch, path, pipelined)
-        if prefix is None:
-            bounds = planner.slice_bounds(total, batch.direction, pipelined, tuning.store_first_slice_bytes,
-                                          tuning.store_slice_growth, tuning.load_tail_bytes, tuning.load_tail_share)
-            order = planner.work_order(batch, pipelined, tuning.piece_bytes, bounds)
-        else:
-            order = prefix
+        order, mapped_prefix = self._order(batch, path, pipelined)
         pipelined = pipelined and order.slice_items.size > 1  # one slice: nothing to overlap
         slices = order.slice_items.size
-        state = self._state(device)
-        stream = torch.cuda.current_stream(device)
+        stream = torch.cuda.current_stream(plan.device)
         zero = None
         copies = np.zeros((0, 4), dtype=np.uint64)
-        if staging_path:
+        if path == CudaPath.STAGING:
             staging = self._staging.reserve(plan, total, batch.direction)
             if staging.data_ptr() != self._staging_address:  # new memory: its zeroing done before any stream uses it
                 stream.synchronize()
@@ -181,13 +234,13 @@ class CudaBackend(TransferBackend):
             zero = self._staging.take_pending()
             addresses = staging.data_ptr() + np.arange(batch.num_chunks, dtype=np.uint64) * np.uint64(object_bytes)
             copies = planner.copy_table(staging.data_ptr(), batch.objects, order, object_bytes, pipelined,
-                                        from_slice=0 if prefix is None else 1)
+                                        from_slice=1 if mapped_prefix else 0)
         else:
             addresses = batch.object_addresses()
         parts = [order.group_table, order.runs, addresses, order.items, order.slice_items,
                  np.zeros(slices, dtype=np.uint32),  # per-slice counters
                  np.zeros(self._cuda.STATUS_BYTES, dtype=np.uint8),  # the kernel's status starts at zero
-                 batch.object_addresses() if prefix is not None else np.zeros(0, dtype=np.uint64)]
+                 batch.object_addresses() if mapped_prefix else np.zeros(0, dtype=np.uint64)]
         offsets, table_bytes = packed_offsets(parts)
         host_tables, device_tables = state.tables(table_bytes)
         pack_into(host_tables.numpy(), parts, offsets)
@@ -195,14 +248,14 @@ class CudaBackend(TransferBackend):
         fields = {
             "stream": stream.cuda_stream, "planes": self._plane_tables.get(plan).data_ptr(),
             "groups": base + offsets[0], "runs": base + offsets[1], "objects": base + offsets[2],
-            "host_objects": 0 if prefix is None else base + offsets[7],
+            "host_objects": base + offsets[7] if mapped_prefix else 0,
             "items": base + offsets[3], "slice_items": base + offsets[4],
             "slice_counters": base + offsets[5], "slice_flags": state.flags.data_ptr(),
             "status": base + offsets[6], "num_items": len(order.items), "num_planes": len(plan.plane_table),
             "num_groups": len(order.group_table), "num_runs": order.runs.size,
             "num_chunks": batch.num_chunks, "kernel_direction": int(batch.direction),
             "blocks": self._blocks(batch, path, pipelined), "threads": tuning.threads, "num_slices": slices,
-            "epoch": state.next_epoch(), "pipeline": self._pipeline_mode(batch, prefix is not None, pipelined),
+            "epoch": state.next_epoch(), "pipeline": self._pipeline_mode(batch, mapped_prefix, pipelined),
             "copy_stream": state.copy_stream.cuda_stream if pipelined else 0, "table_host": host,
             "table_device": base, "table_bytes": table_bytes,
             "zero_address": 0 if zero is None else staging.data_ptr() + zero[0],
@@ -223,22 +276,49 @@ class CudaBackend(TransferBackend):
             self._cuda.transfer(record.ctypes.data)
             if after_kernel is not None:
                 after_kernel(pages_free)  # completes once the kernel is done with the pages
+        except BaseException:
+            self._drain(stream, state)
+            raise
+        return _Enqueued(state, stream, pipelined, mapped_prefix, offsets[6], len(order.items))
+
+    @staticmethod
+    def _drain(stream: torch.cuda.Stream, state: NativeResources) -> None:
+        stream.synchronize()  # nothing enqueued may still read the reused buffers when the next transfer starts
+        state.copy_stream.synchronize()
+
+    def _complete(self, enqueued: "_Enqueued") -> KernelReport:
+        """Waits for an enqueued transfer's end and reads what its kernel reported."""
+        state, pipelined = enqueued.state, enqueued.pipelined
+        try:
             # The host waits on events, never on a synchronous copy: that would hold the driver while a stream is
             # held and block other threads' CUDA calls.
             self._cuda.event_synchronize(state.events[TransferEvent.RETURNED])
             if pipelined:
                 self._cuda.event_synchronize(state.events[TransferEvent.COPIES_DONE])
         except BaseException:
-            stream.synchronize()  # nothing enqueued may still read the reused buffers when the next transfer starts
-            state.copy_stream.synchronize()
+            self._drain(enqueued.stream, state)
             raise
         window_ms = state.elapsed_ms(TransferEvent.FIRST, TransferEvent.LAST)
         if pipelined:
             window_ms = max(window_ms, state.elapsed_ms(TransferEvent.FIRST, TransferEvent.COPIES_DONE))
         self.last_kernel_ms = state.elapsed_ms(TransferEvent.KERNEL_BEGIN, TransferEvent.KERNEL_END)
         self._last_pipelined = pipelined
-        self.last_mapped_prefix = prefix is not None
-        status = host_tables.numpy()[offsets[6]: offsets[6] + 8 * _STATUS_WORDS].view(np.uint64)
+        self._last_state = state
+        self.last_mapped_prefix = enqueued.mapped_prefix
+        offset = enqueued.status_offset
+        status = state.host_tables.numpy()[offset: offset + 8 * _STATUS_WORDS].view(np.uint64)
         return KernelReport(bytes_moved=int(status[2]), launches=1, items_done=int(status[0]),
-                            items_rejected=int(status[1]), items_launched=len(order.items),
+                            items_rejected=int(status[1]), items_launched=enqueued.items,
                             device_seconds=window_ms / 1e3)
+
+
+@dataclass(frozen=True)
+class _Enqueued:
+    """An enqueued transfer: the buffers and events it uses until it is completed."""
+
+    state: NativeResources
+    stream: torch.cuda.Stream
+    pipelined: bool
+    mapped_prefix: bool
+    status_offset: int
+    items: int

@@ -12,7 +12,7 @@ import torch
 
 from ..batch import ChunkBatch
 from ..device_staging import host_stretches
-from ..plan import Direction, TransferPlan
+from ..plan import OBJECT_ALIGN_BYTES, Direction, TransferPlan
 
 PIECE_BYTES = 64 << 10  # runs are cut so one block gathers about this much: slices complete in staging order
 STORE_FIRST_SLICE_BYTES = 1 << 20  # a store's copy engine starts once this much is gathered...
@@ -139,17 +139,45 @@ def work_order(batch: ChunkBatch, pipelined: bool = False, piece_bytes: int = PI
         bounds = slice_bounds(total, batch.direction, pipelined)
     _, slice_id = np.unique(np.searchsorted(bounds, start, side="right"), return_inverse=True)
     slice_items = np.bincount(slice_id).astype(np.uint32)
+    pieces = (item_pieces(start, length, slice_items, plan.object_bytes) if plan.partial
+              else span_pieces(start, length, slice_items, plan.object_bytes))
+    items = np.zeros((len(order), 4), dtype=np.uint32)
+    items[:, 0], items[:, 1], items[:, 2] = run_id, plane_id, slice_id
+    return WorkOrder(runs, group_table, items, slice_items, pieces)
+
+
+def span_pieces(start: np.ndarray, length: np.ndarray, slice_items: np.ndarray,
+                object_bytes: int) -> list[list[tuple[int, int, int]]]:
+    """Per copy-engine slice, everything from its first item to its last, gaps included (a full plan's store
+    writes every object byte: skipped rows and alignment gaps as zeros)."""
     pieces: list[list[tuple[int, int, int]]] = []
     ends = np.cumsum(slice_items)
     for k in range(slice_items.size):
         first, last = int(ends[k] - slice_items[k]), int(ends[k] - 1)
         lo, hi = int(start[first]), int(start[last] + length[last])
-        pieces.append([(c, max(lo, c * plan.object_bytes) - c * plan.object_bytes,
-                        min(hi, (c + 1) * plan.object_bytes) - max(lo, c * plan.object_bytes))
-                       for c in range(lo // plan.object_bytes, (hi - 1) // plan.object_bytes + 1)])
-    items = np.zeros((len(order), 4), dtype=np.uint32)
-    items[:, 0], items[:, 1], items[:, 2] = run_id, plane_id, slice_id
-    return WorkOrder(runs, group_table, items, slice_items, pieces)
+        pieces.append([(c, max(lo, c * object_bytes) - c * object_bytes,
+                        min(hi, (c + 1) * object_bytes) - max(lo, c * object_bytes))
+                       for c in range(lo // object_bytes, (hi - 1) // object_bytes + 1)])
+    return pieces
+
+
+def item_pieces(start: np.ndarray, length: np.ndarray, slice_items: np.ndarray,
+                object_bytes: int) -> list[list[tuple[int, int, int]]]:
+    """Per copy-engine slice, its items' bytes merged only across gaps under OBJECT_ALIGN_BYTES inside one chunk: a
+    partial plan's copies never reach a plane outside it (planes are aligned, so one in between is farther)."""
+    end = start + length
+    slice_id = np.repeat(np.arange(slice_items.size), slice_items)
+    chunk = start // object_bytes
+    cut = np.ones(start.size, dtype=bool)
+    cut[1:] = ((start[1:] - end[:-1] >= OBJECT_ALIGN_BYTES) | (chunk[1:] != chunk[:-1])
+               | (slice_id[1:] != slice_id[:-1]))
+    begins = np.flatnonzero(cut)
+    lasts = np.append(begins[1:], start.size) - 1
+    pieces: list[list[tuple[int, int, int]]] = [[] for _ in range(slice_items.size)]
+    for b, e in zip(begins.tolist(), lasts.tolist()):
+        c = int(chunk[b])
+        pieces[int(slice_id[b])].append((c, int(start[b]) - c * object_bytes, int(end[e] - start[b])))
+    return pieces
 
 
 def copy_table(staging_address: int, objects: tuple[torch.Tensor, ...], order: WorkOrder, object_bytes: int,

@@ -234,7 +234,7 @@ def layer_seconds(clock: Clock, marks: Sequence[Any]) -> float:
 class Run:
     ttft: float  # model stream: the start mark to the end of the last layer (seconds)
     compute: float  # the layers' work spans, summed
-    lane: float = 0.0  # host: run_sliced to the last slice's launch mark (the CUDA backend returns once it landed)
+    lane: float = 0.0  # host: run_sliced to the last slice's launch mark (CUDA: enqueued, not landed)
 
 
 def _answers(expected: int) -> tuple[Callable[[int, Any], None], threading.Event, list[Any]]:
