@@ -33,7 +33,7 @@ NON_KEY_ENV = frozenset({"CONFIG", "CUDA", "CUDA_ARCHS", "HYPOTHESIS_EXAMPLES", 
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 # store keys that size or name the node cache's tiers: with `node_cache` they are the service's (its --config file);
 # an engine keeps only how its own worker makes the shared pages DMA-able (pinned, npu_host_memory)
-NODE_CACHE_KEYS = tuple(key for key in StoreConfig.keys() if key not in ("pinned", "npu_host_memory"))
+NODE_CACHE_KEYS = tuple(key for key in StoreConfig.keys() if key not in ("pinned", "npu_host_memory", "transfer_cpus"))
 
 
 def check_backend_options(backend: str, options: Mapping[str, Any]) -> None:
@@ -207,7 +207,7 @@ def _parse_env_value(key: str, name: str, text: str) -> Any:
     default = _field_types()[key]
     stripped = text.strip()
     if stripped.lower() in ("null", "none") and (key in _STRING_OR_NULL | _INT_OR_NULL | _BOOL_OR_NULL
-                                                 or key == "mooncake"):
+                                                 or key in ("mooncake", "transfer_cpus")):
         return None
     if key in _SIZES:
         return stripped
@@ -224,7 +224,7 @@ def _parse_env_value(key: str, name: str, text: str) -> Any:
             return int(stripped)
         except ValueError:
             raise ValueError(f"{name}: expected an integer, got {text!r}") from None
-    if key in ("mooncake", "backend_options", "skip_spec_kinds"):
+    if key in ("mooncake", "backend_options", "skip_spec_kinds", "transfer_cpus"):
         try:
             return json.loads(stripped)
         except json.JSONDecodeError as exc:

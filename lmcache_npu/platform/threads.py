@@ -26,7 +26,7 @@ import time
 from collections import deque
 from concurrent.futures import Future
 from enum import Enum
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -178,3 +178,25 @@ def _run(job: tuple) -> None:
         future.set_result(fn(*args, **kwargs))
     except BaseException as exc:  # the caller reads it from the future, as from a ThreadPoolExecutor's
         future.set_exception(exc)
+
+
+def pin_thread(cpus: Sequence[int]) -> bool:
+    """Pins the calling thread (only it: on Linux pid 0 names the thread) to `cpus`; returns whether the OS took it.
+    Never raises: a CPU this process may not use leaves the thread where it was, with a warning."""
+    name = threading.current_thread().name
+    if not hasattr(os, "sched_setaffinity"):
+        logger.warning("thread %s: this OS cannot pin threads; it runs on any CPU", name)
+        return False
+    allowed = os.sched_getaffinity(0)
+    wanted = set(cpus)
+    if not wanted or not wanted <= allowed:
+        logger.warning("thread %s: CPUs %s are not all among this process's %s; left unpinned", name,
+                       sorted(wanted), sorted(allowed))
+        return False
+    try:
+        os.sched_setaffinity(0, wanted)
+    except OSError as exc:
+        logger.warning("thread %s: pinning to CPUs %s refused (%s); left unpinned", name, sorted(wanted), exc)
+        return False
+    logger.info("thread %s pinned to CPUs %s", name, sorted(wanted))
+    return True

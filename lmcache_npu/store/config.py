@@ -93,6 +93,17 @@ def check_value_shape(key: str, value: Any) -> None:
         pending.extend((child, depth + 1) for child in children)
 
 
+def check_cpu_list(key: str, value: Any) -> tuple[int, ...]:
+    """A non-empty list of distinct CPU ids (ints from 0) as a tuple; the error names the key."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)) or not value:
+        raise ValueError(f"{key} must be a non-empty list of CPU ids (e.g. [1] or [2, 3]) or null, got {_shown(value)}")
+    for cpu in value:
+        check_int(f"{key} entry", cpu, 0, 65535)
+    if len(set(value)) != len(value):
+        raise ValueError(f"{key} names a CPU twice: {_shown(value)}")
+    return tuple(value)
+
+
 def parse_section(section: str, schema: type, values: Mapping[str, Any], sizes: tuple[str, ...] = ()) -> dict:
     """`values` checked against the fields of dataclass `schema`: an unknown key is refused with the valid ones;
     the `sizes` keys are parsed to bytes. Returns the keyword arguments for `schema`."""
@@ -229,6 +240,9 @@ class StoreConfig:
     # an evicted chunk is spilled to disk only once this many later requests looked it up (write-through, when on,
     # still writes every chunk at once)
     disk_admit_hits: int = 0
+    # CPU ids the worker's transfer lanes pin their threads to (a CPU engine: keep the copies off the model's cores);
+    # None: no pinning. Per engine, never the node cache's
+    transfer_cpus: Optional[tuple[int, ...]] = None
 
     _SIZES = ("cpu_bytes", "disk_bytes", "disk_max_pending_bytes", "arena_segment_bytes")
 
@@ -269,6 +283,8 @@ class StoreConfig:
             check_int(key, getattr(self, key), 0, 1000)  # 0: no reuse gate
         if self.mooncake is not None:
             MooncakeConfig.from_dict(self.mooncake)  # its errors name the mooncake key
+        if self.transfer_cpus is not None:
+            object.__setattr__(self, "transfer_cpus", check_cpu_list("transfer_cpus", self.transfer_cpus))
 
     @classmethod
     def keys(cls) -> tuple[str, ...]:

@@ -25,6 +25,7 @@ from ..layout.discovery import KVLayout
 from ..layout.slots import chunk_slots, row_tokens
 from ..ops import SKIP_SLOT, ChunkBatch, Direction, PendingTransfer, TransferBackend, TransferStats
 from ..ops.plan import TransferPlan
+from ..platform.threads import pin_thread
 from ..store.commands import DeviceMove
 from ..store.routes.context import Report
 from ..store.tier import Failure, TierCounters, TierResult
@@ -92,8 +93,9 @@ class KVMover:
     """One per worker; each direction's transfers run on its lane, in the order `run` was called."""
 
     def __init__(self, layout: KVLayout, make_backend: Callable[[], TransferBackend], make_kit: Callable[[], StreamKit],
-                 rank: int, load_retries: int, counters: TierCounters) -> None:
+                 rank: int, load_retries: int, counters: TierCounters, cpus: Optional[Sequence[int]] = None) -> None:
         self.layout = layout
+        self.cpus = tuple(cpus or ())  # the lanes' threads pin themselves here (store key transfer_cpus); (): anywhere
         self.rank = rank
         self.load_retries = load_retries
         self.counters = counters
@@ -182,6 +184,8 @@ class KVMover:
     # ---- the transfer thread ----------------------------------------------------------------------------------
 
     def _loop(self, lane: _Lane) -> None:
+        if self.cpus:
+            pin_thread(self.cpus)
         try:
             lane.kit.bind_thread()
         except Exception as exc:  # no stream on this thread: every batch fails (and is recomputed), none hangs

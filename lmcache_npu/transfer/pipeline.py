@@ -104,7 +104,8 @@ def build_worker_pipeline(layout: KVLayout, store: StoreConfig, rank: int, make_
     the mover that stores and loads shares; then the executor sized by `store` for what this rank stores per chunk,
     or over the arena `arena_for(namespace, layout fingerprint, object bytes)` gives (the node cache's, mapped)."""
     plan = layout.plan
-    mover = KVMover(layout, make_backend, lambda: StreamKit.for_device(plan.device), rank, load_retries, counters)
+    mover = KVMover(layout, make_backend, lambda: StreamKit.for_device(plan.device), rank, load_retries, counters,
+                    cpus=store.transfer_cpus)
     device_mover: Any = mover
     fingerprint, object_bytes = plan.fingerprint, plan.object_bytes
     if shared is not None:
