@@ -182,21 +182,21 @@ def _run(job: tuple) -> None:
 
 def pin_thread(cpus: Sequence[int]) -> bool:
     """Pins the calling thread (only it: on Linux pid 0 names the thread) to `cpus`; returns whether the OS took it.
-    Never raises: a CPU this process may not use leaves the thread where it was, with a warning."""
+    A thread may leave the mask it inherited (an engine pinned to its cores): only the cgroup's CPUs bound it. Never
+    raises: CPUs the OS refuses leave the thread where it was, with a warning."""
     name = threading.current_thread().name
-    if not hasattr(os, "sched_setaffinity"):
-        logger.warning("thread %s: this OS cannot pin threads; it runs on any CPU", name)
-        return False
-    allowed = os.sched_getaffinity(0)
     wanted = set(cpus)
-    if not wanted or not wanted <= allowed:
-        logger.warning("thread %s: CPUs %s are not all among this process's %s; left unpinned", name,
-                       sorted(wanted), sorted(allowed))
+    if not hasattr(os, "sched_setaffinity") or not wanted:
+        logger.warning("thread %s: cannot pin to CPUs %s here; it runs on any CPU", name, sorted(wanted))
         return False
     try:
         os.sched_setaffinity(0, wanted)
-    except OSError as exc:
+    except (OSError, ValueError, OverflowError) as exc:
         logger.warning("thread %s: pinning to CPUs %s refused (%s); left unpinned", name, sorted(wanted), exc)
         return False
-    logger.info("thread %s pinned to CPUs %s", name, sorted(wanted))
+    got = os.sched_getaffinity(0)
+    if got != wanted:  # the kernel keeps the CPUs the cgroup allows: say which
+        logger.warning("thread %s: asked for CPUs %s, runs on %s", name, sorted(wanted), sorted(got))
+    else:
+        logger.info("thread %s pinned to CPUs %s", name, sorted(wanted))
     return True

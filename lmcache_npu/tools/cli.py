@@ -290,10 +290,14 @@ def _replay_workload(args: argparse.Namespace, vocab: int) -> tuple[list, str]:
 
 def _replay_plugin_config(args: argparse.Namespace, disk_dir: Optional[str]) -> dict[str, object]:
     from ..config import read_config_file
+    from .cores import parse_cpus
 
     config: dict[str, object] = read_config_file(str(args.config)) if args.config else {}
     config.update({k: v for k, v in (("backend", args.backend), ("chunk_tokens", args.chunk_tokens),
-                                     ("cpu_bytes", args.cpu_bytes)) if v is not None})
+                                     ("cpu_bytes", args.cpu_bytes), ("load_slices", args.load_slices)) if v is not None})
+    transfer_cpus = parse_cpus("--transfer-cpus", args.transfer_cpus)
+    if transfer_cpus is not None:
+        config["transfer_cpus"] = list(transfer_cpus)
     if disk_dir is not None:
         config.update(disk_path=disk_dir, disk_bytes=args.disk_bytes)
     return config
@@ -340,6 +344,12 @@ def _replay_in(args: argparse.Namespace, run_log: Any) -> int:
         raise ValueError(f"replay needs a real vLLM engine: {missing}")
     if args.repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
+    from .cores import check_apart, parse_cpus, pin_engine_here
+
+    engine_cpus = parse_cpus("--engine-cpus", args.engine_cpus)
+    check_apart(engine_cpus, parse_cpus("--transfer-cpus", args.transfer_cpus))
+    if engine_cpus is not None:  # before any engine starts: its threads inherit this thread's cores
+        pin_engine_here(engine_cpus)
     out, err = run_log.console_out, run_log.console_err
     console = Console(file=out, width=None if out.isatty() else 120)  # the demo's report is laid out for 120 columns
     if args.model_config is not None:
@@ -475,8 +485,14 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--no-restart", action="store_true", help="skip the restart phase (the next turn on a "
                         "fresh engine over the last run's disk tier, against a cold restart without the plugin)")
     replay.add_argument("--configs", default="baseline,plugin", help="the configurations compared, comma-separated: "
-                        "baseline (vLLM alone, always), plugin, peer (vLLM's own MooncakeStoreConnector on a loopback "
-                        "mooncake_master); default baseline,plugin")
+                        "baseline (vLLM alone, always), plugin, plugin-async, plugin-sliced (the plugin with "
+                        "load_mode async or sliced; plugin keeps --config's, auto by default), peer (vLLM's own "
+                        "MooncakeStoreConnector on a loopback mooncake_master); default baseline,plugin")
+    replay.add_argument("--load-slices", type=int, help="the plugin's load_slices (slices of a sliced load, 1-8)")
+    replay.add_argument("--engine-cpus", help="pin the engine (this process's threads, torch's intra-op threads: "
+                        "one per CPU) to these CPU ids, e.g. 0 (default: not pinned)")
+    replay.add_argument("--transfer-cpus", help="the plugin's transfer_cpus: its transfer lanes pin themselves to "
+                        "these CPU ids, e.g. 1 (default: not pinned)")
     replay.add_argument("--peer", action="store_true", help="adds the peer (same as --configs ...,peer); when it "
                         "cannot start here (no Mooncake, a vLLM without the connector) the replay says why and runs "
                         "without it")

@@ -34,7 +34,10 @@ MOONCAKE_STORE = "mooncake-store"  # vLLM's own MooncakeStoreConnector
 BASELINE = "vLLM alone"
 PLUGIN = "vLLM + lmcache-npu"
 PEER = "vLLM + MooncakeStoreConnector"
-CONFIG_KEYS = {"baseline": BASELINE, "plugin": PLUGIN, "peer": PEER}  # `lmcache-npu replay --configs` names
+# the plugin with each hit loaded one way (issue 41's load_mode); "plugin" keeps the mode its config gives (auto)
+PLUGIN_MODES = {"plugin-async": "async", "plugin-sliced": "sliced"}
+CONFIG_KEYS = {"baseline": BASELINE, "plugin-async": f"{PLUGIN} (async)", "plugin-sliced": f"{PLUGIN} (sliced)",
+               "plugin": PLUGIN, "peer": PEER}  # `lmcache-npu replay --configs` names, in the order they run
 
 
 def peer_config(extra_config: Optional[Mapping[str, Any]] = None) -> RunConfig:
@@ -43,8 +46,9 @@ def peer_config(extra_config: Optional[Mapping[str, Any]] = None) -> RunConfig:
 
 
 def named_configs(names: Sequence[str], plugin_config: Mapping[str, Any]) -> list[RunConfig]:
-    """The configurations `names` ("baseline", "plugin", "peer") pick, in that order; the baseline always first
-    (every other run's tokens are checked against it)."""
+    """The configurations `names` (CONFIG_KEYS) pick, in CONFIG_KEYS' order; the baseline always first (every other
+    run's tokens are checked against it). "plugin-async" and "plugin-sliced" are the plugin over `plugin_config`
+    with `load_mode` set so; "plugin" is the plugin over `plugin_config` as given (load_mode auto unless it says)."""
     unknown = [n for n in names if n not in CONFIG_KEYS]
     if unknown:
         raise ValueError(f"--configs: unknown configuration(s) {unknown}; known: {', '.join(CONFIG_KEYS)}")
@@ -53,10 +57,24 @@ def named_configs(names: Sequence[str], plugin_config: Mapping[str, Any]) -> lis
     chosen = []
     for key in CONFIG_KEYS:
         if key in names:
-            chosen.append({"baseline": lambda: RunConfig(BASELINE),
-                           "plugin": lambda: RunConfig(PLUGIN, PLUGIN_CONNECTOR, dict(plugin_config)),
-                           "peer": peer_config}[key]())
+            chosen.append(_named(key, plugin_config))
     return chosen
+
+
+def _named(key: str, plugin_config: Mapping[str, Any]) -> RunConfig:
+    if key == "baseline":
+        return RunConfig(BASELINE)
+    if key == "peer":
+        return peer_config()
+    extra = dict(plugin_config)
+    if key in PLUGIN_MODES:
+        extra["load_mode"] = PLUGIN_MODES[key]
+    return RunConfig(CONFIG_KEYS[key], PLUGIN_CONNECTOR, extra)
+
+
+def load_mode_of(config: RunConfig) -> str:
+    """How the plugin configuration loads its hits ("" for vLLM alone or a peer): its load_mode, auto by default."""
+    return str(config.extra_config.get("load_mode", "auto")) if config.plugin else ""
 
 
 def default_configs(plugin_config: Mapping[str, Any]) -> list[RunConfig]:

@@ -21,6 +21,7 @@ from .restart import RestartResult, run_restart
 from .runner import TurnRun
 from .runs import RunResult, start_engine, timed_run
 from .spread import Spread, spread_of
+from .steps import StepCounts
 from .verdict import Summary, seconds, turn_verdict, verdict_line
 from .warmup import cold_runs
 from .workload import Conversation
@@ -102,6 +103,16 @@ class ReplayReport:
             return f"restart: {self.restart.identity.first_difference}"
         return ""
 
+    def step_counts(self, config: str) -> StepCounts:
+        """Scheduler steps from admission to first token of the plugin's hits, over every run of `config`."""
+        return StepCounts.merged([r.total_steps() for r in self.runs_of(config)])
+
+    def load_mode(self, config: str) -> str:
+        """"" for vLLM alone or a peer, else the plugin configuration's load_mode (auto by default)."""
+        if self.connector_kind(config) != "plugin":
+            return ""
+        return str(self.settings.get("configs", {}).get(config, {}).get("extra_config", {}).get("load_mode", "auto"))
+
     def connector_kind(self, config: str) -> str:
         """"" for vLLM alone, "plugin" or "peer": how the verdict names a configuration's connector hits."""
         connector = self.settings.get("configs", {}).get(config, {}).get("connector", "")
@@ -134,7 +145,9 @@ class ReplayReport:
         pairs = [(self.configs[0], c) for c in self.configs[1:]]
         plugins = [c for c in self.configs[1:] if self.connector_kind(c) == "plugin"]
         peers = [c for c in self.configs[1:] if self.connector_kind(c) == "peer"]
-        return pairs + [(peer, plugin) for plugin in plugins for peer in peers]
+        # issue 41: each other load mode against today's asynchronous loads
+        modes = [(a, c) for a in plugins if self.load_mode(a) == "async" for c in plugins if c != a]
+        return pairs + modes + [(peer, plugin) for plugin in plugins for peer in peers]
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -147,13 +160,15 @@ class ReplayReport:
                       "turns": [{**asdict(t), "hits": h.by_source(), "prompt_tokens": h.prompt_tokens}
                                 for t, h in zip(r.times(), r.hits)],
                       "plugin_stats": r.plugin_stats, "reloaded_tokens": r.reloaded_tokens,
+                      "admission_to_first_token_steps": [t.to_json() for t in r.steps],
                       "accounting_mismatches": r.mismatches} for r in self.runs]}
         for config in self.configs:
             matching, requests, ties = self.matching(config)
             out["per_config"][config] = {
                 "turns": [{k: v.to_json() for k, v in row.items()} for row in self.turn_spreads(config)],
                 "totals": {k: v.to_json() for k, v in self.total_spreads(config).items()},
-                "matching": matching, "requests": requests, "near_ties": ties}
+                "matching": matching, "requests": requests, "near_ties": ties, "load_mode": self.load_mode(config),
+                "admission_to_first_token_steps": self.step_counts(config).to_json()}
         if len(self.configs) > 1:
             out["verdict"] = verdict_line(self.summary())[0]
             out["verdicts"] = [{"baseline": b, "candidate": c, "text": verdict_line(self.summary(c, b))[0],
@@ -177,12 +192,18 @@ def run_replay(model: str, conversations: Sequence[Conversation], workload: str,
     runs: list[RunResult] = []
     order = run_order(configs, repeats)
     last_disk = ""
+    several = sum(c.plugin for c in configs) > 1  # each plugin configuration's runs need disk directories of their own
     for step, (repeat, config) in enumerate(order):
         extra = dict(config.extra_config)
         if config.plugin and extra.get("disk_path"):
-            extra["disk_path"] = last_disk = os.path.join(str(extra["disk_path"]), f"run-{repeat + 1}")
-            if os.path.isdir(last_disk) and os.listdir(last_disk):
-                raise ValueError(f"{last_disk} is not empty: a timed run's disk tier must start empty (choose another "
+            mode = config.extra_config.get("load_mode", "auto")
+            run_dir = f"{configs.index(config)}-{mode}-run-{repeat + 1}" if several else f"run-{repeat + 1}"
+            disk = os.path.join(str(extra["disk_path"]), run_dir)
+            extra["disk_path"] = disk
+            if config is next(c for c in configs if c.plugin):  # the restart phase reopens the first plugin's
+                last_disk = disk
+            if os.path.isdir(disk) and os.listdir(disk):
+                raise ValueError(f"{disk} is not empty: a timed run's disk tier must start empty (choose another "
                                  f"--disk-path or empty it)")
         if config.peer:  # the master outlives the runs: each run's objects under their own prefix
             extra["cache_prefix"] = f"{extra.get('cache_prefix') or 'replay'}-run-{repeat + 1}"
@@ -280,6 +301,9 @@ def render_report(report: ReplayReport) -> list[Any]:
                            lambda row, matching: [*(spread_cell(row[s], repeats, "tokens") for s in sources),
                                                   matching_cell(*matching)])
     out: list[Any] = [times, tokens]
+    steps = render_steps(report)
+    if steps is not None:
+        out.append(steps)
     unused = [SOURCE_COLUMNS[s] for s in SOURCES if s not in sources]
     if unused:
         out.append(Text(f"no tokens came from: {', '.join(unused)} (columns left out)"))
@@ -313,6 +337,29 @@ def render_report(report: ReplayReport) -> list[Any]:
     return out
 
 
+def render_steps(report: ReplayReport) -> Any:
+    """Per plugin configuration: its load mode, TTFT over every run, and the scheduler steps from admission to first
+    token of its hits (issue 41: a sliced hit computes in the step that admits it); None without the plugin."""
+    from rich.table import Table
+
+    plugins = [c for c in report.configs if report.connector_kind(c) == "plugin"]
+    if not plugins:
+        return None
+    table = Table(title="the plugin's hits per load mode: scheduler steps from admission (blocks allocated with "
+                  "external tokens) to the step that samples the first token, over every run", title_justify="left")
+    for column in ("run", "load_mode", "TTFT p50", "TTFT p90", "hit requests", "steps median", "p90", "max",
+                   "steps: requests", "loaded sliced"):
+        table.add_column(column, justify="right", no_wrap=column != "run")
+    for config in plugins:
+        counts, totals = report.step_counts(config), report.total_spreads(config)
+        histogram = ", ".join(f"{k}: {v}" for k, v in counts.histogram().items()) or "-"
+        summary = counts.to_json()
+        table.add_row(config, report.load_mode(config), seconds(totals["ttft_p50_s"].median),
+                      seconds(totals["ttft_p90_s"].median), f"{counts.hits}", f"{summary['median']:g}",
+                      f"{summary['p90']:g}", f"{summary['max']}", histogram, f"{counts.sliced}")
+    return table
+
+
 def render_restart(restart: RestartResult) -> Any:
     """The restart phase as one table; a source neither engine drew from is left out, and only an engine's name may
     wrap, so the table fits 120 columns."""
@@ -336,4 +383,4 @@ def render_restart(restart: RestartResult) -> Any:
     return table
 
 
-__all__ = ["ReplayReport", "run_replay", "render_report", "render_restart"]
+__all__ = ["ReplayReport", "run_replay", "render_report", "render_restart", "render_steps"]

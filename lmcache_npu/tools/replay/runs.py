@@ -14,6 +14,7 @@ from .engine import Completion, Engine, EngineSettings
 from .runner import TurnRun, run_workload
 from .sizing import device_capacity_tokens
 from .spread import percentile
+from .steps import StepCounter, StepCounts
 from .warmup import WarmUp, shadow_first_turn, warm_up
 from .workload import Conversation
 
@@ -51,6 +52,7 @@ class RunResult:
     plugin_stats: dict[str, float] = field(default_factory=dict)
     reloaded_tokens: int = 0  # plugin loads for preempted requests (not in `hits`: vLLM counts a request once)
     mismatches: list[str] = field(default_factory=list)  # where the hit ledger and the plugin's counters disagreed
+    steps: list[StepCounts] = field(default_factory=list)  # per turn: the plugin's hits, admission to first token
 
     @property
     def label(self) -> str:
@@ -67,6 +69,9 @@ class RunResult:
 
     def total_hits(self) -> TurnHits:
         return TurnHits.summed(self.hits)
+
+    def total_steps(self) -> StepCounts:
+        return StepCounts.merged(self.steps)
 
     def answers(self, conversations: int) -> list[list[tuple[int, ...]]]:
         """Each conversation's answers in turn order (what its next prompt re-sends)."""
@@ -96,8 +101,10 @@ class TurnAccounting:
         self.engine = engine
         self.config = config
         self.ledger = HitLedger()
+        self.steps = StepCounter()  # scheduler steps from admission to first token of the plugin's hits
         if config.plugin:
             self.ledger.attach(engine.scheduler_connector)
+            self.steps.attach(engine.scheduler_connector)
         self.reloaded_tokens = 0
         self.mismatches: list[str] = []
         self._external = engine.vllm_counter(EXTERNAL_HITS)  # the counter so far: each turn takes its growth
@@ -105,6 +112,7 @@ class TurnAccounting:
     def restart(self) -> None:
         """Forgets what was loaded so far (a warm-up's loads are not the workload's)."""
         self.ledger.take()
+        self.steps.restart()
         self._external = self.engine.vllm_counter(EXTERNAL_HITS)
 
     def turn(self, number: int, completions: Sequence[Completion]) -> TurnHits:
@@ -131,13 +139,15 @@ def timed_run(engine: Engine, config: RunConfig, repeat: int, position: int, con
         warm = warm_up(engine, shadow_first_turn(conversations, vocab), logprobs=COMPARED_LOGPROBS)
         accounting.restart()
     hits: list[TurnHits] = []
+    steps: list[StepCounts] = []
 
     def turn_done(turn: TurnRun) -> None:
         hits.append(accounting.turn(turn.turn, turn.completions))
+        steps.append(accounting.steps.take())
         if on_turn is not None:
             on_turn(turn)
 
     turns = run_workload(engine, conversations, turn_done, logprobs=COMPARED_LOGPROBS)
     return RunResult(config.name, repeat, position, warm, turns, hits, device_capacity_tokens(engine),
                      engine.plugin_stats() if config.plugin else {}, accounting.reloaded_tokens,
-                     accounting.mismatches)
+                     accounting.mismatches, steps)

@@ -39,7 +39,14 @@ def add_bench_serve_parser(sub: Any) -> None:
                                                           "directory (default gemma3-demo, the replay's model)")
     p.add_argument("--dtype", help="the server's dtype (default: the recipe's, else float32)")
     p.add_argument("--configs", nargs="+", default=["baseline", "plugin", "peer"],
-                   help="configurations: baseline, plugin, peer (default all; a peer that cannot start is skipped)")
+                   help="configurations: baseline, plugin, plugin-async, plugin-sliced (the plugin with load_mode "
+                        "async or sliced; plugin: auto), peer (default baseline plugin peer; a peer that cannot "
+                        "start is skipped)")
+    p.add_argument("--load-slices", type=int, help="the plugin's load_slices (slices of a sliced load, 1-8)")
+    p.add_argument("--engine-cpus", help="bind the server's model threads to these CPU ids (vLLM's "
+                                         "VLLM_CPU_OMP_THREADS_BIND), e.g. 0 (default: vLLM's auto binding)")
+    p.add_argument("--transfer-cpus", help="the plugin's transfer_cpus: its transfer lanes pin themselves to these "
+                                           "CPU ids, e.g. 1 (default: not pinned)")
     p.add_argument("--workloads", nargs="+", default=["prefix_repetition", "chat", "random"],
                    help="prefix_repetition, chat, random (default all three)")
     pace = p.add_mutually_exclusive_group()
@@ -156,6 +163,7 @@ def run_bench_serve(args: argparse.Namespace) -> int:
     """Sizes the servers from the workloads, sweeps every configuration, prints the table and the verdict."""
     from rich.console import Console
 
+    from ..cores import check_apart, parse_cpus
     from ..replay.configs import named_configs
     from ..replay.engine import engine_available
     from ..replay.models import VOCAB, make_model, model_vocab, resolve_recipe
@@ -189,9 +197,16 @@ def run_bench_serve(args: argparse.Namespace) -> int:
     plugin_config: dict[str, object] = {"cpu_bytes": args.cpu_bytes}
     if args.chunk_tokens is not None:
         plugin_config["chunk_tokens"] = args.chunk_tokens
+    if args.load_slices is not None:
+        plugin_config["load_slices"] = args.load_slices
+    engine_cpus, transfer_cpus = (parse_cpus("--engine-cpus", args.engine_cpus),
+                                  parse_cpus("--transfer-cpus", args.transfer_cpus))
+    check_apart(engine_cpus, transfer_cpus)
+    if transfer_cpus is not None:
+        plugin_config["transfer_cpus"] = list(transfer_cpus)
     configs = named_configs(args.configs, plugin_config)
     server = ServerSettings(model_dir, str(tokenizer_dir(vocab)), dtype, max_model_len, kv_bytes, args.max_num_seqs,
-                            prefix_caching=True, seed=args.seed)
+                            prefix_caching=True, seed=args.seed, engine_cpus=engine_cpus)
     device_tokens = kv_bytes // kv_bytes_per_token(model_dir, dtype)
     _warn_if_random_preempts(sweep, device_tokens, console.log)
     console.log(f"device KV {kv_bytes / 2**20:.0f} MiB (about {device_tokens} tokens); the largest working set "
@@ -212,7 +227,7 @@ def run_bench_serve(args: argparse.Namespace) -> int:
         settings = {"model": model_dir, "dtype": dtype, "kv_cache_memory_bytes": kv_bytes,
                     "max_model_len": max_model_len, "max_num_seqs": args.max_num_seqs,
                     "working_set_tokens": largest, "device_tokens_estimate": device_tokens,
-                    "plugin_config": plugin_config, **sweep_json(sweep)}
+                    "plugin_config": plugin_config, "engine_cpus": engine_cpus, **sweep_json(sweep)}
         args.json.write_text(json.dumps(to_json(result, settings), indent=2))
         console.print(f"wrote {args.json}")
     return 0

@@ -72,14 +72,18 @@ class ServerSettings:
     # vLLM's CPU platform reserves one more core whenever a kv_transfer_config is set (for NIXL): on a small machine
     # that changes the model's thread binding, so every configuration pins the same reservation
     reserved_cpus: Optional[int] = 1
+    engine_cpus: Optional[tuple[int, ...]] = None  # the model's OpenMP threads bound here (None: vLLM's auto binding)
 
     def env(self) -> dict[str, str]:
         """Environment every configuration's server gets (the same for all, so only the connector differs)."""
+        from ..cores import server_env
+
+        pinned = server_env(self.engine_cpus)
         if self.reserved_cpus is None:
-            return {}
+            return pinned
         if self.reserved_cpus < 0:
             raise ValueError(f"reserved_cpus must be >= 0, got {self.reserved_cpus}")
-        return {"VLLM_CPU_NUM_OF_RESERVED_CPU": str(self.reserved_cpus)}
+        return {"VLLM_CPU_NUM_OF_RESERVED_CPU": str(self.reserved_cpus), **pinned}
 
     def args(self, transfer_config: Optional[str]) -> list[str]:
         """`vllm serve` arguments (after the model) for these settings and the connector's JSON (None: vLLM alone)."""
