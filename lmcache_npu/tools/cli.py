@@ -294,7 +294,8 @@ def _replay_plugin_config(args: argparse.Namespace, disk_dir: Optional[str]) -> 
 
     config: dict[str, object] = read_config_file(str(args.config)) if args.config else {}
     config.update({k: v for k, v in (("backend", args.backend), ("chunk_tokens", args.chunk_tokens),
-                                     ("cpu_bytes", args.cpu_bytes), ("load_slices", args.load_slices)) if v is not None})
+                                     ("cpu_bytes", args.cpu_bytes), ("load_slices", args.load_slices))
+                   if v is not None})
     transfer_cpus = parse_cpus("--transfer-cpus", args.transfer_cpus)
     if transfer_cpus is not None:
         config["transfer_cpus"] = list(transfer_cpus)

@@ -88,3 +88,20 @@ def test_the_movers_lanes_run_on_the_transfer_cpus() -> None:
         assert [os.sched_getaffinity(lane.thread.native_id) for lane in lanes] == [{cpu}, {cpu}]
     finally:
         mover.close()
+
+
+@pytest.mark.skipif(len(ALLOWED) < 2, reason="needs two CPUs")
+def test_a_lane_leaves_the_cores_its_engine_pinned_it_to() -> None:
+    """The tools pin the engine's thread first (tools/cores.py); a lane it starts inherits that mask and must still
+    reach its own core."""
+    engine, lane = ALLOWED[0], ALLOWED[-1]
+    out: list = []
+
+    def engine_thread() -> None:
+        os.sched_setaffinity(0, {engine})
+        out.append(_affinity_on_a_thread([lane]))
+
+    thread = threading.Thread(target=engine_thread)
+    thread.start()
+    thread.join()
+    assert out == [(True, {lane})]
