@@ -191,13 +191,17 @@ class ChunkBatch:
             total_items=int(item_cursor),
         )
 
+    @functools.cached_property
+    def _plane_rows(self) -> frozenset[bytes]:
+        return frozenset(row.tobytes() for row in self.plan.plane_table)
+
     def for_plan(self, plan: TransferPlan) -> "ChunkBatch":
         """This batch on `plan`, a plane subset of its plan (`TransferPlan.plane_subset`): the same checked slots and
         runs for the groups the subset keeps, nothing validated again (this batch was), so a sliced load checks its
         rows once and builds each slice's batch cheaply."""
         if plan is self.plan:
             return self
-        own = {row.tobytes() for row in self.plan.plane_table}  # same pages at the same object offsets
+        own = self._plane_rows  # same pages at the same object offsets
         if (plan.groups != self.plan.groups or plan.object_bytes != self.plan.object_bytes
                 or plan.rows_per_chunk != self.plan.rows_per_chunk
                 or not all(row.tobytes() in own for row in plan.plane_table)):

@@ -139,7 +139,8 @@ class CudaBackend(TransferBackend):
         """An unpipelined staging transfer's order with a mapped prefix, where the objects and the plan allow one
         (a store's kernel writes items, never the gaps between them: gap-free plans only)."""
         share = self.tuning.mapped_prefix_share(batch.direction)
-        if (path != CudaPath.STAGING or pipelined or share <= 0
+        # a partial plan (one slice's planes) rarely has items in a byte prefix of its staging: not planned twice
+        if (path != CudaPath.STAGING or pipelined or share <= 0 or batch.plan.partial
                 or (batch.direction == Direction.STORE and not batch.plan.gap_free)
                 or not all(self._host_mapped(o) for o in batch.objects)):
             return None

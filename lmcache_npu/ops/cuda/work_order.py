@@ -119,12 +119,10 @@ def work_order(batch: ChunkBatch, pipelined: bool = False, piece_bytes: int = PI
     plane_rows = np.array([p.row_bytes for p in plan.moved_planes], dtype=np.int64)
     run_ids, plane_ids = [], []
     for group in group_table:
-        r = np.arange(group["run_begin"], group["run_begin"] + group["run_count"], dtype=np.int64)
-        p = np.arange(group["plane_begin"], group["plane_begin"] + group["plane_count"], dtype=np.int64)
-        if r.size and p.size:
-            rr, pp = np.meshgrid(r, p, indexing="ij")
-            run_ids.append(rr.reshape(-1))
-            plane_ids.append(pp.reshape(-1))
+        runs_in, planes_in = int(group["run_count"]), int(group["plane_count"])
+        if runs_in and planes_in:  # every (run, plane) pair, run-major
+            run_ids.append(np.repeat(np.arange(group["run_begin"], group["run_begin"] + runs_in), planes_in))
+            plane_ids.append(np.tile(np.arange(group["plane_begin"], group["plane_begin"] + planes_in), runs_in))
     if not run_ids:
         return WorkOrder(runs, group_table, np.zeros((0, 4), dtype=np.uint32), np.zeros(0, dtype=np.uint32), [])
     run_id, plane_id = np.concatenate(run_ids), np.concatenate(plane_ids)
@@ -137,7 +135,10 @@ def work_order(batch: ChunkBatch, pipelined: bool = False, piece_bytes: int = PI
     total = batch.num_chunks * plan.object_bytes
     if bounds is None:
         bounds = slice_bounds(total, batch.direction, pipelined)
-    _, slice_id = np.unique(np.searchsorted(bounds, start, side="right"), return_inverse=True)
+    if len(bounds) == 1:  # one slice (unpipelined): nothing to search
+        slice_id = np.zeros(start.size, dtype=np.int64)
+    else:
+        _, slice_id = np.unique(np.searchsorted(bounds, start, side="right"), return_inverse=True)
     slice_items = np.bincount(slice_id).astype(np.uint32)
     pieces = (item_pieces(start, length, slice_items, plan.object_bytes) if plan.partial
               else span_pieces(start, length, slice_items, plan.object_bytes))
