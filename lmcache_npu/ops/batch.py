@@ -207,25 +207,17 @@ class ChunkBatch:
                 or not all(row.tobytes() in own for row in plan.plane_table)):
             raise ValueError("for_plan: the plan is not a plane subset of the batch's plan")
         moved = set(plan.moved_group_indices())
-        parts, table = [], np.zeros(len(plan.groups), dtype=GROUP_DESC_DTYPE)
-        run_cursor = item_cursor = 0
-        for g, group in enumerate(self.group_table):
-            plane_begin, plane_count = plan.group_plane_range(g) if g in moved else (0, 0)
-            first = int(group["run_begin"])
-            runs = self.runs[first: first + int(group["run_count"])] if g in moved else self.runs[:0]
-            table[g] = (plan.rows_per_chunk[g], plan.group_rows_per_block[g] or 0, plane_begin, plane_count,
-                        run_cursor, runs.size, item_cursor)
-            parts.append(runs)
-            run_cursor += runs.size
-            item_cursor += runs.size * plane_count
+        runs, table, items = _group_runs(plan, [
+            self.runs[int(group["run_begin"]): int(group["run_begin"]) + int(group["run_count"])] if g in moved
+            else self.runs[:0] for g, group in enumerate(self.group_table)])
         return ChunkBatch(
             plan=plan,
             direction=self.direction,
             slots=tuple(matrix if g in moved else None for g, matrix in enumerate(self.slots)),
             objects=self.objects,
-            runs=np.concatenate(parts) if parts else np.zeros(0, dtype=RUN_DESC_DTYPE),
+            runs=runs,
             group_table=table,
-            total_items=int(item_cursor),
+            total_items=items,
         )
 
     def chunk_windows(self, chunks_per_window: int) -> list["ChunkBatch"]:
@@ -265,29 +257,33 @@ class ChunkBatch:
             if direction == Direction.LOAD:
                 _check_unique_targets(g, matrix)
             matrices.append(matrix)
-        run_parts, table = [], np.zeros(len(plan.groups), dtype=GROUP_DESC_DTYPE)
-        run_cursor = item_cursor = 0
-        for g in range(len(plan.groups)):
-            plane_begin, plane_count = plan.group_plane_range(g) if g in moved else (0, 0)
-            runs = (
-                _runs(matrices[g], plan.group_rows_per_block[g], direction == Direction.STORE)
-                if g in moved
-                else np.zeros(0, dtype=RUN_DESC_DTYPE)
-            )
-            if run_cursor + runs.size > MAX_U32:
-                raise ValueError(f"group {g}: the transfer cuts into more than {MAX_U32} runs, the most the kernel's "
-                                 "uint32 run index holds; transfer fewer chunks at a time")
-            table[g] = (plan.rows_per_chunk[g], plan.group_rows_per_block[g] or 0, plane_begin, plane_count,
-                        run_cursor, runs.size, item_cursor)
-            run_parts.append(runs)
-            run_cursor += runs.size
-            item_cursor += runs.size * plane_count
+        runs, table, items = _group_runs(plan, [
+            _runs(matrices[g], plan.group_rows_per_block[g], direction == Direction.STORE) if g in moved
+            else np.zeros(0, dtype=RUN_DESC_DTYPE) for g in range(len(plan.groups))])
         return cls(
             plan=plan,
             direction=direction,
             slots=tuple(matrices),
             objects=object_list,
-            runs=np.concatenate(run_parts) if run_parts else np.zeros(0, dtype=RUN_DESC_DTYPE),
+            runs=runs,
             group_table=table,
-            total_items=int(item_cursor),
+            total_items=items,
         )
+
+
+def _group_runs(plan: TransferPlan, runs_by_group: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray, int]:
+    """A batch's runs (its groups' in group order), its group table over `plan` and its item count."""
+    moved = set(plan.moved_group_indices())
+    table = np.zeros(len(plan.groups), dtype=GROUP_DESC_DTYPE)
+    run_cursor = item_cursor = 0
+    for g, runs in enumerate(runs_by_group):
+        plane_begin, plane_count = plan.group_plane_range(g) if g in moved else (0, 0)
+        if run_cursor + runs.size > MAX_U32:
+            raise ValueError(f"group {g}: the transfer cuts into more than {MAX_U32} runs, the most the kernel's "
+                             "uint32 run index holds; transfer fewer chunks at a time")
+        table[g] = (plan.rows_per_chunk[g], plan.group_rows_per_block[g] or 0, plane_begin, plane_count,
+                    run_cursor, runs.size, item_cursor)
+        run_cursor += runs.size
+        item_cursor += runs.size * plane_count
+    runs = np.concatenate(runs_by_group) if runs_by_group else np.zeros(0, dtype=RUN_DESC_DTYPE)
+    return runs, table, int(item_cursor)

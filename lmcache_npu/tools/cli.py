@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from ..ops import BACKEND_NAMES, BackendUnavailable
+from .cores import add_mode_options
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -489,11 +490,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "baseline (vLLM alone, always), plugin, plugin-async, plugin-sliced (the plugin with "
                         "load_mode async or sliced; plugin keeps --config's, auto by default), peer (vLLM's own "
                         "MooncakeStoreConnector on a loopback mooncake_master); default baseline,plugin")
-    replay.add_argument("--load-slices", type=int, help="the plugin's load_slices (slices of a sliced load, 1-8)")
-    replay.add_argument("--engine-cpus", help="pin the engine (this process's threads, torch's intra-op threads: "
-                        "one per CPU) to these CPU ids, e.g. 0 (default: not pinned)")
-    replay.add_argument("--transfer-cpus", help="the plugin's transfer_cpus: its transfer lanes pin themselves to "
-                        "these CPU ids, e.g. 1 (default: not pinned)")
+    add_mode_options(replay, "pin the engine (this process's threads, torch's intra-op threads: one per CPU) to "
+                             "these CPU ids, e.g. 0 (default: not pinned)")
     replay.add_argument("--peer", action="store_true", help="adds the peer (same as --configs ...,peer); when it "
                         "cannot start here (no Mooncake, a vLLM without the connector) the replay says why and runs "
                         "without it")

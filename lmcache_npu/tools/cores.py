@@ -4,6 +4,7 @@ threads leave alone (issue 41)."""
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 from typing import Optional, Sequence
@@ -58,3 +59,11 @@ def server_env(cpus: Optional[Sequence[int]]) -> dict[str, str]:
     if not cpus:
         return {}
     return {"VLLM_CPU_OMP_THREADS_BIND": ",".join(str(c) for c in cpus)}
+
+
+def add_mode_options(parser: argparse.ArgumentParser, engine_cpus_help: str) -> None:
+    """The options replay and bench-serve share for issue 41's runs: slices, and where the engine and lanes run."""
+    parser.add_argument("--load-slices", type=int, help="the plugin's load_slices (slices of a sliced load, 1-8)")
+    parser.add_argument("--engine-cpus", help=engine_cpus_help)
+    parser.add_argument("--transfer-cpus", help="the plugin's transfer_cpus: its transfer lanes pin themselves to "
+                                                "these CPU ids, e.g. 1 (default: not pinned)")

@@ -12,6 +12,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from ..cores import add_mode_options
+
 logger = logging.getLogger(__name__)
 
 
@@ -42,11 +44,8 @@ def add_bench_serve_parser(sub: Any) -> None:
                    help="configurations: baseline, plugin, plugin-async, plugin-sliced (the plugin with load_mode "
                         "async or sliced; plugin: auto), peer (default baseline plugin peer; a peer that cannot "
                         "start is skipped)")
-    p.add_argument("--load-slices", type=int, help="the plugin's load_slices (slices of a sliced load, 1-8)")
-    p.add_argument("--engine-cpus", help="bind the server's model threads to these CPU ids (vLLM's "
-                                         "VLLM_CPU_OMP_THREADS_BIND), e.g. 0 (default: vLLM's auto binding)")
-    p.add_argument("--transfer-cpus", help="the plugin's transfer_cpus: its transfer lanes pin themselves to these "
-                                           "CPU ids, e.g. 1 (default: not pinned)")
+    add_mode_options(p, "bind the server's model threads to these CPU ids (vLLM's VLLM_CPU_OMP_THREADS_BIND), e.g. 0 "
+                        "(default: vLLM's auto binding)")
     p.add_argument("--workloads", nargs="+", default=["prefix_repetition", "chat", "random"],
                    help="prefix_repetition, chat, random (default all three)")
     pace = p.add_mutually_exclusive_group()
