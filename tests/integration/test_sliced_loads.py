@@ -177,6 +177,28 @@ def test_after_two_forwards_read_before_their_slices_landed_hits_load_asynchrono
     assert_quiescent(engine)
 
 
+def test_one_forward_reading_two_requests_loads_early_counts_once(make_engine):
+    """Two hits in one forward that skips every hook: both are recomputed, and the scheduler hears of one forward
+    (it stops slicing after two forwards, not two requests)."""
+    engine, _ = _skipping_engine(make_engine, check_every_step=False, every_layer=True)
+    engine.add(prompt(600, seed=11) + [5], max_tokens=2, request_id="second")  # warm's hit, in the same step
+    reported = []
+    worker = engine.workers[0].worker_half
+    build = worker.build_worker_meta
+
+    def spied():
+        meta = build()
+        if meta is not None:
+            reported.append(meta.unwaited_sliced)
+        return meta
+
+    worker.build_worker_meta = spied
+    engine.run()
+    assert engine.stats.data["sliced_load_unwaited"] == 2  # both requests' loads
+    assert sum(reported) == 1  # one forward
+    assert engine.connector.scheduler_half.modes.workers_slice  # still slicing after one
+
+
 def test_a_slice_not_launched_in_time_fails_the_load_instead_of_hanging(make_engine, monkeypatch):
     monkeypatch.setattr(sliced_loads, "SLICE_WAIT_S", 0.05)
     engine = preset_engine(make_engine, "llama3-8b", "ascend", max_layers=4, extra_config=SLICED,

@@ -96,7 +96,7 @@ class LoadModes:
         self.learned = policy == "cost-model"  # load-all claims as before issue 40 and 41: asynchronously
         self.single_group = scheduler_groups == 1  # a failed sliced load can be told to vLLM (the docstring)
         self.workers_slice = False  # every rank's mover can launch a load slice by slice (set from the plans)
-        self.unwaited = 0  # sliced loads the workers' guard failed: at UNWAITED_LIMIT slicing stops
+        self.unwaited = 0.0  # forwards whose sliced loads the workers' guard failed: at UNWAITED_LIMIT slicing stops
         if setting == "sliced" and not self.single_group:
             logger.warning("lmcache_npu: load_mode sliced on a model of %d KV-cache groups: vLLM takes failed "
                            "synchronous loads as block ids of one group only, so a sliced load that fails stops the "
@@ -107,16 +107,16 @@ class LoadModes:
         if not can_slice and self.setting != "async":
             logger.info("lmcache_npu: hits load asynchronously: %s", why_not or "the workers cannot slice a load")
 
-    def on_unwaited(self, loads: int) -> None:
-        """The workers' guard failed `loads` sliced loads (their tokens were recomputed)."""
-        if not loads:
+    def on_unwaited(self, forwards: float) -> None:
+        """The workers' guard failed the sliced loads of `forwards` forwards (their tokens were recomputed)."""
+        if not forwards:
             return
-        self.unwaited += loads
+        self.unwaited += forwards
         if self.unwaited >= UNWAITED_LIMIT and self.workers_slice:
             self.workers_slice = False
-            logger.warning("lmcache_npu: %d sliced loads were read before they landed (a layer ran without calling "
-                           "wait_for_layer_load: a FULL CUDA graph, or an attention path without the hook); vLLM "
-                           "recomputed them, and hits load asynchronously from now on", self.unwaited)
+            logger.warning("lmcache_npu: %g forwards read sliced loads before they landed (a layer ran without "
+                           "calling wait_for_layer_load: a FULL CUDA graph, or an attention path without the hook); "
+                           "vLLM recomputed them, and hits load asynchronously from now on", self.unwaited)
 
     def choose(self, model: CostModel, chunks: int, start: int, tokens: int) -> LoadMode:
         """How `chunks` claimed arena chunks load for a request whose rest `[start, tokens)` vLLM computes."""

@@ -95,7 +95,7 @@ class LMCacheNPUWorkerMetadata(KVConnectorWorkerMetadata):
     timings: list[TransferSample] = field(default_factory=list)
     # the steps (`LMCacheNPUConnectorMetadata.step`) the ranks ran since their last report (one entry per rank)
     steps: list[int] = field(default_factory=list)
-    # sliced loads a forward may have read before they landed (a layer ran without its hook), summed over ranks
+    # forwards that may have read a sliced load before it landed (a layer ran without its hook), summed over ranks
     unwaited_sliced: int = 0
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> "LMCacheNPUWorkerMetadata":

@@ -549,7 +549,7 @@ class SchedulerHalf:
         if meta.completions:
             self.index.on_completions(meta.completions)
         self.cut.on_output(meta, self.index.is_pending)
-        self.modes.on_unwaited(meta.unwaited_sliced)
+        self.modes.on_unwaited(meta.unwaited_sliced / self.place.world)  # each rank's guard sees the forward
         if not meta.completions:
             return
         touched: dict[int, RequestState] = {}

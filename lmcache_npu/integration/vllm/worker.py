@@ -428,12 +428,12 @@ class WorkerHalf:
     def _judge_sliced(self, step: SlicedStep) -> None:
         """Every sliced load of the step is settled now: loaded, or failed (a command failed or is still unanswered,
         or the guard found a layer that read before its slice landed)."""
+        self._unwaited += bool(step.unwaited)  # forwards, not requests: the scheduler stops slicing after a few
         for plan in step.plans:
             recv = self._recv.pop(plan.request_id, None)
             failure = step.failure or (recv.failure if recv is not None else "") or (
                 "unanswered when the forward ended" if recv is not None and recv.pending else "")
             if failure:
-                self._unwaited += bool(step.unwaited)
                 self.counters.add(Metric.SLICED_LOAD_FAILURES)
                 self._load_failed(_Recv(plan, set(), failure), adapter.FailureChannel.INVALID_BLOCKS
                                   if len(self.kv_cache_config.kv_cache_groups) == 1 else adapter.FailureChannel.NONE)
