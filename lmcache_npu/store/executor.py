@@ -116,9 +116,7 @@ class StoreExecutor:
             try:
                 return self.route(ARENA_TO_DEVICE).submit_sliced(admitted, slices)
             except Exception as exc:  # nothing of it ran or answered: fail it
-                logger.exception("rank %d: sliced load %s refused", self.rank, [c.cmd_id for c in admitted])
-                for failed in admitted:
-                    self.context.report(failed.cmd_id, TierResult.fail(Failure.ERROR, str(exc)))
+                self._refused(admitted, exc)
                 return None
 
     @contextlib.contextmanager
@@ -177,10 +175,14 @@ class StoreExecutor:
                     raise KeyError(f"no handler serves route {route}")
                 handler.submit(batch)
             except Exception as exc:  # nothing of this batch ran or answered: fail it, keep going with the rest
-                logger.exception("rank %d: store commands %s refused", self.rank, [c.cmd_id for c in batch])
-                for failed in batch:
-                    self.context.report(failed.cmd_id, TierResult.fail(Failure.ERROR, str(exc)))
+                self._refused(batch, exc)
             position = end
+
+    def _refused(self, batch: Sequence[WorkerCommand], exc: Exception) -> None:
+        """A handler raised before any of `batch` ran or answered: every command of it fails with the reason."""
+        logger.exception("rank %d: store commands %s refused", self.rank, [c.cmd_id for c in batch])
+        for failed in batch:
+            self.context.report(failed.cmd_id, TierResult.fail(Failure.ERROR, str(exc)))
 
     def refuse(self, commands: Sequence[WorkerCommand], reason: str) -> None:
         """Answers `commands` as failed without running them (their arena is gone: the node cache went away)."""
