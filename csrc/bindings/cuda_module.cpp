@@ -22,6 +22,11 @@ const LmcacheCudaTransfer* Record(uint64_t address) { return reinterpret_cast<co
 
 void Transfer(uint64_t transfer) { Check(lmcache_cuda_transfer(Record(transfer)), "lmcache_cuda_transfer"); }
 
+void SlicedLoad(uint64_t transfer, uint64_t slices) {
+  Check(lmcache_cuda_sliced_load(Record(transfer), reinterpret_cast<const LmcacheCudaSlices*>(slices)),
+        "lmcache_cuda_sliced_load");
+}
+
 uint64_t EventCreate() {
   uint64_t event = 0;
   Check(lmcache_cuda_event_create(&event), "cudaEventCreate");
@@ -99,6 +104,8 @@ PYBIND11_MODULE(_cuda, m) {
   m.doc() = "CUDA kv-transfer kernel launcher (raw addresses, cudaStream_t as int)";
   m.def("transfer", &Transfer, "enqueue a whole transfer (tables, zeroing, copies, kernel, events, status)",
         py::arg("transfer"), py::call_guard<py::gil_scoped_release>());
+  m.def("sliced_load", &SlicedLoad, "enqueue a sliced load: per slice its copies, its kernel, its event (one stream)",
+        py::arg("transfer"), py::arg("slices"), py::call_guard<py::gil_scoped_release>());
   m.def("event_create", &EventCreate, "a cudaEvent_t with timing, as an int");
   m.def(
       "event_destroy", [](uint64_t event) { Check(lmcache_cuda_event_destroy(event), "cudaEventDestroy"); },
@@ -119,6 +126,7 @@ PYBIND11_MODULE(_cuda, m) {
   m.attr("STATUS_BYTES") = sizeof(LmcacheCudaStatus);
   m.attr("COPY_BYTES") = sizeof(LmcacheCudaCopy);
   m.attr("TRANSFER_BYTES") = sizeof(LmcacheCudaTransfer);
+  m.attr("SLICES_BYTES") = sizeof(LmcacheCudaSlices);
   m.attr("TRANSFER_FIELDS") = TransferFields();
   m.attr("EVENTS") = static_cast<int>(kLmcacheEventCount);
   m.attr("LAYOUT_VERSION") = lmcache_npu::kLayoutVersion;

@@ -300,6 +300,46 @@ extern "C" int lmcache_cuda_transfer(const LmcacheCudaTransfer* t) {
   return EnqueueTail(t);
 }
 
+extern "C" int lmcache_cuda_sliced_load(const LmcacheCudaTransfer* t, const LmcacheCudaSlices* s) {
+  if (t->direction != lmcache_npu::kLoad || t->kernel.pipeline != kLmcacheNoPipeline || s->num_slices == 0) {
+    return cudaErrorInvalidValue;
+  }
+  const auto* copies = reinterpret_cast<const LmcacheCudaCopy*>(t->copies);
+  for (uint64_t i = 1; i < t->num_copies; ++i) {
+    if (copies[i].slice < copies[i - 1].slice) return cudaErrorInvalidValue;  // a copy out of slice order
+  }
+  if (t->num_copies != 0 && copies[t->num_copies - 1].slice >= s->num_slices) return cudaErrorInvalidValue;
+  const auto* slice_items = reinterpret_cast<const uint32_t*>(s->slice_items);
+  const auto* slice_events = reinterpret_cast<const uint64_t*>(s->slice_events);
+  uint64_t total = 0;
+  for (uint64_t k = 0; k < s->num_slices; ++k) total += slice_items[k];
+  if (total != t->kernel.num_items) return cudaErrorInvalidValue;  // the slices must cover the items exactly
+  const cudaStream_t stream = AsStream(t->kernel.stream);
+  LMCACHE_TRY(Record(t, kLmcacheEventFirst, t->kernel.stream));
+  if (t->table_bytes != 0) {
+    LMCACHE_TRY(cudaMemcpyAsync(reinterpret_cast<void*>(t->table_device), reinterpret_cast<const void*>(t->table_host),
+                                t->table_bytes, cudaMemcpyHostToDevice, stream));
+  }
+  LmcacheCudaLaunch kernel = t->kernel;
+  uint64_t copy = 0, first_item = 0;
+  for (uint64_t k = 0; k < s->num_slices; ++k) {
+    for (; copy < t->num_copies && copies[copy].slice == k; ++copy) {
+      LMCACHE_TRY(cudaMemcpyAsync(reinterpret_cast<void*>(copies[copy].staging),
+                                  reinterpret_cast<const void*>(copies[copy].host), copies[copy].bytes,
+                                  cudaMemcpyHostToDevice, stream));
+    }
+    if (k == 0) LMCACHE_TRY(Record(t, kLmcacheEventKernelBegin, t->kernel.stream));
+    kernel.items = t->kernel.items + 16 * first_item;  // uint32 x4 per item
+    kernel.num_items = slice_items[k];
+    LMCACHE_TRY(lmcache_cuda_kv_transfer(&kernel));
+    LMCACHE_TRY(cudaEventRecord(AsEvent(slice_events[k]), stream));
+    first_item += slice_items[k];
+  }
+  LMCACHE_TRY(Record(t, kLmcacheEventKernelEnd, t->kernel.stream));
+  LMCACHE_TRY(Record(t, kLmcacheEventPagesFree, t->kernel.stream));
+  return EnqueueTail(t);
+}
+
 #undef LMCACHE_TRY
 
 extern "C" int lmcache_cuda_event_create(uint64_t* event) {

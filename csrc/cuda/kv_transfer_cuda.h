@@ -94,6 +94,19 @@ int lmcache_cuda_kv_transfer(const LmcacheCudaLaunch* launch);
 // zeroing, a load's copies, the kernel, the caller's pages-free event, a store's copies, the status read-back.
 // Every stream wait is queued after what ends it (streams may share a hardware queue).
 int lmcache_cuda_transfer(const LmcacheCudaTransfer* transfer);
+// A sliced load (issue 41): slice k's items are consecutive in kernel.items, in slice order; its copies carry
+// slice k. Per slice, in order on the caller's stream: its copies, one kernel over its items, its event. The model's
+// stream waits on slice_events[k] before the layers of window k: no host step between slices. The copies share the
+// kernels' stream: on the H200 a kernel waiting on another stream's copy event started only once every copy queued
+// there was done, so no slice landed before the whole load (docs/performance.md, "Slice-pipelined loads").
+typedef struct {
+  uint64_t num_slices;
+  uint64_t slice_items;   // uint32 per slice, host memory: items of each slice
+  uint64_t slice_events;  // cudaEvent_t per slice: its kernel has written the pages
+} LmcacheCudaSlices;
+// One call enqueues the whole sliced load: table upload, every slice as above, the caller's pages-free event after
+// the last kernel, the status read-back. Requires a load with kernel.pipeline == kLmcacheNoPipeline.
+int lmcache_cuda_sliced_load(const LmcacheCudaTransfer* transfer, const LmcacheCudaSlices* slices);
 int lmcache_cuda_event_create(uint64_t* event);
 int lmcache_cuda_event_destroy(uint64_t event);
 int lmcache_cuda_event_synchronize(uint64_t event);

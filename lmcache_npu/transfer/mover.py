@@ -3,8 +3,9 @@
 `run` (on the model's thread) takes a batch of device moves (each a Store or Load with its block window, so nothing
 is joined by command id), records where the model's stream is and queues the batch on a lane (a thread with its own
 backend and, on NPU/CUDA, its own stream) that runs it as one kernel launch and reports every command.
-`run_sliced` runs a load as S launches, one per slice of `slices.py` (forward order), each followed by an event the
-model's stream can wait on (`slice_progress.SlicedLoad`).
+`run_sliced` runs a load in S slices of `slices.py` (forward order), each followed by an event the model's stream can
+wait on (`slice_progress.SlicedLoad`): all in one backend call where the backend offers `launch_sliced` (CUDA), else
+one launch per slice.
 `release_pages` is the page fence: the model's stream waits only for queued stores that read a page the step writes.
 Why that keeps every page safe: docs/architecture.md §4, "Page lifetime".
 """
@@ -100,6 +101,7 @@ class KVMover:
         self.load_retries = load_retries
         self.counters = counters
         self.kit = make_kit()  # the model thread's view: events on the model's stream
+        self._checked_slices: dict[int, "weakref.ref[SlicePlan]"] = {}  # slice plans check_slice_order passed
         self._reading: list[_Job] = []  # store jobs the model's stream has not waited for, maybe still reading
         self.fence_waits = 0  # store batches the model's stream waited for (since start; stats get the deltas)
         self.fence_skips = 0  # in-flight store batches a fence let read on beside the step (counted per fence)
@@ -140,7 +142,10 @@ class KVMover:
             raise ValueError("run_sliced moves loads only: a store has no layer to wait for")
         if len(objects) != len(moves):
             raise ValueError(f"run_sliced: {len(moves)} moves but {len(objects)} arena objects")
-        check_slice_order(slices, self.layout)
+        if self._checked_slices.get(id(slices), lambda: None)() is not slices:  # a plan is checked once
+            check_slice_order(slices, self.layout)
+            self._checked_slices = {k: r for k, r in self._checked_slices.items() if r() is not None}
+            self._checked_slices[id(slices)] = weakref.ref(slices)
         progress = SlicedLoad(slices, self.kit)
         job = _Job(Direction.LOAD, list(moves), list(objects), report, self.kit.record(),
                    _Slicing(progress, on_slice_done))
@@ -240,7 +245,12 @@ class KVMover:
     def _execute_sliced(self, lane: _Lane, job: _Job, sliced: _Slicing, batch: ChunkBatch,
                         moves: Sequence[DeviceMove]) -> None:
         """Launches the slices back to back, marking each once enqueued (an event after it on the lane's stream),
-        then waits for all of them once and reports the job."""
+        then waits for all of them once and reports the job. A backend that launches every slice in one call
+        (`launch_sliced`: the CUDA backend) does so; the others get one launch per slice."""
+        at_once = getattr(lane.backend, "launch_sliced", None)
+        if at_once is not None:
+            self._execute_sliced_at_once(lane, job, sliced, batch, moves, at_once)
+            return
         pending: list[PendingTransfer] = []
         try:
             for index, piece in enumerate(sliced.progress.slices.slices):
@@ -267,6 +277,29 @@ class KVMover:
                 except Exception:  # already reported above
                     pass
         self._finished(job, moves, stats)
+
+    def _execute_sliced_at_once(self, lane: _Lane, job: _Job, sliced: _Slicing, batch: ChunkBatch,
+                                moves: Sequence[DeviceMove], at_once: Callable[..., Any]) -> None:
+        """Every slice enqueued in one backend call (no host step between slices), then each marked with its own
+        event, then one wait for the whole load."""
+        slices = sliced.progress.slices
+        self._prepare(lane, batch.plan)
+        launched = self._attempt(job, moves, lambda after: at_once(batch, slices.plane_slices, len(slices),
+                                                                   after_kernel=after), lane)
+        if launched is None:
+            return  # failed for good: reported, every waiter released
+        for index, event in enumerate(launched.events):
+            sliced.progress.landed(index, event)
+            if sliced.on_slice_done is not None:
+                sliced.on_slice_done(index, event)
+        try:
+            stats = launched.pending.finish()
+        except Exception as exc:  # a kernel that moved less than its batch: found once the slices had launched
+            self.counters.add(Metric.TRANSFER_FAILURES)
+            logger.exception("rank %d: sliced load of %d chunks failed", self.rank, len(moves))
+            self._fail(job, moves, str(exc))
+            return
+        self._finished(job, moves, [stats])
 
     @staticmethod
     def _prepare(lane: _Lane, plan: TransferPlan) -> None:
@@ -296,15 +329,20 @@ class KVMover:
                 run: bool = False) -> Optional[PendingTransfer]:
         """One launch (`run`: run to its end), retried for loads while nothing of it is marked (every row is
         rewritten); None once it failed for good (then reported)."""
+        launch = None if run else getattr(lane.backend, "launch", None)  # a wrapper may offer transfer only
+        if launch is None:
+            return self._attempt(job, moves, lambda after: PendingTransfer.done(
+                lane.backend.transfer(batch, after_kernel=after)), lane)
+        return self._attempt(job, moves, lambda after: launch(batch, after_kernel=after), lane)
+
+    def _attempt(self, job: _Job, moves: Sequence[DeviceMove], start: Callable[[Any], Any], lane: _Lane) -> Any:
+        """`start(after_kernel)`, retried for loads while nothing of it is marked (every row is rewritten); None
+        once it failed for good (then reported)."""
         loads = job.direction == Direction.LOAD
         attempts = 1 + (self.load_retries if loads else 0)
         for attempt in range(attempts):
             try:
-                after = lambda event: self._after_kernel(lane, job, event)  # noqa: E731
-                launch = None if run else getattr(lane.backend, "launch", None)  # a wrapper may offer transfer only
-                if launch is None:
-                    return PendingTransfer.done(lane.backend.transfer(batch, after_kernel=after))
-                return launch(batch, after_kernel=after)
+                return start(lambda event: self._after_kernel(lane, job, event))
             except Exception as exc:  # a device fault: retried for loads, else reported
                 self.counters.add(Metric.TRANSFER_FAILURES)
                 logger.exception("rank %d: %s of %d chunks failed (attempt %d of %d)", self.rank,
@@ -327,47 +365,58 @@ class KVMover:
 
     def _slots(self, job: _Job) -> tuple[list[DeviceMove], list[torch.Tensor], list[Optional[np.ndarray]]]:
         """Slot matrices of the batch (one per plan group, chunks in move order) and the moves they cover; a store
-        that would write zeros for rows the model needs is refused."""
-        layout, chunk = self.layout, self.layout.plan.chunk_tokens
+        that would write zeros for rows the model needs is refused. Moves of one block window (a request's) are
+        planned together, one numpy pass per group."""
+        layout = self.layout
         rows: list[list[np.ndarray]] = [[] for _ in layout.groups]
         keep_moves, keep_objects = [], []
-        for move, obj in zip(job.moves, job.objects):
-            per_group = self._move_slots(move, chunk)
-            if per_group is None:
-                job.report(move.cmd_id, TierResult.fail(Failure.DEVICE, "the chunk's rows are not all in live blocks"))
-                continue
+        begin = 0
+        while begin < len(job.moves):
+            end = begin + 1
+            while end < len(job.moves) and job.moves[end].window is job.moves[begin].window:
+                end += 1
+            moves = job.moves[begin:end]
+            refused, per_group = self._window_slots(moves)
+            for i in np.flatnonzero(refused).tolist():
+                job.report(moves[i].cmd_id, TierResult.fail(Failure.DEVICE,
+                                                             "the chunk's rows are not all in live blocks"))
+            kept = ~refused
             for g, matrix in enumerate(per_group):
-                rows[g].append(matrix)
-            keep_moves.append(move)
-            keep_objects.append(obj)
+                rows[g].append(matrix[kept])
+            keep_moves += [m for m, k in zip(moves, kept.tolist()) if k]
+            keep_objects += [o for o, k in zip(job.objects[begin:end], kept.tolist()) if k]
+            begin = end
         slots = [None if g.skipped or not keep_moves else np.concatenate(rows[g.index]) for g in layout.groups]
         return keep_moves, keep_objects, slots
 
-    def _move_slots(self, move: DeviceMove, chunk: int) -> Optional[list[np.ndarray]]:
-        """(1, rows_per_chunk) slots per plan group for one chunk, with the rows this transfer leaves alone at -1."""
-        index = np.array([move.chunk_index])
-        window = move.window
+    def _window_slots(self, moves: Sequence[DeviceMove]) -> tuple[np.ndarray, list[np.ndarray]]:
+        """For moves of one block window: which stores are refused (a row the model needs is outside live blocks),
+        and (len(moves), rows_per_chunk) slots per plan group with the rows each transfer leaves alone at -1."""
+        chunk, window = self.layout.plan.chunk_tokens, moves[0].window
+        index = np.array([m.chunk_index for m in moves], dtype=np.int64)
+        first = np.array([m.first_token for m in moves], dtype=np.int64)[:, None]
+        end = np.array([m.end_token for m in moves], dtype=np.int64)[:, None]
+        stores = np.array([m.is_store for m in moves])
+        bare = np.array([m.without_end_state for m in moves])[:, None]
+        refused = np.zeros(len(moves), dtype=bool)
         out = []
         for g in self.layout.groups:
             if g.skipped:
-                out.append(np.zeros((1, 0), dtype=np.int64))
+                out.append(np.zeros((len(moves), 0), dtype=np.int64))
                 continue
             sg = g.scheduler_group
             matrix = chunk_slots(g, chunk, window.block_ids[sg], index, first_block=window.first_block[sg])
-            if not move.is_store:
-                tokens = row_tokens(g, chunk, index)
-                matrix[tokens < move.first_token] = SKIP_SLOT  # vLLM's own cached rows
-                if g.recurrent and (move.chunk_index + 1) * chunk != move.end_token:
-                    matrix[:] = SKIP_SLOT  # only the hit's last state is read back
-                elif not g.recurrent:
-                    matrix[tokens >= move.end_token] = SKIP_SLOT  # a hit ending inside a chunk (a P/D hand-off)
-            elif g.recurrent and move.without_end_state:
-                matrix[:] = SKIP_SLOT
+            tokens = row_tokens(g, chunk, index)
+            loads = ~stores[:, None]
+            matrix[loads & (tokens < first)] = SKIP_SLOT  # vLLM's own cached rows
+            if g.recurrent:  # a load reads back only the hit's last state; a bare store writes none
+                last = ((index + 1) * chunk == end[:, 0])[:, None]
+                matrix[np.broadcast_to((loads & ~last) | (~loads & bare), matrix.shape)] = SKIP_SLOT
             else:
-                past = (row_tokens(g, chunk, index) >= move.end_token) if move.end_token else None
-                if (matrix[~past] if past is not None else matrix).min(initial=0) < 0:
-                    return None
-                if past is not None:  # a prompt's partial last chunk: rows past the prompt are not the request's yet
-                    matrix[past] = SKIP_SLOT
+                matrix[loads & (tokens >= end)] = SKIP_SLOT  # a hit ending inside a chunk (a P/D hand-off)
+            written = ~loads & ~(bare if g.recurrent else np.zeros_like(bare))
+            past = written & (end > 0) & (tokens >= end)  # a prompt's partial last chunk: not the request's rows yet
+            refused |= (written & ~past & (matrix < 0)).any(axis=1)
+            matrix[past] = SKIP_SLOT
             out.append(matrix)
-        return out
+        return refused, out

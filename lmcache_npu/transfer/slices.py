@@ -2,7 +2,7 @@
 
 A load moves (chunk x plane) items; every plane belongs to layers (`PlaneInfo.layers`). The layers the runtime
 announces (those that call `wait_for_layer_load`, in the order they call it) are cut into S consecutive windows,
-sized geometrically (each twice the one before) so the first is small and lands early. Slice k holds every plane
+as equal as whole layers allow (`window_ends` says why). Slice k holds every plane
 whose first consuming announced layer lies in window k, for every chunk of the load and across all plan groups, so
 a DeepSeek-V4 layer's compressed rows, indexer keys and scales, SWA tail and compressor-state rows travel together;
 a sliding-window plane holds only its stored tail, as every load does. Planes no announced layer consumes (mamba or
@@ -20,7 +20,10 @@ from __future__ import annotations
 import logging
 import re
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Mapping, Optional, Sequence, Union
+
+import numpy as np
 
 from ..layout.discovery import KVLayout
 from ..ops import TransferPlan
@@ -64,26 +67,30 @@ class SlicePlan:
     def __len__(self) -> int:
         return len(self.slices)
 
+    @cached_property
+    def plane_slices(self) -> np.ndarray:
+        """Per moved plane of the plan, the slice that moves it (what a backend launching every slice at once
+        orders its items by)."""
+        owner = np.zeros(sum(len(piece.planes) for piece in self.slices), dtype=np.int64)
+        for piece in self.slices:
+            owner[list(piece.planes)] = piece.index
+        return owner
+
     def slice_of_layer(self, layer: str) -> Optional[int]:
         """The slice that must have landed before `layer` runs; None for a layer that was not announced."""
         return self.layer_slice.get(layer)
 
 
 def window_ends(layers: int, count: int) -> list[int]:
-    """Exclusive ends of `count` consecutive windows over `layers` positions, each at least one layer and about
-    twice the one before (the first small: it is what the forward waits for before it can start)."""
+    """Exclusive ends of `count` consecutive windows over `layers` positions, as equal as whole layers allow (the
+    first never larger than a later one). Equal windows keep the forward one window behind the load when the load
+    dominates (it ends the window's compute after the load) and the load ahead when the compute dominates (slice 0,
+    then the forward): growing windows left the last half of the forward after the load (H200 study)."""
     if count < 1:
         raise ValueError(f"a sliced load needs at least 1 slice, got {count}")
     if count > max(layers, 1):
         raise ValueError(f"{count} slices over {layers} announced layers: a slice needs at least one layer's window")
-    total = 2 ** count - 1
-    ends, previous = [], 0
-    for k in range(count):
-        end = round(layers * (2 ** (k + 1) - 1) / total)
-        end = min(max(end, previous + 1), layers - (count - 1 - k))
-        ends.append(end)
-        previous = end
-    return ends  # nothing announced: one slice, [0], that holds every plane
+    return [layers * (k + 1) // count for k in range(count)]  # nothing announced: one slice, [0], holds every plane
 
 
 def _announced_positions(announced: Sequence[str]) -> dict[LayerKey, int]:

@@ -69,3 +69,76 @@ def test_subset_stores_and_back_to_back_subset_loads_are_byte_exact(case: Case, 
         for offset, length in _segments(plan, range(n)):
             assert torch.equal(again[c][offset: offset + length], whole[c][offset: offset + length]), \
                 "back-to-back subset loads did not land the whole plan's bytes"
+
+
+def _store_planes(plan, planes, slots, nbytes: int, count: int, seed: int) -> list[torch.Tensor]:
+    """The pages' bytes of `planes` as a fresh backend stores them (its own staging: a load may still be in flight
+    on the first backend's)."""
+    checker = get_backend("cuda")
+    subset = plan.plane_subset(sorted(planes))
+    checker.prepare(subset)
+    out = _random_objects(count, nbytes, seed)
+    checker.transfer(ChunkBatch.build(subset, slots, out, Direction.STORE))
+    return out
+
+
+@settings(max_examples=30, deadline=None)
+@given(case=cases(soc="a2"), path=st.sampled_from(["staging", "mapped"]), data=st.data())
+def test_a_sliced_load_in_one_call_lands_each_slice_by_its_event(case: Case, path: str, data) -> None:
+    case = to_cuda(case)
+    plan = case.geometry.plan()
+    n = len(plan.moved_planes)
+    count = data.draw(st.integers(1, 5), label="slices")
+    plane_slice = np.array(data.draw(st.lists(st.integers(0, count - 1), min_size=n, max_size=n), label="planes"))
+    backend = get_backend("cuda", path=path)
+    backend.prepare(plan)
+    nbytes = plan.object_bytes
+    whole = _random_objects(case.num_chunks, nbytes, case.seed)
+    backend.transfer(ChunkBatch.build(plan, case.slots, whole, Direction.STORE))
+    for raw in case.geometry.raw_planes:  # scrub the pages: the load must write every row back
+        raw.raw.copy_(torch.randint(0, 256, raw.raw.shape, dtype=torch.uint8, device=raw.raw.device))
+    launched = backend.launch_sliced(ChunkBatch.build(plan, case.slots, whole, Direction.LOAD), plane_slice, count)
+    assert len(launched.events) == count
+    for k in range(count):
+        launched.events[k].synchronize()
+        assert all(launched.events[j].query() for j in range(k)), "a slice's event completed before an earlier one"
+        landed = [i for i in range(n) if plane_slice[i] <= k]
+        if not landed:
+            continue
+        got = _store_planes(plan, landed, case.slots, nbytes, case.num_chunks, case.seed + 10 + k)
+        for c in range(case.num_chunks):
+            for offset, length in _segments(plan, landed):
+                assert torch.equal(got[c][offset: offset + length], whole[c][offset: offset + length]), \
+                    f"slice {k}'s event completed before the bytes of its planes were in the pages"
+    stats = launched.pending.finish()
+    assert stats.payload_bytes == ChunkBatch.build(plan, case.slots, whole, Direction.LOAD).payload_bytes
+    again = _store_planes(plan, range(n), case.slots, nbytes, case.num_chunks, case.seed + 2)
+    segments = _segments(plan, range(n))
+    mismatch = lambda objs: any(  # noqa: E731
+        not torch.equal(objs[c][o: o + m], whole[c][o: o + m]) for c in range(case.num_chunks) for o, m in segments)
+    assert not mismatch(again), "the sliced load did not land the whole plan's bytes"
+    if segments and any(m for _, m in segments):  # negative control: the comparison notices one wrong byte
+        offset, length = next((o, m) for o, m in segments if m)
+        again[0][offset + length // 2] ^= 0xFF
+        assert mismatch(again)
+
+
+def test_a_sliced_load_refuses_a_plane_outside_its_slices_before_any_launch() -> None:
+    from hypothesis import find
+
+    case = to_cuda(find(cases(soc="a2"), lambda c: len(c.geometry.plan().moved_planes) >= 2))
+    plan = case.geometry.plan()
+    backend = get_backend("cuda")
+    backend.prepare(plan)
+    objects = _random_objects(case.num_chunks, plan.object_bytes, 3)
+    before = [raw.raw.clone() for raw in case.geometry.raw_planes]
+    bad = np.zeros(len(plan.moved_planes), dtype=np.int64)
+    bad[-1] = 2
+    try:
+        backend.launch_sliced(ChunkBatch.build(plan, case.slots, objects, Direction.LOAD), bad, 2)
+    except ValueError as exc:
+        assert "outside the load's 2 slices" in str(exc) and plan.moved_planes[-1].label in str(exc)
+    else:
+        raise AssertionError("a plane in slice 2 of 2 was accepted")
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, raw.raw) for a, raw in zip(before, case.geometry.raw_planes)), "pages were touched"

@@ -81,19 +81,19 @@ def _load_rows_one_token_late(late: bool) -> None:
     from lmcache_npu.transfer import mover
 
     if not _RIGHT_SLOTS:
-        _RIGHT_SLOTS.append(mover.KVMover._move_slots)
+        _RIGHT_SLOTS.append(mover.KVMover._window_slots)
     right_slots = _RIGHT_SLOTS[0]
     if not late:
-        mover.KVMover._move_slots = right_slots
+        mover.KVMover._window_slots = right_slots
         return
 
-    def one_token_late(self: Any, move: Any, chunk: Any) -> Any:
-        slots = right_slots(self, move, chunk)
-        if move.is_store:
-            return slots
-        return [np.roll(matrix, 1, axis=1) for matrix in slots]
+    def one_token_late(self: Any, moves: Any) -> Any:
+        refused, slots = right_slots(self, moves)
+        if moves[0].is_store:
+            return refused, slots
+        return refused, [np.roll(matrix, 1, axis=1) for matrix in slots]
 
-    mover.KVMover._move_slots = one_token_late
+    mover.KVMover._window_slots = one_token_late
 
 
 def serve(fd: int) -> None:

@@ -31,15 +31,15 @@ def _load_rows_one_token_late(monkeypatch) -> None:
     """From now on loads put every row one token late: row t gets token t-1's bytes, a chunk's last row its first."""
     from lmcache_npu.transfer import mover
 
-    right_slots = mover.KVMover._move_slots
+    right_slots = mover.KVMover._window_slots
 
-    def one_token_late(self, move, chunk):
-        slots = right_slots(self, move, chunk)
-        if move.is_store:
-            return slots
-        return [np.roll(matrix, 1, axis=1) for matrix in slots]  # row r lands where row r + 1 belongs
+    def one_token_late(self, moves):
+        refused, slots = right_slots(self, moves)
+        if moves[0].is_store:
+            return refused, slots
+        return refused, [np.roll(matrix, 1, axis=1) for matrix in slots]  # row r lands where row r + 1 belongs
 
-    monkeypatch.setattr(mover.KVMover, "_move_slots", one_token_late)
+    monkeypatch.setattr(mover.KVMover, "_window_slots", one_token_late)
 
 
 def _expected_hit(engine, prompt_tokens: int) -> int:

@@ -26,9 +26,12 @@ seconds = st.floats(0.0, 5.0, allow_nan=False)
 @given(load=seconds, compute=seconds, step=seconds, sharers=st.integers(0, 16), slices=st.integers(1, 8))
 def test_the_predictions_are_the_timelines_they_describe(load, compute, step, sharers, slices):
     costs = mode_costs(load, compute, step, sharers, slices)
-    first = load / (2 ** slices - 1)
-    # sliced: slice 0 lands before the forward starts; then the rest of the load and the compute run side by side
-    timeline = first + max(load - first, compute)
+    # sliced, simulated: slice k of S equal ones lands at (k + 1) load / S; window k computes once it has landed and
+    # the window before it is done
+    end = 0.0
+    for k in range(slices):
+        end = max(end, (k + 1) * load / slices) + compute / slices
+    timeline = end
     assert costs.sliced_s == pytest.approx(timeline)
     assert costs.async_s == pytest.approx(max(load, step) + compute)
     assert costs.stall_s == pytest.approx(timeline - compute)

@@ -49,16 +49,16 @@ class SkipsPlane(Wrapped):
 
 @pytest.mark.parametrize("preset,family", LAYOUTS)
 def test_a_load_of_the_neighbouring_rows_is_caught(make_engine, monkeypatch, preset, family):
-    original = mover_module.KVMover._move_slots
+    original = mover_module.KVMover._window_slots
 
-    def shifted(self, move, chunk):
-        out = original(self, move, chunk)
-        if out is not None and not move.is_store:
+    def shifted(self, moves):
+        refused, out = original(self, moves)
+        if not moves[0].is_store:
             for matrix in out:
                 matrix[:] = np.roll(matrix, 1, axis=1)  # row r receives row r-1's bytes
-        return out
+        return refused, out
 
-    monkeypatch.setattr(mover_module.KVMover, "_move_slots", shifted)
+    monkeypatch.setattr(mover_module.KVMover, "_window_slots", shifted)
     engine = preset_engine(make_engine, preset, family)
     with pytest.raises(AssertionError, match="differ from the model's bytes"):
         _reuse(engine)

@@ -145,13 +145,13 @@ def test_a_corrupted_tail_hash_is_never_loaded_the_whole_chunks_are(make_engine,
 
 
 def test_negative_control_rows_loaded_one_token_late_fail_the_row_check(make_engine, node, monkeypatch) -> None:
-    right = mover.KVMover._move_slots
+    right = mover.KVMover._window_slots
 
-    def one_token_late(self: Any, move: Any, chunk: int) -> Any:
-        slots = right(self, move, chunk)
-        return slots if slots is None or move.is_store else [np.roll(m, 1, axis=1) for m in slots]
+    def one_token_late(self: Any, moves: Any) -> Any:
+        refused, slots = right(self, moves)
+        return (refused, slots) if moves[0].is_store else (refused, [np.roll(m, 1, axis=1) for m in slots])
 
-    monkeypatch.setattr(mover.KVMover, "_move_slots", one_token_late)
+    monkeypatch.setattr(mover.KVMover, "_window_slots", one_token_late)
     with pytest.raises(AssertionError, match="before d"):
         _pd(make_engine, node, seed=9)
 

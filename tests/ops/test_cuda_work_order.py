@@ -14,6 +14,7 @@ from lmcache_npu.ops.cuda.work_order import (
     copy_table,
     prefix_order,
     slice_bounds,
+    sliced_load_order,
     split_runs,
     work_order,
 )
@@ -246,3 +247,76 @@ def test_a_mapped_prefix_load_reads_every_loaded_byte_from_the_object(case: Case
         assert not ok, "the check missed a dropped copy"
     else:
         assert ok, "a loaded byte is missing from staging"
+
+
+def _item_bytes(order, plan, k: int, num_chunks: int) -> np.ndarray:
+    """(chunk, byte) mask of what slice k's kernel reads from staging: its items' rows of their planes."""
+    mask = np.zeros((num_chunks, plan.object_bytes), dtype=bool)
+    first = int(order.slice_items[:k].sum())
+    for run_id, plane_id, slice_id, _ in order.items[first: first + int(order.slice_items[k])].tolist():
+        assert slice_id == k
+        run, plane = order.runs[run_id], plan.moved_planes[plane_id]
+        begin = plan.object_offsets[plane_id] + int(run["first_row"]) * plane.row_bytes
+        mask[int(run["chunk"]), begin: begin + int(run["num_rows"]) * plane.row_bytes] = True
+    return mask
+
+
+@settings(deadline=None)
+@given(case=cases(soc="a2"), piece_bytes=st.sampled_from([0, 100, 1 << 16]), data=st.data(), lose=st.booleans())
+def test_a_sliced_loads_slices_copy_what_their_kernels_read_and_no_later_slices_bytes(case: Case, piece_bytes: int,
+                                                                                      data, lose: bool) -> None:
+    plan = case.geometry.plan()
+    n, nbytes = len(plan.moved_planes), plan.object_bytes
+    count = data.draw(st.integers(1, 5), label="slices")
+    plane_slice = np.array(data.draw(st.lists(st.integers(0, count - 1), min_size=n, max_size=n), label="planes"))
+    objects = list(torch.zeros((case.num_chunks, nbytes), dtype=torch.uint8))
+    batch = _batch(case, Direction.LOAD, objects)
+    order = sliced_load_order(batch, plane_slice, count, piece_bytes)
+    assert order.slice_items.size == count and int(order.slice_items.sum()) == len(order.items)
+    assert sorted(map(tuple, order.items[:, :2].tolist())) == sorted(
+        map(tuple, work_order(batch, False, piece_bytes).items[:, :2].tolist())), "items lost or doubled"
+    assert (order.items[:, 2] == plane_slice[order.items[:, 1]]).all(), "an item is in another slice than its plane"
+    staging_address = 1 << 40
+    copies = copy_table(staging_address, batch.objects, order, nbytes, True)
+    assert (np.diff(copies[:, 3].astype(np.int64)) >= 0).all(), "copies must follow slice order"
+    lost = lose and len(copies) > 0
+    if lost:  # negative control: a lost copy leaves a byte some kernel reads unstaged
+        copies = copies[np.arange(len(copies)) != data.draw(st.integers(0, len(copies) - 1), label="lost")]
+    staged_by = np.full((case.num_chunks, nbytes), -1, dtype=np.int64)
+    for staging_at, _, length, k in copies.tolist():
+        at = staging_at - staging_address
+        flat = staged_by.reshape(-1)[at: at + length]
+        flat[flat < 0] = k
+    complete = True
+    for k in range(count):
+        reads = _item_bytes(order, plan, k, case.num_chunks)
+        complete &= bool((staged_by[reads] == k).all())
+        later = np.zeros_like(reads)
+        for j in range(k + 1, count):
+            later |= _item_bytes(order, plan, j, case.num_chunks)
+        assert not (staged_by[later & ~reads] == k).any() or lost, "a slice copied a later slice's bytes"
+    if lost:
+        assert not complete, "the check missed a lost copy"
+    else:
+        assert complete, "a slice's kernel reads bytes its copies did not stage"
+
+
+def test_a_sliced_load_order_names_the_plane_outside_its_slices() -> None:
+    from hypothesis import find
+
+    case = find(cases(soc="a2"), lambda c: len(c.geometry.plan().moved_planes) >= 2)
+    batch = _batch(case, Direction.LOAD)
+    plane_slice = np.zeros(len(batch.plan.moved_planes), dtype=np.int64)
+    plane_slice[1] = 3
+    try:
+        sliced_load_order(batch, plane_slice, 3)
+    except ValueError as exc:
+        assert batch.plan.moved_planes[1].label in str(exc) and "slice 3" in str(exc)
+    else:
+        raise AssertionError("a plane in slice 3 of 3 was accepted")
+    try:
+        sliced_load_order(batch, plane_slice[:1], 3)
+    except ValueError as exc:
+        assert "moved planes" in str(exc)
+    else:
+        raise AssertionError("too few plane slices were accepted")

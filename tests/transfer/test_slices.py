@@ -220,8 +220,8 @@ def test_a_sliding_window_layer_moves_only_its_tail() -> None:
             assert piece.plan.rows_per_chunk[g.index] == g.rows_per_chunk
 
 
-def test_window_ends_start_small_and_cover_every_layer() -> None:
-    assert window_ends(61, 4) == [4, 12, 28, 61]
+def test_window_ends_are_equal_windows_that_cover_every_layer() -> None:
+    assert window_ends(61, 4) == [15, 30, 45, 61]
     assert window_ends(8, 8) == list(range(1, 9))
     assert window_ends(0, 1) == [0]
     for layers in range(1, 40):
@@ -229,6 +229,7 @@ def test_window_ends_start_small_and_cover_every_layer() -> None:
             ends = window_ends(layers, count)
             sizes = np.diff([0, *ends])
             assert ends[-1] == layers and (sizes >= 1).all() and sizes[0] == sizes.min()
+            assert sizes.max() - sizes.min() <= 1, f"{layers} layers in {count}: windows {sizes} are not equal"
     with pytest.raises(ValueError, match="at least 1 slice"):
         window_ends(8, 0)
     with pytest.raises(ValueError, match="at least one layer's window"):

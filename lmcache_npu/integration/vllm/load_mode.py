@@ -7,7 +7,8 @@ order the forward consumes them (`transfer/slices.py`) and each layer waits only
 request the scheduler predicts, from the cost model the cut point learns (`store/cost`), the first token both ways:
 
     async:  max(load, step) + compute            (the step it sits out while others run; 0 on an idle engine)
-    sliced: first + max(load - first, compute)   (first: slice 0, what the forward waits for before it starts)
+    sliced: max(load + compute / S, load / S + compute)   (S equal slices: the forward ends one window after the
+            load where the load dominates, or starts one slice in and never waits where the compute does)
 
 and what a sliced load costs the requests batched with it: their forward is longer by `sliced - compute` (the load
 not hidden by the request's own compute; a lower bound, their compute hides more). Sliced is chosen when it saves the
@@ -74,15 +75,10 @@ class ModeCosts:
         return self.gain_s > max(SLICED_MARGIN * self.async_s, SLICE_COST_S * self.slice_count)
 
 
-def first_slice_share(slices: int) -> float:
-    """The share of a load's bytes in slice 0: windows grow geometrically (`slices.window_ends`), 1 of 2^S - 1."""
-    return 1.0 / (2 ** slices - 1)
-
-
 def mode_costs(load_s: float, compute_s: float, step_s: float, sharers: float, slices: int) -> ModeCosts:
-    """The module docstring's two predictions for a load of `load_s` and a compute of the rest of `compute_s`."""
-    first = load_s * first_slice_share(slices)
-    sliced = first + max(load_s - first, compute_s)
+    """The module docstring's two predictions for a load of `load_s` and a compute of the rest of `compute_s`, over
+    `slices` equal windows (`slices.window_ends`)."""
+    sliced = max(load_s + compute_s / slices, load_s / slices + compute_s)
     return ModeCosts(async_s=max(load_s, step_s) + compute_s, sliced_s=sliced, stall_s=max(sliced - compute_s, 0.0),
                      sharers=sharers, slice_count=slices)
 

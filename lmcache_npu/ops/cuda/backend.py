@@ -186,6 +186,35 @@ class CudaBackend(TransferBackend):
 
         return PendingTransfer(finish, asynchronous=True)
 
+    def launch_sliced(self, batch: ChunkBatch, plane_slice: np.ndarray, num_slices: int,
+                      after_kernel: Optional[AfterKernel] = None) -> SlicedLaunch:
+        """A sliced load (issue 41) in one native call: slice k moves the planes `plane_slice` (per moved plane of
+        the batch's plan) puts in k; its copies, then its kernel, then its event, slices in order on the current
+        stream, so the host makes no step between slices. Raises before anything is enqueued on bad input."""
+        if batch.direction != Direction.LOAD:
+            raise ValueError("launch_sliced moves loads only: a store has no layer to wait for")
+        order = planner.sliced_load_order(batch, plane_slice, num_slices, self.tuning.piece_bytes)
+        start = time.perf_counter()
+        with self._lock:
+            state = self._spare_state(batch.plan.device)
+            slices = _SliceLaunch(order)
+            try:
+                enqueued = self._enqueue(batch, after_kernel, state, slices)
+            except BaseException:
+                self._spares.append(state)
+                raise
+        seconds = time.perf_counter() - start
+
+        def finish() -> TransferStats:
+            try:
+                report = self._complete(enqueued)
+            finally:
+                with self._lock:
+                    self._spares.append(state)
+            return self._stats(batch, report, seconds)
+
+        return SlicedLaunch(PendingTransfer(finish, asynchronous=True), tuple(slices.events))
+
     def _spare_state(self, device: torch.device) -> NativeResources:
         """A record, tables and events no launched transfer still uses (made on first need: a cold cost)."""
         for i, state in enumerate(self._spares):
@@ -212,17 +241,21 @@ class CudaBackend(TransferBackend):
                                       tuning.load_tail_bytes, tuning.load_tail_share)
         return planner.work_order(batch, pipelined, tuning.piece_bytes, bounds), False
 
-    def _enqueue(self, batch: ChunkBatch, after_kernel: Optional[AfterKernel],
-                 state: NativeResources) -> "_Enqueued":
-        """Everything of one transfer on the current stream, in one native call, using `state`'s buffers."""
+    def _enqueue(self, batch: ChunkBatch, after_kernel: Optional[AfterKernel], state: NativeResources,
+                 sliced: Optional["_SliceLaunch"] = None) -> "_Enqueued":
+        """Everything of one transfer on the current stream, in one native call, using `state`'s buffers; `sliced`:
+        a sliced load's slices, each its own copies, kernel and event (`launch_sliced`)."""
         plan, tuning = batch.plan, self.tuning
         path = self.path_for(batch)
         self._check_objects(batch, path)
-        pipelined = self.pipelined(batch)
         object_bytes = plan.object_bytes
         total = batch.num_chunks * object_bytes
-        order, mapped_prefix = self._order(batch, path, pipelined)
-        pipelined = pipelined and order.slice_items.size > 1  # one slice: nothing to overlap
+        if sliced is None:
+            pipelined = self.pipelined(batch)
+            order, mapped_prefix = self._order(batch, path, pipelined)
+            pipelined = pipelined and order.slice_items.size > 1  # one slice: nothing to overlap
+        else:  # each slice's kernel runs once its copies are in: no flags inside a launch
+            order, mapped_prefix, pipelined = sliced.order, False, False
         slices = order.slice_items.size
         stream = torch.cuda.current_stream(plan.device)
         zero = None
@@ -234,8 +267,8 @@ class CudaBackend(TransferBackend):
                 self._staging_address = staging.data_ptr()
             zero = self._staging.take_pending()
             addresses = staging.data_ptr() + np.arange(batch.num_chunks, dtype=np.uint64) * np.uint64(object_bytes)
-            copies = planner.copy_table(staging.data_ptr(), batch.objects, order, object_bytes, pipelined,
-                                        from_slice=1 if mapped_prefix else 0)
+            copies = planner.copy_table(staging.data_ptr(), batch.objects, order, object_bytes,
+                                        pipelined or sliced is not None, from_slice=1 if mapped_prefix else 0)
         else:
             addresses = batch.object_addresses()
         parts = [order.group_table, order.runs, addresses, order.items, order.slice_items,
@@ -274,7 +307,10 @@ class CudaBackend(TransferBackend):
         record["events"][0, TransferEvent.PAGES_FREE] = 0 if pages_free is None else pages_free.cuda_event
         try:
             # One GIL-free call: no host step (nor a wait for the GIL) between the kernel and a store's copies.
-            self._cuda.transfer(record.ctypes.data)
+            if sliced is None:
+                self._cuda.transfer(record.ctypes.data)
+            else:
+                self._cuda.sliced_load(record.ctypes.data, sliced.native(stream))
             if after_kernel is not None:
                 after_kernel(pages_free)  # completes once the kernel is done with the pages
         except BaseException:
@@ -311,6 +347,38 @@ class CudaBackend(TransferBackend):
         return KernelReport(bytes_moved=int(status[2]), launches=1, items_done=int(status[0]),
                             items_rejected=int(status[1]), items_launched=enqueued.items,
                             device_seconds=window_ms / 1e3)
+
+
+@dataclass(frozen=True)
+class SlicedLaunch:
+    """A launched sliced load: `pending` finishes it (every slice), `events[k]` completes once slice k is in the
+    pages (slices complete in order)."""
+
+    pending: PendingTransfer
+    events: tuple[torch.cuda.Event, ...]
+
+
+class _SliceLaunch:
+    """A sliced load's order and the native slices record: per slice its item count and its landing event (fresh
+    per load: the model's stream waits on it)."""
+
+    def __init__(self, order: planner.WorkOrder) -> None:
+        self.order = order
+        self.events: list[torch.cuda.Event] = []
+        self._record = np.zeros(3, dtype=np.uint64)
+        self._arrays: list[np.ndarray] = []  # kept alive while the native call reads them
+
+    def native(self, stream: torch.cuda.Stream) -> int:
+        """The LmcacheCudaSlices record's address, with its events made (each recorded once here so it exists)."""
+        count = self.order.slice_items.size
+        self.events = [torch.cuda.Event() for _ in range(count)]
+        for event in self.events:
+            event.record(stream)  # creates it; the native call records it again after its slice's kernel
+        slice_items = np.ascontiguousarray(self.order.slice_items, dtype=np.uint32)
+        slice_events = np.array([event.cuda_event for event in self.events], dtype=np.uint64)
+        self._arrays = [slice_items, slice_events]
+        self._record[:] = (count, slice_items.ctypes.data, slice_events.ctypes.data)
+        return int(self._record.ctypes.data)
 
 
 @dataclass(frozen=True)

@@ -68,6 +68,9 @@ def load_cuda_module() -> Any:
     except ImportError as exc:
         raise BackendUnavailable(f"lmcache_npu._cuda is not built ({exc})") from exc
     record_dtype(_cuda)
+    if getattr(_cuda, "SLICES_BYTES", None) != 3 * 8:
+        raise BackendUnavailable("lmcache_npu._cuda has no sliced loads (LmcacheCudaSlices): rebuild it (pip install "
+                                 "-e . or setup.py build_ext)")
     return _cuda
 
 

@@ -109,10 +109,10 @@ def slice_bounds(total: int, direction: Direction, pipelined: bool, first: int =
     return np.array(bounds, dtype=np.int64)
 
 
-def work_order(batch: ChunkBatch, pipelined: bool = False, piece_bytes: int = PIECE_BYTES,
-               bounds: Optional[np.ndarray] = None) -> WorkOrder:
-    """The kernel's items for `batch` in staging-byte order, with the slice each belongs to (`bounds`: slice end
-    offsets; default slice_bounds for the batch's direction)."""
+def _item_spans(batch: ChunkBatch, piece_bytes: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray,
+                                                               np.ndarray, np.ndarray]:
+    """The batch's runs cut into pieces, their group table, and every (run, plane) pair's run, plane, staging start
+    and length, run-major per group (unsorted)."""
     plan = batch.plan
     runs, group_table = split_runs(batch, piece_bytes)
     plane_offsets = np.array(plan.object_offsets, dtype=np.int64)
@@ -124,12 +124,29 @@ def work_order(batch: ChunkBatch, pipelined: bool = False, piece_bytes: int = PI
             run_ids.append(np.repeat(np.arange(group["run_begin"], group["run_begin"] + runs_in), planes_in))
             plane_ids.append(np.tile(np.arange(group["plane_begin"], group["plane_begin"] + planes_in), runs_in))
     if not run_ids:
-        return WorkOrder(runs, group_table, np.zeros((0, 4), dtype=np.uint32), np.zeros(0, dtype=np.uint32), [])
+        empty = np.zeros(0, dtype=np.int64)
+        return runs, group_table, empty, empty, empty, empty
     run_id, plane_id = np.concatenate(run_ids), np.concatenate(plane_ids)
     chunk = runs["chunk"][run_id].astype(np.int64)
     offset = plane_offsets[plane_id] + runs["first_row"][run_id].astype(np.int64) * plane_rows[plane_id]
     length = runs["num_rows"][run_id].astype(np.int64) * plane_rows[plane_id]
-    start = chunk * plan.object_bytes + offset
+    return runs, group_table, run_id, plane_id, chunk * plan.object_bytes + offset, length
+
+
+def _items_table(run_id: np.ndarray, plane_id: np.ndarray, slice_id: np.ndarray) -> np.ndarray:
+    items = np.zeros((run_id.size, 4), dtype=np.uint32)
+    items[:, 0], items[:, 1], items[:, 2] = run_id, plane_id, slice_id
+    return items
+
+
+def work_order(batch: ChunkBatch, pipelined: bool = False, piece_bytes: int = PIECE_BYTES,
+               bounds: Optional[np.ndarray] = None) -> WorkOrder:
+    """The kernel's items for `batch` in staging-byte order, with the slice each belongs to (`bounds`: slice end
+    offsets; default slice_bounds for the batch's direction)."""
+    plan = batch.plan
+    runs, group_table, run_id, plane_id, start, length = _item_spans(batch, piece_bytes)
+    if not run_id.size:
+        return WorkOrder(runs, group_table, np.zeros((0, 4), dtype=np.uint32), np.zeros(0, dtype=np.uint32), [])
     order = np.argsort(start, kind="stable")
     run_id, plane_id, start, length = run_id[order], plane_id[order], start[order], length[order]
     total = batch.num_chunks * plan.object_bytes
@@ -142,9 +159,31 @@ def work_order(batch: ChunkBatch, pipelined: bool = False, piece_bytes: int = PI
     slice_items = np.bincount(slice_id).astype(np.uint32)
     pieces = (item_pieces(start, length, slice_items, plan.object_bytes) if plan.partial
               else span_pieces(start, length, slice_items, plan.object_bytes))
-    items = np.zeros((len(order), 4), dtype=np.uint32)
-    items[:, 0], items[:, 1], items[:, 2] = run_id, plane_id, slice_id
-    return WorkOrder(runs, group_table, items, slice_items, pieces)
+    return WorkOrder(runs, group_table, _items_table(run_id, plane_id, slice_id), slice_items, pieces)
+
+
+def sliced_load_order(batch: ChunkBatch, plane_slice: np.ndarray, num_slices: int,
+                      piece_bytes: int = PIECE_BYTES) -> WorkOrder:
+    """A sliced load's items in forward order (issue 41): grouped by the slice of their plane (`plane_slice`, per
+    moved plane of the batch's plan), staging-byte order inside each, with exactly `num_slices` slice counts (empty
+    slices count 0). A slice's pieces are its items' own bytes: its copies bring in what its kernel reads, and
+    nothing of a later slice."""
+    plan = batch.plan
+    plane_slice = np.asarray(plane_slice, dtype=np.int64)
+    if plane_slice.shape != (len(plan.moved_planes),):
+        raise ValueError(f"sliced load: {plane_slice.size} plane slices for {len(plan.moved_planes)} moved planes")
+    if plane_slice.size and (plane_slice.min() < 0 or plane_slice.max() >= num_slices):
+        bad = int(np.flatnonzero((plane_slice < 0) | (plane_slice >= num_slices))[0])
+        raise ValueError(f"sliced load: plane {plan.moved_planes[bad].label} is in slice {int(plane_slice[bad])}, "
+                         f"outside the load's {num_slices} slices")
+    runs, group_table, run_id, plane_id, start, length = _item_spans(batch, piece_bytes)
+    slice_id = plane_slice[plane_id]
+    order = np.lexsort((start, slice_id))
+    run_id, plane_id, start, length, slice_id = (run_id[order], plane_id[order], start[order], length[order],
+                                                 slice_id[order])
+    slice_items = np.bincount(slice_id, minlength=num_slices).astype(np.uint32)
+    pieces = item_pieces(start, length, slice_items, plan.object_bytes)
+    return WorkOrder(runs, group_table, _items_table(run_id, plane_id, slice_id), slice_items, pieces)
 
 
 def span_pieces(start: np.ndarray, length: np.ndarray, slice_items: np.ndarray,

@@ -133,10 +133,28 @@ class Case:
         return len(self.loads)
 
 
+class OneLaunchPerSlice:
+    """A backend without `launch_sliced`: the mover then launches a sliced load one slice at a time (the study's
+    `--launch per-slice`, what every backend but CUDA does)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner, self.name = inner, inner.name
+
+    def prepare(self, plan: TransferPlan) -> None:
+        self.inner.prepare(plan)
+
+    def transfer(self, batch: ChunkBatch, after_kernel: Any = None) -> Any:
+        return self.inner.transfer(batch, after_kernel)
+
+    def launch(self, batch: ChunkBatch, after_kernel: Any = None) -> Any:
+        return self.inner.launch(batch, after_kernel)
+
+
 @contextlib.contextmanager
 def open_case(geometry: Geometry, chunks: int, backend_name: str, seed: int = 0,
-              options: Optional[dict[str, Any]] = None) -> Iterator[Case]:
-    """The worker's pipeline (lanes, registered arena) built as the connector builds it, around one request."""
+              options: Optional[dict[str, Any]] = None, per_slice: bool = False) -> Iterator[Case]:
+    """The worker's pipeline (lanes, registered arena) built as the connector builds it, around one request;
+    `per_slice`: its load lane launches a sliced load one slice at a time."""
     device = torch.device("cuda" if backend_name == "cuda" else "cpu")
     layout, tables, allocations = _geometry_request(geometry, chunks, device, seed)
     layout = with_plane_layers(layout)
@@ -144,6 +162,8 @@ def open_case(geometry: Geometry, chunks: int, backend_name: str, seed: int = 0,
     store = StoreConfig(cpu_bytes=2 * chunks * slot_bytes_for(plan.object_bytes), pinned=device.type != "cpu")
     pipeline = build_worker_pipeline(layout, store, 0, lambda: get_backend(backend_name, **(options or {})),
                                      TierCounters())
+    if per_slice:
+        pipeline.mover.set_backend(Direction.LOAD, OneLaunchPerSlice(pipeline.mover.backends[Direction.LOAD]))
     try:
         arena = pipeline.arena
         generator = torch.Generator().manual_seed(seed + 2)
@@ -384,6 +404,7 @@ class Row:
     """One (geometry, load, compute, S): times in ms."""
 
     geometry: str
+    launch: str  # "at-once" or "per-slice"
     chunks: int
     load_mb: float
     target_ratio: float
@@ -436,13 +457,15 @@ class Settings:
     sizes: Sequence[int] = (64, 256, 1024, 4096)  # the matmuls' token rows to choose from
     stores: bool = True
     options: Optional[dict[str, Any]] = None  # backend options (e.g. path=mapped)
+    launch: str = "at-once"  # how the lane launches a sliced load: "at-once" (the backend's launch_sliced) or "per-slice"
 
 
 def study_load(geometry: Geometry, chunks: int, settings: Settings) -> tuple[list[Row], list[StoreRow]]:
     """Every ratio and S for one load of `chunks` chunks of `geometry`."""
     rows: list[Row] = []
     store_rows: list[StoreRow] = []
-    with open_case(geometry, chunks, settings.backend, options=settings.options) as case:
+    with open_case(geometry, chunks, settings.backend, options=settings.options,
+                   per_slice=settings.launch == "per-slice") as case:
         device, clock = case.layout.plan.device, Clock(case.layout.plan.device)
         layers = len(case.announced)
         plans = {s: plan_slices(case.layout, case.announced, s) for s in slice_counts(settings.counts, layers)}
@@ -466,7 +489,7 @@ def study_load(geometry: Geometry, chunks: int, settings: Settings) -> tuple[lis
                     runs = [pipelined(case, sliced, work, clock) for _ in range(settings.repeats)]
                     achieved = statistics.median(r.ttft for r in runs)
                     ideal = ideal_seconds(t_load, t_compute, t_slice0[s])
-                    rows.append(Row(geometry.name, chunks, chunks * case.layout.plan.object_bytes / 1e6, ratio,
+                    rows.append(Row(geometry.name, settings.launch, chunks, chunks * case.layout.plan.object_bytes / 1e6, ratio,
                                     t_load / t_compute, s, layers, t_load * 1e3, path * 1e3, t_compute * 1e3,
                                     t_slice0[s] * 1e3, ideal * 1e3, achieved * 1e3, cold[s],
                                     statistics.median(r.lane for r in runs) * 1e3,
@@ -497,12 +520,12 @@ def render(rows: Sequence[Row], store_rows: Sequence[StoreRow]) -> list[Any]:
 
     loads = Table(title=f"sliced loads under a per-layer forward: achieved TTFT against max(T_load, T_compute) + "
                         f"T_slice0 (target within {TARGET:.0%} for T_load/T_compute in [0.3, 3])", title_justify="left")
-    for name in ("geometry", "MB", "ratio", "S", "T_load", "path", "T_compute", "T_slice0", "ideal", "achieved",
+    for name in ("geometry", "launch", "MB", "ratio", "S", "T_load", "path", "T_compute", "T_slice0", "ideal", "achieved",
                  "cold", "lane", "over ideal", "slowdown", "serial"):
         loads.add_column(name, justify="left" if name == "geometry" else "right")
     for r in rows:
         mark = "" if abs(r.over_ideal) <= TARGET else " !"
-        loads.add_row(r.geometry, f"{r.load_mb:.1f}", f"{r.ratio:.2f}", str(r.slices), f"{r.t_load:.2f}",
+        loads.add_row(r.geometry, r.launch, f"{r.load_mb:.1f}", f"{r.ratio:.2f}", str(r.slices), f"{r.t_load:.2f}",
                       f"{r.t_load_path:.2f}", f"{r.t_compute:.2f}", f"{r.t_slice0:.3f}", f"{r.ideal:.2f}",
                       f"{r.achieved:.2f}", "" if r.cold is None else f"{r.cold:.1f}", f"{r.lane_host:.2f}",
                       f"{r.over_ideal:+.1%}{mark}",
@@ -532,6 +555,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--no-stores", action="store_true")
     parser.add_argument("--path", choices=["auto", "mapped", "staging"], help="the CUDA backend's path option")
+    parser.add_argument("--launch", nargs="+", choices=["at-once", "per-slice"], default=["at-once"],
+                        help="how the load lane launches a sliced load (per-slice: one launch per slice)")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--plot", type=Path, help="a JSON this study wrote: plot it (--png) and exit")
     parser.add_argument("--png", type=Path)
@@ -548,16 +573,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from rich.console import Console
 
     small = args.backend != "cuda"  # a CPU run: tiny matmuls
-    settings = Settings(args.backend, args.ratios, args.slices, args.repeats, 64 if small else 4096,
-                        (8, 32) if small else Settings.sizes, not args.no_stores,
-                        {"path": args.path} if args.path else None)
     rows, store_rows = [], []
-    for path in args.geometry:
-        geometry = load_geometry(path)
-        for mb in args.load_mb:
-            got = study_load(geometry, chunks_for(geometry, mb), settings)
-            rows += got[0]
-            store_rows += got[1]
+    for launch in args.launch:
+        settings = Settings(args.backend, args.ratios, args.slices, args.repeats, 64 if small else 4096,
+                            (8, 32) if small else Settings.sizes, not args.no_stores,
+                            {"path": args.path} if args.path else None, launch)
+        for path in args.geometry:
+            geometry = load_geometry(path)
+            for mb in args.load_mb:
+                got = study_load(geometry, chunks_for(geometry, mb), settings)
+                rows += got[0]
+                store_rows += got[1]
     console = Console(width=200)
     for table in render(rows, store_rows):
         console.print(table)
