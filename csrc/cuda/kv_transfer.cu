@@ -10,6 +10,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <vector>
 
 #include "../common/transfer_plan.h"
 #include "kv_transfer_cuda.h"
@@ -300,6 +301,44 @@ extern "C" int lmcache_cuda_transfer(const LmcacheCudaTransfer* t) {
   return EnqueueTail(t);
 }
 
+namespace {
+
+// Host-to-device copies [first, end) of one slice on `stream`: one batched call where the runtime has it (each
+// cudaMemcpyAsync costs microseconds of host time and a sliced load makes one per chunk and slice), else one each.
+int EnqueueHostToDevice(const LmcacheCudaCopy* copies, uint64_t first, uint64_t end, cudaStream_t stream) {
+#if CUDART_VERSION >= 13000
+  if (end - first > 1) {
+    static thread_local std::vector<void*> dsts;
+    static thread_local std::vector<const void*> srcs;
+    static thread_local std::vector<size_t> sizes;
+    dsts.clear();
+    srcs.clear();
+    sizes.clear();
+    for (uint64_t i = first; i < end; ++i) {
+      dsts.push_back(reinterpret_cast<void*>(copies[i].staging));
+      srcs.push_back(reinterpret_cast<const void*>(copies[i].host));
+      sizes.push_back(copies[i].bytes);
+    }
+    cudaMemcpyAttributes attributes{};
+    attributes.srcAccessOrder = cudaMemcpySrcAccessOrderStream;  // the host bytes are read in stream order
+    size_t attribute_index = 0;
+    if (cudaMemcpyBatchAsync(dsts.data(), srcs.data(), sizes.data(), dsts.size(), &attributes, &attribute_index, 1,
+                             stream) == cudaSuccess) {
+      return cudaSuccess;
+    }
+    cudaGetLastError();  // a driver without batched copies: one call each below
+  }
+#endif
+  for (uint64_t i = first; i < end; ++i) {
+    LMCACHE_TRY(cudaMemcpyAsync(reinterpret_cast<void*>(copies[i].staging),
+                                reinterpret_cast<const void*>(copies[i].host), copies[i].bytes,
+                                cudaMemcpyHostToDevice, stream));
+  }
+  return cudaSuccess;
+}
+
+}  // namespace
+
 extern "C" int lmcache_cuda_sliced_load(const LmcacheCudaTransfer* t, const LmcacheCudaSlices* s) {
   if (t->direction != lmcache_npu::kLoad || t->kernel.pipeline != kLmcacheNoPipeline || s->num_slices == 0) {
     return cudaErrorInvalidValue;
@@ -323,11 +362,9 @@ extern "C" int lmcache_cuda_sliced_load(const LmcacheCudaTransfer* t, const Lmca
   LmcacheCudaLaunch kernel = t->kernel;
   uint64_t copy = 0, first_item = 0;
   for (uint64_t k = 0; k < s->num_slices; ++k) {
-    for (; copy < t->num_copies && copies[copy].slice == k; ++copy) {
-      LMCACHE_TRY(cudaMemcpyAsync(reinterpret_cast<void*>(copies[copy].staging),
-                                  reinterpret_cast<const void*>(copies[copy].host), copies[copy].bytes,
-                                  cudaMemcpyHostToDevice, stream));
-    }
+    const uint64_t first_copy = copy;
+    while (copy < t->num_copies && copies[copy].slice == k) ++copy;
+    LMCACHE_TRY(EnqueueHostToDevice(copies, first_copy, copy, stream));
     if (k == 0) LMCACHE_TRY(Record(t, kLmcacheEventKernelBegin, t->kernel.stream));
     kernel.items = t->kernel.items + 16 * first_item;  // uint32 x4 per item
     kernel.num_items = slice_items[k];

@@ -81,17 +81,16 @@ def test_slices_cover_every_item_and_payload_byte_once(case: Case, first: int, g
     assert pipelined or order.slice_items.size <= 1
     assert (np.diff(order.items[:, 2].astype(np.int64)) >= 0).all(), "slices must follow item order"
     covered = np.zeros((case.num_chunks, plan.object_bytes), dtype=np.int32)
-    for pieces in order.pieces:
-        for chunk, offset, length in pieces:
-            assert 0 <= offset and offset + length <= plan.object_bytes and length > 0
-            covered[chunk, offset: offset + length] += 1
+    for chunk, offset, length, _ in order.piece_table.tolist():
+        assert 0 <= offset and offset + length <= plan.object_bytes and length > 0
+        covered[chunk, offset: offset + length] += 1
     assert covered.max(initial=0) <= 1, "a byte is copied by two slices"
     offsets = plan.object_offsets
     for item in order.items:  # every item's bytes lie inside its own slice's pieces
         run, plane = order.runs[item[0]], plan.moved_planes[item[1]]
         lo = offsets[item[1]] + int(run["first_row"]) * plane.row_bytes
         hi = lo + int(run["num_rows"]) * plane.row_bytes
-        inside = [(c, o, n) for c, o, n in order.pieces[item[2]] if c == run["chunk"] and o <= lo and hi <= o + n]
+        inside = [(c, o, n) for c, o, n in order.pieces(item[2]) if c == run["chunk"] and o <= lo and hi <= o + n]
         assert inside, "an item's bytes are not in its slice"
 
 
@@ -145,9 +144,8 @@ def test_copies_move_every_payload_byte_between_staging_and_objects(case: Case, 
     assert (np.diff(copies[:, 3].astype(np.int64)) >= 0).all(), "copies must follow slice order"
     rng = np.random.default_rng(case.seed)
     moved = np.zeros((case.num_chunks, nbytes), dtype=bool)
-    for pieces in order.pieces:
-        for chunk, offset, length in pieces:
-            moved[chunk, offset: offset + length] = True
+    for chunk, offset, length, _ in order.piece_table.tolist():
+        moved[chunk, offset: offset + length] = True
     dropped = drop and len(copies) > 0
     if dropped:  # negative control: a lost copy leaves bytes behind
         copies = copies[1:]
@@ -173,7 +171,7 @@ def _slice_masks(order, num_chunks: int, nbytes: int) -> tuple[np.ndarray, np.nd
     """(chunk, byte) masks of a two-slice work order: the mapped prefix's bytes, and those moved through staging."""
     masks = np.zeros((2, num_chunks, nbytes), dtype=bool)
     for k in (0, 1):
-        for chunk, offset, length in order.pieces[k]:
+        for chunk, offset, length in order.pieces(k):
             masks[k, chunk, offset: offset + length] = True
     return masks[0], masks[1]
 

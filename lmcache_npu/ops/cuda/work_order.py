@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from ..batch import ChunkBatch
-from ..device_staging import host_stretches
+from ..device_staging import stretch_table
 from ..plan import OBJECT_ALIGN_BYTES, Direction, TransferPlan
 
 PIECE_BYTES = 64 << 10  # runs are cut so one block gathers about this much: slices complete in staging order
@@ -33,7 +33,12 @@ class WorkOrder:
     group_table: np.ndarray  # GROUP_DESC_DTYPE over `runs`
     items: np.ndarray  # (n, 4) uint32: run, plane, slice, 0
     slice_items: np.ndarray  # uint32 per slice
-    pieces: list[list[tuple[int, int, int]]]  # per slice: (chunk, offset in object, length)
+    piece_table: np.ndarray  # (n, 4) int64 in slice and staging order: chunk, offset in object, length, slice
+
+    def pieces(self, slice_index: int) -> list[tuple[int, int, int]]:
+        """Slice `slice_index`'s (chunk, offset in object, length) pieces."""
+        rows = self.piece_table[self.piece_table[:, 3] == slice_index]
+        return [(int(c), int(o), int(n)) for c, o, n, _ in rows.tolist()]
 
 
 _WIDEST_ROWS: "weakref.WeakKeyDictionary[TransferPlan, list[int]]" = weakref.WeakKeyDictionary()
@@ -146,7 +151,8 @@ def work_order(batch: ChunkBatch, pipelined: bool = False, piece_bytes: int = PI
     plan = batch.plan
     runs, group_table, run_id, plane_id, start, length = _item_spans(batch, piece_bytes)
     if not run_id.size:
-        return WorkOrder(runs, group_table, np.zeros((0, 4), dtype=np.uint32), np.zeros(0, dtype=np.uint32), [])
+        return WorkOrder(runs, group_table, np.zeros((0, 4), dtype=np.uint32), np.zeros(0, dtype=np.uint32),
+                         np.zeros((0, 4), dtype=np.int64))
     order = np.argsort(start, kind="stable")
     run_id, plane_id, start, length = run_id[order], plane_id[order], start[order], length[order]
     total = batch.num_chunks * plan.object_bytes
@@ -186,25 +192,26 @@ def sliced_load_order(batch: ChunkBatch, plane_slice: np.ndarray, num_slices: in
     return WorkOrder(runs, group_table, _items_table(run_id, plane_id, slice_id), slice_items, pieces)
 
 
-def span_pieces(start: np.ndarray, length: np.ndarray, slice_items: np.ndarray,
-                object_bytes: int) -> list[list[tuple[int, int, int]]]:
+def span_pieces(start: np.ndarray, length: np.ndarray, slice_items: np.ndarray, object_bytes: int) -> np.ndarray:
     """Per copy-engine slice, everything from its first item to its last, gaps included (a full plan's store
-    writes every object byte: skipped rows and alignment gaps as zeros)."""
-    pieces: list[list[tuple[int, int, int]]] = []
+    writes every object byte: skipped rows and alignment gaps as zeros), cut at chunk edges: piece-table rows."""
+    rows = []
     ends = np.cumsum(slice_items)
     for k in range(slice_items.size):
         first, last = int(ends[k] - slice_items[k]), int(ends[k] - 1)
         lo, hi = int(start[first]), int(start[last] + length[last])
-        pieces.append([(c, max(lo, c * object_bytes) - c * object_bytes,
-                        min(hi, (c + 1) * object_bytes) - max(lo, c * object_bytes))
-                       for c in range(lo // object_bytes, (hi - 1) // object_bytes + 1)])
-    return pieces
+        rows += [(c, max(lo, c * object_bytes) - c * object_bytes,
+                  min(hi, (c + 1) * object_bytes) - max(lo, c * object_bytes), k)
+                 for c in range(lo // object_bytes, (hi - 1) // object_bytes + 1)]
+    return np.array(rows, dtype=np.int64).reshape(-1, 4)
 
 
-def item_pieces(start: np.ndarray, length: np.ndarray, slice_items: np.ndarray,
-                object_bytes: int) -> list[list[tuple[int, int, int]]]:
+def item_pieces(start: np.ndarray, length: np.ndarray, slice_items: np.ndarray, object_bytes: int) -> np.ndarray:
     """Per copy-engine slice, its items' bytes merged only across gaps under OBJECT_ALIGN_BYTES inside one chunk: a
-    partial plan's copies never reach a plane outside it (planes are aligned, so one in between is farther)."""
+    partial plan's copies never reach a plane outside it (planes are aligned, so one in between is farther).
+    Piece-table rows, vectorized."""
+    if not start.size:
+        return np.zeros((0, 4), dtype=np.int64)
     end = start + length
     slice_id = np.repeat(np.arange(slice_items.size), slice_items)
     chunk = start // object_bytes
@@ -213,11 +220,12 @@ def item_pieces(start: np.ndarray, length: np.ndarray, slice_items: np.ndarray,
                | (slice_id[1:] != slice_id[:-1]))
     begins = np.flatnonzero(cut)
     lasts = np.append(begins[1:], start.size) - 1
-    pieces: list[list[tuple[int, int, int]]] = [[] for _ in range(slice_items.size)]
-    for b, e in zip(begins.tolist(), lasts.tolist()):
-        c = int(chunk[b])
-        pieces[int(slice_id[b])].append((c, int(start[b]) - c * object_bytes, int(end[e] - start[b])))
-    return pieces
+    table = np.empty((begins.size, 4), dtype=np.int64)
+    table[:, 0] = chunk[begins]
+    table[:, 1] = start[begins] - chunk[begins] * object_bytes
+    table[:, 2] = end[lasts] - start[begins]
+    table[:, 3] = slice_id[begins]
+    return table
 
 
 def copy_table(staging_address: int, objects: tuple[torch.Tensor, ...], order: WorkOrder, object_bytes: int,
@@ -225,15 +233,19 @@ def copy_table(staging_address: int, objects: tuple[torch.Tensor, ...], order: W
     """The copy engine's steps as LmcacheCudaCopy rows (staging address, host address, bytes, slice): one per
     stretch contiguous on both sides, per slice when pipelined, else merged across slices. Slices before
     `from_slice` are not copied (a mapped prefix: the kernel wrote them into the objects itself)."""
-    if pipelined:
-        per_slice = [(k, host_stretches(objects, pieces, object_bytes)) for k, pieces in enumerate(order.pieces)
-                     if k >= from_slice]
-    else:
-        per_slice = [(0, host_stretches(objects, [p for pieces in order.pieces[from_slice:] for p in pieces],
-                                        object_bytes))]
-    rows = [(staging_address + chunk * object_bytes + offset, objects[chunk].data_ptr() + offset, length, k)
-            for k, stretches in per_slice for chunk, offset, length in stretches]
-    return np.array(rows, dtype=np.uint64).reshape(-1, 4)
+    pieces = order.piece_table[order.piece_table[:, 3] >= from_slice]
+    if not pipelined:
+        pieces = pieces.copy()
+        pieces[:, 3] = 0  # one copy-engine slice: stretches merge across the work order's slices
+    stretches = stretch_table(objects, pieces, object_bytes)
+    address = np.array([o.data_ptr() for o in objects], dtype=np.uint64)
+    rows = np.empty((len(stretches), 4), dtype=np.uint64)
+    chunk, offset = stretches[:, 0], stretches[:, 1].astype(np.uint64)
+    rows[:, 0] = np.uint64(staging_address) + chunk.astype(np.uint64) * np.uint64(object_bytes) + offset
+    rows[:, 1] = address[chunk] + offset
+    rows[:, 2] = stretches[:, 2]
+    rows[:, 3] = stretches[:, 3]
+    return rows
 
 
 def prefix_order(batch: ChunkBatch, piece_bytes: int, share: int) -> Optional[WorkOrder]:
