@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+from types import SimpleNamespace
 from typing import Any, Optional, Sequence
 
 import numpy as np
@@ -17,7 +18,7 @@ from hypothesis import strategies as st
 from lmcache_npu.layout.discovery import KVLayout
 from lmcache_npu.layout.slots import layout_slots
 from lmcache_npu.layout.specs import SpecKind
-from lmcache_npu.ops import Direction, get_backend
+from lmcache_npu.ops import Direction, PendingTransfer, get_backend
 from lmcache_npu.ops.torch_backend import row_view
 from lmcache_npu.store.commands import BlockWindow, DeviceMove, Load, Store
 from lmcache_npu.store.keys import ChunkKey
@@ -339,3 +340,48 @@ def test_a_failed_slice_fails_the_load_and_releases_every_waiter() -> None:
     finally:
         mover.close()
     assert len(launches) == 2  # slice 2 never launched after slice 1 failed
+
+
+class _AllSlicesInOneCall(_Counting):
+    """A host backend with `launch_sliced`, as the CUDA backend's: every slice of the call lands before it returns."""
+
+    def __init__(self, inner: Any, launches: list[Any], calls: list[tuple[Any, list[int], int]]) -> None:
+        super().__init__(inner, launches)
+        self.calls = calls
+
+    def launch_sliced(self, batch: Any, plane_slices: Any, count: int, after_kernel: Any = None) -> Any:
+        self.calls.append((batch.plan, [int(k) for k in plane_slices], count))
+        stats = [self.inner.transfer(batch.for_plan(batch.plan.plane_subset(
+            [i for i, k in enumerate(plane_slices) if k == s])), after_kernel) for s in range(count)
+            if any(k == s for k in plane_slices)]
+        merged = dataclasses.replace(stats[0], payload_bytes=sum(s.payload_bytes for s in stats))
+        return SimpleNamespace(pending=PendingTransfer(lambda: merged, asynchronous=False), events=(None,) * count)
+
+
+@pytest.mark.parametrize("name,family,count", [("llama3-8b", "ascend", 4), ("deepseek-v4-flash", "ascend", 3),
+                                               ("qwen3-next-80b", "ascend", 2), ("llama3-8b", "ascend", 1)])
+def test_a_backend_that_launches_every_slice_in_one_call_gets_the_whole_load(name: str, family: str,
+                                                                             count: int) -> None:
+    case = Case(name, family, 2, seed=11)
+    slices = plan_slices(case.layout, announced_layers(case.layout), count)
+    mover = mover_of(case.layout, "host")
+    calls: list[tuple[Any, list[int], int]] = []
+    try:
+        expected, _ = unsliced(case, mover, 0)
+        mover.set_backend(Direction.LOAD, _AllSlicesInOneCall(mover.backends[Direction.LOAD], [], calls))
+        case.scrub()
+        marked: list[int] = []
+        report, done, results = answers(case.chunks)
+        mover.run_sliced(case.moves(0), case.objects, report, slices, lambda index, event: marked.append(index))
+        assert done.wait(120) and all(r.ok for r in results), [r.reason for r in results]
+        got = case.pages()
+    finally:
+        mover.close()
+    assert marked == list(range(count))
+    owner = {i: piece.index for piece in slices.slices for i in piece.planes}
+    assert len(calls) == 1 and calls[0][0] is case.layout.plan and calls[0][2] == count
+    assert calls[0][1] == [owner[i] for i in range(len(case.layout.plan.moved_planes))], "a plane in another slice"
+    assert all(torch.equal(a, b) for a, b in zip(got, expected)), "the one call's bytes differ from the plain load's"
+    flipped = [t.clone() for t in got]  # negative control: the comparison sees one wrong byte
+    flipped[0].view(torch.uint8).view(-1)[0] ^= 1
+    assert not all(torch.equal(a, b) for a, b in zip(flipped, expected))

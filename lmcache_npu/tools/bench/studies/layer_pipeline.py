@@ -255,6 +255,7 @@ class Run:
     ttft: float  # model stream: the start mark to the end of the last layer (seconds)
     compute: float  # the layers' work spans, summed
     lane: float = 0.0  # host: run_sliced to the last slice's launch mark (CUDA: enqueued, not landed)
+    lane_first: float = 0.0  # host: run_sliced to slice 0's mark
 
 
 def _answers(expected: int) -> tuple[Callable[[int, Any], None], threading.Event, list[Any]]:
@@ -284,15 +285,15 @@ def pipelined(case: Case, slices: SlicePlan, work: Callable[[], None], clock: Cl
     clock.sync()
     report, done, results = _answers(case.chunks)
     begin = clock.mark()
-    started, marked = time.perf_counter(), [0.0]
+    started, marked = time.perf_counter(), [0.0, 0.0]
     progress = case.mover.run_sliced(case.loads, case.load_objects, report, slices,
-                                     lambda index, event: marked.__setitem__(0, time.perf_counter()))
+                                     lambda index, event: marked.__setitem__(min(index, 1), time.perf_counter()))
     marks = forward(case.announced, work, clock, progress, wait, reads)
     end = clock.mark()
     if not done.wait(WAIT_SECONDS) or not all(r.ok for r in results):
         raise RuntimeError(f"the sliced load failed: {progress.failure or [r for r in results if not r.ok][:1]}")
     clock.sync()
-    return Run(clock.seconds(begin, end), layer_seconds(clock, marks), marked[0] - started)
+    return Run(clock.seconds(begin, end), layer_seconds(clock, marks), max(marked) - started, marked[0] - started)
 
 
 def stored_like_loaded(case: Case) -> bool:
@@ -419,6 +420,7 @@ class Row:
     achieved: float  # median TTFT
     cold: Optional[float]  # the first run with this slice plan (the lane prepares each slice's tables)
     lane_host: float  # host ms from run_sliced until the lane marked the last slice
+    lane_first: float  # host ms from run_sliced until the lane marked slice 0
     over_ideal: float
     slowdown: float  # the layers' compute while slices land against alone
     serial: float  # T_load + T_compute: the load, then the forward
@@ -493,6 +495,7 @@ def study_load(geometry: Geometry, chunks: int, settings: Settings) -> tuple[lis
                                     t_load / t_compute, s, layers, t_load * 1e3, path * 1e3, t_compute * 1e3,
                                     t_slice0[s] * 1e3, ideal * 1e3, achieved * 1e3, cold[s],
                                     statistics.median(r.lane for r in runs) * 1e3,
+                                    statistics.median(r.lane_first for r in runs) * 1e3,
                                     over_ideal(achieved, ideal), slowdown([r.compute for r in runs],
                                                                           [r.compute for r in alone]),
                                     (t_load + t_compute) * 1e3))
@@ -521,13 +524,14 @@ def render(rows: Sequence[Row], store_rows: Sequence[StoreRow]) -> list[Any]:
     loads = Table(title=f"sliced loads under a per-layer forward: achieved TTFT against max(T_load, T_compute) + "
                         f"T_slice0 (target within {TARGET:.0%} for T_load/T_compute in [0.3, 3])", title_justify="left")
     for name in ("geometry", "launch", "MB", "ratio", "S", "T_load", "path", "T_compute", "T_slice0", "ideal", "achieved",
-                 "cold", "lane", "over ideal", "slowdown", "serial"):
+                 "cold", "lane0", "lane", "over ideal", "slowdown", "serial"):
         loads.add_column(name, justify="left" if name == "geometry" else "right")
     for r in rows:
         mark = "" if abs(r.over_ideal) <= TARGET else " !"
         loads.add_row(r.geometry, r.launch, f"{r.load_mb:.1f}", f"{r.ratio:.2f}", str(r.slices), f"{r.t_load:.2f}",
                       f"{r.t_load_path:.2f}", f"{r.t_compute:.2f}", f"{r.t_slice0:.3f}", f"{r.ideal:.2f}",
-                      f"{r.achieved:.2f}", "" if r.cold is None else f"{r.cold:.1f}", f"{r.lane_host:.2f}",
+                      f"{r.achieved:.2f}", "" if r.cold is None else f"{r.cold:.1f}", f"{r.lane_first:.2f}",
+                      f"{r.lane_host:.2f}",
                       f"{r.over_ideal:+.1%}{mark}",
                       f"{r.slowdown:+.1%}", f"{r.serial:.2f}")
     stores = Table(title="stores: the forward's end to the store's end (ms), one store (S=1) or one per slice",
