@@ -166,11 +166,27 @@ class CudaBackend(TransferBackend):
         them before it is finished); a store runs to its end (its copies out would race the next kernel's gather)."""
         if batch.direction != Direction.LOAD:
             return super().launch(batch, after_kernel)
+        return self._launch_load(batch, after_kernel, None)
+
+    def launch_sliced(self, batch: ChunkBatch, plane_slice: np.ndarray, num_slices: int,
+                      after_kernel: Optional[AfterKernel] = None) -> SlicedLaunch:
+        """A sliced load (issue 41) in one native call: slice k moves the planes `plane_slice` (per moved plane of
+        the batch's plan) puts in k; its copies, then its kernel, then its event, slices in order on the current
+        stream, so the host makes no step between slices. Raises before anything is enqueued on bad input."""
+        if batch.direction != Direction.LOAD:
+            raise ValueError("launch_sliced moves loads only: a store has no layer to wait for")
+        slices = _SliceLaunch(planner.sliced_load_order(batch, plane_slice, num_slices, self.tuning.piece_bytes))
+        pending = self._launch_load(batch, after_kernel, slices)
+        return SlicedLaunch(pending, tuple(slices.events))
+
+    def _launch_load(self, batch: ChunkBatch, after_kernel: Optional[AfterKernel],
+                     sliced: Optional["_SliceLaunch"]) -> PendingTransfer:
+        """A load enqueued on a spare record (given back once it is finished)."""
         start = time.perf_counter()
         with self._lock:
             state = self._spare_state(batch.plan.device)
             try:
-                enqueued = self._enqueue(batch, after_kernel, state)
+                enqueued = self._enqueue(batch, after_kernel, state, sliced)
             except BaseException:
                 self._spares.append(state)
                 raise
@@ -185,35 +201,6 @@ class CudaBackend(TransferBackend):
             return self._stats(batch, report, seconds)
 
         return PendingTransfer(finish, asynchronous=True)
-
-    def launch_sliced(self, batch: ChunkBatch, plane_slice: np.ndarray, num_slices: int,
-                      after_kernel: Optional[AfterKernel] = None) -> SlicedLaunch:
-        """A sliced load (issue 41) in one native call: slice k moves the planes `plane_slice` (per moved plane of
-        the batch's plan) puts in k; its copies, then its kernel, then its event, slices in order on the current
-        stream, so the host makes no step between slices. Raises before anything is enqueued on bad input."""
-        if batch.direction != Direction.LOAD:
-            raise ValueError("launch_sliced moves loads only: a store has no layer to wait for")
-        order = planner.sliced_load_order(batch, plane_slice, num_slices, self.tuning.piece_bytes)
-        start = time.perf_counter()
-        with self._lock:
-            state = self._spare_state(batch.plan.device)
-            slices = _SliceLaunch(order)
-            try:
-                enqueued = self._enqueue(batch, after_kernel, state, slices)
-            except BaseException:
-                self._spares.append(state)
-                raise
-        seconds = time.perf_counter() - start
-
-        def finish() -> TransferStats:
-            try:
-                report = self._complete(enqueued)
-            finally:
-                with self._lock:
-                    self._spares.append(state)
-            return self._stats(batch, report, seconds)
-
-        return SlicedLaunch(PendingTransfer(finish, asynchronous=True), tuple(slices.events))
 
     def _spare_state(self, device: torch.device) -> NativeResources:
         """A record, tables and events no launched transfer still uses (made on first need: a cold cost)."""
