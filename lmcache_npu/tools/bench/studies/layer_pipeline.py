@@ -475,7 +475,8 @@ def study_load(geometry: Geometry, chunks: int, settings: Settings) -> tuple[lis
         t_load = device_seconds(probe, case.layout.plan, case, clock, settings.repeats)
         t_slice0 = {s: device_seconds(probe, p.slices[0].plan, case, clock, settings.repeats) for s, p in plans.items()}
         idle = Work(device, settings.sizes[0], settings.k, 0)
-        path = statistics.median(pipelined(case, plans[1], idle, clock).ttft for _ in range(settings.repeats + 1))
+        whole = plans[1] if 1 in plans else plan_slices(case.layout, case.announced, 1)  # `path`: S = 1 at any sweep
+        path = statistics.median(pipelined(case, whole, idle, clock).ttft for _ in range(settings.repeats + 1))
         cold: dict[int, Optional[float]] = {s: None for s in plans}
         lane = StoreLane(case, get_backend(settings.backend, **(settings.options or {})), [piece.plan for p in plans.values() for piece in p.slices], clock) \
             if settings.stores else None
