@@ -103,7 +103,8 @@ def test_a_hand_over_keeps_every_chunk_its_bytes_and_its_epoch_and_maps_nothing_
 
     successor = start_node(store_config(SLOTS, WORLD), socket_name="s", take_over=True)
     pool = successor.pool
-    assert node.service.handed_over.is_set() and pool.epoch == epoch
+    # the predecessor sets handed_over right after its last word to the successor, which may already be serving
+    assert node.service.handed_over.wait(WAIT_S) and pool.epoch == epoch
     assert pool.rebuild is not None and pool.rebuild.done.wait(WAIT_S)
     assert pool.rebuild.report.adopted == 4 and not pool.rebuild.report.rejected
     for rank, mapping in enumerate(workers.mappings):  # told the epoch lives on: attached again, nothing mapped
@@ -222,7 +223,7 @@ def test_a_successor_laying_the_arena_out_otherwise_starts_cold_with_a_clear_err
     epoch = node.pool.epoch
 
     successor = start_node(store_config(2 * SLOTS, WORLD), socket_name="s", take_over=True)  # twice the slots
-    assert node.service.handed_over.is_set() and successor.service.pools == {}
+    assert node.service.handed_over.wait(WAIT_S) and successor.service.pools == {}
     assert "is not adopted" in caplog.text and "starts cold" in caplog.text and f"{SLOTS} slots" in caplog.text
     client = engine.client
     wait_for(lambda: client.lookup("q", keys) is not None and client.epoch is not None, "a new pool")
