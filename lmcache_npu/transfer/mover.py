@@ -133,8 +133,9 @@ class KVMover:
 
     def run_sliced(self, moves: Sequence[DeviceMove], objects: Sequence[torch.Tensor], report: Report,
                    slices: SlicePlan, on_slice_done: Optional[SliceDone] = None) -> SlicedLoad:
-        """A load launched slice by slice on the load lane, each slice one batch (one kernel launch) over its plane
-        subset, in forward order, behind everything the model has enqueued so far; an event is recorded after each.
+        """A load launched in slices on the load lane, in forward order, behind everything the model has enqueued so
+        far, each slice a kernel launch over its plane subset with an event after it (on CUDA all of them in one
+        backend call, `_execute_sliced`).
         Returns the handle `wait_for_layer_load` waits on. Every command is reported once, after the last slice (or
         when the load fails). Raises before anything is queued for stores, or for slices of another layout or out
         of the forward's order."""
