@@ -101,7 +101,8 @@ class KVMover:
         self.load_retries = load_retries
         self.counters = counters
         self.kit = make_kit()  # the model thread's view: events on the model's stream
-        self._checked_slices: dict[int, "weakref.ref[SlicePlan]"] = {}  # slice plans check_slice_order passed
+        # slice plans check_slice_order passed, by id and held weakly (an id a dead plan left is checked again)
+        self._checked_slices: "weakref.WeakValueDictionary[int, SlicePlan]" = weakref.WeakValueDictionary()
         self._reading: list[_Job] = []  # store jobs the model's stream has not waited for, maybe still reading
         self.fence_waits = 0  # store batches the model's stream waited for (since start; stats get the deltas)
         self.fence_skips = 0  # in-flight store batches a fence let read on beside the step (counted per fence)
@@ -143,10 +144,9 @@ class KVMover:
             raise ValueError("run_sliced moves loads only: a store has no layer to wait for")
         if len(objects) != len(moves):
             raise ValueError(f"run_sliced: {len(moves)} moves but {len(objects)} arena objects")
-        if self._checked_slices.get(id(slices), lambda: None)() is not slices:  # a plan is checked once
+        if self._checked_slices.get(id(slices)) is not slices:  # a plan is checked once
             check_slice_order(slices, self.layout)
-            self._checked_slices = {k: r for k, r in self._checked_slices.items() if r() is not None}
-            self._checked_slices[id(slices)] = weakref.ref(slices)
+            self._checked_slices[id(slices)] = slices
         progress = SlicedLoad(slices, self.kit)
         job = _Job(Direction.LOAD, list(moves), list(objects), report, self.kit.record(),
                    _Slicing(progress, on_slice_done))
@@ -245,62 +245,66 @@ class KVMover:
 
     def _execute_sliced(self, lane: _Lane, job: _Job, sliced: _Slicing, batch: ChunkBatch,
                         moves: Sequence[DeviceMove]) -> None:
-        """Launches the slices back to back, marking each once enqueued (an event after it on the lane's stream),
-        then waits for all of them once and reports the job. A backend that launches every slice in one call
-        (`launch_sliced`: the CUDA backend) does so; the others get one launch per slice."""
+        """Launches the slices back to back, marking each once enqueued, then waits for all of them once and reports
+        the job. A backend that launches every slice in one call (`launch_sliced`: the CUDA backend) does so; the
+        others get one launch per slice."""
         at_once = getattr(lane.backend, "launch_sliced", None)
-        if at_once is not None:
-            self._execute_sliced_at_once(lane, job, sliced, batch, moves, at_once)
-            return
         pending: list[PendingTransfer] = []
         try:
-            for index, piece in enumerate(sliced.progress.slices.slices):
-                if piece.planes:
-                    self._prepare(lane, piece.plan)
-                    launched = self._launch(lane, job, batch.for_plan(piece.plan), moves)
-                    if launched is None:
-                        return  # failed for good: reported, every waiter released
-                    pending.append(launched)
-                event = lane.kit.record()  # after this slice's work on the lane's stream (None on the host)
-                sliced.progress.landed(index, event)
-                if sliced.on_slice_done is not None:
-                    sliced.on_slice_done(index, event)
-            stats = [launched.finish() for launched in pending]
+            if at_once is not None:
+                launched = self._launch_slices_at_once(lane, job, sliced, batch, moves, at_once, pending)
+            else:
+                launched = self._launch_each_slice(lane, job, sliced, batch, moves, pending)
+            if not launched:
+                return  # failed for good: reported, every waiter released
+            stats = [transfer.finish() for transfer in pending]
         except Exception as exc:  # a kernel that moved less than its batch: found once the slices had launched
             self.counters.add(Metric.TRANSFER_FAILURES)
             logger.exception("rank %d: sliced load of %d chunks failed", self.rank, len(moves))
             self._fail(job, moves, str(exc))
             return
         finally:
-            for launched in pending:  # nothing launched may still use the backend's buffers once the job ends
+            for transfer in pending:  # nothing launched may still use the backend's buffers once the job ends
                 try:
-                    launched.finish()
+                    transfer.finish()
                 except Exception:  # already reported above
                     pass
         self._finished(job, moves, stats)
 
-    def _execute_sliced_at_once(self, lane: _Lane, job: _Job, sliced: _Slicing, batch: ChunkBatch,
-                                moves: Sequence[DeviceMove], at_once: Callable[..., Any]) -> None:
+    @staticmethod
+    def _landed(sliced: _Slicing, index: int, event: Optional[Any]) -> None:
+        sliced.progress.landed(index, event)
+        if sliced.on_slice_done is not None:
+            sliced.on_slice_done(index, event)
+
+    def _launch_each_slice(self, lane: _Lane, job: _Job, sliced: _Slicing, batch: ChunkBatch,
+                           moves: Sequence[DeviceMove], pending: list[PendingTransfer]) -> bool:
+        """One launch per slice, each marked by an event after it on the lane's stream; False once one failed."""
+        for index, piece in enumerate(sliced.progress.slices.slices):
+            if piece.planes:
+                self._prepare(lane, piece.plan)
+                launched = self._launch(lane, job, batch.for_plan(piece.plan), moves)
+                if launched is None:
+                    return False
+                pending.append(launched)
+            self._landed(sliced, index, lane.kit.record())  # after this slice's work (None on the host)
+        return True
+
+    def _launch_slices_at_once(self, lane: _Lane, job: _Job, sliced: _Slicing, batch: ChunkBatch,
+                               moves: Sequence[DeviceMove], at_once: Callable[..., Any],
+                               pending: list[PendingTransfer]) -> bool:
         """Every slice enqueued in one backend call (no host step between slices), then each marked with its own
-        event, then one wait for the whole load."""
+        event; False once the call failed."""
         slices = sliced.progress.slices
         self._prepare(lane, batch.plan)
         launched = self._attempt(job, moves, lambda after: at_once(batch, slices.plane_slices, len(slices),
                                                                    after_kernel=after), lane)
         if launched is None:
-            return  # failed for good: reported, every waiter released
+            return False
+        pending.append(launched.pending)
         for index, event in enumerate(launched.events):
-            sliced.progress.landed(index, event)
-            if sliced.on_slice_done is not None:
-                sliced.on_slice_done(index, event)
-        try:
-            stats = launched.pending.finish()
-        except Exception as exc:  # a kernel that moved less than its batch: found once the slices had launched
-            self.counters.add(Metric.TRANSFER_FAILURES)
-            logger.exception("rank %d: sliced load of %d chunks failed", self.rank, len(moves))
-            self._fail(job, moves, str(exc))
-            return
-        self._finished(job, moves, [stats])
+            self._landed(sliced, index, event)
+        return True
 
     @staticmethod
     def _prepare(lane: _Lane, plan: TransferPlan) -> None:

@@ -31,6 +31,11 @@ def _batch(case: Case, direction: Direction, objects: list[torch.Tensor] | None 
     return ChunkBatch.build(plan, case.slots, objects, direction)
 
 
+def _pieces(order, slice_index: int) -> list[tuple[int, int, int]]:
+    """The work order's (chunk, offset in object, length) pieces of one slice."""
+    return [(c, o, n) for c, o, n, k in order.piece_table.tolist() if k == slice_index]
+
+
 def _rows(runs: np.ndarray) -> set[tuple[int, int, int]]:
     """(chunk, row, slot) of every row the runs name."""
     out = set()
@@ -90,7 +95,7 @@ def test_slices_cover_every_item_and_payload_byte_once(case: Case, first: int, g
         run, plane = order.runs[item[0]], plan.moved_planes[item[1]]
         lo = offsets[item[1]] + int(run["first_row"]) * plane.row_bytes
         hi = lo + int(run["num_rows"]) * plane.row_bytes
-        inside = [(c, o, n) for c, o, n in order.pieces(item[2]) if c == run["chunk"] and o <= lo and hi <= o + n]
+        inside = [(c, o, n) for c, o, n in _pieces(order, item[2]) if c == run["chunk"] and o <= lo and hi <= o + n]
         assert inside, "an item's bytes are not in its slice"
 
 
@@ -171,7 +176,7 @@ def _slice_masks(order, num_chunks: int, nbytes: int) -> tuple[np.ndarray, np.nd
     """(chunk, byte) masks of a two-slice work order: the mapped prefix's bytes, and those moved through staging."""
     masks = np.zeros((2, num_chunks, nbytes), dtype=bool)
     for k in (0, 1):
-        for chunk, offset, length in order.pieces(k):
+        for chunk, offset, length in _pieces(order, k):
             masks[k, chunk, offset: offset + length] = True
     return masks[0], masks[1]
 

@@ -35,11 +35,6 @@ class WorkOrder:
     slice_items: np.ndarray  # uint32 per slice
     piece_table: np.ndarray  # (n, 4) int64 in slice and staging order: chunk, offset in object, length, slice
 
-    def pieces(self, slice_index: int) -> list[tuple[int, int, int]]:
-        """Slice `slice_index`'s (chunk, offset in object, length) pieces."""
-        rows = self.piece_table[self.piece_table[:, 3] == slice_index]
-        return [(int(c), int(o), int(n)) for c, o, n, _ in rows.tolist()]
-
 
 _WIDEST_ROWS: "weakref.WeakKeyDictionary[TransferPlan, list[int]]" = weakref.WeakKeyDictionary()
 
