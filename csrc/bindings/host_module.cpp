@@ -1,11 +1,15 @@
 // lmcache_npu._host: the transfer contract with memcpy over host memory (vLLM's CPU platform).
 // Takes raw host addresses (no torch C++ types), like _emu; the GIL is released while bytes move.
+#include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 
+#include <cstring>
 #include <string>
 
 #include "../common/transfer_plan.h"
 #include "../host/kv_transfer_host.h"
+#include "../host/sliced_order.h"
+#include "../host/slot_runs.h"
 
 namespace py = pybind11;
 
@@ -54,6 +58,73 @@ py::dict TransferBinding(uint64_t planes, uint64_t groups, uint64_t runs, uint64
   return d;
 }
 
+// A C-contiguous array's bytes as `count` records of T (numpy structured dtypes arrive as plain bytes).
+template <typename T>
+const T* Records(const py::array& array, const char* name, size_t* count) {
+  if (!(array.flags() & py::array::c_style) || array.itemsize() != static_cast<py::ssize_t>(sizeof(T))) {
+    throw py::value_error(std::string(name) + ": needs C-contiguous records of " + std::to_string(sizeof(T)) +
+                          " B, got items of " + std::to_string(array.itemsize()) + " B");
+  }
+  *count = static_cast<size_t>(array.size());
+  return static_cast<const T*>(array.data());
+}
+
+template <typename T, size_t N>
+py::array_t<T> Rows(const std::vector<std::array<T, N>>& rows) {
+  py::array_t<T> out({static_cast<py::ssize_t>(rows.size()), static_cast<py::ssize_t>(N)});
+  if (!rows.empty()) std::memcpy(out.mutable_data(), rows.data(), rows.size() * sizeof(rows[0]));
+  return out;
+}
+
+template <typename T>
+py::array_t<uint8_t> Bytes(const std::vector<T>& records) {
+  py::array_t<uint8_t> out(static_cast<py::ssize_t>(records.size() * sizeof(T)));
+  if (!records.empty()) std::memcpy(out.mutable_data(), records.data(), records.size() * sizeof(T));
+  return out;
+}
+
+py::tuple SlicedLoadOrderBinding(const py::array& planes, const py::array& groups, const py::array& runs,
+                                 const py::array_t<int64_t, py::array::c_style | py::array::forcecast>& plane_slice,
+                                 uint32_t num_slices, uint32_t num_chunks, uint64_t piece_bytes,
+                                 uint64_t object_bytes) {
+  size_t num_planes = 0, num_groups = 0, num_runs = 0;
+  lmcache_npu::host::SlicedOrderInput input;
+  input.planes = Records<lmcache_npu::PlaneDesc>(planes, "planes", &num_planes);
+  input.groups = Records<lmcache_npu::GroupDesc>(groups, "groups", &num_groups);
+  input.runs = Records<lmcache_npu::RunDesc>(runs, "runs", &num_runs);
+  if (static_cast<size_t>(plane_slice.size()) != num_planes) {
+    throw py::value_error("plane_slice has " + std::to_string(plane_slice.size()) + " entries for " +
+                          std::to_string(num_planes) + " planes");
+  }
+  input.plane_slice = plane_slice.data();
+  input.num_planes = static_cast<uint32_t>(num_planes);
+  input.num_groups = static_cast<uint32_t>(num_groups);
+  input.num_runs = static_cast<uint32_t>(num_runs);
+  input.num_chunks = num_chunks;
+  input.num_slices = num_slices;
+  input.piece_bytes = piece_bytes;
+  input.object_bytes = object_bytes;
+  lmcache_npu::host::SlicedOrder order;
+  try {
+    order = lmcache_npu::host::PlanSlicedLoad(input);
+  } catch (const std::invalid_argument& error) {
+    throw py::value_error(error.what());
+  }
+  py::array_t<uint32_t> slice_items(static_cast<py::ssize_t>(order.slice_items.size()));
+  std::memcpy(slice_items.mutable_data(), order.slice_items.data(), order.slice_items.size() * sizeof(uint32_t));
+  return py::make_tuple(Bytes(order.runs), Bytes(order.groups), Rows(order.items), slice_items, Rows(order.pieces));
+}
+
+py::tuple SlotRunsBinding(const py::array_t<int64_t, py::array::c_style>& slots, uint64_t rows_per_block,
+                          int64_t limit, bool zero_runs, bool unique) {
+  if (slots.ndim() != 2) throw py::value_error("slots must be a (chunks, rows) matrix");
+  if (rows_per_block == 0) throw py::value_error("rows_per_block must be positive");
+  const lmcache_npu::host::SlotRuns runs = lmcache_npu::host::CutSlotRuns(
+      slots.data(), static_cast<uint64_t>(slots.shape(0)), static_cast<uint64_t>(slots.shape(1)), rows_per_block,
+      limit, zero_runs, unique);
+  return py::make_tuple(Bytes(runs.runs), static_cast<uint32_t>(runs.problem), runs.at, runs.again);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_host, m) {
@@ -62,6 +133,15 @@ PYBIND11_MODULE(_host, m) {
         py::arg("groups"), py::arg("runs"), py::arg("objects"), py::arg("total_items"), py::arg("num_planes"),
         py::arg("num_groups"), py::arg("num_runs"), py::arg("num_chunks"), py::arg("object_bytes"),
         py::arg("direction"), py::arg("threads") = 1);
+  m.def("sliced_load_order", &SlicedLoadOrderBinding,
+        "A sliced load's work order (csrc/host/sliced_order.h): run and group table bytes, items, per-slice item "
+        "counts and copy pieces",
+        py::arg("planes"), py::arg("groups"), py::arg("runs"), py::arg("plane_slice"), py::arg("num_slices"),
+        py::arg("num_chunks"), py::arg("piece_bytes"), py::arg("object_bytes"));
+  m.def("slot_runs", &SlotRunsBinding,
+        "A group's slot matrix checked and cut into runs (csrc/host/slot_runs.h): run table bytes, the problem "
+        "found (0 none, 1 a slot out of range, 2 a slot a load writes twice) and its row-major positions",
+        py::arg("slots"), py::arg("rows_per_block"), py::arg("limit"), py::arg("zero_runs"), py::arg("unique"));
   m.attr("MAX_THREADS") = kMaxThreads;
   m.attr("LAYOUT_VERSION") = lmcache_npu::kLayoutVersion;
   m.attr("PLANE_DESC_BYTES") = sizeof(lmcache_npu::PlaneDesc);

@@ -9,7 +9,8 @@ from typing import Mapping, Optional, Sequence, Union
 import numpy as np
 import torch
 
-from .plan import GROUP_DESC_DTYPE, MAX_U32, RUN_DESC_DTYPE, SKIP_SLOT, Direction, TransferPlan
+from .. import _host
+from .plan import GROUP_DESC_DTYPE, MAX_U32, RUN_DESC_DTYPE, Direction, TransferPlan
 
 SlotArray = Union[torch.Tensor, np.ndarray]
 
@@ -30,54 +31,36 @@ def _as_slot_matrix(plan: TransferPlan, group: int, slots: Optional[SlotArray], 
             c, r = (int(x) for x in bad[0])
             raise ValueError(f"group {group}, chunk {c}, row {r}: slot {int(array[c, r])} ({array.dtype}) exceeds "
                              f"the int64 range (max {np.iinfo(np.int64).max}); slots are signed, -1 skips a row")
-    matrix = array.astype(np.int64, copy=False)
-    limit = plan.group_num_blocks[group] * plan.group_rows_per_block[group]
-    bad = np.argwhere((matrix < SKIP_SLOT) | (matrix >= limit))
-    if bad.size:
-        c, r = (int(x) for x in bad[0])
+    return np.ascontiguousarray(array, dtype=np.int64)
+
+
+_OUT_OF_RANGE, _TWICE = 1, 2  # csrc/host/slot_runs.h, SlotProblem
+
+
+def _slot_runs(plan: TransferPlan, group: int, matrix: np.ndarray, direction: Direction) -> np.ndarray:
+    """The group's runs: each chunk's rows cut into maximal stretches of consecutive slots inside one block (a store
+    keeps its stretches of skipped rows: they become zeros), natively (csrc/host/slot_runs.h: every transfer builds
+    them). Raises, naming the row, for a slot outside the group's pages or one a load would write twice (the page
+    would then depend on core timing)."""
+    rows_per_block = plan.group_rows_per_block[group]
+    limit = plan.group_num_blocks[group] * rows_per_block
+    runs, problem, at, again = _host.slot_runs(matrix, rows_per_block, limit, direction == Direction.STORE,
+                                               direction == Direction.LOAD)
+    rows = matrix.shape[1]
+    if problem == _OUT_OF_RANGE:
+        c, r = divmod(at, rows)
         raise ValueError(
             f"group {group}, chunk {c}, row {r}: slot {int(matrix[c, r])} is outside [0, {limit}) "
-            f"({plan.group_num_blocks[group]} blocks x {plan.group_rows_per_block[group]} rows); use -1 to skip a row"
+            f"({plan.group_num_blocks[group]} blocks x {rows_per_block} rows); use -1 to skip a row"
         )
-    return matrix
-
-
-def _check_unique_targets(group: int, matrix: np.ndarray) -> None:
-    """A load writing one slot twice would leave a core-timing-dependent page."""
-    flat = matrix.reshape(-1)
-    live = np.flatnonzero(flat >= 0)
-    values = flat[live]
-    order = np.argsort(values, kind="stable")
-    dup = np.flatnonzero(values[order][1:] == values[order][:-1])
-    if dup.size:
-        first, second = live[order[dup[0]]], live[order[dup[0] + 1]]
-        rows = matrix.shape[1]
+    if problem == _TWICE:
         raise ValueError(
-            f"group {group}: slot {int(flat[first])} is the load target of chunk {first // rows} row {first % rows} "
-            f"and of chunk {second // rows} row {second % rows}"
+            f"group {group}: slot {int(matrix.reshape(-1)[at])} is the load target of chunk {at // rows} row "
+            f"{at % rows} and of chunk {again // rows} row {again % rows}"
         )
-
-
-def _runs(matrix: np.ndarray, rows_per_block: int, with_zero_runs: bool) -> np.ndarray:
-    """Cuts each chunk's rows into maximal stretches of consecutive slots inside one block."""
-    num_chunks, rows = matrix.shape
-    flat = matrix.reshape(-1)
-    row = np.tile(np.arange(rows, dtype=np.int64), num_chunks)
-    prev, cur = flat[:-1], flat[1:]
-    same_chunk = row[1:] != 0
-    continues = same_chunk & (
-        ((cur == prev + 1) & (prev >= 0) & (cur % rows_per_block != 0)) | ((cur < 0) & (prev < 0))
-    )
-    starts = np.flatnonzero(np.concatenate(([True], ~continues)))
-    lengths = np.diff(np.append(starts, flat.size))
-    runs = np.zeros(starts.size, dtype=RUN_DESC_DTYPE)
-    # no field narrows a value: first_slot < the group's rows <= MAX_SLOT_ROWS (plan), first_row and num_rows
+    # no field narrowed a value: first_slot < the group's rows <= MAX_SLOT_ROWS (plan), first_row and num_rows
     # <= rows_per_chunk <= MAX_SLOT_ROWS (plan), chunk < num_chunks <= MAX_U32 (ChunkBatch.build)
-    runs["first_slot"] = flat[starts]
-    runs["chunk"] = starts // rows
-    runs["first_row"] = starts % rows
-    runs["num_rows"] = lengths
-    return runs if with_zero_runs else runs[runs["first_slot"] >= 0]
+    return runs.view(RUN_DESC_DTYPE)
 
 
 def _as_objects(plan: TransferPlan, objects: Union[torch.Tensor, Sequence[torch.Tensor]]) -> tuple[torch.Tensor, ...]:
@@ -253,12 +236,9 @@ class ChunkBatch:
             if g not in moved:
                 matrices.append(None)
                 continue
-            matrix = _as_slot_matrix(plan, g, slots[g], num_chunks)
-            if direction == Direction.LOAD:
-                _check_unique_targets(g, matrix)
-            matrices.append(matrix)
+            matrices.append(_as_slot_matrix(plan, g, slots[g], num_chunks))
         runs, table, items = _group_runs(plan, [
-            _runs(matrices[g], plan.group_rows_per_block[g], direction == Direction.STORE) if g in moved
+            _slot_runs(plan, g, matrices[g], direction) if g in moved  # type: ignore[arg-type]
             else np.zeros(0, dtype=RUN_DESC_DTYPE) for g in range(len(plan.groups))])
         return cls(
             plan=plan,

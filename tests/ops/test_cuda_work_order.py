@@ -279,6 +279,13 @@ def test_a_sliced_loads_slices_copy_what_their_kernels_read_and_no_later_slices_
     assert sorted(map(tuple, order.items[:, :2].tolist())) == sorted(
         map(tuple, work_order(batch, False, piece_bytes).items[:, :2].tolist())), "items lost or doubled"
     assert (order.items[:, 2] == plane_slice[order.items[:, 1]]).all(), "an item is in another slice than its plane"
+    runs, plane_id = order.runs[order.items[:, 0]], order.items[:, 1]
+    rows = np.array([p.row_bytes for p in plan.moved_planes], dtype=np.int64)[plane_id]
+    start = (runs["chunk"].astype(np.int64) * nbytes + np.array(plan.object_offsets, dtype=np.int64)[plane_id]
+             + runs["first_row"].astype(np.int64) * rows)
+    same_slice = order.items[1:, 2] == order.items[:-1, 2]
+    assert (np.diff(order.items[:, 2].astype(np.int64)) >= 0).all(), "items out of slice order"
+    assert (np.diff(start)[same_slice] > 0).all(), "a slice's items are out of staging order"
     staging_address = 1 << 40
     copies = copy_table(staging_address, batch.objects, order, nbytes, True)
     assert (np.diff(copies[:, 3].astype(np.int64)) >= 0).all(), "copies must follow slice order"

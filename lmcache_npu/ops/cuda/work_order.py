@@ -12,7 +12,8 @@ import torch
 
 from ..batch import ChunkBatch
 from ..device_staging import stretch_table
-from ..plan import OBJECT_ALIGN_BYTES, Direction, TransferPlan
+from ... import _host
+from ..plan import GROUP_DESC_DTYPE, OBJECT_ALIGN_BYTES, RUN_DESC_DTYPE, Direction, TransferPlan
 
 PIECE_BYTES = 64 << 10  # runs are cut so one block gathers about this much: slices complete in staging order
 STORE_FIRST_SLICE_BYTES = 1 << 20  # a store's copy engine starts once this much is gathered...
@@ -168,7 +169,7 @@ def sliced_load_order(batch: ChunkBatch, plane_slice: np.ndarray, num_slices: in
     """A sliced load's items in forward order (issue 41): grouped by the slice of their plane (`plane_slice`, per
     moved plane of the batch's plan), staging-byte order inside each, with exactly `num_slices` slice counts (empty
     slices count 0). A slice's pieces are its items' own bytes: its copies bring in what its kernel reads, and
-    nothing of a later slice."""
+    nothing of a later slice. Planned natively (csrc/host/sliced_order.h): it is on the load lane's path to slice 0."""
     plan = batch.plan
     plane_slice = np.asarray(plane_slice, dtype=np.int64)
     if plane_slice.shape != (len(plan.moved_planes),):
@@ -177,14 +178,10 @@ def sliced_load_order(batch: ChunkBatch, plane_slice: np.ndarray, num_slices: in
         bad = int(np.flatnonzero((plane_slice < 0) | (plane_slice >= num_slices))[0])
         raise ValueError(f"sliced load: plane {plan.moved_planes[bad].label} is in slice {int(plane_slice[bad])}, "
                          f"outside the load's {num_slices} slices")
-    runs, group_table, run_id, plane_id, start, length = _item_spans(batch, piece_bytes)
-    slice_id = plane_slice[plane_id]
-    order = np.lexsort((start, slice_id))
-    run_id, plane_id, start, length, slice_id = (run_id[order], plane_id[order], start[order], length[order],
-                                                 slice_id[order])
-    slice_items = np.bincount(slice_id, minlength=num_slices).astype(np.uint32)
-    pieces = item_pieces(start, length, slice_items, plan.object_bytes)
-    return WorkOrder(runs, group_table, _items_table(run_id, plane_id, slice_id), slice_items, pieces)
+    runs, groups, items, slice_items, pieces = _host.sliced_load_order(
+        plan.plane_table, batch.group_table, batch.runs, plane_slice, num_slices, batch.num_chunks, max(piece_bytes, 0),
+        plan.object_bytes)
+    return WorkOrder(runs.view(RUN_DESC_DTYPE), groups.view(GROUP_DESC_DTYPE), items, slice_items, pieces)
 
 
 def span_pieces(start: np.ndarray, length: np.ndarray, slice_items: np.ndarray, object_bytes: int) -> np.ndarray:
