@@ -114,6 +114,20 @@ PYBIND11_MODULE(_cuda, m) {
       "event_synchronize", [](uint64_t event) { Check(lmcache_cuda_event_synchronize(event), "cudaEventSynchronize"); },
       py::arg("event"), py::call_guard<py::gil_scoped_release>());
   m.def("event_elapsed_ms", &ElapsedMs, py::arg("begin"), py::arg("end"));
+  m.def(
+      "event_query",
+      [](uint64_t event) {
+        const int done = lmcache_cuda_event_query(event);
+        if (done < 0) throw std::runtime_error("cudaEventQuery: the event reported an error");
+        return done == 1;
+      },
+      "True once the event's work is done", py::arg("event"));
+  m.def(
+      "stream_wait_event",
+      [](uint64_t stream, uint64_t event) {
+        Check(lmcache_cuda_stream_wait_event(stream, event), "cudaStreamWaitEvent");
+      },
+      "enqueue: the stream's later work waits for the event", py::arg("stream"), py::arg("event"));
   m.def("stream_wait_value32", &WaitValue, "enqueue: wait until *address >= value; False if unsupported",
         py::arg("stream"), py::arg("address"), py::arg("value"));
   m.def("stream_write_value32", &WriteValue, "enqueue: *address = value; False if unsupported", py::arg("stream"),

@@ -2,12 +2,14 @@
 // Takes raw host addresses (no torch C++ types), like _emu; the GIL is released while bytes move.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include <cstring>
 #include <string>
 
 #include "../common/transfer_plan.h"
 #include "../host/kv_transfer_host.h"
+#include "../host/block_slots.h"
 #include "../host/sliced_order.h"
 #include "../host/slot_runs.h"
 
@@ -86,7 +88,8 @@ py::array_t<uint8_t> Bytes(const std::vector<T>& records) {
 py::tuple SlicedLoadOrderBinding(const py::array& planes, const py::array& groups, const py::array& runs,
                                  const py::array_t<int64_t, py::array::c_style | py::array::forcecast>& plane_slice,
                                  uint32_t num_slices, uint32_t num_chunks, uint64_t piece_bytes,
-                                 uint64_t object_bytes) {
+                                 uint64_t object_bytes, const py::object& object_addresses,
+                                 const py::object& object_storages) {
   size_t num_planes = 0, num_groups = 0, num_runs = 0;
   lmcache_npu::host::SlicedOrderInput input;
   input.planes = Records<lmcache_npu::PlaneDesc>(planes, "planes", &num_planes);
@@ -104,6 +107,18 @@ py::tuple SlicedLoadOrderBinding(const py::array& planes, const py::array& group
   input.num_slices = num_slices;
   input.piece_bytes = piece_bytes;
   input.object_bytes = object_bytes;
+  py::array_t<uint64_t, py::array::c_style> addresses, storages;
+  if (!object_addresses.is_none()) {
+    addresses = py::array_t<uint64_t, py::array::c_style>::ensure(object_addresses);
+    storages = py::array_t<uint64_t, py::array::c_style>::ensure(object_storages);
+    if (!addresses || !storages || static_cast<uint64_t>(addresses.size()) != num_chunks ||
+        static_cast<uint64_t>(storages.size()) != num_chunks) {
+      throw py::value_error("object_addresses and object_storages need one uint64 per chunk (" +
+                            std::to_string(num_chunks) + ")");
+    }
+    input.object_addresses = addresses.data();
+    input.object_storages = storages.data();
+  }
   lmcache_npu::host::SlicedOrder order;
   try {
     order = lmcache_npu::host::PlanSlicedLoad(input);
@@ -112,7 +127,10 @@ py::tuple SlicedLoadOrderBinding(const py::array& planes, const py::array& group
   }
   py::array_t<uint32_t> slice_items(static_cast<py::ssize_t>(order.slice_items.size()));
   std::memcpy(slice_items.mutable_data(), order.slice_items.data(), order.slice_items.size() * sizeof(uint32_t));
-  return py::make_tuple(Bytes(order.runs), Bytes(order.groups), Rows(order.items), slice_items, Rows(order.pieces));
+  py::object copies = py::none();
+  if (input.object_addresses != nullptr) copies = Rows(order.copies);
+  return py::make_tuple(Bytes(order.runs), Bytes(order.groups), Rows(order.items), slice_items, Rows(order.pieces),
+                        copies);
 }
 
 py::tuple SlotRunsBinding(const py::array_t<int64_t, py::array::c_style>& slots, uint64_t rows_per_block,
@@ -125,6 +143,46 @@ py::tuple SlotRunsBinding(const py::array_t<int64_t, py::array::c_style>& slots,
   return py::make_tuple(Bytes(runs.runs), static_cast<uint32_t>(runs.problem), runs.at, runs.again);
 }
 
+py::tuple BlockSlotsBinding(int64_t chunk_tokens, int64_t stored_tokens, int64_t tokens_per_block,
+                            int64_t compress_ratio, int64_t rows_per_block, int64_t rows_per_chunk, bool recurrent,
+                            const std::vector<int64_t>& block_ids, int64_t first_block, int64_t null_block,
+                            const std::vector<int64_t>& index, const py::object& first_token,
+                            const py::object& end_token, const py::object& store, const py::object& bare) {
+  lmcache_npu::host::SlotGroup group{chunk_tokens, stored_tokens, tokens_per_block, compress_ratio, rows_per_block,
+                                     rows_per_chunk, recurrent};
+  lmcache_npu::host::ChunkMoves moves;
+  moves.index = index.data();
+  moves.count = index.size();
+  moves.transfer = !first_token.is_none();
+  std::vector<int64_t> first, end;
+  std::vector<uint8_t> stores, bares;
+  if (moves.transfer) {
+    first = first_token.cast<std::vector<int64_t>>();
+    end = end_token.cast<std::vector<int64_t>>();
+    stores = store.cast<std::vector<uint8_t>>();
+    bares = bare.cast<std::vector<uint8_t>>();
+    if (first.size() != index.size() || end.size() != index.size() || stores.size() != index.size() ||
+        bares.size() != index.size()) {
+      throw py::value_error("block_slots: first_token, end_token, store and bare need one entry per chunk (" +
+                            std::to_string(index.size()) + ")");
+    }
+    moves.first_token = first.data();
+    moves.end_token = end.data();
+    moves.store = stores.data();
+    moves.bare = bares.data();
+  }
+  if (rows_per_chunk < 0) throw py::value_error("block_slots: rows_per_chunk must not be negative");
+  py::array_t<int64_t> slots({static_cast<py::ssize_t>(index.size()), static_cast<py::ssize_t>(rows_per_chunk)});
+  py::array_t<bool> refused(static_cast<py::ssize_t>(index.size()));
+  try {
+    lmcache_npu::host::BlockSlots(group, block_ids, first_block, null_block, moves, slots.mutable_data(),
+                                  reinterpret_cast<uint8_t*>(refused.mutable_data()));
+  } catch (const std::invalid_argument& error) {
+    throw py::value_error(error.what());
+  }
+  return py::make_tuple(slots, refused);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_host, m) {
@@ -135,13 +193,21 @@ PYBIND11_MODULE(_host, m) {
         py::arg("direction"), py::arg("threads") = 1);
   m.def("sliced_load_order", &SlicedLoadOrderBinding,
         "A sliced load's work order (csrc/host/sliced_order.h): run and group table bytes, items, per-slice item "
-        "counts and copy pieces",
+        "counts, copy pieces, and copies relative to staging (None without object addresses)",
         py::arg("planes"), py::arg("groups"), py::arg("runs"), py::arg("plane_slice"), py::arg("num_slices"),
-        py::arg("num_chunks"), py::arg("piece_bytes"), py::arg("object_bytes"));
+        py::arg("num_chunks"), py::arg("piece_bytes"), py::arg("object_bytes"), py::arg("object_addresses") = py::none(),
+        py::arg("object_storages") = py::none());
   m.def("slot_runs", &SlotRunsBinding,
         "A group's slot matrix checked and cut into runs (csrc/host/slot_runs.h): run table bytes, the problem "
         "found (0 none, 1 a slot out of range, 2 a slot a load writes twice) and its row-major positions",
         py::arg("slots"), py::arg("rows_per_block"), py::arg("limit"), py::arg("zero_runs"), py::arg("unique"));
+  m.def("block_slots", &BlockSlotsBinding,
+        "Chunk rows to page slots (csrc/host/block_slots.h): the (chunks, rows) slot matrix and, for a transfer "
+        "(first_token given), which stores are refused",
+        py::arg("chunk_tokens"), py::arg("stored_tokens"), py::arg("tokens_per_block"), py::arg("compress_ratio"),
+        py::arg("rows_per_block"), py::arg("rows_per_chunk"), py::arg("recurrent"), py::arg("block_ids"),
+        py::arg("first_block"), py::arg("null_block"), py::arg("index"), py::arg("first_token") = py::none(),
+        py::arg("end_token") = py::none(), py::arg("store") = py::none(), py::arg("bare") = py::none());
   m.attr("MAX_THREADS") = kMaxThreads;
   m.attr("LAYOUT_VERSION") = lmcache_npu::kLayoutVersion;
   m.attr("PLANE_DESC_BYTES") = sizeof(lmcache_npu::PlaneDesc);

@@ -349,7 +349,7 @@ extern "C" int lmcache_cuda_sliced_load(const LmcacheCudaTransfer* t, const Lmca
   }
   if (t->num_copies != 0 && copies[t->num_copies - 1].slice >= s->num_slices) return cudaErrorInvalidValue;
   const auto* slice_items = reinterpret_cast<const uint32_t*>(s->slice_items);
-  const auto* slice_events = reinterpret_cast<const uint64_t*>(s->slice_events);
+  auto* slice_events = reinterpret_cast<uint64_t*>(s->slice_events);
   uint64_t total = 0;
   for (uint64_t k = 0; k < s->num_slices; ++k) total += slice_items[k];
   if (total != t->kernel.num_items) return cudaErrorInvalidValue;  // the slices must cover the items exactly
@@ -369,7 +369,10 @@ extern "C" int lmcache_cuda_sliced_load(const LmcacheCudaTransfer* t, const Lmca
     kernel.items = t->kernel.items + 16 * first_item;  // uint32 x4 per item
     kernel.num_items = slice_items[k];
     LMCACHE_TRY(lmcache_cuda_kv_transfer(&kernel));
-    LMCACHE_TRY(cudaEventRecord(AsEvent(slice_events[k]), stream));
+    cudaEvent_t landed = nullptr;
+    LMCACHE_TRY(cudaEventCreateWithFlags(&landed, cudaEventDisableTiming));
+    slice_events[k] = reinterpret_cast<uint64_t>(landed);
+    LMCACHE_TRY(cudaEventRecord(landed, stream));
     first_item += slice_items[k];
   }
   LMCACHE_TRY(Record(t, kLmcacheEventKernelEnd, t->kernel.stream));
@@ -389,6 +392,20 @@ extern "C" int lmcache_cuda_event_create(uint64_t* event) {
 extern "C" int lmcache_cuda_event_destroy(uint64_t event) { return cudaEventDestroy(AsEvent(event)); }
 
 extern "C" int lmcache_cuda_event_synchronize(uint64_t event) { return cudaEventSynchronize(AsEvent(event)); }
+
+extern "C" int lmcache_cuda_event_query(uint64_t event) {
+  const cudaError_t err = cudaEventQuery(AsEvent(event));
+  if (err == cudaSuccess) return 1;
+  if (err == cudaErrorNotReady) {
+    cudaGetLastError();  // not ready is an answer, not a sticky error
+    return 0;
+  }
+  return -1;
+}
+
+extern "C" int lmcache_cuda_stream_wait_event(uint64_t stream, uint64_t event) {
+  return cudaStreamWaitEvent(AsStream(stream), AsEvent(event), 0);
+}
 
 extern "C" int lmcache_cuda_event_elapsed_ms(uint64_t begin, uint64_t end, float* ms) {
   return cudaEventElapsedTime(ms, AsEvent(begin), AsEvent(end));

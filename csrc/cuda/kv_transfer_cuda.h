@@ -102,14 +102,20 @@ int lmcache_cuda_transfer(const LmcacheCudaTransfer* transfer);
 typedef struct {
   uint64_t num_slices;
   uint64_t slice_items;   // uint32 per slice, host memory: items of each slice
-  uint64_t slice_events;  // cudaEvent_t per slice: its kernel has written the pages
+  uint64_t slice_events;  // out, cudaEvent_t per slice (made here, no timing): its kernel has written the pages
 } LmcacheCudaSlices;
 // One call enqueues the whole sliced load: table upload, every slice as above, the caller's pages-free event after
-// the last kernel, the status read-back. Requires a load with kernel.pipeline == kLmcacheNoPipeline.
+// the last kernel, the status read-back. Requires a load with kernel.pipeline == kLmcacheNoPipeline. Each slice's
+// event is created right after its kernel is enqueued (fresh per load, so a wait the model queued on an earlier
+// load's event is never moved; made in one native call, not per slice from Python); slice_events holds every event
+// made, also when an error stops the call, and the caller destroys them.
 int lmcache_cuda_sliced_load(const LmcacheCudaTransfer* transfer, const LmcacheCudaSlices* slices);
 int lmcache_cuda_event_create(uint64_t* event);
 int lmcache_cuda_event_destroy(uint64_t event);
 int lmcache_cuda_event_synchronize(uint64_t event);
+// 1 when the event's work is done, 0 when not yet, -1 on an error
+int lmcache_cuda_event_query(uint64_t event);
+int lmcache_cuda_stream_wait_event(uint64_t stream, uint64_t event);
 int lmcache_cuda_event_elapsed_ms(uint64_t begin, uint64_t end, float* ms);
 int lmcache_cuda_multiprocessors(int device, int* count);
 // 1 when [address, address + size) is page-locked host memory kernels may address with the same pointer

@@ -204,6 +204,28 @@ SlicedOrder PlanSlicedLoad(const SlicedOrderInput& in) {
     order.pieces.push_back({chunk, static_cast<int64_t>(start - chunk * in.object_bytes),
                             static_cast<int64_t>(spans[i].length), slice});
   }
+  if (in.object_addresses == nullptr) return order;
+  // Copies: pieces contiguous on both sides, in one allocation and one slice, merged.
+  uint64_t staged_end = 0, hosted_end = 0;
+  for (const std::array<int64_t, 4>& piece : order.pieces) {
+    const uint64_t chunk = static_cast<uint64_t>(piece[0]), offset = static_cast<uint64_t>(piece[1]);
+    const uint64_t length = static_cast<uint64_t>(piece[2]), slice = static_cast<uint64_t>(piece[3]);
+    const uint64_t staged = chunk * in.object_bytes + offset, hosted = in.object_addresses[chunk] + offset;
+    if (!order.copies.empty()) {
+      std::array<uint64_t, 4>& last = order.copies.back();
+      const uint64_t last_chunk = last[0] / in.object_bytes;
+      if (staged == staged_end && hosted == hosted_end && last[3] == slice &&
+          in.object_storages[chunk] == in.object_storages[last_chunk]) {
+        last[2] += length;
+        staged_end += length;
+        hosted_end += length;
+        continue;
+      }
+    }
+    order.copies.push_back({staged, hosted, length, slice});
+    staged_end = staged + length;
+    hosted_end = hosted + length;
+  }
   return order;
 }
 

@@ -37,6 +37,8 @@ struct SlicedOrderInput {
   uint32_t num_slices = 0;
   uint64_t piece_bytes = 0;
   uint64_t object_bytes = 0;
+  const uint64_t* object_addresses = nullptr;  // per chunk; null: no copies are planned
+  const uint64_t* object_storages = nullptr;   // per chunk: the allocation holding it (a copy never spans two)
 };
 
 struct SlicedOrder {
@@ -45,6 +47,7 @@ struct SlicedOrder {
   std::vector<std::array<uint32_t, 4>> items;     // piece, plane, slice, 0
   std::vector<uint32_t> slice_items;              // items per slice
   std::vector<std::array<int64_t, 4>> pieces;     // chunk, offset in object, length, slice
+  std::vector<std::array<uint64_t, 4>> copies;    // staging offset, host address, length, slice
 };
 
 // Throws std::invalid_argument naming the table entry that breaks a rule (a plane outside the slices, a run or a

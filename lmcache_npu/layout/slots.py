@@ -15,7 +15,7 @@ from typing import Optional, Sequence, Union
 
 import numpy as np
 
-from ..ops import SKIP_SLOT
+from .. import _host
 from .discovery import KVLayout, LayoutGroup
 
 BlockIds = Union[Sequence[int], np.ndarray]
@@ -43,17 +43,21 @@ def chunk_slots(group: LayoutGroup, chunk_tokens: int, block_ids: BlockIds, chun
 
     `block_ids` is the scheduler group's block table for the request, or a window of it starting at logical block
     `first_block`; a row in a block outside it or in the null block (vLLM frees sliding-window blocks to block 0)
-    gets -1, which a store writes as zeros and a load leaves alone.
+    gets -1, which a store writes as zeros and a load leaves alone. Computed natively (csrc/host/block_slots.h).
     """
-    table = np.asarray(block_ids, dtype=np.int64)
-    tokens = row_tokens(group, chunk_tokens, chunks)
-    logical = tokens // group.tokens_per_block - first_block
-    within = (tokens % group.tokens_per_block) // group.compress_ratio
-    present = (logical >= 0) & (logical < table.size)
-    physical = np.where(present, table[np.clip(logical, 0, max(table.size - 1, 0))] if table.size else -1, -1)
-    if null_block is not None:
-        present &= physical != null_block
-    return np.where(present & (physical >= 0), physical * group.rows_per_block + within, SKIP_SLOT)
+    slots, _ = _host.block_slots(*slot_geometry(group, chunk_tokens), _ids(block_ids), first_block,
+                                 -1 if null_block is None else null_block, _ids(chunks))
+    return slots
+
+
+def slot_geometry(group: LayoutGroup, chunk_tokens: int) -> tuple[int, int, int, int, int, int, bool]:
+    """The group's numbers `_host.block_slots` takes first (csrc/host/block_slots.h, SlotGroup)."""
+    return (chunk_tokens, group.stored_tokens, group.tokens_per_block, group.compress_ratio, group.rows_per_block,
+            group.rows_per_chunk, group.recurrent)
+
+
+def _ids(values: BlockIds) -> list[int]:
+    return values.tolist() if isinstance(values, np.ndarray) else list(values)
 
 
 def layout_slots(layout: KVLayout, block_tables: Sequence[BlockIds], chunks: BlockIds,

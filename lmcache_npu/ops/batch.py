@@ -128,8 +128,25 @@ class ChunkBatch:
             total += rows[p.group] * p.row_bytes
         return total
 
+    @functools.cached_property
+    def _addresses(self) -> np.ndarray:
+        addresses = np.array([t.data_ptr() for t in self.objects], dtype=np.uint64)
+        addresses.flags.writeable = False
+        return addresses
+
     def object_addresses(self) -> np.ndarray:
-        return np.array([t.data_ptr() for t in self.objects], dtype=np.uint64)
+        """Each chunk object's first byte (read once per batch, read-only)."""
+        return self._addresses
+
+    @functools.cached_property
+    def _storages(self) -> np.ndarray:
+        storages = np.array([t.untyped_storage().data_ptr() for t in self.objects], dtype=np.uint64)
+        storages.flags.writeable = False
+        return storages
+
+    def object_storages(self) -> np.ndarray:
+        """The allocation (storage) each chunk object lies in: one copy never spans two (read once per batch)."""
+        return self._storages
 
     def native_tables(self) -> dict[str, np.ndarray]:
         """The plane, group, run and object tables native code reads by address; the caller keeps them alive for the

@@ -23,8 +23,9 @@ import numpy as np
 import torch
 
 from ..layout.discovery import KVLayout
-from ..layout.slots import chunk_slots, row_tokens
-from ..ops import SKIP_SLOT, ChunkBatch, Direction, PendingTransfer, TransferBackend, TransferStats
+from .. import _host
+from ..layout.slots import slot_geometry
+from ..ops import ChunkBatch, Direction, PendingTransfer, TransferBackend, TransferStats
 from ..ops.plan import TransferPlan
 from ..platform.threads import pin_thread
 from ..store.commands import DeviceMove
@@ -37,7 +38,7 @@ from ..store.metrics import Metric
 
 logger = logging.getLogger(__name__)
 
-# called on the load lane's thread once slice `index` is launched, with its event (None on the host: landed already)
+# called once slice `index` is launched (on the thread that launched it), with its event (None on the host: landed)
 SliceDone = Callable[[int, Optional[Any]], None]
 
 
@@ -72,9 +73,19 @@ class _Job:
     report: Report
     ready: Optional[Any]  # the model stream's position the transfer waits for
     slicing: Optional[_Slicing] = None  # a load launched slice by slice (run_sliced)
+    launched: Optional["_Launched"] = None  # enqueued by run_sliced on the caller's thread: the lane finishes it
     kernel_done: threading.Event = field(default_factory=threading.Event)  # set once pages_event exists (or None)
     pages_event: Optional[Any] = None  # completes when the kernel is done with the pages
     finished: threading.Event = field(default_factory=threading.Event)  # the lane is done: no page is read any more
+
+
+@dataclass(eq=False)
+class _Launched:
+    """A sliced load run_sliced enqueued itself: the moves it carries and what finishes it (empty: nothing is left
+    to finish, every command is reported)."""
+
+    moves: Sequence[DeviceMove]
+    pending: list[PendingTransfer]
 
 
 class _Lane:
@@ -86,6 +97,8 @@ class _Lane:
         self.kit = kit
         self.jobs: "queue.Queue[Optional[_Job]]" = queue.Queue()
         self.thread: Optional[threading.Thread] = None
+        self.started = threading.Event()  # the thread tried to bind its stream (`has_stream` says whether it did)
+        self.has_stream = False  # others may then enqueue on the lane's stream too
         # the slice plans whose tables the backend holds (the lane's thread), by identity and weakly
         self.prepared: "weakref.WeakSet[TransferPlan]" = weakref.WeakSet()
 
@@ -110,6 +123,7 @@ class KVMover:
                        for direction in (Direction.LOAD, Direction.STORE)}
         for lane in self._lanes.values():
             lane.backend.prepare(layout.plan)
+            lane.prepared.add(layout.plan)
         for lane in self._lanes.values():
             lane.thread = threading.Thread(target=self._loop, args=(lane,), name=lane.name, daemon=True)
             lane.thread.start()
@@ -134,9 +148,12 @@ class KVMover:
 
     def run_sliced(self, moves: Sequence[DeviceMove], objects: Sequence[torch.Tensor], report: Report,
                    slices: SlicePlan, on_slice_done: Optional[SliceDone] = None) -> SlicedLoad:
-        """A load launched in slices on the load lane, in forward order, behind everything the model has enqueued so
-        far, each slice a kernel launch over its plane subset with an event after it (on CUDA all of them in one
-        backend call, `_execute_sliced`).
+        """A load launched in slices on the load lane's stream, in forward order, behind everything the model has
+        enqueued so far, each slice a kernel launch over its plane subset with an event after it. A backend that
+        enqueues every slice in one call (`launch_sliced`: CUDA) is called here, on the caller's thread, so slice 0
+        waits for no thread hand-off (nor for the GIL while the model's thread runs on); the lane only finishes
+        the load. Elsewhere the lane launches one slice at a time (the host backend copies on it while the model
+        computes).
         Returns the handle `wait_for_layer_load` waits on. Every command is reported once, after the last slice (or
         when the load fails). Raises before anything is queued for stores, or for slices of another layout or out
         of the forward's order."""
@@ -150,7 +167,10 @@ class KVMover:
         progress = SlicedLoad(slices, self.kit)
         job = _Job(Direction.LOAD, list(moves), list(objects), report, self.kit.record(),
                    _Slicing(progress, on_slice_done))
-        self._lanes[Direction.LOAD].jobs.put(job)
+        lane = self._lanes[Direction.LOAD]
+        if getattr(lane.backend, "launch_sliced", None) is not None and lane.started.wait(60) and lane.has_stream:
+            self._launch_here(lane, job)
+        lane.jobs.put(job)
         return progress
 
     def release_pages(self, stores: Optional[Collection[int]] = None) -> int:
@@ -194,7 +214,9 @@ class KVMover:
             pin_thread(self.cpus)
         try:
             lane.kit.bind_thread()
+            lane.has_stream = True
         except Exception as exc:  # no stream on this thread: every batch fails (and is recomputed), none hangs
+            lane.started.set()
             logger.exception("rank %d: the %s thread has no device stream", self.rank, lane.name)
             failure = TierResult.fail(Failure.DEVICE, f"the {lane.name} thread could not bind its device: {exc}")
             while (job := lane.jobs.get()) is not None:
@@ -202,6 +224,7 @@ class KVMover:
                 job.kernel_done.set()
                 job.finished.set()
             return
+        lane.started.set()
         with lane.kit.side_stream():
             while (job := lane.jobs.get()) is not None:
                 try:
@@ -221,13 +244,50 @@ class KVMover:
         job.pages_event = event if event is not None else lane.kit.record()
         job.kernel_done.set()
 
+    def _launch_here(self, lane: _Lane, job: _Job) -> None:
+        """Plans and enqueues a sliced load on the caller's thread, on the lane's stream (the backend serializes
+        its launches); the job then carries what the lane finishes. A failure is reported, never raised."""
+        try:
+            with lane.kit.side_stream():
+                planned = self._checked_batch(lane, job)
+                if planned is None:
+                    job.launched = _Launched([], [])
+                    return
+                moves, batch = planned
+                pending = self._launch_sliced(lane, job, job.slicing, batch, moves)  # type: ignore[arg-type]
+            job.launched = _Launched(moves if pending is not None else [], pending or [])
+        except Exception as exc:  # a bug here must fail the load (it is recomputed), never the model's step
+            logger.exception("rank %d: sliced load launch error", self.rank)
+            self._fail(job, job.moves, str(exc))
+            job.launched = _Launched([], [])
+            job.kernel_done.set()
+
     def _execute(self, lane: _Lane, job: _Job) -> None:
-        moves, objects, slots = self._slots(job)
-        sliced = job.slicing
-        if not moves:
-            if sliced is not None:
-                sliced.progress.failed("every move of the load was refused")
+        if job.launched is not None:
+            if job.launched.pending:
+                self._finish_sliced(job, job.launched.moves, job.launched.pending)
             return
+        planned = self._checked_batch(lane, job)
+        if planned is None:
+            return
+        moves, batch = planned
+        if job.slicing is None:
+            stats = self._transfer(lane, job, batch, moves)
+            if stats is not None:
+                self._finished(job, moves, [stats])
+            return
+        pending = self._launch_sliced(lane, job, job.slicing, batch, moves)
+        if pending is not None:
+            self._finish_sliced(job, moves, pending)
+
+    def _checked_batch(self, lane: _Lane, job: _Job) -> Optional[tuple[list[DeviceMove], ChunkBatch]]:
+        """The job's moves that keep their rows and their checked batch, with the current stream behind the
+        model's position; None once nothing is left to move (every refusal reported)."""
+        moves, objects, slots = self._slots(job)
+        if not moves:
+            if job.slicing is not None:
+                job.slicing.progress.failed("every move of the load was refused")
+            return None
         lane.kit.wait(job.ready)
         try:  # the whole plan's batch: a sliced load's rows are checked once, before any kernel runs
             batch = ChunkBatch.build(self.layout.plan, slots, objects, job.direction)
@@ -235,41 +295,45 @@ class KVMover:
             logger.error("rank %d: %s of %d chunks refused: %s", self.rank, job.direction.name.lower(),
                          len(moves), exc)
             self._fail(job, moves, str(exc))
-            return
-        if sliced is None:
-            stats = self._transfer(lane, job, batch, moves)
-            if stats is not None:
-                self._finished(job, moves, [stats])
-            return
-        self._execute_sliced(lane, job, sliced, batch, moves)
+            return None
+        return moves, batch
 
-    def _execute_sliced(self, lane: _Lane, job: _Job, sliced: _Slicing, batch: ChunkBatch,
-                        moves: Sequence[DeviceMove]) -> None:
-        """Launches the slices back to back, marking each once enqueued, then waits for all of them once and reports
-        the job. A backend that launches every slice in one call (`launch_sliced`: the CUDA backend) does so; the
-        others get one launch per slice."""
+    def _launch_sliced(self, lane: _Lane, job: _Job, sliced: _Slicing, batch: ChunkBatch,
+                       moves: Sequence[DeviceMove]) -> Optional[list[PendingTransfer]]:
+        """Launches the slices back to back, marking each once enqueued: in one backend call where the backend
+        offers `launch_sliced` (CUDA), else one launch per slice. None once a launch failed (reported, every waiter
+        released; what did launch is finished)."""
         at_once = getattr(lane.backend, "launch_sliced", None)
         pending: list[PendingTransfer] = []
+        if at_once is not None:
+            launched = self._launch_slices_at_once(lane, job, sliced, batch, moves, at_once, pending)
+        else:
+            launched = self._launch_each_slice(lane, job, sliced, batch, moves, pending)
+        if launched:
+            return pending
+        self._finish_quietly(pending)
+        return None
+
+    def _finish_sliced(self, job: _Job, moves: Sequence[DeviceMove], pending: list[PendingTransfer]) -> None:
+        """Waits for every launched slice once and reports the job."""
         try:
-            if at_once is not None:
-                launched = self._launch_slices_at_once(lane, job, sliced, batch, moves, at_once, pending)
-            else:
-                launched = self._launch_each_slice(lane, job, sliced, batch, moves, pending)
-            if not launched:
-                return  # failed for good: reported, every waiter released
             stats = [transfer.finish() for transfer in pending]
         except Exception as exc:  # a kernel that moved less than its batch: found once the slices had launched
             self.counters.add(Metric.TRANSFER_FAILURES)
             logger.exception("rank %d: sliced load of %d chunks failed", self.rank, len(moves))
             self._fail(job, moves, str(exc))
+            self._finish_quietly(pending)
             return
-        finally:
-            for transfer in pending:  # nothing launched may still use the backend's buffers once the job ends
-                try:
-                    transfer.finish()
-                except Exception:  # already reported above
-                    pass
         self._finished(job, moves, stats)
+
+    @staticmethod
+    def _finish_quietly(pending: Sequence[PendingTransfer]) -> None:
+        """Nothing launched may still use the backend's buffers once the job ends (failures are reported)."""
+        for transfer in pending:
+            try:
+                transfer.finish()
+            except Exception:  # already reported
+                pass
 
     @staticmethod
     def _landed(sliced: _Slicing, index: int, event: Optional[Any]) -> None:
@@ -396,13 +460,14 @@ class KVMover:
 
     def _window_slots(self, moves: Sequence[DeviceMove]) -> tuple[np.ndarray, list[np.ndarray]]:
         """For moves of one block window: which stores are refused (a row the model needs is outside live blocks),
-        and (len(moves), rows_per_chunk) slots per plan group with the rows each transfer leaves alone at -1."""
+        and (len(moves), rows_per_chunk) slots per plan group with the rows each transfer leaves alone at -1
+        (csrc/host/block_slots.h: on a sliced load's path to slice 0)."""
         chunk, window = self.layout.plan.chunk_tokens, moves[0].window
-        index = np.array([m.chunk_index for m in moves], dtype=np.int64)
-        first = np.array([m.first_token for m in moves], dtype=np.int64)[:, None]
-        end = np.array([m.end_token for m in moves], dtype=np.int64)[:, None]
-        stores = np.array([m.is_store for m in moves])
-        bare = np.array([m.without_end_state for m in moves])[:, None]
+        index = [m.chunk_index for m in moves]
+        first = [m.first_token for m in moves]
+        end = [m.end_token for m in moves]
+        stores = [m.is_store for m in moves]
+        bare = [m.without_end_state for m in moves]
         refused = np.zeros(len(moves), dtype=bool)
         out = []
         for g in self.layout.groups:
@@ -410,18 +475,8 @@ class KVMover:
                 out.append(np.zeros((len(moves), 0), dtype=np.int64))
                 continue
             sg = g.scheduler_group
-            matrix = chunk_slots(g, chunk, window.block_ids[sg], index, first_block=window.first_block[sg])
-            tokens = row_tokens(g, chunk, index)
-            loads = ~stores[:, None]
-            matrix[loads & (tokens < first)] = SKIP_SLOT  # vLLM's own cached rows
-            if g.recurrent:  # a load reads back only the hit's last state; a bare store writes none
-                last = ((index + 1) * chunk == end[:, 0])[:, None]
-                matrix[np.broadcast_to((loads & ~last) | (~loads & bare), matrix.shape)] = SKIP_SLOT
-            else:
-                matrix[loads & (tokens >= end)] = SKIP_SLOT  # a hit ending inside a chunk (a P/D hand-off)
-            written = ~loads & ~(bare if g.recurrent else np.zeros_like(bare))
-            past = written & (end > 0) & (tokens >= end)  # a prompt's partial last chunk: not the request's rows yet
-            refused |= (written & ~past & (matrix < 0)).any(axis=1)
-            matrix[past] = SKIP_SLOT
+            matrix, refused_here = _host.block_slots(*slot_geometry(g, chunk), window.block_ids[sg],
+                                                     window.first_block[sg], 0, index, first, end, stores, bare)
+            refused |= refused_here
             out.append(matrix)
         return refused, out

@@ -3,6 +3,8 @@ copy engine's steps (pure numpy: runs without a GPU)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import torch
 from hypothesis import given, settings
@@ -272,9 +274,16 @@ def test_a_sliced_loads_slices_copy_what_their_kernels_read_and_no_later_slices_
     n, nbytes = len(plan.moved_planes), plan.object_bytes
     count = data.draw(st.integers(1, 5), label="slices")
     plane_slice = np.array(data.draw(st.lists(st.integers(0, count - 1), min_size=n, max_size=n), label="planes"))
-    objects = list(torch.zeros((case.num_chunks, nbytes), dtype=torch.uint8))
+    adjacent = data.draw(st.booleans(), label="one allocation")  # objects back to back: copies merge across chunks
+    objects = (list(torch.zeros((case.num_chunks, nbytes), dtype=torch.uint8)) if adjacent
+               else [torch.zeros(nbytes, dtype=torch.uint8) for _ in range(case.num_chunks)])
     batch = _batch(case, Direction.LOAD, objects)
     order = sliced_load_order(batch, plane_slice, count, piece_bytes)
+    staging_address = 1 << 40
+    assert order.copies is not None
+    numpy_rows = copy_table(staging_address, batch.objects, dataclasses.replace(order, copies=None), nbytes, True)
+    assert np.array_equal(copy_table(staging_address, batch.objects, order, nbytes, True), numpy_rows), \
+        "the planned copies differ from the stretches of the pieces"
     assert order.slice_items.size == count and int(order.slice_items.sum()) == len(order.items)
     assert sorted(map(tuple, order.items[:, :2].tolist())) == sorted(
         map(tuple, work_order(batch, False, piece_bytes).items[:, :2].tolist())), "items lost or doubled"
@@ -286,7 +295,6 @@ def test_a_sliced_loads_slices_copy_what_their_kernels_read_and_no_later_slices_
     same_slice = order.items[1:, 2] == order.items[:-1, 2]
     assert (np.diff(order.items[:, 2].astype(np.int64)) >= 0).all(), "items out of slice order"
     assert (np.diff(start)[same_slice] > 0).all(), "a slice's items are out of staging order"
-    staging_address = 1 << 40
     copies = copy_table(staging_address, batch.objects, order, nbytes, True)
     assert (np.diff(copies[:, 3].astype(np.int64)) >= 0).all(), "copies must follow slice order"
     lost = lose and len(copies) > 0

@@ -348,9 +348,11 @@ class _AllSlicesInOneCall(_Counting):
     def __init__(self, inner: Any, launches: list[Any], calls: list[tuple[Any, list[int], int]]) -> None:
         super().__init__(inner, launches)
         self.calls = calls
+        self.threads: list[threading.Thread] = []
 
     def launch_sliced(self, batch: Any, plane_slices: Any, count: int, after_kernel: Any = None) -> Any:
         self.calls.append((batch.plan, [int(k) for k in plane_slices], count))
+        self.threads.append(threading.current_thread())
         stats = [self.inner.transfer(batch.for_plan(batch.plan.plane_subset(
             [i for i, k in enumerate(plane_slices) if k == s])), after_kernel) for s in range(count)
             if any(k == s for k in plane_slices)]
@@ -368,11 +370,14 @@ def test_a_backend_that_launches_every_slice_in_one_call_gets_the_whole_load(nam
     calls: list[tuple[Any, list[int], int]] = []
     try:
         expected, _ = unsliced(case, mover, 0)
-        mover.set_backend(Direction.LOAD, _AllSlicesInOneCall(mover.backends[Direction.LOAD], [], calls))
+        one_call = _AllSlicesInOneCall(mover.backends[Direction.LOAD], [], calls)
+        mover.set_backend(Direction.LOAD, one_call)
         case.scrub()
         marked: list[int] = []
         report, done, results = answers(case.chunks)
         mover.run_sliced(case.moves(0), case.objects, report, slices, lambda index, event: marked.append(index))
+        assert marked == list(range(count)), "run_sliced returned before every slice was enqueued"
+        assert one_call.threads == [threading.current_thread()], "the one call was made on another thread"
         assert done.wait(120) and all(r.ok for r in results), [r.reason for r in results]
         got = case.pages()
     finally:
@@ -385,3 +390,26 @@ def test_a_backend_that_launches_every_slice_in_one_call_gets_the_whole_load(nam
     flipped = [t.clone() for t in got]  # negative control: the comparison sees one wrong byte
     flipped[0].view(torch.uint8).view(-1)[0] ^= 1
     assert not all(torch.equal(a, b) for a, b in zip(flipped, expected))
+
+
+class _OneCallThatFails(_AllSlicesInOneCall):
+    def launch_sliced(self, batch: Any, plane_slices: Any, count: int, after_kernel: Any = None) -> Any:
+        self.calls.append((batch.plan, [int(k) for k in plane_slices], count))
+        raise RuntimeError("device fault while enqueueing")
+
+
+def test_a_one_call_launch_that_fails_on_the_callers_thread_is_reported_never_raised() -> None:
+    case = Case("llama3-8b", "ascend", 2, seed=12)
+    slices = plan_slices(case.layout, announced_layers(case.layout), 3)
+    mover = mover_of(case.layout, "host")
+    calls: list[tuple[Any, list[int], int]] = []
+    try:
+        mover.set_backend(Direction.LOAD, _OneCallThatFails(mover.backends[Direction.LOAD], [], calls))
+        report, done, results = answers(case.chunks)
+        progress = mover.run_sliced(case.moves(0), case.objects, report, slices)
+        assert done.wait(120) and results and not any(r.ok for r in results), "a failed launch was reported loaded"
+        assert "device fault" in progress.failure
+        assert not progress.wait_for_slice(0, 1.0), "a waiter was let through a failed load"
+        assert len(calls) == 1 + mover.load_retries, "a failed launch is retried like any load"
+    finally:
+        mover.close()

@@ -29,7 +29,8 @@ from ..plan import Direction, TransferPlan
 from ..transfer_backend import (AfterKernel, BackendUnavailable, KernelReport, PendingTransfer, TransferBackend,
                                 TransferStats, warm_up)
 from . import work_order as planner
-from .native import NativeResources, Pipeline, TransferEvent, load_cuda_module, stream_memops_supported
+from .native import (NativeResources, Pipeline, SliceEvent, TransferEvent, load_cuda_module,
+                     stream_memops_supported)
 from .tuning import AUTO_PATH, AUTO_PIPELINE_MIN_BYTES, CudaPath, CudaTuning
 
 logger = logging.getLogger(__name__)
@@ -77,7 +78,7 @@ class CudaBackend(TransferBackend):
                 logger.debug("cuda events not destroyed", exc_info=True)
 
     def path_for(self, batch: ChunkBatch) -> CudaPath:
-        if all(o.device.type == "cuda" for o in batch.objects):
+        if all(o.is_cuda for o in batch.objects):
             return CudaPath.DEVICE
         return AUTO_PATH[batch.direction] if self.tuning.path == CudaPath.AUTO else self.tuning.path
 
@@ -128,10 +129,10 @@ class CudaBackend(TransferBackend):
         if batch.plan.device.type != "cuda":
             raise ValueError(f"the cuda backend moves CUDA pages; the plan's planes are on {batch.plan.device}")
         for i, obj in enumerate(batch.objects):
-            if path == CudaPath.MAPPED and not (obj.device.type == "cpu" and self._host_mapped(obj)):
+            if path == CudaPath.MAPPED and not (obj.is_cpu and self._host_mapped(obj)):
                 raise ValueError(f"chunk {i}: the mapped path needs pinned host objects (pin_memory=True or "
                                  f"cudaHostRegister, e.g. the store's host arena)")
-            if path == CudaPath.STAGING and obj.device.type != "cpu":
+            if path == CudaPath.STAGING and not obj.is_cpu:
                 raise ValueError(f"chunk {i}: the staging path moves host objects; this one is on {obj.device}")
 
     def _mapped_prefix_order(self, batch: ChunkBatch, path: CudaPath,
@@ -175,7 +176,8 @@ class CudaBackend(TransferBackend):
         stream, so the host makes no step between slices. Raises before anything is enqueued on bad input."""
         if batch.direction != Direction.LOAD:
             raise ValueError("launch_sliced moves loads only: a store has no layer to wait for")
-        slices = _SliceLaunch(planner.sliced_load_order(batch, plane_slice, num_slices, self.tuning.piece_bytes))
+        slices = _SliceLaunch(self._cuda, planner.sliced_load_order(batch, plane_slice, num_slices,
+                                                                    self.tuning.piece_bytes))
         pending = self._launch_load(batch, after_kernel, slices)
         return SlicedLaunch(pending, tuple(slices.events))
 
@@ -297,7 +299,10 @@ class CudaBackend(TransferBackend):
             if sliced is None:
                 self._cuda.transfer(record.ctypes.data)
             else:
-                self._cuda.sliced_load(record.ctypes.data, sliced.native(stream))
+                try:
+                    self._cuda.sliced_load(record.ctypes.data, sliced.native())
+                finally:
+                    sliced.take_events()
             if after_kernel is not None:
                 after_kernel(pages_free)  # completes once the kernel is done with the pages
         except BaseException:
@@ -342,30 +347,30 @@ class SlicedLaunch:
     pages (slices complete in order)."""
 
     pending: PendingTransfer
-    events: tuple[torch.cuda.Event, ...]
+    events: tuple[SliceEvent, ...]
 
 
 class _SliceLaunch:
-    """A sliced load's order and the native slices record: per slice its item count and its landing event (fresh
-    per load: the model's stream waits on it)."""
+    """A sliced load's order and the native slices record: per slice its item count, and its landing event, which
+    the native call makes (fresh per load: the model's stream waits on it)."""
 
-    def __init__(self, order: planner.WorkOrder) -> None:
+    def __init__(self, cuda: Any, order: planner.WorkOrder) -> None:
         self.order = order
-        self.events: list[torch.cuda.Event] = []
+        self.events: list[SliceEvent] = []
+        self._cuda = cuda
         self._record = np.zeros(3, dtype=np.uint64)
-        self._arrays: list[np.ndarray] = []  # kept alive while the native call reads them
+        self._slice_items = np.ascontiguousarray(order.slice_items, dtype=np.uint32)
+        self._handles = np.zeros(self._slice_items.size, dtype=np.uint64)
 
-    def native(self, stream: torch.cuda.Stream) -> int:
-        """The LmcacheCudaSlices record's address, with its events made (each recorded once here so it exists)."""
-        count = self.order.slice_items.size
-        self.events = [torch.cuda.Event() for _ in range(count)]
-        for event in self.events:
-            event.record(stream)  # creates it; the native call records it again after its slice's kernel
-        slice_items = np.ascontiguousarray(self.order.slice_items, dtype=np.uint32)
-        slice_events = np.array([event.cuda_event for event in self.events], dtype=np.uint64)
-        self._arrays = [slice_items, slice_events]
-        self._record[:] = (count, slice_items.ctypes.data, slice_events.ctypes.data)
+    def native(self) -> int:
+        """The LmcacheCudaSlices record's address (its arrays live as long as this object)."""
+        self._record[:] = (self._slice_items.size, self._slice_items.ctypes.data, self._handles.ctypes.data)
         return int(self._record.ctypes.data)
+
+    def take_events(self) -> None:
+        """Owns the events the native call made (all of them, also after it failed: each is destroyed with its
+        last reference)."""
+        self.events = [SliceEvent(self._cuda, int(handle)) for handle in self._handles.tolist() if handle]
 
 
 @dataclass(frozen=True)

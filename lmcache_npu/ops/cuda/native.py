@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 from enum import IntEnum
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -83,6 +83,34 @@ def stream_memops_supported(cuda: Any) -> bool:
         cuda.stream_wait_value32(probe_stream, probe.data_ptr(), 1))
     torch.cuda.current_stream().synchronize()
     return supported
+
+
+class SliceEvent:
+    """One slice's landing event, a cudaEvent_t the native sliced load made (no timing), used like torch's: a
+    stream's `wait_event` calls `wait`. Destroyed with its last reference (a wait already queued is unaffected)."""
+
+    __slots__ = ("_cuda", "cuda_event")
+
+    def __init__(self, cuda: Any, handle: int) -> None:
+        self._cuda = cuda
+        self.cuda_event = handle
+
+    def wait(self, stream: Optional[torch.cuda.Stream] = None) -> None:
+        """`stream`'s later work (the current stream's when None) waits for this slice."""
+        stream = torch.cuda.current_stream() if stream is None else stream
+        self._cuda.stream_wait_event(stream.cuda_stream, self.cuda_event)
+
+    def query(self) -> bool:
+        return bool(self._cuda.event_query(self.cuda_event))
+
+    def synchronize(self) -> None:
+        self._cuda.event_synchronize(self.cuda_event)
+
+    def __del__(self) -> None:
+        try:
+            self._cuda.event_destroy(self.cuda_event)
+        except Exception:  # the CUDA context may already be gone at interpreter exit
+            logger.debug("slice event not destroyed", exc_info=True)
 
 
 class NativeResources:

@@ -35,6 +35,9 @@ class WorkOrder:
     items: np.ndarray  # (n, 4) uint32: run, plane, slice, 0
     slice_items: np.ndarray  # uint32 per slice
     piece_table: np.ndarray  # (n, 4) int64 in slice and staging order: chunk, offset in object, length, slice
+    # (n, 4) uint64 copy rows with staging offsets (staging offset, host address, bytes, slice), planned with the
+    # order where it is on the load lane's path (a sliced load); None: copy_table makes them from piece_table
+    copies: Optional[np.ndarray] = None
 
 
 _WIDEST_ROWS: "weakref.WeakKeyDictionary[TransferPlan, list[int]]" = weakref.WeakKeyDictionary()
@@ -178,10 +181,10 @@ def sliced_load_order(batch: ChunkBatch, plane_slice: np.ndarray, num_slices: in
         bad = int(np.flatnonzero((plane_slice < 0) | (plane_slice >= num_slices))[0])
         raise ValueError(f"sliced load: plane {plan.moved_planes[bad].label} is in slice {int(plane_slice[bad])}, "
                          f"outside the load's {num_slices} slices")
-    runs, groups, items, slice_items, pieces = _host.sliced_load_order(
+    runs, groups, items, slice_items, pieces, copies = _host.sliced_load_order(
         plan.plane_table, batch.group_table, batch.runs, plane_slice, num_slices, batch.num_chunks, max(piece_bytes, 0),
-        plan.object_bytes)
-    return WorkOrder(runs.view(RUN_DESC_DTYPE), groups.view(GROUP_DESC_DTYPE), items, slice_items, pieces)
+        plan.object_bytes, batch.object_addresses(), batch.object_storages())
+    return WorkOrder(runs.view(RUN_DESC_DTYPE), groups.view(GROUP_DESC_DTYPE), items, slice_items, pieces, copies)
 
 
 def span_pieces(start: np.ndarray, length: np.ndarray, slice_items: np.ndarray, object_bytes: int) -> np.ndarray:
@@ -224,7 +227,12 @@ def copy_table(staging_address: int, objects: tuple[torch.Tensor, ...], order: W
                pipelined: bool, from_slice: int = 0) -> np.ndarray:
     """The copy engine's steps as LmcacheCudaCopy rows (staging address, host address, bytes, slice): one per
     stretch contiguous on both sides, per slice when pipelined, else merged across slices. Slices before
-    `from_slice` are not copied (a mapped prefix: the kernel wrote them into the objects itself)."""
+    `from_slice` are not copied (a mapped prefix: the kernel wrote them into the objects itself). An order that
+    planned its copies (`WorkOrder.copies`, per slice) only has the staging address added."""
+    if order.copies is not None and pipelined and from_slice == 0:
+        rows = order.copies.copy()
+        rows[:, 0] += np.uint64(staging_address)
+        return rows
     pieces = order.piece_table[order.piece_table[:, 3] >= from_slice]
     if not pipelined:
         pieces = pieces.copy()

@@ -1,19 +1,28 @@
 """Where the load lane's host time goes in a sliced load (issue 41): cProfile of `KVMover._execute` (slots, checks, launches, the finish) on the
 lane's thread over repeated `run_sliced` loads of one geometry, with the layer_pipeline study's forward running
-beside it (`--ratio`) or not. Prints the top functions by own and cumulative time."""
+beside it (`--ratio`) or not. Prints the top functions by own and cumulative time.
+
+`--steps` times the load's steps with the wall clock instead (no profiler overhead): the `run_sliced` call, the
+hand-off to the lane where the lane launches (not on CUDA: there the caller does), slots, batch checks, work order,
+copy table, the enqueue, the native call, and on CUDA the device's view: `run_sliced` to the native call's first
+event, and slice 0's copies."""
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import contextlib
 import io
 import pstats
+import statistics
+import time
+from collections import defaultdict
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
-from lmcache_npu.ops import get_backend
+from lmcache_npu.ops import ChunkBatch, Direction, get_backend
 from lmcache_npu.tools.bench.geometry import load_geometry
 from lmcache_npu.tools.bench.studies.layer_pipeline import (Clock, Work, chunks_for, device_seconds, open_case,
                                                             pipelined, work_for)
@@ -31,6 +40,104 @@ def profiled(function: Any, profile: cProfile.Profile) -> Any:
     return wrapper
 
 
+Timings = dict[str, list[float]]
+
+
+def _timed(function: Callable[..., Any], name: str, timings: Timings) -> Callable[..., Any]:
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return function(*args, **kwargs)
+        finally:
+            timings[name].append(time.perf_counter() - start)
+    return wrapper
+
+
+class _TimedNative:
+    """The CUDA module with its `sliced_load` call timed; every other attribute passes through."""
+
+    def __init__(self, inner: Any, timings: Timings) -> None:
+        self._inner = inner
+        self.sliced_load = _timed(inner.sliced_load, "native call", timings)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+@contextlib.contextmanager
+def timed_steps(case: Any, timings: Timings) -> Iterator[list[Any]]:
+    """The lane's steps timed into `timings` (ms lists by step) while inside; yields the device marks at each
+    `run_sliced` entry (CUDA), read after each run."""
+    mover, backend = case.mover, case.mover.backends[Direction.LOAD]
+    entries: list[Any] = []
+    entered: list[float] = []
+    patches: list[tuple[Any, str, Any]] = []
+
+    def patch(owner: Any, name: str, value: Any) -> None:
+        patches.append((owner, name, owner.__dict__[name] if name in owner.__dict__ else getattr(owner, name)))
+        setattr(owner, name, value)
+
+    original_run, original_execute = mover.run_sliced, KVMover._execute
+
+    def run_sliced(*args: Any, **kwargs: Any) -> Any:
+        if torch.cuda.is_available():
+            mark = torch.cuda.Event(enable_timing=True)
+            mark.record()
+            entries.append(mark)
+        entered.append(time.perf_counter())
+        try:
+            return original_run(*args, **kwargs)
+        finally:
+            timings["run_sliced (caller)"].append(time.perf_counter() - entered[-1])
+
+    def execute(self: KVMover, lane: Any, job: Any) -> Any:
+        if entered and job.slicing is not None and job.launched is None:  # launched by the lane, not the caller
+            timings["hand-off"].append(time.perf_counter() - entered[-1])
+        return original_execute(self, lane, job)
+
+    patch(mover, "run_sliced", run_sliced)
+    patch(KVMover, "_execute", _timed(execute, "lane, whole", timings))
+    patch(KVMover, "_slots", _timed(KVMover._slots, "slots", timings))
+    patch(ChunkBatch, "build", classmethod(_timed(ChunkBatch.build.__func__, "batch checks", timings)))
+    if backend.name == "cuda":
+        from lmcache_npu.ops.cuda import backend as cuda_backend
+
+        planner = cuda_backend.planner
+        patch(planner, "sliced_load_order", _timed(planner.sliced_load_order, "work order", timings))
+        patch(planner, "copy_table", _timed(planner.copy_table, "copy table", timings))
+        patch(cuda_backend.CudaBackend, "_enqueue", _timed(cuda_backend.CudaBackend._enqueue, "enqueue", timings))
+        patch(backend, "_cuda", _TimedNative(backend._cuda, timings))
+    try:
+        yield entries
+    finally:
+        for owner, name, value in reversed(patches):
+            if owner is mover or owner is backend:
+                delattr(owner, name) if name == "run_sliced" else setattr(owner, name, value)
+            else:
+                setattr(owner, name, value)
+
+
+def steps(case: Any, sliced: Any, work: Any, clock: Clock, runs: int) -> Timings:
+    """Median-ready step timings (seconds) over `runs` sliced loads; on CUDA also the device's view of the start."""
+    timings: Timings = defaultdict(list)
+    with timed_steps(case, timings) as entries:
+        for _ in range(runs):
+            run = pipelined(case, sliced, work, clock)
+            timings["lane to slice 0 mark"].append(run.lane_first)
+            timings["TTFT"].append(run.ttft)
+            backend = case.mover.backends[Direction.LOAD]
+            state = getattr(backend, "_last_state", None)
+            if entries and state is not None:
+                from lmcache_npu.ops.cuda.native import TransferEvent
+
+                first = state.events[TransferEvent.FIRST]
+                timings["device: run_sliced to native start"].append(
+                    backend._cuda.event_elapsed_ms(entries[-1].cuda_event, first) / 1e3)
+                timings["device: slice 0 copies"].append(state.elapsed_ms(TransferEvent.FIRST,
+                                                                          TransferEvent.KERNEL_BEGIN) / 1e3)
+    return timings
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--geometry", type=Path, required=True)
@@ -39,6 +146,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--ratio", type=float, default=0.0, help="T_load / T_compute of the forward (0: none)")
     parser.add_argument("--runs", type=int, default=10)
     parser.add_argument("--top", type=int, default=30)
+    parser.add_argument("--steps", action="store_true", help="wall-clock step times instead of cProfile")
     args = parser.parse_args(argv)
     backend = "cuda" if torch.cuda.is_available() else "host"
     geometry = load_geometry(args.geometry)
@@ -51,6 +159,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             work = work_for(device, t_load / args.ratio / len(case.announced), clock, 4096, (64, 256, 1024, 4096))
         for _ in range(2):
             pipelined(case, sliced, work, clock)  # cold: prepare, spare records
+        if args.steps:
+            print(f"S={args.slices} ratio={args.ratio}, median of {args.runs} sliced loads (ms):")
+            for name, values in steps(case, sliced, work, clock, args.runs).items():
+                print(f"  {name:40s} {statistics.median(values) * 1e3:8.3f}")
+            return 0
         profile = cProfile.Profile()
         original = KVMover._execute
         KVMover._execute = profiled(original, profile)  # type: ignore[method-assign]
