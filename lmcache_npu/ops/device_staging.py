@@ -33,8 +33,11 @@ class PlaneTables:
 
 def packed_offsets(parts: Sequence[np.ndarray]) -> tuple[list[int], int]:
     """Where each part of a packed table buffer starts (64 B aligned), and the buffer's size."""
-    offsets = np.cumsum([0] + [(p.nbytes + 63) // 64 * 64 for p in parts]).tolist()
-    return [int(o) for o in offsets[:-1]], max(int(offsets[-1]), 64)
+    offsets, end = [], 0
+    for part in parts:  # a handful of parts: plain arithmetic, no numpy call per transfer
+        offsets.append(end)
+        end += (part.nbytes + 63) // 64 * 64
+    return offsets, max(end, 64)
 
 
 def pack_into(view: np.ndarray, parts: Sequence[np.ndarray], offsets: Sequence[int]) -> None:

@@ -405,13 +405,15 @@ class KVMover:
         return self._attempt(job, moves, lambda after: launch(batch, after_kernel=after), lane)
 
     def _attempt(self, job: _Job, moves: Sequence[DeviceMove], start: Callable[[Any], Any], lane: _Lane) -> Any:
-        """`start(after_kernel)`, retried for loads while nothing of it is marked (every row is rewritten); None
-        once it failed for good (then reported)."""
+        """`start(after_kernel)` (None for loads), retried for loads while nothing of it is marked (every row is
+        rewritten); None once it failed for good (then reported)."""
         loads = job.direction == Direction.LOAD
         attempts = 1 + (self.load_retries if loads else 0)
+        # only stores are fenced (release_pages): a load's pages belong to its request alone, so no event is made
+        after = None if loads else (lambda event: self._after_kernel(lane, job, event))
         for attempt in range(attempts):
             try:
-                return start(lambda event: self._after_kernel(lane, job, event))
+                return start(after)
             except Exception as exc:  # a device fault: retried for loads, else reported
                 self.counters.add(Metric.TRANSFER_FAILURES)
                 logger.exception("rank %d: %s of %d chunks failed (attempt %d of %d)", self.rank,

@@ -177,13 +177,17 @@ def sliced_load_order(batch: ChunkBatch, plane_slice: np.ndarray, num_slices: in
     plane_slice = np.asarray(plane_slice, dtype=np.int64)
     if plane_slice.shape != (len(plan.moved_planes),):
         raise ValueError(f"sliced load: {plane_slice.size} plane slices for {len(plan.moved_planes)} moved planes")
-    if plane_slice.size and (plane_slice.min() < 0 or plane_slice.max() >= num_slices):
-        bad = int(np.flatnonzero((plane_slice < 0) | (plane_slice >= num_slices))[0])
-        raise ValueError(f"sliced load: plane {plan.moved_planes[bad].label} is in slice {int(plane_slice[bad])}, "
-                         f"outside the load's {num_slices} slices")
-    runs, groups, items, slice_items, pieces, copies = _host.sliced_load_order(
-        plan.plane_table, batch.group_table, batch.runs, plane_slice, num_slices, batch.num_chunks, max(piece_bytes, 0),
-        plan.object_bytes, batch.object_addresses(), batch.object_storages())
+    try:  # the native planner checks every plane's slice; the message names the plane by its label
+        runs, groups, items, slice_items, pieces, copies = _host.sliced_load_order(
+            plan.plane_table, batch.group_table, batch.runs, plane_slice, num_slices, batch.num_chunks,
+            max(piece_bytes, 0), plan.object_bytes, batch.object_addresses(), batch.object_storages())
+    except ValueError:
+        outside = np.flatnonzero((plane_slice < 0) | (plane_slice >= num_slices))
+        if outside.size:
+            bad = int(outside[0])
+            raise ValueError(f"sliced load: plane {plan.moved_planes[bad].label} is in slice "
+                             f"{int(plane_slice[bad])}, outside the load's {num_slices} slices") from None
+        raise
     return WorkOrder(runs.view(RUN_DESC_DTYPE), groups.view(GROUP_DESC_DTYPE), items, slice_items, pieces, copies)
 
 

@@ -106,6 +106,11 @@ def timed_steps(case: Any, timings: Timings) -> Iterator[list[Any]]:
         patch(planner, "sliced_load_order", _timed(planner.sliced_load_order, "work order", timings))
         patch(planner, "copy_table", _timed(planner.copy_table, "copy table", timings))
         patch(cuda_backend.CudaBackend, "_enqueue", _timed(cuda_backend.CudaBackend._enqueue, "enqueue", timings))
+        for owner, name in ((cuda_backend.CudaBackend, "_check_objects"), (cuda_backend.StagingBuffer, "reserve"),
+                            (cuda_backend, "packed_offsets"), (cuda_backend, "pack_into"),
+                            (cuda_backend.NativeResources, "tables"), (cuda_backend.NativeResources, "next_epoch"),
+                            (cuda_backend.CudaBackend, "_spare_state")):
+            patch(owner, name, _timed(getattr(owner, name), f"  enqueue: {name}", timings))
         patch(backend, "_cuda", _TimedNative(backend._cuda, timings))
     try:
         yield entries
