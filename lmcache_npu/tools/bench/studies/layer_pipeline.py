@@ -560,6 +560,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--no-stores", action="store_true")
     parser.add_argument("--path", choices=["auto", "mapped", "staging"], help="the CUDA backend's path option")
+    parser.add_argument("--blocks", type=int, help="the CUDA backend's blocks option (grid size of every launch)")
     parser.add_argument("--launch", nargs="+", choices=["at-once", "per-slice"], default=["at-once"],
                         help="how the load lane launches a sliced load (per-slice: one launch per slice)")
     parser.add_argument("--json", type=Path)
@@ -582,7 +583,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for launch in args.launch:
         settings = Settings(args.backend, args.ratios, args.slices, args.repeats, 64 if small else 4096,
                             (8, 32) if small else Settings.sizes, not args.no_stores,
-                            {"path": args.path} if args.path else None, launch)
+                            {k: v for k, v in (("path", args.path), ("blocks", args.blocks)) if v} or None,
+                            launch)
         for path in args.geometry:
             geometry = load_geometry(path)
             for mb in args.load_mb:
