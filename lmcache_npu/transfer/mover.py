@@ -305,10 +305,14 @@ class KVMover:
         released; what did launch is finished)."""
         at_once = getattr(lane.backend, "launch_sliced", None)
         pending: list[PendingTransfer] = []
-        if at_once is not None:
-            launched = self._launch_slices_at_once(lane, job, sliced, batch, moves, at_once, pending)
-        else:
-            launched = self._launch_each_slice(lane, job, sliced, batch, moves, pending)
+        try:
+            if at_once is not None:
+                launched = self._launch_slices_at_once(lane, job, sliced, batch, moves, at_once, pending)
+            else:
+                launched = self._launch_each_slice(lane, job, sliced, batch, moves, pending)
+        except BaseException:  # e.g. a slice callback that raised: what launched still gives its buffers back
+            self._finish_quietly(pending)
+            raise
         if launched:
             return pending
         self._finish_quietly(pending)

@@ -413,3 +413,34 @@ def test_a_one_call_launch_that_fails_on_the_callers_thread_is_reported_never_ra
         assert len(calls) == 1 + mover.load_retries, "a failed launch is retried like any load"
     finally:
         mover.close()
+
+
+def test_a_slice_callback_that_raises_fails_the_load_and_finishes_what_launched() -> None:
+    case = Case("llama3-8b", "ascend", 2, seed=13)
+    slices = plan_slices(case.layout, announced_layers(case.layout), 3)
+    mover = mover_of(case.layout, "host")
+    calls: list[tuple[Any, list[int], int]] = []
+    finished: list[int] = []
+    try:
+        one_call = _AllSlicesInOneCall(mover.backends[Direction.LOAD], [], calls)
+        inner = one_call.launch_sliced
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            launched = inner(*args, **kwargs)
+            finish = launched.pending.finish
+            launched.pending = PendingTransfer(lambda: (finished.append(1), finish())[1], asynchronous=False)
+            return launched
+
+        one_call.launch_sliced = counted  # type: ignore[method-assign]
+        mover.set_backend(Direction.LOAD, one_call)
+
+        def broken(index: int, event: Any) -> None:
+            raise RuntimeError("a slice callback bug")
+
+        report, done, results = answers(case.chunks)
+        progress = mover.run_sliced(case.moves(0), case.objects, report, slices, broken)
+        assert done.wait(120) and results and not any(r.ok for r in results), "a load whose marking broke was served"
+        assert "slice callback bug" in progress.failure
+        assert finished, "the launched load was never finished: its buffers would stay taken"
+    finally:
+        mover.close()
