@@ -27,6 +27,10 @@ void CheckTables(const SlicedOrderInput& in) {
           "plane " + std::to_string(p) + " is in slice " + std::to_string(slice) + ", outside the load's " +
               std::to_string(in.num_slices) + " slices");
     LMCACHE_CHECK(in.planes[p].row_bytes > 0, "plane " + std::to_string(p) + " has row_bytes 0");
+    LMCACHE_CHECK(in.planes[p].group_index < in.num_groups, "plane " + std::to_string(p) + " names group " +
+                                                                std::to_string(in.planes[p].group_index) +
+                                                                ", outside the " + std::to_string(in.num_groups) +
+                                                                " groups");
   }
   for (uint32_t g = 0; g < in.num_groups; ++g) {
     const GroupDesc& group = in.groups[g];

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -338,3 +339,30 @@ def test_a_sliced_load_order_names_the_plane_outside_its_slices() -> None:
         assert "moved planes" in str(exc)
     else:
         raise AssertionError("too few plane slices were accepted")
+
+
+def test_the_native_order_refuses_tables_that_point_outside_themselves() -> None:
+    """A forged plane, group or run table is refused before any index is followed, naming the entry."""
+    from hypothesis import find
+
+    from lmcache_npu import _host
+
+    case = find(cases(soc="a2"), lambda c: len(c.geometry.plan().moved_planes) >= 2)
+    batch = _batch(case, Direction.LOAD)
+    plan = batch.plan
+    plane_slice = np.zeros(len(plan.moved_planes), dtype=np.int64)
+
+    def order(planes=plan.plane_table, groups=batch.group_table, runs=batch.runs, chunks=batch.num_chunks):
+        return _host.sliced_load_order(planes, groups, runs, plane_slice, 1, chunks, 1 << 16, plan.object_bytes)
+
+    order()  # the real tables pass
+    planes = plan.plane_table.copy()
+    planes[0]["group_index"] = 99
+    groups = batch.group_table.copy()
+    groups[0]["run_count"] = len(batch.runs) + 1
+    runs = batch.runs.copy()
+    runs[0]["chunk"] = batch.num_chunks
+    for forged, named in ((dict(planes=planes), "names group 99"), (dict(groups=groups), "outside the"),
+                          (dict(runs=runs), "outside the batch's")):
+        with pytest.raises(ValueError, match=named):
+            order(**forged)
