@@ -286,9 +286,8 @@ class CudaBackend(TransferBackend):
             "copies": copies.ctypes.data, "num_copies": len(copies), "direction": int(batch.direction),
             "status_host": host + offsets[6],
         }
+        state.set_fields(fields)
         record = state.record
-        for name, value in fields.items():
-            record[name] = value
         pages_free = None
         if after_kernel is not None:
             pages_free = torch.cuda.Event()

@@ -120,6 +120,8 @@ class NativeResources:
         self.cuda = cuda
         self.device = device
         self.record = np.zeros(1, dtype=record_dtype(cuda))
+        self._scalar_names = tuple(name for name in self.record.dtype.names if name != "events")
+        self._scalars = self.record[list(self._scalar_names)]  # a view: every scalar field set in one numpy call
         with torch.cuda.device(device):
             self.events = [cuda.event_create() for _ in range(TransferEvent.PAGES_FREE)]
             self.copy_stream = torch.cuda.Stream(device)
@@ -129,6 +131,13 @@ class NativeResources:
         self.host_tables = torch.zeros(0, dtype=torch.uint8)
         self.device_tables = torch.zeros(0, dtype=torch.uint8, device=device)
         torch.cuda.current_stream(device).synchronize()  # the flags are zero before the copy stream waits on them
+
+    def set_fields(self, fields: dict[str, int]) -> None:
+        """Sets every scalar field of the record (all of them: a missing one raises) in one assignment."""
+        if len(fields) != len(self._scalar_names):
+            raise ValueError(f"the transfer record has {len(self._scalar_names)} scalar fields, {len(fields)} given: "
+                             f"{sorted(set(fields) ^ set(self._scalar_names))}")
+        self._scalars[0] = tuple(fields[name] for name in self._scalar_names)
 
     def tables(self, nbytes: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Pinned host and device table buffers of at least `nbytes`, kept across transfers (each transfer is done
