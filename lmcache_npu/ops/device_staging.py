@@ -156,16 +156,16 @@ def object_pieces(plan: TransferPlan, num_chunks: int) -> list[tuple[int, int, i
     return [(c, offset, length) for c in range(num_chunks) for offset, length in segments]
 
 
-def stretch_table(objects: Sequence[torch.Tensor], pieces: np.ndarray, object_bytes: int) -> np.ndarray:
+def stretch_table(addresses: np.ndarray, storages: np.ndarray, pieces: np.ndarray, object_bytes: int) -> np.ndarray:
     """Merges (chunk, offset, length[, slice]) piece rows, ordered by staging offset, into the longest stretches
-    contiguous in both staging (chunk c at c * object_bytes) and host memory (and within one slice, where a fourth
-    column names it), so each becomes one async copy. Vectorized: a sliced load plans hundreds of pieces."""
+    contiguous in both staging (chunk c at c * object_bytes) and host memory (each chunk's object at `addresses[c]`,
+    inside allocation `storages[c]`; and within one slice, where a fourth column names it), so each becomes one async
+    copy. Vectorized: a sliced load plans hundreds of pieces."""
     pieces = np.asarray(pieces, dtype=np.int64)
     if len(pieces) <= 1:
         return pieces.copy()
     chunk, offset, length = pieces[:, 0], pieces[:, 1], pieces[:, 2]
-    address = np.array([o.data_ptr() for o in objects], dtype=np.int64)
-    storage = np.array([o.untyped_storage().data_ptr() for o in objects], dtype=np.int64)
+    address, storage = addresses.astype(np.int64), storages.astype(np.int64)
     staged, hosted = chunk * object_bytes + offset, address[chunk] + offset
     joins = ((staged[1:] == staged[:-1] + length[:-1]) & (hosted[1:] == hosted[:-1] + length[:-1])
              & (storage[chunk[1:]] == storage[chunk[:-1]]))
@@ -181,5 +181,7 @@ def stretch_table(objects: Sequence[torch.Tensor], pieces: np.ndarray, object_by
 def host_stretches(objects: Sequence[torch.Tensor], pieces: Sequence[tuple[int, int, int]],
                    object_bytes: int) -> list[tuple[int, int, int]]:
     """`stretch_table` over (chunk, offset, length) tuples."""
-    table = stretch_table(objects, np.array(pieces, dtype=np.int64).reshape(-1, 3), object_bytes)
+    addresses = np.array([o.data_ptr() for o in objects], dtype=np.uint64)
+    storages = np.array([o.untyped_storage().data_ptr() for o in objects], dtype=np.uint64)
+    table = stretch_table(addresses, storages, np.array(pieces, dtype=np.int64).reshape(-1, 3), object_bytes)
     return [(int(c), int(o), int(n)) for c, o, n in table.tolist()]

@@ -148,7 +148,7 @@ def test_copies_move_every_payload_byte_between_staging_and_objects(case: Case, 
     batch = _batch(case, direction, objects)
     order = work_order(batch, pipelined, 100, slice_bounds(case.num_chunks * nbytes, direction, pipelined, first))
     staging_address = 1 << 40  # any device address: the copies only offset from it
-    copies = copy_table(staging_address, batch.objects, order, nbytes, pipelined)
+    copies = copy_table(staging_address, batch, order, pipelined)
     assert (np.diff(copies[:, 3].astype(np.int64)) >= 0).all(), "copies must follow slice order"
     rng = np.random.default_rng(case.seed)
     moved = np.zeros((case.num_chunks, nbytes), dtype=bool)
@@ -206,7 +206,7 @@ def test_a_mapped_prefix_and_the_copies_write_every_stored_byte_once(case: Case,
     for chunk, obj in enumerate(objects):
         obj.numpy()[prefix[chunk]] = kernel_output[chunk][prefix[chunk]]
     staging_address = 1 << 40
-    copies = copy_table(staging_address, batch.objects, order, nbytes, False, from_slice=1)
+    copies = copy_table(staging_address, batch, order, False, from_slice=1)
     dropped = drop and len(copies) > 0
     if dropped:  # negative control: a lost copy leaves the staged bytes behind
         copies = copies[1:]
@@ -241,7 +241,7 @@ def test_a_mapped_prefix_load_reads_every_loaded_byte_from_the_object(case: Case
     assert not (mapped & staged).any(), "a byte is both read from the host and copied"
     staging = np.zeros(case.num_chunks * nbytes, dtype=np.uint8)  # zeros: a byte the copies missed reads 0
     staging_address = 1 << 40
-    copies = copy_table(staging_address, batch.objects, order, nbytes, False, from_slice=1)
+    copies = copy_table(staging_address, batch, order, False, from_slice=1)
     dropped = drop and len(copies) > 0
     if dropped:  # negative control: a lost copy leaves zeros where the kernel reads staging
         copies = copies[1:]
@@ -282,8 +282,8 @@ def test_a_sliced_loads_slices_copy_what_their_kernels_read_and_no_later_slices_
     order = sliced_load_order(batch, plane_slice, count, piece_bytes)
     staging_address = 1 << 40
     assert order.copies is not None
-    numpy_rows = copy_table(staging_address, batch.objects, dataclasses.replace(order, copies=None), nbytes, True)
-    assert np.array_equal(copy_table(staging_address, batch.objects, order, nbytes, True), numpy_rows), \
+    numpy_rows = copy_table(staging_address, batch, dataclasses.replace(order, copies=None), True)
+    assert np.array_equal(copy_table(staging_address, batch, order, True), numpy_rows), \
         "the planned copies differ from the stretches of the pieces"
     assert order.slice_items.size == count and int(order.slice_items.sum()) == len(order.items)
     assert sorted(map(tuple, order.items[:, :2].tolist())) == sorted(
@@ -296,7 +296,7 @@ def test_a_sliced_loads_slices_copy_what_their_kernels_read_and_no_later_slices_
     same_slice = order.items[1:, 2] == order.items[:-1, 2]
     assert (np.diff(order.items[:, 2].astype(np.int64)) >= 0).all(), "items out of slice order"
     assert (np.diff(start)[same_slice] > 0).all(), "a slice's items are out of staging order"
-    copies = copy_table(staging_address, batch.objects, order, nbytes, True)
+    copies = copy_table(staging_address, batch, order, True)
     assert (np.diff(copies[:, 3].astype(np.int64)) >= 0).all(), "copies must follow slice order"
     lost = lose and len(copies) > 0
     if lost:  # negative control: a lost copy leaves a byte some kernel reads unstaged

@@ -75,7 +75,7 @@ def _store_writes(case: Case, subset: TransferPlan, full: TransferPlan, pipeline
     own, foreign = _masks(full, subset, batch)
     order = work_order(batch, pipelined, 100, slice_bounds(case.num_chunks * nbytes, Direction.STORE, pipelined, 64))
     staging = rng.integers(0, 256, case.num_chunks * nbytes, dtype=np.uint8)  # the kernel's output, and leftovers
-    _apply(copy_table(STAGING, batch.objects, order, nbytes, pipelined), staging, STAGING, objects, to_device=False)
+    _apply(copy_table(STAGING, batch, order, pipelined), staging, STAGING, objects, to_device=False)
     after = np.stack([o.numpy() for o in objects])
     landed = np.array_equal(after[own], staging.reshape(case.num_chunks, nbytes)[own])
     return landed, np.array_equal(after[foreign], before[foreign])
@@ -100,7 +100,7 @@ def test_a_subset_load_stages_its_planes_only(case: Case, pick: int, pipelined: 
     batch = ChunkBatch.build(subset, case.slots, objects, Direction.LOAD)
     own, foreign = _masks(full, subset, batch)
     order = work_order(batch, pipelined, 100, slice_bounds(case.num_chunks * nbytes, Direction.LOAD, pipelined))
-    copies = copy_table(STAGING, batch.objects, order, nbytes, pipelined)
+    copies = copy_table(STAGING, batch, order, pipelined)
     staging = np.zeros(case.num_chunks * nbytes, dtype=np.uint8)
     _apply(copies, staging, STAGING, objects, to_device=True)
     want = np.stack([o.numpy() for o in objects])

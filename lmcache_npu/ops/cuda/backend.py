@@ -256,8 +256,8 @@ class CudaBackend(TransferBackend):
                 self._staging_address = staging.data_ptr()
             zero = self._staging.take_pending()
             addresses = staging.data_ptr() + np.arange(batch.num_chunks, dtype=np.uint64) * np.uint64(object_bytes)
-            copies = planner.copy_table(staging.data_ptr(), batch.objects, order, object_bytes,
-                                        pipelined or sliced is not None, from_slice=1 if mapped_prefix else 0)
+            copies = planner.copy_table(staging.data_ptr(), batch, order, pipelined or sliced is not None,
+                                        from_slice=1 if mapped_prefix else 0)
         else:
             addresses = batch.object_addresses()
         parts = [order.group_table, order.runs, addresses, order.items, order.slice_items,

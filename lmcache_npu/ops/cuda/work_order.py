@@ -8,7 +8,6 @@ from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
-import torch
 
 from ..batch import ChunkBatch
 from ..device_staging import stretch_table
@@ -227,22 +226,24 @@ def item_pieces(start: np.ndarray, length: np.ndarray, slice_items: np.ndarray, 
     return table
 
 
-def copy_table(staging_address: int, objects: tuple[torch.Tensor, ...], order: WorkOrder, object_bytes: int,
-               pipelined: bool, from_slice: int = 0) -> np.ndarray:
+def copy_table(staging_address: int, batch: ChunkBatch, order: WorkOrder, pipelined: bool,
+               from_slice: int = 0) -> np.ndarray:
     """The copy engine's steps as LmcacheCudaCopy rows (staging address, host address, bytes, slice): one per
     stretch contiguous on both sides, per slice when pipelined, else merged across slices. Slices before
     `from_slice` are not copied (a mapped prefix: the kernel wrote them into the objects itself). An order that
-    planned its copies (`WorkOrder.copies`, per slice) only has the staging address added."""
+    planned its copies (`WorkOrder.copies`, per slice) only has the staging address added. The objects' addresses
+    are the batch's, read once per batch."""
     if order.copies is not None and pipelined and from_slice == 0:
         rows = order.copies.copy()
         rows[:, 0] += np.uint64(staging_address)
         return rows
+    object_bytes = batch.plan.object_bytes
     pieces = order.piece_table[order.piece_table[:, 3] >= from_slice]
     if not pipelined:
         pieces = pieces.copy()
         pieces[:, 3] = 0  # one copy-engine slice: stretches merge across the work order's slices
-    stretches = stretch_table(objects, pieces, object_bytes)
-    address = np.array([o.data_ptr() for o in objects], dtype=np.uint64)
+    address = batch.object_addresses()
+    stretches = stretch_table(address, batch.object_storages(), pieces, object_bytes)
     rows = np.empty((len(stretches), 4), dtype=np.uint64)
     chunk, offset = stretches[:, 0], stretches[:, 1].astype(np.uint64)
     rows[:, 0] = np.uint64(staging_address) + chunk.astype(np.uint64) * np.uint64(object_bytes) + offset
