@@ -41,6 +41,7 @@ def profiled(function: Any, profile: cProfile.Profile) -> Any:
 
 
 Timings = dict[str, list[float]]
+_UNSET = object()
 
 
 def _timed(function: Callable[..., Any], name: str, timings: Timings) -> Callable[..., Any]:
@@ -71,10 +72,10 @@ def timed_steps(case: Any, timings: Timings) -> Iterator[list[Any]]:
     mover, backend = case.mover, case.mover.backends[Direction.LOAD]
     entries: list[Any] = []
     entered: list[float] = []
-    patches: list[tuple[Any, str, Any]] = []
+    patches: list[tuple[Any, str, Any]] = []  # owner, name, what its own __dict__ held (_UNSET: nothing)
 
     def patch(owner: Any, name: str, value: Any) -> None:
-        patches.append((owner, name, owner.__dict__[name] if name in owner.__dict__ else getattr(owner, name)))
+        patches.append((owner, name, owner.__dict__.get(name, _UNSET)))
         setattr(owner, name, value)
 
     original_run, original_execute = mover.run_sliced, KVMover._execute
@@ -116,8 +117,8 @@ def timed_steps(case: Any, timings: Timings) -> Iterator[list[Any]]:
         yield entries
     finally:
         for owner, name, value in reversed(patches):
-            if owner is mover or owner is backend:
-                delattr(owner, name) if name == "run_sliced" else setattr(owner, name, value)
+            if value is _UNSET:
+                delattr(owner, name)  # it was found on the class: the instance's patch goes
             else:
                 setattr(owner, name, value)
 
