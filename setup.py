@@ -62,7 +62,7 @@ def emu_extension() -> Pybind11Extension:
 
 
 HOST_SOURCES = ["csrc/bindings/host_module.cpp", "csrc/host/kv_transfer_host.cpp", "csrc/host/sliced_order.cpp",
-                "csrc/host/slot_runs.cpp", "csrc/host/block_slots.cpp"]
+                "csrc/host/slot_runs.cpp", "csrc/host/block_slots.cpp", "csrc/host/move_runs.cpp"]
 
 
 def host_extension() -> Pybind11Extension:

@@ -2,6 +2,7 @@
 #include "sliced_order.h"
 
 #include <algorithm>
+#include <cstring>
 #include <limits>
 #include <numeric>
 #include <stdexcept>
@@ -234,6 +235,44 @@ SlicedOrder PlanSlicedLoad(const SlicedOrderInput& in) {
 }
 
 #undef LMCACHE_CHECK
+
+namespace {
+
+uint64_t Aligned(uint64_t bytes) { return (bytes + 63) / 64 * 64; }
+
+}  // namespace
+
+PackedLayout PackedSlicedLayout(const SlicedOrder& order, uint32_t num_chunks, uint64_t status_bytes) {
+  const std::array<uint64_t, kPackedParts> sizes = {
+      order.groups.size() * sizeof(GroupDesc), order.runs.size() * sizeof(RunDesc), uint64_t{num_chunks} * 8,
+      order.items.size() * sizeof(order.items[0]), order.slice_items.size() * 4, order.slice_items.size() * 4,
+      status_bytes, 0};
+  PackedLayout layout;
+  uint64_t end = 0;
+  for (int part = 0; part < kPackedParts; ++part) {
+    layout.offsets[part] = end;
+    end += Aligned(sizes[part]);
+  }
+  layout.bytes = std::max<uint64_t>(end, 64);
+  return layout;
+}
+
+void PackSlicedLoad(const SlicedOrder& order, const PackedLayout& layout, uint32_t num_chunks, uint64_t object_bytes,
+                    uint64_t staging_address, const uint64_t* object_addresses, uint8_t* out) {
+  const auto put = [&](PackedPart part, const void* data, size_t bytes) {
+    if (bytes != 0) std::memcpy(out + layout.offsets[part], data, bytes);
+  };
+  put(kPackedGroups, order.groups.data(), order.groups.size() * sizeof(GroupDesc));
+  put(kPackedRuns, order.runs.data(), order.runs.size() * sizeof(RunDesc));
+  uint64_t* objects = reinterpret_cast<uint64_t*>(out + layout.offsets[kPackedObjects]);
+  for (uint32_t c = 0; c < num_chunks; ++c) {
+    objects[c] = staging_address != 0 ? staging_address + c * object_bytes : object_addresses[c];
+  }
+  put(kPackedItems, order.items.data(), order.items.size() * sizeof(order.items[0]));
+  put(kPackedSliceItems, order.slice_items.data(), order.slice_items.size() * 4);
+  std::memset(out + layout.offsets[kPackedCounters], 0, layout.offsets[kPackedStatus] - layout.offsets[kPackedCounters]);
+  std::memset(out + layout.offsets[kPackedStatus], 0, layout.offsets[kPackedHostObjects] - layout.offsets[kPackedStatus]);
+}
 
 }  // namespace host
 }  // namespace lmcache_npu

@@ -54,6 +54,32 @@ struct SlicedOrder {
 // plane range outside its table, a chunk outside the batch); nothing is returned then.
 SlicedOrder PlanSlicedLoad(const SlicedOrderInput& input);
 
+// The order packed for the CUDA backend's one native call (lmcache_npu/ops/cuda/backend.py), so no Python step sits
+// between planning and enqueueing: parts at 64 B aligned offsets, in this order.
+enum PackedPart {
+  kPackedGroups,       // the order's group table
+  kPackedRuns,         // its pieces
+  kPackedObjects,      // per chunk the address the kernel reads: staging + chunk * object_bytes, or the object's own
+  kPackedItems,        // the order's items
+  kPackedSliceItems,   // items per slice
+  kPackedCounters,     // per slice, zero: the kernel counts finished items there
+  kPackedStatus,       // status_bytes of zeros: the kernel's report
+  kPackedHostObjects,  // empty: a sliced load has no mapped prefix
+  kPackedParts
+};
+
+struct PackedLayout {
+  std::array<uint64_t, kPackedParts> offsets{};
+  uint64_t bytes = 0;  // the buffer's size (at least 64)
+};
+
+PackedLayout PackedSlicedLayout(const SlicedOrder& order, uint32_t num_chunks, uint64_t status_bytes);
+
+// Writes every part at `layout`'s offsets into `out` (layout.bytes long, zeroed where the kernel counts). The object
+// table holds staging_address + chunk * object_bytes where staging_address is not 0, else object_addresses.
+void PackSlicedLoad(const SlicedOrder& order, const PackedLayout& layout, uint32_t num_chunks, uint64_t object_bytes,
+                    uint64_t staging_address, const uint64_t* object_addresses, uint8_t* out);
+
 }  // namespace host
 }  // namespace lmcache_npu
 

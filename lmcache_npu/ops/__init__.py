@@ -2,7 +2,7 @@
 
 from .backend import BACKEND_NAMES, get_backend
 from .transfer_backend import BackendUnavailable, PendingTransfer, TransferBackend, TransferStats
-from .batch import ChunkBatch
+from .batch import ChunkBatch, CutRuns
 from .plan import (
     LAYOUT_VERSION,
     OBJECT_ALIGN_BYTES,
@@ -22,6 +22,7 @@ __all__ = [
     "SKIP_SLOT",
     "BackendUnavailable",
     "ChunkBatch",
+    "CutRuns",
     "Direction",
     "GroupSpec",
     "PageLayout",

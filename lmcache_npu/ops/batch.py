@@ -46,21 +46,40 @@ def _slot_runs(plan: TransferPlan, group: int, matrix: np.ndarray, direction: Di
     limit = plan.group_num_blocks[group] * rows_per_block
     runs, problem, at, again = _host.slot_runs(matrix, rows_per_block, limit, direction == Direction.STORE,
                                                direction == Direction.LOAD)
-    rows = matrix.shape[1]
-    if problem == _OUT_OF_RANGE:
-        c, r = divmod(at, rows)
+    return _checked_runs(plan, group, CutRuns(matrix, runs, problem, at, again))
+
+
+@dataclass(frozen=True)
+class CutRuns:
+    """One group's slot matrix cut into runs natively (csrc/host/slot_runs.h, or move_runs.h from block windows),
+    with the first problem the cut found (0: none) and the row-major positions it names."""
+
+    slots: np.ndarray  # (chunks, rows_per_chunk) int64
+    runs: np.ndarray  # RunDesc bytes
+    problem: int
+    at: int
+    again: int
+
+
+def _checked_runs(plan: TransferPlan, group: int, cut: CutRuns) -> np.ndarray:
+    """The cut's runs, or the problem it found raised naming the group, chunk, row and slot."""
+    matrix, rows = cut.slots, cut.slots.shape[1]
+    if cut.problem == _OUT_OF_RANGE:
+        rows_per_block = plan.group_rows_per_block[group]
+        limit = plan.group_num_blocks[group] * rows_per_block
+        c, r = divmod(cut.at, rows)
         raise ValueError(
             f"group {group}, chunk {c}, row {r}: slot {int(matrix[c, r])} is outside [0, {limit}) "
             f"({plan.group_num_blocks[group]} blocks x {rows_per_block} rows); use -1 to skip a row"
         )
-    if problem == _TWICE:
+    if cut.problem == _TWICE:
         raise ValueError(
-            f"group {group}: slot {int(matrix.reshape(-1)[at])} is the load target of chunk {at // rows} row "
-            f"{at % rows} and of chunk {again // rows} row {again % rows}"
+            f"group {group}: slot {int(matrix.reshape(-1)[cut.at])} is the load target of chunk {cut.at // rows} row "
+            f"{cut.at % rows} and of chunk {cut.again // rows} row {cut.again % rows}"
         )
     # no field narrowed a value: first_slot < the group's rows <= MAX_SLOT_ROWS (plan), first_row and num_rows
     # <= rows_per_chunk <= MAX_SLOT_ROWS (plan), chunk < num_chunks <= MAX_U32 (ChunkBatch.build)
-    return runs.view(RUN_DESC_DTYPE)
+    return cut.runs.view(RUN_DESC_DTYPE)
 
 
 def _as_objects(plan: TransferPlan, objects: Union[torch.Tensor, Sequence[torch.Tensor]]) -> tuple[torch.Tensor, ...]:
@@ -236,41 +255,75 @@ class ChunkBatch:
         direction: Direction,
     ) -> "ChunkBatch":
         direction = Direction(direction)
-        object_list = _as_objects(plan, objects)
-        num_chunks = len(object_list)
-        if num_chunks < 1:
-            raise ValueError("a transfer needs at least one chunk")
-        if num_chunks > MAX_U32:
-            raise ValueError(f"a transfer of {num_chunks} chunks exceeds {MAX_U32}, the kernel's uint32 chunk index")
+        object_list = _checked_objects(plan, objects, direction)
         if len(slots) != len(plan.groups):
             raise ValueError(f"slots has {len(slots)} entries, the plan has {len(plan.groups)} groups")
-        _check_clear_of_pages(plan, object_list)
-        if direction == Direction.STORE:
-            _check_disjoint(object_list, plan.object_bytes)
-        moved = set(plan.moved_group_indices())
+        moved = plan.moved_group_set
+        matrices = [_as_slot_matrix(plan, g, slots[g], len(object_list)) if g in moved else None
+                    for g in range(len(plan.groups))]
+        return cls._assembled(plan, direction, object_list, matrices, [
+            _slot_runs(plan, g, matrices[g], direction) if g in moved  # type: ignore[arg-type]
+            else _NO_RUNS for g in range(len(plan.groups))])
+
+    @classmethod
+    def from_cut_runs(
+        cls,
+        plan: TransferPlan,
+        cuts: Sequence[Optional[CutRuns]],
+        objects: Sequence[torch.Tensor],
+        direction: Direction,
+    ) -> "ChunkBatch":
+        """`build` over slots already cut natively (one CutRuns per moved group, chunks in `objects`' order): the
+        object checks and the cut's problems raise exactly as `build`'s."""
+        direction = Direction(direction)
+        object_list = _checked_objects(plan, objects, direction)
+        if len(cuts) != len(plan.groups):
+            raise ValueError(f"cut runs has {len(cuts)} entries, the plan has {len(plan.groups)} groups")
+        moved = plan.moved_group_set
         matrices: list[Optional[np.ndarray]] = []
-        for g in range(len(plan.groups)):
+        runs: list[np.ndarray] = []
+        for g, cut in enumerate(cuts):
             if g not in moved:
                 matrices.append(None)
+                runs.append(_NO_RUNS)
                 continue
-            matrices.append(_as_slot_matrix(plan, g, slots[g], num_chunks))
-        runs, table, items = _group_runs(plan, [
-            _slot_runs(plan, g, matrices[g], direction) if g in moved  # type: ignore[arg-type]
-            else np.zeros(0, dtype=RUN_DESC_DTYPE) for g in range(len(plan.groups))])
-        return cls(
-            plan=plan,
-            direction=direction,
-            slots=tuple(matrices),
-            objects=object_list,
-            runs=runs,
-            group_table=table,
-            total_items=items,
-        )
+            if cut is None or cut.slots.shape != (len(object_list), plan.rows_per_chunk[g]):
+                raise ValueError(f"group {g}: the cut runs cover {None if cut is None else cut.slots.shape}, the "
+                                 f"batch needs ({len(object_list)}, {plan.rows_per_chunk[g]}) slots")
+            matrices.append(cut.slots)
+            runs.append(_checked_runs(plan, g, cut))
+        return cls._assembled(plan, direction, object_list, matrices, runs)
+
+    @classmethod
+    def _assembled(cls, plan: TransferPlan, direction: Direction, objects: tuple[torch.Tensor, ...],
+                   matrices: Sequence[Optional[np.ndarray]], runs_by_group: Sequence[np.ndarray]) -> "ChunkBatch":
+        runs, table, items = _group_runs(plan, runs_by_group)
+        return cls(plan=plan, direction=direction, slots=tuple(matrices), objects=objects, runs=runs,
+                   group_table=table, total_items=items)
+
+
+_NO_RUNS = np.zeros(0, dtype=RUN_DESC_DTYPE)
+_NO_RUNS.flags.writeable = False
+
+
+def _checked_objects(plan: TransferPlan, objects: Union[torch.Tensor, Sequence[torch.Tensor]],
+                     direction: Direction) -> tuple[torch.Tensor, ...]:
+    """The batch's chunk objects, refused before any launch where the kernel could not use them safely."""
+    object_list = _as_objects(plan, objects)
+    num_chunks = len(object_list)
+    if num_chunks < 1:
+        raise ValueError("a transfer needs at least one chunk")
+    if num_chunks > MAX_U32:
+        raise ValueError(f"a transfer of {num_chunks} chunks exceeds {MAX_U32}, the kernel's uint32 chunk index")
+    _check_clear_of_pages(plan, object_list)
+    if direction == Direction.STORE:
+        _check_disjoint(object_list, plan.object_bytes)
+    return object_list
 
 
 def _group_runs(plan: TransferPlan, runs_by_group: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray, int]:
     """A batch's runs (its groups' in group order), its group table over `plan` and its item count."""
-    moved = set(plan.moved_group_indices())
+    moved = plan.moved_group_set
     table = np.zeros(len(plan.groups), dtype=GROUP_DESC_DTYPE)
     run_cursor = item_cursor = 0
     for g, runs in enumerate(runs_by_group):

@@ -92,6 +92,7 @@ class StagingBuffer:
 
     def __init__(self) -> None:
         self._buffer: Optional[torch.Tensor] = None
+        self._address = 0  # the buffer's first byte
         self._ledger = StagingLedger()
         # bytes reserve() found dirty, zeroed by zero_pending() or by the caller (take_pending())
         self._pending: Optional[tuple[int, int]] = None
@@ -106,12 +107,18 @@ class StagingBuffer:
         """The first `nbytes` of the buffer for one transfer; host bookkeeping only (an allocation at most), so a
         caller can prepare everything before its first device operation and zero the pending bytes right before
         the kernel."""
+        self.claim(plan, nbytes, direction)
+        return self._buffer[:nbytes]  # type: ignore[index]
+
+    def claim(self, plan: TransferPlan, nbytes: int, direction: Direction) -> int:
+        """`reserve` for a caller that needs only the buffer's address (no tensor view is made)."""
         buffer = self._buffer
         if buffer is None or buffer.numel() < nbytes or buffer.device != plan.device:
             buffer = self._buffer = torch.zeros(nbytes, dtype=torch.uint8, device=plan.device)
+            self._address = buffer.data_ptr()
             self._ledger.fresh()
         self._pending = self._ledger.claim(plan, nbytes, buffer.numel(), direction)
-        return buffer[:nbytes]
+        return self._address
 
     def zero_pending(self) -> None:
         """Enqueues the zeroing reserve() found necessary on the current stream (nothing when none was)."""

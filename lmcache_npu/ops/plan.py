@@ -285,7 +285,7 @@ class TransferPlan:
             raise ValueError(f"plane subset: positions {outside[:5]} are outside the plan's {len(self.moved_planes)} "
                              "moved planes")
         subset = copy.copy(self)
-        for derived in ("fingerprint", "plane_table", "gap_free"):  # cached over the whole plan: recomputed
+        for derived in ("fingerprint", "plane_table", "gap_free", "moved_group_set", "_plane_ranges"):  # cached over the whole plan: recomputed
             subset.__dict__.pop(derived, None)
         subset.partial = self.partial or len(chosen) < len(self.moved_planes)
         subset.moved_planes = tuple(self.moved_planes[i] for i in chosen)
@@ -296,17 +296,30 @@ class TransferPlan:
         subset.group_num_blocks = [n if g in kept else None for g, n in enumerate(self.group_num_blocks)]
         return subset
 
-    @property
+    @cached_property
     def device(self) -> torch.device:
+        """The pages' device (read once: every batch asks)."""
         return self.planes[0].pages.device if self.planes else torch.device("cpu")
 
     def moved_group_indices(self) -> list[int]:
         return [i for i, g in enumerate(self.groups) if not g.skip and self.group_rows_per_block[i] is not None]
 
+    @cached_property
+    def moved_group_set(self) -> frozenset[int]:
+        """`moved_group_indices` as a set, computed once (every batch asks)."""
+        return frozenset(self.moved_group_indices())
+
     def group_plane_range(self, group: int) -> tuple[int, int]:
         """(first index, count) of the group's planes in ``moved_planes``."""
-        indices = [i for i, p in enumerate(self.moved_planes) if p.group == group]
-        return (indices[0], len(indices)) if indices else (0, 0)
+        return self._plane_ranges.get(group, (0, 0))
+
+    @cached_property
+    def _plane_ranges(self) -> dict[int, tuple[int, int]]:
+        ranges: dict[int, tuple[int, int]] = {}
+        for i, p in enumerate(self.moved_planes):
+            first, count = ranges.get(p.group, (i, 0))
+            ranges[p.group] = (first, count + 1)
+        return ranges
 
     @cached_property
     def fingerprint(self) -> bytes:

@@ -25,7 +25,7 @@ import torch
 from ..layout.discovery import KVLayout
 from .. import _host
 from ..layout.slots import slot_geometry
-from ..ops import ChunkBatch, Direction, PendingTransfer, TransferBackend, TransferStats
+from ..ops import ChunkBatch, CutRuns, Direction, PendingTransfer, TransferBackend, TransferStats
 from ..ops.plan import TransferPlan
 from ..platform.threads import pin_thread
 from ..store.commands import DeviceMove
@@ -115,6 +115,7 @@ class KVMover:
         self.counters = counters
         self.kit = make_kit()  # the model thread's view: events on the model's stream
         # slice plans check_slice_order passed, by id and held weakly (an id a dead plan left is checked again)
+        self._run_groups = _run_groups(layout)  # what the native cut of every batch takes, per plan group
         self._checked_slices: "weakref.WeakValueDictionary[int, SlicePlan]" = weakref.WeakValueDictionary()
         self._reading: list[_Job] = []  # store jobs the model's stream has not waited for, maybe still reading
         self.fence_waits = 0  # store batches the model's stream waited for (since start; stats get the deltas)
@@ -283,14 +284,14 @@ class KVMover:
     def _checked_batch(self, lane: _Lane, job: _Job) -> Optional[tuple[list[DeviceMove], ChunkBatch]]:
         """The job's moves that keep their rows and their checked batch, with the current stream behind the
         model's position; None once nothing is left to move (every refusal reported)."""
-        moves, objects, slots = self._slots(job)
+        moves, objects, cuts = self._cut_runs(job)
         if not moves:
             if job.slicing is not None:
                 job.slicing.progress.failed("every move of the load was refused")
             return None
         lane.kit.wait(job.ready)
         try:  # the whole plan's batch: a sliced load's rows are checked once, before any kernel runs
-            batch = ChunkBatch.build(self.layout.plan, slots, objects, job.direction)
+            batch = ChunkBatch.from_cut_runs(self.layout.plan, cuts, objects, job.direction)
         except ValueError as exc:  # validation refused it before any kernel ran: nothing was touched
             logger.error("rank %d: %s of %d chunks refused: %s", self.rank, job.direction.name.lower(),
                          len(moves), exc)
@@ -438,51 +439,43 @@ class KVMover:
         for move in moves:
             job.report(move.cmd_id, result)
 
-    def _slots(self, job: _Job) -> tuple[list[DeviceMove], list[torch.Tensor], list[Optional[np.ndarray]]]:
-        """Slot matrices of the batch (one per plan group, chunks in move order) and the moves they cover; a store
-        that would write zeros for rows the model needs is refused. Moves of one block window (a request's) are
-        planned together, one numpy pass per group."""
-        layout = self.layout
-        rows: list[list[np.ndarray]] = [[] for _ in layout.groups]
-        keep_moves, keep_objects = [], []
-        begin = 0
-        while begin < len(job.moves):
-            end = begin + 1
-            while end < len(job.moves) and job.moves[end].window is job.moves[begin].window:
+    def _cut_runs(self, job: _Job) -> tuple[list[DeviceMove], list[torch.Tensor], list[Optional[CutRuns]]]:
+        """The moves that keep their rows, their objects, and per plan group their slots cut into checked runs, in
+        one native call over every block window (csrc/host/move_runs.h: on a sliced load's path to slice 0); a
+        store that would write zeros for rows the model needs is refused and reported."""
+        moves = job.moves
+        windows, begin = [], 0
+        while begin < len(moves):  # moves of one block window (a request's) are consecutive
+            window, end = moves[begin].window, begin + 1
+            while end < len(moves) and moves[end].window is window:
                 end += 1
-            moves = job.moves[begin:end]
-            refused, per_group = self._window_slots(moves)
-            for i in np.flatnonzero(refused).tolist():
-                job.report(moves[i].cmd_id, TierResult.fail(Failure.DEVICE,
-                                                             "the chunk's rows are not all in live blocks"))
-            kept = ~refused
-            for g, matrix in enumerate(per_group):
-                rows[g].append(matrix[kept])
-            keep_moves += [m for m, k in zip(moves, kept.tolist()) if k]
-            keep_objects += [o for o, k in zip(job.objects[begin:end], kept.tolist()) if k]
+            windows.append((end, 0, window.block_ids, window.first_block))
             begin = end
-        slots = [None if g.skipped or not keep_moves else np.concatenate(rows[g.index]) for g in layout.groups]
-        return keep_moves, keep_objects, slots
+        store = job.direction == Direction.STORE
+        refused, per_group = _host.move_runs(
+            self._run_groups, windows, [m.chunk_index for m in moves], [m.first_token for m in moves],
+            [m.end_token for m in moves], [store] * len(moves), [m.without_end_state for m in moves], store,
+            not store)
+        cuts = [None if cut is None else CutRuns(*cut) for cut in per_group]
+        if not refused.any():
+            return list(moves), list(job.objects), cuts
+        for i in np.flatnonzero(refused).tolist():
+            job.report(moves[i].cmd_id, TierResult.fail(Failure.DEVICE, "the chunk's rows are not all in live blocks"))
+        kept = (~refused).tolist()
+        return ([m for m, k in zip(moves, kept) if k], [o for o, k in zip(job.objects, kept) if k], cuts)
 
-    def _window_slots(self, moves: Sequence[DeviceMove]) -> tuple[np.ndarray, list[np.ndarray]]:
-        """For moves of one block window: which stores are refused (a row the model needs is outside live blocks),
-        and (len(moves), rows_per_chunk) slots per plan group with the rows each transfer leaves alone at -1
-        (csrc/host/block_slots.h: on a sliced load's path to slice 0)."""
-        chunk, window = self.layout.plan.chunk_tokens, moves[0].window
-        index = [m.chunk_index for m in moves]
-        first = [m.first_token for m in moves]
-        end = [m.end_token for m in moves]
-        stores = [m.is_store for m in moves]
-        bare = [m.without_end_state for m in moves]
-        refused = np.zeros(len(moves), dtype=bool)
-        out = []
-        for g in self.layout.groups:
-            if g.skipped:
-                out.append(np.zeros((len(moves), 0), dtype=np.int64))
-                continue
-            sg = g.scheduler_group
-            matrix, refused_here = _host.block_slots(*slot_geometry(g, chunk), window.block_ids[sg],
-                                                     window.first_block[sg], 0, index, first, end, stores, bare)
-            refused |= refused_here
-            out.append(matrix)
-        return refused, out
+
+def _run_groups(layout: KVLayout) -> list[Optional[tuple[Any, ...]]]:
+    """Per plan group what `_host.move_runs` takes: None for a skipped group, else its slot geometry, block table,
+    whether the plan moves it, and its pages' rows per block and rows."""
+    plan = layout.plan
+    out: list[Optional[tuple[Any, ...]]] = []
+    for g in layout.groups:
+        if g.skipped:
+            out.append(None)
+            continue
+        moved = g.index in plan.moved_group_set
+        rows_per_block = plan.group_rows_per_block[g.index] if moved else 0
+        limit = plan.group_num_blocks[g.index] * rows_per_block if moved else 0
+        out.append((*slot_geometry(g, plan.chunk_tokens), g.scheduler_group, moved, rows_per_block, limit))
+    return out

@@ -76,24 +76,13 @@ _RIGHT_SLOTS: list[Any] = []  # the mover's own slot mapping, while loads are ma
 def _load_rows_one_token_late(late: bool) -> None:
     """From now on (`late`) loads put every row one token late: row t gets token t-1's bytes, a chunk's last row its
     first (the negative control of the token comparison); `late` False restores the mover's own mapping."""
-    import numpy as np
-
     from lmcache_npu.transfer import mover
+    from tests.late_rows import loads_one_token_late
 
     if not _RIGHT_SLOTS:
-        _RIGHT_SLOTS.append(mover.KVMover._window_slots)
-    right_slots = _RIGHT_SLOTS[0]
-    if not late:
-        mover.KVMover._window_slots = right_slots
-        return
-
-    def one_token_late(self: Any, moves: Any) -> Any:
-        refused, slots = right_slots(self, moves)
-        if moves[0].is_store:
-            return refused, slots
-        return refused, [np.roll(matrix, 1, axis=1) for matrix in slots]
-
-    mover.KVMover._window_slots = one_token_late
+        _RIGHT_SLOTS.append(mover.KVMover._cut_runs)
+    right = _RIGHT_SLOTS[0]
+    mover.KVMover._cut_runs = loads_one_token_late(right) if late else right
 
 
 def serve(fd: int) -> None:

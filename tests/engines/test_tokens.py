@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import time
 
-import numpy as np
 import pytest
 
 from .compare import assert_identical, prompt
@@ -45,15 +44,9 @@ def _load_rows_one_token_late(monkeypatch) -> None:
     """From now on loads put every row one token late: row t gets token t-1's bytes, a chunk's last row its first."""
     from lmcache_npu.transfer import mover
 
-    right_slots = mover.KVMover._window_slots
+    from ..late_rows import loads_one_token_late
 
-    def one_token_late(self, moves):
-        refused, slots = right_slots(self, moves)
-        if moves[0].is_store:
-            return refused, slots
-        return refused, [np.roll(matrix, 1, axis=1) for matrix in slots]  # row r lands where row r + 1 belongs
-
-    monkeypatch.setattr(mover.KVMover, "_window_slots", one_token_late)
+    monkeypatch.setattr(mover.KVMover, "_cut_runs", loads_one_token_late(mover.KVMover._cut_runs))
 
 
 def _assert_warm_run_loaded_the_cold_rows(engine, rows, prompts, cold, warm) -> None:

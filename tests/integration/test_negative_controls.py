@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from typing import Optional
 
-import numpy as np
 import pytest
 
 from lmcache_npu.ops import ChunkBatch, Direction, TransferStats
 from lmcache_npu.ops.transfer_backend import AfterKernel
 from lmcache_npu.transfer import mover as mover_module
 
+from ..late_rows import loads_one_token_late
 from .conftest import preset_engine, prompt
 from .wrappers import Wrapped, wrap
 
@@ -49,16 +49,7 @@ class SkipsPlane(Wrapped):
 
 @pytest.mark.parametrize("preset,family", LAYOUTS)
 def test_a_load_of_the_neighbouring_rows_is_caught(make_engine, monkeypatch, preset, family):
-    original = mover_module.KVMover._window_slots
-
-    def shifted(self, moves):
-        refused, out = original(self, moves)
-        if not moves[0].is_store:
-            for matrix in out:
-                matrix[:] = np.roll(matrix, 1, axis=1)  # row r receives row r-1's bytes
-        return refused, out
-
-    monkeypatch.setattr(mover_module.KVMover, "_window_slots", shifted)
+    monkeypatch.setattr(mover_module.KVMover, "_cut_runs", loads_one_token_late(mover_module.KVMover._cut_runs))
     engine = preset_engine(make_engine, preset, family)
     with pytest.raises(AssertionError, match="differ from the model's bytes"):
         _reuse(engine)

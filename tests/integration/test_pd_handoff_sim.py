@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-import numpy as np
 import pytest
 
 from lmcache_npu.integration.vllm.adapter import HANDOFF_PARAMS_KEY
@@ -18,6 +17,7 @@ from lmcache_npu.node.service import NodeCacheService
 from lmcache_npu.store.metrics import Metric
 from lmcache_npu.transfer import mover
 
+from ..late_rows import loads_one_token_late
 from .conftest import preset_engine, prompt
 
 ASK = {HANDOFF_PARAMS_KEY: {"do_remote_decode": True}}
@@ -145,13 +145,7 @@ def test_a_corrupted_tail_hash_is_never_loaded_the_whole_chunks_are(make_engine,
 
 
 def test_negative_control_rows_loaded_one_token_late_fail_the_row_check(make_engine, node, monkeypatch) -> None:
-    right = mover.KVMover._window_slots
-
-    def one_token_late(self: Any, moves: Any) -> Any:
-        refused, slots = right(self, moves)
-        return (refused, slots) if moves[0].is_store else (refused, [np.roll(m, 1, axis=1) for m in slots])
-
-    monkeypatch.setattr(mover.KVMover, "_window_slots", one_token_late)
+    monkeypatch.setattr(mover.KVMover, "_cut_runs", loads_one_token_late(mover.KVMover._cut_runs))
     with pytest.raises(AssertionError, match="before d"):
         _pd(make_engine, node, seed=9)
 

@@ -14,10 +14,12 @@ from hypothesis import strategies as st
 from lmcache_npu.ops import ChunkBatch, Direction
 from lmcache_npu.ops.cuda.work_order import (
     MAX_SLICES,
+    PackedPart,
     copy_table,
     prefix_order,
     slice_bounds,
     sliced_load_order,
+    sliced_load_tables,
     split_runs,
     work_order,
 )
@@ -320,6 +322,59 @@ def test_a_sliced_loads_slices_copy_what_their_kernels_read_and_no_later_slices_
         assert complete, "a slice's kernel reads bytes its copies did not stage"
 
 
+def _packed_mismatches(buffer: np.ndarray, tables, order, objects: np.ndarray, status_bytes: int) -> list[str]:
+    """The packed parts that differ from the work order's arrays (zeros where the kernel counts and reports)."""
+    expected = {PackedPart.GROUPS: order.group_table, PackedPart.RUNS: order.runs, PackedPart.OBJECTS: objects,
+                PackedPart.ITEMS: order.items, PackedPart.SLICE_ITEMS: order.slice_items,
+                PackedPart.COUNTERS: np.zeros(order.slice_items.size, dtype=np.uint32),
+                PackedPart.STATUS: np.zeros(status_bytes, dtype=np.uint8)}
+    wrong = []
+    for part, array in expected.items():
+        want = np.ascontiguousarray(array).view(np.uint8).reshape(-1)
+        at = int(tables.offsets[part])
+        if at % 64 or not np.array_equal(buffer[at: at + want.size], want):
+            wrong.append(part.name)
+    return wrong
+
+
+@settings(deadline=None)
+@given(case=cases(soc="a2"), piece_bytes=st.sampled_from([0, 100, 1 << 16]), staged=st.booleans(),
+       small=st.booleans(), data=st.data())
+def test_the_packed_sliced_tables_are_the_orders_tables_and_zeros(case: Case, piece_bytes: int, staged: bool,
+                                                                   small: bool, data) -> None:
+    """What the CUDA backend's native call reads, packed by one native call: every part equals the work order's
+    (a grown buffer too), counters and status are zeroed over stale bytes, copies carry the staging address."""
+    plan = case.geometry.plan()
+    count = data.draw(st.integers(1, 5), label="slices")
+    n = len(plan.moved_planes)
+    plane_slice = np.array(data.draw(st.lists(st.integers(0, count - 1), min_size=n, max_size=n), label="planes"))
+    batch = _batch(case, Direction.LOAD)
+    order = sliced_load_order(batch, plane_slice, count, piece_bytes)
+    staging, status_bytes = (1 << 40) if staged else 0, 24
+    buffers = [np.full(64 if small else 1 << 20, 0xAB, dtype=np.uint8)]
+
+    def buffer(nbytes: int) -> np.ndarray:
+        if buffers[-1].size < nbytes:
+            buffers.append(np.full(nbytes, 0xAB, dtype=np.uint8))
+        return buffers[-1]
+
+    tables = sliced_load_tables(batch, plane_slice, count, piece_bytes, staging, status_bytes, buffer)
+    objects = (staging + np.arange(batch.num_chunks, dtype=np.uint64) * np.uint64(plan.object_bytes) if staged
+               else batch.object_addresses())
+    assert tables.table_bytes <= buffers[-1].size
+    assert _packed_mismatches(buffers[-1], tables, order, objects, status_bytes) == []
+    assert (tables.num_items, tables.num_runs, tables.num_groups) == (len(order.items), order.runs.size,
+                                                                      len(order.group_table))
+    assert np.array_equal(tables.slice_items, order.slice_items)
+    want = copy_table(staging, batch, order, True) if staged else np.zeros((0, 4), dtype=np.uint64)
+    assert np.array_equal(tables.copies, want), "the packed copies differ from the order's"
+    # negative control: one wrong byte in a part is noticed
+    parts = [p for p in (PackedPart.GROUPS, PackedPart.OBJECTS, PackedPart.STATUS)]
+    part = data.draw(st.sampled_from(parts), label="corrupted part")
+    buffers[-1][int(tables.offsets[part])] ^= 0x01
+    assert _packed_mismatches(buffers[-1], tables, order, objects, status_bytes) == [part.name]
+
+
 def test_a_sliced_load_order_names_the_plane_outside_its_slices() -> None:
     from hypothesis import find
 
@@ -333,6 +388,12 @@ def test_a_sliced_load_order_names_the_plane_outside_its_slices() -> None:
         assert batch.plan.moved_planes[1].label in str(exc) and "slice 3" in str(exc)
     else:
         raise AssertionError("a plane in slice 3 of 3 was accepted")
+    try:
+        sliced_load_tables(batch, plane_slice, 3, 0, 0, 24, lambda nbytes: np.zeros(max(nbytes, 64), np.uint8))
+    except ValueError as exc:
+        assert batch.plan.moved_planes[1].label in str(exc) and "slice 3" in str(exc)
+    else:
+        raise AssertionError("the packed planner accepted a plane in slice 3 of 3")
     try:
         sliced_load_order(batch, plane_slice[:1], 3)
     except ValueError as exc:

@@ -29,6 +29,7 @@ from ..plan import Direction, TransferPlan
 from ..transfer_backend import (AfterKernel, BackendUnavailable, KernelReport, PendingTransfer, TransferBackend,
                                 TransferStats, warm_up)
 from . import work_order as planner
+from .work_order import PackedPart
 from .native import (NativeResources, Pipeline, SliceEvent, TransferEvent, load_cuda_module,
                      stream_memops_supported)
 from .tuning import AUTO_PATH, AUTO_PIPELINE_MIN_BYTES, CudaPath, CudaTuning
@@ -176,8 +177,7 @@ class CudaBackend(TransferBackend):
         stream, so the host makes no step between slices. Raises before anything is enqueued on bad input."""
         if batch.direction != Direction.LOAD:
             raise ValueError("launch_sliced moves loads only: a store has no layer to wait for")
-        slices = _SliceLaunch(self._cuda, planner.sliced_load_order(batch, plane_slice, num_slices,
-                                                                    self.tuning.piece_bytes))
+        slices = _SliceLaunch(self._cuda, plane_slice, num_slices)
         pending = self._launch_load(batch, after_kernel, slices)
         return SlicedLaunch(pending, tuple(slices.events))
 
@@ -230,63 +230,76 @@ class CudaBackend(TransferBackend):
                                       tuning.load_tail_bytes, tuning.load_tail_share)
         return planner.work_order(batch, pipelined, tuning.piece_bytes, bounds), False
 
-    def _enqueue(self, batch: ChunkBatch, after_kernel: Optional[AfterKernel], state: NativeResources,
-                 sliced: Optional["_SliceLaunch"] = None) -> "_Enqueued":
-        """Everything of one transfer on the current stream, in one native call, using `state`'s buffers; `sliced`:
-        a sliced load's slices, each its own copies, kernel and event (`launch_sliced`)."""
-        plan, tuning = batch.plan, self.tuning
-        path = self.path_for(batch)
-        self._check_objects(batch, path)
-        object_bytes = plan.object_bytes
-        total = batch.num_chunks * object_bytes
-        if sliced is None:
-            pipelined = self.pipelined(batch)
-            order, mapped_prefix = self._order(batch, path, pipelined)
-            pipelined = pipelined and order.slice_items.size > 1  # one slice: nothing to overlap
-        else:  # each slice's kernel runs once its copies are in: no flags inside a launch
-            order, mapped_prefix, pipelined = sliced.order, False, False
-        slices = order.slice_items.size
-        stream = torch.cuda.current_stream(plan.device)
-        zero = None
+    def _claim_staging(self, batch: ChunkBatch, path: CudaPath, stream: torch.cuda.Stream) -> tuple[int, Any]:
+        """The staging buffer's address for `batch` (0 off the staging path) and the range to zero before use."""
+        if path != CudaPath.STAGING:
+            return 0, None
+        address = self._staging.claim(batch.plan, batch.num_chunks * batch.plan.object_bytes, batch.direction)
+        if address != self._staging_address:  # new memory: its zeroing done before any stream uses it
+            stream.synchronize()
+            self._staging_address = address
+        return address, self._staging.take_pending()
+
+    def _whole_tables(self, batch: ChunkBatch, order: planner.WorkOrder, state: NativeResources, staging: int,
+                      copied: bool, mapped_prefix: bool) -> planner.PackedTables:
+        """A whole transfer's tables packed into `state`'s host buffer; `copied`: its copies are per slice."""
         copies = np.zeros((0, 4), dtype=np.uint64)
-        if path == CudaPath.STAGING:
-            staging = self._staging.reserve(plan, total, batch.direction)
-            if staging.data_ptr() != self._staging_address:  # new memory: its zeroing done before any stream uses it
-                stream.synchronize()
-                self._staging_address = staging.data_ptr()
-            zero = self._staging.take_pending()
-            addresses = staging.data_ptr() + np.arange(batch.num_chunks, dtype=np.uint64) * np.uint64(object_bytes)
-            copies = planner.copy_table(staging.data_ptr(), batch, order, pipelined or sliced is not None,
-                                        from_slice=1 if mapped_prefix else 0)
+        if staging:
+            addresses = staging + np.arange(batch.num_chunks, dtype=np.uint64) * np.uint64(batch.plan.object_bytes)
+            copies = planner.copy_table(staging, batch, order, copied, from_slice=1 if mapped_prefix else 0)
         else:
             addresses = batch.object_addresses()
+        slices = order.slice_items.size
         parts = [order.group_table, order.runs, addresses, order.items, order.slice_items,
                  np.zeros(slices, dtype=np.uint32),  # per-slice counters
                  np.zeros(self._cuda.STATUS_BYTES, dtype=np.uint8),  # the kernel's status starts at zero
                  batch.object_addresses() if mapped_prefix else np.zeros(0, dtype=np.uint64)]
         offsets, table_bytes = packed_offsets(parts)
-        host_tables, device_tables = state.tables(table_bytes)
-        pack_into(host_tables.numpy(), parts, offsets)
-        host, base = host_tables.data_ptr(), device_tables.data_ptr()
-        fields = {
+        pack_into(state.host_buffer(table_bytes), parts, offsets)
+        return planner.PackedTables(offsets, table_bytes, len(order.items), order.runs.size, len(order.group_table),
+                                    order.slice_items, copies)
+
+    def _enqueue(self, batch: ChunkBatch, after_kernel: Optional[AfterKernel], state: NativeResources,
+                 sliced: Optional["_SliceLaunch"] = None) -> "_Enqueued":
+        """Everything of one transfer on the current stream, in one native call, using `state`'s buffers; `sliced`:
+        a sliced load's slices, each its own copies, kernel and event (`launch_sliced`), planned and packed by one
+        native call."""
+        plan, tuning = batch.plan, self.tuning
+        path = self.path_for(batch)
+        self._check_objects(batch, path)
+        stream = torch.cuda.current_stream(plan.device)
+        staging, zero = self._claim_staging(batch, path, stream)
+        if sliced is None:
+            pipelined = self.pipelined(batch)
+            order, mapped_prefix = self._order(batch, path, pipelined)
+            pipelined = pipelined and order.slice_items.size > 1  # one slice: nothing to overlap
+            tables = self._whole_tables(batch, order, state, staging, pipelined, mapped_prefix)
+        else:  # each slice's kernel runs once its copies are in: no flags inside a launch
+            mapped_prefix = pipelined = False
+            tables = sliced.pack(batch, staging, self._cuda.STATUS_BYTES, tuning.piece_bytes, state)
+        offsets, table_bytes, copies = tables.offsets, tables.table_bytes, tables.copies
+        host, base = state.host_tables.data_ptr(), state.device_tables.data_ptr()
+        part = PackedPart
+        state.set_fields({
             "stream": stream.cuda_stream, "planes": self._plane_tables.get(plan).data_ptr(),
-            "groups": base + offsets[0], "runs": base + offsets[1], "objects": base + offsets[2],
-            "host_objects": base + offsets[7] if mapped_prefix else 0,
-            "items": base + offsets[3], "slice_items": base + offsets[4],
-            "slice_counters": base + offsets[5], "slice_flags": state.flags.data_ptr(),
-            "status": base + offsets[6], "num_items": len(order.items), "num_planes": len(plan.plane_table),
-            "num_groups": len(order.group_table), "num_runs": order.runs.size,
+            "groups": base + offsets[part.GROUPS], "runs": base + offsets[part.RUNS],
+            "objects": base + offsets[part.OBJECTS],
+            "host_objects": base + offsets[part.HOST_OBJECTS] if mapped_prefix else 0,
+            "items": base + offsets[part.ITEMS], "slice_items": base + offsets[part.SLICE_ITEMS],
+            "slice_counters": base + offsets[part.COUNTERS], "slice_flags": state.flags.data_ptr(),
+            "status": base + offsets[part.STATUS], "num_items": tables.num_items, "num_planes": len(plan.plane_table),
+            "num_groups": tables.num_groups, "num_runs": tables.num_runs,
             "num_chunks": batch.num_chunks, "kernel_direction": int(batch.direction),
-            "blocks": self._blocks(batch, path, pipelined), "threads": tuning.threads, "num_slices": slices,
-            "epoch": state.next_epoch(), "pipeline": self._pipeline_mode(batch, mapped_prefix, pipelined),
+            "blocks": self._blocks(batch, path, pipelined), "threads": tuning.threads,
+            "num_slices": tables.slice_items.size, "epoch": state.next_epoch(),
+            "pipeline": self._pipeline_mode(batch, mapped_prefix, pipelined),
             "copy_stream": state.copy_stream.cuda_stream if pipelined else 0, "table_host": host,
             "table_device": base, "table_bytes": table_bytes,
-            "zero_address": 0 if zero is None else staging.data_ptr() + zero[0],
+            "zero_address": 0 if zero is None else staging + zero[0],
             "zero_bytes": 0 if zero is None else zero[1] - zero[0],
             "copies": copies.ctypes.data, "num_copies": len(copies), "direction": int(batch.direction),
-            "status_host": host + offsets[6],
-        }
-        state.set_fields(fields)
+            "status_host": host + offsets[part.STATUS],
+        })
         record = state.record
         pages_free = None
         if after_kernel is not None:
@@ -307,7 +320,7 @@ class CudaBackend(TransferBackend):
         except BaseException:
             self._drain(stream, state)
             raise
-        return _Enqueued(state, stream, pipelined, mapped_prefix, offsets[6], len(order.items))
+        return _Enqueued(state, stream, pipelined, mapped_prefix, offsets[part.STATUS], tables.num_items)
 
     @staticmethod
     def _drain(stream: torch.cuda.Stream, state: NativeResources) -> None:
@@ -350,16 +363,26 @@ class SlicedLaunch:
 
 
 class _SliceLaunch:
-    """A sliced load's order and the native slices record: per slice its item count, and its landing event, which
+    """A sliced load's slices and the native slices record: per slice its item count, and its landing event, which
     the native call makes (fresh per load: the model's stream waits on it)."""
 
-    def __init__(self, cuda: Any, order: planner.WorkOrder) -> None:
-        self.order = order
+    def __init__(self, cuda: Any, plane_slice: np.ndarray, num_slices: int) -> None:
         self.events: list[SliceEvent] = []
         self._cuda = cuda
+        self._plane_slice = plane_slice
+        self._num_slices = num_slices
         self._record = np.zeros(3, dtype=np.uint64)
-        self._slice_items = np.ascontiguousarray(order.slice_items, dtype=np.uint32)
+        self._slice_items = np.zeros(0, dtype=np.uint32)
+        self._handles = np.zeros(0, dtype=np.uint64)
+
+    def pack(self, batch: ChunkBatch, staging: int, status_bytes: int, piece_bytes: int,
+             state: NativeResources) -> planner.PackedTables:
+        """The load's work order planned and packed into `state`'s host buffer in one native call."""
+        tables = planner.sliced_load_tables(batch, self._plane_slice, self._num_slices, piece_bytes, staging,
+                                            status_bytes, state.host_buffer)
+        self._slice_items = tables.slice_items
         self._handles = np.zeros(self._slice_items.size, dtype=np.uint64)
+        return tables
 
     def native(self) -> int:
         """The LmcacheCudaSlices record's address (its arrays live as long as this object)."""

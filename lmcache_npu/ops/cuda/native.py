@@ -129,6 +129,7 @@ class NativeResources:
         self.flags = torch.zeros(MAX_SLICES, dtype=torch.int32, device=device)
         self.epoch = 0
         self.host_tables = torch.zeros(0, dtype=torch.uint8)
+        self.host_view = self.host_tables.numpy()  # the same bytes, for native planners that pack into them
         self.device_tables = torch.zeros(0, dtype=torch.uint8, device=device)
         torch.cuda.current_stream(device).synchronize()  # the flags are zero before the copy stream waits on them
 
@@ -145,8 +146,14 @@ class NativeResources:
         if self.host_tables.numel() < nbytes:
             size = max(4096, 1 << (nbytes - 1).bit_length())
             self.host_tables = torch.zeros(size, dtype=torch.uint8, pin_memory=True)
+            self.host_view = self.host_tables.numpy()
             self.device_tables = torch.empty(size, dtype=torch.uint8, device=self.device)  # used on this stream only
         return self.host_tables, self.device_tables
+
+    def host_buffer(self, nbytes: int) -> np.ndarray:
+        """The pinned host table buffer as numpy, of at least `nbytes` (grown like `tables`)."""
+        self.tables(nbytes)
+        return self.host_view
 
     def next_epoch(self) -> int:
         self.epoch = (self.epoch + 1) & 0xFFFFFFFF or 1

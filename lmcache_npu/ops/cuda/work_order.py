@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import Optional
+from enum import IntEnum
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
@@ -166,28 +167,91 @@ def work_order(batch: ChunkBatch, pipelined: bool = False, piece_bytes: int = PI
     return WorkOrder(runs, group_table, _items_table(run_id, plane_id, slice_id), slice_items, pieces)
 
 
+class PackedPart(IntEnum):
+    """The parts of a transfer's packed table buffer, in buffer order (csrc/host/sliced_order.h, PackedPart)."""
+
+    GROUPS = 0
+    RUNS = 1
+    OBJECTS = 2  # per chunk the address the kernel reads: its staging bytes, or the object itself
+    ITEMS = 3
+    SLICE_ITEMS = 4
+    COUNTERS = 5  # per slice, zero
+    STATUS = 6  # the kernel's report, zero
+    HOST_OBJECTS = 7  # a mapped prefix's host objects (else empty)
+
+
+@dataclass(frozen=True)
+class PackedTables:
+    """A transfer's tables written into a backend's host buffer: where each PackedPart starts, the bytes used, the
+    counts the native record carries, the per-slice item counts and the copy rows (staging address, host address,
+    bytes, slice)."""
+
+    offsets: Sequence[int]
+    table_bytes: int
+    num_items: int
+    num_runs: int
+    num_groups: int
+    slice_items: np.ndarray  # uint32 per slice
+    copies: np.ndarray  # (n, 4) uint64
+
+
+def _plane_slices(plan: TransferPlan, plane_slice: np.ndarray) -> np.ndarray:
+    plane_slice = np.asarray(plane_slice, dtype=np.int64)
+    if plane_slice.shape != (len(plan.moved_planes),):
+        raise ValueError(f"sliced load: {plane_slice.size} plane slices for {len(plan.moved_planes)} moved planes")
+    return plane_slice
+
+
+def _name_the_plane(plan: TransferPlan, plane_slice: np.ndarray, num_slices: int) -> None:
+    """Raises naming the plane by its label where the native planner refused a plane outside the slices."""
+    outside = np.flatnonzero((plane_slice < 0) | (plane_slice >= num_slices))
+    if outside.size:
+        bad = int(outside[0])
+        raise ValueError(f"sliced load: plane {plan.moved_planes[bad].label} is in slice {int(plane_slice[bad])}, "
+                         f"outside the load's {num_slices} slices") from None
+
+
 def sliced_load_order(batch: ChunkBatch, plane_slice: np.ndarray, num_slices: int,
                       piece_bytes: int = PIECE_BYTES) -> WorkOrder:
     """A sliced load's items in forward order (issue 41): grouped by the slice of their plane (`plane_slice`, per
     moved plane of the batch's plan), staging-byte order inside each, with exactly `num_slices` slice counts (empty
     slices count 0). A slice's pieces are its items' own bytes: its copies bring in what its kernel reads, and
-    nothing of a later slice. Planned natively (csrc/host/sliced_order.h): it is on the load lane's path to slice 0."""
+    nothing of a later slice. Planned natively (csrc/host/sliced_order.h); `sliced_load_tables` packs the same order
+    for the CUDA backend."""
     plan = batch.plan
-    plane_slice = np.asarray(plane_slice, dtype=np.int64)
-    if plane_slice.shape != (len(plan.moved_planes),):
-        raise ValueError(f"sliced load: {plane_slice.size} plane slices for {len(plan.moved_planes)} moved planes")
+    plane_slice = _plane_slices(plan, plane_slice)
     try:  # the native planner checks every plane's slice; the message names the plane by its label
         runs, groups, items, slice_items, pieces, copies = _host.sliced_load_order(
             plan.plane_table, batch.group_table, batch.runs, plane_slice, num_slices, batch.num_chunks,
             max(piece_bytes, 0), plan.object_bytes, batch.object_addresses(), batch.object_storages())
     except ValueError:
-        outside = np.flatnonzero((plane_slice < 0) | (plane_slice >= num_slices))
-        if outside.size:
-            bad = int(outside[0])
-            raise ValueError(f"sliced load: plane {plan.moved_planes[bad].label} is in slice "
-                             f"{int(plane_slice[bad])}, outside the load's {num_slices} slices") from None
+        _name_the_plane(plan, plane_slice, num_slices)
         raise
     return WorkOrder(runs.view(RUN_DESC_DTYPE), groups.view(GROUP_DESC_DTYPE), items, slice_items, pieces, copies)
+
+
+def sliced_load_tables(batch: ChunkBatch, plane_slice: np.ndarray, num_slices: int, piece_bytes: int,
+                       staging_address: int, status_bytes: int,
+                       buffer: Callable[[int], np.ndarray]) -> PackedTables:
+    """`sliced_load_order` planned and packed in one native call into `buffer(nbytes)` (a uint8 host buffer of at
+    least nbytes; 0: the current one), with its copies (none where `staging_address` is 0: the kernel reads the
+    objects). Nothing but this call lies between a sliced load's checked batch and its enqueue."""
+    plan = batch.plan
+    plane_slice = _plane_slices(plan, plane_slice)
+    out = buffer(0)
+    for _ in range(2):  # a buffer too small is grown once to the size the planner reported
+        try:
+            offsets, table_bytes, items, runs, groups, slice_items, copies = _host.sliced_load_tables(
+                plan.plane_table, batch.group_table, batch.runs, plane_slice, num_slices, batch.num_chunks,
+                max(piece_bytes, 0), plan.object_bytes, batch.object_addresses(), batch.object_storages(),
+                staging_address, status_bytes, out)
+        except ValueError:
+            _name_the_plane(plan, plane_slice, num_slices)
+            raise
+        if offsets is not None:
+            return PackedTables(offsets, table_bytes, items, runs, groups, slice_items, copies)
+        out = buffer(table_bytes)
+    raise RuntimeError(f"sliced_load_tables: the buffer did not grow to {table_bytes} B")
 
 
 def span_pieces(start: np.ndarray, length: np.ndarray, slice_items: np.ndarray, object_bytes: int) -> np.ndarray:

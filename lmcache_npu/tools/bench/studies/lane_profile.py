@@ -98,17 +98,16 @@ def timed_steps(case: Any, timings: Timings) -> Iterator[list[Any]]:
 
     patch(mover, "run_sliced", run_sliced)
     patch(KVMover, "_execute", _timed(execute, "lane, whole", timings))
-    patch(KVMover, "_slots", _timed(KVMover._slots, "slots", timings))
-    patch(ChunkBatch, "build", classmethod(_timed(ChunkBatch.build.__func__, "batch checks", timings)))
+    patch(KVMover, "_cut_runs", _timed(KVMover._cut_runs, "slots and runs", timings))
+    patch(ChunkBatch, "from_cut_runs",
+          classmethod(_timed(ChunkBatch.from_cut_runs.__func__, "batch checks", timings)))
     if backend.name == "cuda":
         from lmcache_npu.ops.cuda import backend as cuda_backend
 
         planner = cuda_backend.planner
-        patch(planner, "sliced_load_order", _timed(planner.sliced_load_order, "work order", timings))
-        patch(planner, "copy_table", _timed(planner.copy_table, "copy table", timings))
+        patch(planner, "sliced_load_tables", _timed(planner.sliced_load_tables, "work order and tables", timings))
         patch(cuda_backend.CudaBackend, "_enqueue", _timed(cuda_backend.CudaBackend._enqueue, "enqueue", timings))
-        for owner, name in ((cuda_backend.CudaBackend, "_check_objects"), (cuda_backend.StagingBuffer, "reserve"),
-                            (cuda_backend, "packed_offsets"), (cuda_backend, "pack_into"),
+        for owner, name in ((cuda_backend.CudaBackend, "_check_objects"), (cuda_backend.StagingBuffer, "claim"),
                             (cuda_backend.NativeResources, "tables"), (cuda_backend.NativeResources, "next_epoch"),
                             (cuda_backend.CudaBackend, "_spare_state")):
             patch(owner, name, _timed(getattr(owner, name), f"  enqueue: {name}", timings))
@@ -123,12 +122,12 @@ def timed_steps(case: Any, timings: Timings) -> Iterator[list[Any]]:
                 setattr(owner, name, value)
 
 
-def steps(case: Any, sliced: Any, work: Any, clock: Clock, runs: int) -> Timings:
+def steps(case: Any, sliced: Any, work: Any, clock: Clock, runs: int, prelude: float = 0.0) -> Timings:
     """Median-ready step timings (seconds) over `runs` sliced loads; on CUDA also the device's view of the start."""
     timings: Timings = defaultdict(list)
     with timed_steps(case, timings) as entries:
         for _ in range(runs):
-            run = pipelined(case, sliced, work, clock)
+            run = pipelined(case, sliced, work, clock, prelude=prelude)
             timings["lane to slice 0 mark"].append(run.lane_first)
             timings["TTFT"].append(run.ttft)
             backend = case.mover.backends[Direction.LOAD]
@@ -153,6 +152,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--runs", type=int, default=10)
     parser.add_argument("--top", type=int, default=30)
     parser.add_argument("--steps", action="store_true", help="wall-clock step times instead of cProfile")
+    parser.add_argument("--prelude-ms", type=float, default=0.0,
+                        help="the model's thread spins this long between the sync and each load (an engine's input "
+                             "preparation)")
     args = parser.parse_args(argv)
     backend = "cuda" if torch.cuda.is_available() else "host"
     geometry = load_geometry(args.geometry)
@@ -166,15 +168,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         for _ in range(2):
             pipelined(case, sliced, work, clock)  # cold: prepare, spare records
         if args.steps:
-            print(f"S={args.slices} ratio={args.ratio}, median of {args.runs} sliced loads (ms):")
-            for name, values in steps(case, sliced, work, clock, args.runs).items():
+            print(f"S={args.slices} ratio={args.ratio} prelude={args.prelude_ms} ms, median of {args.runs} sliced loads (ms):")
+            for name, values in steps(case, sliced, work, clock, args.runs, args.prelude_ms / 1e3).items():
                 print(f"  {name:40s} {statistics.median(values) * 1e3:8.3f}")
             return 0
         profile = cProfile.Profile()
         original = KVMover._execute
         KVMover._execute = profiled(original, profile)  # type: ignore[method-assign]
         try:
-            runs = [pipelined(case, sliced, work, clock) for _ in range(args.runs)]
+            runs = [pipelined(case, sliced, work, clock, prelude=args.prelude_ms / 1e3) for _ in range(args.runs)]
         finally:
             KVMover._execute = original  # type: ignore[method-assign]
         lane_ms = sorted(r.lane * 1e3 for r in runs)[len(runs) // 2]
