@@ -124,12 +124,16 @@ lmcache_npu::host::SlicedOrderInput SlicedInput(
   return input;
 }
 
-lmcache_npu::host::SlicedOrder Planned(const lmcache_npu::host::SlicedOrderInput& input) {
+// The order planned into this thread's scratch (its vectors' memory is reused from load to load); valid until the
+// thread plans again.
+const lmcache_npu::host::SlicedOrder& Planned(const lmcache_npu::host::SlicedOrderInput& input) {
+  thread_local lmcache_npu::host::SlicedOrder scratch;
   try {
-    return lmcache_npu::host::PlanSlicedLoad(input);
+    lmcache_npu::host::PlanSlicedLoad(input, &scratch);
   } catch (const std::invalid_argument& error) {
     throw py::value_error(error.what());
   }
+  return scratch;
 }
 
 py::array_t<uint32_t> SliceItems(const lmcache_npu::host::SlicedOrder& order) {
@@ -147,7 +151,7 @@ py::tuple SlicedLoadOrderBinding(const py::array& planes, const py::array& group
   const lmcache_npu::host::SlicedOrderInput input =
       SlicedInput(planes, groups, runs, plane_slice, num_slices, num_chunks, piece_bytes, object_bytes,
                   object_addresses, object_storages, &addresses, &storages);
-  const lmcache_npu::host::SlicedOrder order = Planned(input);
+  const lmcache_npu::host::SlicedOrder& order = Planned(input);
   py::object copies = py::none();
   if (input.object_addresses != nullptr) copies = Rows(order.copies);
   return py::make_tuple(Bytes(order.runs), Bytes(order.groups), Rows(order.items), SliceItems(order),
@@ -171,7 +175,7 @@ py::tuple SlicedLoadTablesBinding(const py::array& planes, const py::array& grou
   const uint64_t* objects = input.object_addresses;
   if (objects == nullptr) throw py::value_error("sliced_load_tables: object_addresses are required");
   if (staging_address == 0) input.object_addresses = nullptr;  // the kernel reads the objects: nothing to copy
-  const lmcache_npu::host::SlicedOrder order = Planned(input);
+  const lmcache_npu::host::SlicedOrder& order = Planned(input);
   const lmcache_npu::host::PackedLayout layout = lmcache_npu::host::PackedSlicedLayout(order, num_chunks, status_bytes);
   py::object offsets = py::none();
   if (static_cast<uint64_t>(out.size()) >= layout.bytes) {

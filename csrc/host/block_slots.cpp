@@ -20,6 +20,7 @@ void BlockSlots(const SlotGroup& g, const std::vector<int64_t>& block_ids, int64
   const int64_t blocks = static_cast<int64_t>(block_ids.size());
   for (uint64_t m = 0; m < moves.count; ++m) {
     const int64_t index = moves.index[m];
+    if (index < 0) throw std::invalid_argument("block slots: chunk index " + std::to_string(index) + " is negative");
     int64_t* row_slots = slots + m * static_cast<uint64_t>(g.rows_per_chunk);
     const bool load = moves.transfer && !moves.store[m];
     const bool store = moves.transfer && moves.store[m];
@@ -31,14 +32,23 @@ void BlockSlots(const SlotGroup& g, const std::vector<int64_t>& block_ids, int64
     const bool no_state = g.recurrent && ((load && !last_chunk) || (store && bare));
     const bool written = store && !(g.recurrent && bare);
     bool refuse = false;
-    for (int64_t r = 0; r < g.rows_per_chunk; ++r) {
-      const int64_t token = index * g.chunk_tokens + (g.chunk_tokens - g.stored_tokens) + r * g.compress_ratio;
-      const int64_t logical = token / g.tokens_per_block - first_block;
+    // the token's block and place in it, stepped row by row (no division per row where compress_ratio is 1)
+    int64_t token = index * g.chunk_tokens + (g.chunk_tokens - g.stored_tokens);
+    int64_t block = token / g.tokens_per_block, within = token % g.tokens_per_block;
+    for (int64_t r = 0; r < g.rows_per_chunk; ++r, token += g.compress_ratio) {
+      if (r > 0) {
+        within += g.compress_ratio;
+        while (within >= g.tokens_per_block) {
+          within -= g.tokens_per_block;
+          ++block;
+        }
+      }
+      const int64_t logical = block - first_block;
       int64_t slot = kSkipSlot;
       if (logical >= 0 && logical < blocks) {
         const int64_t physical = block_ids[static_cast<size_t>(logical)];
         if (physical >= 0 && !(null_block >= 0 && physical == null_block)) {
-          slot = physical * g.rows_per_block + (token % g.tokens_per_block) / g.compress_ratio;
+          slot = physical * g.rows_per_block + (g.compress_ratio == 1 ? within : within / g.compress_ratio);
         }
       }
       if (moves.transfer) {

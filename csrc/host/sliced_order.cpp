@@ -77,15 +77,20 @@ void SplitRuns(const RunDesc* runs, uint32_t count, uint32_t rows, std::vector<R
 }
 
 struct Span {
-  uint64_t start;
+  uint64_t start;   // in staging
   uint64_t length;
+  uint32_t chunk;   // start / object_bytes, kept so the copy pieces need no division
 };
 
 }  // namespace
 
-SlicedOrder PlanSlicedLoad(const SlicedOrderInput& in) {
+void PlanSlicedLoad(const SlicedOrderInput& in, SlicedOrder* out) {
   CheckTables(in);
-  SlicedOrder order;
+  SlicedOrder& order = *out;
+  order.runs.clear();  // the vectors keep their memory: a load's order is planned without faulting in fresh pages
+  order.items.clear();
+  order.pieces.clear();
+  order.copies.clear();
   // Pieces, group by group, and the group table over them.
   std::vector<uint32_t> widest(in.num_groups, 0);
   for (uint32_t g = 0; g < in.num_groups; ++g) {
@@ -144,16 +149,22 @@ SlicedOrder PlanSlicedLoad(const SlicedOrderInput& in) {
     return in.planes[a].object_offset_bytes < in.planes[b].object_offset_bytes;
   });
 
+  // An item's staging bytes, from its piece and plane (no per-item table: the plan's tables stay in cache).
+  const auto span_of = [&](const std::array<uint32_t, 4>& item) {
+    const RunDesc& piece = order.runs[item[0]];
+    const PlaneDesc& plane = in.planes[item[1]];
+    return Span{piece.chunk * in.object_bytes + plane.object_offset_bytes + uint64_t{piece.first_row} * plane.row_bytes,
+                uint64_t{piece.num_rows} * plane.row_bytes, piece.chunk};
+  };
   order.items.reserve(item_cursor);
   order.slice_items.assign(in.num_slices, 0);
-  std::vector<Span> spans;
-  spans.reserve(item_cursor);
   bool ordered = true;  // starts ascend inside every slice (they do for any plan whose plane segments are disjoint)
   size_t plane_at = 0;
   for (uint32_t k = 0; k < in.num_slices; ++k) {
     size_t plane_end = plane_at;
     while (plane_end < planes.size() && in.plane_slice[planes[plane_end]] == k) ++plane_end;
     const size_t slice_begin = order.items.size();
+    uint64_t last_start = 0;
     for (uint32_t c = 0; c < chunks; ++c) {
       for (size_t i = plane_at; i < plane_end; ++i) {
         const uint32_t p = planes[i];
@@ -162,11 +173,13 @@ SlicedOrder PlanSlicedLoad(const SlicedOrderInput& in) {
         if (chunk_first[g].empty()) continue;
         for (uint32_t j = chunk_first[g][c]; j < chunk_first[g][c + 1]; ++j) {
           const RunDesc& piece = order.runs[by_chunk[g][j]];
-          const Span span{c * in.object_bytes + plane.object_offset_bytes + uint64_t{piece.first_row} * plane.row_bytes,
-                          uint64_t{piece.num_rows} * plane.row_bytes};
-          if (order.items.size() > slice_begin && span.start <= spans.back().start) ordered = false;
-          order.items.push_back({by_chunk[g][j], p, k, 0});
-          spans.push_back(span);
+          const uint64_t start = c * in.object_bytes + plane.object_offset_bytes + uint64_t{piece.first_row} * plane.row_bytes;
+          if (order.items.size() > slice_begin && start <= last_start) ordered = false;
+          last_start = start;
+          std::array<uint32_t, 4>& item = order.items.emplace_back();  // fields stored in place: a 16 B item
+          item[0] = by_chunk[g][j];  // built on the stack and copied stalled the loop on store forwarding
+          item[1] = p;
+          item[2] = k;
         }
       }
     }
@@ -174,28 +187,25 @@ SlicedOrder PlanSlicedLoad(const SlicedOrderInput& in) {
     plane_at = plane_end;
   }
   if (!ordered) {  // overlapping plane segments: sort each slice's items by their staging start
+    std::vector<uint64_t> starts(order.items.size());
+    for (size_t i = 0; i < starts.size(); ++i) starts[i] = span_of(order.items[i]).start;
     std::vector<uint32_t> index(order.items.size());
     std::iota(index.begin(), index.end(), 0);
     std::stable_sort(index.begin(), index.end(), [&](uint32_t a, uint32_t b) {
       if (order.items[a][2] != order.items[b][2]) return order.items[a][2] < order.items[b][2];
-      return spans[a].start < spans[b].start;
+      return starts[a] < starts[b];
     });
-    std::vector<std::array<uint32_t, 4>> items(index.size());
-    std::vector<Span> sorted(index.size());
-    for (size_t i = 0; i < index.size(); ++i) {
-      items[i] = order.items[index[i]];
-      sorted[i] = spans[index[i]];
-    }
-    order.items.swap(items);
-    spans.swap(sorted);
+    const std::vector<std::array<uint32_t, 4>> items(order.items);
+    for (size_t i = 0; i < index.size(); ++i) order.items[i] = items[index[i]];
   }
 
   // Copy pieces: neighbours of one slice and chunk merged across gaps under the object alignment.
   uint64_t piece_start = 0, piece_end = 0;  // the open piece's staging bytes
-  for (size_t i = 0; i < order.items.size(); ++i) {
-    const uint64_t start = spans[i].start, end = start + spans[i].length;
-    const int64_t chunk = static_cast<int64_t>(start / in.object_bytes);
-    const int64_t slice = order.items[i][2];
+  for (const std::array<uint32_t, 4>& item : order.items) {
+    const Span span = span_of(item);
+    const uint64_t start = span.start, end = start + span.length;
+    const int64_t chunk = span.chunk;
+    const int64_t slice = item[2];
     if (!order.pieces.empty()) {
       std::array<int64_t, 4>& last = order.pieces.back();
       if (last[0] == chunk && last[3] == slice && (start < piece_end || start - piece_end < kObjectAlignBytes)) {
@@ -207,9 +217,9 @@ SlicedOrder PlanSlicedLoad(const SlicedOrderInput& in) {
     piece_start = start;
     piece_end = end;
     order.pieces.push_back({chunk, static_cast<int64_t>(start - chunk * in.object_bytes),
-                            static_cast<int64_t>(spans[i].length), slice});
+                            static_cast<int64_t>(span.length), slice});
   }
-  if (in.object_addresses == nullptr) return order;
+  if (in.object_addresses == nullptr) return;
   // Copies: pieces contiguous on both sides, in one allocation and one slice, merged.
   uint64_t staged_end = 0, hosted_end = 0;
   for (const std::array<int64_t, 4>& piece : order.pieces) {
@@ -231,7 +241,6 @@ SlicedOrder PlanSlicedLoad(const SlicedOrderInput& in) {
     staged_end = staged + length;
     hosted_end = hosted + length;
   }
-  return order;
 }
 
 #undef LMCACHE_CHECK

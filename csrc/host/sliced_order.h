@@ -50,9 +50,10 @@ struct SlicedOrder {
   std::vector<std::array<uint64_t, 4>> copies;    // staging offset, host address, length, slice
 };
 
-// Throws std::invalid_argument naming the table entry that breaks a rule (a plane outside the slices, a run or a
-// plane range outside its table, a chunk outside the batch); nothing is returned then.
-SlicedOrder PlanSlicedLoad(const SlicedOrderInput& input);
+// Plans into `order`, reusing its vectors' memory (a caller keeps one per thread: freshly allocated vectors cost
+// page faults on every load). Throws std::invalid_argument naming the table entry that breaks a rule (a plane
+// outside the slices, a run or a plane range outside its table, a chunk outside the batch); `order` is then unusable.
+void PlanSlicedLoad(const SlicedOrderInput& input, SlicedOrder* order);
 
 // The order packed for the CUDA backend's one native call (lmcache_npu/ops/cuda/backend.py), so no Python step sits
 // between planning and enqueueing: parts at 64 B aligned offsets, in this order.

@@ -10,26 +10,34 @@ SlotRuns CutSlotRuns(const int64_t* slots, uint64_t num_chunks, uint64_t rows, u
                      bool zero_runs, bool unique) {
   SlotRuns out;
   const uint64_t total = num_chunks * rows;
-  for (uint64_t i = 0; i < total; ++i) {
-    if (slots[i] < kSkipSlot || slots[i] >= limit) {
-      out.problem = SlotProblem::kOutOfRange;
-      out.at = i;
-      return out;
-    }
-  }
+  const int64_t block_rows = static_cast<int64_t>(rows_per_block);
   std::vector<RunDesc> all;  // zero runs included: the check below needs only live ones, a store keeps both
-  for (uint64_t i = 0; i < total; ++i) {
-    const int64_t slot = slots[i];
-    const uint64_t row = rows == 0 ? 0 : i % rows;
-    if (row != 0 && !all.empty()) {
-      const int64_t previous = slots[i - 1];
-      const bool consecutive = previous >= 0 && slot == previous + 1 && slot % static_cast<int64_t>(rows_per_block) != 0;
-      if (consecutive || (slot < 0 && previous < 0)) {
-        ++all.back().num_rows;
-        continue;
+  all.reserve(num_chunks * 4);
+  for (uint64_t c = 0, i = 0; c < num_chunks; ++c) {
+    int64_t previous = 0, previous_row = 0;  // the row before's slot, and its row inside its block
+    for (uint64_t row = 0; row < rows; ++row, ++i) {
+      const int64_t slot = slots[i];
+      if (slot < kSkipSlot || slot >= limit) {  // the first in row-major order: the runs so far are dropped
+        out.problem = SlotProblem::kOutOfRange;
+        out.at = i;
+        return out;
       }
+      if (row != 0) {
+        if (previous >= 0 && slot == previous + 1 && previous_row + 1 < block_rows) {  // same block, next row
+          ++all.back().num_rows;
+          previous = slot;
+          ++previous_row;
+          continue;
+        }
+        if (slot < 0 && previous < 0) {
+          ++all.back().num_rows;
+          continue;
+        }
+      }
+      all.push_back(RunDesc{static_cast<int32_t>(slot), static_cast<uint32_t>(c), static_cast<uint32_t>(row), 1});
+      previous = slot;
+      previous_row = slot >= 0 ? slot % block_rows : 0;  // one division per run, not per row
     }
-    all.push_back(RunDesc{static_cast<int32_t>(slot), static_cast<uint32_t>(i / rows), static_cast<uint32_t>(row), 1});
   }
   if (unique) {  // live runs sorted by slot: the first overlap starts at the smallest slot named twice
     std::vector<const RunDesc*> live;

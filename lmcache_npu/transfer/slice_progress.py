@@ -16,37 +16,46 @@ from .streams import StreamKit
 
 
 class SlicedLoad:
-    """One sliced load's per-slice launch marks and events; made by `KVMover.run_sliced`."""
+    """One sliced load's per-slice launch marks and events; made by `KVMover.run_sliced` (on the path to slice 0:
+    one condition for all slices, as slices are marked in order, not one threading.Event each)."""
 
     def __init__(self, slices: SlicePlan, kit: StreamKit) -> None:
         self.slices = slices
         self._kit = kit  # the model thread's view: waits go on the model's stream
-        self._launched = [threading.Event() for _ in slices.slices]
-        self._events: list[Optional[Any]] = [None] * len(slices.slices)
+        self._count = len(slices.slices)
+        self._marked = 0  # slices [0, _marked) are launched (all of them once the load failed)
+        self._changed = threading.Condition(threading.Lock())
+        self._events: list[Optional[Any]] = [None] * self._count
         self.failure = ""  # why the load failed ("" while it has not)
 
     # ---- the lane's thread --------------------------------------------------------------------------------------
 
     def landed(self, index: int, event: Optional[Any]) -> None:
-        """Slice `index` is launched; `event` completes when its bytes are in the pages (None: they are already)."""
-        self._events[index] = event
-        self._launched[index].set()
+        """Slice `index` is launched; `event` completes when its bytes are in the pages (None: they are already).
+        Slices are marked in order: each after the one before."""
+        with self._changed:
+            if index != self._marked and not self.failure:
+                raise ValueError(f"slice {index} marked after {self._marked} slices: slices land in order")
+            self._events[index] = event
+            self._marked = max(self._marked, index + 1)
+            self._changed.notify_all()
 
     def failed(self, reason: str) -> None:
         """The load failed: every slice not marked yet is marked (its pages hold no loaded bytes)."""
-        self.failure = self.failure or reason
-        for mark in self._launched:
-            mark.set()
+        with self._changed:
+            self.failure = self.failure or reason
+            self._marked = self._count
+            self._changed.notify_all()
 
     # ---- the model's thread -------------------------------------------------------------------------------------
 
     def launched(self, index: int) -> bool:
-        return self._launched[index].is_set()
+        return index < self._marked
 
     @property
     def finished(self) -> bool:
         """Every slice is launched (or the load failed)."""
-        return all(mark.is_set() for mark in self._launched)
+        return self._marked == self._count
 
     def event(self, index: int) -> Optional[Any]:
         """Slice `index`'s event (None on the host, or before the slice is launched)."""
@@ -56,10 +65,12 @@ class SlicedLoad:
         """The model's stream waits for slices 0..`index` (their events complete in lane order, so the last one
         covers them); the host waits only for the launch. False when it was not launched within `timeout` or the
         load failed (the caller then must not run on these pages)."""
-        if not 0 <= index < len(self._launched):
-            raise ValueError(f"slice {index} does not exist: the load has {len(self._launched)} slices")
-        if not self._launched[index].wait(timeout):
-            return False
+        if not 0 <= index < self._count:
+            raise ValueError(f"slice {index} does not exist: the load has {self._count} slices")
+        if self._marked <= index:  # not launched yet: wait (a launched slice is read without the lock)
+            with self._changed:
+                if not self._changed.wait_for(lambda: self._marked > index, timeout):
+                    return False
         if self.failure:
             return False
         self._kit.wait(self._events[index])
@@ -69,4 +80,4 @@ class SlicedLoad:
         """`wait_for_slice` for the slice holding what `layer` consumes; a layer that was not announced waits for
         the whole load (its planes' slice is unknown)."""
         index = self.slices.slice_of_layer(layer)
-        return self.wait_for_slice(len(self._launched) - 1 if index is None else index, timeout)
+        return self.wait_for_slice(self._count - 1 if index is None else index, timeout)

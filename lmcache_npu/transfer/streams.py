@@ -75,6 +75,12 @@ class DeviceStreamKit(StreamKit):
 
     @contextlib.contextmanager
     def side_stream(self) -> Iterator[None]:
+        # the device's current stream set and restored directly: torch's stream context looks the current device
+        # up several times, which a sliced load pays on its path to slice 0
         assert self._stream is not None, "bind_thread() first"
-        with self._module.stream(self._stream):
+        previous = self._module.current_stream(self.device)
+        self._module.set_stream(self._stream)
+        try:
             yield
+        finally:
+            self._module.set_stream(previous)

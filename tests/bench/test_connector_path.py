@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from lmcache_npu.tools.bench.connector_path import run_connector_path
@@ -46,13 +45,9 @@ def test_both_paths_move_the_same_bytes_and_report_each_direction(tmp_path: Path
 def test_a_connector_path_that_moves_a_wrong_row_is_caught(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     from lmcache_npu.transfer import mover
 
-    right_slots = mover.KVMover._window_slots
+    from ..late_rows import loads_one_token_late
 
-    def one_row_late(self, moves):
-        refused, slots = right_slots(self, moves)
-        return refused, [np.roll(matrix, 1, axis=1) for matrix in slots]
-
-    monkeypatch.setattr(mover.KVMover, "_window_slots", one_row_late)
+    monkeypatch.setattr(mover.KVMover, "_cut_runs", loads_one_token_late(mover.KVMover._cut_runs))
     report = run_connector_path(geometry_from_dict(GEOMETRY), "emu", chunks=1, repeats=1)
     assert not report.same_bytes
     path = tmp_path / "small.json"
