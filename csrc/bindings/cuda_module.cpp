@@ -27,9 +27,9 @@ void SlicedLoad(uint64_t transfer, uint64_t slices) {
         "lmcache_cuda_sliced_load");
 }
 
-uint64_t EventCreate() {
+uint64_t EventCreate(bool blocking) {
   uint64_t event = 0;
-  Check(lmcache_cuda_event_create(&event), "cudaEventCreate");
+  Check(lmcache_cuda_event_create(&event, blocking ? 1 : 0), "cudaEventCreateWithFlags");
   return event;
 }
 
@@ -106,7 +106,9 @@ PYBIND11_MODULE(_cuda, m) {
         py::arg("transfer"), py::call_guard<py::gil_scoped_release>());
   m.def("sliced_load", &SlicedLoad, "enqueue a sliced load: per slice its copies, its kernel, its event (one stream)",
         py::arg("transfer"), py::arg("slices"), py::call_guard<py::gil_scoped_release>());
-  m.def("event_create", &EventCreate, "a cudaEvent_t with timing, as an int");
+  m.def("event_create", &EventCreate, "a cudaEvent_t with timing, as an int; blocking: host waits sleep",
+        py::arg("blocking") = false);
+  m.attr("BLOCKING_EVENTS") = true;
   m.def(
       "event_destroy", [](uint64_t event) { Check(lmcache_cuda_event_destroy(event), "cudaEventDestroy"); },
       py::arg("event"));

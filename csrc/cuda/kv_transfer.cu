@@ -382,9 +382,9 @@ extern "C" int lmcache_cuda_sliced_load(const LmcacheCudaTransfer* t, const Lmca
 
 #undef LMCACHE_TRY
 
-extern "C" int lmcache_cuda_event_create(uint64_t* event) {
+extern "C" int lmcache_cuda_event_create(uint64_t* event, int blocking) {
   cudaEvent_t handle = nullptr;
-  const cudaError_t err = cudaEventCreate(&handle);
+  const cudaError_t err = cudaEventCreateWithFlags(&handle, blocking ? cudaEventBlockingSync : cudaEventDefault);
   *event = reinterpret_cast<uint64_t>(handle);
   return err;
 }

@@ -110,7 +110,9 @@ typedef struct {
 // load's event is never moved; made in one native call, not per slice from Python); slice_events holds every event
 // made, also when an error stops the call, and the caller destroys them.
 int lmcache_cuda_sliced_load(const LmcacheCudaTransfer* transfer, const LmcacheCudaSlices* slices);
-int lmcache_cuda_event_create(uint64_t* event);
+// blocking: a host thread that synchronizes on the event sleeps until it completes instead of spinning (a lane
+// waiting out a transfer then takes no core, nor the driver's time, from the model's thread launching its forward)
+int lmcache_cuda_event_create(uint64_t* event, int blocking);
 int lmcache_cuda_event_destroy(uint64_t event);
 int lmcache_cuda_event_synchronize(uint64_t event);
 // 1 when the event's work is done, 0 when not yet, -1 on an error

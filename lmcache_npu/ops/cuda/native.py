@@ -38,6 +38,11 @@ class TransferEvent(IntEnum):
     PAGES_FREE = 7
 
 
+# Events a lane's host thread synchronizes on to finish a transfer: made with cudaEventBlockingSync, so the waiting
+# thread sleeps instead of spinning on the driver while the model's thread launches its forward.
+_HOST_WAITED = frozenset({TransferEvent.RETURNED, TransferEvent.COPIES_DONE})
+
+
 # The native transfer record, field by field.
 _RECORD_U64 = ("stream", "planes", "groups", "runs", "objects", "host_objects", "items", "slice_items",
                "slice_counters", "slice_flags", "status", "num_items")
@@ -68,6 +73,9 @@ def load_cuda_module() -> Any:
     except ImportError as exc:
         raise BackendUnavailable(f"lmcache_npu._cuda is not built ({exc})") from exc
     record_dtype(_cuda)
+    if not getattr(_cuda, "BLOCKING_EVENTS", False):
+        raise BackendUnavailable("lmcache_npu._cuda makes no blocking-sync events: rebuild it (pip install -e . or "
+                                 "setup.py build_ext)")
     if getattr(_cuda, "SLICES_BYTES", None) != 3 * 8:
         raise BackendUnavailable("lmcache_npu._cuda has no sliced loads (LmcacheCudaSlices): rebuild it (pip install "
                                  "-e . or setup.py build_ext)")
@@ -123,7 +131,9 @@ class NativeResources:
         self._scalar_names = tuple(name for name in self.record.dtype.names if name != "events")
         self._scalars = self.record[list(self._scalar_names)]  # a view: every scalar field set in one numpy call
         with torch.cuda.device(device):
-            self.events = [cuda.event_create() for _ in range(TransferEvent.PAGES_FREE)]
+            # the two the lane's host waits on sleep rather than spin (`_HOST_WAITED`)
+            self.events = [cuda.event_create(blocking=TransferEvent(i) in _HOST_WAITED)
+                           for i in range(TransferEvent.PAGES_FREE)]
             self.copy_stream = torch.cuda.Stream(device)
         self.record["events"][0, :TransferEvent.PAGES_FREE] = self.events
         self.flags = torch.zeros(MAX_SLICES, dtype=torch.int32, device=device)
