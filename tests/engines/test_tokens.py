@@ -53,11 +53,22 @@ def _assert_warm_run_loaded_the_cold_rows(engine, rows, prompts, cold, warm) -> 
     """Every warm prompt hit its whole-chunk prefix, loaded exactly the rows its cold run computed, and generated the
     cold run's tokens."""
     hit = _expected_hit(engine, PROMPT_TOKENS)
-    assert [w.cached_tokens for w in warm] == [hit] * len(prompts)
+    lost = _lost_hits(engine)  # read on every run, so the message cannot break when it is needed
+    assert [w.cached_tokens for w in warm] == [hit] * len(prompts), f"why hits were lost: {lost}"
     for text in prompts:
         computed, loaded = rows.of(text)
         assert_same_prefix_rows(computed, loaded, hit)
     assert_identical(cold, warm, engine.settings.dtype)
+
+
+def _lost_hits(engine) -> dict[str, float]:
+    """The counters that say why a hit was not loaded (declined by the cost model, a failed or refused transfer): a
+    warm run that misses under load names its cause."""
+    halves = {"scheduler": engine.scheduler_connector.scheduler_half, "worker": engine.worker_connector.worker_half}
+    counters = {f"{side} {name}": value for side, half in halves.items()
+                for name, value in half.counters.snapshot().items()}
+    return {name: value for name, value in counters.items()
+            if value and any(word in name for word in ("declined", "fail", "refus", "dropped", "late"))}
 
 
 def _expected_hit(engine, prompt_tokens: int) -> int:
