@@ -3,13 +3,15 @@
 The lane marks each slice once its batch is launched and an event recorded after it on the lane's stream (on the
 host, where the copy runs to its end and events are None, once its bytes are in the pages). `wait_for_slice` makes
 the model's stream wait for that event: the host waits only until the lane has launched the slice, never for the
-device. A failed load marks every slice not yet marked, so no waiter hangs, and says why in `failure`.
+device. A stream that already waits for a slice (or a later one: slices land in order) is not made to wait again, so
+the layers of one slice after the first cost a lookup each, not a stream wait. A failed load marks every slice not
+yet marked, so no waiter hangs, and says why in `failure`.
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Any, Optional
+from typing import Any, Hashable, Optional
 
 from .slices import SlicePlan
 from .streams import StreamKit
@@ -26,6 +28,7 @@ class SlicedLoad:
         self._marked = 0  # slices [0, _marked) are launched (all of them once the load failed)
         self._changed = threading.Condition(threading.Lock())
         self._events: list[Optional[Any]] = [None] * self._count
+        self._waited: dict[Hashable, int] = {}  # per stream (StreamKit.stream_key): the last slice it waits for
         self.failure = ""  # why the load failed ("" while it has not)
 
     # ---- the lane's thread --------------------------------------------------------------------------------------
@@ -67,6 +70,9 @@ class SlicedLoad:
         load failed (the caller then must not run on these pages)."""
         if not 0 <= index < self._count:
             raise ValueError(f"slice {index} does not exist: the load has {self._count} slices")
+        stream = self._kit.stream_key()
+        if index <= self._waited.get(stream, -1) and not self.failure:
+            return True  # this stream already waits for this slice or a later one: a layer's hook adds nothing
         if self._marked <= index:  # not launched yet: wait (a launched slice is read without the lock)
             with self._changed:
                 if not self._changed.wait_for(lambda: self._marked > index, timeout):
@@ -74,6 +80,7 @@ class SlicedLoad:
         if self.failure:
             return False
         self._kit.wait(self._events[index])
+        self._waited[stream] = index
         return True
 
     def wait_for_layer(self, layer: str, timeout: Optional[float] = None) -> bool:

@@ -9,7 +9,7 @@ so its events are `None` and waiting is done on the host.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Optional
+from typing import Any, Hashable, Iterator, Optional
 
 import torch
 
@@ -26,6 +26,11 @@ class StreamKit:
 
     def wait(self, event: Optional[Any]) -> None:
         """The current stream waits for `event` before its later work (the host never blocks here)."""
+
+    def stream_key(self) -> Hashable:
+        """Which stream is current on this thread, as a key equal for the same stream (None on the host): a sliced
+        load's per-layer waits skip a slice the stream already waits for."""
+        return None
 
     @contextlib.contextmanager
     def side_stream(self) -> Iterator[None]:
@@ -55,6 +60,8 @@ class DeviceStreamKit(StreamKit):
         self._module = module
         self._high_priority = high_priority  # else the module's default stream priority
         self._stream: Optional[Any] = None
+        # torch's own current-stream lookup without building a Stream object (CUDA builds; a hook calls it per layer)
+        self._fast_current = getattr(torch._C, "_cuda_getCurrentStream", None) if device.type == "cuda" else None
 
     def bind_thread(self) -> None:
         self._module.set_device(self.device)
@@ -72,6 +79,12 @@ class DeviceStreamKit(StreamKit):
     def wait(self, event: Optional[Any]) -> None:
         if event is not None:
             self._module.current_stream(self.device).wait_event(event)
+
+    def stream_key(self) -> Hashable:
+        if self._fast_current is not None and self.device.index is not None:
+            return tuple(self._fast_current(self.device.index))
+        stream = self._module.current_stream(self.device)
+        return (stream.stream_id, stream.device_index, stream.device_type)
 
     @contextlib.contextmanager
     def side_stream(self) -> Iterator[None]:
