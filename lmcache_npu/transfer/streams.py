@@ -82,7 +82,10 @@ class DeviceStreamKit(StreamKit):
 
     def stream_key(self) -> Hashable:
         if self._fast_current is not None and self.device.index is not None:
-            return tuple(self._fast_current(self.device.index))
+            try:
+                return tuple(self._fast_current(self.device.index))  # (stream id, device index, device type)
+            except (TypeError, RuntimeError):  # a torch whose private lookup changed: the public one from now on
+                self._fast_current = None
         stream = self._module.current_stream(self.device)
         return (stream.stream_id, stream.device_index, stream.device_type)
 

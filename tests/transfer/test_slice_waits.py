@@ -62,3 +62,34 @@ def test_a_failed_load_lets_no_later_waiter_through_even_a_waited_slice() -> Non
     assert progress.wait_for_slice(3)
     progress.failed("the kernel moved 0 of 10 items")
     assert not progress.wait_for_slice(1) and not progress.wait_for_slice(3)
+
+
+class _Stream(SimpleNamespace):
+    pass
+
+
+def test_the_device_kit_keys_streams_by_torchs_lookup_or_the_public_one(monkeypatch) -> None:
+    """The CUDA kit's key is torch's current-stream triple (its private lookup where present, else the public
+    current_stream), equal for the same stream and different for another; a private lookup that fails falls back."""
+    import torch
+
+    from lmcache_npu.transfer.streams import DeviceStreamKit
+
+    current = {"id": 7}
+    module = SimpleNamespace(current_stream=lambda device: _Stream(stream_id=current["id"], device_index=0,
+                                                                   device_type=1))
+    public = DeviceStreamKit(torch.device("cpu"), module)  # no private lookup off CUDA
+    first = public.stream_key()
+    current["id"] = 9
+    assert first == (7, 0, 1) and public.stream_key() == (9, 0, 1) != first
+
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentStream", lambda index: (current["id"], index, 1), raising=False)
+    fast = DeviceStreamKit(torch.device("cuda", 0), module)
+    assert fast.stream_key() == (9, 0, 1)
+
+    def changed(index: int) -> Any:
+        raise TypeError("the private lookup takes other arguments now")
+
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentStream", changed, raising=False)
+    broken = DeviceStreamKit(torch.device("cuda", 0), module)
+    assert broken.stream_key() == (9, 0, 1) and broken.stream_key() == (9, 0, 1)  # the public lookup, twice
