@@ -84,7 +84,7 @@ class DeviceStreamKit(StreamKit):
         if self._fast_current is not None and self.device.index is not None:
             try:
                 return tuple(self._fast_current(self.device.index))  # (stream id, device index, device type)
-            except (TypeError, RuntimeError):  # a torch whose private lookup changed: the public one from now on
+            except Exception:  # a torch whose private lookup changed: the public one from now on, never a failed hook
                 self._fast_current = None
         stream = self._module.current_stream(self.device)
         return (stream.stream_id, stream.device_index, stream.device_type)
