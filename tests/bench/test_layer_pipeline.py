@@ -95,6 +95,18 @@ def test_the_sweep_reports_each_ratio_and_slice_count_with_the_issues_arithmetic
         assert r.ideal == pytest.approx(max(r.t_load, r.t_compute) + r.t_slice0)
         assert r.over_ideal == pytest.approx(r.achieved / r.ideal - 1)
         assert r.serial == pytest.approx(r.t_load + r.t_compute)
+        assert r.ideal_copy == pytest.approx(max(r.t_load, r.t_copy) + r.t_slice0)
+        assert r.over_copy == pytest.approx(r.achieved / r.ideal_copy - 1)
         assert r.achieved > 0 and r.cold is not None
     assert [s.slices for s in stores] == [1, 2, LAYERS] and all(s.tail >= 0 for s in stores)
     assert len(study.render(rows, stores)) == 2
+
+
+def test_the_bare_copy_beside_the_forward_moves_every_byte() -> None:
+    copy = study.BareCopy(1 << 16, torch.device("cpu"))
+    copy.source.copy_(torch.randint(0, 256, (1 << 16,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3)))
+    copy.target.zero_()
+    assert not torch.equal(copy.target, copy.source)  # negative control: the check sees bytes that did not move
+    copy.start()
+    copy.finish()
+    assert torch.equal(copy.target, copy.source)

@@ -4,9 +4,15 @@
 A synthetic forward of a geometry's L attention layers (per layer: `wait_for_layer`, then a chain of matmuls on the
 model's stream) runs while the real load lane lands the slices. Per load size, compute size and S it reports the
 achieved TTFT (model stream, before `run_sliced` to after the last layer) against the ideal
-`max(T_load, T_compute) + T_slice0`, and the compute slowdown while slices land. Stores (issue 41 item 6): the same
-chunks stored after the forward as one transfer against S plane-subset stores, each queued once its window's layers
-ran, on a store lane like the mover's; it reports the store's tail after the forward and the compute slowdown.
+`max(T_load, T_compute) + T_slice0`, and the compute slowdown while slices land. It also runs the forward beside a
+bare torch copy of the load's bytes (`BareCopy`: no plugin, no waits) and reports the achieved TTFT against
+`max(T_load, T_copy) + T_slice0`, the overlap the hardware allows: a host-to-device copy slows the forward beside it
+(17-22 % on the H200), so no load of those bytes can reach the first ideal near ratio 1. Each repeat runs the three
+kinds back to back (alone, beside the copy, sliced) so that all see the same GPU clocks.
+
+Stores (issue 41 item 6): the same chunks stored after the forward as one transfer against S plane-subset stores, each
+queued once its window's layers ran, on a store lane like the mover's; it reports the store's tail after the forward
+and the compute slowdown.
 
     python -m lmcache_npu.tools.bench.studies.layer_pipeline --json layer_pipeline.json \
         --geometry lmcache_npu/tools/bench/geometries/llama3-8b.json \
@@ -279,6 +285,46 @@ def forward_alone(case: Case, work: Work, clock: Clock) -> Run:
     return Run(clock.seconds(begin, end), layer_seconds(clock, marks))
 
 
+class BareCopy:
+    """The load's bytes copied host to device by torch alone, in one copy: on CUDA from pinned memory on a
+    high-priority side stream behind the model's work, on the host on a thread. What any transfer of those bytes does
+    to the forward beside it."""
+
+    def __init__(self, nbytes: int, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.source = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=self.cuda)
+        self.target = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        self.stream = torch.cuda.Stream(device, priority=torch.cuda.Stream.priority_range()[1]) if self.cuda else None
+        self._thread: Optional[threading.Thread] = None
+
+    def start(self) -> None:
+        if self.stream is not None:
+            self.stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self.stream):
+                self.target.copy_(self.source, non_blocking=True)
+            return
+        self._thread = threading.Thread(target=self.target.copy_, args=(self.source,), daemon=True)
+        self._thread.start()
+
+    def finish(self) -> None:
+        """The host copy's end (on CUDA the caller's device sync waits for it)."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+
+def beside_copy(case: Case, copy: BareCopy, work: Work, clock: Clock) -> Run:
+    """T_copy: the forward with a bare copy of the load's bytes running beside it, no layer waiting for anything."""
+    clock.sync()
+    begin = clock.mark()
+    copy.start()
+    marks = forward(case.announced, work, clock)
+    end = clock.mark()
+    copy.finish()
+    clock.sync()
+    return Run(clock.seconds(begin, end), layer_seconds(clock, marks))
+
+
 def busy_host(seconds: float) -> None:
     """The model's thread busy for `seconds` (an engine prepares the step's inputs right before its first hook): a
     spin that touches almost no memory, so it keeps the core awake without warming the planner's caches."""
@@ -434,6 +480,9 @@ class Row:
     over_ideal: float
     slowdown: float  # the layers' compute while slices land against alone
     serial: float  # T_load + T_compute: the load, then the forward
+    t_copy: float  # the forward beside a bare copy of the load's bytes (`BareCopy`)
+    ideal_copy: float  # max(T_load, T_copy) + T_slice0: the overlap the hardware allows
+    over_copy: float
 
 
 @dataclass(frozen=True)
@@ -469,7 +518,7 @@ class Settings:
     sizes: Sequence[int] = (64, 256, 1024, 4096)  # the matmuls' token rows to choose from
     stores: bool = True
     options: Optional[dict[str, Any]] = None  # backend options (e.g. path=mapped)
-    launch: str = "at-once"  # how the lane launches a sliced load: "at-once" (the backend's launch_sliced) or "per-slice"
+    launch: str = "at-once"  # how the lane launches a sliced load: "at-once" (backend's launch_sliced) or "per-slice"
 
 
 def study_load(geometry: Geometry, chunks: int, settings: Settings) -> tuple[list[Row], list[StoreRow]]:
@@ -488,28 +537,37 @@ def study_load(geometry: Geometry, chunks: int, settings: Settings) -> tuple[lis
         whole = plans[1] if 1 in plans else plan_slices(case.layout, case.announced, 1)  # `path`: S = 1 at any sweep
         path = statistics.median(pipelined(case, whole, idle, clock).ttft for _ in range(settings.repeats + 1))
         cold: dict[int, Optional[float]] = {s: None for s in plans}
-        lane = StoreLane(case, get_backend(settings.backend, **(settings.options or {})), [piece.plan for p in plans.values() for piece in p.slices], clock) \
+        pieces = [piece.plan for p in plans.values() for piece in p.slices]
+        lane = StoreLane(case, get_backend(settings.backend, **(settings.options or {})), pieces, clock) \
             if settings.stores else None
+        copy = BareCopy(chunks * case.layout.plan.object_bytes, device)
         try:
             for ratio in settings.ratios:
                 work = work_for(device, t_load / ratio / layers, clock, settings.k, settings.sizes)
                 work()
-                alone = [forward_alone(case, work, clock) for _ in range(settings.repeats)]
-                t_compute = statistics.median(r.ttft for r in alone)
                 for s, sliced in plans.items():
                     if cold[s] is None:
                         cold[s] = pipelined(case, sliced, work, clock).ttft * 1e3
-                    runs = [pipelined(case, sliced, work, clock) for _ in range(settings.repeats)]
+                    alone, beside, runs = [], [], []
+                    for _ in range(settings.repeats):  # interleaved: the GPU's clocks drift between runs
+                        alone.append(forward_alone(case, work, clock))
+                        beside.append(beside_copy(case, copy, work, clock))
+                        runs.append(pipelined(case, sliced, work, clock))
+                    t_compute = statistics.median(r.ttft for r in alone)
+                    t_copy = statistics.median(r.ttft for r in beside)
                     achieved = statistics.median(r.ttft for r in runs)
                     ideal = ideal_seconds(t_load, t_compute, t_slice0[s])
-                    rows.append(Row(geometry.name, settings.launch, chunks, chunks * case.layout.plan.object_bytes / 1e6, ratio,
-                                    t_load / t_compute, s, layers, t_load * 1e3, path * 1e3, t_compute * 1e3,
+                    ideal_copy = ideal_seconds(t_load, t_copy, t_slice0[s])
+                    load_mb = chunks * case.layout.plan.object_bytes / 1e6
+                    rows.append(Row(geometry.name, settings.launch, chunks, load_mb, ratio, t_load / t_compute, s,
+                                    layers, t_load * 1e3, path * 1e3, t_compute * 1e3,
                                     t_slice0[s] * 1e3, ideal * 1e3, achieved * 1e3, cold[s],
                                     statistics.median(r.lane for r in runs) * 1e3,
                                     statistics.median(r.lane_first for r in runs) * 1e3,
                                     over_ideal(achieved, ideal), slowdown([r.compute for r in runs],
                                                                           [r.compute for r in alone]),
-                                    (t_load + t_compute) * 1e3))
+                                    (t_load + t_compute) * 1e3, t_copy * 1e3, ideal_copy * 1e3,
+                                    over_ideal(achieved, ideal_copy)))
                     if lane is not None:
                         for obj in case.store_objects:
                             obj.zero_()
@@ -534,8 +592,8 @@ def render(rows: Sequence[Row], store_rows: Sequence[StoreRow]) -> list[Any]:
 
     loads = Table(title=f"sliced loads under a per-layer forward: achieved TTFT against max(T_load, T_compute) + "
                         f"T_slice0 (target within {TARGET:.0%} for T_load/T_compute in [0.3, 3])", title_justify="left")
-    for name in ("geometry", "launch", "MB", "ratio", "S", "T_load", "path", "T_compute", "T_slice0", "ideal", "achieved",
-                 "cold", "lane0", "lane", "over ideal", "slowdown", "serial"):
+    for name in ("geometry", "launch", "MB", "ratio", "S", "T_load", "path", "T_compute", "T_slice0", "ideal",
+                 "achieved", "cold", "lane0", "lane", "over ideal", "slowdown", "serial", "T_copy", "over copy"):
         loads.add_column(name, justify="left" if name == "geometry" else "right")
     for r in rows:
         mark = "" if abs(r.over_ideal) <= TARGET else " !"
@@ -544,7 +602,8 @@ def render(rows: Sequence[Row], store_rows: Sequence[StoreRow]) -> list[Any]:
                       f"{r.achieved:.2f}", "" if r.cold is None else f"{r.cold:.1f}", f"{r.lane_first:.2f}",
                       f"{r.lane_host:.2f}",
                       f"{r.over_ideal:+.1%}{mark}",
-                      f"{r.slowdown:+.1%}", f"{r.serial:.2f}")
+                      f"{r.slowdown:+.1%}", f"{r.serial:.2f}", f"{r.t_copy:.2f}",
+                      f"{r.over_copy:+.1%}" + ("" if abs(r.over_copy) <= TARGET else " !"))
     stores = Table(title="stores: the forward's end to the store's end (ms), one store (S=1) or one per slice",
                    title_justify="left")
     for name in ("geometry", "chunks", "target ratio", "S", "T_compute", "tail", "slowdown", "bytes"):

@@ -23,15 +23,19 @@ def plot(data: dict, out: Path) -> None:
         rows = [r for r in rows if r["chunks"] == biggest]
         launches = list(dict.fromkeys(r.get("launch", "at-once") for r in rows))  # older JSON: one launch mode
         for launch, s in [(launch, s) for launch in launches for s in sorted({r["slices"] for r in rows})]:
-            points = sorted((r["ratio"], r["over_ideal"] * 100, r["slowdown"] * 100) for r in rows
+            points = sorted((r["ratio"], r["over_ideal"] * 100, r["slowdown"] * 100, r.get("over_copy")) for r in rows
                             if r["slices"] == s and r.get("launch", "at-once") == launch)
             if not points:
                 continue
             label = f"S={s}" + (" (L)" if s == rows[0]["layers"] else "") + (f", {launch}" if len(launches) > 1 else "")
             style = "--" if launch == "per-slice" and len(launches) > 1 else "-"
-            row_axes[0].plot([p[0] for p in points], [p[1] for p in points], style, marker="o", label=label)
+            line, = row_axes[0].plot([p[0] for p in points], [p[1] for p in points], style, marker="o", label=label)
+            if all(p[3] is not None for p in points):  # over the copy floor (JSON from round 5 on): dotted, same colour
+                row_axes[0].plot([p[0] for p in points], [p[3] * 100 for p in points], ":", marker="x",
+                                 color=line.get_color())
             row_axes[1].plot([p[0] for p in points], [p[2] for p in points], style, marker="o", label=label)
-        for ax, title in zip(row_axes[:2], ("TTFT over the ideal (%)", "compute slowdown while slices land (%)")):
+        for ax, title in zip(row_axes[:2], ("TTFT over ideal %, dotted: copy floor",
+                                             "compute slowdown, slices landing %")):
             ax.axhspan(-TARGET * 100, TARGET * 100, color="green", alpha=0.1)
             ax.axvspan(0.3, 3, color="grey", alpha=0.08)
             ax.set_xscale("log")
