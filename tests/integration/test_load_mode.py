@@ -10,7 +10,8 @@ from typing import Any, Optional
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from lmcache_npu.integration.vllm.load_mode import SLICE_COST_S, SLICED_MARGIN, LoadMode, LoadModes, mode_costs
+from lmcache_npu.integration.vllm.load_mode import (COPY_SLOWDOWN, SLICE_COST_S, SLICED_MARGIN, LoadMode, LoadModes,
+                                                   mode_costs, sliced_seconds)
 from lmcache_npu.ops import ChunkBatch, Direction, TransferStats
 from lmcache_npu.ops.transfer_backend import AfterKernel
 from lmcache_npu.store.cost import CostModel, Path, StepShape
@@ -26,17 +27,42 @@ seconds = st.floats(0.0, 5.0, allow_nan=False)
 @given(load=seconds, compute=seconds, step=seconds, sharers=st.integers(0, 16), slices=st.integers(1, 8))
 def test_the_predictions_are_the_timelines_they_describe(load, compute, step, sharers, slices):
     costs = mode_costs(load, compute, step, sharers, slices)
-    # sliced, simulated: slice k of S equal ones lands at (k + 1) load / S; window k computes once it has landed and
-    # the window before it is done
-    end = 0.0
-    for k in range(slices):
-        end = max(end, (k + 1) * load / slices) + compute / slices
-    timeline = end
+    timeline = _work_clock_timeline(load, compute, slices, COPY_SLOWDOWN)
     assert costs.sliced_s == pytest.approx(timeline)
     assert costs.async_s == pytest.approx(max(load, step) + compute)
     assert costs.stall_s == pytest.approx(timeline - compute)
     gain = costs.async_s - costs.sliced_s - sharers * costs.stall_s
     assert costs.slices == (gain > SLICED_MARGIN * costs.async_s and gain > SLICE_COST_S * slices)
+
+
+def _work_clock_timeline(load: float, compute: float, slices: int, slowdown: float) -> float:
+    """Sliced, simulated on a work clock: by time t the forward can have done W(t) = min(t, load) / (1 + slowdown)
+    + max(t - load, 0) of work (slower while the copy runs); slice k of S equal ones lands at (k + 1) load / S and
+    window k's work starts once it has landed and the window before it is done."""
+    def work(t: float) -> float:
+        return min(t, load) / (1 + slowdown) + max(t - load, 0.0)
+
+    def time_of(w: float) -> float:  # W's inverse
+        return w * (1 + slowdown) if w <= load / (1 + slowdown) else load + w - load / (1 + slowdown)
+
+    end = 0.0
+    for k in range(slices):
+        end = time_of(work(max(end, (k + 1) * load / slices)) + compute / slices)
+    return end
+
+
+@settings(max_examples=200, deadline=None)
+@given(load=seconds, compute=seconds, slices=st.integers(1, 8))
+def test_without_the_copy_slowdown_the_timeline_is_the_closed_form(load, compute, slices):
+    expected = max(load + compute / slices, load / slices + compute)
+    assert sliced_seconds(load, compute, slices, slowdown=0.0) == pytest.approx(expected)
+    assert _work_clock_timeline(load, compute, slices, 0.0) == pytest.approx(expected)
+
+
+def test_the_copy_slowdown_costs_only_the_windows_that_run_beside_the_copy():
+    assert sliced_seconds(0.10, 0.10, 1) == pytest.approx(0.20)  # one slice: the forward starts after the copy
+    assert sliced_seconds(0.10, 0.10, 4) == pytest.approx(0.1375)  # windows 0-2 partly beside it, not window 3
+    assert sliced_seconds(0.10, 0.10, 4) > sliced_seconds(0.10, 0.10, 4, slowdown=0.0)  # negative control
 
 
 def test_slicing_pays_where_load_and_compute_overlap_and_not_where_either_dominates():

@@ -7,8 +7,9 @@ order the forward consumes them (`transfer/slices.py`) and each layer waits only
 request the scheduler predicts, from the cost model the cut point learns (`store/cost`), the first token both ways:
 
     async:  max(load, step) + compute            (the step it sits out while others run; 0 on an idle engine)
-    sliced: max(load + compute / S, load / S + compute)   (S equal slices: the forward ends one window after the
-            load where the load dominates, or starts one slice in and never waits where the compute does)
+    sliced: S equal slices, slice k landing at (k + 1) load / S; window k of the forward computes once its slice
+            landed and the window before it is done, `COPY_SLOWDOWN` slower while the load's bytes still move
+            (without it: max(load + compute / S, load / S + compute))
 
 and what a sliced load costs the requests batched with it: their forward is longer by `sliced - compute` (the load
 not hidden by the request's own compute; a lower bound, their compute hides more). Sliced is chosen when it saves the
@@ -48,6 +49,9 @@ SLICED_MARGIN = 0.01
 # and more than this per slice: what a slice adds whatever it moves (building its batch, a launch, an event recorded
 # and waited for); an upper figure of the H200 study's per-slice lane time once launches no longer wait for each other
 SLICE_COST_S = 0.5e-3
+# a forward beside a host-to-device copy runs this much slower while the copy's bytes move, whatever the copy stream's
+# priority: 17-22 % on the H200 (docs/performance.md, layer_pipeline round 5), its upper figure; Ascend not measured
+COPY_SLOWDOWN = 0.2
 
 
 class LoadMode(str, Enum):
@@ -75,10 +79,20 @@ class ModeCosts:
         return self.gain_s > max(SLICED_MARGIN * self.async_s, SLICE_COST_S * self.slice_count)
 
 
+def sliced_seconds(load_s: float, compute_s: float, slices: int, slowdown: float = COPY_SLOWDOWN) -> float:
+    """The sliced timeline of the module docstring: the end of the last window."""
+    end, window = 0.0, compute_s / slices
+    for k in range(slices):
+        begin = max(end, (k + 1) * load_s / slices)
+        beside = min(window * (1.0 + slowdown), max(load_s - begin, 0.0))  # the window's time beside the copy
+        end = begin + beside + window - beside / (1.0 + slowdown)  # what is left computes at full speed
+    return end
+
+
 def mode_costs(load_s: float, compute_s: float, step_s: float, sharers: float, slices: int) -> ModeCosts:
     """The module docstring's two predictions for a load of `load_s` and a compute of the rest of `compute_s`, over
-    `slices` equal windows (`slices.window_ends`)."""
-    sliced = max(load_s + compute_s / slices, load_s / slices + compute_s)
+    `slices` equal windows (`slices.window_ends`); the stall counts the copy's slowdown of the batch too."""
+    sliced = sliced_seconds(load_s, compute_s, slices)
     return ModeCosts(async_s=max(load_s, step_s) + compute_s, sliced_s=sliced, stall_s=max(sliced - compute_s, 0.0),
                      sharers=sharers, slice_count=slices)
 
