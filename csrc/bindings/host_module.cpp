@@ -145,17 +145,14 @@ py::array_t<uint32_t> SliceItems(const lmcache_npu::host::SlicedOrder& order) {
 py::tuple SlicedLoadOrderBinding(const py::array& planes, const py::array& groups, const py::array& runs,
                                  const py::array_t<int64_t, py::array::c_style | py::array::forcecast>& plane_slice,
                                  uint32_t num_slices, uint32_t num_chunks, uint64_t piece_bytes,
-                                 uint64_t object_bytes, const py::object& object_addresses,
-                                 const py::object& object_storages) {
-  py::array_t<uint64_t, py::array::c_style> addresses, storages;
+                                 uint64_t object_bytes) {
+  py::array_t<uint64_t, py::array::c_style> addresses, storages;  // none: the copies are sliced_load_tables' own
   const lmcache_npu::host::SlicedOrderInput input =
-      SlicedInput(planes, groups, runs, plane_slice, num_slices, num_chunks, piece_bytes, object_bytes,
-                  object_addresses, object_storages, &addresses, &storages);
+      SlicedInput(planes, groups, runs, plane_slice, num_slices, num_chunks, piece_bytes, object_bytes, py::none(),
+                  py::none(), &addresses, &storages);
   const lmcache_npu::host::SlicedOrder& order = Planned(input);
-  py::object copies = py::none();
-  if (input.object_addresses != nullptr) copies = Rows(order.copies);
   return py::make_tuple(Bytes(order.runs), Bytes(order.groups), Rows(order.items), SliceItems(order),
-                        Rows(order.pieces), copies);
+                        Rows(order.pieces));
 }
 
 // The order planned and packed into `out` in one call (sliced_order.h, PackSlicedLoad). Returns the part offsets
@@ -326,11 +323,10 @@ PYBIND11_MODULE(_host, m) {
         py::arg("num_groups"), py::arg("num_runs"), py::arg("num_chunks"), py::arg("object_bytes"),
         py::arg("direction"), py::arg("threads") = 1);
   m.def("sliced_load_order", &SlicedLoadOrderBinding,
-        "A sliced load's work order (csrc/host/sliced_order.h): run and group table bytes, items, per-slice item "
-        "counts, copy pieces, and copies relative to staging (None without object addresses)",
+        "A sliced load's work order to inspect (csrc/host/sliced_order.h): run and group table bytes, items, "
+        "per-slice item counts and copy pieces (sliced_load_tables plans the same order with its copies)",
         py::arg("planes"), py::arg("groups"), py::arg("runs"), py::arg("plane_slice"), py::arg("num_slices"),
-        py::arg("num_chunks"), py::arg("piece_bytes"), py::arg("object_bytes"), py::arg("object_addresses") = py::none(),
-        py::arg("object_storages") = py::none());
+        py::arg("num_chunks"), py::arg("piece_bytes"), py::arg("object_bytes"));
   m.def("sliced_load_tables", &SlicedLoadTablesBinding,
         "A sliced load's work order packed into `out` for the CUDA backend's native call (csrc/host/sliced_order.h): "
         "part offsets (None: `out` too small), table bytes, item, run and group counts, per-slice item counts, copies",

@@ -35,9 +35,6 @@ class WorkOrder:
     items: np.ndarray  # (n, 4) uint32: run, plane, slice, 0
     slice_items: np.ndarray  # uint32 per slice
     piece_table: np.ndarray  # (n, 4) int64 in slice and staging order: chunk, offset in object, length, slice
-    # (n, 4) uint64 copy rows with staging offsets (staging offset, host address, bytes, slice), planned with the
-    # order where it is on the load lane's path (a sliced load); None: copy_table makes them from piece_table
-    copies: Optional[np.ndarray] = None
 
 
 _WIDEST_ROWS: "weakref.WeakKeyDictionary[TransferPlan, list[int]]" = weakref.WeakKeyDictionary()
@@ -216,18 +213,18 @@ def sliced_load_order(batch: ChunkBatch, plane_slice: np.ndarray, num_slices: in
     """A sliced load's items in forward order (issue 41): grouped by the slice of their plane (`plane_slice`, per
     moved plane of the batch's plan), staging-byte order inside each, with exactly `num_slices` slice counts (empty
     slices count 0). A slice's pieces are its items' own bytes: its copies bring in what its kernel reads, and
-    nothing of a later slice. Planned natively (csrc/host/sliced_order.h); `sliced_load_tables` packs the same order
-    for the CUDA backend."""
+    nothing of a later slice. Planned natively (csrc/host/sliced_order.h); `sliced_load_tables` packs the same order,
+    with its copies, for the CUDA backend (the runtime's path); this form is the order to inspect."""
     plan = batch.plan
     plane_slice = _plane_slices(plan, plane_slice)
     try:  # the native planner checks every plane's slice; the message names the plane by its label
-        runs, groups, items, slice_items, pieces, copies = _host.sliced_load_order(
+        runs, groups, items, slice_items, pieces = _host.sliced_load_order(
             plan.plane_table, batch.group_table, batch.runs, plane_slice, num_slices, batch.num_chunks,
-            max(piece_bytes, 0), plan.object_bytes, batch.object_addresses(), batch.object_storages())
+            max(piece_bytes, 0), plan.object_bytes)
     except ValueError:
         _name_the_plane(plan, plane_slice, num_slices)
         raise
-    return WorkOrder(runs.view(RUN_DESC_DTYPE), groups.view(GROUP_DESC_DTYPE), items, slice_items, pieces, copies)
+    return WorkOrder(runs.view(RUN_DESC_DTYPE), groups.view(GROUP_DESC_DTYPE), items, slice_items, pieces)
 
 
 def sliced_load_tables(batch: ChunkBatch, plane_slice: np.ndarray, num_slices: int, piece_bytes: int,
@@ -294,13 +291,8 @@ def copy_table(staging_address: int, batch: ChunkBatch, order: WorkOrder, pipeli
                from_slice: int = 0) -> np.ndarray:
     """The copy engine's steps as LmcacheCudaCopy rows (staging address, host address, bytes, slice): one per
     stretch contiguous on both sides, per slice when pipelined, else merged across slices. Slices before
-    `from_slice` are not copied (a mapped prefix: the kernel wrote them into the objects itself). An order that
-    planned its copies (`WorkOrder.copies`, per slice) only has the staging address added. The objects' addresses
-    are the batch's, read once per batch."""
-    if order.copies is not None and pipelined and from_slice == 0:
-        rows = order.copies.copy()
-        rows[:, 0] += np.uint64(staging_address)
-        return rows
+    `from_slice` are not copied (a mapped prefix: the kernel wrote them into the objects itself). The objects'
+    addresses are the batch's, read once per batch."""
     object_bytes = batch.plan.object_bytes
     pieces = order.piece_table[order.piece_table[:, 3] >= from_slice]
     if not pipelined:
