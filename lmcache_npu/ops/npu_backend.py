@@ -10,6 +10,11 @@ asynchronous by construction (the host side is page-locked memory we allocated o
 guess). The lane waits on an event at the end, never on a stream, and never longer than its deadline: a task torch_npu
 drops (after any failed task on the device) or refuses (its queue in an error state) fails the transfer at once, and
 a transfer that does not complete in `wait_timeout_ms` fails too, so a device fault costs a recompute, never a hang.
+
+A load can also return once enqueued (`launch`): each launch in flight has its own native Transfer (its completion
+event), tables and status buffers, since a queued task reads them when it runs, so a sliced load's slices queue back
+to back on the lane's stream with no host wait between them (the staging window is reused in stream order). Stores
+run to their end.
 """
 
 from __future__ import annotations
@@ -32,7 +37,8 @@ from .batch import ChunkBatch
 from .device_staging import StagingLedger, host_stretches, object_pieces, pack_into, packed_offsets
 from .plan import CORE_STATUS_DTYPE, Direction, TransferPlan, align_up
 from .soc import check_built_soc, check_soc_rules, soc_from_name
-from .transfer_backend import AfterKernel, BackendUnavailable, KernelReport, TransferBackend, warm_up
+from .transfer_backend import (AfterKernel, BackendUnavailable, KernelReport, PendingTransfer, TransferBackend,
+                               TransferStats, warm_up)
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +82,30 @@ class _Grown:
             if buffer is not None:
                 buffer.close()
         self.device = self.host = None
+
+
+@dataclass
+class _Flight:
+    """What one transfer uses until it is waited for: the native Transfer (its completion event), the tables its
+    upload task reads and the status blocks its kernel writes. `late`: its last wait failed; it is handed out first,
+    so its Transfer's Begin refuses every new transfer while that one may still run on the device."""
+
+    transfer: Any
+    tables: _Grown
+    status: _Grown
+    late: bool = False
+
+    def close(self) -> None:
+        self.tables.close()
+        self.status.close()
+
+
+@dataclass(frozen=True)
+class _Submitted:
+    """An enqueued transfer: its flight and how many windows it has."""
+
+    flight: _Flight
+    windows: int
 
 
 class NpuBackend(TransferBackend):
@@ -128,10 +158,10 @@ class NpuBackend(TransferBackend):
         self._plane_tables: "weakref.WeakKeyDictionary[TransferPlan, DeviceBuffer]" = weakref.WeakKeyDictionary()
         self._staging: Optional[DeviceBuffer] = None
         self._ledger = StagingLedger()
-        self._tables = _Grown()
-        self._status = _Grown()
-        self._transfer: Any = None  # the native Transfer, made on the lane's thread (its event needs the device)
-        self._lock = threading.Lock()  # one transfer at a time: the buffers are reused
+        self._spares: list[_Flight] = []  # flights no transfer uses (a late one first)
+        self._flights: list[_Flight] = []  # every flight made, closed with the backend
+        self._flights_lock = threading.Lock()  # guards both lists: flights come back from the lanes' finishes
+        self._lock = threading.Lock()  # one submission at a time: the staging window and its ledger are shared
         self.last_windows = 0
         self.last_submit_seconds = 0.0
         logger.info("npu backend on %s: %d of %d vector cores per launch, %d B UB, tile %d B, staging window %d MiB, "
@@ -187,16 +217,36 @@ class NpuBackend(TransferBackend):
             if self._staging is not None:
                 self._staging.close()
                 self._staging = None
-            self._tables.close()
-            self._status.close()
+            for flight in self._flights:
+                flight.close()
+            self._flights.clear()
+            self._spares.clear()
 
     # ---- a transfer -------------------------------------------------------------------------------------------------
 
     def _launch(self, batch: ChunkBatch, after_kernel: Optional[AfterKernel]) -> KernelReport:
         with self._lock:
-            return self._launch_locked(batch, after_kernel)
+            submitted = self._submit(batch, after_kernel)
+        return self._complete(submitted)
 
-    def _launch_locked(self, batch: ChunkBatch, after_kernel: Optional[AfterKernel]) -> KernelReport:
+    def launch(self, batch: ChunkBatch, after_kernel: Optional[AfterKernel] = None) -> PendingTransfer:
+        """A load returns once enqueued, on its own flight (the next launch reuses none of its buffers before it is
+        finished); a store runs to its end."""
+        if batch.direction != Direction.LOAD:
+            return super().launch(batch, after_kernel)
+        start = time.perf_counter()
+        with self._lock:
+            submitted = self._submit(batch, after_kernel)
+        seconds = time.perf_counter() - start
+
+        def finish() -> TransferStats:
+            return self._stats(batch, self._complete(submitted), seconds)
+
+        return PendingTransfer(finish, asynchronous=True)
+
+    def _submit(self, batch: ChunkBatch, after_kernel: Optional[AfterKernel]) -> _Submitted:
+        """Checks the batch and enqueues all of it (windows, then the tail) on a spare flight; the caller holds the
+        lock and completes the result. Raises before anything is enqueued on bad input."""
         plan = batch.plan
         if plan.device.type != self.runtime.device.type:
             raise ValueError(f"the npu backend moves {self.runtime.device.type} pages; the plan's planes are on "
@@ -210,27 +260,72 @@ class NpuBackend(TransferBackend):
             raise ValueError("the npu backend has no staging window for this plan: call prepare(plan) before "
                              "transferring host objects")
         windows = batch.chunk_windows(self.chunks_per_window(plan)) if staged else [batch]
-        launches, keep = self._launches(plan, windows, staged)
-        native = self._native_transfer()
-        native.begin()
-        submitted = time.perf_counter()
-        native.submit_windows(launches.ctypes.data, len(launches))
-        self.last_submit_seconds = time.perf_counter() - submitted  # ~0 unless a copy ran synchronously (selftest)
+        flight = self._spare()
         try:
+            launches, keep = self._launches(plan, windows, staged, flight)
+            flight.transfer.begin()  # a late flight refuses here while its transfer may still run on the device
+        except BaseException:
+            self._give_back(flight, flight.late)
+            raise
+        native, submitted = flight.transfer, _Submitted(flight, len(windows))
+        started = time.perf_counter()
+        try:
+            native.submit_windows(launches.ctypes.data, len(launches))
+            self.last_submit_seconds = time.perf_counter() - started  # ~0 unless a copy ran synchronously (selftest)
             if after_kernel is not None:
                 after_kernel(None)  # the stream's queued position is right after the last kernel: the pages are free
-        finally:
+        except BaseException:
             native.submit_tail(launches.ctypes.data, len(launches))  # whatever happened: the wait must end
-            native.wait()  # raises the first failed ACL call; the buffers are free to reuse either way
-        del keep
+            self._wait_quietly(flight)
+            raise
+        native.submit_tail(launches.ctypes.data, len(launches))
+        del keep  # the native submits copied the records and the copy rows they point to
         self.last_windows = len(windows)
-        assert self._status.host is not None
-        statuses = self._status.host.array[: len(windows) * self._status_stride].reshape(len(windows), -1)
+        return submitted
+
+    def _complete(self, submitted: _Submitted) -> KernelReport:
+        """Waits (no GIL, at most the deadline) for a submitted transfer and reads its kernel's status blocks; raises
+        the first failed ACL call. Its flight is spare again either way (first, and late, after a failure)."""
+        flight = submitted.flight
+        try:
+            flight.transfer.wait()
+        except BaseException:
+            self._give_back(flight, late=True)
+            raise
+        assert flight.status.host is not None
+        statuses = flight.status.host.array[: submitted.windows * self._status_stride].reshape(submitted.windows, -1)
         report = np.ascontiguousarray(statuses[:, : self._status_bytes]).view(CORE_STATUS_DTYPE)
-        return KernelReport(bytes_moved=int(report["bytes_moved"].sum()), launches=len(windows),
+        self._give_back(flight, late=False)  # after its status is read: the next transfer on it overwrites it
+        return KernelReport(bytes_moved=int(report["bytes_moved"].sum()), launches=submitted.windows,
                             items_done=int(report["items_done"].sum()),
                             items_rejected=int(report["items_rejected"].sum()),
-                            dma_ops=int(report["dma_ops"].sum()) - self.cores * len(windows))
+                            dma_ops=int(report["dma_ops"].sum()) - self.cores * submitted.windows)
+
+    def _wait_quietly(self, flight: _Flight) -> None:
+        """A failed submission's tail waited for (its error, if any, follows from the one being raised)."""
+        try:
+            flight.transfer.wait()
+        except BaseException:
+            self._give_back(flight, late=True)
+            return
+        self._give_back(flight, late=False)
+
+    def _spare(self) -> _Flight:
+        """A flight no transfer uses, a late one first (its Begin refuses while its transfer may still run), made on
+        this thread (the lane's: the Transfer's event needs the device) when none is spare."""
+        with self._flights_lock:
+            if self._spares:
+                return self._spares.pop(0)
+        self.runtime.bind_thread()
+        flight = _Flight(self.runtime.native.Transfer(self.wait_timeout_ms), _Grown(), _Grown())
+        with self._flights_lock:
+            self._flights.append(flight)
+        return flight
+
+    def _give_back(self, flight: _Flight, late: bool) -> None:
+        with self._flights_lock:
+            flight.late = late
+            self._spares.insert(0 if late else len(self._spares), flight)
 
     @property
     def _status_bytes(self) -> int:
@@ -242,14 +337,8 @@ class NpuBackend(TransferBackend):
         """Where consecutive windows' status blocks start: 64 B apart at least (aclrtMemcpyAsync's alignment)."""
         return align_up(self._status_bytes, 64)
 
-    def _native_transfer(self) -> Any:
-        if self._transfer is None:
-            self.runtime.bind_thread()
-            self._transfer = self.runtime.native.Transfer(self.wait_timeout_ms)
-        return self._transfer
-
-    def _launches(self, plan: TransferPlan, windows: Sequence[ChunkBatch],
-                  staged: bool) -> tuple[np.ndarray, list[np.ndarray]]:
+    def _launches(self, plan: TransferPlan, windows: Sequence[ChunkBatch], staged: bool,
+                  flight: _Flight) -> tuple[np.ndarray, list[np.ndarray]]:
         """The LaunchDesc records of a transfer's windows and the arrays they point into (kept alive by the caller
         until the native submit has copied them)."""
         staging = self._staging.address if staged and self._staging is not None else 0
@@ -264,8 +353,8 @@ class NpuBackend(TransferBackend):
             parts_per_window.append([window.group_table, runs, addresses])
         layouts = [packed_offsets(parts) for parts in parts_per_window]
         table_total = sum(size for _, size in layouts)
-        tables_device, tables_host = self._tables.ensure(self.runtime, table_total, "npu transfer tables")
-        status_device, status_host = self._status.ensure(self.runtime, len(windows) * self._status_stride,
+        tables_device, tables_host = flight.tables.ensure(self.runtime, table_total, "npu transfer tables")
+        status_device, status_host = flight.status.ensure(self.runtime, len(windows) * self._status_stride,
                                                          "npu transfer status")
         launches = np.zeros(len(windows), dtype=self._launch_dtype)
         keep: list[np.ndarray] = []

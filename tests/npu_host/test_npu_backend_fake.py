@@ -348,3 +348,43 @@ def test_the_built_soc_is_read_from_the_module_file_without_importing_it(fake_np
     assert recorded_built_soc(str(untagged)) is None and recorded_built_soc(str(tmp_path / "missing.so")) is None
     untagged.write_bytes(b"\x00LMCACHE_NPU_BUILT_SOC=\x00")
     assert recorded_built_soc(str(untagged)) == ""
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_loads_launched_back_to_back_keep_their_own_buffers_until_finished(fake_npu: FakeNpu, monkeypatch,
+                                                                           shared: bool) -> None:
+    """A sliced load's slices on NPU: one load per plane, each launched while the task queue is paused, so every
+    launch returns before any of their tasks runs, then finished in order: every page byte is the oracle's.
+    Negative control (`shared`): every launch on one flight's tables, status and Transfer (one transfer at a time,
+    as before flights) is seen to go wrong."""
+    geometry = on_device(fake_npu, small_geometry())
+    plan = geometry.plan()
+    backend = backend_for(fake_npu, plan)
+    pieces = [plan.plane_subset([i]) for i in range(len(plan.moved_planes))]
+    for piece in pieces:
+        backend.prepare(piece)
+    objects = fake_npu.pinned_tensor(2 * plan.object_bytes).view(2, -1)
+    objects.copy_(torch.randint(0, 256, tuple(objects.shape), dtype=torch.uint8,
+                                generator=torch.Generator().manual_seed(5)))
+    expected = oracle_load(geometry, SLOTS, objects.numpy())
+    batch = ChunkBatch.build(plan, SLOTS, objects, Direction.LOAD)
+    if shared:
+        one = backend._spare()
+        monkeypatch.setattr(backend, "_spare", lambda: one)
+        monkeypatch.setattr(backend, "_give_back", lambda flight, late: None)
+    fake_npu.queue(paused=True)
+    pending = [backend.launch(batch.for_plan(piece)) for piece in pieces]  # a wait here would never end
+    assert fake_npu.queue_pending() >= 2 * len(pieces), "a launch ran its tasks or waited for them"
+    fake_npu.queue(paused=False)
+    failures = []
+    for transfer in pending:
+        try:
+            transfer.finish()
+        except RuntimeError as exc:
+            failures.append(str(exc))
+    same = all(np.array_equal(rp.raw.cpu().numpy(), want) for rp, want in zip(geometry.raw_planes, expected))
+    if shared:
+        assert failures or not same, "launches sharing one flight's buffers went unnoticed"
+    else:
+        assert not failures and same, failures or "a page byte differs from the oracle's"
+        assert len(backend._flights) >= len(pieces), "launches in flight together shared a flight"
