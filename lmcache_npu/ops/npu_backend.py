@@ -269,9 +269,10 @@ class NpuBackend(TransferBackend):
             raise
         native, submitted = flight.transfer, _Submitted(flight, len(windows))
         started = time.perf_counter()
+        # raising here keeps the flight out of the spares: windows it queued before failing may still read its tables
+        native.submit_windows(launches.ctypes.data, len(launches))
+        self.last_submit_seconds = time.perf_counter() - started  # ~0 unless a copy ran synchronously (selftest)
         try:
-            native.submit_windows(launches.ctypes.data, len(launches))
-            self.last_submit_seconds = time.perf_counter() - started  # ~0 unless a copy ran synchronously (selftest)
             if after_kernel is not None:
                 after_kernel(None)  # the stream's queued position is right after the last kernel: the pages are free
         except BaseException:
