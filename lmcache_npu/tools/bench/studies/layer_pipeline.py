@@ -275,12 +275,16 @@ def _answers(expected: int) -> tuple[Callable[[int, Any], None], threading.Event
     return report, done, results
 
 
-def forward_alone(case: Case, work: Work, clock: Clock) -> Run:
-    """T_compute: the forward with no load."""
+def forward_alone(case: Case, work: Work, clock: Clock, copy: Optional[BareCopy] = None) -> Run:
+    """T_compute: the forward with no load; beside `copy` (started with it, no layer waiting for it): T_copy."""
     clock.sync()
     begin = clock.mark()
+    if copy is not None:
+        copy.start()
     marks = forward(case.announced, work, clock)
     end = clock.mark()
+    if copy is not None:
+        copy.finish()
     clock.sync()
     return Run(clock.seconds(begin, end), layer_seconds(clock, marks))
 
@@ -311,18 +315,6 @@ class BareCopy:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
-
-
-def beside_copy(case: Case, copy: BareCopy, work: Work, clock: Clock) -> Run:
-    """T_copy: the forward with a bare copy of the load's bytes running beside it, no layer waiting for anything."""
-    clock.sync()
-    begin = clock.mark()
-    copy.start()
-    marks = forward(case.announced, work, clock)
-    end = clock.mark()
-    copy.finish()
-    clock.sync()
-    return Run(clock.seconds(begin, end), layer_seconds(clock, marks))
 
 
 def busy_host(seconds: float) -> None:
@@ -551,7 +543,7 @@ def study_load(geometry: Geometry, chunks: int, settings: Settings) -> tuple[lis
                     alone, beside, runs = [], [], []
                     for _ in range(settings.repeats):  # interleaved: the GPU's clocks drift between runs
                         alone.append(forward_alone(case, work, clock))
-                        beside.append(beside_copy(case, copy, work, clock))
+                        beside.append(forward_alone(case, work, clock, copy))
                         runs.append(pipelined(case, sliced, work, clock))
                     t_compute = statistics.median(r.ttft for r in alone)
                     t_copy = statistics.median(r.ttft for r in beside)
