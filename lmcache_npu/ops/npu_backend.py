@@ -277,7 +277,10 @@ class NpuBackend(TransferBackend):
                 after_kernel(None)  # the stream's queued position is right after the last kernel: the pages are free
         except BaseException:
             native.submit_tail(launches.ctypes.data, len(launches))  # whatever happened: the wait must end
-            self._wait_quietly(flight)
+            try:
+                self._complete(submitted)
+            except Exception:  # noqa: BLE001 - a consequence of the error being raised, which is the one to report
+                logger.debug("npu backend: the failed submission's transfer also failed", exc_info=True)
             raise
         native.submit_tail(launches.ctypes.data, len(launches))
         del keep  # the native submits copied the records and the copy rows they point to
@@ -301,15 +304,6 @@ class NpuBackend(TransferBackend):
                             items_done=int(report["items_done"].sum()),
                             items_rejected=int(report["items_rejected"].sum()),
                             dma_ops=int(report["dma_ops"].sum()) - self.cores * submitted.windows)
-
-    def _wait_quietly(self, flight: _Flight) -> None:
-        """A failed submission's tail waited for (its error, if any, follows from the one being raised)."""
-        try:
-            flight.transfer.wait()
-        except BaseException:
-            self._give_back(flight, late=True)
-            return
-        self._give_back(flight, late=False)
 
     def _spare(self) -> _Flight:
         """A flight no transfer uses, a late one first (its Begin refuses while its transfer may still run), made on
