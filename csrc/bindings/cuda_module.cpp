@@ -2,9 +2,12 @@
 // come from Python as integers; this module links only the CUDA runtime, not torch.
 #include <pybind11/pybind11.h>
 
+#include <pybind11/stl.h>
+
 #include <cstddef>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "../common/transfer_plan.h"
 #include "../cuda/kv_transfer_cuda.h"
@@ -25,6 +28,32 @@ void Transfer(uint64_t transfer) { Check(lmcache_cuda_transfer(Record(transfer))
 void SlicedLoad(uint64_t transfer, uint64_t slices) {
   Check(lmcache_cuda_sliced_load(Record(transfer), reinterpret_cast<const LmcacheCudaSlices*>(slices)),
         "lmcache_cuda_sliced_load");
+}
+
+// Slice 0's copies of a sliced load, one per chunk and segment: chunk c's object at addresses[c] lands at
+// staging + c * object_bytes (staging mirrors the object layout); segments are (offset, length) pairs in an object.
+void CopyAhead(uint64_t stream, uint64_t first, uint64_t staging, uint64_t object_bytes,
+               const std::vector<uint64_t>& addresses, const std::vector<uint64_t>& segments) {
+  if (segments.size() % 2 != 0) throw py::value_error("copy_ahead: segments are (offset, length) pairs");
+  if (staging == 0) throw py::value_error("copy_ahead: no staging buffer (address 0)");
+  for (size_t s = 0; s < segments.size(); s += 2) {
+    if (segments[s + 1] > object_bytes || segments[s] > object_bytes - segments[s + 1]) {
+      throw py::value_error("copy_ahead: segment " + std::to_string(s / 2) + " [" + std::to_string(segments[s]) +
+                            ", +" + std::to_string(segments[s + 1]) + ") lies outside the " +
+                            std::to_string(object_bytes) + "-byte object");
+    }
+  }
+  static thread_local std::vector<LmcacheCudaCopy> copies;
+  copies.clear();
+  for (size_t c = 0; c < addresses.size(); ++c) {
+    if (addresses[c] == 0) throw py::value_error("copy_ahead: chunk " + std::to_string(c) + " has no object (0)");
+    for (size_t s = 0; s < segments.size(); s += 2) {
+      if (segments[s + 1] == 0) continue;
+      copies.push_back({staging + c * object_bytes + segments[s], addresses[c] + segments[s], segments[s + 1], 0});
+    }
+  }
+  py::gil_scoped_release unlocked;  // the enqueue holds no Python object
+  Check(lmcache_cuda_copy_ahead(stream, first, copies.data(), copies.size()), "lmcache_cuda_copy_ahead");
 }
 
 uint64_t EventCreate(bool blocking) {
@@ -106,6 +135,10 @@ PYBIND11_MODULE(_cuda, m) {
         py::arg("transfer"), py::call_guard<py::gil_scoped_release>());
   m.def("sliced_load", &SlicedLoad, "enqueue a sliced load: per slice its copies, its kernel, its event (one stream)",
         py::arg("transfer"), py::arg("slices"), py::call_guard<py::gil_scoped_release>());
+  m.def("copy_ahead", &CopyAhead,
+        "enqueue a sliced load's slice-0 copies (and its First event) before the load is planned",
+        py::arg("stream"), py::arg("first"), py::arg("staging"), py::arg("object_bytes"), py::arg("addresses"),
+        py::arg("segments"));
   m.def("event_create", &EventCreate, "a cudaEvent_t with timing, as an int; blocking: host waits sleep",
         py::arg("blocking") = false);
   m.attr("BLOCKING_EVENTS") = true;

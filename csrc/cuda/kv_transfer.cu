@@ -348,13 +348,15 @@ extern "C" int lmcache_cuda_sliced_load(const LmcacheCudaTransfer* t, const Lmca
     if (copies[i].slice < copies[i - 1].slice) return cudaErrorInvalidValue;  // a copy out of slice order
   }
   if (t->num_copies != 0 && copies[t->num_copies - 1].slice >= s->num_slices) return cudaErrorInvalidValue;
+  if (s->copied_ahead > 1) return cudaErrorInvalidValue;  // only slice 0's copies are ever enqueued ahead
   const auto* slice_items = reinterpret_cast<const uint32_t*>(s->slice_items);
   auto* slice_events = reinterpret_cast<uint64_t*>(s->slice_events);
   uint64_t total = 0;
   for (uint64_t k = 0; k < s->num_slices; ++k) total += slice_items[k];
   if (total != t->kernel.num_items) return cudaErrorInvalidValue;  // the slices must cover the items exactly
   const cudaStream_t stream = AsStream(t->kernel.stream);
-  LMCACHE_TRY(Record(t, kLmcacheEventFirst, t->kernel.stream));
+  // Copied ahead, the window already started before those copies.
+  if (s->copied_ahead == 0) LMCACHE_TRY(Record(t, kLmcacheEventFirst, t->kernel.stream));
   if (t->table_bytes != 0) {
     LMCACHE_TRY(cudaMemcpyAsync(reinterpret_cast<void*>(t->table_device), reinterpret_cast<const void*>(t->table_host),
                                 t->table_bytes, cudaMemcpyHostToDevice, stream));
@@ -364,7 +366,7 @@ extern "C" int lmcache_cuda_sliced_load(const LmcacheCudaTransfer* t, const Lmca
   for (uint64_t k = 0; k < s->num_slices; ++k) {
     const uint64_t first_copy = copy;
     while (copy < t->num_copies && copies[copy].slice == k) ++copy;
-    LMCACHE_TRY(EnqueueHostToDevice(copies, first_copy, copy, stream));
+    if (k >= s->copied_ahead) LMCACHE_TRY(EnqueueHostToDevice(copies, first_copy, copy, stream));
     if (k == 0) LMCACHE_TRY(Record(t, kLmcacheEventKernelBegin, t->kernel.stream));
     kernel.items = t->kernel.items + 16 * first_item;  // uint32 x4 per item
     kernel.num_items = slice_items[k];
@@ -378,6 +380,12 @@ extern "C" int lmcache_cuda_sliced_load(const LmcacheCudaTransfer* t, const Lmca
   LMCACHE_TRY(Record(t, kLmcacheEventKernelEnd, t->kernel.stream));
   LMCACHE_TRY(Record(t, kLmcacheEventPagesFree, t->kernel.stream));
   return EnqueueTail(t);
+}
+
+extern "C" int lmcache_cuda_copy_ahead(uint64_t stream, uint64_t first, const LmcacheCudaCopy* copies,
+                                       uint64_t num_copies) {
+  if (first != 0) LMCACHE_TRY(cudaEventRecord(AsEvent(first), AsStream(stream)));
+  return EnqueueHostToDevice(copies, 0, num_copies, AsStream(stream));
 }
 
 #undef LMCACHE_TRY

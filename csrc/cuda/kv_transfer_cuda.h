@@ -103,6 +103,8 @@ typedef struct {
   uint64_t num_slices;
   uint64_t slice_items;   // uint32 per slice, host memory: items of each slice
   uint64_t slice_events;  // out, cudaEvent_t per slice (made here, no timing): its kernel has written the pages
+  uint64_t copied_ahead;  // 0 or 1: slice 0's copies (and the First event) were enqueued ahead by
+                          // lmcache_cuda_copy_ahead on this stream, so this call skips them
 } LmcacheCudaSlices;
 // One call enqueues the whole sliced load: table upload, every slice as above, the caller's pages-free event after
 // the last kernel, the status read-back. Requires a load with kernel.pipeline == kLmcacheNoPipeline. Each slice's
@@ -110,6 +112,10 @@ typedef struct {
 // load's event is never moved; made in one native call, not per slice from Python); slice_events holds every event
 // made, also when an error stops the call, and the caller destroys them.
 int lmcache_cuda_sliced_load(const LmcacheCudaTransfer* transfer, const LmcacheCudaSlices* slices);
+// A sliced load's first copies enqueued before its work order is planned (issue 41), so the copy engine starts while
+// the host still plans: on `stream`, the `first` event (0: none), then the host-to-device copies (their slice field
+// is ignored). The sliced load that follows on the same stream sets copied_ahead and skips them.
+int lmcache_cuda_copy_ahead(uint64_t stream, uint64_t first, const LmcacheCudaCopy* copies, uint64_t num_copies);
 // blocking: a host thread that synchronizes on the event sleeps until it completes instead of spinning (a lane
 // waiting out a transfer then takes no core, nor the driver's time, from the model's thread launching its forward)
 int lmcache_cuda_event_create(uint64_t* event, int blocking);

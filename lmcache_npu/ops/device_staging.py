@@ -4,7 +4,7 @@ packing and copying of per-call tables and host objects around it."""
 from __future__ import annotations
 
 import weakref
-from typing import Optional, Sequence
+from typing import Collection, Optional, Sequence
 
 import numpy as np
 import torch
@@ -137,12 +137,14 @@ class StagingBuffer:
         return self._ledger.dirty
 
 
-def plane_segments(plan: TransferPlan) -> list[tuple[int, int]]:
-    """(offset, length) of each moved plane's bytes in an object, in object order, with neighbours merged across
-    alignment gaps only (< OBJECT_ALIGN_BYTES: a plane in between is at least that far away, as planes are
-    aligned), so a partial plan's copies never cover a plane outside it."""
+def plane_segments(plan: TransferPlan, planes: Optional[Collection[int]] = None) -> list[tuple[int, int]]:
+    """(offset, length) of each moved plane's bytes in an object (only `planes`, indices into the moved planes, where
+    given), in object order, with neighbours merged across alignment gaps only (< OBJECT_ALIGN_BYTES: a plane in
+    between is at least that far away, as planes are aligned), so a partial plan's copies never cover a plane
+    outside it."""
     spans = sorted((offset, plan.rows_per_chunk[p.group] * p.row_bytes)
-                   for offset, p in zip(plan.object_offsets, plan.moved_planes))
+                   for i, (offset, p) in enumerate(zip(plan.object_offsets, plan.moved_planes))
+                   if planes is None or i in planes)
     merged: list[list[int]] = []
     for offset, length in spans:
         if length <= 0:

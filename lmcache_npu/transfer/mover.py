@@ -4,8 +4,8 @@
 is joined by command id), records where the model's stream is and queues the batch on a lane (a thread with its own
 backend and, on NPU/CUDA, its own stream) that runs it as one kernel launch and reports every command.
 `run_sliced` runs a load in S slices of `slices.py` (forward order), each followed by an event the model's stream can
-wait on (`slice_progress.SlicedLoad`): all in one backend call where the backend offers `launch_sliced` (CUDA), else
-one launch per slice.
+wait on (`slice_progress.SlicedLoad`): all in one backend call where the backend offers `launch_sliced` (CUDA, with
+slice 0's copies enqueued first by its `copy_ahead`, before the load is cut and planned), else one launch per slice.
 `release_pages` is the page fence: the model's stream waits only for queued stores that read a page the step writes.
 Why that keeps every page safe: docs/architecture.md §4, "Page lifetime".
 """
@@ -247,21 +247,42 @@ class KVMover:
 
     def _launch_here(self, lane: _Lane, job: _Job) -> None:
         """Plans and enqueues a sliced load on the caller's thread, on the lane's stream (the backend serializes
-        its launches); the job then carries what the lane finishes. A failure is reported, never raised."""
+        its launches), slice 0's copies first where the backend copies ahead; the job then carries what the lane
+        finishes. A failure is reported, never raised."""
+        ahead = None
         try:
             with lane.kit.side_stream():
+                ahead = self._copy_ahead(lane, job)
                 planned = self._checked_batch(lane, job)
                 if planned is None:
                     job.launched = _Launched([], [])
                     return
                 moves, batch = planned
-                pending = self._launch_sliced(lane, job, job.slicing, batch, moves)  # type: ignore[arg-type]
+                pending = self._launch_sliced(lane, job, job.slicing, batch, moves,  # type: ignore[arg-type]
+                                              ahead)
             job.launched = _Launched(moves if pending is not None else [], pending or [])
         except Exception as exc:  # a bug here must fail the load (it is recomputed), never the model's step
             logger.exception("rank %d: sliced load launch error", self.rank)
             self._fail(job, job.moves, str(exc))
             job.launched = _Launched([], [])
             job.kernel_done.set()
+        finally:
+            if ahead is not None:
+                ahead.release()  # the record goes back to the backend unless the launch took it
+
+    def _copy_ahead(self, lane: _Lane, job: _Job) -> Optional[Any]:
+        """Slice 0's copies enqueued before the load is cut and planned, where the backend offers it (CUDA:
+        `copy_ahead`), so the bytes move while the host plans; None where it does not or could not (the launch
+        then copies slice 0 itself)."""
+        copy_ahead = getattr(lane.backend, "copy_ahead", None)
+        if copy_ahead is None:
+            return None
+        try:
+            return copy_ahead(self.layout.plan, job.slicing.progress.slices.plane_slices,  # type: ignore[union-attr]
+                              job.objects)
+        except Exception:  # the launch copies slice 0 itself: nothing is lost but the head start
+            logger.warning("rank %d: slice 0's copies could not be enqueued ahead", self.rank, exc_info=True)
+            return None
 
     def _execute(self, lane: _Lane, job: _Job) -> None:
         if job.launched is not None:
@@ -300,15 +321,15 @@ class KVMover:
         return moves, batch
 
     def _launch_sliced(self, lane: _Lane, job: _Job, sliced: _Slicing, batch: ChunkBatch,
-                       moves: Sequence[DeviceMove]) -> Optional[list[PendingTransfer]]:
+                       moves: Sequence[DeviceMove], ahead: Optional[Any] = None) -> Optional[list[PendingTransfer]]:
         """Launches the slices back to back, marking each once enqueued: in one backend call where the backend
-        offers `launch_sliced` (CUDA), else one launch per slice. None once a launch failed (reported, every waiter
-        released; what did launch is finished)."""
+        offers `launch_sliced` (CUDA; `ahead`: what its `copy_ahead` enqueued), else one launch per slice. None once
+        a launch failed (reported, every waiter released; what did launch is finished)."""
         at_once = getattr(lane.backend, "launch_sliced", None)
         pending: list[PendingTransfer] = []
         try:
             if at_once is not None:
-                launched = self._launch_slices_at_once(lane, job, sliced, batch, moves, at_once, pending)
+                launched = self._launch_slices_at_once(lane, job, sliced, batch, moves, at_once, pending, ahead)
             else:
                 launched = self._launch_each_slice(lane, job, sliced, batch, moves, pending)
         except BaseException:  # e.g. a slice callback that raised: what launched still gives its buffers back
@@ -361,13 +382,14 @@ class KVMover:
 
     def _launch_slices_at_once(self, lane: _Lane, job: _Job, sliced: _Slicing, batch: ChunkBatch,
                                moves: Sequence[DeviceMove], at_once: Callable[..., Any],
-                               pending: list[PendingTransfer]) -> bool:
+                               pending: list[PendingTransfer], ahead: Optional[Any]) -> bool:
         """Every slice enqueued in one backend call (no host step between slices), then each marked with its own
         event; False once the call failed."""
         slices = sliced.progress.slices
         self._prepare(lane, batch.plan)
+        extra = {} if ahead is None else {"ahead": ahead}
         launched = self._attempt(job, moves, lambda after: at_once(batch, slices.plane_slices, len(slices),
-                                                                   after_kernel=after), lane)
+                                                                   after_kernel=after, **extra), lane)
         if launched is None:
             return False
         pending.append(launched.pending)

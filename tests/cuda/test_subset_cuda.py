@@ -82,9 +82,9 @@ def _store_planes(plan, planes, slots, nbytes: int, count: int, seed: int) -> li
     return out
 
 
-@settings(max_examples=30, deadline=None)
-@given(case=cases(soc="a2"), path=st.sampled_from(["staging", "mapped"]), data=st.data())
-def test_a_sliced_load_in_one_call_lands_each_slice_by_its_event(case: Case, path: str, data) -> None:
+@settings(max_examples=40, deadline=None)
+@given(case=cases(soc="a2"), path=st.sampled_from(["staging", "mapped"]), ahead=st.booleans(), data=st.data())
+def test_a_sliced_load_in_one_call_lands_each_slice_by_its_event(case: Case, path: str, ahead: bool, data) -> None:
     case = to_cuda(case)
     plan = case.geometry.plan()
     n = len(plan.moved_planes)
@@ -97,7 +97,15 @@ def test_a_sliced_load_in_one_call_lands_each_slice_by_its_event(case: Case, pat
     backend.transfer(ChunkBatch.build(plan, case.slots, whole, Direction.STORE))
     for raw in case.geometry.raw_planes:  # scrub the pages: the load must write every row back
         raw.raw.copy_(torch.randint(0, 256, raw.raw.shape, dtype=torch.uint8, device=raw.raw.device))
-    launched = backend.launch_sliced(ChunkBatch.build(plan, case.slots, whole, Direction.LOAD), plane_slice, count)
+    copied = backend.copy_ahead(plan, plane_slice, whole) if ahead else None  # slice 0's copies before its plan
+    if ahead:
+        assert (copied is not None) == (path == "staging" and any(
+            length for offset, length in _segments(plan, [i for i in range(n) if plane_slice[i] == 0]))), \
+            "slice 0 was copied ahead off the staging path, or not copied ahead on it"
+    launched = backend.launch_sliced(ChunkBatch.build(plan, case.slots, whole, Direction.LOAD), plane_slice, count,
+                                     ahead=copied)
+    if copied is not None:
+        copied.release()  # taken by the launch: a no-op
     assert len(launched.events) == count
     for k in range(count):
         launched.events[k].synchronize()
@@ -142,3 +150,43 @@ def test_a_sliced_load_refuses_a_plane_outside_its_slices_before_any_launch() ->
         raise AssertionError("a plane in slice 2 of 2 was accepted")
     torch.cuda.synchronize()
     assert all(torch.equal(a, raw.raw) for a, raw in zip(before, case.geometry.raw_planes)), "pages were touched"
+
+
+def _load_sliced_after_an_overtaking_load(fits_always: bool) -> tuple[bool, str]:
+    """Slice 0 copied ahead for objects A, then a plain load of objects B through the same backend (it claims the
+    staging buffer and fills it with B), then A's sliced load with A's copy ahead. Returns whether the pages hold
+    A's bytes afterwards, and what differed. `fits_always`: the backend trusts every copy ahead (the negative
+    control: slice 0 then lands B's bytes)."""
+    from hypothesis import find
+
+    case = to_cuda(find(cases(soc="a2"), lambda c: len(c.geometry.plan().moved_planes) >= 2 and c.num_chunks >= 1))
+    plan = case.geometry.plan()
+    n = len(plan.moved_planes)
+    plane_slice = np.array([0] + [1] * (n - 1))
+    # the plain load stages every byte of B (no mapped share the kernel would read from B's objects instead)
+    backend = get_backend("cuda", path="staging", pipeline=False, load_mapped_prefix_share=0)
+    if fits_always:
+        backend._ahead_fits = lambda *args: True  # type: ignore[method-assign]
+    backend.prepare(plan)
+    first = _random_objects(case.num_chunks, plan.object_bytes, 31)
+    other = _random_objects(case.num_chunks, plan.object_bytes, 32)
+    copied = backend.copy_ahead(plan, plane_slice, first)
+    assert copied is not None
+    backend.transfer(ChunkBatch.build(plan, case.slots, other, Direction.LOAD))
+    launched = backend.launch_sliced(ChunkBatch.build(plan, case.slots, first, Direction.LOAD), plane_slice, 2,
+                                     ahead=copied)
+    launched.pending.finish()
+    copied.release()
+    got = _store_planes(plan, range(n), case.slots, plan.object_bytes, case.num_chunks, 33)
+    wrong = [f"chunk {c} plane {plan.moved_planes[i].label}" for c in range(case.num_chunks)
+             for i, (offset, length) in enumerate(_segments(plan, range(n)))
+             if not torch.equal(got[c][offset: offset + length], first[c][offset: offset + length])]
+    return not wrong, ", ".join(wrong)
+
+
+def test_a_copy_ahead_another_load_overtook_is_copied_again() -> None:
+    landed, wrong = _load_sliced_after_an_overtaking_load(fits_always=False)
+    assert landed, f"slice 0 landed another load's bytes: {wrong}"
+    # negative control: a backend that trusted the overtaken copy would serve the other load's slice 0
+    landed, wrong = _load_sliced_after_an_overtaking_load(fits_always=True)
+    assert not landed and "plane" in wrong

@@ -76,9 +76,9 @@ def load_cuda_module() -> Any:
     if not getattr(_cuda, "BLOCKING_EVENTS", False):
         raise BackendUnavailable("lmcache_npu._cuda makes no blocking-sync events: rebuild it (pip install -e . or "
                                  "setup.py build_ext)")
-    if getattr(_cuda, "SLICES_BYTES", None) != 3 * 8:
-        raise BackendUnavailable("lmcache_npu._cuda has no sliced loads (LmcacheCudaSlices): rebuild it (pip install "
-                                 "-e . or setup.py build_ext)")
+    if getattr(_cuda, "SLICES_BYTES", None) != 4 * 8 or not hasattr(_cuda, "copy_ahead"):
+        raise BackendUnavailable("lmcache_npu._cuda has no sliced loads with copies ahead (LmcacheCudaSlices): "
+                                 "rebuild it (pip install -e . or setup.py build_ext)")
     return _cuda
 
 

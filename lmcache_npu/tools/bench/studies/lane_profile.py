@@ -4,9 +4,9 @@ with the layer_pipeline study's forward running beside it (`--ratio`) or not. Pr
 cumulative time.
 
 `--steps` times the load's steps with the wall clock instead (no profiler overhead): the `run_sliced` call, the
-hand-off to the lane where the lane launches (not on CUDA: there the caller does), slots and runs, batch checks, the
-work order and its tables, the enqueue, the native call, and on CUDA the device's view: `run_sliced` to the native
-call's first event, and slice 0's copies."""
+hand-off to the lane where the lane launches (not on CUDA: there the caller does), slice 0's copies ahead (CUDA),
+slots and runs, batch checks, the work order and its tables, the enqueue, the native calls, and on CUDA the device's
+view: `run_sliced` to the transfer's first event (before slice 0's copies), and from there to slice 0's kernel."""
 
 from __future__ import annotations
 
@@ -56,11 +56,12 @@ def _timed(function: Callable[..., Any], name: str, timings: Timings) -> Callabl
 
 
 class _TimedNative:
-    """The CUDA module with its `sliced_load` call timed; every other attribute passes through."""
+    """The CUDA module with its `sliced_load` and `copy_ahead` calls timed; every other attribute passes through."""
 
     def __init__(self, inner: Any, timings: Timings) -> None:
         self._inner = inner
         self.sliced_load = _timed(inner.sliced_load, "native call", timings)
+        self.copy_ahead = _timed(inner.copy_ahead, "  copy ahead: native call", timings)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
@@ -108,6 +109,8 @@ def timed_steps(case: Any, timings: Timings) -> Iterator[list[Any]]:
         planner = cuda_backend.planner
         patch(planner, "sliced_load_tables", _timed(planner.sliced_load_tables, "work order and tables", timings))
         patch(cuda_backend.CudaBackend, "_enqueue", _timed(cuda_backend.CudaBackend._enqueue, "enqueue", timings))
+        patch(cuda_backend.CudaBackend, "copy_ahead", _timed(cuda_backend.CudaBackend.copy_ahead, "copy ahead",
+                                                             timings))
         for owner, name in ((cuda_backend.CudaBackend, "_check_objects"), (cuda_backend.StagingBuffer, "claim"),
                             (cuda_backend.NativeResources, "tables"), (cuda_backend.NativeResources, "next_epoch"),
                             (cuda_backend.CudaBackend, "_spare_state")):
@@ -137,10 +140,10 @@ def steps(case: Any, sliced: Any, work: Any, clock: Clock, runs: int, prelude: f
                 from lmcache_npu.ops.cuda.native import TransferEvent
 
                 first = state.events[TransferEvent.FIRST]
-                timings["device: run_sliced to native start"].append(
+                timings["device: run_sliced to first copy"].append(
                     backend._cuda.event_elapsed_ms(entries[-1].cuda_event, first) / 1e3)
-                timings["device: slice 0 copies"].append(state.elapsed_ms(TransferEvent.FIRST,
-                                                                          TransferEvent.KERNEL_BEGIN) / 1e3)
+                timings["device: first copy to slice 0 kernel"].append(
+                    state.elapsed_ms(TransferEvent.FIRST, TransferEvent.KERNEL_BEGIN) / 1e3)
     return timings
 
 
