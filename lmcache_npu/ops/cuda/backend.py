@@ -247,6 +247,9 @@ class CudaBackend(TransferBackend):
         start = time.perf_counter()
         with self._lock:
             state = None if ahead is None else ahead.take()
+            if state is not None and state.device != batch.plan.device:  # begun for another device's plan
+                self._spares.append(state)
+                state = None
             if state is not None and sliced is not None:
                 sliced.copied_ahead = self._ahead_fits(ahead, batch, sliced.plane_slice,  # type: ignore[arg-type]
                                                        torch.cuda.current_stream(batch.plan.device))
