@@ -303,6 +303,16 @@ extern "C" int lmcache_cuda_transfer(const LmcacheCudaTransfer* t) {
 
 namespace {
 
+// `waiter`'s later work waits for `done`'s work so far (a fresh event, released once the wait is queued).
+int JoinStreams(cudaStream_t done, cudaStream_t waiter) {
+  cudaEvent_t event = nullptr;
+  LMCACHE_TRY(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
+  int rc = cudaEventRecord(event, done);
+  if (rc == cudaSuccess) rc = cudaStreamWaitEvent(waiter, event, 0);
+  const int destroyed = cudaEventDestroy(event);  // a queued wait keeps what it needs
+  return rc != cudaSuccess ? rc : destroyed;
+}
+
 // Host-to-device copies [first, end) of one slice on `stream`: one batched call where the runtime has it (each
 // cudaMemcpyAsync costs microseconds of host time and a sliced load makes one per chunk and slice), else one each.
 int EnqueueHostToDevice(const LmcacheCudaCopy* copies, uint64_t first, uint64_t end, cudaStream_t stream) {
@@ -357,6 +367,10 @@ extern "C" int lmcache_cuda_sliced_load(const LmcacheCudaTransfer* t, const Lmca
   const cudaStream_t stream = AsStream(t->kernel.stream);
   // Copied ahead, the window already started before those copies.
   if (s->copied_ahead == 0) LMCACHE_TRY(Record(t, kLmcacheEventFirst, t->kernel.stream));
+  // With a copy stream the copies run back to back beside the kernels. The copy stream starts where the caller's
+  // stream is now (staging is free of earlier transfers; slice 0's copies ahead come first).
+  const cudaStream_t copy_stream = t->copy_stream != 0 ? AsStream(t->copy_stream) : stream;
+  if (copy_stream != stream) LMCACHE_TRY(JoinStreams(stream, copy_stream));
   if (t->table_bytes != 0) {
     LMCACHE_TRY(cudaMemcpyAsync(reinterpret_cast<void*>(t->table_device), reinterpret_cast<const void*>(t->table_host),
                                 t->table_bytes, cudaMemcpyHostToDevice, stream));
@@ -366,7 +380,12 @@ extern "C" int lmcache_cuda_sliced_load(const LmcacheCudaTransfer* t, const Lmca
   for (uint64_t k = 0; k < s->num_slices; ++k) {
     const uint64_t first_copy = copy;
     while (copy < t->num_copies && copies[copy].slice == k) ++copy;
-    if (k >= s->copied_ahead) LMCACHE_TRY(EnqueueHostToDevice(copies, first_copy, copy, stream));
+    if (k >= s->copied_ahead) {
+      LMCACHE_TRY(EnqueueHostToDevice(copies, first_copy, copy, copy_stream));
+      // Queued right after the copies it waits for: where the two streams share a hardware queue, this order is
+      // the one-stream order (a wait queued behind every copy would hold each kernel until the whole load was in).
+      if (copy_stream != stream) LMCACHE_TRY(JoinStreams(copy_stream, stream));
+    }
     if (k == 0) LMCACHE_TRY(Record(t, kLmcacheEventKernelBegin, t->kernel.stream));
     kernel.items = t->kernel.items + 16 * first_item;  // uint32 x4 per item
     kernel.num_items = slice_items[k];

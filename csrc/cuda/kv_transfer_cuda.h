@@ -96,9 +96,10 @@ int lmcache_cuda_kv_transfer(const LmcacheCudaLaunch* launch);
 int lmcache_cuda_transfer(const LmcacheCudaTransfer* transfer);
 // A sliced load (issue 41): slice k's items are consecutive in kernel.items, in slice order; its copies carry
 // slice k. Per slice, in order on the caller's stream: its copies, one kernel over its items, its event. The model's
-// stream waits on slice_events[k] before the layers of window k: no host step between slices. The copies share the
-// kernels' stream: on the H200 a kernel waiting on another stream's copy event started only once every copy queued
-// there was done, so no slice landed before the whole load (docs/performance.md, "Slice-pipelined loads").
+// stream waits on slice_events[k] before the layers of window k: no host step between slices. With copy_stream set,
+// the copies run there back to back instead and each kernel waits for its slice's copies, queued right after them:
+// a first version that queued every copy before any wait held each kernel until the whole load was in on the H200
+// (docs/performance.md, "Slice-pipelined loads"), as streams may share a hardware queue.
 typedef struct {
   uint64_t num_slices;
   uint64_t slice_items;   // uint32 per slice, host memory: items of each slice

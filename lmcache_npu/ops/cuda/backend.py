@@ -9,7 +9,9 @@ Two ways to reach host chunk objects (CudaPath):
 prefix of the bytes straight to (a store) or from (a load) the pinned host objects while it gathers or scatters the
 rest through staging, so PCIe is busy during the kernel too.
 Either way a transfer is exactly one kernel launch, and one native call enqueues everything around it (table
-upload, staging zeroing, copies, events) so the GPU never waits for Python between them.
+upload, staging zeroing, copies, events) so the GPU never waits for Python between them. A sliced load (issue 41) is
+one native call too, a kernel per slice, its copies back to back on the copy stream; `copy_ahead` enqueues slice 0's
+copies before the load is even planned.
 """
 
 from __future__ import annotations
@@ -364,7 +366,7 @@ class CudaBackend(TransferBackend):
             "blocks": self._blocks(batch, path, pipelined), "threads": tuning.threads,
             "num_slices": tables.slice_items.size, "epoch": state.next_epoch(),
             "pipeline": self._pipeline_mode(batch, mapped_prefix, pipelined),
-            "copy_stream": state.copy_stream.cuda_stream if pipelined else 0, "table_host": host,
+            "copy_stream": self._copy_stream(state, pipelined, sliced is not None), "table_host": host,
             "table_device": base, "table_bytes": table_bytes,
             "zero_address": 0 if zero is None else staging + zero[0],
             "zero_bytes": 0 if zero is None else zero[1] - zero[0],
@@ -392,6 +394,12 @@ class CudaBackend(TransferBackend):
             self._drain(stream, state)
             raise
         return _Enqueued(state, stream, pipelined, mapped_prefix, offsets[part.STATUS], tables.num_items)
+
+    @staticmethod
+    def _copy_stream(state: NativeResources, pipelined: bool, sliced: bool) -> int:
+        """The stream a transfer's copies run on beside its kernel (0: the kernel's own): a pipelined transfer's,
+        and a sliced load's (its copies back to back, each slice's kernel after its own copies)."""
+        return state.copy_stream.cuda_stream if pipelined or sliced else 0
 
     @staticmethod
     def _drain(stream: torch.cuda.Stream, state: NativeResources) -> None:
