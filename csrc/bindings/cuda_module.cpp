@@ -32,7 +32,7 @@ void SlicedLoad(uint64_t transfer, uint64_t slices) {
 
 // Slice 0's copies of a sliced load, one per chunk and segment: chunk c's object at addresses[c] lands at
 // staging + c * object_bytes (staging mirrors the object layout); segments are (offset, length) pairs in an object.
-void CopyAhead(uint64_t stream, uint64_t first, uint64_t staging, uint64_t object_bytes,
+void CopyAhead(uint64_t stream, uint64_t first, uint64_t copied, uint64_t staging, uint64_t object_bytes,
                const std::vector<uint64_t>& addresses, const std::vector<uint64_t>& segments) {
   if (segments.size() % 2 != 0) throw py::value_error("copy_ahead: segments are (offset, length) pairs");
   if (staging == 0) throw py::value_error("copy_ahead: no staging buffer (address 0)");
@@ -53,7 +53,7 @@ void CopyAhead(uint64_t stream, uint64_t first, uint64_t staging, uint64_t objec
     }
   }
   py::gil_scoped_release unlocked;  // the enqueue holds no Python object
-  Check(lmcache_cuda_copy_ahead(stream, first, copies.data(), copies.size()), "lmcache_cuda_copy_ahead");
+  Check(lmcache_cuda_copy_ahead(stream, first, copied, copies.data(), copies.size()), "lmcache_cuda_copy_ahead");
 }
 
 uint64_t EventCreate(bool blocking) {
@@ -133,11 +133,11 @@ PYBIND11_MODULE(_cuda, m) {
   m.doc() = "CUDA kv-transfer kernel launcher (raw addresses, cudaStream_t as int)";
   m.def("transfer", &Transfer, "enqueue a whole transfer (tables, zeroing, copies, kernel, events, status)",
         py::arg("transfer"), py::call_guard<py::gil_scoped_release>());
-  m.def("sliced_load", &SlicedLoad, "enqueue a sliced load: per slice its copies, its kernel, its event (one stream)",
+  m.def("sliced_load", &SlicedLoad, "enqueue a sliced load: per slice its copies, its kernel, its event",
         py::arg("transfer"), py::arg("slices"), py::call_guard<py::gil_scoped_release>());
   m.def("copy_ahead", &CopyAhead,
-        "enqueue a sliced load's slice-0 copies (and its First event) before the load is planned",
-        py::arg("stream"), py::arg("first"), py::arg("staging"), py::arg("object_bytes"), py::arg("addresses"),
+        "enqueue a sliced load's slice-0 copies between two events before the load is planned", py::arg("stream"),
+        py::arg("first"), py::arg("copied"), py::arg("staging"), py::arg("object_bytes"), py::arg("addresses"),
         py::arg("segments"));
   m.def("event_create", &EventCreate, "a cudaEvent_t with timing, as an int; blocking: host waits sleep",
         py::arg("blocking") = false);

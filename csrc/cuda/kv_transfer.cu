@@ -369,7 +369,9 @@ extern "C" int lmcache_cuda_sliced_load(const LmcacheCudaTransfer* t, const Lmca
   if (s->copied_ahead == 0) LMCACHE_TRY(Record(t, kLmcacheEventFirst, t->kernel.stream));
   // With a copy stream the copies run back to back beside the kernels. The copy stream starts where the caller's
   // stream is now (staging is free of earlier transfers; slice 0's copies ahead come first).
-  const cudaStream_t copy_stream = t->copy_stream != 0 ? AsStream(t->copy_stream) : stream;
+  uint64_t copied_here = 0;  // copies this call enqueues (slice 0's may have gone ahead)
+  for (uint64_t i = 0; i < t->num_copies; ++i) copied_here += copies[i].slice >= s->copied_ahead ? 1 : 0;
+  const cudaStream_t copy_stream = t->copy_stream != 0 && copied_here != 0 ? AsStream(t->copy_stream) : stream;
   if (copy_stream != stream) LMCACHE_TRY(JoinStreams(stream, copy_stream));
   if (t->table_bytes != 0) {
     LMCACHE_TRY(cudaMemcpyAsync(reinterpret_cast<void*>(t->table_device), reinterpret_cast<const void*>(t->table_host),
@@ -380,7 +382,7 @@ extern "C" int lmcache_cuda_sliced_load(const LmcacheCudaTransfer* t, const Lmca
   for (uint64_t k = 0; k < s->num_slices; ++k) {
     const uint64_t first_copy = copy;
     while (copy < t->num_copies && copies[copy].slice == k) ++copy;
-    if (k >= s->copied_ahead) {
+    if (k >= s->copied_ahead && copy > first_copy) {
       LMCACHE_TRY(EnqueueHostToDevice(copies, first_copy, copy, copy_stream));
       // Queued right after the copies it waits for: where the two streams share a hardware queue, this order is
       // the one-stream order (a wait queued behind every copy would hold each kernel until the whole load was in).
@@ -401,10 +403,11 @@ extern "C" int lmcache_cuda_sliced_load(const LmcacheCudaTransfer* t, const Lmca
   return EnqueueTail(t);
 }
 
-extern "C" int lmcache_cuda_copy_ahead(uint64_t stream, uint64_t first, const LmcacheCudaCopy* copies,
+extern "C" int lmcache_cuda_copy_ahead(uint64_t stream, uint64_t first, uint64_t copied, const LmcacheCudaCopy* copies,
                                        uint64_t num_copies) {
   if (first != 0) LMCACHE_TRY(cudaEventRecord(AsEvent(first), AsStream(stream)));
-  return EnqueueHostToDevice(copies, 0, num_copies, AsStream(stream));
+  LMCACHE_TRY(EnqueueHostToDevice(copies, 0, num_copies, AsStream(stream)));
+  return copied == 0 ? cudaSuccess : cudaEventRecord(AsEvent(copied), AsStream(stream));
 }
 
 #undef LMCACHE_TRY

@@ -75,7 +75,8 @@ enum LmcacheTransferEvent {
 // kernel, (store) copies out, status read-back. Plain 64-bit fields so Python can fill it as a numpy record.
 typedef struct {
   LmcacheCudaLaunch kernel;
-  uint64_t copy_stream;   // pipelined copies run here, meeting the kernel through slice flags; 0: on kernel.stream
+  uint64_t copy_stream;   // copies run here: pipelined, meeting the kernel through slice flags; a sliced load's,
+                          // back to back, each kernel joining its slice's copies; 0: on kernel.stream
   uint64_t table_host;    // pinned host bytes uploaded to table_device before the kernel (0 bytes: none)
   uint64_t table_device;
   uint64_t table_bytes;
@@ -114,9 +115,11 @@ typedef struct {
 // made, also when an error stops the call, and the caller destroys them.
 int lmcache_cuda_sliced_load(const LmcacheCudaTransfer* transfer, const LmcacheCudaSlices* slices);
 // A sliced load's first copies enqueued before its work order is planned (issue 41), so the copy engine starts while
-// the host still plans: on `stream`, the `first` event (0: none), then the host-to-device copies (their slice field
-// is ignored). The sliced load that follows on the same stream sets copied_ahead and skips them.
-int lmcache_cuda_copy_ahead(uint64_t stream, uint64_t first, const LmcacheCudaCopy* copies, uint64_t num_copies);
+// the host still plans: on `stream`, the `first` event, the host-to-device copies (their slice field is ignored),
+// then the `copied` event (either event 0: none). The sliced load that follows on the same stream sets copied_ahead
+// and skips them; a caller that never launches it waits for `copied` before the host objects may go.
+int lmcache_cuda_copy_ahead(uint64_t stream, uint64_t first, uint64_t copied, const LmcacheCudaCopy* copies,
+                            uint64_t num_copies);
 // blocking: a host thread that synchronizes on the event sleeps until it completes instead of spinning (a lane
 // waiting out a transfer then takes no core, nor the driver's time, from the model's thread launching its forward)
 int lmcache_cuda_event_create(uint64_t* event, int blocking);

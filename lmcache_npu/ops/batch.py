@@ -82,7 +82,10 @@ def _checked_runs(plan: TransferPlan, group: int, cut: CutRuns) -> np.ndarray:
     return cut.runs.view(RUN_DESC_DTYPE)
 
 
-def _as_objects(plan: TransferPlan, objects: Union[torch.Tensor, Sequence[torch.Tensor]]) -> tuple[torch.Tensor, ...]:
+def as_chunk_objects(plan: TransferPlan,
+                     objects: Union[torch.Tensor, Sequence[torch.Tensor]]) -> tuple[torch.Tensor, ...]:
+    """The chunk objects as a tuple, each checked to be a contiguous 1-D uint8 tensor of at least the plan's object
+    bytes; raises ValueError naming the first that is not."""
     items = list(objects.unbind(0)) if isinstance(objects, torch.Tensor) and objects.dim() == 2 else list(objects)
     for i, t in enumerate(items):
         if not isinstance(t, torch.Tensor) or t.dtype != torch.uint8 or t.dim() != 1 or not t.is_contiguous():
@@ -309,7 +312,7 @@ _NO_RUNS.flags.writeable = False
 def _checked_objects(plan: TransferPlan, objects: Union[torch.Tensor, Sequence[torch.Tensor]],
                      direction: Direction) -> tuple[torch.Tensor, ...]:
     """The batch's chunk objects, refused before any launch where the kernel could not use them safely."""
-    object_list = _as_objects(plan, objects)
+    object_list = as_chunk_objects(plan, objects)
     num_chunks = len(object_list)
     if num_chunks < 1:
         raise ValueError("a transfer needs at least one chunk")

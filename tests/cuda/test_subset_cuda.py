@@ -95,8 +95,12 @@ def test_a_sliced_load_in_one_call_lands_each_slice_by_its_event(case: Case, pat
     nbytes = plan.object_bytes
     whole = _random_objects(case.num_chunks, nbytes, case.seed)
     backend.transfer(ChunkBatch.build(plan, case.slots, whole, Direction.STORE))
+    # staging then holds other bytes: a slice whose copies were skipped but never made would land those
+    other = _random_objects(case.num_chunks, nbytes, case.seed + 5)
+    backend.transfer(ChunkBatch.build(plan, case.slots, other, Direction.LOAD))
     for raw in case.geometry.raw_planes:  # scrub the pages: the load must write every row back
         raw.raw.copy_(torch.randint(0, 256, raw.raw.shape, dtype=torch.uint8, device=raw.raw.device))
+    verdicts = _spied_fits(backend)
     copied = backend.copy_ahead(plan, plane_slice, whole) if ahead else None  # slice 0's copies before its plan
     if ahead:
         assert (copied is not None) == (path == "staging" and any(
@@ -104,6 +108,7 @@ def test_a_sliced_load_in_one_call_lands_each_slice_by_its_event(case: Case, pat
             "slice 0 was copied ahead off the staging path, or not copied ahead on it"
     launched = backend.launch_sliced(ChunkBatch.build(plan, case.slots, whole, Direction.LOAD), plane_slice, count,
                                      ahead=copied)
+    assert verdicts == ([True] if copied is not None else []), "a copy ahead that fits was not used"
     if copied is not None:
         copied.release()  # taken by the launch: a no-op
     assert len(launched.events) == count
@@ -152,41 +157,109 @@ def test_a_sliced_load_refuses_a_plane_outside_its_slices_before_any_launch() ->
     assert all(torch.equal(a, raw.raw) for a, raw in zip(before, case.geometry.raw_planes)), "pages were touched"
 
 
-def _load_sliced_after_an_overtaking_load(fits_always: bool) -> tuple[bool, str]:
-    """Slice 0 copied ahead for objects A, then a plain load of objects B through the same backend (it claims the
-    staging buffer and fills it with B), then A's sliced load with A's copy ahead. Returns whether the pages hold
-    A's bytes afterwards, and what differed. `fits_always`: the backend trusts every copy ahead (the negative
-    control: slice 0 then lands B's bytes)."""
+def _spied_fits(backend) -> list[bool]:
+    """Every verdict the backend's `_ahead_fits` gives from now on (whether a launch skips slice 0's copies)."""
+    verdicts: list[bool] = []
+    fits = backend._ahead_fits
+
+    def spied(*args) -> bool:
+        verdicts.append(fits(*args))
+        return verdicts[-1]
+
+    backend._ahead_fits = spied
+    return verdicts
+
+
+class _CopiesNothingAhead:
+    """The CUDA module with a copy ahead that records its events but enqueues no copy."""
+
+    def __init__(self, inner) -> None:
+        self._inner = inner
+
+    def copy_ahead(self, stream, first, copied, staging, object_bytes, addresses, segments) -> None:
+        self._inner.copy_ahead(stream, first, copied, staging, object_bytes, addresses, [])
+
+    def __getattr__(self, name: str):
+        return getattr(self._inner, name)
+
+
+def _sliced_load_with_a_copy_ahead(overtaken: bool, trust_every_ahead: bool = False,
+                                   copy_nothing: bool = False) -> tuple[list[bool], str]:
+    """Objects B loaded plainly (staging then holds B), slice 0 copied ahead for objects A, where `overtaken` another
+    plain load of B (it claims staging and fills it with B again), then A's sliced load with A's copy ahead. Returns
+    the launch's verdicts on the copy ahead and the chunk planes whose pages do not hold A's bytes afterwards.
+    `trust_every_ahead`: every copy ahead is taken to fit; `copy_nothing`: the copy ahead enqueues no copy (both
+    negative controls)."""
     from hypothesis import find
 
     case = to_cuda(find(cases(soc="a2"), lambda c: len(c.geometry.plan().moved_planes) >= 2 and c.num_chunks >= 1))
     plan = case.geometry.plan()
     n = len(plan.moved_planes)
     plane_slice = np.array([0] + [1] * (n - 1))
-    # the plain load stages every byte of B (no mapped share the kernel would read from B's objects instead)
+    # the plain loads stage every byte of B (no mapped share the kernel would read from B's objects instead)
     backend = get_backend("cuda", path="staging", pipeline=False, load_mapped_prefix_share=0)
-    if fits_always:
-        backend._ahead_fits = lambda *args: True  # type: ignore[method-assign]
     backend.prepare(plan)
     first = _random_objects(case.num_chunks, plan.object_bytes, 31)
     other = _random_objects(case.num_chunks, plan.object_bytes, 32)
+    backend.transfer(ChunkBatch.build(plan, case.slots, other, Direction.LOAD))
+    if copy_nothing:
+        backend._cuda = _CopiesNothingAhead(backend._cuda)
+    verdicts = _spied_fits(backend)
+    if trust_every_ahead:
+        backend._ahead_fits = lambda *args: verdicts.append(True) or True
     copied = backend.copy_ahead(plan, plane_slice, first)
     assert copied is not None
-    backend.transfer(ChunkBatch.build(plan, case.slots, other, Direction.LOAD))
+    if overtaken:
+        backend.transfer(ChunkBatch.build(plan, case.slots, other, Direction.LOAD))
     launched = backend.launch_sliced(ChunkBatch.build(plan, case.slots, first, Direction.LOAD), plane_slice, 2,
                                      ahead=copied)
-    launched.pending.finish()
+    stats = launched.pending.finish()
     copied.release()
+    assert stats.device_seconds and stats.device_seconds > 0
     got = _store_planes(plan, range(n), case.slots, plan.object_bytes, case.num_chunks, 33)
     wrong = [f"chunk {c} plane {plan.moved_planes[i].label}" for c in range(case.num_chunks)
              for i, (offset, length) in enumerate(_segments(plan, range(n)))
              if not torch.equal(got[c][offset: offset + length], first[c][offset: offset + length])]
-    return not wrong, ", ".join(wrong)
+    return verdicts, ", ".join(wrong)
+
+
+def test_a_fitting_copy_ahead_is_used_and_lands_slice_zero() -> None:
+    verdicts, wrong = _sliced_load_with_a_copy_ahead(overtaken=False)
+    assert verdicts == [True], "the launch copied slice 0 again although its copy ahead fit"
+    assert not wrong, f"slice 0 copied ahead did not land: {wrong}"
+    # negative control: had the copy ahead copied nothing, the launch would have served the other load's slice 0
+    verdicts, wrong = _sliced_load_with_a_copy_ahead(overtaken=False, copy_nothing=True)
+    assert verdicts == [True] and "plane" in wrong
 
 
 def test_a_copy_ahead_another_load_overtook_is_copied_again() -> None:
-    landed, wrong = _load_sliced_after_an_overtaking_load(fits_always=False)
-    assert landed, f"slice 0 landed another load's bytes: {wrong}"
+    verdicts, wrong = _sliced_load_with_a_copy_ahead(overtaken=True)
+    assert verdicts == [False], "a copy ahead another load overtook was trusted"
+    assert not wrong, f"slice 0 landed another load's bytes: {wrong}"
     # negative control: a backend that trusted the overtaken copy would serve the other load's slice 0
-    landed, wrong = _load_sliced_after_an_overtaking_load(fits_always=True)
-    assert not landed and "plane" in wrong
+    verdicts, wrong = _sliced_load_with_a_copy_ahead(overtaken=True, trust_every_ahead=True)
+    assert verdicts == [True] and "plane" in wrong
+
+
+def test_a_copy_ahead_no_launch_took_is_waited_for_before_its_record_is_reused() -> None:
+    from hypothesis import find
+
+    case = to_cuda(find(cases(soc="a2"), lambda c: len(c.geometry.plan().moved_planes) >= 2))
+    plan = case.geometry.plan()
+    backend = get_backend("cuda", path="staging")
+    backend.prepare(plan)
+    objects = _random_objects(case.num_chunks, plan.object_bytes, 41)
+    plane_slice = np.zeros(len(plan.moved_planes), dtype=np.int64)
+    spares = len(backend._spares)
+    torch.cuda._sleep(100_000_000)  # the stream is busy for tens of ms: the copies ahead are still queued behind it
+    copied = backend.copy_ahead(plan, plane_slice, objects)
+    assert copied is not None and len(backend._spares) == spares - 1, "the copy ahead did not hold a record"
+    copied.release()
+    assert len(backend._spares) == spares, "a copy ahead no launch took kept its record"
+    from lmcache_npu.ops.cuda.native import TransferEvent
+
+    assert backend._cuda.event_query(backend._spares[-1].events[TransferEvent.COPIES_DONE]), \
+        "the record went back while its copies ahead could still read the objects"
+    copied.release()  # idempotent
+    assert len(backend._spares) == spares
+    assert backend.copy_ahead(plan, plane_slice, [o[:-1] for o in objects]) is None, "short objects were read"

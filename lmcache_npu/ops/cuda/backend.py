@@ -26,7 +26,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import torch
 
-from ..batch import ChunkBatch
+from ..batch import ChunkBatch, as_chunk_objects
 from ..device_staging import PlaneTables, StagingBuffer, pack_into, packed_offsets, plane_segments
 from ..plan import Direction, TransferPlan
 from ..transfer_backend import (AfterKernel, BackendUnavailable, KernelReport, PendingTransfer, TransferBackend,
@@ -183,10 +183,10 @@ class CudaBackend(TransferBackend):
                       after_kernel: Optional[AfterKernel] = None,
                       ahead: Optional["CopiedAhead"] = None) -> SlicedLaunch:
         """A sliced load (issue 41) in one native call: slice k moves the planes `plane_slice` (per moved plane of
-        the batch's plan) puts in k; its copies, then its kernel, then its event, slices in order on the current
-        stream, so the host makes no step between slices. `ahead` (from `copy_ahead`): slice 0's copies are already
-        on the stream, skipped here where they still hold this batch's bytes (else copied again). Raises before
-        anything is enqueued on bad input."""
+        the batch's plan) puts in k; per slice its kernel, then its event, in order on the current stream, each
+        kernel after its own copies, which run back to back on the record's copy stream, so the host makes no step
+        between slices. `ahead` (from `copy_ahead`): slice 0's copies are already on the stream, skipped here where
+        they still hold this batch's bytes (else copied again). Raises before anything is enqueued on bad input."""
         if batch.direction != Direction.LOAD:
             raise ValueError("launch_sliced moves loads only: a store has no layer to wait for")
         slices = _SliceLaunch(self._cuda, plane_slice, num_slices)
@@ -204,6 +204,10 @@ class CudaBackend(TransferBackend):
         if (plan.device.type != "cuda" or not objects or len(plane_slice) != len(plan.moved_planes)
                 or not all(o.is_cpu for o in objects) or self._path(objects, Direction.LOAD) != CudaPath.STAGING):
             return None
+        try:  # every copy reads within its object: objects the load would refuse are not copied ahead
+            as_chunk_objects(plan, objects)
+        except ValueError:
+            return None
         segments = self._first_segments(plan, plane_slice)
         if not segments:
             return None
@@ -213,11 +217,12 @@ class CudaBackend(TransferBackend):
             staging = self._claim_staging(plan, len(objects) * plan.object_bytes, Direction.LOAD, CudaPath.STAGING,
                                           stream)[0]
             state = self._spare_state(plan.device)
-            try:  # the load's window starts before its first copy
-                self._cuda.copy_ahead(stream.cuda_stream, state.events[TransferEvent.FIRST], staging,
-                                      plan.object_bytes, addresses, segments)
+            try:  # the load's window starts before its first copy; COPIES_DONE marks their end
+                self._cuda.copy_ahead(stream.cuda_stream, state.events[TransferEvent.FIRST],
+                                      state.events[TransferEvent.COPIES_DONE], staging, plan.object_bytes, addresses,
+                                      segments)
             except BaseException:
-                self._spares.append(state)
+                self._spares.append(self._settled(state))
                 raise
             return CopiedAhead(self, state, plan, plane_slice, addresses, stream.cuda_stream, self._staging_claims)
 
@@ -234,8 +239,16 @@ class CudaBackend(TransferBackend):
     def _release_ahead(self, ahead: "CopiedAhead") -> None:
         with self._lock:
             state = ahead.take()
-            if state is not None:
+        if state is not None:  # no launch took it: its copies may still read objects the job is about to drop
+            self._settled(state)
+            with self._lock:
                 self._spares.append(state)
+
+    def _settled(self, state: NativeResources) -> NativeResources:
+        """`state` once the copies a copy ahead enqueued on it read no host memory any more (at once where none
+        were made: an event never recorded is complete)."""
+        self._cuda.event_synchronize(state.events[TransferEvent.COPIES_DONE])
+        return state
 
     def _ahead_fits(self, ahead: "CopiedAhead", batch: ChunkBatch, plane_slice: np.ndarray,
                     stream: torch.cuda.Stream) -> bool:
@@ -248,19 +261,18 @@ class CudaBackend(TransferBackend):
         """A load enqueued on a spare record, or the record a copy ahead began (given back once it is finished)."""
         start = time.perf_counter()
         with self._lock:
-            state = None if ahead is None else ahead.take()
-            if state is not None and state.device != batch.plan.device:  # begun for another device's plan
-                self._spares.append(state)
-                state = None
-            if state is not None and sliced is not None:
-                sliced.copied_ahead = self._ahead_fits(ahead, batch, sliced.plane_slice,  # type: ignore[arg-type]
+            begun = None if ahead is None else ahead.take()
+            if begun is not None and (sliced is None or begun.device != batch.plan.device):  # not this launch's
+                self._spares.append(self._settled(begun))
+                begun = None
+            if begun is not None:
+                sliced.copied_ahead = self._ahead_fits(ahead, batch, sliced.plane_slice,  # type: ignore
                                                        torch.cuda.current_stream(batch.plan.device))
-            if state is None:
-                state = self._spare_state(batch.plan.device)
+            state = begun if begun is not None else self._spare_state(batch.plan.device)
             try:
                 enqueued = self._enqueue(batch, after_kernel, state, sliced)
-            except BaseException:
-                self._spares.append(state)
+            except BaseException:  # nothing enqueued reads the record's buffers or (copied ahead) host memory
+                self._spares.append(self._settled(state) if state is begun else state)
                 raise
         seconds = time.perf_counter() - start
 
@@ -393,7 +405,8 @@ class CudaBackend(TransferBackend):
         except BaseException:
             self._drain(stream, state)
             raise
-        return _Enqueued(state, stream, pipelined, mapped_prefix, offsets[part.STATUS], tables.num_items)
+        return _Enqueued(state, stream, pipelined, mapped_prefix, offsets[part.STATUS], tables.num_items,
+                         sliced is not None and sliced.copied_ahead)
 
     @staticmethod
     def _copy_stream(state: NativeResources, pipelined: bool, sliced: bool) -> int:
@@ -419,6 +432,8 @@ class CudaBackend(TransferBackend):
             self._drain(enqueued.stream, state)
             raise
         window_ms = state.elapsed_ms(TransferEvent.FIRST, TransferEvent.LAST)
+        if enqueued.copied_ahead:  # the move alone: not the wait between the copies ahead and the load's turn
+            window_ms -= max(0.0, state.elapsed_ms(TransferEvent.COPIES_DONE, TransferEvent.KERNEL_BEGIN))
         if pipelined:
             window_ms = max(window_ms, state.elapsed_ms(TransferEvent.FIRST, TransferEvent.COPIES_DONE))
         self.last_kernel_ms = state.elapsed_ms(TransferEvent.KERNEL_BEGIN, TransferEvent.KERNEL_END)
@@ -511,3 +526,4 @@ class _Enqueued:
     mapped_prefix: bool
     status_offset: int
     items: int
+    copied_ahead: bool  # slice 0's copies ran ahead of the load's turn on the stream (its window subtracts the gap)
