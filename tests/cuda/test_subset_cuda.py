@@ -4,6 +4,8 @@ none finished before the last is launched) land what the whole plan's load would
 
 from __future__ import annotations
 
+from typing import Optional
+
 import numpy as np
 import torch
 from hypothesis import given, settings
@@ -183,13 +185,13 @@ class _CopiesNothingAhead:
         return getattr(self._inner, name)
 
 
-def _sliced_load_with_a_copy_ahead(overtaken: bool, trust_every_ahead: bool = False,
-                                   copy_nothing: bool = False) -> tuple[list[bool], str]:
+def _sliced_load_with_a_copy_ahead(overtaken: bool, trust_every_ahead: bool = False, copy_nothing: bool = False,
+                                   launch_stream: Optional[torch.cuda.Stream] = None) -> tuple[list[bool], str]:
     """Objects B loaded plainly (staging then holds B), slice 0 copied ahead for objects A, where `overtaken` another
     plain load of B (it claims staging and fills it with B again), then A's sliced load with A's copy ahead. Returns
     the launch's verdicts on the copy ahead and the chunk planes whose pages do not hold A's bytes afterwards.
     `trust_every_ahead`: every copy ahead is taken to fit; `copy_nothing`: the copy ahead enqueues no copy (both
-    negative controls)."""
+    negative controls); `launch_stream`: the sliced load is launched there, not on the copy ahead's stream."""
     from hypothesis import find
 
     case = to_cuda(find(cases(soc="a2"), lambda c: len(c.geometry.plan().moved_planes) >= 2 and c.num_chunks >= 1))
@@ -211,11 +213,11 @@ def _sliced_load_with_a_copy_ahead(overtaken: bool, trust_every_ahead: bool = Fa
     assert copied is not None
     if overtaken:
         backend.transfer(ChunkBatch.build(plan, case.slots, other, Direction.LOAD))
-    launched = backend.launch_sliced(ChunkBatch.build(plan, case.slots, first, Direction.LOAD), plane_slice, 2,
-                                     ahead=copied)
-    stats = launched.pending.finish()
+    with torch.cuda.stream(launch_stream or torch.cuda.current_stream()):
+        launched = backend.launch_sliced(ChunkBatch.build(plan, case.slots, first, Direction.LOAD), plane_slice, 2,
+                                         ahead=copied)
+        launched.pending.finish()
     copied.release()
-    assert stats.device_seconds and stats.device_seconds > 0
     got = _store_planes(plan, range(n), case.slots, plan.object_bytes, case.num_chunks, 33)
     wrong = [f"chunk {c} plane {plan.moved_planes[i].label}" for c in range(case.num_chunks)
              for i, (offset, length) in enumerate(_segments(plan, range(n)))
@@ -241,6 +243,46 @@ def test_a_copy_ahead_another_load_overtook_is_copied_again() -> None:
     assert verdicts == [True] and "plane" in wrong
 
 
+def test_a_copy_ahead_on_another_stream_is_not_trusted() -> None:
+    verdicts, wrong = _sliced_load_with_a_copy_ahead(overtaken=False, launch_stream=torch.cuda.Stream())
+    assert verdicts == [], "a copy ahead on another stream was weighed as if it were ordered before the launch"
+    assert not wrong, f"slice 0 did not land: {wrong}"
+
+
+def _sleep_ms(cycles: int) -> float:
+    """How long `torch.cuda._sleep(cycles)` keeps the current stream busy."""
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    torch.cuda._sleep(cycles)
+    end.record()
+    end.synchronize()
+    return begin.elapsed_time(end)
+
+
+def test_a_copied_ahead_load_reports_the_move_alone() -> None:
+    from hypothesis import find
+
+    from lmcache_npu.ops.cuda.native import TransferEvent
+
+    case = to_cuda(find(cases(soc="a2"), lambda c: len(c.geometry.plan().moved_planes) >= 2))
+    plan = case.geometry.plan()
+    backend = get_backend("cuda", path="staging")
+    backend.prepare(plan)
+    objects = _random_objects(case.num_chunks, plan.object_bytes, 51)
+    plane_slice = np.array([0] + [1] * (len(plan.moved_planes) - 1))
+    cycles = 100_000_000
+    slept = _sleep_ms(cycles)
+    copied = backend.copy_ahead(plan, plane_slice, objects)
+    torch.cuda._sleep(cycles)  # the load's turn comes this much after its copies ahead (a busy model stream)
+    launched = backend.launch_sliced(ChunkBatch.build(plan, case.slots, objects, Direction.LOAD), plane_slice, 2,
+                                     ahead=copied)
+    stats = launched.pending.finish()
+    copied.release()
+    window = backend._last_state.elapsed_ms(TransferEvent.FIRST, TransferEvent.LAST)
+    assert window > 0.8 * slept, "the sleep was not inside the load's window: the check below could not fail"
+    assert stats.device_seconds * 1e3 < window - 0.8 * slept, "the wait for the load's turn was counted as moving"
+
+
 def test_a_copy_ahead_no_launch_took_is_waited_for_before_its_record_is_reused() -> None:
     from hypothesis import find
 
@@ -250,15 +292,18 @@ def test_a_copy_ahead_no_launch_took_is_waited_for_before_its_record_is_reused()
     backend.prepare(plan)
     objects = _random_objects(case.num_chunks, plan.object_bytes, 41)
     plane_slice = np.zeros(len(plan.moved_planes), dtype=np.int64)
+    from lmcache_npu.ops.cuda.native import TransferEvent
+
+    backend.copy_ahead(plan, plane_slice, objects).release()  # staging sized: the next claim synchronizes nothing
     spares = len(backend._spares)
     torch.cuda._sleep(100_000_000)  # the stream is busy for tens of ms: the copies ahead are still queued behind it
     copied = backend.copy_ahead(plan, plane_slice, objects)
     assert copied is not None and len(backend._spares) == spares - 1, "the copy ahead did not hold a record"
+    copies_done = copied._state.events[TransferEvent.COPIES_DONE]
+    assert not backend._cuda.event_query(copies_done), "the copies ahead already ran: the check below could not fail"
     copied.release()
     assert len(backend._spares) == spares, "a copy ahead no launch took kept its record"
-    from lmcache_npu.ops.cuda.native import TransferEvent
-
-    assert backend._cuda.event_query(backend._spares[-1].events[TransferEvent.COPIES_DONE]), \
+    assert backend._cuda.event_query(copies_done), \
         "the record went back while its copies ahead could still read the objects"
     copied.release()  # idempotent
     assert len(backend._spares) == spares

@@ -39,8 +39,8 @@ from .tuning import AUTO_PATH, AUTO_PIPELINE_MIN_BYTES, CudaPath, CudaTuning
 
 logger = logging.getLogger(__name__)
 
-_STATUS_WORDS = 3
-PREPARED_SPARES = 8  # launched loads' records made before serving (more are made when a load has more slices)  # items done, items rejected, bytes moved: the LmcacheCudaStatus counters the host reads
+_STATUS_WORDS = 3  # items done, items rejected, bytes moved: the LmcacheCudaStatus counters the host reads
+PREPARED_SPARES = 8  # launched loads' records made before serving (more are made when a load has more slices)
 
 
 class CudaBackend(TransferBackend):
@@ -221,8 +221,9 @@ class CudaBackend(TransferBackend):
                 self._cuda.copy_ahead(stream.cuda_stream, state.events[TransferEvent.FIRST],
                                       state.events[TransferEvent.COPIES_DONE], staging, plan.object_bytes, addresses,
                                       segments)
-            except BaseException:
-                self._spares.append(self._settled(state))
+            except BaseException:  # copies it queued before failing may read the objects: none may still run
+                stream.synchronize()
+                self._spares.append(state)
                 raise
             return CopiedAhead(self, state, plan, plane_slice, addresses, stream.cuda_stream, self._staging_claims)
 
@@ -262,14 +263,16 @@ class CudaBackend(TransferBackend):
         start = time.perf_counter()
         with self._lock:
             begun = None if ahead is None else ahead.take()
-            if begun is not None and (sliced is None or begun.device != batch.plan.device):  # not this launch's
+            stream = torch.cuda.current_stream(batch.plan.device)
+            # begun for another launch, device or stream: its copies are not ordered before this launch's
+            if begun is not None and (sliced is None or begun.device != batch.plan.device
+                                      or ahead.stream != stream.cuda_stream):  # type: ignore[union-attr]
                 self._spares.append(self._settled(begun))
                 begun = None
-            if begun is not None:
-                sliced.copied_ahead = self._ahead_fits(ahead, batch, sliced.plane_slice,  # type: ignore
-                                                       torch.cuda.current_stream(batch.plan.device))
             state = begun if begun is not None else self._spare_state(batch.plan.device)
             try:
+                if begun is not None:
+                    sliced.copied_ahead = self._ahead_fits(ahead, batch, sliced.plane_slice, stream)  # type: ignore
                 enqueued = self._enqueue(batch, after_kernel, state, sliced)
             except BaseException:  # nothing enqueued reads the record's buffers or (copied ahead) host memory
                 self._spares.append(self._settled(state) if state is begun else state)
