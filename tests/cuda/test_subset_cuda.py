@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Optional
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -225,21 +226,14 @@ def _sliced_load_with_a_copy_ahead(overtaken: bool, trust_every_ahead: bool = Fa
     return verdicts, ", ".join(wrong)
 
 
-def test_a_fitting_copy_ahead_is_used_and_lands_slice_zero() -> None:
-    verdicts, wrong = _sliced_load_with_a_copy_ahead(overtaken=False)
-    assert verdicts == [True], "the launch copied slice 0 again although its copy ahead fit"
-    assert not wrong, f"slice 0 copied ahead did not land: {wrong}"
-    # negative control: had the copy ahead copied nothing, the launch would have served the other load's slice 0
-    verdicts, wrong = _sliced_load_with_a_copy_ahead(overtaken=False, copy_nothing=True)
-    assert verdicts == [True] and "plane" in wrong
-
-
-def test_a_copy_ahead_another_load_overtook_is_copied_again() -> None:
-    verdicts, wrong = _sliced_load_with_a_copy_ahead(overtaken=True)
-    assert verdicts == [False], "a copy ahead another load overtook was trusted"
-    assert not wrong, f"slice 0 landed another load's bytes: {wrong}"
-    # negative control: a backend that trusted the overtaken copy would serve the other load's slice 0
-    verdicts, wrong = _sliced_load_with_a_copy_ahead(overtaken=True, trust_every_ahead=True)
+@pytest.mark.parametrize("overtaken,control", [(False, {"copy_nothing": True}), (True, {"trust_every_ahead": True})],
+                         ids=["a fitting copy ahead is used", "an overtaken copy ahead is copied again"])
+def test_a_copy_ahead_is_used_only_while_staging_holds_it(overtaken: bool, control: dict) -> None:
+    verdicts, wrong = _sliced_load_with_a_copy_ahead(overtaken=overtaken)
+    assert verdicts == [not overtaken], "a fitting copy ahead was copied again, or an overtaken one was trusted"
+    assert not wrong, f"slice 0 landed bytes other than its own: {wrong}"
+    # negative control: a copy ahead that copied nothing, or an overtaken one trusted, serves the other load's slice 0
+    verdicts, wrong = _sliced_load_with_a_copy_ahead(overtaken=overtaken, **control)
     assert verdicts == [True] and "plane" in wrong
 
 
