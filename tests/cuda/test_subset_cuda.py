@@ -253,16 +253,21 @@ def _sleep_ms(cycles: int) -> float:
     return begin.elapsed_time(end)
 
 
-def test_a_copied_ahead_load_reports_the_move_alone() -> None:
+def _ahead_case(seed: int) -> tuple[Case, object, list[torch.Tensor]]:
+    """A small case with two planes or more, a staging-path backend prepared for its plan, and random objects."""
     from hypothesis import find
 
+    case = to_cuda(find(cases(soc="a2"), lambda c: len(c.geometry.plan().moved_planes) >= 2))
+    backend = get_backend("cuda", path="staging")
+    backend.prepare(case.geometry.plan())
+    return case, backend, _random_objects(case.num_chunks, case.geometry.plan().object_bytes, seed)
+
+
+def test_a_copied_ahead_load_reports_the_move_alone() -> None:
     from lmcache_npu.ops.cuda.native import TransferEvent
 
-    case = to_cuda(find(cases(soc="a2"), lambda c: len(c.geometry.plan().moved_planes) >= 2))
+    case, backend, objects = _ahead_case(51)
     plan = case.geometry.plan()
-    backend = get_backend("cuda", path="staging")
-    backend.prepare(plan)
-    objects = _random_objects(case.num_chunks, plan.object_bytes, 51)
     plane_slice = np.array([0] + [1] * (len(plan.moved_planes) - 1))
     cycles = 100_000_000
     slept = _sleep_ms(cycles)
@@ -278,13 +283,8 @@ def test_a_copied_ahead_load_reports_the_move_alone() -> None:
 
 
 def test_a_copy_ahead_no_launch_took_is_waited_for_before_its_record_is_reused() -> None:
-    from hypothesis import find
-
-    case = to_cuda(find(cases(soc="a2"), lambda c: len(c.geometry.plan().moved_planes) >= 2))
+    case, backend, objects = _ahead_case(41)
     plan = case.geometry.plan()
-    backend = get_backend("cuda", path="staging")
-    backend.prepare(plan)
-    objects = _random_objects(case.num_chunks, plan.object_bytes, 41)
     plane_slice = np.zeros(len(plan.moved_planes), dtype=np.int64)
     from lmcache_npu.ops.cuda.native import TransferEvent
 
