@@ -251,11 +251,11 @@ class CudaBackend(TransferBackend):
         self._cuda.event_synchronize(state.events[TransferEvent.COPIES_DONE])
         return state
 
-    def _ahead_fits(self, ahead: "CopiedAhead", batch: ChunkBatch, plane_slice: np.ndarray,
-                    stream: torch.cuda.Stream) -> bool:
-        """Whether staging still holds what `ahead` copied for this batch's slice 0 (called before its claim)."""
+    def _ahead_fits(self, ahead: "CopiedAhead", batch: ChunkBatch, plane_slice: np.ndarray) -> bool:
+        """Whether staging still holds what `ahead` copied (on this launch's stream) for this batch's slice 0
+        (called before its claim)."""
         return (ahead.claims == self._staging_claims and ahead.plan is batch.plan and ahead.plane_slice is plane_slice
-                and ahead.stream == stream.cuda_stream and ahead.addresses == batch.object_addresses().tolist())
+                and ahead.addresses == batch.object_addresses().tolist())
 
     def _launch_load(self, batch: ChunkBatch, after_kernel: Optional[AfterKernel],
                      sliced: Optional["_SliceLaunch"], ahead: Optional["CopiedAhead"] = None) -> PendingTransfer:
@@ -272,7 +272,7 @@ class CudaBackend(TransferBackend):
             state = begun if begun is not None else self._spare_state(batch.plan.device)
             try:
                 if begun is not None:
-                    sliced.copied_ahead = self._ahead_fits(ahead, batch, sliced.plane_slice, stream)  # type: ignore
+                    sliced.copied_ahead = self._ahead_fits(ahead, batch, sliced.plane_slice)  # type: ignore
                 enqueued = self._enqueue(batch, after_kernel, state, sliced)
             except BaseException:  # nothing enqueued reads the record's buffers or (copied ahead) host memory
                 self._spares.append(self._settled(state) if state is begun else state)
